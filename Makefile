@@ -1,0 +1,44 @@
+# Two commands: `make demo` and `make test`. Each creates or refreshes .venv first.
+# TORCH_SPEC pins the CPU build that lies on this machine's disk; on a GPU machine set e.g.
+# TORCH_SPEC="torch" to take the CUDA build from the index.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.tpkit-installed
+MPI_STAMP := $(VENV)/.tpkit-mpi
+
+.PHONY: venv mpi demo test test-fast bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[hf,dev,plot]"
+	touch $@
+
+venv: $(STAMP)
+
+# OpenMPI from Debian and mpi4py, when this machine allows it; the MPI tests skip (and say why) otherwise.
+$(MPI_STAMP): $(STAMP)
+	-@command -v mpirun >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null) ; }
+	-@command -v mpicc >/dev/null 2>&1 && $(PY) -m pip install -q "mpi4py>=3.1"
+	touch $@
+
+mpi: $(MPI_STAMP)
+
+demo: venv
+	$(PY) -m tpkit.cli demo
+
+test: venv mpi
+	$(PY) -m pytest -q tests
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench: venv
+	$(PY) bench/comm_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,340 @@
+"""`Communicator`: the one interface every layer talks through, whatever carries the bytes.
+
+The base class owns everything that must behave the same on every backend: argument checks (raised as
+`ValueError` before any peer is involved), the `dim` handling, uneven splits, `TP_DEBUG` logging,
+turning backend failures into `CommError`, and the async `Handle`. A backend implements a handful of
+primitives, each of which receives already-validated arguments and returns a `Handle`.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .errors import CommError
+from .ops import ReduceOp
+from .sharding import split_sizes
+
+logger = logging.getLogger("tpkit")
+_debug_handler_lock = threading.Lock()
+
+
+def debug_enabled() -> bool:
+    """True when `TP_DEBUG` is set to something other than empty or 0."""
+    return os.environ.get("TP_DEBUG", "") not in ("", "0")
+
+
+def _ensure_debug_handler() -> None:
+    """Make `TP_DEBUG=1` visible without the user configuring logging first."""
+    with _debug_handler_lock:
+        if logger.level == logging.NOTSET or logger.level > logging.DEBUG:
+            logger.setLevel(logging.DEBUG)
+        if not logger.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[tpkit %(asctime)s] %(message)s"))
+            logger.addHandler(handler)
+
+
+class Handle:
+    """The result of an `async_op=True` call: `wait()` returns the tensor, `is_completed()` polls."""
+
+    def __init__(self, wait: Callable[[], torch.Tensor], is_completed: Callable[[], bool]):
+        self._wait = wait
+        self._is_completed = is_completed
+        self._result: torch.Tensor | None = None
+        self._done = False
+
+    @classmethod
+    def completed(cls, result: torch.Tensor) -> "Handle":
+        handle = cls(lambda: result, lambda: True)
+        handle._result, handle._done = result, True
+        return handle
+
+    def wait(self) -> torch.Tensor:
+        """Block until the operation finished and return its result (the same tensor on repeated calls)."""
+        if not self._done:
+            self._result = self._wait()
+            self._done = True
+        return self._result  # type: ignore[return-value]
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self._is_completed())
+
+
+class Communicator(abc.ABC):
+    """A group of `world_size` ranks that run collectives together; this object is one of them.
+
+    Collectives return a new tensor and never modify their input. `recv` is the one exception: it fills
+    the buffer it is given, as its name says.
+    """
+
+    backend: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int, name: str, timeout: float):
+        self._rank = rank
+        self._world_size = world_size
+        self._name = name
+        self._timeout = float(timeout)
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list = []
+
+    # -- identity ---------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def name(self) -> str:
+        """A readable name of the group, used in errors and logs."""
+        return self._name
+
+    @property
+    def timeout(self) -> float:
+        """Seconds an operation may wait for its peers before raising `CommError`."""
+        return self._timeout
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(group={self._name!r}, rank={self._rank}, world_size={self._world_size})"
+
+    # -- public collectives -----------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False):
+        """Combine `tensor` across ranks with `op`; every rank gets the result."""
+        op = ReduceOp.parse(op)
+        self._check_tensor("all_reduce", tensor)
+        self._log("all_reduce", tensor, op=op.name)
+        if self._world_size == 1:
+            return self._finish(Handle.completed(tensor.clone()), async_op)
+        with self._guard("all_reduce"):
+            return self._finish(self._all_reduce(tensor.contiguous(), op, async_op), async_op, "all_reduce")
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None,
+                   async_op: bool = False):
+        """Concatenate every rank's `tensor` along `dim`, in rank order.
+
+        Shards may differ in size along `dim` when `sizes` (every rank's size there) is given; all other
+        dimensions must match.
+        """
+        self._check_tensor("all_gather", tensor)
+        dim = self._check_dim("all_gather", tensor, dim)
+        sizes = self._check_gather_sizes(tensor, dim, sizes)
+        self._log("all_gather", tensor, dim=dim)
+        if self._world_size == 1:
+            return self._finish(Handle.completed(tensor.clone()), async_op)
+        with self._guard("all_gather"):
+            return self._finish(self._all_gather(tensor.contiguous(), dim, sizes, async_op), async_op, "all_gather")
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, dim: int = 0,
+                       sizes: Sequence[int] | None = None, async_op: bool = False):
+        """Reduce `tensor` across ranks, then give each rank its piece along `dim`.
+
+        Pieces follow `split_sizes` (the first ranks take one extra when `dim` does not divide) unless
+        `sizes` says otherwise.
+        """
+        op = ReduceOp.parse(op)
+        self._check_tensor("reduce_scatter", tensor)
+        dim = self._check_dim("reduce_scatter", tensor, dim)
+        if sizes is None:
+            sizes = split_sizes(tensor.shape[dim], self._world_size)
+        else:
+            sizes = [int(s) for s in sizes]
+            if len(sizes) != self._world_size or sum(sizes) != tensor.shape[dim] or min(sizes) < 0:
+                raise ValueError(
+                    f"reduce_scatter: sizes {sizes} must have {self._world_size} non-negative entries summing to "
+                    f"the size of dim {dim} ({tensor.shape[dim]}) of the input of shape {tuple(tensor.shape)}")
+        self._log("reduce_scatter", tensor, op=op.name, dim=dim)
+        if self._world_size == 1:
+            return self._finish(Handle.completed(tensor.clone()), async_op)
+        with self._guard("reduce_scatter"):
+            handle = self._reduce_scatter(tensor.contiguous(), op, dim, sizes, async_op)
+            return self._finish(handle, async_op, "reduce_scatter")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Every rank gets `src`'s tensor; other ranks' `tensor` only gives the shape and dtype."""
+        self._check_tensor("broadcast", tensor)
+        self._check_rank("broadcast", src, "src")
+        self._log("broadcast", tensor, src=src)
+        if self._world_size == 1:
+            return self._finish(Handle.completed(tensor.clone()), async_op)
+        with self._guard("broadcast"):
+            return self._finish(self._broadcast(tensor.contiguous(), src, async_op), async_op, "broadcast")
+
+    def barrier(self) -> None:
+        """Return once every rank of the group has called `barrier`."""
+        self._log("barrier", None)
+        if self._world_size == 1:
+            return
+        with self._guard("barrier"):
+            self._drain()
+            self._barrier()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send `tensor` to rank `dst` of this group (matched by a `recv` there)."""
+        self._check_tensor("send", tensor)
+        self._check_rank("send", dst, "dst", allow_self=False)
+        self._log("send", tensor, dst=dst)
+        with self._guard("send"):
+            self._drain()
+            self._send(tensor.contiguous(), dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive from rank `src` into `tensor` (whose shape and dtype must match the sent one); return it."""
+        self._check_tensor("recv", tensor)
+        self._check_rank("recv", src, "src", allow_self=False)
+        self._log("recv", tensor, src=src)
+        with self._guard("recv"):
+            self._drain()
+            return self._recv(tensor, src)
+
+    def new_group(self, ranks: Sequence[int]) -> "Communicator | None":
+        """A communicator over `ranks` (ranks of this group); None on ranks that are not members.
+
+        Collective: every rank of this group calls it with the same `ranks`, in the same order as its other
+        `new_group` calls. Members are renumbered 0..k-1 in ascending order of their rank here.
+        """
+        members = self._check_group_ranks(ranks)
+        self._log("new_group", None, ranks=members)
+        with self._guard("new_group"):
+            self._drain()
+            return self._new_group(members)
+
+    # -- backend primitives -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Handle: ...
+
+    @abc.abstractmethod
+    def _all_gather(self, tensor: torch.Tensor, dim: int, sizes: list[int] | None, async_op: bool) -> Handle: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, dim: int, sizes: list[int],
+                        async_op: bool) -> Handle: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Handle: ...
+
+    @abc.abstractmethod
+    def _barrier(self) -> None: ...
+
+    @abc.abstractmethod
+    def _send(self, tensor: torch.Tensor, dst: int) -> None: ...
+
+    @abc.abstractmethod
+    def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _new_group(self, members: list[int]) -> "Communicator | None": ...
+
+    # -- helpers for backends ---------------------------------------------------------------------
+    def _in_background(self, fn: Callable[[], torch.Tensor], async_op: bool) -> Handle:
+        """Run `fn` now, or on this communicator's one worker thread when `async_op` is set.
+
+        One worker keeps operations in the order they were issued, which collectives require. Synchronous
+        calls first wait for pending async ones (`_drain`) for the same reason.
+        """
+        if not async_op:
+            self._drain()
+            return Handle.completed(fn())
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tpkit-{self._name}")
+        future = self._executor.submit(fn)
+        self._pending.append(future)
+        return Handle(future.result, future.done)
+
+    def _drain(self) -> None:
+        """Wait for async operations issued earlier on this communicator; their errors surface in `wait`."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            try:
+                future.result()
+            except BaseException:  # noqa: BLE001 - reported by the handle's own wait()
+                pass
+
+    def _finish(self, handle: Handle, async_op: bool, op: str = ""):
+        if async_op:
+            raw_wait = handle._wait
+
+            def wait() -> torch.Tensor:
+                with self._guard(op or "async operation"):
+                    return raw_wait()
+
+            handle._wait = wait
+            return handle
+        return handle.wait()
+
+    @contextlib.contextmanager
+    def _guard(self, op: str) -> Iterator[None]:
+        """Turn any backend failure into `CommError` naming the operation and the group."""
+        try:
+            yield
+        except (CommError, ValueError, TypeError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every backend failure becomes a CommError
+            raise CommError(f"{op} failed on rank {self._rank} of group {self._name} "
+                            f"(world size {self._world_size}): {exc}") from exc
+
+    def _log(self, opname: str, tensor: torch.Tensor | None, **details) -> None:
+        if not debug_enabled():
+            return
+        _ensure_debug_handler()
+        what = "" if tensor is None else f" shape={tuple(tensor.shape)} dtype={tensor.dtype}"
+        extra = "".join(f" {k}={v}" for k, v in details.items())
+        logger.debug("%s%s%s group=%s rank=%d/%d backend=%s", opname, what, extra, self._name, self._rank,
+                     self._world_size, self.backend)
+
+    # -- argument checks --------------------------------------------------------------------------
+    def _check_tensor(self, op: str, tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{op}: expected a torch.Tensor, got {type(tensor).__name__}")
+
+    def _check_dim(self, op: str, tensor: torch.Tensor, dim: int) -> int:
+        ndim = tensor.dim()
+        if ndim == 0:
+            raise ValueError(f"{op}: needs a tensor with at least one dimension, got a 0-d tensor; "
+                             f"use tensor.reshape(1)")
+        if not isinstance(dim, int) or not -ndim <= dim < ndim:
+            raise ValueError(f"{op}: dim {dim!r} is out of range for a tensor of shape {tuple(tensor.shape)} "
+                             f"(valid: {-ndim}..{ndim - 1})")
+        return dim % ndim
+
+    def _check_rank(self, op: str, rank: int, what: str, allow_self: bool = True) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self._world_size:
+            raise ValueError(f"{op}: {what} {rank!r} is not a rank of group {self._name} "
+                             f"(ranks 0..{self._world_size - 1})")
+        if not allow_self and rank == self._rank:
+            raise ValueError(f"{op}: {what} {rank} is this rank itself; a rank cannot {op} to itself")
+
+    def _check_gather_sizes(self, tensor: torch.Tensor, dim: int, sizes) -> list[int] | None:
+        if sizes is None:
+            return None
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != self._world_size or min(sizes) < 0:
+            raise ValueError(f"all_gather: sizes {sizes} must have one non-negative entry per rank "
+                             f"({self._world_size})")
+        if sizes[self._rank] != tensor.shape[dim]:
+            raise ValueError(f"all_gather: sizes[{self._rank}] = {sizes[self._rank]} but this rank's tensor has "
+                             f"size {tensor.shape[dim]} in dim {dim} (shape {tuple(tensor.shape)})")
+        return sizes
+
+    def _check_group_ranks(self, ranks: Sequence[int]) -> list[int]:
+        try:
+            members = sorted(int(r) for r in ranks)
+        except TypeError:
+            raise ValueError(f"new_group: ranks must be a sequence of ints, got {ranks!r}") from None
+        if not members:
+            raise ValueError("new_group: ranks is empty; a group needs at least one rank")
+        if len(set(members)) != len(members):
+            raise ValueError(f"new_group: ranks {list(ranks)} contain duplicates")
+        bad = [r for r in members if not 0 <= r < self._world_size]
+        if bad:
+            raise ValueError(f"new_group: ranks {bad} are not ranks of group {self._name} "
+                             f"(ranks 0..{self._world_size - 1})")
+        return members

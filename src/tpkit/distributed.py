@@ -1,0 +1,202 @@
+"""Process setup: read the launcher's environment, start the right backend, remember the communicator.
+
+`init()` is what a script under `torchrun` or `mpirun` calls first. `get_communicator()` is what layers call
+when no communicator is passed: the one `init()` made, the current thread-rank's under the `threads`
+backend, or a world of one.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import threading
+from typing import Iterator
+
+import torch
+
+from .comm.communicator import Communicator
+
+_default: Communicator | None = None
+_single: Communicator | None = None
+_thread_local = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits, as its launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+    launcher: str  # "torchrun", "mpirun" or "none"
+
+
+def _int_env(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def read_launch_env() -> LaunchEnv:
+    """Rank, world size and local rank from torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or Open MPI / PMI."""
+    rank = _int_env("RANK")
+    if rank is not None:
+        world = _int_env("WORLD_SIZE")
+        if world is None:
+            raise ValueError("RANK is set but WORLD_SIZE is not; launch with torchrun or set both")
+        launcher = "torchrun"
+        local = _int_env("LOCAL_RANK")
+    else:
+        rank = _int_env("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+        world = _int_env("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+        local = _int_env("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+        launcher = "mpirun" if rank is not None else "none"
+        rank, world = (rank, world) if rank is not None and world is not None else (0, 1)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in 0..{world - 1} (world size {world}) in the launch environment")
+    port = _int_env("MASTER_PORT")
+    return LaunchEnv(rank, world, rank if local is None else local, os.environ.get("MASTER_ADDR"), port, launcher)
+
+
+def default_backend() -> str:
+    """nccl when CUDA is usable, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init(backend: str | None = None, timeout: float | None = None) -> Communicator:
+    """Start this process's communication from the launcher's environment and make it the default.
+
+    `backend`: None (nccl with CUDA, else gloo), "nccl", "gloo", "mpi" (mpi4py, under mpirun) or "threads"
+    (a world of one outside `launch`). Binds the CUDA device from LOCAL_RANK when using nccl. Calling it
+    again returns the existing communicator.
+    """
+    global _default
+    current = getattr(_thread_local, "comm", None) or _default
+    if current is not None:
+        return current
+    backend = (backend or default_backend()).lower()
+    if backend == "threads":
+        return get_communicator()
+    if backend == "mpi":
+        from .comm.mpi import MPICommunicator
+        _default = MPICommunicator(timeout=timeout)
+        return _default
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"unknown backend {backend!r}; valid: nccl, gloo, mpi, threads")
+    import torch.distributed as dist
+
+    from .comm.torch_backend import TorchCommunicator
+
+    env = read_launch_env()
+    if not dist.is_initialized():
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use 'gloo'")
+            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        kwargs = {}
+        if timeout is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+        if env.world_size == 1 and env.master_addr is None:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                    **kwargs)
+    _default = TorchCommunicator(timeout=timeout)
+    return _default
+
+
+def shutdown() -> None:
+    """Forget the default communicator and tear down torch.distributed if `init` started it."""
+    global _default
+    from .comm import torch_backend
+
+    if _default is not None and _default.backend == "torch":
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch_backend._LOCAL_GROUPS.clear()
+    _default = None
+
+
+def get_communicator() -> Communicator:
+    """The communicator layers use by default: this thread-rank's, the one `init` made, or a world of one."""
+    global _single
+    comm = getattr(_thread_local, "comm", None) or _default
+    if comm is not None:
+        return comm
+    if _single is None:
+        from .comm.threads import create_communicators
+        _single = create_communicators(1)[0]
+    return _single
+
+
+def set_communicator(comm: Communicator | None) -> None:
+    """Make `comm` the default for the whole process (None forgets it)."""
+    global _default
+    _default = comm
+
+
+@contextlib.contextmanager
+def use_communicator(comm: Communicator) -> Iterator[Communicator]:
+    """Make `comm` the default for the current thread only, inside the block (how thread-ranks get theirs)."""
+    previous = getattr(_thread_local, "comm", None)
+    _thread_local.comm = comm
+    try:
+        yield comm
+    finally:
+        _thread_local.comm = previous
+
+
+@dataclasses.dataclass(frozen=True)
+class TPConfig:
+    """The seed API's view of the tensor-parallel setup."""
+
+    world_size: int
+    rank: int
+    backend: str
+    device: torch.device
+
+
+def _device_for(comm: Communicator) -> torch.device:
+    if getattr(comm, "torch_backend", None) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_tensor_parallel(backend: str | None = None, timeout: float | None = None) -> TPConfig:
+    """Seed-compatible: `init()` and describe the result."""
+    init(backend, timeout)
+    return get_tensor_parallel_config()
+
+
+def get_tensor_parallel_config() -> TPConfig:
+    """Seed-compatible description of the default communicator."""
+    comm = get_communicator()
+    name = getattr(comm, "torch_backend", None) or comm.backend
+    return TPConfig(comm.world_size, comm.rank, name, _device_for(comm))
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Seed-compatible: the sum of `tensor` over the default communicator's ranks."""
+    return get_communicator().all_reduce(tensor)
+
+
+def broadcast_tensor(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Seed-compatible: rank `src`'s `tensor` on every rank."""
+    return get_communicator().broadcast(tensor, src=src)
+
+
+def synchronize_across_ranks() -> None:
+    """Seed-compatible: a barrier over the default communicator."""
+    get_communicator().barrier()

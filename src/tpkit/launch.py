@@ -1,0 +1,157 @@
+"""`launch`: run a function on N local ranks, for tests, examples and notebooks.
+
+Processes (gloo, or nccl with one GPU per rank) get the same environment torchrun would give them, so the
+function under test goes through the real `tpkit.init()` path. The `threads` backend runs the ranks as
+threads of this process, each with its own default communicator. Either way the results come back in rank
+order, and a failure is re-raised marked with its rank (the rank whose error caused the others, not a
+peer that merely saw it die).
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .comm.errors import CommError
+from .comm.threads import create_communicators, mark_rank, raise_first_failure, run_on_threads
+from .distributed import use_communicator
+
+
+class LaunchError(RuntimeError):
+    """A rank failed in a way that could not be re-raised as its own exception (it died, or its error
+    could not be sent back); `rank` says which."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args: Sequence[Any] = (),
+           timeout: float | None = None) -> list:
+    """Run `fn(*args)` on `world_size` local ranks; return their results in rank order.
+
+    `backend`: "gloo" or "nccl" (one process per rank; `fn` must be picklable, i.e. defined at module
+    level) or "threads". `timeout` bounds every collective (seconds) and, for processes, the whole run
+    waits at most that long after the first failure for the other ranks to notice it.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
+    args = tuple(args)
+    if backend == "threads":
+        comms = create_communicators(world_size, timeout)
+
+        def body(comm):
+            with use_communicator(comm):
+                return fn(*args)
+        return run_on_threads(body, comms)
+    if backend not in ("gloo", "nccl", "mpi"):
+        raise ValueError(f"launch: unknown backend {backend!r}; valid: gloo, nccl, threads")
+    return _launch_processes(fn, world_size, backend, args, timeout)
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeout, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from . import distributed
+
+    try:
+        distributed.init(backend, timeout)
+        value = fn(*args)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+        text = "".join(traceback.format_exception(exc))
+        try:
+            payload = pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - some exceptions cannot be pickled; send the text instead
+            payload = None
+        results.put((rank, "error", (payload, text)))
+    finally:
+        try:
+            distributed.shutdown()
+        except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
+            pass
+
+
+def _launch_processes(fn, world_size, backend, args, timeout) -> list:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, timeout, results),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+    reported = [False] * world_size
+    grace = 30.0 if timeout is None else float(timeout) + 10.0
+    first_failure: float | None = None
+    try:
+        while not all(reported):
+            try:
+                rank, status, payload = results.get(timeout=0.1)
+            except queue_module.Empty:
+                rank = None
+            if rank is not None:
+                reported[rank] = True
+                if status == "ok":
+                    values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                else:
+                    errors[rank] = _rebuild_error(rank, *payload)
+                    first_failure = first_failure or time.monotonic()
+                continue
+            for r, p in enumerate(procs):
+                if not reported[r] and p.exitcode is not None:
+                    # Give the queue a moment: a rank that exits right after reporting is not dead.
+                    time.sleep(0.2)
+                    if results.empty() and not reported[r]:
+                        reported[r] = True
+                        errors[r] = LaunchError(f"rank {r} died with exit code {p.exitcode} without reporting", r)
+                        first_failure = first_failure or time.monotonic()
+            if first_failure is not None and time.monotonic() - first_failure > grace:
+                for r in range(world_size):
+                    if not reported[r]:
+                        errors[r] = CommError(f"rank {r} did not finish within {grace:g}s after another "
+                                              f"rank failed (aborted: killed by launch)")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    raise_first_failure(errors)
+    return values
+
+
+def _rebuild_error(rank: int, payload: bytes | None, text: str) -> BaseException:
+    exc: BaseException | None = None
+    if payload is not None:
+        try:
+            exc = pickle.loads(payload)
+        except Exception:  # noqa: BLE001 - fall back to the text
+            exc = None
+    if exc is None:
+        return LaunchError(f"rank {rank} failed:\n{text}", rank)
+    mark_rank(exc, rank)
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"traceback on rank {rank}:\n{text}")
+    return exc
