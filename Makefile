@@ -12,7 +12,6 @@ MPI_STAMP := $(VENV)/.tpkit-mpi
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[hf,dev,plot]"
 	touch $@
