@@ -1,0 +1,23 @@
+"""`tpkit.nn`: tensor-parallel layers whose forward and backward on N ranks equal one big layer on one device.
+
+Every communication is one of the conjugate autograd pairs in `mappings`; layers compose them. Sharded
+parameters are marked (`param.tensor_model_parallel`, `partition_dim`, `partition_sizes`; see `partition`),
+and each layer has `from_module(m, comm=None)` to shard an existing `nn.Linear` / `nn.Embedding` / `nn.Conv2d`.
+`comm=None` means `tpkit.get_communicator()` at construction time.
+"""
+from __future__ import annotations
+
+from .embedding import ParallelEmbedding, VocabParallelEmbedding
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
+                       reduce_scatter_to_sequence_region, scatter_to_region, scatter_to_sequence_region)
+from .partition import is_tensor_parallel, mark_replicated, mark_tensor_parallel, partition_sizes, shard
+from .sequence_parallel import mark_sequence_parallel, sequence_parallel_params, sync_sequence_parallel_grads
+
+__all__ = [
+    "ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_region",
+    "gather_from_region", "gather_from_sequence_region", "is_tensor_parallel", "mark_replicated",
+    "mark_sequence_parallel", "mark_tensor_parallel", "partition_sizes", "reduce_from_region",
+    "reduce_scatter_to_sequence_region", "scatter_to_region", "scatter_to_sequence_region",
+    "sequence_parallel_params", "shard", "sync_sequence_parallel_grads",
+]

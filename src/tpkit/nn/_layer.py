@@ -1,0 +1,83 @@
+"""What every tensor-parallel layer shares: finding its communicator, building its shards, checking input.
+
+Construction from sizes builds the full PyTorch module on the CPU under the current RNG state and keeps this
+rank's slice, so a model built from tpkit layers consumes the RNG exactly as the single-device model does and
+TP=1 and TP=N start from the same numbers. On `device="meta"` nothing is initialised (shapes only).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..comm.communicator import Communicator
+from .partition import mark_replicated, mark_tensor_parallel, shard
+
+
+def resolve_comm(comm: Communicator | None) -> Communicator:
+    """`comm`, or the default communicator of this process / thread-rank (`tpkit.get_communicator()`)."""
+    if comm is not None:
+        return comm
+    from ..distributed import get_communicator
+
+    return get_communicator()
+
+
+def check_positive(layer: str, **sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{layer}: {name} must be a positive int, got {value!r}")
+
+
+def is_meta(device) -> bool:
+    return device is not None and torch.device(device).type == "meta"
+
+
+def full_module(factory: Callable[..., nn.Module], device, dtype) -> nn.Module:
+    """The full module as one device would initialise it (CPU, current RNG), or shapes only on meta."""
+    if is_meta(device):
+        return factory(device="meta", dtype=dtype)
+    return factory(device="cpu", dtype=dtype)
+
+
+def make_shard(full: torch.Tensor | None, dim: int | None, sizes: Sequence[int], rank: int, *, device=None,
+               dtype=None, requires_grad: bool = True, share: bool = False) -> nn.Parameter | None:
+    """A Parameter holding `rank`'s slice of `full` along `dim` (or all of it when `dim` is None), marked.
+
+    The slice is copied so the full tensor can be freed, unless `share` (world size 1, `from_module`), where
+    the layer simply holds the module's own tensor.
+    """
+    if full is None:
+        return None
+    piece = full.detach() if dim is None else shard(full.detach(), dim, sizes, rank)
+    target_device = piece.device if device is None else torch.device(device)
+    target_dtype = piece.dtype if dtype is None else dtype
+    if not (share and piece.device == target_device and piece.dtype == target_dtype and len(sizes) == 1):
+        piece = piece.to(device=target_device, dtype=target_dtype, copy=True, memory_format=torch.contiguous_format)
+    param = nn.Parameter(piece, requires_grad=requires_grad)
+    return mark_replicated(param) if dim is None else mark_tensor_parallel(param, dim, sizes)
+
+
+def check_module(layer: str, module: nn.Module, expected: type, unsupported: dict[str, object]) -> None:
+    """Reject modules `from_module` cannot shard exactly, before anything is built."""
+    if not isinstance(module, expected):
+        raise TypeError(f"{layer}.from_module: expected a torch.nn.{expected.__name__}, got {type(module).__name__}")
+    for attr, default in unsupported.items():
+        value = getattr(module, attr, default)
+        if value != default:
+            raise ValueError(f"{layer}.from_module: {attr}={value!r} is not supported (only {attr}={default!r})")
+
+
+def check_last_dim(layer: str, x: torch.Tensor, expected: int, what: str) -> None:
+    if x.dim() == 0 or x.shape[-1] != expected:
+        raise ValueError(f"{layer}: input of shape {tuple(x.shape)} should have {expected} {what} in its last dim")
+
+
+def check_sequence_divisible(layer: str, x: torch.Tensor, dim: int, world_size: int) -> None:
+    """Sequence parallelism keeps equal sequence shards, so the gathers need no size exchange."""
+    length = x.shape[dim]
+    if length % world_size:
+        raise ValueError(f"{layer}: sequence parallelism needs the sequence length (dim {dim} of input shape "
+                         f"{tuple(x.shape)}: {length}) to be a multiple of the world size {world_size}; pad the "
+                         f"sequence to a multiple of {world_size}")

@@ -1,0 +1,160 @@
+"""Column- and row-parallel linear layers (Megatron convention).
+
+`ColumnParallelLinear` splits the OUTPUT features: weight rows and bias are sharded (`partition_dim` 0), the
+forward needs no communication, and the gradient of the replicated input is all-reduced. `RowParallelLinear`
+splits the INPUT features (`partition_dim` 1 of the weight): each rank multiplies its slice of the input and
+one all-reduce sums the partial products; the bias is replicated and added once, after the reduction.
+Column followed by Row is the Megatron MLP: one all-reduce forward, one backward.
+
+With `sequence_parallel=True` the activations outside the pair are split along the sequence dim
+(`sequence_dim`, default -2: the dim before the features, so `[batch, seq, hidden]` and `[seq, hidden]` both
+work; use 0 for Megatron's `[seq, batch, hidden]`): Column all-gathers its input (backward reduce-scatter),
+Row reduce-scatters its output (backward all-gather); same bytes as the all-reduce, but the norms and dropout
+in between run on 1/N of the tokens. The sequence length must then be a multiple of the world size, and the
+gradients of replicated parameters used on sequence shards (the Row bias, norms) need
+`sync_sequence_parallel_grads` before the optimizer step.
+
+At world size 1 `forward` is exactly `F.linear(x, weight, bias)`: no autograd Function, no copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.communicator import Communicator
+from ._layer import (check_last_dim, check_module, check_positive, check_sequence_divisible, full_module,
+                     make_shard, resolve_comm)
+from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
+                       reduce_scatter_to_sequence_region, scatter_to_region)
+from .partition import partition_sizes
+from .sequence_parallel import mark_sequence_parallel
+
+
+class _ParallelLinear(nn.Module):
+    """Shared construction of both linear layers; subclasses say which dim of the weight is split."""
+
+    PARTITION_DIMS: dict[str, int | None] = {}
+    _split_what = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, comm: Communicator | None,
+                 sequence_parallel: bool, sequence_dim: int, chunk: int, even: bool, device, dtype,
+                 _full: nn.Linear | None = None, _share: bool = True):
+        super().__init__()
+        name = type(self).__name__
+        check_positive(name, in_features=in_features, out_features=out_features)
+        self.comm = resolve_comm(comm)
+        self.world_size, self.rank = self.comm.world_size, self.comm.rank
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
+        split = in_features if self.PARTITION_DIMS["weight"] == 1 else out_features
+        self.partition_sizes = tuple(partition_sizes(split, self.world_size, chunk, layer=name, what=self._split_what,
+                                                     even=even))
+        if _full is None:
+            _full = full_module(lambda **kw: nn.Linear(in_features, out_features, bias, **kw), device, dtype)
+        for pname in ("weight", "bias"):
+            dim = self.PARTITION_DIMS[pname]
+            tensor = getattr(_full, pname)
+            param = make_shard(tensor, dim, self.partition_sizes, self.rank, device=device, dtype=dtype,
+                               requires_grad=True if tensor is None else tensor.requires_grad, share=_share)
+            self.register_parameter(pname, param)
+
+    @classmethod
+    def from_module(cls, module: nn.Linear, comm: Communicator | None = None, *, device=None, dtype=None,
+                    **kwargs):
+        """This rank's shard of an existing `nn.Linear` (meta modules give meta shards).
+
+        The shard is a copy, so the full module can be freed; at world size 1 the layer holds the module's own
+        tensors. `device` / `dtype` move the shards; other keywords are the constructor's.
+        """
+        check_module(cls.__name__, module, nn.Linear, {})
+        return cls(module.in_features, module.out_features, module.bias is not None, comm=comm, device=device,
+                   dtype=dtype, _full=module, _share=True, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"world_size={self.world_size}, rank={self.rank}, local_weight={tuple(self.weight.shape)}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """`y = x W^T + b` with W's rows (output features) split over ranks; `y` stays split unless `gather_output`.
+
+    `chunk`: output features come in units of `chunk` that must stay on one rank (e.g. `head_dim`);
+    `even=True` also demands the same number of units on every rank. Weight `[out_local, in]`, bias `[out_local]`.
+    """
+
+    PARTITION_DIMS = {"weight": 0, "bias": 0}
+    _split_what = "out_features"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 comm: Communicator | None = None, *, sequence_parallel: bool = False, sequence_dim: int = -2,
+                 chunk: int = 1, even: bool = False, device=None, dtype: torch.dtype | None = None, **private):
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output=True and sequence_parallel=True cannot be combined; "
+                             "the output of a sequence-parallel column layer feeds a RowParallelLinear")
+        super().__init__(in_features, out_features, bias, comm, sequence_parallel, sequence_dim, chunk, even, device,
+                         dtype, **private)
+        self.gather_output = bool(gather_output)
+        self.output_size_per_partition = self.partition_sizes[self.rank]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        check_last_dim("ColumnParallelLinear", x, self.in_features, "input features")
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.comm, self.sequence_dim)
+        else:
+            x = copy_to_region(x, self.comm)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_region(y, self.comm, -1, self.partition_sizes)
+        return y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", gather_output=True" if self.gather_output else "")
+
+
+class RowParallelLinear(_ParallelLinear):
+    """`y = x W^T + b` with W's columns (input features) split; partial products are summed across ranks.
+
+    `input_is_parallel=True` (the default) expects this rank's slice of the input features (a
+    ColumnParallelLinear's output); False takes the full input and keeps the slice itself. The bias is
+    replicated and added after the reduction. Weight `[out, in_local]`, bias `[out]`.
+    """
+
+    PARTITION_DIMS = {"weight": 1, "bias": None}
+    _split_what = "in_features"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 comm: Communicator | None = None, *, sequence_parallel: bool = False, sequence_dim: int = -2,
+                 chunk: int = 1, even: bool = False, device=None, dtype: torch.dtype | None = None, **private):
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        super().__init__(in_features, out_features, bias, comm, sequence_parallel, sequence_dim, chunk, even, device,
+                         dtype, **private)
+        self.input_is_parallel = bool(input_is_parallel)
+        self.input_size_per_partition = self.partition_sizes[self.rank]
+        if self.sequence_parallel and self.bias is not None:
+            mark_sequence_parallel([self.bias])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        if self.input_is_parallel:
+            check_last_dim("RowParallelLinear", x, self.input_size_per_partition,
+                           f"input features (this rank's slice of {self.in_features}; pass input_is_parallel=False "
+                           f"for the full input)")
+        else:
+            check_last_dim("RowParallelLinear", x, self.in_features, "input features")
+            x = scatter_to_region(x, self.comm, -1, self.partition_sizes)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            check_sequence_divisible("RowParallelLinear", y, self.sequence_dim, self.world_size)
+            y = reduce_scatter_to_sequence_region(y, self.comm, self.sequence_dim)
+        else:
+            y = reduce_from_region(y, self.comm)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.input_is_parallel else ", input_is_parallel=False")

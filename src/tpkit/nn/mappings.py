@@ -1,0 +1,160 @@
+"""The conjugate communication pairs every tensor-parallel layer is made of, as autograd Functions.
+
+Each mapping is a forward collective whose backward is its adjoint, so gradients are exact by
+construction: the adjoint of "every rank gets the sum" (all-reduce) is "the gradient is already whole"
+(identity), the adjoint of "split" is "all-gather", and the adjoint of "all-gather" is "reduce-scatter"
+(when the gathered tensor feeds different computations on each rank) or "split" (when it feeds the same
+replicated computation). Layers only compose these; none of them talks to the communicator directly.
+
+Tensor-parallel region (features, last dim by default):
+    copy_to_region          forward identity        backward all-reduce
+    reduce_from_region      forward all-reduce      backward identity
+    scatter_to_region       forward split           backward all-gather
+    gather_from_region      forward all-gather      backward split
+Sequence-parallel region (the sequence dim, `dim`):
+    scatter_to_sequence_region         forward split            backward all-gather
+    gather_from_sequence_region        forward all-gather       backward reduce-scatter
+    reduce_scatter_to_sequence_region  forward reduce-scatter   backward all-gather
+
+Every mapping returns its input unchanged, without creating an autograd node, when the world size is 1.
+Uneven sizes follow `tpkit.comm.split_sizes` unless `sizes` (every rank's size along `dim`) is given.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..comm.communicator import Communicator
+from ..comm.sharding import split_sizes
+
+
+def _split(x: torch.Tensor, comm: Communicator, dim: int, sizes: Sequence[int] | None) -> torch.Tensor:
+    full = x.shape[dim]
+    sizes = split_sizes(full, comm.world_size) if sizes is None else sizes
+    if sum(sizes) != full or len(sizes) != comm.world_size:
+        raise ValueError(f"split: sizes {list(sizes)} do not cut dim {dim} of size {full} (shape {tuple(x.shape)}) "
+                         f"into {comm.world_size} pieces")
+    start = sum(sizes[:comm.rank])
+    return x.narrow(dim, start, sizes[comm.rank]).contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return comm.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, sizes):
+        ctx.comm, ctx.dim = comm, dim
+        ctx.sizes = list(split_sizes(x.shape[dim], comm.world_size) if sizes is None else sizes)
+        return _split(x, comm, dim, ctx.sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad.contiguous(), dim=ctx.dim, sizes=ctx.sizes), None, None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, sizes):
+        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
+        return comm.all_gather(x, dim=dim, sizes=sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.comm, ctx.dim, ctx.sizes), None, None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, sizes):
+        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
+        return comm.all_gather(x, dim=dim, sizes=sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.reduce_scatter(grad.contiguous(), dim=ctx.dim, sizes=ctx.sizes), None, None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, sizes):
+        ctx.comm, ctx.dim = comm, dim
+        ctx.sizes = list(split_sizes(x.shape[dim], comm.world_size) if sizes is None else sizes)
+        return comm.reduce_scatter(x, dim=dim, sizes=ctx.sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad.contiguous(), dim=ctx.dim, sizes=ctx.sizes), None, None, None
+
+
+def _dim(x: torch.Tensor, dim: int) -> int:
+    """A non-negative dim, so forward and backward agree even if a rank's shard changes rank."""
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Enter a tensor-parallel region with a replicated input: identity forward, all-reduce of the gradient."""
+    return x if comm.world_size == 1 else _CopyToRegion.apply(x, comm)
+
+
+def reduce_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Leave a tensor-parallel region by summing partial results: all-reduce forward, identity backward."""
+    return x if comm.world_size == 1 else _ReduceFromRegion.apply(x, comm)
+
+
+def scatter_to_region(x: torch.Tensor, comm: Communicator, dim: int = -1,
+                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Keep this rank's piece of `dim` (forward); all-gather the gradient pieces (backward)."""
+    return x if comm.world_size == 1 else _ScatterToRegion.apply(x, comm, _dim(x, dim), sizes)
+
+
+def gather_from_region(x: torch.Tensor, comm: Communicator, dim: int = -1,
+                       sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's piece along `dim` (forward); keep this rank's piece of the gradient."""
+    return x if comm.world_size == 1 else _GatherFromRegion.apply(x, comm, _dim(x, dim), sizes)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 0,
+                               sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Split the sequence dim (forward); all-gather the gradient (backward). Same as `scatter_to_region`."""
+    return x if comm.world_size == 1 else _ScatterToRegion.apply(x, comm, _dim(x, dim), sizes)
+
+
+def gather_from_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 0,
+                                sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """All-gather the sequence dim (forward); reduce-scatter the gradient (backward), because every rank used
+    the full sequence for its own partial computation. `sizes` must be given for unequal shards."""
+    return x if comm.world_size == 1 else _GatherFromSequence.apply(x, comm, _dim(x, dim), sizes)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 0,
+                                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Sum partial results and keep this rank's piece of the sequence (forward); all-gather the gradient."""
+    return x if comm.world_size == 1 else _ReduceScatterToSequence.apply(x, comm, _dim(x, dim), sizes)
+
+
+__all__ = [
+    "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region",
+    "reduce_scatter_to_sequence_region", "scatter_to_region", "scatter_to_sequence_region",
+]
