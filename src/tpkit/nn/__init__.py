@@ -7,14 +7,21 @@ and each layer has `from_module(m, comm=None)` to shard an existing `nn.Linear` 
 """
 from __future__ import annotations
 
+from .conv import ColumnParallelConv2d, RowParallelConv2d
+from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import ParallelEmbedding, VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
                        reduce_scatter_to_sequence_region, scatter_to_region, scatter_to_sequence_region)
+from .grad_clip import clip_grad_norm_
 from .partition import is_tensor_parallel, mark_replicated, mark_tensor_parallel, partition_sizes, shard
+from .random import (DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker,
+                     model_parallel_manual_seed)
 from .sequence_parallel import mark_sequence_parallel, sequence_parallel_params, sync_sequence_parallel_grads
 
 __all__ = [
+    "ColumnParallelConv2d", "DATA_PARALLEL_RNG", "MODEL_PARALLEL_RNG", "RNGStatesTracker", "RowParallelConv2d",
+    "clip_grad_norm_", "get_rng_tracker", "model_parallel_manual_seed", "vocab_parallel_cross_entropy",
     "ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_region",
     "gather_from_region", "gather_from_sequence_region", "is_tensor_parallel", "mark_replicated",
     "mark_sequence_parallel", "mark_tensor_parallel", "partition_sizes", "reduce_from_region",

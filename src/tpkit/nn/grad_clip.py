@@ -1,0 +1,58 @@
+"""Gradient clipping by the global norm of a tensor-parallel model.
+
+The single-device norm is over every element once. Shards (`param.tensor_model_parallel`) hold disjoint
+pieces, so their per-rank sums of |g|^p add up across ranks (one all-reduce); replicated parameters hold the
+same gradient on every rank, so they are counted once, locally, after the reduction. Every rank ends with the
+same norm and the same clip coefficient, so shards and replicas stay consistent. Replicated gradients must
+already be equal across ranks (call `sync_sequence_parallel_grads` first under sequence parallelism).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from ..comm.communicator import Communicator
+from ..comm.ops import ReduceOp
+from ._layer import resolve_comm
+from .partition import is_tensor_parallel
+
+
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    comm: Communicator | None = None, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale gradients in place so the global `norm_type` norm is at most `max_norm`; return the norm (fp32, or fp64 for fp64 gradients).
+
+    Like `torch.nn.utils.clip_grad_norm_`, but the norm is that of the full, unsharded model. Collective.
+    """
+    comm = resolve_comm(comm)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or norm_type > 0):
+        raise ValueError(f"clip_grad_norm_: norm_type {norm_type} must be positive or inf")
+    if float(max_norm) < 0:
+        raise ValueError(f"clip_grad_norm_: max_norm {max_norm} must be non-negative")
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g for p, g in ((p, p.grad) for p in params) if g is not None and is_tensor_parallel(p)]
+    replicated = [g for p, g in ((p, p.grad) for p in params) if g is not None and not is_tensor_parallel(p)]
+    device = grads[0].device if grads else torch.device("cpu")
+    # fp32 at least (bf16 squares overflow and round badly), fp64 when the model is fp64.
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+
+    def partial(gs: list[torch.Tensor]) -> torch.Tensor:
+        if not gs:
+            return torch.zeros((), dtype=dtype, device=device)
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=dtype).to(device) for g in gs])
+        return norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
+
+    if norm_type == math.inf:
+        total = torch.maximum(comm.all_reduce(partial(sharded), ReduceOp.MAX), partial(replicated))
+    else:
+        total = (comm.all_reduce(partial(sharded)) + partial(replicated)).pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {float(total)}; set "
+                           f"error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total
