@@ -1,7 +1,10 @@
 """`tpkit.comm`: communication for tensor parallelism on every backend.
 
 `Communicator` is the interface; `create_communicator(name)` picks a backend (`torch`, `threads`, `mpi`);
-`split` lays out tensor x data parallel groups.
+`split` lays out tensor x data parallel groups. The performance toolkit wraps any communicator:
+`CommProfiler` (what each call cost), `AlgorithmCommunicator` + `AlgorithmSelector` + `CostModel`
+(which algorithm runs), `PinnedBufferPool` (host staging), `CommunicationOptimizer` (all of them);
+`topology()` describes the machine.
 """
 from __future__ import annotations
 
@@ -13,6 +16,15 @@ from .groups import split
 from .ops import ReduceOp
 from .sharding import split_range, split_sizes
 from .threads import ThreadCommunicator, create_communicators, run_threads
+from .algorithm_communicator import AlgorithmCommunicator
+from .algorithms import ALGORITHMS
+from .cost_model import CostModel
+from .optimizer import CommunicationOptimizer, instrument
+from .pinned import PinnedBuffer, PinnedBufferPool
+from .profiler import CommProfiler, CommRecord
+from .selector import AlgorithmSelector
+from .topology import Topology, topology
+from .wrapper import WrappedCommunicator
 
 
 def _make_threads(world_size: int = 1, timeout: float | None = None, **config) -> Communicator:
@@ -57,16 +69,22 @@ BACKENDS: dict[str, Callable[..., Communicator]] = {
 }
 
 
-def create_communicator(backend: str, **config: Any) -> Communicator:
+def create_communicator(backend: str, algorithm: Any = None, profile: bool = False, **config: Any) -> Communicator:
     """A communicator of the named backend: `torch` (nccl/gloo/mpi process groups; `backend=` picks which
-    when torch.distributed is not yet initialised), `threads`, or `mpi` (mpi4py)."""
+    when torch.distributed is not yet initialised), `threads`, or `mpi` (mpi4py).
+
+    `algorithm="auto" | name | {collective: name}` runs collectives through `AlgorithmCommunicator`;
+    `profile=True` records them in a `CommProfiler` (see `instrument`)."""
     factory = BACKENDS.get(str(backend).lower())
     if factory is None:
         raise ValueError(f"unknown communication backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
-    return factory(**config)
+    return instrument(factory(**config), profile=profile, algorithm=algorithm)
 
 
 __all__ = [
+    "ALGORITHMS", "AlgorithmCommunicator", "AlgorithmSelector", "CommProfiler", "CommRecord",
+    "CommunicationOptimizer", "CostModel", "PinnedBuffer", "PinnedBufferPool", "Topology", "WrappedCommunicator",
+    "instrument", "topology",
     "BACKENDS", "CommError", "Communicator", "Handle", "ReduceOp", "ThreadCommunicator", "create_communicator",
     "create_communicators", "run_threads", "split", "split_range", "split_sizes",
 ]

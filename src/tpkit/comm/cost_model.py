@@ -1,0 +1,216 @@
+"""`CostModel`: how long a collective takes, from alpha (per message), beta (per byte moved) and gamma
+(per byte reduced), after Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication
+Operations in MPICH" (2005).
+
+Why: choosing an algorithm needs a prediction for sizes and world sizes not measured. Every algorithm's
+time is `a*alpha + b*beta + c*gamma` with counts `(a, b, c)` that follow from its message pattern
+(`coefficients`); `calibrate(comm)` times a few runs on the real backend and fits alpha, beta, gamma by
+least squares on relative error. The backend's own ("builtin") collectives are black boxes, so each gets
+its own fitted line `t = a + b * bytes` per (collective, world size).
+
+Bytes follow nccl-tests: the tensor for all_reduce and broadcast, the whole gathered output for
+all_gather, the whole input for reduce_scatter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Sequence
+
+import torch
+
+from .algorithms import ALGORITHMS, COLLECTIVES
+from .communicator import Communicator
+from .ops import ReduceOp
+
+BUILTIN = "builtin"
+# What a builtin collective is, as a formula, until it is measured: gloo's all_reduce is a ring, its
+# reduce_scatter is an all-reduce plus a copy, its all_gather a ring and its broadcast a tree.
+_BUILTIN_LIKE = {"all_reduce": ("all_reduce", "ring"), "all_gather": ("all_gather", "ring"),
+                 "reduce_scatter": ("all_reduce", "ring"), "broadcast": ("broadcast", "binomial")}
+
+
+def _lg(p: int) -> int:
+    return max(0, math.ceil(math.log2(p))) if p > 1 else 0
+
+
+def coefficients(collective: str, algorithm: str, nbytes: float, p: int) -> tuple[float, float, float]:
+    """(messages on the critical path, bytes sent by one rank, bytes reduced by one rank).
+
+    Non-powers of two pay for the fold (`p2` = largest power of two <= p): two extra messages, the whole
+    vector (or block) in and the result out.
+    """
+    m = float(nbytes)
+    if p <= 1:
+        return 0.0, 0.0, 0.0
+    p2 = 1 << (p.bit_length() - 1)
+    folded = p != p2
+    k2 = math.log2(p2)
+    if collective == BUILTIN or algorithm == BUILTIN:
+        collective, algorithm = _BUILTIN_LIKE[collective]
+    key = (collective, algorithm)
+    if key == ("all_reduce", "ring"):
+        return 2 * (p - 1), 2 * (p - 1) / p * m, (p - 1) / p * m
+    if key == ("all_reduce", "recursive_doubling"):
+        a, b, c = k2, k2 * m, k2 * m
+        return (a + 2, b + 2 * m, c + m) if folded else (a, b, c)
+    if key == ("all_reduce", "rabenseifner"):
+        a, b, c = 2 * k2, 2 * (p2 - 1) / p2 * m, (p2 - 1) / p2 * m
+        return (a + 2, b + 2 * m, c + m) if folded else (a, b, c)
+    if key == ("all_reduce", "tree"):
+        return 2 * _lg(p), 2 * _lg(p) * m, _lg(p) * m
+    if key == ("all_gather", "ring"):
+        return p - 1, (p - 1) / p * m, 0.0
+    if key == ("all_gather", "recursive_doubling"):
+        a, b = k2, (p2 - 1) / p2 * m
+        return (a + 2, b + m / p + m, 0.0) if folded else (a, b, 0.0)
+    if key == ("all_gather", "bruck"):
+        return _lg(p), (p - 1) / p * m, 0.0
+    if key in (("reduce_scatter", "ring"), ("reduce_scatter", "pairwise")):
+        return p - 1, (p - 1) / p * m, (p - 1) / p * m
+    if key == ("reduce_scatter", "recursive_halving"):
+        a, b, c = k2, (p2 - 1) / p2 * m, (p2 - 1) / p2 * m
+        return (a + 2, b + m + m / p, c + m) if folded else (a, b, c)
+    if key == ("broadcast", "binomial"):
+        return _lg(p), _lg(p) * m, 0.0
+    if key == ("broadcast", "scatter_allgather"):
+        return _lg(p) + p - 1, 2 * (p - 1) / p * m, 0.0
+    raise ValueError(f"CostModel: no formula for collective {collective!r} with algorithm {algorithm!r}; "
+                     f"known: {', '.join(f'{c}/{a}' for c in ALGORITHMS for a in ALGORITHMS[c])} and builtin")
+
+
+@dataclasses.dataclass
+class CostModel:
+    """alpha (s per message), beta (s per byte), gamma (s per reduced byte), plus fitted builtin lines.
+
+    The defaults describe a loopback gloo on a CPU box roughly; `calibrate` replaces them with measurements.
+    """
+
+    alpha: float = 50e-6
+    beta: float = 1.0e-9
+    gamma: float = 0.3e-9
+    builtin: dict[tuple[str, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
+    calibrated: bool = False
+
+    def predict(self, collective: str, algorithm: str, nbytes: float, world_size: int) -> float:
+        """Predicted seconds for one `collective` of `nbytes` (nccl-tests bytes) on `world_size` ranks."""
+        if collective not in COLLECTIVES:
+            raise ValueError(f"CostModel.predict: unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
+        if world_size < 1 or nbytes < 0:
+            raise ValueError(f"CostModel.predict: need world_size >= 1 and nbytes >= 0, got {world_size}, {nbytes}")
+        if world_size == 1:
+            return 0.0
+        if algorithm == BUILTIN and (collective, world_size) in self.builtin:
+            a, b = self.builtin[(collective, world_size)]
+            return a + b * nbytes
+        ka, kb, kc = coefficients(collective, algorithm, nbytes, world_size)
+        extra = 0.0
+        if algorithm == BUILTIN and collective == "reduce_scatter":
+            extra = (world_size - 1) / world_size * nbytes * self.gamma  # the all-reduce's copy out
+        return ka * self.alpha + kb * self.beta + kc * self.gamma + extra
+
+    def fit(self, samples: Sequence[tuple[str, str, float, int, float]]) -> "CostModel":
+        """Fit alpha, beta, gamma (from non-builtin samples) and builtin lines from
+        `(collective, algorithm, nbytes, world_size, seconds)` samples; relative least squares, non-negative."""
+        ours = [s for s in samples if s[1] != BUILTIN]
+        if ours:
+            rows = [[c / t for c in coefficients(col, alg, nb, p)] for col, alg, nb, p, t in ours]
+            self.alpha, self.beta, self.gamma = _nonneg_lstsq(rows, [1.0] * len(rows))
+        lines: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for col, alg, nb, p, t in samples:
+            if alg == BUILTIN:
+                lines.setdefault((col, p), []).append((nb, t))
+        for key, points in lines.items():
+            a, b = _nonneg_lstsq([[1.0 / t, nb / t] for nb, t in points], [1.0] * len(points))
+            self.builtin[key] = (a, b)
+        self.calibrated = True
+        return self
+
+    def calibrate(self, comm: Communicator, sizes: Sequence[int] = (16 << 10, 256 << 10, 2 << 20, 16 << 20),
+                  collectives: Sequence[str] = COLLECTIVES, iters: int = 3) -> "CostModel":
+        """Time every algorithm and the builtin of `collectives` at `sizes` on `comm`, then `fit`.
+
+        Collective over `comm`: every rank calls it. Each rank's times are combined with a MAX all-reduce,
+        so every rank fits the same model and later picks the same algorithm (a must: ranks that pick
+        different algorithms deadlock).
+        """
+        base = getattr(comm, "base", comm)
+        p = base.world_size
+        if p == 1:
+            self.calibrated = True
+            return self
+        plan = [(col, alg) for col in collectives for alg in [BUILTIN, *ALGORITHMS[col]]]
+        times = torch.zeros(len(plan) * len(sizes), dtype=torch.float64)
+        i = 0
+        for nbytes in sizes:
+            for col, alg in plan:
+                times[i] = _time_one(base, col, alg, nbytes, iters)
+                i += 1
+        times = base.all_reduce(times, op=ReduceOp.MAX)
+        samples, i = [], 0
+        for nbytes in sizes:
+            for col, alg in plan:
+                samples.append((col, alg, float(_numel(nbytes, p) * 4), p, float(times[i])))
+                i += 1
+        self.samples = samples
+        return self.fit(samples)
+
+    def to_dict(self) -> dict:
+        return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma, "calibrated": self.calibrated,
+                "builtin": {f"{c}@{p}": list(v) for (c, p), v in self.builtin.items()}}
+
+
+def _numel(nbytes: int, p: int) -> int:
+    """float32 elements of a collective of about `nbytes` (nccl-tests bytes), divisible by `p`."""
+    numel = max(p, nbytes // 4)
+    return numel - numel % p
+
+
+def _time_one(comm: Communicator, collective: str, algorithm: str, nbytes: int, iters: int) -> float:
+    """Median seconds of one call (after one warm-up), synchronised by a barrier before each."""
+    from .algorithms import ALGORITHMS as algs
+
+    p = comm.world_size
+    numel = _numel(nbytes, p)
+    x = torch.ones(numel // p if collective == "all_gather" else numel, dtype=torch.float32)
+    if collective == "all_reduce":
+        call = (lambda: comm.all_reduce(x)) if algorithm == BUILTIN else (
+            lambda: algs["all_reduce"][algorithm](comm, x, ReduceOp.SUM))
+    elif collective == "all_gather":
+        call = (lambda: comm.all_gather(x)) if algorithm == BUILTIN else (
+            lambda: algs["all_gather"][algorithm](comm, x, 0, None))
+    elif collective == "reduce_scatter":
+        call = (lambda: comm.reduce_scatter(x)) if algorithm == BUILTIN else (
+            lambda: algs["reduce_scatter"][algorithm](comm, x, ReduceOp.SUM, 0, None))
+    else:
+        call = (lambda: comm.broadcast(x, 0)) if algorithm == BUILTIN else (
+            lambda: algs["broadcast"][algorithm](comm, x, 0))
+    runs = []
+    for i in range(iters + 1):
+        comm.barrier()
+        start = time.perf_counter()
+        call()
+        if i:
+            runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def _nonneg_lstsq(rows: list[list[float]], rhs: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0 (drop the negative ones and refit; at most a few rounds)."""
+    k = len(rows[0])
+    active = [j for j in range(k) if any(r[j] for r in rows)]
+    while True:
+        if not active:
+            return [0.0] * k
+        a = torch.tensor([[r[j] for j in active] for r in rows], dtype=torch.float64)
+        b = torch.tensor(rhs, dtype=torch.float64).unsqueeze(1)
+        sol = torch.linalg.lstsq(a, b, driver="gelsd").solution.squeeze(1).tolist()
+        negative = [j for j, v in zip(active, sol) if v < 0]
+        if not negative:
+            out = [0.0] * k
+            for j, v in zip(active, sol):
+                out[j] = v
+            return out
+        active = [j for j in active if j not in negative]
