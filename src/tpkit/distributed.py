@@ -58,6 +58,9 @@ def read_launch_env() -> LaunchEnv:
         rank = _int_env("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
         world = _int_env("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
         local = _int_env("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+        if (rank is None) != (world is None):
+            raise ValueError("the MPI launch environment names a rank but no size, or a size but no rank "
+                             "(OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE or PMI_RANK / PMI_SIZE); launch with mpirun")
         launcher = "mpirun" if rank is not None else "none"
         rank, world = (rank, world) if rank is not None and world is not None else (0, 1)
     if not 0 <= rank < world:

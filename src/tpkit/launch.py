@@ -58,7 +58,10 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
             with use_communicator(comm):
                 return fn(*args)
         return run_on_threads(body, comms)
-    if backend not in ("gloo", "nccl", "mpi"):
+    if backend == "mpi":
+        raise ValueError("launch: backend 'mpi' needs processes started by mpirun; run "
+                         f"`mpirun -n {world_size} python your_script.py` and call tpkit.init('mpi') there")
+    if backend not in ("gloo", "nccl"):
         raise ValueError(f"launch: unknown backend {backend!r}; valid: gloo, nccl, threads")
     return _launch_processes(fn, world_size, backend, args, timeout)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
+import operator
 import os
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 
@@ -39,6 +41,79 @@ def _ensure_debug_handler() -> None:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("[tpkit %(asctime)s] %(message)s"))
             logger.addHandler(handler)
+
+
+def group_name(global_ranks: Sequence[int], world_size: int) -> str:
+    """`world` for the whole world, else `world[0, 2]` (the members' ranks in the world): the same names on
+    every backend, so an error message says which processes to look at."""
+    ranks = list(global_ranks)
+    return "world" if ranks == list(range(world_size)) else f"world{ranks}"
+
+
+# -- signatures: what ranks compare under TP_DEBUG before a collective (torch and mpi backends) ------------
+_OP_CODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "send": 5}
+_OP_NAMES = {v: k for k, v in _OP_CODES.items()}
+_MAX_DIMS = 8  # dimensions spelled out in a report; all of them are compared (through a hash)
+SIGNATURE_LENGTH = 8 + _MAX_DIMS
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The same number for the same dtype in every process (unlike an order-of-first-use counter)."""
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
+
+
+_DTYPES = {_dtype_code(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def dtype_of_code(code: int) -> torch.dtype | None:
+    return _DTYPES.get(code)
+
+
+def _ints_hash(values: Sequence[int]) -> int:
+    """A hash of ints that every process agrees on (Python does not randomise the hashing of ints)."""
+    return hash(tuple(int(v) for v in values))
+
+
+def signature(op: str, tensor: torch.Tensor, dim: int = -1, sizes: Sequence[int] | None = None,
+              reduce_op: ReduceOp | None = None, src: int = -1) -> list[int]:
+    """`SIGNATURE_LENGTH` ints describing one rank's call; ranks of a correct collective have equal ones.
+
+    all_gather shards may differ along `dim` when `sizes` is given, so that size is masked and `sizes`
+    compared instead.
+    """
+    shape = list(tensor.shape)
+    if op == "all_gather" and sizes is not None:
+        shape[dim] = -1
+    reduce_code = -1 if reduce_op is None else list(ReduceOp).index(reduce_op)
+    head = [_OP_CODES[op], _dtype_code(tensor.dtype), tensor.dim(), reduce_code, dim, src,
+            0 if sizes is None else _ints_hash(sizes), _ints_hash(shape)]
+    return head + (shape + [0] * _MAX_DIMS)[:_MAX_DIMS]
+
+
+def sent_shape(row: Sequence[int]) -> list[int] | None:
+    """The shape a signature describes, if it is spelled out in full."""
+    return list(row[8:8 + row[2]]) if row[2] <= _MAX_DIMS else None
+
+
+def describe_signature(row: Sequence[int], with_op: bool = True) -> str:
+    ndim = row[2]
+    shape = list(row[8:8 + min(ndim, _MAX_DIMS)]) + (["..."] if ndim > _MAX_DIMS else [])
+    parts = [_OP_NAMES.get(row[0], "?")] if with_op else []
+    parts += [str(_DTYPES.get(row[1], "?")), f"shape {shape}"]
+    if row[3] >= 0:
+        parts.append(list(ReduceOp)[row[3]].name)
+    if row[4] >= 0:
+        parts.append(f"dim {row[4]}")
+    if row[5] >= 0:
+        parts.append(f"src {row[5]}")
+    return " ".join(parts)
+
+
+def check_signatures(op: str, group: str, rows: list[list[int]]) -> None:
+    """Raise `CommError` listing every rank's call when the ranks' signatures differ."""
+    if any(row != rows[0] for row in rows):
+        desc = "; ".join(f"rank {r}: {describe_signature(row)}" for r, row in enumerate(rows))
+        raise CommError(f"{op}: ranks of group {group} passed mismatched tensors or arguments: {desc}")
 
 
 class Handle:
@@ -71,7 +146,9 @@ class Communicator(abc.ABC):
     """A group of `world_size` ranks that run collectives together; this object is one of them.
 
     Collectives return a new tensor and never modify their input. `recv` is the one exception: it fills
-    the buffer it is given, as its name says.
+    the buffer it is given, as its name says. Results are detached: a collective is not differentiable by
+    itself (the autograd-aware pairs live in `tpkit.nn.mappings`), on every backend and every world size.
+    With `async_op=True` the input must stay unchanged until `wait()` returns, as with torch.distributed.
     """
 
     backend: str = "abstract"
@@ -113,7 +190,7 @@ class Communicator(abc.ABC):
         self._check_tensor("all_reduce", tensor)
         self._log("all_reduce", tensor, op=op.name)
         if self._world_size == 1:
-            return self._finish(Handle.completed(tensor.clone()), async_op)
+            return self._finish(Handle.completed(tensor.detach().clone()), async_op)
         with self._guard("all_reduce"):
             return self._finish(self._all_reduce(tensor.contiguous(), op, async_op), async_op, "all_reduce")
 
@@ -129,7 +206,7 @@ class Communicator(abc.ABC):
         sizes = self._check_gather_sizes(tensor, dim, sizes)
         self._log("all_gather", tensor, dim=dim)
         if self._world_size == 1:
-            return self._finish(Handle.completed(tensor.clone()), async_op)
+            return self._finish(Handle.completed(tensor.detach().clone()), async_op)
         with self._guard("all_gather"):
             return self._finish(self._all_gather(tensor.contiguous(), dim, sizes, async_op), async_op, "all_gather")
 
@@ -153,7 +230,7 @@ class Communicator(abc.ABC):
                     f"the size of dim {dim} ({tensor.shape[dim]}) of the input of shape {tuple(tensor.shape)}")
         self._log("reduce_scatter", tensor, op=op.name, dim=dim)
         if self._world_size == 1:
-            return self._finish(Handle.completed(tensor.clone()), async_op)
+            return self._finish(Handle.completed(tensor.detach().clone()), async_op)
         with self._guard("reduce_scatter"):
             handle = self._reduce_scatter(tensor.contiguous(), op, dim, sizes, async_op)
             return self._finish(handle, async_op, "reduce_scatter")
@@ -161,10 +238,10 @@ class Communicator(abc.ABC):
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Every rank gets `src`'s tensor; other ranks' `tensor` only gives the shape and dtype."""
         self._check_tensor("broadcast", tensor)
-        self._check_rank("broadcast", src, "src")
+        src = self._check_rank("broadcast", src, "src")
         self._log("broadcast", tensor, src=src)
         if self._world_size == 1:
-            return self._finish(Handle.completed(tensor.clone()), async_op)
+            return self._finish(Handle.completed(tensor.detach().clone()), async_op)
         with self._guard("broadcast"):
             return self._finish(self._broadcast(tensor.contiguous(), src, async_op), async_op, "broadcast")
 
@@ -180,7 +257,7 @@ class Communicator(abc.ABC):
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send `tensor` to rank `dst` of this group (matched by a `recv` there)."""
         self._check_tensor("send", tensor)
-        self._check_rank("send", dst, "dst", allow_self=False)
+        dst = self._check_rank("send", dst, "dst", allow_self=False)
         self._log("send", tensor, dst=dst)
         with self._guard("send"):
             self._drain()
@@ -189,7 +266,7 @@ class Communicator(abc.ABC):
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive from rank `src` into `tensor` (whose shape and dtype must match the sent one); return it."""
         self._check_tensor("recv", tensor)
-        self._check_rank("recv", src, "src", allow_self=False)
+        src = self._check_rank("recv", src, "src", allow_self=False)
         self._log("recv", tensor, src=src)
         with self._guard("recv"):
             self._drain()
@@ -300,17 +377,20 @@ class Communicator(abc.ABC):
         if ndim == 0:
             raise ValueError(f"{op}: needs a tensor with at least one dimension, got a 0-d tensor; "
                              f"use tensor.reshape(1)")
-        if not isinstance(dim, int) or not -ndim <= dim < ndim:
+        index = _as_index(dim)
+        if index is None or not -ndim <= index < ndim:
             raise ValueError(f"{op}: dim {dim!r} is out of range for a tensor of shape {tuple(tensor.shape)} "
                              f"(valid: {-ndim}..{ndim - 1})")
-        return dim % ndim
+        return index % ndim
 
-    def _check_rank(self, op: str, rank: int, what: str, allow_self: bool = True) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self._world_size:
+    def _check_rank(self, op: str, rank: int, what: str, allow_self: bool = True) -> int:
+        index = _as_index(rank)
+        if index is None or not 0 <= index < self._world_size:
             raise ValueError(f"{op}: {what} {rank!r} is not a rank of group {self._name} "
                              f"(ranks 0..{self._world_size - 1})")
-        if not allow_self and rank == self._rank:
+        if not allow_self and index == self._rank:
             raise ValueError(f"{op}: {what} {rank} is this rank itself; a rank cannot {op} to itself")
+        return index
 
     def _check_gather_sizes(self, tensor: torch.Tensor, dim: int, sizes) -> list[int] | None:
         if sizes is None:
@@ -326,9 +406,12 @@ class Communicator(abc.ABC):
 
     def _check_group_ranks(self, ranks: Sequence[int]) -> list[int]:
         try:
-            members = sorted(int(r) for r in ranks)
+            indices = [_as_index(r) for r in ranks]
         except TypeError:
-            raise ValueError(f"new_group: ranks must be a sequence of ints, got {ranks!r}") from None
+            indices = [None]
+        if None in indices:
+            raise ValueError(f"new_group: ranks must be a sequence of ints, got {ranks!r}")
+        members = sorted(indices)  # type: ignore[type-var]
         if not members:
             raise ValueError("new_group: ranks is empty; a group needs at least one rank")
         if len(set(members)) != len(members):
@@ -338,3 +421,13 @@ class Communicator(abc.ABC):
             raise ValueError(f"new_group: ranks {bad} are not ranks of group {self._name} "
                              f"(ranks 0..{self._world_size - 1})")
         return members
+
+
+def _as_index(value) -> int | None:
+    """`value` as an int if it is an integer (Python, numpy or 0-d integer tensor); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

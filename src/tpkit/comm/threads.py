@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from .communicator import Communicator, Handle
+from .communicator import Communicator, group_name
 from .errors import CommError
-from .ops import ReduceOp, reduce_tensors
+from .ops import reduce_tensors
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -26,10 +26,10 @@ DEFAULT_TIMEOUT = 300.0
 class _World:
     """What all thread groups of one run share: one lock and the abort flag."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
+        self.size = size
         self.cond = threading.Condition()
         self.aborted: str | None = None
-        self.group_count = 0
 
     def abort(self, reason: str) -> None:
         with self.cond:
@@ -48,11 +48,12 @@ class _Slot:
 class _GroupState:
     """Rendezvous of one group: numbered exchange slots and point-to-point mailboxes."""
 
-    def __init__(self, world: _World, size: int, name: str):
+    def __init__(self, world: _World, global_ranks: list[int]):
         self.world = world
-        self.size = size
-        self.name = name
-        self.issued = [0] * size
+        self.size = len(global_ranks)
+        self.global_ranks = list(global_ranks)
+        self.name = group_name(global_ranks, world.size)
+        self.issued = [0] * self.size
         self.slots: dict[int, _Slot] = {}
         self.mailboxes: dict[tuple[int, int], deque] = {}
 
@@ -120,9 +121,9 @@ class ThreadCommunicator(Communicator):
     def _exchange(self, op: str, payload: Any) -> list[Any]:
         return self._state.exchange(self._rank, op, payload, self._timeout)
 
-    def _exchange_checked(self, op: str, tensor: torch.Tensor, same_shape: bool, extra: Any = None) -> list:
-        """Exchange private copies of `tensor`; raise `CommError` on every rank if the ranks disagree."""
-        items = self._exchange(op, (tensor.detach().clone(), extra))
+    def _exchange_checked(self, op: str, mine: torch.Tensor, same_shape: bool, extra: Any = None) -> list:
+        """Exchange `mine` (a private copy); raise `CommError` on every rank if the ranks disagree."""
+        items = self._exchange(op, (mine, extra))
         sigs = [_signature(t) for t, _ in items]
         dtypes = {d for _, d in sigs}
         if len(dtypes) > 1 or (same_shape and len({s for s, _ in sigs}) > 1):
@@ -133,18 +134,25 @@ class ThreadCommunicator(Communicator):
                             + ", ".join(f"rank {r}: {e}" for r, e in enumerate(extras)))
         return [t for t, _ in items]
 
+    # Each primitive takes its private copy of the input before returning, so an async operation uses the
+    # input as it was when issued, and a peer that reads it later cannot see this rank's later changes.
     def _all_reduce(self, tensor, op, async_op):
+        mine = tensor.detach().clone()
+
         def run():
-            return reduce_tensors(self._exchange_checked("all_reduce", tensor, True, op.name), op)
+            return reduce_tensors(self._exchange_checked("all_reduce", mine, True, op.name), op)
         return self._in_background(run, async_op)
 
     def _all_gather(self, tensor, dim, sizes, async_op):
+        mine = tensor.detach().clone()
+
         def run():
-            parts = self._exchange_checked("all_gather", tensor, False, (dim, sizes))
+            parts = self._exchange_checked("all_gather", mine, False, (dim, sizes))
             shapes = [list(p.shape) for p in parts]
             for s in shapes:
-                s[dim] = -1
-            if any(s != shapes[0] for s in shapes) or len({p.dim() for p in parts}) > 1:
+                if dim < len(s):
+                    s[dim] = -1
+            if any(s != shapes[0] for s in shapes):
                 raise CommError(f"all_gather: shards of group {self._name} differ outside dim {dim}: "
                                 f"{_describe([_signature(p) for p in parts])}")
             if sizes is None and len({p.shape[dim] for p in parts}) > 1:
@@ -154,17 +162,20 @@ class ThreadCommunicator(Communicator):
         return self._in_background(run, async_op)
 
     def _reduce_scatter(self, tensor, op, dim, sizes, async_op):
+        mine = tensor.detach().clone()
+
         def run():
-            parts = self._exchange_checked("reduce_scatter", tensor, True, (op.name, dim, tuple(sizes)))
+            parts = self._exchange_checked("reduce_scatter", mine, True, (op.name, dim, tuple(sizes)))
             start = sum(sizes[:self._rank])
-            mine = [p.narrow(dim, start, sizes[self._rank]) for p in parts]
-            return reduce_tensors(mine, op)
+            return reduce_tensors([p.narrow(dim, start, sizes[self._rank]) for p in parts], op)
         return self._in_background(run, async_op)
 
     def _broadcast(self, tensor, src, async_op):
+        mine = tensor.detach().clone()
+
         def run():
-            parts = self._exchange_checked("broadcast", tensor, True, src)
-            return parts[src].clone() if self._rank != src else tensor.clone()
+            parts = self._exchange_checked("broadcast", mine, True, src)
+            return parts[src].clone()  # src too: peers may still be reading its copy
         return self._in_background(run, async_op)
 
     def _barrier(self):
@@ -183,15 +194,11 @@ class ThreadCommunicator(Communicator):
         return tensor
 
     def _new_group(self, members):
-        world = self._state.world
+        # The lowest member builds the shared state; the exchange hands it to the other members and checks
+        # that every rank asked for the same group.
+        state = None
         if self._rank == members[0]:
-            with world.cond:
-                world.group_count += 1
-                number = world.group_count
-            parent_ranks = "" if self._name == "threads" else f"{self._name}:"
-            state = _GroupState(world, len(members), f"threads[{parent_ranks}{','.join(map(str, members))}]#{number}")
-        else:
-            state = None
+            state = _GroupState(self._state.world, [self._state.global_ranks[m] for m in members])
         states = self._exchange("new_group", (tuple(members), state))
         if any(m != states[0][0] for m, _ in states):
             raise CommError(f"new_group: ranks of group {self._name} asked for different members: "
@@ -205,7 +212,7 @@ def create_communicators(world_size: int, timeout: float | None = None) -> list[
     """All `world_size` thread-rank communicators of a new group, for code that runs its own threads."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    state = _GroupState(_World(), world_size, "threads")
+    state = _GroupState(_World(world_size), list(range(world_size)))
     return [ThreadCommunicator(state, r, DEFAULT_TIMEOUT if timeout is None else timeout) for r in range(world_size)]
 
 

@@ -2,9 +2,9 @@
 
 It adds nothing on the hot path but what the contract needs: a copy of the input for all_reduce (so the
 input is never modified), a `movedim` for `dim != 0`, and padding for uneven shards. Operations a
-backend lacks are composed: gloo has no AVG, so it sums and divides. Under `TP_DEBUG=1` every collective
-first compares the ranks' shapes and dtypes and raises `CommError` on a mismatch instead of corrupting
-memory or hanging.
+backend lacks are composed: gloo has no AVG on integers, so it sums and divides. Under `TP_DEBUG=1` every
+collective, send and recv first compares the ranks' shapes, dtypes and arguments and raises `CommError` on
+a mismatch instead of corrupting memory or hanging.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .communicator import Communicator, Handle, debug_enabled
+from .communicator import (SIGNATURE_LENGTH, Communicator, Handle, check_signatures, debug_enabled,
+                           describe_signature, dtype_of_code, group_name, sent_shape, signature)
 from .errors import CommError
 from .ops import ReduceOp, divide_by_count
 
@@ -24,17 +25,12 @@ _TORCH_OPS = {
     ReduceOp.MAX: dist.ReduceOp.MAX,
     ReduceOp.MIN: dist.ReduceOp.MIN,
 }
+# The non-deprecated names where torch has them (no FutureWarning on every call).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_OP_CODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4}
-_DTYPE_CODES: dict[torch.dtype, int] = {}
 # Subgroups made by members only (use_local_synchronization) are named by their ranks in torch; asking for
 # the same ranks twice must reuse the group rather than collide.
 _LOCAL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPE_CODES.setdefault(dtype, len(_DTYPE_CODES) + 1)
 
 
 class TorchCommunicator(Communicator):
@@ -48,9 +44,13 @@ class TorchCommunicator(Communicator):
                             "torch.distributed.init_process_group) first")
         self._group = group if group is not None else dist.group.WORLD
         self._global_ranks = dist.get_process_group_ranks(self._group)
+        rank = dist.get_rank(self._group)
+        if rank < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group "
+                             f"of ranks {self._global_ranks}; only members can make a communicator for it")
         self._pg_backend = dist.get_backend(self._group)
-        super().__init__(dist.get_rank(self._group), dist.get_world_size(self._group),
-                         name or ("world" if group is None else f"world{self._global_ranks}"),
+        super().__init__(rank, len(self._global_ranks),
+                         name or group_name(self._global_ranks, dist.get_world_size()),
                          timeout if timeout is not None else 1800.0)
         self._native_avg = self._pg_backend == "nccl"
 
@@ -70,49 +70,39 @@ class TorchCommunicator(Communicator):
         return torch.device("cpu")
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _handle(self, work, finish: Callable[[], torch.Tensor]) -> Handle:
+    @staticmethod
+    def _handle(work, finish: Callable[[], torch.Tensor]) -> Handle:
         def wait() -> torch.Tensor:
             work.wait()
             return finish()
         return Handle(wait, work.is_completed)
 
-    def _check_peers(self, op: str, tensor: torch.Tensor, dim: int = -1, extra: int = 0) -> None:
-        """Under TP_DEBUG: compare every rank's (op, dtype, shape) and raise CommError on a mismatch."""
+    def _check_peers(self, op: str, tensor: torch.Tensor, **details) -> None:
+        """Under TP_DEBUG: compare every rank's signature (op, dtype, shape, arguments); CommError if any differ."""
         if not debug_enabled():
             return
-        shape = list(tensor.shape)[:8]
-        if op == "all_gather" and dim >= 0:
-            shape[dim] = -1  # shards may differ here when sizes are given
-        sig = [_OP_CODES.get(op, 0), _dtype_code(tensor.dtype), tensor.dim(), extra] + shape + [0] * (8 - len(shape))
-        mine = torch.tensor(sig, dtype=torch.int64, device=self._scratch_device())
+        mine = torch.tensor(signature(op, tensor, **details), dtype=torch.int64, device=self._scratch_device())
         every = torch.empty(self._world_size * mine.numel(), dtype=torch.int64, device=mine.device)
         _all_gather_single(every, mine, group=self._group)
-        rows = every.view(self._world_size, -1).tolist()
-        if any(row != rows[0] for row in rows):
-            names = {v: k for k, v in _OP_CODES.items()}
-            dtypes = {v: k for k, v in _DTYPE_CODES.items()}
-            desc = ", ".join(f"rank {r}: {names.get(row[0], '?')} {dtypes.get(row[1], '?')} shape {row[4:4 + row[2]]}"
-                             for r, row in enumerate(rows))
-            raise CommError(f"{op}: ranks of group {self._name} passed mismatched tensors or arguments: {desc}")
+        check_signatures(op, self._name, every.view(self._world_size, -1).tolist())
 
     # -- primitives -------------------------------------------------------------------------------
     def _all_reduce(self, tensor, op, async_op):
-        self._check_peers("all_reduce", tensor, extra=list(ReduceOp).index(op))
-        out = tensor.clone()
-        if op is ReduceOp.AVG and self._native_avg and out.is_floating_point():
-            return self._handle(dist.all_reduce(out, dist.ReduceOp.AVG, group=self._group, async_op=True),
-                                lambda: out)
-        work = dist.all_reduce(out, _TORCH_OPS.get(op, dist.ReduceOp.SUM), group=self._group, async_op=True)
-        if op is ReduceOp.AVG:
-            return self._handle(work, lambda: divide_by_count(out, self._world_size))
-        return self._handle(work, lambda: out)
+        self._check_peers("all_reduce", tensor, reduce_op=op)
+        out = tensor.detach().clone()
+        native = op is not ReduceOp.AVG or (self._native_avg and out.is_floating_point())
+        torch_op = dist.ReduceOp.AVG if op is ReduceOp.AVG and native else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
+        work = dist.all_reduce(out, torch_op, group=self._group, async_op=True)
+        if native:
+            return self._handle(work, lambda: out)
+        return self._handle(work, lambda: divide_by_count(out, self._world_size))
 
     def _all_gather(self, tensor, dim, sizes, async_op):
-        self._check_peers("all_gather", tensor, dim=dim)
-        moved = tensor if dim == 0 else tensor.movedim(dim, 0).contiguous()
+        self._check_peers("all_gather", tensor, dim=dim, sizes=sizes)
+        moved = tensor.detach() if dim == 0 else tensor.detach().movedim(dim, 0).contiguous()
         n = self._world_size
         longest = moved.shape[0] if sizes is None else max(sizes)
-        if sizes is not None and moved.shape[0] < longest:
+        if moved.shape[0] < longest:
             padded = moved.new_zeros((longest,) + tuple(moved.shape[1:]))
             padded[: moved.shape[0]] = moved
             moved = padded
@@ -127,8 +117,8 @@ class TorchCommunicator(Communicator):
         return self._handle(work, finish)
 
     def _reduce_scatter(self, tensor, op, dim, sizes, async_op):
-        self._check_peers("reduce_scatter", tensor, extra=list(ReduceOp).index(op))
-        moved = tensor if dim == 0 else tensor.movedim(dim, 0).contiguous()
+        self._check_peers("reduce_scatter", tensor, dim=dim, reduce_op=op, sizes=sizes)
+        moved = tensor.detach() if dim == 0 else tensor.detach().movedim(dim, 0).contiguous()
         n = self._world_size
         longest = max(sizes)
         if any(s != longest for s in sizes):
@@ -139,21 +129,21 @@ class TorchCommunicator(Communicator):
                 start += s
             moved = padded
         out = moved.new_empty((longest,) + tuple(moved.shape[1:]))
-        native_avg = op is ReduceOp.AVG and self._native_avg and out.is_floating_point()
-        torch_op = dist.ReduceOp.AVG if native_avg else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
+        native = op is not ReduceOp.AVG or (self._native_avg and out.is_floating_point())
+        torch_op = dist.ReduceOp.AVG if op is ReduceOp.AVG and native else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
         work = _reduce_scatter_single(out, moved, op=torch_op, group=self._group, async_op=True)
         mine = sizes[self._rank]
 
         def finish() -> torch.Tensor:
             piece = out if mine == longest else out.narrow(0, 0, mine)
-            if op is ReduceOp.AVG and not native_avg:
+            if not native:
                 piece = divide_by_count(piece, n)
             return piece if dim == 0 else piece.movedim(0, dim).contiguous()
         return self._handle(work, finish)
 
     def _broadcast(self, tensor, src, async_op):
-        self._check_peers("broadcast", tensor, extra=src)
-        out = tensor.clone() if self._rank == src else torch.empty_like(tensor)
+        self._check_peers("broadcast", tensor, src=src)
+        out = tensor.detach().clone() if self._rank == src else torch.empty_like(tensor)
         work = dist.broadcast(out, self._global_ranks[src], group=self._group, async_op=True)
         return self._handle(work, lambda: out)
 
@@ -162,17 +152,34 @@ class TorchCommunicator(Communicator):
         dist.all_reduce(token, group=self._group)
 
     def _send(self, tensor, dst):
-        dist.send(tensor, self._global_ranks[dst], group=self._group)
+        peer = self._global_ranks[dst]
+        if debug_enabled():  # announce shape and dtype so the receiver can check before taking the data
+            header = torch.tensor(signature("send", tensor), dtype=torch.int64, device=self._scratch_device())
+            dist.send(header, peer, group=self._group)
+        dist.send(tensor.detach(), peer, group=self._group)
 
     def _recv(self, tensor, src):
-        if tensor.is_contiguous():
-            dist.recv(tensor, self._global_ranks[src], group=self._group)
-            return tensor
-        buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        dist.recv(buf, self._global_ranks[src], group=self._group)
-        with torch.no_grad():
-            tensor.copy_(buf)
+        peer = self._global_ranks[src]
+        buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        if debug_enabled():
+            header = torch.empty(SIGNATURE_LENGTH, dtype=torch.int64, device=self._scratch_device())
+            dist.recv(header, peer, group=self._group)
+            sent, expected = header.tolist(), signature("send", tensor)
+            if sent != expected:
+                self._drain_mismatched(sent, peer)
+                raise CommError(f"recv: rank {src} of group {self._name} sent {describe_signature(sent, False)} but rank "
+                                f"{self._rank} expects {describe_signature(expected, False)}")
+        dist.recv(buf.detach(), peer, group=self._group)
+        if buf is not tensor:
+            with torch.no_grad():
+                tensor.copy_(buf)
         return tensor
+
+    def _drain_mismatched(self, sent: list[int], peer: int) -> None:
+        """Take the mismatched message anyway, so the sender is not left blocked and the channel stays usable."""
+        dtype, shape = dtype_of_code(sent[1]), sent_shape(sent)
+        if dtype is not None and shape is not None:
+            dist.recv(torch.empty(shape, dtype=dtype, device=self._scratch_device()), peer, group=self._group)
 
     def _new_group(self, members):
         global_members = [self._global_ranks[m] for m in members]
@@ -192,4 +199,4 @@ class TorchCommunicator(Communicator):
                 group = dist.new_group(global_members, timeout=timeout, backend=self._pg_backend,
                                        use_local_synchronization=True)
                 _LOCAL_GROUPS[key] = group
-        return TorchCommunicator(group, self._timeout, name=f"world{global_members}")
+        return TorchCommunicator(group, self._timeout)
