@@ -3,6 +3,8 @@ splits, construction from sizes (same slice as the single-device init) and every
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
@@ -79,8 +81,18 @@ def test_linear_matches_single_device_threads(world_size):
     assert_small(run(linear_checks, world_size, "threads", "float32"), FP32_TOL)
 
 
-def test_linear_matches_single_device_gloo():
-    assert_small(run(linear_checks, 2, "gloo", "float32"), FP32_TOL)
+def _random_shape_errors(in_f: int, out_f: int, bias: bool, seed: int) -> dict:
+    return {**_column_errors(in_f, out_f, bias, seed % 2 == 0, torch.float64, seed),
+            **_row_errors(in_f, out_f, bias, seed % 3 != 0, torch.float64, seed)}
+
+
+@settings(max_examples=10, deadline=None)
+@given(world_size=st.integers(1, 4), extra_in=st.integers(0, 9), extra_out=st.integers(0, 9), bias=st.booleans(),
+       seed=st.integers(0, 100))
+def test_linear_random_uneven_shapes(world_size, extra_in, extra_out, bias, seed):
+    results = run(_random_shape_errors, world_size, "threads", world_size + extra_in, world_size + extra_out, bias,
+                  seed)
+    assert_small(results, FP64_TOL)
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])
@@ -147,8 +159,8 @@ def test_construction_errors():
     comms = create_communicators(4)
     with pytest.raises(ValueError, match=r"ColumnParallelLinear: out_features must be a positive int, got 0"):
         ColumnParallelLinear(8, 0, comm=comms[0])
-    with pytest.raises(ValueError, match=r"ColumnParallelLinear: out_features 3 has only 3 rows/columns, fewer than world "
-                                         r"size 4, so some rank would hold nothing; valid world sizes: 1\.\.3"):
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear: out_features 3 has only 3 rows/columns, fewer than "
+                                         r"world size 4, so some rank would hold nothing; valid world sizes: 1\.\.3"):
         ColumnParallelLinear(8, 3, comm=comms[0])
     with pytest.raises(ValueError, match=r"ColumnParallelLinear: out_features 20 is not a whole number of chunks of "
                                          r"8"):

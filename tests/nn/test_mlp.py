@@ -94,7 +94,8 @@ def mlp_checks(dtype_name: str = "float64") -> dict:
                     sync_sequence_parallel_grads(tp)
                 if step == 0:
                     errors[f"{tag} out"] = rel_err(y, local_slice(y_ref, 1, seq_sizes, r) if sp else y_ref)
-                    errors[f"{tag} dx"] = rel_err(x.grad, local_slice(x_ref.grad, 1, seq_sizes, r) if sp else x_ref.grad)
+                    want_dx = local_slice(x_ref.grad, 1, seq_sizes, r) if sp else x_ref.grad
+                    errors[f"{tag} dx"] = rel_err(x.grad, want_dx)
                     errors.update(_compare_params(tag, tp, ref, r, grads=True))
                 norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
                 norm_tp = clip_grad_norm_(tp.parameters(), 1.0)
@@ -109,15 +110,17 @@ def lm_checks(dtype_name: str = "float64") -> dict:
     """embedding -> MLP -> column-parallel LM head -> vocab-parallel cross-entropy == the single-device loss."""
     dtype = getattr(torch, dtype_name)
     comm = tpkit.get_communicator()
-    r, n = comm.rank, comm.world_size
+    r = comm.rank
     errors = {}
     for sp in (False, True):
         ref = nn.ModuleDict(dict(emb=seeded_embedding(VOCAB, HIDDEN, 5, dtype=dtype), mlp=Mlp(True, 9, dtype),
                                  head=seeded_linear(HIDDEN, VOCAB, False, 11, dtype)))
         tp = nn.ModuleDict(dict(
-            emb=VocabParallelEmbedding.from_module(seeded_embedding(VOCAB, HIDDEN, 5, dtype=dtype), sequence_parallel=sp),
+            emb=VocabParallelEmbedding.from_module(seeded_embedding(VOCAB, HIDDEN, 5, dtype=dtype),
+                                                   sequence_parallel=sp),
             mlp=parallelize_mlp(Mlp(True, 9, dtype), sp),
-            head=ColumnParallelLinear.from_module(seeded_linear(HIDDEN, VOCAB, False, 11, dtype), sequence_parallel=sp)))
+            head=ColumnParallelLinear.from_module(seeded_linear(HIDDEN, VOCAB, False, 11, dtype),
+                                                  sequence_parallel=sp)))
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
         target = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
         target[0, :3] = -100

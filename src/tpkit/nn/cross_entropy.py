@@ -3,8 +3,9 @@
 Each rank holds `logits[..., start:end]` (a column-parallel LM head's output). The loss needs only three
 numbers per token from the whole vocabulary: the max logit (for a stable softmax), the sum of exponentials
 and the target's logit (plus the sum of logits for label smoothing). Those cross the wire, in two all-reduces
-(a MAX, then one SUM of the stacked statistics), instead of `tokens x vocab` floats. All math is fp32 (fp64 for fp64
-logits) whatever the logits' dtype; the backward needs no communication at all (softmax minus the smoothed one-hot, locally).
+(a MAX, then one SUM of the stacked statistics), instead of `tokens x vocab` floats. All math is fp32 (fp64
+for fp64 logits) whatever the logits' dtype; the backward needs no communication at all (softmax minus the
+smoothed one-hot, locally).
 """
 from __future__ import annotations
 
@@ -87,8 +88,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ign
 
     `logits`: `[..., vocab_local]` (classes in the LAST dim), `target`: `[...]` of global class ids. The split
     is `vocab_size` cut by the split rule, or explicit per-rank `partition_sizes`; with neither, the ranks
-    exchange their slice sizes (one extra tiny all-gather per call). The loss is fp32 (fp64 for fp64 logits): per token for
-    `reduction="none"` (0 where `target == ignore_index`), else the sum, or the mean over non-ignored tokens.
+    exchange their slice sizes (one extra tiny all-gather per call). The loss is fp32 (fp64 for fp64 logits):
+    per token for `reduction="none"` (0 where `target == ignore_index`), else the sum, or the mean over
+    non-ignored tokens.
     Collective: every rank of the group calls it with the same `target`.
     """
     comm = resolve_comm(comm)

@@ -21,7 +21,8 @@ from .partition import is_tensor_parallel
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     comm: Communicator | None = None, error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Scale gradients in place so the global `norm_type` norm is at most `max_norm`; return the norm (fp32, or fp64 for fp64 gradients).
+    """Scale gradients in place so the global `norm_type` norm is at most `max_norm`; return the norm (fp32, or
+    fp64 for fp64 gradients).
 
     Like `torch.nn.utils.clip_grad_norm_`, but the norm is that of the full, unsharded model. Collective.
     """
