@@ -1,0 +1,227 @@
+"""How fast a transformer runs at each TP world size: a roofline per rank plus an alpha-beta model of the
+collectives, so a user sees where adding ranks stops paying before buying them.
+
+Per rank and per step (a training step, a prefill forward, or one decoded token):
+
+* compute time = FLOPs / peak. FLOPs = 2 * tokens * matmul parameters on the rank (q, k, v, o, MLP, LM
+  head; embeddings are look-ups) + attention scores, 4 * b * s_q * s_kv * (a/t) * d per layer (halved for
+  causal decoders, as fused kernels skip the masked half). Training = 3 x forward (backward is two matmuls
+  per forward one); full recompute adds a forward, selective adds the attention scores again.
+* memory time = bytes / HBM bandwidth: weights on the rank read once per pass (training: forward, backward
+  and the gradient write), activations written and read back once, and for decoding the KV cache read.
+* roofline time = max(compute, memory): the step is bound by whichever is slower.
+* communication (Megatron TP): 2 all-reduces of (b, s, h) per layer forward (after attention and the MLP),
+  2 more in backward; the vocab-parallel embedding's all-reduce; inference gathers the logits. With
+  sequence parallelism each all-reduce becomes an all-gather plus a reduce-scatter: the same bytes.
+  Ring all-reduce: 2(t-1)/t * bytes / link bandwidth + 2(t-1) * latency; all-gather: half of that.
+* step time = roofline + communication (no overlap assumed: TP collectives sit on the critical path).
+
+Peaks come from `hardware.py` (datasheet figures); `efficiency`, `memory_efficiency` and
+`link_efficiency` scale them to what kernels reach in practice (defaults 1.0: an ideal roofline).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from tpkit.comm.sharding import split_sizes
+
+from .estimate import (TransformerShape, _attention_kind, _normalise_recompute, format_bytes, parameter_counts,
+                       rank_heads, transformer_activation_bytes, transformer_shape)
+from .hardware import Hardware, get_hardware
+
+_MODES = ("training", "prefill", "decode")
+
+
+@dataclass
+class SpeedRow:
+    """One world size: per-rank work and time of one step (seconds)."""
+
+    world_size: int
+    flops_per_rank: float
+    bytes_per_rank: float
+    communication_bytes: float
+    collectives: int
+    compute_s: float
+    memory_s: float
+    communication_s: float
+    total_s: float
+    tokens_per_s: float
+    speedup: float = 1.0
+    bound: str = ""
+
+
+@dataclass
+class SpeedEstimate:
+    """Step (or token) time and speedup per world size."""
+
+    hardware: str
+    interconnect: str
+    mode: str
+    dtype: str
+    batch_size: int
+    seq_len: int
+    rows: list[SpeedRow]
+    notes: list[str] = field(default_factory=list)
+
+    def row(self, world_size: int) -> SpeedRow:
+        for r in self.rows:
+            if r.world_size == world_size:
+                return r
+        raise KeyError(f"world size {world_size} not estimated; have {[r.world_size for r in self.rows]}")
+
+    def speedup(self, world_size: int) -> float:
+        return self.row(world_size).speedup
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hardware": self.hardware, "interconnect": self.interconnect, "mode": self.mode, "dtype": self.dtype,
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "rows": [asdict(r) for r in self.rows],
+                "notes": list(self.notes)}
+
+    def summary(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        unit = "token" if self.mode == "decode" else "step"
+        table = Table(title=f"speed: {self.mode}, {self.dtype}, batch {self.batch_size} x seq {self.seq_len}, "
+                            f"{self.hardware} over {self.interconnect}")
+        for name in ("world size", "compute", "memory", "comm", f"time/{unit}", "tokens/s", "speedup", "bound"):
+            table.add_column(name, justify="right")
+        for r in self.rows:
+            table.add_row(str(r.world_size), _ms(r.compute_s), _ms(r.memory_s), _ms(r.communication_s),
+                          _ms(r.total_s), f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", r.bound)
+        console = Console(width=110, record=True, force_terminal=False, color_system=None)
+        with console.capture() as capture:
+            console.print(table)
+            for note in self.notes:
+                console.print(f"note: {note}")
+        return capture.get()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def ring_all_reduce_seconds(nbytes: float, world_size: int, bandwidth: float, latency_s: float) -> float:
+    """Ring all-reduce: each rank sends and receives 2(t-1)/t of the message in 2(t-1) steps."""
+    if world_size == 1:
+        return 0.0
+    t = world_size
+    return 2 * (t - 1) / t * nbytes / bandwidth + 2 * (t - 1) * latency_s
+
+
+def ring_all_gather_seconds(nbytes_total: float, world_size: int, bandwidth: float, latency_s: float) -> float:
+    """Ring all-gather of a result of `nbytes_total`: (t-1)/t of it crosses each link in t-1 steps."""
+    if world_size == 1:
+        return 0.0
+    t = world_size
+    return (t - 1) / t * nbytes_total / bandwidth + (t - 1) * latency_s
+
+
+def _matmul_params(shape: TransformerShape, t: int) -> float:
+    counts = parameter_counts(shape, t)
+    lm_head = counts["lm_head"] if not shape.tied_embeddings else split_sizes(shape.vocab_size, t)[0] * shape.hidden_size
+    return counts["attention"] + counts["mlp"] + lm_head
+
+
+def _step(shape: TransformerShape, hw: Hardware, t: int, mode: str, B: int, b: int, s: int, recompute: str,
+          sequence_parallel: bool, attention: str, eff: float, mem_eff: float, link_eff: float) -> SpeedRow:
+    L, h, d = shape.num_layers, shape.hidden_size, shape.head_dim
+    q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t)
+    causal = 0.5 if shape.is_decoder else 1.0
+    if mode == "decode":
+        tokens, s_q, s_kv = b, 1, s
+        causal = 1.0
+    else:
+        tokens, s_q, s_kv = b * s, s, s
+    score_flops = L * 4 * b * s_q * s_kv * q_heads * d * causal
+    forward = 2 * tokens * _matmul_params(shape, t) + score_flops
+    params_rank = sum(parameter_counts(shape, t).values())
+    weight_bytes = params_rank * B
+    if mode == "training":
+        flops = 3 * forward + (forward if recompute == "full" else score_flops if recompute == "selective" else 0)
+        acts = sum(transformer_activation_bytes(shape, b, s, B, t, sequence_parallel and t > 1, recompute,
+                                                attention).values())
+        nbytes = 3 * weight_bytes + 2 * acts
+    elif mode == "decode":
+        flops = forward
+        kv_cache = 2 * L * b * s * kv_heads * d * B
+        nbytes = weight_bytes + kv_cache
+    else:
+        flops = forward
+        nbytes = weight_bytes + 2 * L * tokens * (h + 2 * kv_heads * d) * B
+
+    bw, alpha = hw.interconnect.bandwidth * link_eff, hw.interconnect.latency_s
+    message = tokens * h * B
+    per_layer = 2 if mode != "training" else 4
+    all_reduces = L * per_layer + 1 + (1 if mode == "training" else 0)  # + embedding (+ LM-head input in bwd)
+    comm_s = all_reduces * ring_all_reduce_seconds(message, t, bw, alpha)
+    comm_bytes = all_reduces * (2 * (t - 1) / t * message if t > 1 else 0)
+    collectives = all_reduces if t > 1 else 0
+    if mode == "training":   # vocab-parallel cross entropy: max, sum-exp and target logit, fp32 per token
+        comm_s += 3 * ring_all_reduce_seconds(tokens * 4, t, bw, alpha)
+        collectives += 3 if t > 1 else 0
+    else:                    # gather the logits of the last position
+        logits = b * shape.vocab_size * B
+        comm_s += ring_all_gather_seconds(logits, t, bw, alpha)
+        comm_bytes += (t - 1) / t * logits if t > 1 else 0
+        collectives += 1 if t > 1 else 0
+    compute_s = flops / (hw.peak_flops(B) * eff)
+    memory_s = nbytes / (hw.memory_bandwidth * mem_eff)
+    roof = max(compute_s, memory_s)
+    total = roof + comm_s
+    bound = "compute" if compute_s >= memory_s else "memory"
+    if comm_s > roof:
+        bound = "communication"
+    new_tokens = b if mode == "decode" else tokens
+    return SpeedRow(t, flops, nbytes, comm_bytes, collectives, compute_s, memory_s, comm_s, total,
+                    new_tokens / total, 1.0, bound)
+
+
+def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 8), hardware: str | Hardware = "H100-SXM",
+                   interconnect: str | None = None, dtype: torch.dtype = torch.bfloat16, mode: str = "training",
+                   batch_size: int = 1, seq_len: int = 2048, sequence_parallel: bool = False, recompute="none",
+                   attention: str | None = None, efficiency: float = 1.0, memory_efficiency: float = 1.0,
+                   link_efficiency: float = 1.0) -> SpeedEstimate:
+    """Step time (training, prefill) or time per decoded token (decode, with a context of `seq_len`) and
+    speedup over one device, for each world size. Needs a transformer: an HF config or a model with one."""
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    for name, value in (("efficiency", efficiency), ("memory_efficiency", memory_efficiency),
+                        ("link_efficiency", link_efficiency)):
+        if not 0 < value <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {value}")
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+    sizes = [world_size] if isinstance(world_size, int) else list(world_size)
+    if not sizes or any(not isinstance(t, int) or t < 1 for t in sizes):
+        raise ValueError(f"world sizes must be positive ints, got {world_size!r}")
+    config = getattr(model_or_config, "config", None) if isinstance(model_or_config, nn.Module) else model_or_config
+    if config is None or not hasattr(config, "model_type"):
+        raise ValueError(f"estimate_speed needs a transformer with a Hugging Face config; "
+                         f"{type(model_or_config).__name__} has none (estimate_memory measures any module)")
+    shape = transformer_shape(config)
+    recompute = _normalise_recompute(recompute)
+    hw = get_hardware(hardware, interconnect)
+    B = dtype.itemsize
+    kind = _attention_kind(config, attention)
+    args = (mode, B, batch_size, seq_len, recompute, sequence_parallel, kind, efficiency, memory_efficiency,
+            link_efficiency)
+    base = _step(shape, hw, 1, *args)
+    rows = []
+    for t in sorted(set(sizes)):
+        row = base if t == 1 else _step(shape, hw, t, *args)
+        row.speedup = base.total_s / row.total_s
+        rows.append(row)
+    notes = [f"{hw.name}: {hw.peak_flops(B) / 1e12:.0f} TFLOP/s peak, {hw.memory_bandwidth / 1e9:.0f} GB/s HBM, "
+             f"{hw.interconnect.name}, {hw.interconnect.latency_s * 1e6:.0f} us per hop; "
+             f"efficiencies {efficiency}/{memory_efficiency}/{link_efficiency}",
+             f"weights per rank at t=1: {format_bytes(sum(parameter_counts(shape, 1).values()) * B)}"]
+    return SpeedEstimate(hw.name, hw.interconnect.name, mode, str(dtype).replace("torch.", ""), batch_size, seq_len,
+                         rows, notes)
+
+
+__all__ = ["SpeedEstimate", "SpeedRow", "estimate_speed", "ring_all_gather_seconds", "ring_all_reduce_seconds"]
