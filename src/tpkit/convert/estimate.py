@@ -312,15 +312,15 @@ def transformer_inference_bytes(shape: TransformerShape, batch_size: int, seq_le
     """Rank 0's live working set of an inference forward (nothing is kept for backward) and KV cache.
 
     Working set: the residual stream and norm output, plus the larger of attention (q, k, v, output; fused
-    attention keeps no s*s scores) and the MLP (its f-wide tensors), plus the logits, gathered to the full
-    vocabulary on every rank as the column-parallel LM head does for generation.
+    attention keeps no s*s scores) and the MLP (its f-wide tensors), plus this rank's logits. Gathering them to
+    the full vocabulary (the column-parallel LM head of generation) is counted as the communication buffer.
     """
     t, B, tokens, h = world_size, bytes_per_element, batch_size * seq_len, shape.hidden_size
     q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t)
     q, kv = q_heads * shape.head_dim, kv_heads * shape.head_dim
     f = split_sizes(shape.intermediate_size, t)[0]
     live = 2 * h + max(2 * q + 2 * kv, (3 if shape.gated_mlp else 2) * f)
-    logits = shape.vocab_size + split_sizes(shape.vocab_size, t)[0]
+    logits = split_sizes(shape.vocab_size, t)[0]  # local shard; the gathered copy is the communication buffer
     kv_cache = 2 * shape.num_layers * kv * tokens * B if shape.is_decoder else 0
     return {"activations": tokens * B * (live + logits), "kv_cache": kv_cache}
 

@@ -1,0 +1,111 @@
+"""`tpkit estimate TARGET`: memory per rank and speed per world size, before buying the devices.
+
+TARGET is a preset (`llama-2-70b`), an HF config.json or model directory, or `module:factory`. Transformers
+are estimated from their config alone; other modules need `--input-shape` to measure one small step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
+           "fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints like 1,2,4,8, got {text!r}")
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"world sizes must be positive, got {text!r}")
+    return sizes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tpkit.convert.hardware import HARDWARE
+
+    parser.add_argument("target", help="preset name, config.json / model directory, or module:factory")
+    parser.add_argument("--world-size", type=_sizes, default=[1, 2, 4, 8], help="comma-separated (default 1,2,4,8)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    parser.add_argument("--mode", default="inference", choices=["inference", "training"])
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=None, help="default: min(max positions, 4096)")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    parser.add_argument("--attention", default=None, choices=["eager", "sdpa", "flash"],
+                        help="attention kernel (default: the config's, else fused)")
+    parser.add_argument("--hardware", default="H100-SXM", help=f"one of {', '.join(HARDWARE)}")
+    parser.add_argument("--interconnect", default="nvlink", choices=["nvlink", "pcie"])
+    parser.add_argument("--input-shape", default=None,
+                        help="for modules without a transformer config: input shape, batch first, e.g. 8,3,32,32")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _memory_table(target: str, estimates, device_bytes: int, device_name: str) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tpkit.convert.estimate import format_bytes
+
+    first = estimates[0]
+    title = (f"{target}: memory per rank, {first.mode}, {first.dtype}, batch {first.batch_size}"
+             + (f" x seq {first.seq_len}" if first.seq_len else "") + (" + SP" if first.sequence_parallel else "")
+             + (f", recompute {first.recompute}" if first.recompute != "none" else ""))
+    table = Table(title=title)
+    columns = ["world size", "params", "grads", "optimizer", "activations", "kv cache", "comm buf", "total", "saves",
+               f"fits {device_name}"]
+    for name in columns:
+        table.add_column(name, justify="right")
+    for e in estimates:
+        r = e.per_rank
+        table.add_row(str(e.world_size), format_bytes(r.parameters), format_bytes(r.gradients),
+                      format_bytes(r.optimizer_states), format_bytes(r.activations), format_bytes(r.kv_cache),
+                      format_bytes(r.communication_buffers), format_bytes(r.total), f"{e.savings_percent:.0f}%",
+                      "yes" if r.total <= device_bytes else "no")
+    console = Console(width=140, record=True, force_terminal=False, color_system=None)
+    with console.capture() as capture:
+        console.print(table)
+        for note in estimates[-1].notes:
+            console.print(f"note: {note}")
+    return capture.get()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tpkit.convert.estimate import estimate_memory
+    from tpkit.convert.hardware import get_hardware
+    from tpkit.convert.presets import load_target
+    from tpkit.convert.speed import estimate_speed
+
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    hardware = get_hardware(args.hardware, args.interconnect)
+    model, config = load_target(args.target, build=False)
+    subject = model if model is not None else config
+    extra = {}
+    if args.input_shape:
+        extra["input_shape"] = tuple(int(x) for x in args.input_shape.split(","))
+    estimates = [estimate_memory(subject, t, dtype=dtype, mode=args.mode, optimizer=args.optimizer,
+                                 batch_size=args.batch_size, seq_len=args.seq_len,
+                                 sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                                 attention=args.attention, **extra) for t in args.world_size]
+    speed = None
+    if config is not None and hasattr(config, "model_type"):
+        seq_len = estimates[0].seq_len or 2048
+        speed = estimate_speed(config, args.world_size, hardware=hardware, dtype=dtype,
+                               mode="training" if args.mode == "training" else "decode",
+                               batch_size=args.batch_size, seq_len=seq_len, sequence_parallel=args.sequence_parallel,
+                               recompute=args.recompute, attention=args.attention)
+    if args.json:
+        out = {"target": args.target, "hardware": hardware.name, "device_memory_bytes": hardware.memory_bytes,
+               "memory": [e.to_dict() for e in estimates], "speed": speed.to_dict() if speed else None}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(_memory_table(args.target, estimates, hardware.memory_bytes, hardware.name))
+    if speed is not None:
+        print(speed.summary())
+    else:
+        print("speed: needs a transformer with a Hugging Face config; not estimated for this module")
+    return 0
