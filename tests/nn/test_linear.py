@@ -2,6 +2,8 @@
 splits, construction from sizes (same slice as the single-device init) and every error case."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -130,6 +132,18 @@ def test_meta_dtype_and_shared_tensors():
     assert half.weight.data_ptr() != full.weight.data_ptr()
     frozen = seeded_linear(6, 4, True, 0, torch.float32).requires_grad_(False)
     assert not RowParallelLinear.from_module(frozen, comm=comms[1]).weight.requires_grad
+
+
+def _deepcopy_shares_comm() -> float:
+    layer = RowParallelLinear(6, 4, input_is_parallel=False)
+    twin = copy.deepcopy(layer)
+    assert twin.comm is layer.comm and twin.weight is not layer.weight and torch.equal(twin.weight, layer.weight)
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
+    return rel_err(twin(x), layer(x))
+
+
+def test_deepcopy_shares_the_communicator():
+    assert max(run(_deepcopy_shares_comm, 2, "threads")) == 0.0
 
 
 def test_world_size_one_is_plain_linear():

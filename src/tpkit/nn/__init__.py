@@ -7,6 +7,7 @@ and each layer has `from_module(m, comm=None)` to shard an existing `nn.Linear` 
 """
 from __future__ import annotations
 
+from ._layer import TensorParallelModule
 from .conv import ColumnParallelConv2d, RowParallelConv2d
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import ParallelEmbedding, VocabParallelEmbedding
@@ -20,11 +21,15 @@ from .random import (DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, RNGStatesTracker, ge
 from .sequence_parallel import mark_sequence_parallel, sequence_parallel_params, sync_sequence_parallel_grads
 
 __all__ = [
-    "ColumnParallelConv2d", "DATA_PARALLEL_RNG", "MODEL_PARALLEL_RNG", "RNGStatesTracker", "RowParallelConv2d",
-    "clip_grad_norm_", "get_rng_tracker", "model_parallel_manual_seed", "vocab_parallel_cross_entropy",
-    "ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_region",
-    "gather_from_region", "gather_from_sequence_region", "is_tensor_parallel", "mark_replicated",
-    "mark_sequence_parallel", "mark_tensor_parallel", "partition_sizes", "reduce_from_region",
+    # layers
+    "ColumnParallelConv2d", "ColumnParallelLinear", "ParallelEmbedding", "RowParallelConv2d", "RowParallelLinear",
+    "TensorParallelModule", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    # communication mappings
+    "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region",
     "reduce_scatter_to_sequence_region", "scatter_to_region", "scatter_to_sequence_region",
-    "sequence_parallel_params", "shard", "sync_sequence_parallel_grads",
+    # sharding and parameter marks
+    "is_tensor_parallel", "mark_replicated", "mark_tensor_parallel", "partition_sizes", "shard",
+    # training helpers
+    "DATA_PARALLEL_RNG", "MODEL_PARALLEL_RNG", "RNGStatesTracker", "clip_grad_norm_", "get_rng_tracker",
+    "mark_sequence_parallel", "model_parallel_manual_seed", "sequence_parallel_params", "sync_sequence_parallel_grads",
 ]

@@ -15,6 +15,32 @@ from ..comm.communicator import Communicator
 from .partition import mark_replicated, mark_tensor_parallel, shard
 
 
+class TensorParallelModule(nn.Module):
+    """Base of every tpkit layer: holds the communicator its collectives run on (`comm`, `world_size`, `rank`).
+
+    `copy.deepcopy` of a layer shares the communicator instead of copying it: a communicator is a connection to
+    the other ranks, not data (and the threads backend's locks cannot be copied).
+    """
+
+    def _set_comm(self, comm: Communicator | None) -> None:
+        self._comm_ref = _Shared(resolve_comm(comm))
+        self.world_size, self.rank = self.comm.world_size, self.comm.rank
+
+    @property
+    def comm(self) -> Communicator:
+        return self._comm_ref.value
+
+
+class _Shared:
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def resolve_comm(comm: Communicator | None) -> Communicator:
     """`comm`, or the default communicator of this process / thread-rank (`tpkit.get_communicator()`)."""
     if comm is not None:

@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.communicator import Communicator
-from ._layer import check_module, check_positive, full_module, make_shard, resolve_comm
+from ._layer import TensorParallelModule, check_module, check_positive, full_module, make_shard
 from .mappings import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
 from .partition import partition_sizes
 
 _CHANNELS = -3
 
 
-class _ParallelConv2d(nn.Module):
+class _ParallelConv2d(TensorParallelModule):
     PARTITION_DIMS: dict[str, int | None] = {}
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride, padding, dilation, bias: bool,
@@ -32,8 +32,7 @@ class _ParallelConv2d(nn.Module):
         # A meta nn.Conv2d normalises every argument (tuples, "same", padding modes) exactly as torch does.
         shape = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, 1, bias, padding_mode,
                           device="meta")
-        self.comm = resolve_comm(comm)
-        self.world_size, self.rank = self.comm.world_size, self.comm.rank
+        self._set_comm(comm)
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride, self.padding = shape.kernel_size, shape.stride, shape.padding
         self.dilation, self.padding_mode = shape.dilation, padding_mode

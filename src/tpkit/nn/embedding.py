@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.communicator import Communicator
-from ._layer import check_module, check_positive, check_sequence_divisible, full_module, make_shard, resolve_comm
+from ._layer import (TensorParallelModule, check_module, check_positive, check_sequence_divisible, full_module,
+                     make_shard)
 from .mappings import gather_from_region, reduce_from_region, reduce_scatter_to_sequence_region
 from .partition import partition_sizes
 
@@ -34,7 +35,7 @@ def _check_ids(layer: str, ids: torch.Tensor, num_embeddings: int) -> None:
                              f"{low}..{high}")
 
 
-class _ParallelEmbedding(nn.Module):
+class _ParallelEmbedding(TensorParallelModule):
     PARTITION_DIMS: dict[str, int | None] = {"weight": 0}
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None, comm: Communicator | None,
@@ -47,8 +48,7 @@ class _ParallelEmbedding(nn.Module):
                 raise ValueError(f"{name}: padding_idx {padding_idx} must be within num_embeddings "
                                  f"({num_embeddings})")
             padding_idx %= num_embeddings
-        self.comm = resolve_comm(comm)
-        self.world_size, self.rank = self.comm.world_size, self.comm.rank
+        self._set_comm(comm)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         dim = self.PARTITION_DIMS["weight"]
         split, what = (num_embeddings, "num_embeddings") if dim == 0 else (embedding_dim, "embedding_dim")

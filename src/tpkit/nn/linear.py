@@ -23,15 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.communicator import Communicator
-from ._layer import (check_last_dim, check_module, check_positive, check_sequence_divisible, full_module,
-                     make_shard, resolve_comm)
+from ._layer import (TensorParallelModule, check_last_dim, check_module, check_positive, check_sequence_divisible,
+                     full_module, make_shard)
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
                        reduce_scatter_to_sequence_region, scatter_to_region)
 from .partition import partition_sizes
 from .sequence_parallel import mark_sequence_parallel
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(TensorParallelModule):
     """Shared construction of both linear layers; subclasses say which dim of the weight is split."""
 
     PARTITION_DIMS: dict[str, int | None] = {}
@@ -43,8 +43,7 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         name = type(self).__name__
         check_positive(name, in_features=in_features, out_features=out_features)
-        self.comm = resolve_comm(comm)
-        self.world_size, self.rank = self.comm.world_size, self.comm.rank
+        self._set_comm(comm)
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
         split = in_features if self.PARTITION_DIMS["weight"] == 1 else out_features
