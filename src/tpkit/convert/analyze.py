@@ -1,0 +1,310 @@
+"""`analyze(model)`: which layers split and how, what stays replicated and why, memory per rank, and the
+smallest world size that fits a device.
+
+Figures are exact parameter bytes from the plan the planner would apply (the same shard shapes
+`parallelize` builds); "training" adds gradients and AdamW's two fp32 states per parameter. Activations and
+the KV cache are not counted here (see `tpkit.convert.estimate_memory`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from .modules import kind
+from .planner import Analysis, analyze_structure, auto_plan
+from .shard import local_shapes
+
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+         "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_bytes(value: Any) -> int | None:
+    """`80GB`, `80 GiB`, `1.5e9` or an int -> bytes (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in UNITS | {"": 1}:
+        raise ValueError(f"cannot read a memory size from {value!r}; write e.g. '80GB', '24GiB' or a byte count")
+    return int(float(m.group(1)) * UNITS.get(m.group(2).lower(), 1))
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def detected_device_memory() -> int | None:
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return None
+
+
+@dataclasses.dataclass
+class LayerReport:
+    """One parameterised layer: what it is, what it weighs, and what the plan does with it."""
+
+    name: str
+    type: str
+    shape: tuple
+    params: int
+    bytes: int
+    style: str
+    reason: str
+    bytes_per_rank: int
+    tied_to: str | None = None
+
+
+@dataclasses.dataclass
+class AnalysisReport:
+    """The analysis: per layer rows, totals and per-rank memory (see `summary()` and `to_dict()`)."""
+
+    model_name: str
+    layers: list[LayerReport]
+    world_size: int
+    mode: str
+    total_params: int
+    total_bytes: int
+    parallelizable_bytes: int
+    per_rank_bytes: dict[int, int]        # world size -> parameter bytes on the fullest rank
+    per_rank_memory: dict[int, int]       # world size -> bytes for `mode` (training adds grads + AdamW)
+    device_memory: int | None
+    suggested_world_size: int | None
+    suggestion: str
+    recommendations: list[str]
+    plan: Any
+    trace_error: str | None = None
+
+    @property
+    def parallelizable_percent(self) -> float:
+        return 100.0 * self.parallelizable_bytes / max(self.total_bytes, 1)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["plan"] = self.plan.to_dict()
+        d["parallelizable_percent"] = self.parallelizable_percent
+        d["layers"] = [dict(dataclasses.asdict(r), shape=list(r.shape)) for r in self.layers]
+        d["per_rank_bytes"] = {str(k): v for k, v in self.per_rank_bytes.items()}
+        d["per_rank_memory"] = {str(k): v for k, v in self.per_rank_memory.items()}
+        return d
+
+    def grouped_layers(self) -> list[tuple[str, int, LayerReport]]:
+        """Rows with layer numbers folded into `*` when every numbered layer agrees (for long models)."""
+        groups: dict[tuple, list[LayerReport]] = {}
+        for r in self.layers:
+            key = (re.sub(r"\.\d+\.", ".*.", r.name), r.type, r.shape, r.style, r.reason, r.bytes_per_rank)
+            groups.setdefault(key, []).append(r)
+        return [(key[0], len(rows), rows[0]) for key, rows in groups.items()]
+
+    def summary(self, width: int = 150) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"{self.model_name}: tensor-parallel plan at world size {self.world_size} ({self.mode})",
+                      show_lines=False)
+        for col, just in (("layer", "left"), ("type", "left"), ("weight", "right"), ("params", "right"),
+                          ("bytes", "right"), (f"per rank @{self.world_size}", "right"), ("style / reason", "left")):
+            table.add_column(col, justify=just, overflow="fold")
+        for name, count, r in self.grouped_layers():
+            label = name if count == 1 else f"{name} (x{count})"
+            how = r.style if r.style != "replicate" else f"replicate: {r.reason}"
+            if r.tied_to:
+                how += f" (tied to {r.tied_to})"
+            table.add_row(label, r.type, "x".join(map(str, r.shape)), f"{r.params:,}", human(r.bytes),
+                          human(r.bytes_per_rank), how)
+        mem = Table(title=f"memory per rank ({self.mode}: "
+                          f"{'weights' if self.mode == 'inference' else 'weights + grads + AdamW states'})")
+        mem.add_column("world size", justify="right")
+        mem.add_column("parameters", justify="right")
+        mem.add_column(self.mode, justify="right")
+        for w in sorted(self.per_rank_bytes):
+            mem.add_row(str(w), human(self.per_rank_bytes[w]), human(self.per_rank_memory[w]))
+        console = Console(record=True, width=width, file=_Null())
+        console.print(table)
+        console.print(f"total: {self.total_params:,} parameters, {human(self.total_bytes)}; parallelizable: "
+                      f"{human(self.parallelizable_bytes)} ({self.parallelizable_percent:.1f}%)")
+        console.print(mem)
+        console.print(self.suggestion)
+        if self.recommendations:
+            console.print("recommendations:")
+            for rec in self.recommendations:
+                console.print(f"  - {rec}")
+        return console.export_text()
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+class _Null:
+    def write(self, *_):
+        return 0
+
+    def flush(self):
+        pass
+
+
+def _unique_params(m: nn.Module, seen: set) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for n, p in m.named_parameters(recurse=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((n, p))
+    return out
+
+
+def _rank_bytes(a: Analysis, plan, world: int) -> int:
+    """Parameter bytes on rank 0 (the split rule gives the first ranks the remainder, so it is the fullest)."""
+    total, seen = 0, set()
+    for name, m in a.leaves.items():
+        params = _unique_params(m, seen)
+        if not params:
+            continue
+        style = plan.entries.get(name, "replicate")
+        shapes = local_shapes(m, style, plan.details.get(name, {}), world, 0)
+        for pname, p in params:
+            numel = 1
+            for s in shapes.get(pname, tuple(p.shape)):
+                numel *= s
+            total += numel * p.element_size()
+    return total
+
+
+def _training_bytes(a: Analysis, param_bytes: int) -> int:
+    """Weights + gradients (same dtype) + AdamW's exp_avg and exp_avg_sq (fp32)."""
+    p = next(a.model.parameters(), None)
+    elem = p.element_size() if p is not None else 4
+    return param_bytes * 2 + (param_bytes // elem) * 8
+
+
+def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int = 8, device_memory: Any = None,
+            mode: str = "inference", example_inputs: Any = None) -> AnalysisReport:
+    """Analyse `model` for tensor parallelism (see the module doc); `world_size` picks the plan shown in the
+    table (default: the suggested one, else 2); per-rank memory is given for 1, 2, 4, ... `max_world_size`."""
+    if mode not in ("inference", "training"):
+        raise ValueError(f"analyze: mode must be 'inference' or 'training', got {mode!r}")
+    a = analyze_structure(model, example_inputs)
+    sizes = sorted({w for w in [1, 2, 4, 8, 16, 32, 64, 128, 256] if w <= max_world_size} | {max_world_size}
+                   | ({world_size} if world_size else set()))
+    plans = {w: auto_plan(a, w, mode) for w in sizes}
+    per_rank = {w: _rank_bytes(a, plans[w], w) for w in sizes}
+    memory = {w: per_rank[w] if mode == "inference" else _training_bytes(a, per_rank[w]) for w in sizes}
+    dev = parse_bytes(device_memory) if device_memory is not None else detected_device_memory()
+    suggested, suggestion = _suggest(memory, dev, device_memory is not None, mode)
+    shown = world_size or suggested or (2 if 2 in plans else sizes[-1])
+    plan = plans.get(shown) or auto_plan(a, shown, mode)
+    rows, seen = [], set()
+    total_bytes = parallel_bytes = total_params = 0
+    for name, m in a.leaves.items():
+        params = _unique_params(m, seen)
+        tied = a.ties.get(name)
+        weight = getattr(m, "weight", None)
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else tuple(next(m.parameters()).shape)
+        n = sum(p.numel() for _, p in params)
+        b = sum(p.numel() * p.element_size() for _, p in params)
+        style = plan.entries.get(name, "replicate")
+        local = local_shapes(m, style, plan.details.get(name, {}), shown, 0)
+        rb = 0
+        for pname, p in params:
+            k = 1
+            for s in local.get(pname, tuple(p.shape)):
+                k *= s
+            rb += k * p.element_size()
+        total_bytes += b
+        total_params += n
+        if style != "replicate":
+            parallel_bytes += b
+        rows.append(LayerReport(name, kind(m), shape, n, b, style, plan.reasons.get(name, ""), rb,
+                                tied[0] if tied and not params else None))
+    report = AnalysisReport(type(model).__name__, rows, shown, mode, total_params, total_bytes, parallel_bytes,
+                            per_rank, memory, dev, suggested, suggestion, [], plan, a.trace_error)
+    report.recommendations = _recommend(a, plans, plan, shown, report)
+    return report
+
+
+def _suggest(memory: dict, dev: int | None, given: bool, mode: str) -> tuple[int | None, str]:
+    if dev is None:
+        return None, ("no GPU detected and no device_memory given, so no world size is suggested; pass "
+                      "device_memory='80GB' (CLI: --device-memory 80GB)")
+    source = "given" if given else "detected"
+    for w in sorted(memory):
+        if memory[w] <= dev:
+            return w, (f"suggested world size: {w} ({human(memory[w])} of {mode} memory per rank fits the {source} "
+                       f"{human(dev)} per device; activations not included)")
+    w = max(memory)
+    return None, (f"no world size up to {w} fits: {human(memory[w])} per rank at {w} ranks exceeds the {source} "
+                  f"{human(dev)}; raise max_world_size or add pipeline/data parallelism")
+
+
+def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisReport) -> list[str]:
+    recs: list[str] = []
+    if a.trace is None:
+        recs.append(f"the forward could not be traced ({a.trace_error}), so every layer is replicated; pass "
+                    f"example_inputs=... that the model's forward accepts")
+        return recs
+    attn = [p for p in a.pairs if p["kind"] == "attention"]
+    if attn:
+        p0 = attn[0]
+        nh, nkv = p0["num_heads"], p0["num_kv_heads"]
+        blocked = [w for w, pl in plans.items() if pl.entries.get(p0["row"]) == "replicate" and w > 1]
+        if blocked:
+            from .heads import valid_world_sizes
+
+            recs.append(f"attention ({nh} query / {nkv} KV heads) stays replicated at world sizes {blocked}: "
+                        f"{plans[blocked[0]].reasons.get(p0['row'], '')}; world sizes that split it: "
+                        f"{valid_world_sizes(nh, nkv, 64)}")
+        if nkv < shown and nkv < nh and plan.entries.get(p0["row"]) == "rowwise":
+            recs.append(f"{nkv} KV heads < world size {shown}: each KV head is replicated on {shown // nkv} ranks "
+                        f"(k/v projections hold {shown // nkv}x their even share; their gradients are summed "
+                        f"across those ranks)")
+        elif nh % shown and plan.entries.get(p0["row"]) == "rowwise":
+            recs.append(f"{nh} heads do not divide by {shown}: the first {nh % shown} ranks hold one head more, so "
+                        f"they set the step time; world sizes dividing {nh} balance the work")
+        recs.append(f"{len(attn)} attention blocks and {len(a.pairs) - len(attn)} MLP/conv pairs split as "
+                    f"column -> row: one all-reduce per block in the forward (one more in the backward)")
+    elif a.pairs:
+        recs.append(f"{len(a.pairs)} column -> row pairs found: one all-reduce each in the forward")
+    heads = [n for n, s in plan.entries.items() if s in ("colwise_rep", "vocab_parallel")]
+    for h in heads:
+        m = a.leaves[h]
+        vocab = m.weight.shape[0] if not hasattr(m, "nf") else m.weight.shape[1]
+        if vocab % shown:
+            recs.append(f"{h}: vocabulary {vocab} does not divide by {shown}; ranks hold "
+                        f"{-(-vocab // shown)} or {vocab // shown} rows (exact, but padding the vocabulary to a "
+                        f"multiple of {shown * 64} would even them out)")
+        if plan.mode == "inference":
+            recs.append(f"{h} gathers full logits (an all-gather of batch x seq x {vocab} per step); for training "
+                        f"use mode='training' to keep them split and tpkit.nn.vocab_parallel_cross_entropy")
+        if h in a.ties:
+            recs.append(f"{h} shares its weight with {a.ties[h]}: both are split over the vocabulary with the same "
+                        f"rows and stay tied")
+    replicated = [r for r in report.layers if r.style == "replicate" and r.params]
+    rep_bytes = sum(r.bytes for r in replicated)
+    if report.total_bytes and rep_bytes / report.total_bytes > 0.2:
+        big = sorted(replicated, key=lambda r: -r.bytes)[:3]
+        recs.append(f"{100 * rep_bytes / report.total_bytes:.0f}% of parameter bytes stay replicated; largest: "
+                    + "; ".join(f"{r.name} ({human(r.bytes)}: {r.reason})" for r in big))
+    elif replicated:
+        recs.append(f"replicated: {len(replicated)} small layers ({human(rep_bytes)}, "
+                    f"{100 * rep_bytes / max(report.total_bytes, 1):.1f}% of bytes), mostly norms")
+    hint = getattr(getattr(a.model, "config", None), "base_model_tp_plan", None)
+    if hint:
+        from .plan import Plan
+
+        try:
+            hp = Plan(hint, prefix=a.prefix)
+            differ = [n for n in a.leaves if (hp.style_for(n) or "replicate") != plan.entries.get(n, "replicate")
+                      and hp.style_for(n) is not None]
+        except Exception:  # noqa: BLE001 - an HF hint we cannot read is only a hint
+            differ = []
+        if differ:
+            recs.append(f"the config's base_model_tp_plan differs from tpkit's plan on {len(differ)} layers "
+                        f"(e.g. {differ[0]}: {hp.style_for(differ[0])} vs {plan.entries.get(differ[0])})")
+    return recs

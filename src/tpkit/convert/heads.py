@@ -1,0 +1,99 @@
+"""Which attention heads each rank holds: whole heads only, GQA groups kept together, KV heads replicated
+when there are fewer of them than ranks.
+
+A rank must hold, for every query head it owns, the key/value head that query head reads; and for the
+model's `repeat_kv` to work unchanged, every KV head a rank holds must serve the same number of its query
+heads. The layouts below satisfy both, or raise `HeadLayoutError` saying why and which world sizes work.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..comm.sharding import split_sizes
+
+
+class HeadLayoutError(ValueError):
+    """The heads cannot be shared out over this world size without breaking a head or a GQA group."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """Per rank: the query heads and the KV heads it holds (global head numbers, in order)."""
+
+    num_heads: int
+    num_kv_heads: int
+    world_size: int
+    q_heads: tuple  # tuple per rank of head numbers
+    kv_heads: tuple
+
+    @property
+    def kv_replicated(self) -> bool:
+        return sum(len(k) for k in self.kv_heads) > self.num_kv_heads
+
+    def local_groups(self, rank: int) -> int:
+        return len(self.q_heads[rank]) // len(self.kv_heads[rank])
+
+
+def _contiguous(sizes: list[int]) -> list[tuple]:
+    out, start = [], 0
+    for s in sizes:
+        out.append(tuple(range(start, start + s)))
+        start += s
+    return out
+
+
+def head_layout(num_heads: int, num_kv_heads: int, world_size: int, where: str = "attention",
+                _hint: bool = True) -> HeadLayout:
+    """Share `num_heads` query heads and `num_kv_heads` KV heads over `world_size` ranks (see module doc)."""
+    nh, nkv, w = int(num_heads), int(num_kv_heads), int(world_size)
+    if nkv < 1 or nh % nkv:
+        raise HeadLayoutError(f"{where}: {nh} query heads are not a whole number of groups of {nkv} KV heads")
+    group = nh // nkv
+    if nh < w:
+        raise HeadLayoutError(f"{where}: {nh} query heads cannot be split over {w} ranks (each rank needs at least "
+                              f"one whole head); use a world size <= {nh}")
+    if nkv >= w:
+        # Split the KV heads; each rank takes the query heads of its KV heads (uneven is fine).
+        kv = _contiguous(split_sizes(nkv, w))
+        q = [tuple(h for k in ks for h in range(k * group, (k + 1) * group)) for ks in kv]
+        return HeadLayout(nh, nkv, w, tuple(q), tuple(kv))
+    if w % nkv == 0:
+        # Fewer KV heads than ranks: w / nkv ranks share each KV head (replicated), splitting its query heads.
+        share = w // nkv
+        q, kv = [], []
+        for k in range(nkv):
+            for part in _contiguous(split_sizes(group, share)):
+                q.append(tuple(k * group + h for h in part))
+                kv.append((k,))
+        return HeadLayout(nh, nkv, w, tuple(q), tuple(kv))
+    # General case: contiguous query heads; valid only if each rank's heads use their KV heads equally.
+    q = _contiguous(split_sizes(nh, w))
+    kv = []
+    for r, heads in enumerate(q):
+        counts: dict[int, int] = {}
+        for h in heads:
+            counts[h // group] = counts.get(h // group, 0) + 1
+        if len(set(counts.values())) != 1:
+            raise HeadLayoutError(
+                f"{where}: {nh} query heads in {nkv} KV groups cannot be split over {w} ranks: rank {r} would hold "
+                f"query heads {heads[0]}..{heads[-1]}, which use KV heads {sorted(counts)} unequally"
+                + (f"; world sizes that work: {valid_world_sizes(nh, nkv)}" if _hint else ""))
+        kv.append(tuple(sorted(counts)))
+    return HeadLayout(nh, nkv, w, tuple(q), tuple(kv))
+
+
+def feature_index(heads: tuple, head_dim: int, offset: int = 0) -> list[int]:
+    """Feature numbers (rows of a projection's weight) of the given heads."""
+    return [offset + h * head_dim + i for h in heads for i in range(head_dim)]
+
+
+def valid_world_sizes(num_heads: int, num_kv_heads: int, limit: int = 64) -> list[int]:
+    """World sizes (up to `limit`) over which these heads can be shared out."""
+    out = []
+    for w in range(1, min(num_heads, limit) + 1):
+        try:
+            head_layout(num_heads, num_kv_heads, w, _hint=False)
+        except HeadLayoutError:
+            continue
+        out.append(w)
+    return out

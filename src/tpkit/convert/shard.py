@@ -1,0 +1,233 @@
+"""Building one rank's `tpkit.nn` layer from a full module, for every style of a plan.
+
+The plain cases go through the layers' own `from_module` (the shared split rule). Attention projections
+(whole heads, KV heads replicated when fewer than ranks) and packed projections (GPT-2's `c_attn`, packed
+gate_up) need rows picked piece by piece; those layers are built by `from_module` on a shape-only twin and
+then given the picked rows, with `param.partition_index` recording which rows of the full weight they are.
+`local_shapes` says the same thing without building anything (the analyzer's bytes per rank).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..comm.sharding import split_range
+from .heads import feature_index, head_layout
+from .modules import is_conv2d, is_embedding, is_per_channel, is_transposed_linear, linear_dims
+
+
+def as_linear(m: nn.Module) -> nn.Linear:
+    """An `nn.Linear` computing what `m` computes (GPT-2's Conv1D stores the weight transposed)."""
+    if not is_transposed_linear(m):
+        return m
+    n_in, n_out = linear_dims(m)
+    lin = nn.Linear(n_in, n_out, bias=m.bias is not None, device="meta")
+    lin.weight = nn.Parameter(m.weight.detach().t(), requires_grad=m.weight.requires_grad)
+    if m.bias is not None:
+        lin.bias = nn.Parameter(m.bias.detach(), requires_grad=m.bias.requires_grad)
+    return lin
+
+
+def column_rows(details: dict, n_out: int, world: int, rank: int) -> list[int] | None:
+    """Rows of the full weight that `rank` holds for a column-wise layer, or None for the plain split."""
+    role = details.get("role")
+    pieces = details.get("pieces")
+    if details.get("pair") == "attention":
+        lay = head_layout(details["num_heads"], details["num_kv_heads"], world, details.get("attention", "attention"))
+        hd = details["head_dim"]
+        q, kv = lay.q_heads[rank], lay.kv_heads[rank]
+        if role == "q":
+            return feature_index(q, hd)
+        if role in ("k", "v"):
+            return feature_index(kv, hd)
+        if role == "qkv":
+            qw, kw = pieces[0], pieces[1]
+            return feature_index(q, hd) + feature_index(kv, hd, qw) + feature_index(kv, hd, qw + kw)
+    if pieces and len(pieces) > 1:
+        rows, offset = [], 0
+        for p in pieces:
+            start, end = split_range(p, world, rank)
+            rows += list(range(offset + start, offset + end))
+            offset += p
+        return rows
+    return None
+
+
+def row_cols(details: dict, world: int, rank: int) -> list[int] | None:
+    """Input features of the full weight that `rank` holds for a row-wise layer (None: plain split)."""
+    if details.get("pair") == "attention":
+        lay = head_layout(details["num_heads"], details["num_kv_heads"], world, details.get("attention", "attention"))
+        return feature_index(lay.q_heads[rank], details["head_dim"])
+    return None
+
+
+def _mark_index(param: nn.Parameter, dim: int, index: list[int], sizes: Sequence[int]) -> None:
+    from ..nn import mark_tensor_parallel
+
+    mark_tensor_parallel(param, dim, sizes)
+    param.partition_index = tuple(index)  # type: ignore[attr-defined]
+
+
+def _picked(t: torch.Tensor, dim: int, index: list[int]) -> nn.Parameter:
+    idx = torch.tensor(index, dtype=torch.long, device=t.device)
+    return nn.Parameter(t.detach().index_select(dim, idx).clone(), requires_grad=t.requires_grad)
+
+
+def build_column(m: nn.Module, details: dict, comm, gather: bool = False) -> nn.Module:
+    from ..nn import ColumnParallelConv2d, ColumnParallelLinear
+
+    if is_conv2d(m):
+        return ColumnParallelConv2d.from_module(m, comm, gather_output=gather)
+    lin = as_linear(m)
+    rows = column_rows(details, lin.out_features, comm.world_size, comm.rank)
+    if rows is None or gather:
+        return ColumnParallelLinear.from_module(lin, comm, gather_output=gather)
+    shape_only = nn.Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta")
+    layer = ColumnParallelLinear.from_module(shape_only, comm)
+    sizes = [len(column_rows(details, lin.out_features, comm.world_size, r)) for r in range(comm.world_size)]
+    layer.weight = _picked(lin.weight, 0, rows)
+    _mark_index(layer.weight, 0, rows, sizes)
+    if lin.bias is not None:
+        layer.bias = _picked(lin.bias, 0, rows)
+        _mark_index(layer.bias, 0, rows, sizes)
+    layer.partition_sizes = tuple(sizes)
+    layer.output_size_per_partition = len(rows)
+    layer.partition_index = tuple(rows)
+    if len(set(rows_all := [r for k in range(comm.world_size)
+                            for r in column_rows(details, lin.out_features, comm.world_size, k)])) < len(rows_all):
+        _sum_replicated_row_grads(layer, rows, lin.out_features, comm)
+    return layer
+
+
+def _sum_replicated_row_grads(layer: nn.Module, rows: list[int], n_out: int, comm) -> None:
+    """Rows held by several ranks (replicated KV heads) get, on each, only the gradient of that rank's query
+    heads; the full gradient is their sum, so sum it over the ranks (scatter-add into the full shape, one
+    all-reduce, pick the rows back) before any optimizer sees it."""
+    idx = torch.tensor(rows, dtype=torch.long)
+
+    def make_hook(param):
+        def hook(grad):
+            full = grad.new_zeros((n_out,) + tuple(grad.shape[1:]))
+            full.index_add_(0, idx.to(grad.device), grad)
+            return comm.all_reduce(full).index_select(0, idx.to(grad.device))
+        return hook
+
+    for p in (layer.weight, layer.bias):
+        if p is not None and p.requires_grad and p.device.type != "meta":
+            p.register_hook(make_hook(p))
+    layer.replicated_rows_synced = True
+
+
+def build_row(m: nn.Module, details: dict, comm, input_is_parallel: bool = True) -> nn.Module:
+    from ..nn import RowParallelConv2d, RowParallelLinear
+
+    if is_conv2d(m):
+        return RowParallelConv2d.from_module(m, comm, input_is_parallel=input_is_parallel)
+    lin = as_linear(m)
+    cols = row_cols(details, comm.world_size, comm.rank)
+    if cols is None or not input_is_parallel:
+        return RowParallelLinear.from_module(lin, comm, input_is_parallel=input_is_parallel)
+    shape_only = nn.Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta")
+    layer = RowParallelLinear.from_module(shape_only, comm)
+    sizes = [len(row_cols(details, comm.world_size, r)) for r in range(comm.world_size)]
+    layer.weight = _picked(lin.weight, 1, cols)
+    _mark_index(layer.weight, 1, cols, sizes)
+    if lin.bias is not None:
+        from ..nn import mark_replicated
+
+        layer.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=lin.bias.requires_grad)
+        mark_replicated(layer.bias)
+    layer.partition_sizes = tuple(sizes)
+    layer.input_size_per_partition = len(cols)
+    layer.partition_index = tuple(cols)
+    return layer
+
+
+def build_channelwise(m: nn.Module, comm) -> nn.Module:
+    """This rank's channels of a BatchNorm (weights, bias and running statistics)."""
+    from ..nn import mark_tensor_parallel
+
+    n = m.num_features
+    start, end = split_range(n, comm.world_size, comm.rank)
+    sizes = [split_range(n, comm.world_size, r)[1] - split_range(n, comm.world_size, r)[0]
+             for r in range(comm.world_size)]
+    device = next((t.device for t in list(m.parameters()) + list(m.buffers())), None)
+    new = type(m)(end - start, eps=m.eps, momentum=m.momentum, affine=m.affine,
+                  track_running_stats=m.track_running_stats, device="meta")
+    if device is not None and device.type != "meta":
+        new = new.to_empty(device=device)
+    for pname in ("weight", "bias"):
+        p = getattr(m, pname)
+        if p is not None:
+            q = nn.Parameter(p.detach()[start:end].clone(), requires_grad=p.requires_grad)
+            setattr(new, pname, mark_tensor_parallel(q, 0, sizes))
+    for bname in ("running_mean", "running_var"):
+        b = getattr(m, bname)
+        if b is not None:
+            setattr(new, bname, b.detach()[start:end].clone())
+    if m.num_batches_tracked is not None:
+        new.num_batches_tracked = m.num_batches_tracked.detach().clone()
+    new.train(m.training)
+    return new
+
+
+def local_shapes(m: nn.Module, style: str, details: dict, world: int, rank: int) -> dict[str, tuple]:
+    """Shapes of the parameters `rank` holds for module `m` under `style` (nothing is built)."""
+    full = {n: tuple(p.shape) for n, p in m.named_parameters(recurse=False)}
+    if style == "replicate" or world == 1:
+        return full
+    if style in ("colwise", "colwise_rep", "vocab_parallel", "rowwise", "rowwise_rep") and not is_conv2d(m):
+        n_in, n_out = linear_dims(m)
+        if style.startswith("col") or style == "vocab_parallel":
+            rows = None if style != "colwise" else column_rows(details, n_out, world, rank)
+            k = len(rows) if rows is not None else _size(n_out, world, rank)
+            out = {"weight": (k, n_in)}
+            if "bias" in full:
+                out["bias"] = (k,)
+            return out
+        cols = row_cols(details, world, rank) if style == "rowwise" else None
+        k = len(cols) if cols is not None else _size(n_in, world, rank)
+        out = {"weight": (n_out, k)}
+        if "bias" in full:
+            out["bias"] = (n_out,)
+        return out
+    if is_conv2d(m):
+        w = full["weight"]
+        if style.startswith("col"):
+            out = {"weight": (_size(w[0], world, rank),) + w[1:]}
+            if "bias" in full:
+                out["bias"] = (out["weight"][0],)
+        else:
+            out = {"weight": (w[0], _size(w[1], world, rank)) + w[2:]}
+            if "bias" in full:
+                out["bias"] = full["bias"]
+        return out
+    if is_embedding(m):
+        v, d = full["weight"]
+        if style == "embedding_colwise":
+            return {"weight": (v, _size(d, world, rank))}
+        return {"weight": (_size(v, world, rank), d)}
+    if is_per_channel(m):
+        return {n: (_size(s[0], world, rank),) for n, s in full.items()}
+    return full
+
+
+def _size(n: int, world: int, rank: int) -> int:
+    start, end = split_range(n, world, rank)
+    return end - start
+
+
+def local_slice(full: torch.Tensor, param: torch.Tensor, rank: int) -> torch.Tensor:
+    """The part of a full tensor (a weight, its gradient, its optimizer state) that `param`, one rank's shard
+    built by `parallelize`, corresponds to."""
+    index = getattr(param, "partition_index", None)
+    dim = getattr(param, "partition_dim", None)
+    if index is not None:
+        return full.index_select(dim, torch.tensor(index, dtype=torch.long, device=full.device))
+    if getattr(param, "tensor_model_parallel", False):
+        from ..nn import shard
+
+        return shard(full, dim, param.partition_sizes, rank)
+    return full

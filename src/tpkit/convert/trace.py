@@ -1,0 +1,254 @@
+"""Dataflow trace: which layer's output reaches which layer's input, and through what kind of ops.
+
+The planner may only pair a column-parallel layer with a row-parallel one when the tensor between them is
+touched by nothing but per-feature (elementwise) work; otherwise the shards would meet an op that needs the
+whole feature vector. Parameter names cannot tell that, so we run one forward (on meta tensors or a tiny real
+input) and watch it: forward hooks tag the output of every layer that owns parameters, and a
+`TorchFunctionMode` carries the tags through every torch op in between, noting whether each op was
+elementwise, a split of the last dimension (packed projections), or something that mixes features.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .modules import is_per_channel
+
+# Ops that act on every element alone (or with a scalar / per-row operand): shards pass straight through.
+ELEMENTWISE = frozenset("""
+add sub mul div true_divide neg abs exp log sqrt rsqrt pow square sigmoid tanh relu relu_ relu6 gelu silu
+mish hardswish hardsigmoid hardtanh leaky_relu elu selu celu softplus softsign logsigmoid tanhshrink
+dropout dropout_ alpha_dropout feature_alpha_dropout erf erfc clamp clamp_ clip where
+to float half bfloat16 double type type_as contiguous clone detach masked_fill masked_fill_
+__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__
+__itruediv__ __neg__ __pow__ add_ mul_ sub_ div_ sigmoid_ tanh_ silu_ gelu_ cos sin
+""".split())
+# Ops that only read metadata: they neither carry nor break a tag.
+METADATA = frozenset("size dim shape numel __get__ __len__ is_floating_point get_device is_contiguous".split())
+SPLITS = frozenset(("split", "chunk", "tensor_split", "unbind"))
+RESHAPES = frozenset(("view", "reshape", "flatten", "unflatten"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tag:
+    """What a tensor is made of: the nearest parameterised layers upstream (`sources`), whether only
+    per-feature ops lay between (`clean`), per-channel layers passed on the way (`carried`), the first op
+    that mixed features (`broken_by`) and the last-dim sizes seen on reshapes (`reshaped_to`, head sizes)."""
+
+    sources: frozenset
+    clean: bool = True
+    carried: frozenset = frozenset()
+    broken_by: str | None = None
+    reshaped_to: frozenset = frozenset()
+
+    def merge(self, other: "Tag") -> "Tag":
+        return Tag(self.sources | other.sources, self.clean and other.clean, self.carried | other.carried,
+                   self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to)
+
+
+@dataclasses.dataclass
+class Call:
+    """One call of a parameterised layer in the traced forward."""
+
+    name: str
+    order: int
+    input_tag: Tag | None
+    input_id: int | None
+    input_shape: tuple | None
+    output_shape: tuple | None
+
+
+@dataclasses.dataclass
+class Trace:
+    """The result: per layer its calls, its consumers, packed splits of its output, and which layers'
+    outputs leave the model (LM heads, classifiers)."""
+
+    calls: dict[str, list[Call]]
+    consumers: dict[str, set]
+    pieces: dict[str, tuple]
+    escaped: set
+    carried_by: dict[str, frozenset]
+
+    def first(self, name: str) -> Call | None:
+        calls = self.calls.get(name)
+        return calls[0] if calls else None
+
+
+def _feature_dim(ref: torch.Tensor, producer_is_conv: bool) -> int:
+    return 1 if producer_is_conv and ref.dim() >= 2 else ref.dim() - 1
+
+
+class _Tracer(TorchFunctionMode):
+    def __init__(self, conv_layers: set):
+        super().__init__()
+        self.tags: dict[int, tuple[torch.Tensor, Tag]] = {}
+        self.depth = 0
+        self.conv_layers = conv_layers
+        self.pieces: dict[str, tuple] = {}
+
+    def tag_of(self, t: Any) -> Tag | None:
+        if isinstance(t, torch.Tensor):
+            entry = self.tags.get(id(t))
+            if entry is not None and entry[0] is t:
+                return entry[1]
+        return None
+
+    def set_tag(self, out: Any, tag: Tag) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.tags[id(t)] = (t, tag)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.depth:
+            return out
+        name = getattr(func, "__name__", str(func))
+        if name in METADATA:
+            return out
+        flat = [a for a in tree_flatten((args, kwargs))[0]]
+        tagged = [(a, self.tag_of(a)) for a in flat]
+        tags = [tg for _, tg in tagged if tg is not None]
+        if not tags:
+            return out
+        tag = tags[0]
+        for other in tags[1:]:
+            tag = tag.merge(other)
+        ref = next(a for a, tg in tagged if tg is not None)
+        is_conv = bool(tag.sources & self.conv_layers)
+        fdim = _feature_dim(ref, is_conv)
+        clean = tag.clean and self._per_feature(name, ref, flat, out, fdim, tag)
+        reshaped = tag.reshaped_to
+        if name in RESHAPES and isinstance(out, torch.Tensor) and out.dim() and ref.dim():
+            if out.shape[-1] != ref.shape[-1]:
+                reshaped = reshaped | {int(out.shape[-1])}
+        new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped)
+        self.set_tag(out, new)
+        return out
+
+    def _per_feature(self, name, ref, flat, out, fdim, tag) -> bool:
+        if name in SPLITS:
+            return self._packed_split(name, ref, flat, out, fdim, tag)
+        if name in RESHAPES:
+            # Flattening leading dims keeps every feature in place.
+            return isinstance(out, torch.Tensor) and out.dim() >= 1 and fdim == ref.dim() - 1 \
+                and out.shape[-1] == ref.shape[-1]
+        if name not in ELEMENTWISE:
+            return False
+        for a in flat:
+            if isinstance(a, torch.Tensor) and self.tag_of(a) is None and a.numel() > 1:
+                index = fdim - (ref.dim() - a.dim())
+                if index >= 0 and a.shape[index] != 1:
+                    return False  # an untagged operand varies along the features
+        return True
+
+    def _packed_split(self, name, ref, flat, out, fdim, tag) -> bool:
+        """A split of a single layer's clean output along its features marks a packed projection."""
+        pieces = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not pieces or len(tag.sources) != 1 or not tag.clean:
+            return False
+        if any(p.dim() != ref.dim() for p in pieces) or sum(p.shape[fdim] for p in pieces) != ref.shape[fdim]:
+            return False
+        (src,) = tag.sources
+        self.pieces[src] = tuple(int(p.shape[fdim]) for p in pieces)
+        return True
+
+
+def parameterised_leaves(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules that own parameters directly and have no parameterised children: the layers we plan."""
+    out = {}
+    for name, m in model.named_modules():
+        if any(True for _ in m.parameters(recurse=False)) and not any(
+                any(True for _ in c.parameters()) for c in m.children()):
+            out[name] = m
+    return out
+
+
+def trace(model: nn.Module, example_inputs: Any) -> Trace:
+    """Run `model(*example_inputs)` (or `**example_inputs` for a mapping) once and record its dataflow."""
+    from .modules import is_conv2d
+
+    leaves = parameterised_leaves(model)
+    conv_layers = {n for n, m in leaves.items() if is_conv2d(m)}
+    tracer = _Tracer(conv_layers)
+    calls: dict[str, list[Call]] = {}
+    consumers: dict[str, set] = {}
+    carried_by: dict[str, frozenset] = {}
+    counter = [0]
+    handles = []
+
+    def first_tensor(args, kwargs):
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor):
+                return a
+        return None
+
+    for name, module in leaves.items():
+        per_channel = is_per_channel(module)
+
+        def pre(mod, args, kwargs, name=name, per_channel=per_channel):
+            x = first_tensor(args, kwargs)
+            tag = tracer.tag_of(x)
+            counter[0] += 1
+            calls.setdefault(name, []).append(Call(name, counter[0], tag, id(x) if x is not None else None,
+                                                  tuple(x.shape) if x is not None else None, None))
+            if tag is not None and not per_channel:
+                for src in tag.sources:
+                    consumers.setdefault(src, set()).add(name)
+            tracer.depth += 1
+
+        def post(mod, args, kwargs, out, name=name, per_channel=per_channel):
+            tracer.depth -= 1
+            call = calls[name][-1]
+            y = first_tensor((out,), {})
+            call.output_shape = tuple(y.shape) if y is not None else None
+            if per_channel and call.input_tag is not None:
+                # A per-channel layer passes its input's shards straight through; remember it rides along.
+                t = call.input_tag
+                carried_by[name] = t.sources
+                tracer.set_tag(out, Tag(t.sources, t.clean, t.carried | {name}, t.broken_by, t.reshaped_to))
+            else:
+                tracer.set_tag(out, Tag(frozenset({name})))
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    # Eval mode: no dropout draws from the RNG and no BatchNorm statistics move; the dataflow is the same.
+    was_training = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad(), tracer:
+            if isinstance(example_inputs, Mapping):
+                out = model(**example_inputs)
+            else:
+                out = model(*example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in was_training.items():
+            m.training = flag
+    escaped: set = set()
+    for t in _leaves_of(out):
+        tag = tracer.tag_of(t)
+        if tag is not None:
+            escaped |= tag.sources
+            for c in tag.carried:
+                escaped.add(c)
+    return Trace(calls, consumers, dict(tracer.pieces), escaped, carried_by)
+
+
+def _leaves_of(out: Any):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, Mapping):
+        for v in out.values():
+            yield from _leaves_of(v)
+    elif isinstance(out, (list, tuple)):
+        for v in out:
+            yield from _leaves_of(v)
+    elif hasattr(out, "to_tuple"):
+        yield from _leaves_of(out.to_tuple())

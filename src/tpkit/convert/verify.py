@@ -1,0 +1,161 @@
+"""`verify(model_fn, example_inputs, world_size, plan)`: prove a plan by running it.
+
+The plan runs on `world_size` thread-ranks in this process (no GPUs needed: a plan for 64 devices can be
+checked on a laptop) and every output, and with `backward=True` every gradient shard, is compared with the
+unconverted model. Each rank converts its own deep copy of one model, so all ranks and the reference start
+from the same weights.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from .shard import local_slice
+
+
+@dataclasses.dataclass
+class OutputCheck:
+    name: str
+    shape: tuple
+    max_abs_error: float
+    max_rel_error: float
+    ok: bool
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """Per output (and per gradient, with backward) the largest absolute and relative error over ranks."""
+
+    ok: bool
+    max_abs_error: float
+    world_size: int
+    outputs: list[OutputCheck]
+    gradients: list[OutputCheck]
+    rtol: float
+    plan: dict
+
+    def summary(self) -> str:
+        lines = [f"verify: {'PASS' if self.ok else 'FAIL'} at world size {self.world_size} "
+                 f"(relative tolerance {self.rtol:g}); max abs error {self.max_abs_error:.3g}"]
+        for kind, checks in (("output", self.outputs), ("grad", self.gradients)):
+            for c in checks:
+                lines.append(f"  {kind} {c.name} {list(c.shape)}: abs {c.max_abs_error:.3g} rel {c.max_rel_error:.3g} "
+                             f"{'ok' if c.ok else 'FAIL'}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def named_tensors(out: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
+    """The floating-point tensors of a (nested) model output, by path."""
+    found: dict[str, torch.Tensor] = {}
+    if isinstance(out, torch.Tensor):
+        if out.is_floating_point():
+            found[prefix] = out
+    elif isinstance(out, Mapping):
+        for k, v in out.items():
+            found.update(named_tensors(v, f"{prefix}.{k}" if prefix != "output" else str(k)))
+    elif isinstance(out, (list, tuple)):
+        for i, v in enumerate(out):
+            found.update(named_tensors(v, f"{prefix}[{i}]"))
+    return found
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _default_loss(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A loss that touches every output element with a different weight (a plain sum would hide errors
+    that cancel), the same on every rank."""
+    total = 0.0
+    for t in outputs.values():
+        g = torch.Generator().manual_seed(1234)
+        w = torch.randn(t.shape, generator=g, dtype=t.dtype, device="cpu").to(t.device)
+        total = total + (t * w).sum()
+    return total
+
+
+def _err(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    if got.shape != ref.shape:
+        return float("inf"), float("inf")
+    diff = (got.detach().double() - ref.detach().double()).abs().max().item() if ref.numel() else 0.0
+    scale = ref.detach().double().abs().max().item() if ref.numel() else 0.0
+    return diff, diff / max(scale, 1e-30)
+
+
+def verify(model_fn: Callable[[], nn.Module] | nn.Module, example_inputs: Any, world_size: int = 4,
+           plan: Any = "auto", backward: bool = False, *, rtol: float = 1e-4, mode: str = "inference",
+           loss_fn: Callable[[Any], torch.Tensor] | None = None) -> VerifyReport:
+    """Run `plan` on `world_size` thread-ranks and compare with the original model.
+
+    `model_fn`: a module, or a function returning one (called once; ranks get deep copies). An output or a
+    gradient passes when its largest absolute error is at most `rtol` times the reference's largest
+    magnitude. `loss_fn(outputs) -> scalar` for backward (default: a fixed random weighting of every
+    floating output).
+    """
+    from ..comm import run_threads
+    from ..distributed import use_communicator
+    from .parallelize import parallelize
+
+    model = model_fn if isinstance(model_fn, nn.Module) else model_fn()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"verify: model_fn must be an nn.Module or return one, got {type(model).__name__}")
+    copies = [copy.deepcopy(model) for _ in range(world_size)]
+    reference = copy.deepcopy(model)
+    transposed = {n for n, m in reference.named_modules() if hasattr(m, "nf") and hasattr(m, "nx")}
+    loss = loss_fn or (lambda out: _default_loss(named_tensors(out)))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        ref_out = _call(reference, example_inputs)
+        if backward:
+            loss(ref_out).backward()
+    ref_tensors = {k: v.detach() for k, v in named_tensors(ref_out).items()}
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+
+    def body(comm):
+        with use_communicator(comm):
+            m = copies[comm.rank]
+            parallelize(m, plan, comm, mode=mode, example_inputs=example_inputs)
+            out = _call(m, example_inputs)
+            if backward:
+                loss(out).backward()
+            outs = {k: v.detach() for k, v in named_tensors(out).items()}
+            grads = {}
+            if backward:
+                for n, p in m.named_parameters():
+                    full = ref_grads.get(n)
+                    if p.grad is None or full is None:
+                        continue
+                    if n.rpartition(".")[0] in transposed and full.dim() == 2:
+                        full = full.t()
+                    grads[n] = _err(p.grad, local_slice(full, p, comm.rank))
+            record = getattr(m, "_tp_plan", None) if hasattr(type(m), "tp_plan") else getattr(m, "tp_plan", None)
+            return outs, grads, record.to_dict() if record is not None else {}
+
+    results = run_threads(body, world_size)
+    outputs = []
+    for name, ref in ref_tensors.items():
+        errs = [_err(r[0].get(name, torch.empty(0)), ref) for r in results]
+        a, rel = max(e[0] for e in errs), max(e[1] for e in errs)
+        outputs.append(OutputCheck(name, tuple(ref.shape), a, rel, rel <= rtol))
+    gradients = []
+    for name in ref_grads:
+        errs = [r[1][name] for r in results if name in r[1]]
+        if not errs:
+            continue
+        a, rel = max(e[0] for e in errs), max(e[1] for e in errs)
+        gradients.append(OutputCheck(name, tuple(ref_grads[name].shape), a, rel, rel <= rtol))
+    checks = outputs + gradients
+    ok = bool(checks) and all(c.ok for c in checks)
+    max_abs = max((c.max_abs_error for c in checks), default=float("nan"))
+    return VerifyReport(ok, max_abs, world_size, outputs, gradients, rtol, results[0][2])

@@ -1,0 +1,176 @@
+"""Tiny models for the conversion tests, built locally (no downloads), and the per-rank check bodies shared by
+the thread and gloo tests (module level, so spawned processes can import them)."""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import threading
+
+VOCAB = 103  # odd on purpose: the vocabulary never divides by the world size
+
+
+def hf_model(name: str, **over) -> nn.Module:
+    """A tiny Hugging Face model with no dropout, weights from a fixed seed."""
+    import transformers as tr
+
+    common = dict(vocab_size=VOCAB)
+    if name in ("llama", "mistral", "qwen2"):
+        cls, cfg_cls = {"llama": (tr.LlamaForCausalLM, tr.LlamaConfig), "mistral": (tr.MistralForCausalLM, tr.MistralConfig),
+                        "qwen2": (tr.Qwen2ForCausalLM, tr.Qwen2Config)}[name]
+        kw = dict(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=(name == "qwen2"))
+    elif name == "gpt2":
+        cls, cfg_cls = tr.GPT2LMHeadModel, tr.GPT2Config
+        kw = dict(n_embd=48, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                  bos_token_id=0, eos_token_id=0)
+    elif name == "bert":
+        cls, cfg_cls = tr.BertModel, tr.BertConfig
+        kw = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=72,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64)
+    elif name == "opt":
+        cls, cfg_cls = tr.OPTForCausalLM, tr.OPTConfig
+        kw = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, ffn_dim=72, word_embed_proj_dim=48,
+                  max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                  pad_token_id=1)
+    else:
+        raise ValueError(name)
+    kw.update(common)
+    kw.update(over)
+    config = cfg_cls(**kw)
+    config._attn_implementation = "eager"
+    with _BUILD_LOCK:  # thread-ranks share the global RNG: seed and build atomically
+        torch.manual_seed(1234)
+        return cls(config)
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+MODELS = ("llama", "mistral", "qwen2", "gpt2", "bert", "opt")
+DECODERS = ("llama", "mistral", "qwen2", "gpt2", "opt")
+
+
+def inputs(batch: int = 2, seq: int = 6) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(2, VOCAB, (batch, seq), generator=g)
+
+
+def first_output(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _loss(name: str, out, ids) -> torch.Tensor:
+    y = first_output(out)
+    if name == "bert":
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+        return (y * w).mean()
+    return F.cross_entropy(y[:, :-1].reshape(-1, y.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def reference(name: str, **over) -> dict:
+    """Single-device logits, weights after one AdamW step, and greedy tokens."""
+    from tpkit.convert.shard import is_transposed_linear
+
+    ids = inputs()
+    logits = first_output(hf_model(name, **over)(input_ids=ids)).detach()
+    # The optimizer step runs in fp64: Adam's first step divides each gradient by its own magnitude, so an
+    # fp32 rounding difference on a gradient near eps would show up as a full-size update difference.
+    model = hf_model(name, **over).double()
+    out = model(input_ids=ids)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _loss(name, out, ids).backward()
+    opt.step()
+    transposed = {f"{n}.weight" for n, m in model.named_modules() if is_transposed_linear(m)}
+    after = {n: (p.detach().t() if n in transposed else p.detach()) for n, p in model.named_parameters()}
+    tokens = None
+    if name in DECODERS:
+        fresh = hf_model(name, **over).eval()
+        tokens = fresh.generate(ids[:1, :4], max_new_tokens=5, do_sample=False, use_cache=True, pad_token_id=0)
+    return {"logits": logits, "after": after, "tokens": tokens}
+
+
+def rank_check(name: str, ref: dict, over: dict | None = None) -> dict:
+    """On one rank: convert, compare logits, take one AdamW step and compare every shard, generate."""
+    import tpkit
+    from tpkit.convert import parallelize
+    from tpkit.convert.shard import local_slice
+
+    over = over or {}
+    comm = tpkit.get_communicator()
+    ids = inputs()
+    logits = first_output(parallelize(hf_model(name, **over), comm=comm)(input_ids=ids))
+    logit_err = ((logits.detach() - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
+    model = parallelize(hf_model(name, **over).double(), comm=comm)
+    out = model(input_ids=ids)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _loss(name, out, ids).backward()
+    opt.step()
+    step_err, worst = 0.0, None
+    for n, p in model.named_parameters():
+        want = local_slice(ref["after"][n], p, comm.rank)
+        # Relative to the tensor's scale, floored at the step size lr: some gradients are exactly zero in
+        # theory (a key bias shifts all scores of a query equally), so their update is rounding noise.
+        err = ((p.detach() - want).abs().max() / want.abs().max().clamp_min(1e-2)).item()
+        if err > step_err:
+            step_err, worst = err, n
+    same_tokens = None
+    if ref["tokens"] is not None:
+        fresh = parallelize(hf_model(name, **over).eval(), comm=comm)
+        tokens = fresh.generate(ids[:1, :4], max_new_tokens=5, do_sample=False, use_cache=True, pad_token_id=0)
+        same_tokens = bool(torch.equal(tokens, ref["tokens"]))
+    return {"logit_err": logit_err, "step_err": step_err, "worst": worst, "same_tokens": same_tokens}
+
+
+def gloo_body(names, refs):
+    return {n: rank_check(n, refs[n]) for n in names}
+
+
+# Custom (non-HF) models.
+
+
+class Block(nn.Module):
+    """A hand-written pre-norm transformer block: heads from `n_heads` / `head_dim` attributes."""
+
+    def __init__(self, dim: int = 48, n_heads: int = 6, hidden: int = 80):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim) for _ in range(3))
+        self.wo = nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (f(h).view(b, s, -1, self.head_dim).transpose(1, 2) for f in (self.wq, self.wk, self.wv))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        att = att.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.wo(y)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(12, 40), nn.ReLU(), nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 7))
+
+
+def cnn() -> nn.Sequential:
+    torch.manual_seed(6)
+    return nn.Sequential(nn.Conv2d(3, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU(),
+                         nn.Conv2d(12, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+
+def block() -> Block:
+    torch.manual_seed(8)
+    return Block()
+
+
+def clone(m: nn.Module) -> nn.Module:
+    return copy.deepcopy(m)

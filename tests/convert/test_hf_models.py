@@ -1,0 +1,44 @@
+"""Hugging Face models converted by `parallelize`: logits, one AdamW step and greedy generation equal the
+single-device model's, on thread-ranks (world size 4) and gloo processes (world size 2)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import tpkit  # noqa: E402
+
+from .models import DECODERS, MODELS, gloo_body, rank_check, reference  # noqa: E402
+
+TOL = 1e-4
+
+
+def _assert_rank(name: str, result: dict, rank: int) -> None:
+    assert result["logit_err"] < TOL, f"{name} rank {rank}: logits rel err {result['logit_err']:.2e}"
+    assert result["step_err"] < TOL, f"{name} rank {rank}: AdamW step rel err {result['step_err']:.2e}"
+    if name in DECODERS:
+        assert result["same_tokens"], f"{name} rank {rank}: generate() gave different tokens"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_threads_world_size_4(name):
+    ref = reference(name)
+    for rank, result in enumerate(tpkit.launch(rank_check, 4, backend="threads", args=(name, ref))):
+        _assert_rank(name, result, rank)
+
+
+def test_llama_two_kv_heads_world_size_4():
+    """KV heads (2) < ranks (4): each KV head is replicated on two ranks, gradients summed across them."""
+    over = {"num_key_value_heads": 2}
+    ref = reference("llama", **over)
+    for rank, result in enumerate(tpkit.launch(rank_check, 4, backend="threads", args=("llama", ref, over))):
+        _assert_rank("llama", result, rank)
+
+
+@pytest.mark.slow
+def test_gloo_world_size_2_all_models():
+    refs = {n: reference(n) for n in MODELS}
+    results = tpkit.launch(gloo_body, 2, backend="gloo", args=(MODELS, refs), timeout=240)
+    for rank, per_model in enumerate(results):
+        for name in MODELS:
+            _assert_rank(name, per_model[name], rank)
