@@ -220,8 +220,10 @@ def parameter_counts(shape: TransformerShape, world_size: int = 1) -> dict[str, 
     """Parameters held by rank 0 at TP `world_size`, by part, following how tpkit shards.
 
     Column linears (q, k, v, gate, up, fc1) split their output and bias; row linears (o, down, fc2) split
-    their input and keep the whole bias; embeddings and the LM head split the vocabulary (`split_sizes`;
-    tables with fewer rows than ranks stay whole); norms are replicated; tied weights count once.
+    their input and keep the whole bias; the token embedding and the LM head split the vocabulary
+    (`split_sizes`); learned position and token-type tables stay whole (splitting them would cost an
+    all-reduce for little memory, so the planner replicates them); norms are replicated; tied weights count
+    once.
     """
     t, h, d = world_size, shape.hidden_size, shape.head_dim
     q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t)
@@ -235,11 +237,8 @@ def parameter_counts(shape: TransformerShape, world_size: int = 1) -> dict[str, 
     attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if shape.qkv_bias else 0) + (h if shape.out_bias else 0)
     mlp_in = 2 if shape.gated_mlp else 1
     mlp = mlp_in * h * f + f * h + (mlp_in * f + h if shape.mlp_bias else 0)
-    embeddings = rows(shape.vocab_size) * h
-    if shape.position_embeddings:
-        embeddings += rows(shape.position_embeddings + shape.position_offset) * h
-    if shape.token_type_embeddings:
-        embeddings += rows(shape.token_type_embeddings) * h
+    embeddings = rows(shape.vocab_size) * h  # position and token-type tables stay whole, as the planner decides
+    embeddings += (shape.position_embeddings + shape.position_offset + shape.token_type_embeddings) * h
     lm_head = 0 if shape.tied_embeddings else rows(shape.vocab_size) * h
     if shape.mlm_head:  # BERT: transform dense + LayerNorm (replicated), decoder bias (vocab-split)
         lm_head += h * h + h + 2 * h + rows(shape.vocab_size)
@@ -262,7 +261,8 @@ def _mlp_f_tensors(shape: TransformerShape) -> int:
 def transformer_activation_bytes(shape: TransformerShape, batch_size: int, seq_len: int, bytes_per_element: int,
                                  world_size: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                                  attention: str = "flash", mask_bytes: int = 1) -> dict[str, float]:
-    """Bytes kept for backward on rank 0 during training, by part: `layers`, `embedding`, `head`."""
+    """Bytes kept for backward on rank 0 during training, by part: `layers`, `embedding`, `final_norm` and
+    `head` (the LM head's input and the logits the loss keeps)."""
     t, B, s, b = world_size, bytes_per_element, seq_len, batch_size
     h, a = shape.hidden_size, shape.num_heads
     tokens = s * b
@@ -299,12 +299,11 @@ def transformer_activation_bytes(shape: TransformerShape, batch_size: int, seq_l
     if shape.embedding_norm:
         embedding += tokens * B * h / sp
     vocab = split_sizes(shape.vocab_size, t)[0]
+    final_norm = tokens * norm / sp if shape.final_norm else 0.0
     head = tokens * ((4 if shape.logits_fp32 else B) * vocab + B * h / sp)  # logits for the loss, LM-head input
-    if shape.final_norm:
-        head += tokens * norm / sp
     if shape.mlm_head:                                 # dense input, GeLU input, LayerNorm input
         head += tokens * 3 * B * h / sp
-    return {"layers": layers, "embedding": embedding, "head": head}
+    return {"layers": layers, "embedding": embedding, "final_norm": final_norm, "head": head}
 
 
 def transformer_inference_bytes(shape: TransformerShape, batch_size: int, seq_len: int, bytes_per_element: int,
@@ -508,8 +507,10 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype = torch
         raise TypeError(f"estimate_memory needs a Hugging Face config or an nn.Module, got "
                         f"{type(model_or_config).__name__}")
     if shape is not None:
+        counted = _analysed_parameters(model_or_config, world_size, mode) if isinstance(model_or_config,
+                                                                                          nn.Module) else None
         return _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
-                                     sequence_parallel, recompute, attention, master_weights)
+                                     sequence_parallel, recompute, attention, master_weights, counted)
     return _estimate_module(model_or_config, world_size, dtype, mode, optimizer, batch_size, master_weights,
                             example_input, input_shape)
 
@@ -532,14 +533,32 @@ def _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_
                           largest_collective=comm_what, notes=notes)
 
 
+def _analysed_parameters(model: nn.Module, world_size: int, mode: str) -> tuple[int, int] | None:
+    """(parameters, parameters on the fullest rank) of a model object from the converter's analysis: the very
+    plan `parallelize` applies, so any head or class (sequence classification, a bare encoder) is exact."""
+    try:
+        from tpkit.convert.analyze import analyze
+    except ImportError:
+        return None
+    first = next(model.parameters(), None)
+    if first is None:
+        return None
+    report = analyze(model, world_size=world_size, max_world_size=world_size, mode=mode, device_memory=0)
+    elem = first.element_size()
+    return report.per_rank_bytes[1] // elem, report.per_rank_bytes[world_size] // elem
+
+
 def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
-                          sequence_parallel, recompute, attention, master_weights) -> MemoryEstimate:
+                          sequence_parallel, recompute, attention, master_weights, counted=None) -> MemoryEstimate:
     if seq_len is None:
         seq_len = min(int(_get(config, "max_position_embeddings", "n_positions", default=2048)), 4096)
     B = dtype.itemsize
     kind = _attention_kind(config, attention)
-    params_one = sum(parameter_counts(shape, 1).values())
-    params_rank = sum(parameter_counts(shape, world_size).values())
+    if counted is not None:
+        params_one, params_rank = counted
+    else:
+        params_one = sum(parameter_counts(shape, 1).values())
+        params_rank = sum(parameter_counts(shape, world_size).values())
     notes = [f"{shape.model_type}: {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.num_heads} heads "
              f"({shape.num_kv_heads} KV), MLP {shape.intermediate_size}{' gated' if shape.gated_mlp else ''}, "
              f"vocab {shape.vocab_size}; {kind} attention"]

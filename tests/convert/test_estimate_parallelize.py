@@ -1,0 +1,74 @@
+"""The estimate against the real thing: parameter bytes per rank equal what `parallelize` leaves on each rank,
+and the TP activation formula is within 10% of what a parallelized rank saves for backward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpkit.comm import run_threads
+from tpkit.convert.estimate import estimate_memory, transformer_activation_bytes, transformer_shape
+from tpkit.convert.parallelize import parallelize
+from tpkit.convert.presets import build_model
+
+transformers = pytest.importorskip("transformers")
+
+from .test_estimate import measured_activation_bytes, tiny_configs  # noqa: E402
+
+
+def _held_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _parallelized_bytes(config, world_size, cls=None):
+    def body(comm):
+        model = cls(config) if cls is not None else build_model(config, device="meta")
+        return _held_bytes(parallelize(model, "auto", comm, mode="training"))
+
+    return max(run_threads(body, world_size))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2", "opt"])
+@pytest.mark.parametrize("t", [2, 3, 4])
+def test_config_estimate_equals_parallelized_bytes(family, t):
+    config = tiny_configs()[family]
+    est = estimate_memory(config, t, dtype=torch.float32, mode="training")
+    assert est.per_rank.parameters == _parallelized_bytes(config, t)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_model_estimate_equals_parallelized_bytes_for_a_bare_encoder(t):
+    # A BertModel (pooler, no MLM head): the model path counts what the converter's plan holds.
+    config = tiny_configs()["bert"]
+    with torch.device("meta"):
+        model = transformers.BertModel(config)
+    est = estimate_memory(model, t, dtype=torch.float32, mode="training")
+    assert est.per_rank.parameters == _parallelized_bytes(config, t, cls=transformers.BertModel)
+
+
+@pytest.mark.parametrize("t,sp_free_heads", [(2, 4), (4, 2)])
+def test_tp_activation_formula_against_a_parallelized_rank(t, sp_free_heads):
+    """Per-rank bytes saved by the decoder body (embedding, layers, final norm) on thread-ranks."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=344, num_attention_heads=8,
+                         num_key_value_heads=sp_free_heads, num_hidden_layers=2, vocab_size=1000,
+                         attn_implementation="sdpa")
+    ids = torch.randint(0, 1000, (2, 64))
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = build_model(config, device="cpu").train()
+        parallelize(model, "auto", comm, mode="training")
+        return measured_activation_bytes(model.model, input_ids=ids)
+
+    measured = run_threads(body, t)
+    parts = transformer_activation_bytes(transformer_shape(config), 2, 64, 4, t, attention="flash")
+    expected = parts["layers"] + parts["embedding"] + parts["final_norm"]
+    assert max(measured) == pytest.approx(expected, rel=0.10)
+    one = transformer_activation_bytes(transformer_shape(config), 2, 64, 4, 1, attention="flash")
+    assert expected < one["layers"] + one["embedding"] + one["final_norm"]
