@@ -72,3 +72,27 @@ def test_tp_activation_formula_against_a_parallelized_rank(t, sp_free_heads):
     assert max(measured) == pytest.approx(expected, rel=0.10)
     one = transformer_activation_bytes(transformer_shape(config), 2, 64, 4, 1, attention="flash")
     assert expected < one["layers"] + one["embedding"] + one["final_norm"]
+
+
+def _custom_models():
+    from torch import nn
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(24, 96), nn.GELU(), nn.Linear(96, 24), nn.LayerNorm(24), nn.Linear(24, 10))
+    cnn = nn.Sequential(nn.Conv2d(3, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU(), nn.Conv2d(12, 6, 1))
+    return {"mlp": (mlp, torch.randn(4, 24)), "cnn": (cnn, torch.randn(2, 3, 8, 8))}
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("t", [2, 3])
+def test_custom_module_estimate_equals_parallelized_bytes(name, t):
+    import copy
+
+    model, x = _custom_models()[name]
+    est = estimate_memory(model, t, dtype=torch.float32, mode="training", example_input=x)
+
+    def body(comm):
+        return _held_bytes(parallelize(copy.deepcopy(model), "auto", comm, mode="training", example_inputs=(x,)))
+
+    held = run_threads(body, t)
+    assert est.per_rank.parameters == max(held) < est.single.parameters

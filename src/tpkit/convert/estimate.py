@@ -307,18 +307,20 @@ def transformer_activation_bytes(shape: TransformerShape, batch_size: int, seq_l
 
 
 def transformer_inference_bytes(shape: TransformerShape, batch_size: int, seq_len: int, bytes_per_element: int,
-                                world_size: int = 1) -> dict[str, float]:
+                                world_size: int = 1, attention: str = "flash") -> dict[str, float]:
     """Rank 0's live working set of an inference forward (nothing is kept for backward) and KV cache.
 
-    Working set: the residual stream and norm output, plus the larger of attention (q, k, v, output; fused
-    attention keeps no s*s scores) and the MLP (its f-wide tensors), plus this rank's logits. Gathering them to
-    the full vocabulary (the column-parallel LM head of generation) is counted as the communication buffer.
+    Working set: the residual stream and norm output, plus the larger of attention (q, k, v, output, and for
+    eager attention the s*s scores of this rank's heads) and the MLP (its f-wide tensors), plus this rank's
+    logits. Gathering them to the full vocabulary (the column-parallel LM head of generation) is counted as
+    the communication buffer.
     """
     t, B, tokens, h = world_size, bytes_per_element, batch_size * seq_len, shape.hidden_size
     q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t)
     q, kv = q_heads * shape.head_dim, kv_heads * shape.head_dim
     f = split_sizes(shape.intermediate_size, t)[0]
-    live = 2 * h + max(2 * q + 2 * kv, (3 if shape.gated_mlp else 2) * f)
+    scores = q_heads * seq_len * (4 if shape.softmax_fp32 else B) / B if attention == "eager" else 0
+    live = 2 * h + max(2 * q + 2 * kv + scores, (3 if shape.gated_mlp else 2) * f)
     logits = split_sizes(shape.vocab_size, t)[0]  # local shard; the gathered copy is the communication buffer
     kv_cache = 2 * shape.num_layers * kv * tokens * B if shape.is_decoder else 0
     return {"activations": tokens * B * (live + logits), "kv_cache": kv_cache}
@@ -511,6 +513,8 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype = torch
                                                                                           nn.Module) else None
         return _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
                                      sequence_parallel, recompute, attention, master_weights, counted)
+    if example_input is None and input_shape is None and getattr(model_or_config, "main_input_name", "") == "input_ids":
+        example_input = {"input_ids": torch.zeros(1, seq_len or 128, dtype=torch.long)}
     return _estimate_module(model_or_config, world_size, dtype, mode, optimizer, batch_size, master_weights,
                             example_input, input_shape)
 
@@ -533,7 +537,7 @@ def _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_
                           largest_collective=comm_what, notes=notes)
 
 
-def _analysed_parameters(model: nn.Module, world_size: int, mode: str) -> tuple[int, int] | None:
+def _analysed_parameters(model: nn.Module, world_size: int, mode: str, example=None) -> tuple[int, int] | None:
     """(parameters, parameters on the fullest rank) of a model object from the converter's analysis: the very
     plan `parallelize` applies, so any head or class (sequence classification, a bare encoder) is exact."""
     try:
@@ -543,7 +547,8 @@ def _analysed_parameters(model: nn.Module, world_size: int, mode: str) -> tuple[
     first = next(model.parameters(), None)
     if first is None:
         return None
-    report = analyze(model, world_size=world_size, max_world_size=world_size, mode=mode, device_memory=0)
+    report = analyze(model, world_size=world_size, max_world_size=world_size, mode=mode, device_memory=0,
+                     example_inputs=example)
     elem = first.element_size()
     return report.per_rank_bytes[1] // elem, report.per_rank_bytes[world_size] // elem
 
@@ -578,8 +583,8 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
         notes.append(f"optimizer {optimizer}: {opt} bytes per parameter"
                      + (" (fp32 master copy + fp32 states)" if opt and B <= 2 and master_weights is not False else ""))
     else:
-        one = transformer_inference_bytes(shape, batch_size, seq_len, B, 1)
-        many = transformer_inference_bytes(shape, batch_size, seq_len, B, world_size)
+        one = transformer_inference_bytes(shape, batch_size, seq_len, B, 1, kind)
+        many = transformer_inference_bytes(shape, batch_size, seq_len, B, world_size, kind)
         acts = [one["activations"], many["activations"]]
         kv = [one["kv_cache"], many["kv_cache"]]
     comm, what = largest_collective_bytes(shape, batch_size, seq_len, B, world_size, mode)
@@ -610,7 +615,10 @@ def _planned_styles(model: nn.Module, world_size: int, mode: str, example) -> tu
         p = make_plan(model, world_size, mode=mode, example_inputs=example)
     except Exception as exc:  # noqa: BLE001 - fall back to the type rule, and say so
         return None, f"the planner failed ({type(exc).__name__}: {exc})"
-    return {name: style for name in dict(model.named_modules()) if (style := p.style_for(name))}, ""
+    styles = {name: style for name in dict(model.named_modules()) if (style := p.style_for(name))}
+    split = [n for n, st in styles.items() if st != "replicate"]
+    why = "" if split or not p.reasons else f"the plan splits nothing: {next(iter(p.reasons.values()))}"
+    return styles, why
 
 
 def _fallback_style(m: nn.Module, sharded: bool, t: int) -> str:
@@ -790,11 +798,20 @@ def _estimate_module(model, world_size, dtype, mode, optimizer, batch_size, mast
         if styles is None:
             notes.append(f"per-rank split by layer type (Linear/Conv2d pairs whose sizes divide, embeddings by "
                          f"vocabulary) because {why}")
+        elif why:
+            notes.append(why)
     work = _runnable_copy(model, dtype)
     work.train(training)
     m = measure_saved_bytes(work, args, kwargs, styles, world_size, training)
     B = dtype.itemsize
     params_one, params_rank = m["parameter_bytes"] / B, m["parameter_bytes_per_rank"] / B
+    if styles is not None:  # the converter's own count of the plan's shard shapes (packed and head splits)
+        try:
+            counted = _analysed_parameters(model, world_size, mode, moved_kwargs or moved_args)
+        except Exception:  # noqa: BLE001 - the measured count above stands
+            counted = None
+        if counted is not None:
+            params_one, params_rank = counted
     return _assemble(world_size, dtype, mode, optimizer, batch_size, None, False, "none", master_weights,
                      int(params_one), int(params_rank), m["activations"] * scale, m["activations_per_rank"] * scale,
                      0.0, 0.0, m["communication"] * scale,
@@ -803,6 +820,6 @@ def _estimate_module(model, world_size, dtype, mode, optimizer, batch_size, mast
 
 
 __all__ = ["Breakdown", "MemoryEstimate", "TransformerShape", "estimate_memory", "format_bytes", "heads_per_rank",
-           "korthikanti_layer_bytes", "kv_heads_per_rank", "largest_collective_bytes",
-           "optimizer_bytes_per_parameter", "parameter_counts", "transformer_activation_bytes",
+           "korthikanti_layer_bytes", "kv_heads_per_rank", "largest_collective_bytes", "measure_saved_bytes",
+           "optimizer_bytes_per_parameter", "parameter_counts", "rank_heads", "transformer_activation_bytes",
            "transformer_inference_bytes", "transformer_shape"]

@@ -122,8 +122,10 @@ def ring_all_gather_seconds(nbytes_total: float, world_size: int, bandwidth: flo
 
 
 def _matmul_params(shape: TransformerShape, t: int) -> float:
+    """Weights that multiply every token on the rank: attention, MLP, the LM head (tied or not)."""
     counts = parameter_counts(shape, t)
-    lm_head = counts["lm_head"] if not shape.tied_embeddings else split_sizes(shape.vocab_size, t)[0] * shape.hidden_size
+    h = shape.hidden_size
+    lm_head = split_sizes(shape.vocab_size, t)[0] * h + (h * h if shape.mlm_head else 0)
     return counts["attention"] + counts["mlp"] + lm_head
 
 
@@ -181,8 +183,8 @@ def _step(shape: TransformerShape, hw: Hardware, t: int, mode: str, B: int, b: i
                     new_tokens / total, 1.0, bound)
 
 
-def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 8), hardware: str | Hardware = "H100-SXM",
-                   interconnect: str | None = None, dtype: torch.dtype = torch.bfloat16, mode: str = "training",
+def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 8),
+                   hardware: str | Hardware = "H100-SXM", interconnect: str | None = None, dtype: torch.dtype = torch.bfloat16, mode: str = "training",
                    batch_size: int = 1, seq_len: int = 2048, sequence_parallel: bool = False, recompute="none",
                    attention: str | None = None, efficiency: float = 1.0, memory_efficiency: float = 1.0,
                    link_efficiency: float = 1.0) -> SpeedEstimate:
