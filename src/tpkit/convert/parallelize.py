@@ -195,6 +195,10 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     the_plan = resolve_plan(model, plan, world, analysis, mode)
     names = _names(model)
     styles = the_plan.resolve(names)
+    # User-written entries carry no head / packing facts: take them from the traced structure.
+    for name, style in styles.items():
+        if style in ("colwise", "rowwise") and name not in the_plan.details and name in analysis.structures:
+            the_plan.details[name] = analysis.structures[name]
     modules = dict(model.named_modules())
     # 1. Validate everything.
     for name, style in styles.items():
@@ -223,6 +227,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
         for attr, value in new.items():
             setattr(attn, attr, value)
     _retie(model, analysis, built)
+    _install_vocab_parallel_loss(model, built, styles, comm)
     record = Plan({n: s for n, s in styles.items() if n in analysis.leaves}, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
     record.updated_attributes = updates
@@ -256,6 +261,15 @@ def _retie(model: nn.Module, a: Analysis, built: dict) -> None:
         for n in group:
             if n != owner:
                 model.get_submodule(n).weight = weight
+
+
+def _install_vocab_parallel_loss(model: nn.Module, built: dict, styles: dict, comm) -> None:
+    """An HF causal LM whose head keeps split logits computes its loss with vocab_parallel_cross_entropy."""
+    heads = [n for n, s in styles.items() if s == "vocab_parallel" and n in built]
+    if len(heads) == 1 and isinstance(getattr(type(model), "loss_function", None), property):
+        from .losses import VocabParallelCausalLMLoss
+
+        model.loss_function = VocabParallelCausalLMLoss(comm, built[heads[0]].partition_sizes)
 
 
 def _record(model: nn.Module, plan: Plan) -> None:

@@ -80,27 +80,29 @@ def _lca(names: list[str]) -> str:
     return ".".join(common)
 
 
-def default_inputs(model: nn.Module) -> Any:
-    """A tiny input for the trace: HF models get token ids (or pixels); others a batch shaped for their
-    first layer."""
+def default_inputs(model: nn.Module) -> list:
+    """Tiny inputs to try for the trace: HF models get token ids (or pixels); others a batch shaped for
+    their first layer, as [batch, features] and then [batch, seq, features]."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     cfg = getattr(model, "config", None)
     main = getattr(model, "main_input_name", None)
     if cfg is not None and main == "input_ids":
-        return {"input_ids": torch.zeros(1, 4, dtype=torch.long, device=device)}
+        return [{"input_ids": torch.zeros(1, 4, dtype=torch.long, device=device)}]
     if cfg is not None and main == "pixel_values":
         size = getattr(cfg, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
-        return {"pixel_values": torch.zeros(1, getattr(cfg, "num_channels", 3), size, size, device=device)}
+        return [{"pixel_values": torch.zeros(1, getattr(cfg, "num_channels", 3), size, size, device=device)}]
     for m in model.modules():
         dtype = next(m.parameters(), torch.empty(0)).dtype
-        if is_linear(m):
-            return (torch.zeros(2, linear_dims(m)[0], device=device, dtype=dtype),)
+        if is_linear(m) or isinstance(m, nn.LayerNorm):
+            n = linear_dims(m)[0] if is_linear(m) else m.normalized_shape[-1]
+            return [(torch.zeros(2, n, device=device, dtype=dtype),),
+                    (torch.zeros(2, 4, n, device=device, dtype=dtype),)]
         if is_conv2d(m):
-            return (torch.zeros(2, m.in_channels, 16, 16, device=device, dtype=dtype),)
+            return [(torch.zeros(2, m.in_channels, 16, 16, device=device, dtype=dtype),)]
         if is_embedding(m):
-            return (torch.zeros(2, 4, dtype=torch.long, device=device),)
+            return [(torch.zeros(2, 4, dtype=torch.long, device=device),)]
     raise ValueError(f"cannot guess an input for {type(model).__name__}; pass example_inputs")
 
 
@@ -127,11 +129,19 @@ def analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
         prefix = None
     analysis = Analysis(model, leaves, None, None, {}, [], {}, _ties(leaves), total, prefix)
     try:
-        inputs = default_inputs(model) if example_inputs is None else example_inputs
-        analysis.trace = trace(model, inputs)
-    except Exception as exc:  # noqa: BLE001 - any failure means: no dataflow, replicate with the reason
-        analysis.trace_error = f"{type(exc).__name__}: {exc}"
+        candidates = default_inputs(model) if example_inputs is None else [example_inputs]
+    except ValueError as exc:
+        analysis.trace_error = str(exc)
         return analysis
+    for inputs in candidates:
+        try:
+            analysis.trace = trace(model, inputs)
+            break
+        except Exception as exc:  # noqa: BLE001 - any failure means: no dataflow, replicate with the reason
+            analysis.trace_error = analysis.trace_error or f"{type(exc).__name__}: {exc}"
+    if analysis.trace is None:
+        return analysis
+    analysis.trace_error = None
     _find_pairs(analysis)
     return analysis
 
@@ -278,7 +288,8 @@ def _lm_heads(a: Analysis, world_size: int) -> list[str]:
         if vocab is not None:
             big = n_out == vocab or name in a.ties
         else:
-            big = m.weight.numel() >= 0.05 * a.total_params or name in a.ties
+            # Without a config: a vocabulary-like fan-out (many more outputs than inputs) that weighs something.
+            big = name in a.ties or (n_out >= 2 * linear_dims(m)[0] and m.weight.numel() >= 0.05 * a.total_params)
         if n_out >= max(world_size, 2) and big:
             out.append(name)
     return out

@@ -1,0 +1,158 @@
+"""`parallelize` and `Plan`: user plans (HF style strings, globs, JSON), training mode, meta models, the
+wrapper, and bad input that must raise before the model changes."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import tpkit  # noqa: E402
+from tpkit.convert import DistributedModelWrapper, Plan, PlanError, parallelize, plan  # noqa: E402
+
+from .models import VOCAB, hf_model, inputs  # noqa: E402
+
+
+def _snapshot(model):
+    return ({n: type(m) for n, m in model.named_modules()},
+            {k: v.clone() for k, v in model.state_dict().items()},
+            {n: dict(vars(m)) .get("num_key_value_groups") for n, m in model.named_modules()})
+
+
+def _unchanged(model, snap) -> bool:
+    types, state, attrs = snap
+    now = _snapshot(model)
+    return (now[0] == types and now[2] == attrs and now[1].keys() == state.keys()
+            and all(torch.equal(now[1][k], state[k]) for k in state))
+
+
+def _logits_on_threads(model, world, plan_arg="auto", mode="inference"):
+    copies = [copy.deepcopy(model) for _ in range(world)]
+
+    def body(comm):
+        m = parallelize(copies[comm.rank], plan_arg, comm, mode=mode)
+        return m(input_ids=inputs()).logits.detach()
+    return tpkit.comm.run_threads(body, world)
+
+
+BAD_PLANS = {
+    "heads that do not divide": ({"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+                                  "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"},
+                                 "cannot be split over 3 ranks"),
+    "entry naming no module": ({"model.layers.*.attn.query": "colwise"}, "names no module"),
+    "conflicting globs": ({"model.layers.0.mlp.*": "colwise", "model.layers.0.mlp.*_proj": "rowwise"}, "conflicting"),
+    "split output into a replicated layer": ({"model.layers.0.mlp.down_proj": "replicate"}, "conflicting"),
+    "tied weights split differently": ({"lm_head": "replicate"}, "share one weight"),
+    "unknown style": ({"lm_head": "diagonal"}, "unknown style"),
+    "unsupported style": ({"model.norm": "sequence_parallel"}, "sequence parallelism"),
+    "container style on a layer": ({"model.norm": "gather"}, "container"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLANS))
+def test_bad_plans_raise_and_leave_model_unchanged(case):
+    entries, message = BAD_PLANS[case]
+    model = hf_model("qwen2", num_key_value_heads=2)  # tied embeddings, 8 query / 2 KV heads
+    snap = _snapshot(model)
+    models = [model, copy.deepcopy(model), copy.deepcopy(model)]
+
+    def body(comm):
+        with pytest.raises(PlanError, match=message) as info:
+            parallelize(models[comm.rank], entries, comm)
+        return str(info.value)
+    text = tpkit.comm.run_threads(body, 3)[0]
+    assert _unchanged(model, snap), f"{case}: model changed although parallelize raised: {text}"
+
+
+def test_auto_plan_falls_back_to_replicate_with_reason():
+    """The same heads at 3 ranks: the planner keeps attention whole and says why; the MLP still splits."""
+    model = hf_model("llama", num_key_value_heads=2)
+    p = plan(model, 3)
+    assert p["model.layers.0.self_attn.q_proj"] == "replicate"
+    assert "8 query heads in 2 KV groups cannot be split over 3 ranks" in p.reasons["model.layers.0.self_attn.q_proj"]
+    assert p["model.layers.0.mlp.down_proj"] == "rowwise"
+    ref = model(input_ids=inputs()).logits
+    for out in _logits_on_threads(model, 3):
+        assert ((out - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_plan_json_round_trip_and_hf_style_strings():
+    model = hf_model("llama")
+    p = plan(model, 2)
+    again = Plan.from_json(p.to_json())
+    assert again.entries == p.entries and again.details == p.details and again.reasons == p.reasons
+    # Hugging Face's own plan for Llama (relative names, HF style strings) as the whole plan.
+    hf = dict(model.config.base_model_tp_plan)
+    hf["lm_head"] = "colwise_gather_output"
+    ref = model(input_ids=inputs()).logits
+    for plan_arg in (again, {"entries": hf}):
+        for out in _logits_on_threads(model, 2, plan_arg):
+            assert ((out - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_user_entries_override_auto_ones():
+    model = hf_model("llama")
+    p = plan(model, 2, overrides={"lm_head": "replicate", "model.layers.*.mlp.*": "replicate"})
+    assert p.style_for("lm_head") == "replicate" and p.style_for("model.layers.1.mlp.up_proj") == "replicate"
+    assert p.style_for("model.layers.1.self_attn.q_proj") == "colwise"
+    ref = model(input_ids=inputs()).logits
+    for out in _logits_on_threads(model, 2, {"lm_head": "replicate", "model.layers.*.mlp.*": "replicate"}):
+        assert ((out - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_training_mode_keeps_logits_split_and_loss_exact():
+    model = hf_model("llama")
+    ids = inputs()
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    ref_grad = model.model.layers[0].mlp.down_proj.weight.grad
+    copies = [copy.deepcopy(model) for _ in range(2)]
+
+    def body(comm):
+        m = parallelize(copies[comm.rank], "auto", comm, mode="training")
+        for p_ in m.parameters():
+            p_.grad = None
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.logits.shape[-1], out.loss.detach(), m.model.layers[0].mlp.down_proj.weight.grad
+    results = tpkit.comm.run_threads(body, 2)
+    assert [r[0] for r in results] == [52, 51]  # 103 logits split 52 + 51, never gathered
+    for rank, (_, loss, grad) in enumerate(results):
+        assert abs(loss.item() - ref.loss.item()) < 1e-5 * abs(ref.loss.item())
+        want = ref_grad[:, rank * 40:(rank + 1) * 40]
+        assert ((grad - want).abs().max() / want.abs().max()) < 1e-4
+
+
+def test_meta_model_gets_meta_shards_and_local_attributes():
+    with torch.device("meta"):
+        model = hf_model("llama", num_key_value_heads=2)
+
+    def body(comm):
+        m = parallelize(copy.deepcopy(model), "auto", comm)
+        attn = m.model.layers[0].self_attn
+        return (tuple(attn.q_proj.weight.shape), tuple(attn.k_proj.weight.shape), attn.num_key_value_groups,
+                attn.q_proj.weight.device.type, type(m.model.embed_tokens).__name__, m.tp_plan.world_size)
+    for q, k, groups, device, emb, world in tpkit.comm.run_threads(body, 4):
+        assert q == (16, 64) and k == (8, 64) and groups == 2  # 2 query heads and their 1 KV head per rank
+        assert device == "meta" and emb == "VocabParallelEmbedding" and world == 4
+
+
+def test_wrapper_and_generate():
+    model = hf_model("gpt2").eval()
+    ids = inputs()[:1, :4]
+    want = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    copies = [copy.deepcopy(model) for _ in range(2)]
+
+    def body(comm):
+        w = DistributedModelWrapper(copies[comm.rank], world_size=2, rank=comm.rank, comm=comm)
+        tied = w.base_model.lm_head.weight is w.base_model.transformer.wte.weight
+        return (w.world_size, w.rank, sorted(w.parallelized_layers)[:2], tied,
+                w.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+    for rank, (world, r, layers, tied, tokens) in enumerate(tpkit.comm.run_threads(body, 2)):
+        assert (world, r) == (2, rank) and tied
+        assert layers == ["lm_head", "transformer.h.0.attn.c_attn"]
+        assert torch.equal(tokens, want)
+    with pytest.raises(ValueError, match="world_size=4"):
+        tpkit.comm.run_threads(lambda comm: DistributedModelWrapper(copy.deepcopy(model), world_size=4, comm=comm), 2)
