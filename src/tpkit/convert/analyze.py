@@ -267,8 +267,8 @@ def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisRepor
         elif nh % shown and plan.entries.get(p0["row"]) == "rowwise":
             recs.append(f"{nh} heads do not divide by {shown}: the first {nh % shown} ranks hold one head more, so "
                         f"they set the step time; world sizes dividing {nh} balance the work")
-        recs.append(f"{len(attn)} attention blocks and {len(a.pairs) - len(attn)} MLP/conv pairs split as "
-                    f"column -> row: one all-reduce per block in the forward (one more in the backward)")
+        recs.append(f"{len(attn)} attention blocks and {len(a.pairs) - len(attn)} MLP pairs split as column -> "
+                    f"row: one all-reduce per block in the forward (one more in the backward)")
     elif a.pairs:
         recs.append(f"{len(a.pairs)} column -> row pairs found: one all-reduce each in the forward")
     heads = [n for n, s in plan.entries.items() if s in ("colwise_rep", "vocab_parallel")]

@@ -1,0 +1,55 @@
+"""`tpkit analyze TARGET`: which layers split and how, what stays replicated and why, memory per rank, and
+the smallest world size that fits a device.
+
+TARGET is a preset (`llama-2-7b`, built with no weights on the meta device), an HF config.json or model
+directory, or `module:factory`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", help="preset name, config.json / model directory, or module:factory")
+    parser.add_argument("--world-size", type=int, default=None, help="world size of the plan shown (default: "
+                        "the suggested one, else 2)")
+    parser.add_argument("--max-world-size", type=int, default=8, help="per-rank memory up to this size (default 8)")
+    parser.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (default: the "
+                        "detected GPU's)")
+    parser.add_argument("--mode", default="inference", choices=["inference", "training"])
+    parser.add_argument("--plan-out", default=None, help="also write the plan as JSON to this file")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tpkit.convert import analyze
+    from tpkit.convert.presets import load_target
+
+    try:
+        model, config = load_target(args.target, device="meta")
+    except ValueError as exc:
+        print(f"tpkit analyze: {exc}", file=sys.stderr)
+        return 2
+    if model is None:
+        print(f"tpkit analyze: {args.target!r} gave a config without a model type ({type(config).__name__}); "
+              f"pass an HF config or a factory returning an nn.Module", file=sys.stderr)
+        return 2
+    try:
+        report = analyze(model, world_size=args.world_size, max_world_size=args.max_world_size,
+                         device_memory=args.device_memory, mode=args.mode)
+    except ValueError as exc:
+        print(f"tpkit analyze: {exc}", file=sys.stderr)
+        return 2
+    if args.plan_out:
+        report.plan.save(args.plan_out)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        import shutil
+
+        print(report.summary(width=max(100, shutil.get_terminal_size((150, 40)).columns)))
+        if args.plan_out:
+            print(f"plan written to {args.plan_out}")
+    return 0
