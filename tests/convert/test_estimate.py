@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tpkit.convert.estimate import (TransformerShape, estimate_memory, korthikanti_layer_bytes, measure_saved_bytes,
+from tpkit.convert.estimate import (TransformerShape, estimate_memory, korthikanti_layer_bytes, measure_step,
                                     optimizer_bytes_per_parameter, parameter_counts, transformer_activation_bytes,
                                     transformer_shape)
 from tpkit.convert.presets import build_model
@@ -212,9 +212,9 @@ def test_module_on_meta_device_is_measured_on_a_copy():
     assert all(p.is_meta for p in cnn.parameters())
 
 
-def test_measure_saved_bytes_world_size_one():
+def test_measure_step_world_size_one():
     lin = nn.Linear(8, 8)
-    out = measure_saved_bytes(lin, (torch.randn(3, 8, requires_grad=False),))
+    out = measure_step(lin, (torch.randn(3, 8, requires_grad=False),))
     assert out["activations"] == 3 * 8 * 4 and out["parameter_bytes"] == (64 + 8) * 4
 
 

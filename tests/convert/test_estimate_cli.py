@@ -51,7 +51,7 @@ def test_module_factory_with_input_shape(tmp_path, monkeypatch, capsys):
     assert main(["estimate", "cli_models:mlp", "--world-size", "1,2", "--dtype", "fp32", "--mode", "training",
                  "--input-shape", "4,16", "--batch-size", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["speed"] is None
+    assert [r["world_size"] for r in out["speed"]["rows"]] == [1, 2] and out["speed"]["unit"] == "samples"
     one, two = out["memory"]
     assert one["parameters_total"] == 16 * 64 + 64 + 64 * 16 + 16
     assert two["parameters_per_rank"] == 16 * 32 + 32 + 32 * 16 + 16
@@ -65,3 +65,11 @@ def test_bad_arguments_exit(argv, capsys):
     with pytest.raises(SystemExit):
         main(argv)
     assert "error" in capsys.readouterr().err
+
+
+def test_bad_target_is_one_clear_line(capsys):
+    assert main(["estimate", "llama-9-9b"]) == 2
+    err = capsys.readouterr().err
+    assert "not a preset" in err and "Traceback" not in err
+    assert main(["estimate", "torch.nn:Identity"]) == 2  # a module with no config and no --input-shape
+    assert "input_shape" in capsys.readouterr().err

@@ -95,6 +95,23 @@ def test_bad_arguments(kwargs, match):
         estimate_speed(tiny_llama(), **kwargs)
 
 
-def test_module_without_config_is_refused_clearly():
-    with pytest.raises(ValueError, match="Hugging Face config"):
+def test_measured_module_by_hand():
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    est = estimate_speed(mlp, [1, 2], hardware=TOY, dtype=torch.float32, mode="training", batch_size=8,
+                         input_shape=(4, 16))
+    one, two = est.row(1), est.row(2)
+    # Forward: 2 * 8 samples * (16*64 + 64*16) multiply-adds; training = 3 x forward; t=2 halves the pair.
+    assert one.flops_per_rank == 3 * 2 * 8 * 2048 and two.flops_per_rank == one.flops_per_rank / 2
+    # One all-reduce of the (8, 16) fp32 output forward, its conjugate in backward.
+    assert two.collectives == 2
+    assert two.communication_s == pytest.approx(2 * ring_all_reduce_seconds(8 * 16 * 4, 2, 1e9, 1e-6))
+    assert est.unit == "samples" and two.speedup == pytest.approx(one.total_s / two.total_s)
+
+
+def test_module_needs_an_input_and_cannot_decode():
+    with pytest.raises(ValueError, match="example_input"):
         estimate_speed(nn.Linear(4, 4), 2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="decode"):
+        estimate_speed(nn.Linear(4, 4), 2, mode="decode", input_shape=(2, 4))
+    with pytest.raises(TypeError, match="config or an nn.Module"):
+        estimate_speed({"hidden_size": 4}, 2)

@@ -73,6 +73,16 @@ def _memory_table(target: str, estimates, device_bytes: int, device_name: str) -
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    try:
+        return _run(args)
+    except (ValueError, TypeError) as exc:  # bad target or options: one clear line, no traceback
+        print(f"tpkit estimate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from tpkit.convert.estimate import estimate_memory
@@ -92,12 +102,14 @@ def run(args: argparse.Namespace) -> int:
                                  sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                                  attention=args.attention, **extra) for t in args.world_size]
     speed = None
-    if config is not None and hasattr(config, "model_type"):
-        seq_len = estimates[0].seq_len or 2048
-        speed = estimate_speed(config, args.world_size, hardware=hardware, dtype=dtype,
-                               mode="training" if args.mode == "training" else "decode",
-                               batch_size=args.batch_size, seq_len=seq_len, sequence_parallel=args.sequence_parallel,
-                               recompute=args.recompute, attention=args.attention)
+    transformer = estimates[0].seq_len is not None  # the shape-modelled path; others were measured
+    if transformer or extra:
+        speed = estimate_speed(subject if not transformer else config, args.world_size, hardware=hardware,
+                               dtype=dtype, mode="training" if args.mode == "training" else
+                               "decode" if transformer else "prefill",
+                               batch_size=args.batch_size, seq_len=estimates[0].seq_len or 2048,
+                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                               attention=args.attention, **extra)
     if args.json:
         out = {"target": args.target, "hardware": hardware.name, "device_memory_bytes": hardware.memory_bytes,
                "memory": [e.to_dict() for e in estimates], "speed": speed.to_dict() if speed else None}
@@ -107,5 +119,5 @@ def run(args: argparse.Namespace) -> int:
     if speed is not None:
         print(speed.summary())
     else:
-        print("speed: needs a transformer with a Hugging Face config; not estimated for this module")
+        print("speed: not estimated; pass --input-shape to measure this module's step")
     return 0

@@ -513,10 +513,8 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype = torch
                                                                                           nn.Module) else None
         return _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
                                      sequence_parallel, recompute, attention, master_weights, counted)
-    if example_input is None and input_shape is None and getattr(model_or_config, "main_input_name", "") == "input_ids":
-        example_input = {"input_ids": torch.zeros(1, seq_len or 128, dtype=torch.long)}
     return _estimate_module(model_or_config, world_size, dtype, mode, optimizer, batch_size, master_weights,
-                            example_input, input_shape)
+                            example_input, input_shape, seq_len)
 
 
 def _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel, recompute, master_weights,
@@ -705,41 +703,60 @@ def _example(model: nn.Module, dtype: torch.dtype, example_input, input_shape):
                      "so its activations can be measured on one small step")
 
 
-def measure_saved_bytes(model: nn.Module, args=(), kwargs=None, styles=None, world_size: int = 1,
-                        training: bool = True) -> dict[str, float]:
+def measure_step(model: nn.Module, args=(), kwargs=None, styles=None, world_size: int = 1,
+                 training: bool = True) -> dict[str, Any]:
     """Run `model(*args, **kwargs)` once and measure, at world size 1 and on rank 0 of `world_size`:
     activations (training: bytes saved for backward, deduplicated by storage, parameters excluded;
-    inference: the largest input+output of one layer), the largest collective, and parameter bytes."""
+    inference: the largest input+output of one layer), parameter bytes, forward FLOPs (those inside a
+    column -> row pair divide over the ranks) and the collectives the plan adds, in order, as
+    `(kind, result bytes)` with kind "all_reduce" or "all_gather".
+
+    `styles` maps module names to plan styles; None applies the type rule of `_fallback_style`.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
     kwargs = kwargs or {}
     t = world_size
     leaves = _leaves(model)
-    state = {"sharded": False, "comm": 0.0, "live": [0.0, 0.0]}
+    state = {"sharded": False, "region": False, "in": 0.0, "in1": 0.0, "live": [0.0, 0.0], "mark": 0,
+             "flops": [0, 0]}  # flops outside / inside a split region
     chosen: dict[str, str] = {}
+    collectives: list[int] = []
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     saved: dict[int, tuple[int, bool]] = {}
+    counter = FlopCounterMode(display=False)
 
     def nbytes(x) -> int:
         return sum(v.numel() * v.element_size() for v in (x if isinstance(x, (tuple, list)) else [x])
                    if isinstance(v, torch.Tensor))
+
+    def account_flops():
+        total = counter.get_total_flops()
+        state["flops"][1 if state["region"] else 0] += total - state["mark"]
+        state["mark"] = total
 
     def pre(name):
         def hook(module, inputs):
             if name not in chosen:
                 chosen[name] = (styles.get(name, "replicate") if styles is not None
                                 else _fallback_style(module, state["sharded"], t)) if t > 1 else "replicate"
+            account_flops()
+            if chosen[name] in _OUT_SPLIT | {"colwise_rep"}:
+                state["region"] = True
             state["in"] = nbytes(inputs) / (t if state["sharded"] else 1)
             state["in1"] = nbytes(inputs)
         return hook
 
     def post(name):
         def hook(module, inputs, output):
+            account_flops()
             style = chosen.get(name, "replicate")
             if style in _OUT_SPLIT:
                 state["sharded"] = True
             elif style in _GATHERED | _REDUCED:
-                state["sharded"] = False
-                state["comm"] = max(state["comm"], nbytes(output))
+                state["sharded"] = state["region"] = False
+                collectives.append(("all_gather" if style in _GATHERED else "all_reduce", nbytes(output)))
             out = nbytes(output)
             state["live"][0] = max(state["live"][0], state["in1"] + out)
             state["live"][1] = max(state["live"][1], state["in"] + out / (t if state["sharded"] else 1))
@@ -754,12 +771,14 @@ def measure_saved_bytes(model: nn.Module, args=(), kwargs=None, styles=None, wor
     handles = [m.register_forward_pre_hook(pre(n)) for n, m in leaves.items()]
     handles += [m.register_forward_hook(post(n)) for n, m in leaves.items()]
     try:
-        if training:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-                model(*args, **kwargs)
-        else:
-            with torch.no_grad():
-                model(*args, **kwargs)
+        with counter:
+            if training:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                    model(*args, **kwargs)
+            else:
+                with torch.no_grad():
+                    model(*args, **kwargs)
+            account_flops()
     finally:
         for h in handles:
             h.remove()
@@ -775,39 +794,59 @@ def measure_saved_bytes(model: nn.Module, args=(), kwargs=None, styles=None, wor
         if own:
             params_one += sum(p.numel() * p.element_size() for p in own)
             params_rank += _param_bytes_per_rank(m, chosen.get(name, "replicate"), t)
-    return {"activations": one, "activations_per_rank": many, "communication": state["comm"] if t > 1 else 0.0,
-            "parameter_bytes": params_one, "parameter_bytes_per_rank": params_rank}
+    collectives = collectives if t > 1 else []
+    outside, inside = state["flops"]
+    largest = float(max((n for _, n in collectives), default=0))
+    return {"activations": one, "activations_per_rank": many, "communication": largest,
+            "collectives": collectives, "parameter_bytes": params_one, "parameter_bytes_per_rank": params_rank,
+            "flops": float(outside + inside), "flops_per_rank": outside + inside / t}
 
 
-def _estimate_module(model, world_size, dtype, mode, optimizer, batch_size, master_weights, example_input,
-                     input_shape) -> MemoryEstimate:
+def prepare_module_step(model: nn.Module, world_size: int, dtype: torch.dtype, mode: str, example_input=None,
+                        input_shape=None, seq_len: int | None = None) -> dict[str, Any]:
+    """Everything a measured step needs: the example call, its batch, the plan styles (or why not), a
+    runnable copy of the model. Shared by the memory and the speed estimate of non-transformer modules."""
+    if example_input is None and input_shape is None and getattr(model, "main_input_name", "") == "input_ids":
+        example_input = {"input_ids": torch.zeros(1, seq_len or 128, dtype=torch.long)}
     args, kwargs = _example(model, dtype, example_input, input_shape)
     first = _first_tensor(args) if args else _first_tensor(kwargs)
-    measured_batch = int(first.shape[0]) if first is not None and first.dim() else 1
-    scale = batch_size / measured_batch
-    training = mode == "training"
-    notes = [f"{type(model).__name__}: activations measured on one step with batch {measured_batch} and scaled "
-             f"linearly to batch {batch_size}" + ("; a loss computed outside the model is not counted" if training
-                                                  else "")]
-    styles = None
+    notes, styles, planned = [], None, ()
     if world_size > 1:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        moved_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-        moved_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        styles, why = _planned_styles(model, world_size, mode, moved_kwargs or moved_args)
+        first_param = next(model.parameters(), None)
+        device = first_param.device if first_param is not None else torch.device("cpu")
+        own = first_param.dtype if first_param is not None else dtype
+
+        def as_model(v):  # the planner traces the model itself: its device and dtype
+            if not isinstance(v, torch.Tensor):
+                return v
+            return v.to(device, own) if v.is_floating_point() else v.to(device)
+        planned = tuple(as_model(a) for a in args) if args else {k: as_model(v) for k, v in kwargs.items()}
+        styles, why = _planned_styles(model, world_size, mode if mode in _MODES else "inference", planned)
         if styles is None:
             notes.append(f"per-rank split by layer type (Linear/Conv2d pairs whose sizes divide, embeddings by "
                          f"vocabulary) because {why}")
         elif why:
             notes.append(why)
     work = _runnable_copy(model, dtype)
-    work.train(training)
-    m = measure_saved_bytes(work, args, kwargs, styles, world_size, training)
+    work.train(mode == "training")
+    return {"args": args, "kwargs": kwargs, "batch": int(first.shape[0]) if first is not None and first.dim() else 1,
+            "styles": styles, "planned_inputs": planned, "work": work, "notes": notes}
+
+
+def _estimate_module(model, world_size, dtype, mode, optimizer, batch_size, master_weights, example_input,
+                     input_shape, seq_len=None) -> MemoryEstimate:
+    step = prepare_module_step(model, world_size, dtype, mode, example_input, input_shape, seq_len)
+    scale = batch_size / step["batch"]
+    training = mode == "training"
+    notes = [f"{type(model).__name__}: activations measured on one step with batch {step['batch']} and scaled "
+             f"linearly to batch {batch_size}" + ("; a loss computed outside the model is not counted" if training
+                                                  else "")] + step["notes"]
+    m = measure_step(step["work"], step["args"], step["kwargs"], step["styles"], world_size, training)
     B = dtype.itemsize
     params_one, params_rank = m["parameter_bytes"] / B, m["parameter_bytes_per_rank"] / B
-    if styles is not None:  # the converter's own count of the plan's shard shapes (packed and head splits)
+    if step["styles"] is not None:  # the converter's own count of the plan's shard shapes (packed, heads)
         try:
-            counted = _analysed_parameters(model, world_size, mode, moved_kwargs or moved_args)
+            counted = _analysed_parameters(model, world_size, mode, step["planned_inputs"])
         except Exception:  # noqa: BLE001 - the measured count above stands
             counted = None
         if counted is not None:
@@ -820,6 +859,6 @@ def _estimate_module(model, world_size, dtype, mode, optimizer, batch_size, mast
 
 
 __all__ = ["Breakdown", "MemoryEstimate", "TransformerShape", "estimate_memory", "format_bytes", "heads_per_rank",
-           "korthikanti_layer_bytes", "kv_heads_per_rank", "largest_collective_bytes", "measure_saved_bytes",
-           "optimizer_bytes_per_parameter", "parameter_counts", "rank_heads", "transformer_activation_bytes",
-           "transformer_inference_bytes", "transformer_shape"]
+           "korthikanti_layer_bytes", "kv_heads_per_rank", "largest_collective_bytes", "measure_step",
+           "optimizer_bytes_per_parameter", "parameter_counts", "prepare_module_step", "rank_heads",
+           "transformer_activation_bytes", "transformer_inference_bytes", "transformer_shape"]

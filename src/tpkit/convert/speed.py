@@ -63,9 +63,10 @@ class SpeedEstimate:
     mode: str
     dtype: str
     batch_size: int
-    seq_len: int
+    seq_len: int | None
     rows: list[SpeedRow]
     notes: list[str] = field(default_factory=list)
+    unit: str = "tokens"  # what `tokens_per_s` counts: tokens, or samples for measured modules
 
     def row(self, world_size: int) -> SpeedRow:
         for r in self.rows:
@@ -78,17 +79,18 @@ class SpeedEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"hardware": self.hardware, "interconnect": self.interconnect, "mode": self.mode, "dtype": self.dtype,
-                "batch_size": self.batch_size, "seq_len": self.seq_len, "rows": [asdict(r) for r in self.rows],
-                "notes": list(self.notes)}
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "unit": self.unit,
+                "rows": [asdict(r) for r in self.rows], "notes": list(self.notes)}
 
     def summary(self) -> str:
         from rich.console import Console
         from rich.table import Table
 
         unit = "token" if self.mode == "decode" else "step"
-        table = Table(title=f"speed: {self.mode}, {self.dtype}, batch {self.batch_size} x seq {self.seq_len}, "
+        seq = f" x seq {self.seq_len}" if self.seq_len else ""
+        table = Table(title=f"speed: {self.mode}, {self.dtype}, batch {self.batch_size}{seq}, "
                             f"{self.hardware} over {self.interconnect}")
-        for name in ("world size", "compute", "memory", "comm", f"time/{unit}", "tokens/s", "speedup", "bound"):
+        for name in ("world size", "compute", "memory", "comm", f"time/{unit}", f"{self.unit}/s", "speedup", "bound"):
             table.add_column(name, justify="right")
         for r in self.rows:
             table.add_row(str(r.world_size), _ms(r.compute_s), _ms(r.memory_s), _ms(r.communication_s),
@@ -184,12 +186,20 @@ def _step(shape: TransformerShape, hw: Hardware, t: int, mode: str, B: int, b: i
 
 
 def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 8),
-                   hardware: str | Hardware = "H100-SXM", interconnect: str | None = None, dtype: torch.dtype = torch.bfloat16, mode: str = "training",
+                   hardware: str | Hardware = "H100-SXM", interconnect: str | None = None,
+                   dtype: torch.dtype = torch.bfloat16, mode: str = "training",
                    batch_size: int = 1, seq_len: int = 2048, sequence_parallel: bool = False, recompute="none",
                    attention: str | None = None, efficiency: float = 1.0, memory_efficiency: float = 1.0,
-                   link_efficiency: float = 1.0) -> SpeedEstimate:
+                   link_efficiency: float = 1.0, example_input=None, input_shape=None) -> SpeedEstimate:
     """Step time (training, prefill) or time per decoded token (decode, with a context of `seq_len`) and
-    speedup over one device, for each world size. Needs a transformer: an HF config or a model with one."""
+    speedup over one device, for each world size.
+
+    Transformers (an HF config or a model with one) are modelled from their shape. Any other module is
+    measured on one step (pass `example_input` or `input_shape`, batch first): FLOPs with
+    `torch.utils.flop_counter`, those inside column -> row pairs divided over the ranks, and the
+    collectives the converter's plan adds; the step is scaled to `batch_size` and `tokens_per_s` counts
+    samples. Training counts backward as twice the forward FLOPs, and each forward collective once more.
+    """
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     for name, value in (("efficiency", efficiency), ("memory_efficiency", memory_efficiency),
@@ -202,13 +212,25 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     if not sizes or any(not isinstance(t, int) or t < 1 for t in sizes):
         raise ValueError(f"world sizes must be positive ints, got {world_size!r}")
     config = getattr(model_or_config, "config", None) if isinstance(model_or_config, nn.Module) else model_or_config
-    if config is None or not hasattr(config, "model_type"):
-        raise ValueError(f"estimate_speed needs a transformer with a Hugging Face config; "
-                         f"{type(model_or_config).__name__} has none (estimate_memory measures any module)")
-    shape = transformer_shape(config)
     recompute = _normalise_recompute(recompute)
     hw = get_hardware(hardware, interconnect)
     B = dtype.itemsize
+    shape = None
+    if config is not None and hasattr(config, "model_type"):
+        try:
+            shape = transformer_shape(config)
+        except ValueError:
+            if not isinstance(model_or_config, nn.Module):
+                raise
+    if shape is None:
+        if not isinstance(model_or_config, nn.Module):
+            raise TypeError(f"estimate_speed needs a Hugging Face config or an nn.Module, got "
+                            f"{type(model_or_config).__name__}")
+        if mode == "decode":
+            raise ValueError(f"estimate_speed: mode 'decode' needs a decoder with a Hugging Face config; "
+                             f"{type(model_or_config).__name__} is measured, use mode 'training' or 'prefill'")
+        return _measured_speed(model_or_config, sorted(set(sizes)), hw, dtype, mode, batch_size, seq_len,
+                               example_input, input_shape, (efficiency, memory_efficiency, link_efficiency))
     kind = _attention_kind(config, attention)
     args = (mode, B, batch_size, seq_len, recompute, sequence_parallel, kind, efficiency, memory_efficiency,
             link_efficiency)
@@ -224,6 +246,53 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
              f"weights per rank at t=1: {format_bytes(sum(parameter_counts(shape, 1).values()) * B)}"]
     return SpeedEstimate(hw.name, hw.interconnect.name, mode, str(dtype).replace("torch.", ""), batch_size, seq_len,
                          rows, notes)
+
+
+def _measured_speed(model: nn.Module, sizes: list[int], hw: Hardware, dtype: torch.dtype, mode: str,
+                    batch_size: int, seq_len: int, example_input, input_shape, effs) -> SpeedEstimate:
+    from .estimate import measure_step, prepare_module_step
+
+    eff, mem_eff, link_eff = effs
+    training = mode == "training"
+    B = dtype.itemsize
+    bw, alpha = hw.interconnect.bandwidth * link_eff, hw.interconnect.latency_s
+    rows, notes = [], []
+    for t in sizes:
+        step = prepare_module_step(model, t, dtype, "training" if training else "inference", example_input,
+                                   input_shape, seq_len)
+        m = measure_step(step["work"], step["args"], step["kwargs"], step["styles"], t, training)
+        scale = batch_size / step["batch"]
+        notes = step["notes"] or notes
+        flops = m["flops_per_rank"] * scale * (3 if training else 1)
+        acts = m["activations_per_rank"] * scale
+        nbytes = (3 if training else 1) * m["parameter_bytes_per_rank"] + 2 * acts
+        comm_s = comm_bytes = 0.0
+        for kind, n in m["collectives"]:
+            n *= scale
+            if kind == "all_reduce":
+                comm_s += ring_all_reduce_seconds(n, t, bw, alpha)
+                comm_bytes += 2 * (t - 1) / t * n
+            else:
+                comm_s += ring_all_gather_seconds(n, t, bw, alpha)
+                comm_bytes += (t - 1) / t * n
+        repeat = 2 if training else 1
+        compute_s = flops / (hw.peak_flops(B) * eff)
+        memory_s = nbytes / (hw.memory_bandwidth * mem_eff)
+        roof = max(compute_s, memory_s)
+        total = roof + repeat * comm_s
+        bound = "communication" if repeat * comm_s > roof else "compute" if compute_s >= memory_s else "memory"
+        rows.append(SpeedRow(t, flops, nbytes, repeat * comm_bytes, repeat * len(m["collectives"]), compute_s,
+                             memory_s, repeat * comm_s, total, batch_size / total, 1.0, bound))
+    base = rows[0] if rows[0].world_size == 1 else None
+    if base is None:
+        base_est = _measured_speed(model, [1], hw, dtype, mode, batch_size, seq_len, example_input, input_shape, effs)
+        base = base_est.rows[0]
+    for r in rows:
+        r.speedup = base.total_s / r.total_s
+    notes = [f"{type(model).__name__}: FLOPs, bytes and collectives measured on one step and scaled to batch "
+             f"{batch_size}; throughput is in samples/s"] + notes
+    return SpeedEstimate(hw.name, hw.interconnect.name, mode, str(dtype).replace("torch.", ""), batch_size, None,
+                         rows, notes, unit="samples")
 
 
 __all__ = ["SpeedEstimate", "SpeedRow", "estimate_speed", "ring_all_gather_seconds", "ring_all_reduce_seconds"]
