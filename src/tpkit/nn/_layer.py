@@ -68,18 +68,18 @@ def full_module(factory: Callable[..., nn.Module], device, dtype) -> nn.Module:
 
 
 def make_shard(full: torch.Tensor | None, dim: int | None, sizes: Sequence[int], rank: int, *, device=None,
-               dtype=None, requires_grad: bool = True, share: bool = False) -> nn.Parameter | None:
+               dtype=None, requires_grad: bool = True) -> nn.Parameter | None:
     """A Parameter holding `rank`'s slice of `full` along `dim` (or all of it when `dim` is None), marked.
 
-    The slice is copied so the full tensor can be freed, unless `share` (world size 1, `from_module`), where
-    the layer simply holds the module's own tensor.
+    The slice is copied so the full tensor can be freed, except at world size 1 (one entry in `sizes`) with the
+    same device and dtype, where the layer simply holds the full module's own tensor.
     """
     if full is None:
         return None
     piece = full.detach() if dim is None else shard(full.detach(), dim, sizes, rank)
     target_device = piece.device if device is None else torch.device(device)
     target_dtype = piece.dtype if dtype is None else dtype
-    if not (share and piece.device == target_device and piece.dtype == target_dtype and len(sizes) == 1):
+    if not (len(sizes) == 1 and piece.device == target_device and piece.dtype == target_dtype):
         piece = piece.to(device=target_device, dtype=target_dtype, copy=True, memory_format=torch.contiguous_format)
     param = nn.Parameter(piece, requires_grad=requires_grad)
     return mark_replicated(param) if dim is None else mark_tensor_parallel(param, dim, sizes)

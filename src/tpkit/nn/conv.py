@@ -47,7 +47,7 @@ class _ParallelConv2d(TensorParallelModule):
             tensor = getattr(_full, pname)
             self.register_parameter(pname, make_shard(
                 tensor, self.PARTITION_DIMS[pname], self.partition_sizes, self.rank, device=device, dtype=dtype,
-                requires_grad=True if tensor is None else tensor.requires_grad, share=True))
+                requires_grad=True if tensor is None else tensor.requires_grad))
 
     def _conv(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.padding_mode != "zeros":

@@ -57,7 +57,7 @@ class _ParallelEmbedding(TensorParallelModule):
             _full = full_module(lambda **kw: nn.Embedding(num_embeddings, embedding_dim, padding_idx, **kw),
                                 device, dtype)
         self.weight = make_shard(_full.weight, dim, self.partition_sizes, self.rank, device=device, dtype=dtype,
-                                 requires_grad=_full.weight.requires_grad, share=True)
+                                 requires_grad=_full.weight.requires_grad)
 
     @classmethod
     def from_module(cls, module: nn.Embedding, comm: Communicator | None = None, *, device=None, dtype=None,

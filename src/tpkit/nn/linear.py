@@ -39,7 +39,7 @@ class _ParallelLinear(TensorParallelModule):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: Communicator | None,
                  sequence_parallel: bool, sequence_dim: int, chunk: int, even: bool, device, dtype,
-                 _full: nn.Linear | None = None, _share: bool = True):
+                 _full: nn.Linear | None = None):
         super().__init__()
         name = type(self).__name__
         check_positive(name, in_features=in_features, out_features=out_features)
@@ -55,7 +55,7 @@ class _ParallelLinear(TensorParallelModule):
             dim = self.PARTITION_DIMS[pname]
             tensor = getattr(_full, pname)
             param = make_shard(tensor, dim, self.partition_sizes, self.rank, device=device, dtype=dtype,
-                               requires_grad=True if tensor is None else tensor.requires_grad, share=_share)
+                               requires_grad=True if tensor is None else tensor.requires_grad)
             self.register_parameter(pname, param)
 
     @classmethod
@@ -68,7 +68,7 @@ class _ParallelLinear(TensorParallelModule):
         """
         check_module(cls.__name__, module, nn.Linear, {})
         return cls(module.in_features, module.out_features, module.bias is not None, comm=comm, device=device,
-                   dtype=dtype, _full=module, _share=True, **kwargs)
+                   dtype=dtype, _full=module, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
