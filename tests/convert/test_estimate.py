@@ -270,3 +270,10 @@ def test_module_without_input_says_what_to_pass():
         estimate_memory(nn.Sequential(nn.Linear(4, 4)), 2)
     with pytest.raises(TypeError, match="config or an nn.Module"):
         estimate_memory({"hidden_size": 3}, 2)
+
+
+def test_dtype_defaults_to_the_models_own():
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).to(torch.float64)
+    est = estimate_memory(mlp, 2, input_shape=(2, 8))
+    assert est.dtype == "float64" and est.single.parameters == 8 * sum(p.numel() for p in mlp.parameters())
+    assert estimate_memory(tiny_configs()["llama"], 1).dtype == "bfloat16"

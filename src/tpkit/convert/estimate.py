@@ -460,6 +460,15 @@ def optimizer_bytes_per_parameter(optimizer: str, dtype: torch.dtype, master_wei
     return states * dtype.itemsize
 
 
+def _own_dtype(model_or_config) -> torch.dtype:
+    """A model's floating parameter dtype; bfloat16 for a config (the usual training and serving dtype)."""
+    if isinstance(model_or_config, nn.Module):
+        for p in model_or_config.parameters():
+            if p.is_floating_point():
+                return p.dtype
+    return torch.bfloat16
+
+
 def _normalise_recompute(recompute) -> str:
     if recompute is True:
         return "full"
@@ -476,7 +485,7 @@ def _attention_kind(config, attention: str | None) -> str:
     return "eager" if attention == "eager" else "flash"
 
 
-def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype = torch.bfloat16,
+def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None = None,
                     mode: str = "inference", optimizer: str = "adamw", batch_size: int = 1,
                     seq_len: int | None = None, sequence_parallel: bool = False, recompute="none",
                     attention: str | None = None, master_weights: bool | None = None,
@@ -484,15 +493,20 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype = torch
     """Estimate memory on one device and per rank at TP `world_size`.
 
     `model_or_config`: a Hugging Face config, a model with a `.config`, or any `nn.Module` (then pass
-    `example_input` or `input_shape` with a batch dimension first; activations are measured on that
-    step and scaled by `batch_size`). `attention`: "eager" or "sdpa"/"flash" (default: the config's own
-    implementation, else fused). Inference counts the forward working set and a KV cache of `seq_len`
-    positions; training counts gradients, optimizer states and activations kept for backward.
+    `example_input` or `input_shape` with a batch dimension first; activations are measured on one step
+    of a copy and scaled by `batch_size`). `dtype`: of parameters and activations; default the model's
+    own, bfloat16 for a config. `attention`: "eager" or "sdpa"/"flash" (default: the config's own
+    implementation, else fused). Inference counts the forward working set of `batch_size` x `seq_len`
+    tokens and a KV cache of `seq_len` positions; training counts gradients, optimizer states (see
+    `optimizer_bytes_per_parameter`) and activations kept for backward.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}")
+    dtype = dtype or _own_dtype(model_or_config)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     recompute = _normalise_recompute(recompute)

@@ -29,8 +29,8 @@ from torch import nn
 
 from tpkit.comm.sharding import split_sizes
 
-from .estimate import (TransformerShape, _attention_kind, _normalise_recompute, format_bytes, parameter_counts,
-                       rank_heads, transformer_activation_bytes, transformer_shape)
+from .estimate import (TransformerShape, _attention_kind, _normalise_recompute, _own_dtype, format_bytes,
+                       parameter_counts, rank_heads, transformer_activation_bytes, transformer_shape)
 from .hardware import Hardware, get_hardware
 
 _MODES = ("training", "prefill", "decode")
@@ -187,7 +187,7 @@ def _step(shape: TransformerShape, hw: Hardware, t: int, mode: str, B: int, b: i
 
 def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 8),
                    hardware: str | Hardware = "H100-SXM", interconnect: str | None = None,
-                   dtype: torch.dtype = torch.bfloat16, mode: str = "training",
+                   dtype: torch.dtype | None = None, mode: str = "training",
                    batch_size: int = 1, seq_len: int = 2048, sequence_parallel: bool = False, recompute="none",
                    attention: str | None = None, efficiency: float = 1.0, memory_efficiency: float = 1.0,
                    link_efficiency: float = 1.0, example_input=None, input_shape=None) -> SpeedEstimate:
@@ -214,6 +214,7 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     config = getattr(model_or_config, "config", None) if isinstance(model_or_config, nn.Module) else model_or_config
     recompute = _normalise_recompute(recompute)
     hw = get_hardware(hardware, interconnect)
+    dtype = dtype or _own_dtype(model_or_config)
     B = dtype.itemsize
     shape = None
     if config is not None and hasattr(config, "model_type"):
