@@ -31,13 +31,21 @@ counts the terms of the actual architecture, with these adaptations, each checke
 * RMSNorm as Hugging Face writes it upcasts its input to fp32 and keeps it plus the normalised input:
   (4 + B)*h per norm instead of LayerNorm's B*h;
 * the causal-LM loss upcasts logits to fp32 and the cross entropy keeps them: 4*v per token (vocab-parallel:
-  v/t; BERT's masked-LM loss keeps them in the model dtype);
-  the embedding keeps its int64 indices.
+  v/t; BERT's masked-LM loss keeps them in the model dtype); the embedding keeps its int64 indices;
+* full recompute also holds the one layer being rebuilt during backward, which the paper leaves out.
 
-What TP divides: everything inside attention and the MLP (heads and f are split; q/k/v heads per rank from
-`tpkit.comm.split_sizes`, rank 0 taking the most; KV heads replicated when fewer than t); what it does not
-(norms, the inputs of the first linears, dropout masks of the residual stream) is divided by t only with
-sequence parallelism. The figures are for rank 0, the most loaded rank.
+What TP divides: everything inside attention and the MLP (whole heads per rank from the converter's head
+layout, KV heads replicated when fewer than t; f cut by `tpkit.comm.split_sizes`); what it does not (norms,
+the inputs of the first linears, dropout masks of the residual stream) is divided by t only with sequence
+parallelism. Figures are for rank 0, the most loaded rank under tpkit's split rule.
+
+Communication buffers are the largest collective result a rank holds (an all-reduced (b, s, h) activation,
+or gathered (b, s, v) logits for inference), not a flat percentage. Optimizer states follow mixed precision
+(`optimizer_bytes_per_parameter`).
+
+Any other module is measured (`measure_step`): one forward of a copy, the bytes autograd saves for backward
+deduplicated by storage, attributed to a rank by the converter's plan (between a column and a row layer the
+activations are split) and scaled linearly with the batch.
 """
 from __future__ import annotations
 
@@ -327,7 +335,7 @@ def transformer_inference_bytes(shape: TransformerShape, batch_size: int, seq_le
 
 
 def largest_collective_bytes(shape: TransformerShape, batch_size: int, seq_len: int, bytes_per_element: int,
-                             world_size: int, mode: str) -> tuple[float, str]:
+                             world_size: int, mode: str, sequence_parallel: bool = False) -> tuple[float, str]:
     """Bytes of the largest collective result a rank must hold, and which collective it is.
 
     Row-parallel layers all-reduce a (b, s, h) activation (with sequence parallelism: all-gather it back,
@@ -337,7 +345,9 @@ def largest_collective_bytes(shape: TransformerShape, batch_size: int, seq_len: 
     if world_size == 1:
         return 0.0, "none (world size 1)"
     tokens = batch_size * seq_len
-    candidates = [(tokens * shape.hidden_size * bytes_per_element, "all-reduce of a row-parallel output (b*s*h)")]
+    what = ("all-gather of a sequence-parallel activation (b*s*h)" if sequence_parallel
+            else "all-reduce of a row-parallel output (b*s*h)")
+    candidates = [(tokens * shape.hidden_size * bytes_per_element, what)]
     if mode == "inference":
         candidates.append((tokens * shape.vocab_size * bytes_per_element, "all-gather of the logits (b*s*v)"))
     return max(candidates)
@@ -411,8 +421,10 @@ class MemoryEstimate:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"memory: {self.mode}, {self.dtype}, world size {self.world_size}"
-                      + (f", batch {self.batch_size} x seq {self.seq_len}" if self.seq_len else ""))
+        table = Table(title=f"memory: {self.mode}, {self.dtype}",
+                      caption=f"batch {self.batch_size}" + (f" x seq {self.seq_len}" if self.seq_len else "")
+                      + (", sequence parallel" if self.sequence_parallel else "")
+                      + (f", {self.recompute} recompute" if self.recompute != "none" else ""))
         table.add_column("part")
         table.add_column("1 device", justify="right")
         table.add_column(f"per rank (t={self.world_size})", justify="right")
@@ -599,7 +611,7 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
         many = transformer_inference_bytes(shape, batch_size, seq_len, B, world_size, kind)
         acts = [one["activations"], many["activations"]]
         kv = [one["kv_cache"], many["kv_cache"]]
-    comm, what = largest_collective_bytes(shape, batch_size, seq_len, B, world_size, mode)
+    comm, what = largest_collective_bytes(shape, batch_size, seq_len, B, world_size, mode, sequence_parallel)
     return _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel, recompute,
                      master_weights, params_one, params_rank, acts[0], acts[1], kv[0], kv[1], comm, what, notes)
 
