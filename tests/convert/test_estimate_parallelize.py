@@ -96,3 +96,38 @@ def test_custom_module_estimate_equals_parallelized_bytes(name, t):
 
     held = run_threads(body, t)
     assert est.per_rank.parameters == max(held) < est.single.parameters
+
+
+def _gloo_rank_body(families):
+    """On one gloo process: parameter bytes held after parallelize for each family, and the bytes a
+    parallelized Llama body saves for backward."""
+    import tpkit
+
+    from tpkit.convert.parallelize import parallelize as parallelize_
+    from tpkit.convert.presets import build_model as build
+
+    from tests.convert.test_estimate import measured_activation_bytes as saved_bytes, tiny_configs as configs
+
+    comm = tpkit.get_communicator()
+    held = {}
+    for family in families:
+        model = parallelize_(build(configs()[family], device="meta"), "auto", comm, mode="training")
+        held[family] = _held_bytes(model)
+    torch.manual_seed(0)
+    llama = parallelize_(build(configs()["llama"], device="cpu").train(), "auto", comm, mode="training")
+    ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(1))
+    return held, saved_bytes(llama.model, input_ids=ids)
+
+
+def test_estimates_against_two_gloo_processes():
+    import tpkit
+
+    families = ["llama", "qwen2", "gpt2", "opt"]
+    results = tpkit.launch(_gloo_rank_body, 2, backend="gloo", args=(families,), timeout=120)
+    for family in families:
+        est = estimate_memory(tiny_configs()[family], 2, dtype=torch.float32, mode="training")
+        assert est.per_rank.parameters == max(r[0][family] for r in results), family
+    shape = transformer_shape(tiny_configs()["llama"])
+    parts = transformer_activation_bytes(shape, 2, 64, 4, 2, attention="flash")
+    expected = parts["layers"] + parts["embedding"] + parts["final_norm"]
+    assert max(r[1] for r in results) == pytest.approx(expected, rel=0.10)
