@@ -10,6 +10,7 @@ wrappers (`base`) directly.
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import torch
@@ -84,12 +85,13 @@ class AlgorithmCommunicator(WrappedCommunicator):
         self.last_algorithm, self.last_note = self.choose(collective, tensor, nbytes, async_op)
         return self.last_algorithm
 
+    # Builtin calls go straight to `inner` (which validates); the checks here guard the algorithm paths.
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False):
-        op = ReduceOp.parse(op)
         self._check_tensor("all_reduce", tensor)
         name = self._pick("all_reduce", tensor, tensor.numel() * tensor.element_size(), async_op)
         if name == BUILTIN:
             return self.inner.all_reduce(tensor, op=op, async_op=async_op)
+        op = ReduceOp.parse(op)
         with self._guard("all_reduce"):
             return ALGORITHMS["all_reduce"][name](self.base, tensor, op)
 
@@ -99,7 +101,8 @@ class AlgorithmCommunicator(WrappedCommunicator):
         dim = self._check_dim("all_gather", tensor, dim)
         sizes = self._check_gather_sizes(tensor, dim, sizes)
         rows = tensor.shape[dim] * self.world_size if sizes is None else sum(sizes)
-        row_bytes = tensor.element_size() * (tensor.numel() // tensor.shape[dim] if tensor.shape[dim] else 0)
+        row_bytes = tensor.element_size() * math.prod(s for d, s in enumerate(tensor.shape) if d != dim)
+        # the same on every rank (shards differ only along dim), so every rank picks the same algorithm
         name = self._pick("all_gather", tensor, rows * row_bytes, async_op)
         if name == BUILTIN or row_bytes == 0:
             return self.inner.all_gather(tensor, dim=dim, sizes=sizes, async_op=async_op)
@@ -108,8 +111,11 @@ class AlgorithmCommunicator(WrappedCommunicator):
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, dim: int = 0,
                        sizes: Sequence[int] | None = None, async_op: bool = False):
-        op = ReduceOp.parse(op)
         self._check_tensor("reduce_scatter", tensor)
+        name = self._pick("reduce_scatter", tensor, tensor.numel() * tensor.element_size(), async_op)
+        if name == BUILTIN or tensor.numel() == 0:
+            return self.inner.reduce_scatter(tensor, op=op, dim=dim, sizes=sizes, async_op=async_op)
+        op = ReduceOp.parse(op)
         dim = self._check_dim("reduce_scatter", tensor, dim)
         if sizes is None:
             sizes = split_sizes(tensor.shape[dim], self.world_size)
@@ -119,17 +125,14 @@ class AlgorithmCommunicator(WrappedCommunicator):
                 raise ValueError(
                     f"reduce_scatter: sizes {sizes} must have {self.world_size} non-negative entries summing to "
                     f"the size of dim {dim} ({tensor.shape[dim]}) of the input of shape {tuple(tensor.shape)}")
-        name = self._pick("reduce_scatter", tensor, tensor.numel() * tensor.element_size(), async_op)
-        if name == BUILTIN or tensor.numel() == 0:
-            return self.inner.reduce_scatter(tensor, op=op, dim=dim, sizes=sizes, async_op=async_op)
         with self._guard("reduce_scatter"):
             return ALGORITHMS["reduce_scatter"][name](self.base, tensor, op, dim, sizes)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         self._check_tensor("broadcast", tensor)
-        self._check_rank("broadcast", src, "src")
         name = self._pick("broadcast", tensor, tensor.numel() * tensor.element_size(), async_op)
         if name == BUILTIN:
             return self.inner.broadcast(tensor, src=src, async_op=async_op)
+        self._check_rank("broadcast", src, "src")
         with self._guard("broadcast"):
             return ALGORITHMS["broadcast"][name](self.base, tensor, src)

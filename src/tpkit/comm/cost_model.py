@@ -93,6 +93,7 @@ class CostModel:
     gamma: float = 0.3e-9
     builtin: dict[tuple[str, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
     calibrated: bool = False
+    version: int = 0  # bumped by every fit, so cached decisions know they are stale
 
     def predict(self, collective: str, algorithm: str, nbytes: float, world_size: int) -> float:
         """Predicted seconds for one `collective` of `nbytes` (nccl-tests bytes) on `world_size` ranks."""
@@ -126,10 +127,11 @@ class CostModel:
             a, b = _nonneg_lstsq([[1.0 / t, nb / t] for nb, t in points], [1.0] * len(points))
             self.builtin[key] = (a, b)
         self.calibrated = True
+        self.version += 1
         return self
 
     def calibrate(self, comm: Communicator, sizes: Sequence[int] = (16 << 10, 256 << 10, 2 << 20, 16 << 20),
-                  collectives: Sequence[str] = COLLECTIVES, iters: int = 3) -> "CostModel":
+                  collectives: Sequence[str] = COLLECTIVES, iters: int = 5) -> "CostModel":
         """Time every algorithm and the builtin of `collectives` at `sizes` on `comm`, then `fit`.
 
         Collective over `comm`: every rank calls it. Each rank's times are combined with a MAX all-reduce,
@@ -143,17 +145,13 @@ class CostModel:
             return self
         plan = [(col, alg) for col in collectives for alg in [BUILTIN, *ALGORITHMS[col]]]
         times = torch.zeros(len(plan) * len(sizes), dtype=torch.float64)
-        i = 0
-        for nbytes in sizes:
-            for col, alg in plan:
-                times[i] = _time_one(base, col, alg, nbytes, iters)
-                i += 1
+        for k, nbytes in enumerate(sizes):
+            runs = iters if nbytes <= (4 << 20) else max(1, iters // 2)
+            medians = _time_interleaved(base, plan, nbytes, runs)
+            times[k * len(plan):(k + 1) * len(plan)] = torch.tensor(medians, dtype=torch.float64)
         times = base.all_reduce(times, op=ReduceOp.MAX)
-        samples, i = [], 0
-        for nbytes in sizes:
-            for col, alg in plan:
-                samples.append((col, alg, float(_numel(nbytes, p) * 4), p, float(times[i])))
-                i += 1
+        samples = [(col, alg, float(_numel(nbytes, p) * 4), p, float(times[k * len(plan) + j]))
+                   for k, nbytes in enumerate(sizes) for j, (col, alg) in enumerate(plan)]
         self.samples = samples
         return self.fit(samples)
 
@@ -168,33 +166,37 @@ def _numel(nbytes: int, p: int) -> int:
     return numel - numel % p
 
 
-def _time_one(comm: Communicator, collective: str, algorithm: str, nbytes: int, iters: int) -> float:
-    """Median seconds of one call (after one warm-up), synchronised by a barrier before each."""
-    from .algorithms import ALGORITHMS as algs
+def _call(comm: Communicator, collective: str, algorithm: str, x: torch.Tensor):
+    """One call of `collective` with `algorithm` on float32 `x` (SUM, dim 0, root 0)."""
+    if algorithm != BUILTIN:
+        fn = ALGORITHMS[collective][algorithm]
+        if collective in ("all_reduce", "reduce_scatter"):
+            return fn(comm, x, ReduceOp.SUM) if collective == "all_reduce" else fn(comm, x, ReduceOp.SUM, 0, None)
+        return fn(comm, x, 0) if collective == "broadcast" else fn(comm, x, 0, None)
+    if collective == "all_reduce":
+        return comm.all_reduce(x)
+    if collective == "all_gather":
+        return comm.all_gather(x)
+    if collective == "reduce_scatter":
+        return comm.reduce_scatter(x)
+    return comm.broadcast(x, 0)
 
+
+def _time_interleaved(comm: Communicator, plan: Sequence[tuple[str, str]], nbytes: int, runs: int) -> list[float]:
+    """Median seconds of one call for every (collective, algorithm) in `plan`, the plan's calls interleaved
+    `runs` times (after one warm-up round) so a load spike on a shared machine hits all of them alike."""
     p = comm.world_size
     numel = _numel(nbytes, p)
-    x = torch.ones(numel // p if collective == "all_gather" else numel, dtype=torch.float32)
-    if collective == "all_reduce":
-        call = (lambda: comm.all_reduce(x)) if algorithm == BUILTIN else (
-            lambda: algs["all_reduce"][algorithm](comm, x, ReduceOp.SUM))
-    elif collective == "all_gather":
-        call = (lambda: comm.all_gather(x)) if algorithm == BUILTIN else (
-            lambda: algs["all_gather"][algorithm](comm, x, 0, None))
-    elif collective == "reduce_scatter":
-        call = (lambda: comm.reduce_scatter(x)) if algorithm == BUILTIN else (
-            lambda: algs["reduce_scatter"][algorithm](comm, x, ReduceOp.SUM, 0, None))
-    else:
-        call = (lambda: comm.broadcast(x, 0)) if algorithm == BUILTIN else (
-            lambda: algs["broadcast"][algorithm](comm, x, 0))
-    runs = []
-    for i in range(iters + 1):
-        comm.barrier()
-        start = time.perf_counter()
-        call()
-        if i:
-            runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+    inputs = {col: torch.ones(numel // p if col == "all_gather" else numel, dtype=torch.float32) for col, _ in plan}
+    samples: list[list[float]] = [[] for _ in plan]
+    for round_ in range(runs + 1):
+        for j, (col, alg) in enumerate(plan):
+            comm.barrier()
+            start = time.perf_counter()
+            _call(comm, col, alg, inputs[col])
+            if round_:
+                samples[j].append(time.perf_counter() - start)
+    return [statistics.median(s) for s in samples]
 
 
 def _nonneg_lstsq(rows: list[list[float]], rhs: list[float]) -> list[float]:

@@ -3,7 +3,7 @@
 Why: the best algorithm changes with message size and group size. Before calibration the selector uses
 MPICH's classic thresholds (Thakur et al. 2005, MPICH 3 defaults), which encode decades of measurements
 on real networks; once its `CostModel` is calibrated it picks the fastest predicted, "builtin" included.
-A measured algorithm must beat builtin by `margin` (10%) to be chosen: a prediction is an estimate, and
+A measured algorithm must be predicted faster than builtin by `margin` (20%) to be chosen: a prediction is an estimate, and
 the backend's own collective is the safe default.
 
 Decisions are a pure function of (collective, bytes, world size) and the model, so every rank of a group
@@ -53,14 +53,28 @@ def mpich_choice(collective: str, nbytes: int, world_size: int, itemsize: int = 
 class AlgorithmSelector:
     """Pick an algorithm per call; `model` (a `CostModel`) decides once calibrated, MPICH's rules before."""
 
-    def __init__(self, model: CostModel | None = None, margin: float = 0.1):
+    def __init__(self, model: CostModel | None = None, margin: float = 0.2):
         if not 0 <= margin < 1:
             raise ValueError(f"AlgorithmSelector: margin must be in [0, 1), got {margin}")
         self.model = model if model is not None else CostModel()
         self.margin = margin
+        self._cache: dict[tuple, str] = {}
+        self._cache_version = -1
 
     def select(self, collective: str, nbytes: int, world_size: int, itemsize: int = 4) -> str:
         """The algorithm name to run ("builtin" or a key of `ALGORITHMS[collective]`)."""
+        key = (collective, nbytes, world_size, itemsize)
+        if self._cache_version != self.model.version:
+            self._cache.clear()
+            self._cache_version = self.model.version
+        choice = self._cache.get(key)
+        if choice is None:
+            choice = self._decide(collective, nbytes, world_size, itemsize)
+            if len(self._cache) < 4096:
+                self._cache[key] = choice
+        return choice
+
+    def _decide(self, collective: str, nbytes: int, world_size: int, itemsize: int) -> str:
         if collective not in COLLECTIVES:
             raise ValueError(f"AlgorithmSelector: unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
         if world_size <= 1:

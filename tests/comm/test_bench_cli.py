@@ -1,0 +1,79 @@
+"""`tpkit bench`: nccl-tests columns, JSON output, the #wrong checker, the plot, and bad options."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tpkit.cli import main
+from tpkit.comm import algorithms
+from tpkit.comm.profiler import bus_factor
+
+COLUMNS = {"collective", "algorithm", "chosen", "bytes", "count", "type", "redop", "time_us", "algbw", "busbw", "wrong"}
+
+
+def _run_json(capsys, *argv) -> tuple[int, dict]:
+    code = main(["bench", "--no-progress", "--json", "-", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_threads_json_rows_cover_every_collective_size_and_algorithm(capsys, tmp_path):
+    code, data = _run_json(capsys, "--backend", "threads", "-n", "3", "-b", "1K", "-e", "16K", "-f", "4",
+                           "-a", "builtin,auto,ring", "--iters", "2", "--repeats", "2", "--no-calibrate",
+                           "--plot", str(tmp_path / "busbw.png"))
+    assert code == 0 and data["world_size"] == 3 and data["backend"] == "threads"
+    rows = data["rows"]
+    assert all(COLUMNS <= set(r) for r in rows)
+    keys = {(r["collective"], r["bytes"], r["algorithm"]) for r in rows}
+    sizes = sorted({r["bytes"] for r in rows if r["collective"] == "all_reduce"})
+    assert sizes == [1020, 4092, 16380]  # 1K, 4K, 16K rounded down to a multiple of 3 floats
+    for col in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert {(col, s, a) for s in sizes for a in ("builtin", "auto", "ring")} <= keys
+    assert not any(r["collective"] == "broadcast" and r["algorithm"] == "ring" for r in rows)  # no ring broadcast
+    for r in rows:
+        assert r["wrong"] == 0 and r["count"] * 4 == r["bytes"] and r["time_us"] > 0
+        assert r["algbw"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw"] == pytest.approx(r["algbw"] * bus_factor(r["collective"], 3))
+        assert r["redop"] == ("sum" if r["collective"] in ("all_reduce", "reduce_scatter") else "none")
+        if r["algorithm"] == "auto":  # uncalibrated: MPICH's choice
+            assert r["chosen"] in algorithms.ALGORITHMS[r["collective"]]
+    assert (tmp_path / "busbw.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_table_output_and_wrong_results_are_counted(capsys, monkeypatch):
+    def broken_ring(comm, tensor, op):
+        return tensor + 100
+
+    monkeypatch.setitem(algorithms.ALGORITHMS["all_reduce"], "ring", broken_ring)
+    code = main(["bench", "--backend", "threads", "-n", "2", "-c", "all_reduce", "-b", "4K", "-e", "4K",
+                 "-a", "builtin,ring", "--iters", "1", "--repeats", "1", "--op", "max", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 1
+    header = next(line for line in out.splitlines() if "time(us)" in line)
+    for column in ("size", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"):
+        assert column in header
+    ring = next(line for line in out.splitlines() if " ring " in line)
+    builtin = next(line for line in out.splitlines() if " builtin " in line)
+    assert " max " in ring and ring.split()[-2] == "2048"  # 1024 wrong floats on each of 2 ranks
+    assert builtin.split()[-1] == "0"
+    assert "FAILED" in out
+
+
+def test_gloo_processes_with_calibrated_auto(capsys):
+    code, data = _run_json(capsys, "-n", "2", "-c", "all_reduce,reduce_scatter", "-b", "4K", "-e", "64K", "-f", "16",
+                           "--iters", "2", "--repeats", "1", "--op", "avg", "--timeout", "60")
+    assert code == 0 and data["backend"] == "gloo" and data["world_size"] == 2
+    assert data["model"]["calibrated"] and data["model"]["alpha"] >= 0
+    assert len(data["rows"]) == 2 * 2 * 2 and all(r["wrong"] == 0 and r["redop"] == "avg" for r in data["rows"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-c", "alltoall"], "unknown collectives ['alltoall']"),
+    (["-a", "builtin,fastest"], "unknown algorithms ['fastest']"),
+    (["-b", "64M", "-e", "4K"], "is above --max-bytes"),
+    (["--op", "mean"], "unknown reduce op 'mean'"),
+])
+def test_bad_options_are_refused_before_anything_runs(capsys, argv, message):
+    assert main(["bench", "--backend", "threads", *argv]) == 2
+    assert message in capsys.readouterr().err
