@@ -101,32 +101,43 @@ class Plan(Mapping[str, str]):
         return bool(self.prefix) and fnmatch.fnmatchcase(name, f"{self.prefix}.{pattern}")
 
     def matching(self, pattern: str, names: Iterable[str]) -> list[str]:
+        if not is_glob(pattern):
+            wanted = {pattern, f"{self.prefix}.{pattern}" if self.prefix else pattern}
+            return [n for n in names if n in wanted]
         return [n for n in names if self._matches(pattern, n)]
 
-    def style_for(self, name: str) -> str | None:
+    def style_for(self, name: str, _globs: dict | None = None) -> str | None:
         """The style this plan gives module `name`, or None when no entry names it."""
         if name in self.entries:
             return self.entries[name]
         if self.prefix and name.startswith(self.prefix + ".") and name[len(self.prefix) + 1:] in self.entries:
             return self.entries[name[len(self.prefix) + 1:]]
-        hits = {p: s for p, s in self.entries.items() if is_glob(p) and self._matches(p, name)}
+        globs = self._globs() if _globs is None else _globs
+        hits = {p: s for p, s in globs.items() if self._matches(p, name)}
         styles = set(hits.values())
         if len(styles) > 1:
             raise PlanError(f"plan: conflicting entries for module {name!r}: {hits}; give the module an exact "
                             f"entry or make the globs agree")
         return styles.pop() if styles else None
 
+    def _globs(self) -> dict[str, str]:
+        return {p: s for p, s in self.entries.items() if is_glob(p)}
+
     def resolve(self, names: Iterable[str]) -> dict[str, str]:
         """`{module name: style}` for every module an entry names; raises on entries naming no module."""
         names = list(names)
+        known = set(names)
         for pattern in self.entries:
+            if not is_glob(pattern) and (pattern in known or (self.prefix and f"{self.prefix}.{pattern}" in known)):
+                continue
             if not self.matching(pattern, names):
                 close = [n for n in names if n.split(".")[-1] == pattern.split(".")[-1]][:3]
                 hint = f"; modules with the same last name: {close}" if close else ""
                 raise PlanError(f"plan entry {pattern!r} names no module of the model{hint}")
         out = {}
+        globs = self._globs()
         for n in names:
-            s = self.style_for(n)
+            s = self.style_for(n, globs)
             if s is not None:
                 out[n] = s
         return out

@@ -14,6 +14,7 @@ Decisions come from module types and the traced dataflow, never from parameter n
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -120,8 +121,32 @@ def _ties(leaves: dict[str, nn.Module]) -> dict[str, list[str]]:
     return out
 
 
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _signature(model: nn.Module) -> tuple:
+    """What the analysis depends on: every module's name, class and parameter shapes (and identities)."""
+    return tuple((n, type(m), tuple((k, tuple(p.shape), id(p)) for k, p in m.named_parameters(recurse=False)))
+                 for n, m in model.named_modules())
+
+
 def analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
-    """Trace the model once and find its attention blocks and column -> row pairs (world-size free)."""
+    """Trace the model once and find its attention blocks and column -> row pairs (world-size free).
+
+    With the default inputs the result is remembered per model object until its modules or parameter
+    shapes change, so `analyze`, `plan` and `parallelize` in a row trace a large model once."""
+    if example_inputs is not None:
+        return _analyze_structure(model, example_inputs)
+    sig = _signature(model)
+    hit = _CACHE.get(model)
+    if hit is not None and hit[0] == sig:
+        return dataclasses.replace(hit[1], model=model)
+    a = _analyze_structure(model, None)
+    _CACHE[model] = (sig, dataclasses.replace(a, model=None))
+    return a
+
+
+def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
     leaves = parameterised_leaves(model)
     total = sum(p.numel() for p in model.parameters())
     prefix = getattr(model, "base_model_prefix", None) if hasattr(model, "config") else None

@@ -86,7 +86,7 @@ def build_column(m: nn.Module, details: dict, comm, gather: bool = False) -> nn.
         return ColumnParallelLinear.from_module(lin, comm, gather_output=gather)
     shape_only = nn.Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta")
     layer = ColumnParallelLinear.from_module(shape_only, comm)
-    sizes = [len(column_rows(details, lin.out_features, comm.world_size, r)) for r in range(comm.world_size)]
+    sizes = column_sizes(details, lin.out_features, comm.world_size)
     layer.weight = _picked(lin.weight, 0, rows)
     _mark_index(layer.weight, 0, rows, sizes)
     if lin.bias is not None:
@@ -95,10 +95,21 @@ def build_column(m: nn.Module, details: dict, comm, gather: bool = False) -> nn.
     layer.partition_sizes = tuple(sizes)
     layer.output_size_per_partition = len(rows)
     layer.partition_index = tuple(rows)
-    if len(set(rows_all := [r for k in range(comm.world_size)
-                            for r in column_rows(details, lin.out_features, comm.world_size, k)])) < len(rows_all):
+    if sum(sizes) > lin.out_features:  # some rows (replicated KV heads) live on several ranks
         _sum_replicated_row_grads(layer, rows, lin.out_features, comm)
     return layer
+
+
+def column_sizes(details: dict, n_out: int, world: int) -> list[int]:
+    """Every rank's number of rows for a column-wise layer (without listing them)."""
+    if details.get("pair") == "attention":
+        lay = head_layout(details["num_heads"], details["num_kv_heads"], world, details.get("attention", "attention"))
+        hd, role = details["head_dim"], details.get("role")
+        q = [len(h) * hd for h in lay.q_heads]
+        kv = [len(h) * hd for h in lay.kv_heads]
+        return q if role == "q" else kv if role in ("k", "v") else [a + 2 * b for a, b in zip(q, kv)]
+    pieces = details.get("pieces") or [n_out]
+    return [sum(_size(p, world, r) for p in pieces) for r in range(world)]
 
 
 def _sum_replicated_row_grads(layer: nn.Module, rows: list[int], n_out: int, comm) -> None:
@@ -131,7 +142,8 @@ def build_row(m: nn.Module, details: dict, comm, input_is_parallel: bool = True)
         return RowParallelLinear.from_module(lin, comm, input_is_parallel=input_is_parallel)
     shape_only = nn.Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta")
     layer = RowParallelLinear.from_module(shape_only, comm)
-    sizes = [len(row_cols(details, comm.world_size, r)) for r in range(comm.world_size)]
+    lay = head_layout(details["num_heads"], details["num_kv_heads"], comm.world_size, details.get("attention", ""))
+    sizes = [len(h) * details["head_dim"] for h in lay.q_heads]
     layer.weight = _picked(lin.weight, 1, cols)
     _mark_index(layer.weight, 1, cols, sizes)
     if lin.bias is not None:
@@ -181,14 +193,16 @@ def local_shapes(m: nn.Module, style: str, details: dict, world: int, rank: int)
     if style in ("colwise", "colwise_rep", "vocab_parallel", "rowwise", "rowwise_rep") and not is_conv2d(m):
         n_in, n_out = linear_dims(m)
         if style.startswith("col") or style == "vocab_parallel":
-            rows = None if style != "colwise" else column_rows(details, n_out, world, rank)
-            k = len(rows) if rows is not None else _size(n_out, world, rank)
+            k = column_sizes(details if style == "colwise" else {}, n_out, world)[rank]
             out = {"weight": (k, n_in)}
             if "bias" in full:
                 out["bias"] = (k,)
             return out
-        cols = row_cols(details, world, rank) if style == "rowwise" else None
-        k = len(cols) if cols is not None else _size(n_in, world, rank)
+        if style == "rowwise" and details.get("pair") == "attention":
+            lay = head_layout(details["num_heads"], details["num_kv_heads"], world, details.get("attention", ""))
+            k = len(lay.q_heads[rank]) * details["head_dim"]
+        else:
+            k = _size(n_in, world, rank)
         out = {"weight": (n_out, k)}
         if "bias" in full:
             out["bias"] = (n_out,)
