@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tpkit.comm import run_threads
 from tpkit.convert.estimate import estimate_memory, transformer_activation_bytes, transformer_shape
@@ -36,6 +38,21 @@ def _parallelized_bytes(config, world_size, cls=None):
 @pytest.mark.parametrize("t", [2, 3, 4])
 def test_config_estimate_equals_parallelized_bytes(family, t):
     config = tiny_configs()[family]
+    est = estimate_memory(config, t, dtype=torch.float32, mode="training")
+    assert est.per_rank.parameters == _parallelized_bytes(config, t)
+
+
+@settings(max_examples=8, deadline=None)
+@given(kv=st.integers(1, 4), group=st.integers(1, 3), head_dim=st.sampled_from([4, 8]), f=st.integers(8, 48),
+       vocab=st.integers(5, 60), t=st.integers(2, 5), tied=st.booleans(), bias=st.booleans())
+def test_random_llama_shapes_equal_parallelized_bytes(kv, group, head_dim, f, vocab, t, tied, bias):
+    """Uneven heads, KV heads fewer than ranks, heads fewer than ranks (attention replicated), odd widths."""
+    from transformers import LlamaConfig
+
+    heads = kv * group
+    config = LlamaConfig(hidden_size=heads * head_dim, intermediate_size=f, num_attention_heads=heads,
+                         num_key_value_heads=kv, num_hidden_layers=1, vocab_size=vocab, tie_word_embeddings=tied,
+                         attention_bias=bias, mlp_bias=bias)
     est = estimate_memory(config, t, dtype=torch.float32, mode="training")
     assert est.per_rank.parameters == _parallelized_bytes(config, t)
 
