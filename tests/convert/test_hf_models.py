@@ -42,3 +42,26 @@ def test_gloo_world_size_2_all_models():
     for rank, per_model in enumerate(results):
         for name in MODELS:
             _assert_rank(name, per_model[name], rank)
+
+
+def test_phi3_packed_qkv_and_gate_up():
+    """Phi-3 packs q, k, v in one projection (sliced `qkv[..., a:b]`, GQA) and gate/up in another (chunk):
+    both are split piece by piece, KV heads replicated at 4 ranks; forward and gradients checked."""
+    import torch
+    import transformers as tr
+
+    from tpkit.convert import plan, verify
+
+    cfg = tr.Phi3Config(vocab_size=103, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tr.Phi3ForCausalLM(cfg)
+    p = plan(model, 4)
+    assert p.details["model.layers.0.self_attn.qkv_proj"]["pieces"] == [64, 16, 16]
+    assert p.details["model.layers.0.mlp.gate_up_proj"]["pieces"] == [80, 80]
+    ids = torch.randint(0, 103, (2, 6), generator=torch.Generator().manual_seed(0))
+    for world in (3, 4):
+        report = verify(model, {"input_ids": ids}, world_size=world, backward=True)
+        assert report.ok, report.summary()

@@ -6,6 +6,9 @@ are tied again (both sides split over the vocabulary the same way), and `model.t
 """
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -173,8 +176,27 @@ def _attention_updates(model: nn.Module, plan: Plan, styles: dict, world: int, r
         for attr in WIDTH_ATTRS:
             if getattr(attn, attr, None) == nh * hd and not isinstance(getattr(attn, attr), bool):
                 new[attr] = nh_l * hd
+        cfg = getattr(attn, "config", None)
+        if cfg is not None and _forward_reads_config_heads(type(attn)):
+            # Its forward reads head counts from the model-wide config (Phi-3: `config.num_attention_heads`):
+            # give this module its own copy with the local counts; the shared config stays global.
+            local = copy.copy(cfg)
+            if getattr(cfg, "num_attention_heads", None) == nh:
+                local.num_attention_heads = nh_l
+            if getattr(cfg, "num_key_value_heads", None) == nkv:
+                local.num_key_value_heads = nkv_l
+            new["config"] = local
         updates[attn_name] = new
     return updates
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_reads_config_heads(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "config.num_attention_heads" in source or "config.num_key_value_heads" in source
 
 
 def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = "inference",

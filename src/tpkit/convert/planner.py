@@ -192,7 +192,10 @@ def _find_pairs(a: Analysis) -> None:
         if len(t.calls[row]) > 1 or any(len(t.calls[s]) > 1 for s in srcs):
             a.notes.setdefault(row, "called more than once per forward (shared module); replicated to stay safe")
             continue
-        if tag.clean:
+        if any(s in t.broken for s in srcs):
+            reason = f"the output of {[s for s in srcs if s in t.broken]} is sliced into pieces that do not " \
+                     f"tile its features; replicated"
+        elif tag.clean:
             reason = _try_mlp(a, row, srcs, tag)
         else:
             reason = _try_attention(a, row, srcs, tag)
@@ -418,14 +421,13 @@ def _replicate_reason(a: Analysis, name: str, m: nn.Module) -> str:
 
 
 def plan(model: nn.Module, world_size: int, *, mode: str = "inference", example_inputs: Any = None,
-         overrides: Mapping[str, str] | Plan | None = None, use_config_hint: bool = True,
-         analysis: Analysis | None = None) -> Plan:
+         overrides: Mapping[str, str] | Plan | None = None, analysis: Analysis | None = None) -> Plan:
     """The tensor-parallel plan for `model` on `world_size` ranks (module name -> style; see `Plan`).
 
     `mode="training"` keeps the LM head's logits split over the vocabulary (pair it with
     `tpkit.nn.vocab_parallel_cross_entropy`); inference gathers them. `overrides` (a mapping or a Plan)
-    take precedence over the automatic entries; an HF config's `base_model_tp_plan` is used as a hint only
-    for modules the automatic planner left replicated without a dataflow objection.
+    take precedence over the automatic entries. The plan never depends on an HF config's
+    `base_model_tp_plan`; `analyze` reports where that hint and this plan disagree.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"plan: world_size must be a positive int, got {world_size!r}")

@@ -73,6 +73,7 @@ class Trace:
     pieces: dict[str, tuple]
     escaped: set
     carried_by: dict[str, frozenset]
+    broken: set = dataclasses.field(default_factory=set)  # layers whose output slices do not tile its features
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -90,6 +91,7 @@ class _Tracer(TorchFunctionMode):
         self.depth = 0
         self.conv_layers = conv_layers
         self.pieces: dict[str, tuple] = {}
+        self.slices: dict[str, set] = {}
 
     def tag_of(self, t: Any) -> Tag | None:
         if isinstance(t, torch.Tensor):
@@ -106,6 +108,7 @@ class _Tracer(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self._last_key = args[1] if getattr(func, "__name__", "") == "__getitem__" and len(args) > 1 else None
         if self.depth:
             return out
         name = getattr(func, "__name__", str(func))
@@ -132,6 +135,8 @@ class _Tracer(TorchFunctionMode):
         return out
 
     def _per_feature(self, name, ref, flat, out, fdim, tag) -> bool:
+        if name == "__getitem__":
+            return self._feature_slice(flat, ref, out, fdim, tag)
         if name in SPLITS:
             return self._packed_split(name, ref, flat, out, fdim, tag)
         if name in RESHAPES:
@@ -145,6 +150,25 @@ class _Tracer(TorchFunctionMode):
                 index = fdim - (ref.dim() - a.dim())
                 if index >= 0 and a.shape[index] != 1:
                     return False  # an untagged operand varies along the features
+        return True
+
+    def _feature_slice(self, flat, ref, out, fdim, tag) -> bool:
+        """`x[..., a:b]` of one layer's clean output: a piece of a packed projection (Phi-3's qkv), kept if
+        the pieces taken from it tile its features exactly (checked when the trace ends)."""
+        if len(tag.sources) != 1 or not tag.clean or not isinstance(out, torch.Tensor) or fdim != ref.dim() - 1:
+            return False
+        key = getattr(self, "_last_key", None)
+        if key is None:
+            return False
+        parts = key if isinstance(key, tuple) else (key,)
+        if not parts or not isinstance(parts[-1], slice) or parts[-1].step not in (None, 1):
+            return False
+        lead = parts[:-1]
+        if not (lead == (Ellipsis,) or (len(lead) == ref.dim() - 1 and all(p == slice(None) for p in lead))):
+            return False
+        start, stop, _ = parts[-1].indices(ref.shape[-1])
+        (src,) = tag.sources
+        self.slices.setdefault(src, set()).add((start, stop))
         return True
 
     def _packed_split(self, name, ref, flat, out, fdim, tag) -> bool:
@@ -231,6 +255,16 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
             h.remove()
         for m, flag in was_training.items():
             m.training = flag
+    pieces = dict(tracer.pieces)
+    broken: set = set()
+    for src, spans in tracer.slices.items():
+        spans = sorted(spans)
+        width = calls[src][0].output_shape[-1] if calls.get(src) and calls[src][0].output_shape else None
+        tiles = spans[0][0] == 0 and spans[-1][1] == width and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        if tiles and src not in pieces:
+            pieces[src] = tuple(b - a for a, b in spans)
+        else:
+            broken.add(src)
     escaped: set = set()
     for t in _leaves_of(out):
         tag = tracer.tag_of(t)
@@ -238,7 +272,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
             escaped |= tag.sources
             for c in tag.carried:
                 escaped.add(c)
-    return Trace(calls, consumers, dict(tracer.pieces), escaped, carried_by)
+    return Trace(calls, consumers, pieces, escaped, carried_by, broken)
 
 
 def _leaves_of(out: Any):
