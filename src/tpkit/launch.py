@@ -67,8 +67,11 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeout, results) -> None:
+    # The parent hosts the rendezvous store, as torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE): its port
+    # stays bound for the whole run, so a concurrent launch can never pick the same one.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     from . import distributed
 
@@ -90,14 +93,34 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeo
             distributed.shutdown()
         except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
             pass
+    _exit_quickly(results)
+
+
+def _exit_quickly(results) -> None:
+    """End a worker without the interpreter's slow teardown (seconds with torch loaded, on a busy machine):
+    deliver the result, run the atexit handlers and flush the output, then leave."""
+    import atexit
+    import sys
+
+    results.close()
+    results.join_thread()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream has nothing left to flush
+            pass
+    os._exit(0)
 
 
 def _launch_processes(fn, world_size, backend, args, timeout) -> list:
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, timeout, results),
                          daemon=True) for r in range(world_size)]
     for p in procs:
@@ -136,11 +159,16 @@ def _launch_processes(fn, world_size, backend, args, timeout) -> list:
                                               f"rank failed (aborted: killed by launch)")
                 break
     finally:
+        # Every rank has reported; what is left is teardown, which can block on a broken group: a short
+        # grace, then the stragglers are killed.
+        deadline = time.monotonic() + 3.0
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store
     raise_first_failure(errors)
     return values
 

@@ -1,0 +1,101 @@
+"""Process setup: reading the launcher's environment, the default communicator, the seed helpers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpkit
+from tpkit.distributed import default_backend, read_launch_env
+
+LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
+               "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "PMIX_RANK",
+               "MPI_LOCALRANKID"]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_no_launcher_means_a_world_of_one(clean_env):
+    env = read_launch_env()
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (0, 1, 0, "none")
+
+
+def test_torchrun_variables(clean_env):
+    clean_env.setenv("RANK", "5")
+    clean_env.setenv("WORLD_SIZE", "8")
+    clean_env.setenv("LOCAL_RANK", "1")
+    clean_env.setenv("MASTER_ADDR", "node0")
+    clean_env.setenv("MASTER_PORT", "29501")
+    env = read_launch_env()
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port, env.launcher) == (
+        5, 8, 1, "node0", 29501, "torchrun")
+
+
+def test_torchrun_variables_win_over_mpi_ones(clean_env):
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("OMPI_COMM_WORLD_RANK", "0")
+    clean_env.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert (read_launch_env().rank, read_launch_env().world_size) == (1, 2)
+
+
+def test_open_mpi_variables(clean_env):
+    clean_env.setenv("OMPI_COMM_WORLD_RANK", "3")
+    clean_env.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    clean_env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    env = read_launch_env()
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (3, 4, 1, "mpirun")
+
+
+def test_pmi_variables_and_local_rank_default(clean_env):
+    clean_env.setenv("PMI_RANK", "2")
+    clean_env.setenv("PMI_SIZE", "3")
+    env = read_launch_env()
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (2, 3, 2, "mpirun")
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"RANK": "0"}, "WORLD_SIZE is not"),
+    ({"RANK": "4", "WORLD_SIZE": "4"}, "rank 4 is not in 0..3"),
+    ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' is not an integer"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, "names a rank but no size"),
+])
+def test_bad_launch_environment(clean_env, variables, message):
+    for name, value in variables.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        read_launch_env()
+
+
+def test_default_backend_follows_cuda():
+    assert default_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def test_get_communicator_outside_any_launch_is_a_world_of_one():
+    comm = tpkit.get_communicator()
+    assert (comm.world_size, comm.rank) == (1, 0)
+    assert torch.equal(tpkit.all_reduce_sum(torch.ones(2)), torch.ones(2))
+    assert torch.equal(tpkit.broadcast_tensor(torch.arange(3)), torch.arange(3))
+    tpkit.synchronize_across_ranks()
+    config = tpkit.get_tensor_parallel_config()
+    assert (config.world_size, config.rank, config.device) == (1, 0, torch.device("cpu"))
+
+
+def test_init_threads_outside_launch_is_a_world_of_one():
+    assert tpkit.init(backend="threads").world_size == 1
+
+
+def test_init_rejects_an_unknown_backend():
+    with pytest.raises(ValueError, match="unknown backend 'tcp'; valid: nccl, gloo, mpi, threads"):
+        tpkit.init(backend="tcp")
+
+
+def test_use_communicator_scopes_the_default():
+    comms = tpkit.comm.create_communicators(1)
+    with tpkit.use_communicator(comms[0]):
+        assert tpkit.get_communicator() is comms[0]
+    assert tpkit.get_communicator() is not comms[0]

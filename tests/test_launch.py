@@ -1,0 +1,42 @@
+"""`tpkit.launch` argument checks and failure reporting (process launches are tested in tests/comm/test_gloo.py)."""
+from __future__ import annotations
+
+import pytest
+
+import tpkit
+
+
+def test_results_come_back_in_rank_order():
+    assert tpkit.launch(lambda: tpkit.get_communicator().rank * 10, 4, backend="threads") == [0, 10, 20, 30]
+
+
+def test_args_are_passed():
+    assert tpkit.launch(lambda a, b: a + b + tpkit.get_communicator().rank, 2, backend="threads", args=(1, 2)) == [3, 4]
+
+
+def test_a_rank_failure_is_reraised_with_its_rank():
+    def body():
+        if tpkit.get_communicator().rank == 2:
+            raise ZeroDivisionError("bad shard on rank 2")
+        tpkit.get_communicator().barrier()  # the others wait for rank 2 and are aborted, not blamed
+
+    with pytest.raises(ZeroDivisionError, match="bad shard") as info:
+        tpkit.launch(body, 3, backend="threads", timeout=30)
+    assert info.value.rank == 2
+    assert "raised on rank 2" in info.value.__notes__
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.5, "2"])
+def test_world_size_must_be_a_positive_int(world_size):
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        tpkit.launch(lambda: None, world_size, backend="threads")
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="unknown backend 'tcp'; valid: gloo, nccl, threads"):
+        tpkit.launch(lambda: None, 2, backend="tcp")
+
+
+def test_mpi_needs_mpirun():
+    with pytest.raises(ValueError, match="mpirun -n 2"):
+        tpkit.launch(lambda: None, 2, backend="mpi")
