@@ -114,6 +114,23 @@ def test_per_rank_parameters_by_hand():
     assert any("replicated" in n for n in estimate_memory(cfg, 5, dtype=torch.float32).notes)
 
 
+def test_fullest_rank_is_not_always_rank_0():
+    from transformers import LlamaConfig
+
+    from tpkit.convert.estimate import fullest_rank
+
+    # 9 query heads of 4 in 3 KV groups over 5 ranks: query heads [2, 2, 2, 2, 1]; rank 1 holds heads 2 and 3,
+    # which read KV heads 0 and 1, so it holds 2 KV heads where rank 0 holds 1. MLP 8 -> [2, 2, 2, 1, 1].
+    cfg = LlamaConfig(hidden_size=36, intermediate_size=8, num_attention_heads=9, num_key_value_heads=3,
+                      num_hidden_layers=1, vocab_size=5)
+    shape = transformer_shape(cfg)
+    norms, mlp, vocab_rows = 3 * 36, 3 * 36 * 2, 2 * 36
+    assert sum(parameter_counts(shape, 5, rank=0).values()) == 36 * (8 + 2 * 4) + 8 * 36 + mlp + norms + vocab_rows
+    assert sum(parameter_counts(shape, 5, rank=1).values()) == 36 * (8 + 2 * 8) + 8 * 36 + mlp + norms + vocab_rows
+    assert fullest_rank(shape, 5) == 1
+    assert parameter_counts(shape, 5) == parameter_counts(shape, 5, rank=1)
+
+
 def _tp_shard_bytes(comm, layers):
     """Rank 0's bytes after sharding an MLP's linears with the real tpkit.nn layers."""
     from tpkit.nn import ColumnParallelLinear, RowParallelLinear

@@ -50,6 +50,7 @@ activations are split) and scaled linearly with the batch.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
@@ -191,41 +192,66 @@ def transformer_shape(config) -> TransformerShape:
 # ----------------------------------------------------------------------------------- per-rank sizes
 
 
-def rank_heads(num_heads: int, num_kv_heads: int, world_size: int) -> tuple[int, int, bool]:
-    """(query heads, KV heads, split?) on rank 0, the most loaded rank, as `parallelize` lays them out.
-
-    The layout is the converter's (`tpkit.convert.heads.head_layout`: whole heads, GQA groups kept together,
-    KV heads replicated when fewer than ranks). When no layout exists the attention stays replicated.
-    """
-    if world_size == 1:
-        return num_heads, num_kv_heads, True
+@functools.lru_cache(maxsize=256)
+def _head_layout(num_heads: int, num_kv_heads: int, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(query heads per rank, KV heads per rank) as `parallelize` lays them out, or None (no layout)."""
     try:
         from tpkit.convert.heads import HeadLayoutError, head_layout
     except ImportError:  # the converter's module is missing: contiguous query heads, the KV heads they read
         sizes = split_sizes(num_heads, world_size)
         if sizes[-1] == 0 or num_heads % num_kv_heads:
-            return num_heads, num_kv_heads, False
-        group = num_heads // num_kv_heads
-        return sizes[0], (sizes[0] - 1) // group + 1, True
+            return None
+        group, start, kv = num_heads // num_kv_heads, 0, []
+        for n in sizes:
+            kv.append((start + n - 1) // group - start // group + 1)
+            start += n
+        return tuple(sizes), tuple(kv)
     try:
         layout = head_layout(num_heads, num_kv_heads, world_size)
     except HeadLayoutError:
+        return None
+    return tuple(len(q) for q in layout.q_heads), tuple(len(k) for k in layout.kv_heads)
+
+
+def rank_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int = 0) -> tuple[int, int, bool]:
+    """(query heads, KV heads, split?) on `rank`, as `parallelize` lays them out.
+
+    The layout is the converter's (`tpkit.convert.heads.head_layout`: whole heads, GQA groups kept together,
+    KV heads replicated when fewer than ranks; with uneven splits a later rank may hold more KV heads than
+    rank 0). When no layout exists the attention stays replicated.
+    """
+    if world_size == 1:
+        return num_heads, num_kv_heads, True
+    layout = _head_layout(num_heads, num_kv_heads, world_size)
+    if layout is None:
         return num_heads, num_kv_heads, False
-    return len(layout.q_heads[0]), len(layout.kv_heads[0]), True
+    return layout[0][rank], layout[1][rank], True
 
 
-def heads_per_rank(num_heads: int, world_size: int, num_kv_heads: int | None = None) -> int:
-    """Query heads on rank 0."""
-    return rank_heads(num_heads, num_kv_heads or num_heads, world_size)[0]
+def heads_per_rank(num_heads: int, world_size: int, num_kv_heads: int | None = None, rank: int = 0) -> int:
+    """Query heads on `rank`."""
+    return rank_heads(num_heads, num_kv_heads or num_heads, world_size, rank)[0]
 
 
-def kv_heads_per_rank(num_heads: int, num_kv_heads: int, world_size: int) -> int:
-    """KV heads on rank 0: its share, or a replica of those its query heads read when KV heads < t."""
-    return rank_heads(num_heads, num_kv_heads, world_size)[1]
+def kv_heads_per_rank(num_heads: int, num_kv_heads: int, world_size: int, rank: int = 0) -> int:
+    """KV heads on `rank`: its share, or a replica of those its query heads read when KV heads < t."""
+    return rank_heads(num_heads, num_kv_heads, world_size, rank)[1]
 
 
-def parameter_counts(shape: TransformerShape, world_size: int = 1) -> dict[str, int]:
-    """Parameters held by rank 0 at TP `world_size`, by part, following how tpkit shards.
+def _rank_widths(shape: TransformerShape, t: int, rank: int) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, MLP width, vocabulary rows) that `rank` holds."""
+    q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t, rank)
+    return q_heads, kv_heads, split_sizes(shape.intermediate_size, t)[rank], split_sizes(shape.vocab_size, t)[rank]
+
+
+def fullest_rank(shape: TransformerShape, world_size: int) -> int:
+    """The rank holding the most parameters (rank 0 but for some uneven GQA layouts)."""
+    totals = [sum(parameter_counts(shape, world_size, r).values()) for r in range(world_size)]
+    return totals.index(max(totals))
+
+
+def parameter_counts(shape: TransformerShape, world_size: int = 1, rank: int | None = None) -> dict[str, int]:
+    """Parameters held by `rank` (default: the fullest rank) at TP `world_size`, by part, as tpkit shards.
 
     Column linears (q, k, v, gate, up, fc1) split their output and bias; row linears (o, down, fc2) split
     their input and keep the whole bias; the token embedding and the LM head split the vocabulary
@@ -234,22 +260,22 @@ def parameter_counts(shape: TransformerShape, world_size: int = 1) -> dict[str, 
     once.
     """
     t, h, d = world_size, shape.hidden_size, shape.head_dim
-    q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t)
+    if rank is None:
+        rank = fullest_rank(shape, t) if t > 1 else 0
+    q_heads, kv_heads, f, vocab = _rank_widths(shape, t, rank)
     q, kv = q_heads * d, kv_heads * d
-    f = split_sizes(shape.intermediate_size, t)[0]
     norm = h * (2 if shape.norm_bias else 1)
-
-    def rows(n: int) -> int:
-        return split_sizes(n, t)[0] if n >= t else n
+    if shape.vocab_size < t:  # too few rows to split: whole on every rank
+        vocab = shape.vocab_size
 
     attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if shape.qkv_bias else 0) + (h if shape.out_bias else 0)
     mlp_in = 2 if shape.gated_mlp else 1
     mlp = mlp_in * h * f + f * h + (mlp_in * f + h if shape.mlp_bias else 0)
-    embeddings = rows(shape.vocab_size) * h  # position and token-type tables stay whole, as the planner decides
+    embeddings = vocab * h  # position and token-type tables stay whole, as the planner decides
     embeddings += (shape.position_embeddings + shape.position_offset + shape.token_type_embeddings) * h
-    lm_head = 0 if shape.tied_embeddings else rows(shape.vocab_size) * h
+    lm_head = 0 if shape.tied_embeddings else vocab * h
     if shape.mlm_head:  # BERT: transform dense + LayerNorm (replicated), decoder bias (vocab-split)
-        lm_head += h * h + h + 2 * h + rows(shape.vocab_size)
+        lm_head += h * h + h + 2 * h + vocab
     norms = shape.num_layers * 2 * norm + (norm if shape.final_norm else 0) + (norm if shape.embedding_norm else 0)
     return {"embeddings": embeddings, "attention": shape.num_layers * attention, "mlp": shape.num_layers * mlp,
             "norms": norms, "lm_head": lm_head}
@@ -268,16 +294,21 @@ def _mlp_f_tensors(shape: TransformerShape) -> int:
 
 def transformer_activation_bytes(shape: TransformerShape, batch_size: int, seq_len: int, bytes_per_element: int,
                                  world_size: int = 1, sequence_parallel: bool = False, recompute: str = "none",
-                                 attention: str = "flash", mask_bytes: int = 1) -> dict[str, float]:
-    """Bytes kept for backward on rank 0 during training, by part: `layers`, `embedding`, `final_norm` and
-    `head` (the LM head's input and the logits the loss keeps)."""
+                                 attention: str = "flash", mask_bytes: int = 1,
+                                 rank: int | None = None) -> dict[str, float]:
+    """Bytes kept for backward during training on `rank` (default: the rank that keeps the most), by part:
+    `layers`, `embedding`, `final_norm` and `head` (the LM head's input and the logits the loss keeps)."""
+    if rank is None:
+        per_rank = [transformer_activation_bytes(shape, batch_size, seq_len, bytes_per_element, world_size,
+                                                 sequence_parallel, recompute, attention, mask_bytes, r)
+                    for r in range(world_size)]
+        return max(per_rank, key=lambda parts: sum(parts.values()))
     t, B, s, b = world_size, bytes_per_element, seq_len, batch_size
-    h, a = shape.hidden_size, shape.num_heads
+    h = shape.hidden_size
     tokens = s * b
     sp = t if sequence_parallel else 1
-    a_r, kv_r, _ = rank_heads(a, shape.num_kv_heads, t)
+    a_r, kv_r, f, vocab = _rank_widths(shape, t, rank)
     q, kv = a_r * shape.head_dim, kv_r * shape.head_dim
-    f = split_sizes(shape.intermediate_size, t)[0]
     norm = (4 + B) * h if shape.norm == "rms" else B * h
     hidden_mask = mask_bytes * h if shape.hidden_dropout > 0 else 0
 
@@ -306,7 +337,6 @@ def transformer_activation_bytes(shape: TransformerShape, batch_size: int, seq_l
         embedding += tokens * mask_bytes * h / sp
     if shape.embedding_norm:
         embedding += tokens * B * h / sp
-    vocab = split_sizes(shape.vocab_size, t)[0]
     final_norm = tokens * norm / sp if shape.final_norm else 0.0
     head = tokens * ((4 if shape.logits_fp32 else B) * vocab + B * h / sp)  # logits for the loss, LM-head input
     if shape.mlm_head:                                 # dense input, GeLU input, LayerNorm input
@@ -315,7 +345,8 @@ def transformer_activation_bytes(shape: TransformerShape, batch_size: int, seq_l
 
 
 def transformer_inference_bytes(shape: TransformerShape, batch_size: int, seq_len: int, bytes_per_element: int,
-                                world_size: int = 1, attention: str = "flash") -> dict[str, float]:
+                                world_size: int = 1, attention: str = "flash",
+                                rank: int | None = None) -> dict[str, float]:
     """Rank 0's live working set of an inference forward (nothing is kept for backward) and KV cache.
 
     Working set: the residual stream and norm output, plus the larger of attention (q, k, v, output, and for
@@ -323,13 +354,15 @@ def transformer_inference_bytes(shape: TransformerShape, batch_size: int, seq_le
     logits. Gathering them to the full vocabulary (the column-parallel LM head of generation) is counted as
     the communication buffer.
     """
+    if rank is None:
+        per_rank = [transformer_inference_bytes(shape, batch_size, seq_len, bytes_per_element, world_size, attention,
+                                                r) for r in range(world_size)]
+        return max(per_rank, key=lambda parts: sum(parts.values()))
     t, B, tokens, h = world_size, bytes_per_element, batch_size * seq_len, shape.hidden_size
-    q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t)
+    q_heads, kv_heads, f, logits = _rank_widths(shape, t, rank)  # logits: this rank's vocabulary shard
     q, kv = q_heads * shape.head_dim, kv_heads * shape.head_dim
-    f = split_sizes(shape.intermediate_size, t)[0]
     scores = q_heads * seq_len * (4 if shape.softmax_fp32 else B) / B if attention == "eager" else 0
     live = 2 * h + max(2 * q + 2 * kv + scores, (3 if shape.gated_mlp else 2) * f)
-    logits = split_sizes(shape.vocab_size, t)[0]  # local shard; the gathered copy is the communication buffer
     kv_cache = 2 * shape.num_layers * kv * tokens * B if shape.is_decoder else 0
     return {"activations": tokens * B * (live + logits), "kv_cache": kv_cache}
 
@@ -886,5 +919,5 @@ def _estimate_module(model, world_size, dtype, mode, optimizer, batch_size, mast
 
 __all__ = ["Breakdown", "MemoryEstimate", "TransformerShape", "estimate_memory", "format_bytes", "heads_per_rank",
            "korthikanti_layer_bytes", "kv_heads_per_rank", "largest_collective_bytes", "measure_step",
-           "optimizer_bytes_per_parameter", "parameter_counts", "prepare_module_step", "rank_heads",
+           "optimizer_bytes_per_parameter", "parameter_counts", "prepare_module_step", "rank_heads", "fullest_rank",
            "transformer_activation_bytes", "transformer_inference_bytes", "transformer_shape"]

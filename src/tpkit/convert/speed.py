@@ -30,7 +30,8 @@ from torch import nn
 from tpkit.comm.sharding import split_sizes
 
 from .estimate import (TransformerShape, _attention_kind, _normalise_recompute, _own_dtype, format_bytes,
-                       parameter_counts, rank_heads, transformer_activation_bytes, transformer_shape)
+                       fullest_rank, parameter_counts, rank_heads, transformer_activation_bytes,
+                       transformer_shape)
 from .hardware import Hardware, get_hardware
 
 _MODES = ("training", "prefill", "decode")
@@ -127,14 +128,14 @@ def _matmul_params(shape: TransformerShape, t: int) -> float:
     """Weights that multiply every token on the rank: attention, MLP, the LM head (tied or not)."""
     counts = parameter_counts(shape, t)
     h = shape.hidden_size
-    lm_head = split_sizes(shape.vocab_size, t)[0] * h + (h * h if shape.mlm_head else 0)
+    lm_head = split_sizes(shape.vocab_size, t)[fullest_rank(shape, t)] * h + (h * h if shape.mlm_head else 0)
     return counts["attention"] + counts["mlp"] + lm_head
 
 
 def _step(shape: TransformerShape, hw: Hardware, t: int, mode: str, B: int, b: int, s: int, recompute: str,
           sequence_parallel: bool, attention: str, eff: float, mem_eff: float, link_eff: float) -> SpeedRow:
     L, h, d = shape.num_layers, shape.hidden_size, shape.head_dim
-    q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t)
+    q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t, fullest_rank(shape, t))
     causal = 0.5 if shape.is_decoder else 1.0
     if mode == "decode":
         tokens, s_q, s_kv = b, 1, s
