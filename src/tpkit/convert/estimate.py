@@ -37,7 +37,8 @@ counts the terms of the actual architecture, with these adaptations, each checke
 What TP divides: everything inside attention and the MLP (whole heads per rank from the converter's head
 layout, KV heads replicated when fewer than t; f cut by `tpkit.comm.split_sizes`); what it does not (norms,
 the inputs of the first linears, dropout masks of the residual stream) is divided by t only with sequence
-parallelism. Figures are for rank 0, the most loaded rank under tpkit's split rule.
+parallelism. Per-rank figures are those of the most loaded rank (rank 0 under tpkit's split rule, except
+for some uneven GQA layouts where a later rank holds an extra KV head).
 
 Communication buffers are the largest collective result a rank holds (an all-reduced (b, s, h) activation,
 or gathered (b, s, v) logits for inference), not a flat percentage. Optimizer states follow mixed precision
@@ -631,7 +632,7 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
         notes.append(f"{shape.num_kv_heads} KV heads < world size {world_size}: each rank holds a replica of the "
                      f"KV heads its query heads use")
     if shape.num_heads % world_size or shape.intermediate_size % world_size or shape.vocab_size % world_size:
-        notes.append("uneven split (heads, MLP width or vocabulary not divisible): rank 0 holds the largest piece")
+        notes.append("uneven split (heads, MLP width or vocabulary not divisible): figures are the fullest rank's")
     if mode == "training":
         acts = [sum(transformer_activation_bytes(shape, batch_size, seq_len, B, t, sequence_parallel and t > 1,
                                                  recompute, kind).values()) for t in (1, world_size)]
