@@ -38,6 +38,8 @@ def test_tables(capsys):
     assert main(["estimate", "gpt2", "--world-size", "1,2", "--dtype", "fp32"]) == 0
     text = capsys.readouterr().out
     assert "memory per rank" in text and "fits H100-SXM" in text and "speed: decode" in text
+    assert main(["estimate", "bert-base", "--world-size", "1,2"]) == 0  # an encoder: one forward, no decode
+    assert "speed: prefill" in capsys.readouterr().out
 
 
 def test_module_factory_with_input_shape(tmp_path, monkeypatch, capsys):

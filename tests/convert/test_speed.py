@@ -115,3 +115,9 @@ def test_module_needs_an_input_and_cannot_decode():
         estimate_speed(nn.Linear(4, 4), 2, mode="decode", input_shape=(2, 4))
     with pytest.raises(TypeError, match="config or an nn.Module"):
         estimate_speed({"hidden_size": 4}, 2)
+
+
+def test_encoders_do_not_decode():
+    with pytest.raises(ValueError, match="encoder"):
+        estimate_speed(preset_config("bert-base"), [1, 2], mode="decode")
+    assert estimate_speed(preset_config("bert-base"), [1, 2], mode="prefill", seq_len=512).row(2).speedup > 1

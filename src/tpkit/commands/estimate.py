@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from tpkit.convert.estimate import estimate_memory
+    from tpkit.convert.estimate import estimate_memory, transformer_shape
     from tpkit.convert.hardware import get_hardware
     from tpkit.convert.presets import load_target
     from tpkit.convert.speed import estimate_speed
@@ -104,9 +104,10 @@ def _run(args: argparse.Namespace) -> int:
     speed = None
     transformer = estimates[0].seq_len is not None  # the shape-modelled path; others were measured
     if transformer or extra:
+        decodes = transformer and transformer_shape(config).is_decoder
         speed = estimate_speed(subject if not transformer else config, args.world_size, hardware=hardware,
                                dtype=dtype, mode="training" if args.mode == "training" else
-                               "decode" if transformer else "prefill",
+                               "decode" if decodes else "prefill",
                                batch_size=args.batch_size, seq_len=estimates[0].seq_len or 2048,
                                sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                                attention=args.attention, **extra)

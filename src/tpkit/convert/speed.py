@@ -234,6 +234,9 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
         return _measured_speed(model_or_config, sorted(set(sizes)), hw, dtype, mode, batch_size, seq_len,
                                example_input, input_shape, (efficiency, memory_efficiency, link_efficiency))
     kind = _attention_kind(config, attention)
+    if mode == "decode" and not shape.is_decoder:
+        raise ValueError(f"estimate_speed: {shape.model_type} is an encoder; it does not decode tokens, use mode "
+                         f"'prefill' (one forward) or 'training'")
     args = (mode, B, batch_size, seq_len, recompute, sequence_parallel, kind, efficiency, memory_efficiency,
             link_efficiency)
     base = _step(shape, hw, 1, *args)
