@@ -168,6 +168,7 @@ def _step(shape: TransformerShape, hw: Hardware, t: int, mode: str, B: int, b: i
     collectives = all_reduces if t > 1 else 0
     if mode == "training":   # vocab-parallel cross entropy: max, sum-exp and target logit, fp32 per token
         comm_s += 3 * ring_all_reduce_seconds(tokens * 4, t, bw, alpha)
+        comm_bytes += 3 * (2 * (t - 1) / t * tokens * 4 if t > 1 else 0)
         collectives += 3 if t > 1 else 0
     else:                    # gather the logits of the last position
         logits = b * shape.vocab_size * B
