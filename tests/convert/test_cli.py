@@ -38,3 +38,10 @@ def test_verify_module_factory_and_plan_file(capsys, tmp_path):
     bad.write_text(json.dumps({"entries": {"wq": "colwise"}}))
     assert main(["verify", "tests.convert.models:block", "--world-size", "2", "--plan", str(bad)]) == 2
     assert "conflicting entries" in capsys.readouterr().err
+
+
+def test_demo_on_threads(capsys):
+    """The `make demo` body (on thread-ranks here; `make demo` runs it on 2 gloo processes)."""
+    assert main(["demo", "--backend", "threads", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "rowwise" in out and "vocab_parallel_cross_entropy" in out and "rank 1" in out
