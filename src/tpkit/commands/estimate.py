@@ -24,8 +24,10 @@ def _sizes(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tpkit.convert.hardware import HARDWARE
+    from tpkit.convert.presets import PRESETS
 
-    parser.add_argument("target", help="preset name, config.json / model directory, or module:factory")
+    parser.add_argument("target", help=f"a preset ({', '.join(PRESETS)}), an HF config.json or model directory, "
+                                       "or package.module:factory")
     parser.add_argument("--world-size", type=_sizes, default=[1, 2, 4, 8], help="comma-separated (default 1,2,4,8)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     parser.add_argument("--mode", default="inference", choices=["inference", "training"])
