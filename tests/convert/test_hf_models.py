@@ -65,3 +65,25 @@ def test_phi3_packed_qkv_and_gate_up():
     for world in (3, 4):
         report = verify(model, {"input_ids": ids}, world_size=world, backward=True)
         assert report.ok, report.summary()
+
+
+def test_qwen3_per_head_norms():
+    """Qwen3 normalises q and k per head (q_norm / k_norm over head_dim) between the projections and the
+    attention: the heads split through them, their weights stay whole and their gradients are summed."""
+    import torch
+    import transformers as tr
+
+    from tpkit.convert import plan, verify
+
+    cfg = tr.Qwen3Config(vocab_size=103, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tr.Qwen3ForCausalLM(cfg)
+    p = plan(model, 4)
+    assert p["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert p["model.layers.0.self_attn.k_norm"] == "replicated_with_grad_allreduce"
+    ids = torch.randint(0, 103, (2, 6), generator=torch.Generator().manual_seed(0))
+    report = verify(model, {"input_ids": ids}, world_size=4, backward=True)
+    assert report.ok, report.summary()
+    assert any("k_norm" in g.name for g in report.gradients)

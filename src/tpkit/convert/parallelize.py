@@ -79,6 +79,12 @@ def _check(name: str, m: nn.Module, style: str, details: dict, world: int, a: An
         for attr, ok in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
             if getattr(m, attr) != ok:
                 raise PlanError(f"{where}: {attr}={getattr(m, attr)!r} is not supported by the parallel embeddings")
+    elif style == "replicated_with_grad_allreduce":
+        t = a.trace
+        if t is None or name not in t.head_local:
+            raise PlanError(f"{where}: style 'replicated_with_grad_allreduce' is for per-head layers (q/k norms) "
+                            f"between split q/k projections and their row-wise output layer; the trace does not "
+                            f"show {name} as one")
     elif style == "channelwise":
         if not is_per_channel(m):
             raise PlanError(f"{where}: style 'channelwise' needs a BatchNorm")
@@ -100,6 +106,11 @@ def _check_dataflow(name: str, m: nn.Module, style: str, a: Analysis, styles: di
             raise PlanError(f"conflicting entries: {name} is 'colwise' (its output stays split) but its output "
                             f"feeds {bad or 'no layer'}, which take(s) the whole vector; make those 'rowwise' or "
                             f"{name} 'replicate'/'colwise_rep'")
+        for h, sources in t.head_local.items():
+            if name in sources and styles.get(h, "replicate") != "replicated_with_grad_allreduce":
+                raise PlanError(f"conflicting entries: {name} is 'colwise' and its heads pass through the per-head "
+                                f"layer {h}, which must then be 'replicated_with_grad_allreduce' (its gradient is "
+                                f"a sum over the ranks' heads), not {styles.get(h, 'replicate')!r}")
         shared = a.structures.get(name, {})
         for other in a.structures.get(shared.get("row", ""), {}).get("columns", []):
             if styles.get(other, "replicate") != "colwise":
@@ -123,7 +134,7 @@ def _check_dataflow(name: str, m: nn.Module, style: str, a: Analysis, styles: di
 def _build(name: str, m: nn.Module, style: str, details: dict, comm) -> nn.Module | None:
     from ..nn import ParallelEmbedding, VocabParallelEmbedding
 
-    if style == "replicate" or style in CONTAINER_NO_OPS:
+    if style in ("replicate", "replicated_with_grad_allreduce") or style in CONTAINER_NO_OPS:
         return None
     if is_embedding(m):
         if style in ("embedding_rowwise", "rowwise"):
@@ -249,6 +260,10 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
         for attr, value in new.items():
             setattr(attn, attr, value)
     _retie(model, analysis, built)
+    if world > 1:
+        for name, style in styles.items():
+            if style == "replicated_with_grad_allreduce":
+                _sum_grads_over_ranks(modules[name], comm)
     _install_vocab_parallel_loss(model, built, styles, comm)
     record = Plan({n: s for n, s in styles.items() if n in analysis.leaves}, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
@@ -283,6 +298,13 @@ def _retie(model: nn.Module, a: Analysis, built: dict) -> None:
         for n in group:
             if n != owner:
                 model.get_submodule(n).weight = weight
+
+
+def _sum_grads_over_ranks(m: nn.Module, comm) -> None:
+    """Each rank's gradient covers only its heads; the full gradient is the sum over ranks."""
+    for p in m.parameters(recurse=False):
+        if p.requires_grad and p.device.type != "meta":
+            p.register_hook(lambda g: comm.all_reduce(g))
 
 
 def _install_vocab_parallel_loss(model: nn.Module, built: dict, styles: dict, comm) -> None:

@@ -24,12 +24,14 @@ STYLES = {
     "embedding_colwise": "embedding split over its features (ParallelEmbedding); one all-gather",
     "channelwise": "per-channel layer (BatchNorm) between a column and a row conv: holds this rank's channels",
     "replicate": "every rank holds the whole module",
+    "replicated_with_grad_allreduce": "every rank holds the whole module, applied to its own heads only (a "
+                                      "per-head q/k norm): its gradient is summed over the ranks",
 }
 ALIASES = {
     "local_colwise": "colwise", "packed_colwise": "colwise", "colwise_gather_output": "colwise_rep",
     "gather_output": "colwise_rep", "local_rowwise": "rowwise", "packed_rowwise": "rowwise",
     "rowwise_split_input": "rowwise_rep", "vocab": "embedding_rowwise", "vocab_parallel_embedding": "embedding_rowwise",
-    "replicated": "replicate", "replicated_with_grad_allreduce": "replicate", "none": "replicate",
+    "replicated": "replicate", "none": "replicate",
     "local_packed_rowwise": "rowwise", "isolated": "replicate",
 }
 # Styles HF puts on container modules, where tpkit layers already do the communication themselves.

@@ -298,8 +298,14 @@ def _try_attention(a: Analysis, row: str, srcs: list[str], tag) -> str | None:
         a.structures[s] = dict(common, role=role, row=row)
         if role == "qkv":
             a.structures[s]["pieces"] = list(pieces)
+    head_local = sorted(c for c in tag.carried if c in t.head_local)
+    if any(c not in t.head_local for c in tag.carried) or any(
+            a.leaves[c].weight.shape[0] != hd for c in head_local if hasattr(a.leaves[c], "weight")):
+        return f"layers {sorted(tag.carried)} between {srcs} and {row} are not per-head layers of size {hd}"
     a.structures[row] = dict(common, role="o", columns=srcs)
-    a.pairs.append({"kind": "attention", "columns": srcs, "row": row, "carried": [], "attention": attn_name,
+    for c in head_local:
+        a.structures[c] = dict(common, role="head_local", row=row)
+    a.pairs.append({"kind": "attention", "columns": srcs, "row": row, "carried": head_local, "attention": attn_name,
                     "head_dim": hd, "num_heads": nh, "num_kv_heads": nkv})
     return None
 
@@ -349,7 +355,8 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
         entries[pair["row"]] = "rowwise"
         details[pair["row"]] = a.structures[pair["row"]]
         for n in pair["carried"]:
-            entries[n] = "channelwise"
+            # BatchNorm between convs holds its channels; a per-head norm stays whole, its gradient summed.
+            entries[n] = "replicated_with_grad_allreduce" if pair["kind"] == "attention" else "channelwise"
             details[n] = a.structures[n]
     heads = _lm_heads(a, world_size)
     for h in heads:

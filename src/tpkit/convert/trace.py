@@ -74,6 +74,7 @@ class Trace:
     escaped: set
     carried_by: dict[str, frozenset]
     broken: set = dataclasses.field(default_factory=set)  # layers whose output slices do not tile its features
+    head_local: dict = dataclasses.field(default_factory=dict)  # per-head layers (q/k norms) -> their sources
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -212,6 +213,16 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
                 return a
         return None
 
+    head_local: dict[str, frozenset] = {}
+
+    def is_head_local(mod, x, tag) -> bool:
+        """A layer applied to each head on its own (Qwen3's q_norm / k_norm): its input was reshaped to heads
+        of size D on the way from its sources, and every parameter it owns is one vector of D."""
+        if tag is None or x is None or not x.dim() or int(x.shape[-1]) not in tag.reshaped_to:
+            return False
+        d = int(x.shape[-1])
+        return all(tuple(p.shape) == (d,) for p in mod.parameters(recurse=False))
+
     for name, module in leaves.items():
         per_channel = is_per_channel(module)
 
@@ -221,7 +232,9 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
             counter[0] += 1
             calls.setdefault(name, []).append(Call(name, counter[0], tag, id(x) if x is not None else None,
                                                   tuple(x.shape) if x is not None else None, None))
-            if tag is not None and not per_channel:
+            if is_head_local(mod, x, tag) and not per_channel:
+                head_local[name] = tag.sources
+            elif tag is not None and not per_channel:
                 for src in tag.sources:
                     consumers.setdefault(src, set()).add(name)
             tracer.depth += 1
@@ -231,7 +244,10 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
             call = calls[name][-1]
             y = first_tensor((out,), {})
             call.output_shape = tuple(y.shape) if y is not None else None
-            if per_channel and call.input_tag is not None:
+            if name in head_local and call.input_tag is not None and call.output_shape == call.input_shape:
+                t = call.input_tag  # per head: the heads' tags flow through, marked as carried
+                tracer.set_tag(out, Tag(t.sources, False, t.carried | {name}, t.broken_by or name, t.reshaped_to))
+            elif per_channel and call.input_tag is not None:
                 # A per-channel layer passes its input's shards straight through; remember it rides along.
                 t = call.input_tag
                 carried_by[name] = t.sources
@@ -272,7 +288,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
             escaped |= tag.sources
             for c in tag.carried:
                 escaped.add(c)
-    return Trace(calls, consumers, pieces, escaped, carried_by, broken)
+    return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local)
 
 
 def _leaves_of(out: Any):
