@@ -87,3 +87,23 @@ def test_qwen3_per_head_norms():
     report = verify(model, {"input_ids": ids}, world_size=4, backward=True)
     assert report.ok, report.summary()
     assert any("k_norm" in g.name for g in report.gradients)
+
+
+def test_gpt_neox_interleaved_qkv():
+    """GPT-NeoX packs each head's q, k, v side by side ([heads, 3 x head_dim]): split by whole head blocks."""
+    import torch
+    import transformers as tr
+
+    from tpkit.convert import plan, verify
+
+    cfg = tr.GPTNeoXConfig(vocab_size=103, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                           num_attention_heads=6, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tr.GPTNeoXForCausalLM(cfg)
+    p = plan(model, 4)
+    assert p["gpt_neox.layers.0.attention.query_key_value"] == "colwise"
+    assert p.details["gpt_neox.layers.0.attention.query_key_value"]["role"] == "qkv_heads"
+    ids = torch.randint(0, 103, (2, 6), generator=torch.Generator().manual_seed(0))
+    report = verify(model, {"input_ids": ids}, world_size=4, backward=True)  # 6 heads: 2, 2, 1, 1
+    assert report.ok, report.summary()

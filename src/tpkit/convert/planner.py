@@ -261,12 +261,21 @@ def _try_attention(a: Analysis, row: str, srcs: list[str], tag) -> str | None:
             break
         attn_name = attn_name.rpartition(".")[0]
     widths = [linear_dims(a.leaves[s])[1] for s in srcs]
+    head_width = hd
     if len(srcs) == 1:
         pieces = t.pieces.get(srcs[0])
-        if not pieces or len(pieces) != 3 or pieces[1] != pieces[2]:
+        out = widths[0]
+        per_head = hd or (out // (3 * nh_attr) if nh_attr and out % (3 * nh_attr) == 0 else None)
+        if pieces and len(pieces) == 3 and pieces[1] == pieces[2]:
+            q_w, kv_w = pieces[0], pieces[1]
+            roles = {srcs[0]: "qkv"}
+        elif per_head and out % (3 * per_head) == 0 and 3 * per_head in tag.reshaped_to:
+            # GPT-NeoX: one projection viewed as [heads, 3 x head_dim], each head's q, k, v side by side.
+            hd, head_width, pieces = per_head, 3 * per_head, None
+            q_w = kv_w = out // 3
+            roles = {srcs[0]: "qkv_heads"}
+        else:
             return f"{srcs[0]} feeds {row} through {tag.broken_by} but is not split into q, k, v pieces"
-        q_w, kv_w = pieces[0], pieces[1]
-        roles = {srcs[0]: "qkv"}
     elif len(srcs) == 3:
         big = max(widths)
         q_candidates = [s for s, w in zip(srcs, widths) if w == big]
@@ -284,7 +293,7 @@ def _try_attention(a: Analysis, row: str, srcs: list[str], tag) -> str | None:
     if hd is None:
         return f"{attn_name} ({type(attn).__name__}) states no head size or head count, so heads cannot be " \
                f"kept whole; replicated"
-    if hd not in tag.reshaped_to:
+    if (head_width or hd) not in tag.reshaped_to:
         return f"no reshape to heads of size {hd} between {srcs} and {row} (saw {sorted(tag.reshaped_to)})"
     if q_w % hd or kv_w % hd:
         return f"projection widths {q_w}/{kv_w} of {attn_name} are not whole heads of {hd}"

@@ -45,6 +45,8 @@ def column_rows(details: dict, n_out: int, world: int, rank: int) -> list[int] |
         if role == "qkv":
             qw, kw = pieces[0], pieces[1]
             return feature_index(q, hd) + feature_index(kv, hd, qw) + feature_index(kv, hd, qw + kw)
+        if role == "qkv_heads":
+            return feature_index(q, 3 * hd)
     if pieces and len(pieces) > 1:
         rows, offset = [], 0
         for p in pieces:
@@ -107,6 +109,8 @@ def column_sizes(details: dict, n_out: int, world: int) -> list[int]:
         hd, role = details["head_dim"], details.get("role")
         q = [len(h) * hd for h in lay.q_heads]
         kv = [len(h) * hd for h in lay.kv_heads]
+        if role == "qkv_heads":
+            return [3 * n for n in q]
         return q if role == "q" else kv if role in ("k", "v") else [a + 2 * b for a, b in zip(q, kv)]
     pieces = details.get("pieces") or [n_out]
     return [sum(_size(p, world, r) for p in pieces) for r in range(world)]
