@@ -2,13 +2,13 @@
 
 Both sides run on the same process group with the same input. The raw side is what a user would write to
 get the same result: `dist.all_reduce(t)` in place (tpkit must copy, since it never modifies its input),
-and `all_gather_into_tensor` / `reduce_scatter_tensor` into a freshly allocated output (tpkit returns a new
+and `all_gather_single` / `reduce_scatter_single` (formerly `*_into_tensor` / `*_tensor`) into a freshly
+allocated output (tpkit returns a new
 tensor). Sizes are the bytes of the full tensor (the all_reduce input, the all_gather output, the
-reduce_scatter input), as in nccl-tests. Each round times a batch of calls; rounds alternate raw/tpkit in
-ABBA order so drift on a shared machine hits both sides alike; every figure is the median over rounds of
-the slower rank's time per call.
+reduce_scatter input), as in nccl-tests. Calls alternate one by one between raw and tpkit and every figure
+is a median over single calls, so the noise of a shared machine hits both sides alike.
 
-    python bench/comm_overhead.py [--rounds 15] [--sizes 4K,64K,1M,16M] [--markdown-out FILE]
+    python bench/comm_overhead.py [--samples 400] [--sizes 4K,64K,1M,16M] [--markdown-out FILE]
 """
 from __future__ import annotations
 
@@ -37,42 +37,47 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
-def _calls(op: str, comm, full: torch.Tensor):
-    """(raw, tpkit) zero-argument callables computing the same result for `op` on `full`."""
+def _calls(op: str, comm, full: torch.Tensor) -> dict:
+    """Zero-argument callables for `op` on `full`: `raw` (the torch.distributed call), `tpkit`, and for
+    all_reduce `raw+copy` (the raw call on a fresh copy: the same out-of-place result tpkit returns)."""
     import torch.distributed as dist
 
+    # the current names where torch has them (the old ones warn on every call, which would flatter tpkit)
+    all_gather_raw = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter_raw = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     pg, n = comm.process_group, comm.world_size
     if op == "all_reduce":
         inplace = full.clone()
-        return (lambda: dist.all_reduce(inplace, group=pg)), (lambda: comm.all_reduce(full))
+
+        def raw_copy():
+            out = full.clone()
+            dist.all_reduce(out, group=pg)
+            return out
+        return {"raw": lambda: dist.all_reduce(inplace, group=pg), "tpkit": lambda: comm.all_reduce(full),
+                "raw+copy": raw_copy}
     if op == "all_gather":
         shard = full[: full.numel() // n].clone()
 
         def raw_gather():
             out = torch.empty(shard.numel() * n, dtype=shard.dtype)
-            dist.all_gather_into_tensor(out, shard, group=pg)
+            all_gather_raw(out, shard, group=pg)
             return out
-        return raw_gather, (lambda: comm.all_gather(shard))
+        return {"raw": raw_gather, "tpkit": lambda: comm.all_gather(shard)}
 
     def raw_scatter():
         out = torch.empty(full.numel() // n, dtype=full.dtype)
-        dist.reduce_scatter_tensor(out, full, group=pg)
+        reduce_scatter_raw(out, full, group=pg)
         return out
-    return raw_scatter, (lambda: comm.reduce_scatter(full))
+    return {"raw": raw_scatter, "tpkit": lambda: comm.reduce_scatter(full)}
 
 
-def _time_batch(fn, iters: int, comm) -> float:
-    """Seconds per call of `fn` on the slower rank (ranks start together after a barrier)."""
-    comm.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-    return float(comm.all_reduce(elapsed, op="max"))
+def measure(sizes: list[int], samples: int) -> list[dict]:
+    """Runs on every rank (module-level so `tpkit.launch` can start it in processes).
 
-
-def measure(sizes: list[int], rounds: int) -> list[dict]:
-    """Runs on every rank (module-level so `tpkit.launch` can start it in processes)."""
+    Calls alternate one by one, in an order that rotates every sample, each timed on its own, so a slow
+    spell of the shared machine hits every side alike; medians drop the spells. Rank 0's clock is used: a
+    collective ends at about the same time on both ranks.
+    """
     import warnings
 
     import tpkit
@@ -80,37 +85,45 @@ def measure(sizes: list[int], rounds: int) -> list[dict]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     comm = tpkit.get_communicator()
     torch.manual_seed(comm.rank)
+    clock = time.perf_counter
     rows = []
     for size in sizes:
         full = torch.randn(size // 4)
-        iters = max(2, min(50, (4 << 20) // size))
+        count = max(15, min(samples, (256 << 20) // (size * 4)))
         for op in OPS:
-            raw, ours = _calls(op, comm, full)
-            for fn in (raw, ours):  # warm up: connections, allocator, first-call paths
-                _time_batch(fn, 2, comm)
-            times = {"raw": [], "tpkit": []}
-            for r in range(rounds):
-                order = (("raw", raw), ("tpkit", ours)) if r % 2 == 0 else (("tpkit", ours), ("raw", raw))
-                for name, fn in order:
-                    times[name].append(_time_batch(fn, iters, comm))
-            raw_s, ours_s = statistics.median(times["raw"]), statistics.median(times["tpkit"])
-            rows.append({"op": op, "bytes": size, "raw_us": raw_s * 1e6, "tpkit_us": ours_s * 1e6,
-                         "ratio": ours_s / raw_s})
+            calls = list(_calls(op, comm, full).items())
+            for _ in range(2):  # warm up: connections, allocator, first-call paths
+                for _, fn in calls:
+                    fn()
+            comm.barrier()
+            times: dict[str, list[float]] = {name: [] for name, _ in calls}
+            for i in range(count):
+                shift = i % len(calls)
+                for name, fn in calls[shift:] + calls[:shift]:
+                    start = clock()
+                    fn()
+                    times[name].append(clock() - start)
+            median = {name: statistics.median(values) for name, values in times.items()}
+            rows.append({"op": op, "bytes": size, "samples": count, "raw_us": median["raw"] * 1e6,
+                         "tpkit_us": median["tpkit"] * 1e6, "ratio": median["tpkit"] / median["raw"],
+                         "copy_ratio": median["tpkit"] / median["raw+copy"] if "raw+copy" in median else None})
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| op | size | raw torch.distributed (us) | tpkit (us) | ratio tpkit/raw |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| op | size | calls per side | raw torch.distributed (us) | tpkit (us) | ratio tpkit/raw | "
+             "tpkit/(raw on a copy) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        lines.append(f"| {row['op']} | {format_size(row['bytes'])} | {row['raw_us']:.1f} | {row['tpkit_us']:.1f} | "
-                     f"{row['ratio']:.3f} |")
+        copy = "" if row["copy_ratio"] is None else f"{row['copy_ratio']:.3f}"
+        lines.append(f"| {row['op']} | {format_size(row['bytes'])} | {row['samples']} | {row['raw_us']:.1f} | "
+                     f"{row['tpkit_us']:.1f} | {row['ratio']:.3f} | {copy} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per (op, size); median")
+    parser.add_argument("--samples", type=int, default=400,
+                        help="timed calls per side and (op, size) at most (fewer for big sizes); median")
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated sizes, e.g. 4K,64K,16M")
     parser.add_argument("--markdown-out", help="also write the table to this file")
     args = parser.parse_args(argv)
@@ -118,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     import tpkit
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    rows = tpkit.launch(measure, 2, backend="gloo", args=(sizes, args.rounds), timeout=300)[0]
+    rows = tpkit.launch(measure, 2, backend="gloo", args=(sizes, args.samples), timeout=300)[0]
     table = markdown(rows)
     header = (f"tpkit {tpkit.__version__}, torch {torch.__version__}, gloo, 2 processes, "
               f"{platform.node()} ({platform.processor() or platform.machine()}), "
-              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, rounds={args.rounds}")
+              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, up to {args.samples} alternating calls per side")
     print(header)
     print(table)
     worst = max((r["ratio"] for r in rows if r["bytes"] >= 64 << 10), default=float("nan"))

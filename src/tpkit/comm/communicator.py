@@ -8,14 +8,13 @@ primitives, each of which receives already-validated arguments and returns a `Ha
 from __future__ import annotations
 
 import abc
-import contextlib
 import logging
 import operator
 import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -27,9 +26,13 @@ logger = logging.getLogger("tpkit")
 _debug_handler_lock = threading.Lock()
 
 
+_getenv = os.environ.get
+_OFF = ("", "0")
+
+
 def debug_enabled() -> bool:
     """True when `TP_DEBUG` is set to something other than empty or 0."""
-    return os.environ.get("TP_DEBUG", "") not in ("", "0")
+    return _getenv("TP_DEBUG", "") not in _OFF
 
 
 def _ensure_debug_handler() -> None:
@@ -116,6 +119,14 @@ def check_signatures(op: str, group: str, rows: list[list[int]]) -> None:
         raise CommError(f"{op}: ranks of group {group} passed mismatched tensors or arguments: {desc}")
 
 
+def _true() -> bool:
+    return True
+
+
+def _returns(result):
+    return lambda: result
+
+
 class Handle:
     """The result of an `async_op=True` call: `wait()` returns the tensor, `is_completed()` polls."""
 
@@ -127,7 +138,9 @@ class Handle:
 
     @classmethod
     def completed(cls, result: torch.Tensor) -> "Handle":
-        handle = cls(lambda: result, lambda: True)
+        """A handle whose operation already finished (synchronous calls go through here)."""
+        handle = cls.__new__(cls)
+        handle._wait, handle._is_completed = _returns(result), _true
         handle._result, handle._done = result, True
         return handle
 
@@ -160,6 +173,7 @@ class Communicator(abc.ABC):
         self._timeout = float(timeout)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list = []
+        self._debug = False
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -184,15 +198,22 @@ class Communicator(abc.ABC):
         return f"{type(self).__name__}(group={self._name!r}, rank={self._rank}, world_size={self._world_size})"
 
     # -- public collectives -----------------------------------------------------------------------
+    # The collectives run on every layer's forward and backward, so their common path is kept to a few
+    # inline checks (a type test, a dim range, one environment lookup); everything else is on slow paths.
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False):
         """Combine `tensor` across ranks with `op`; every rank gets the result."""
-        op = ReduceOp.parse(op)
-        self._check_tensor("all_reduce", tensor)
-        self._log("all_reduce", tensor, op=op.name)
+        if op.__class__ is not ReduceOp:
+            op = ReduceOp.parse(op)
+        if not isinstance(tensor, torch.Tensor):
+            self._check_tensor("all_reduce", tensor)
+        self._debug = _getenv("TP_DEBUG", "") not in _OFF
+        if self._debug:
+            self._log("all_reduce", tensor, op=op.name)
         if self._world_size == 1:
             return self._finish(Handle.completed(tensor.detach().clone()), async_op)
-        with self._guard("all_reduce"):
-            return self._finish(self._all_reduce(tensor.contiguous(), op, async_op), async_op, "all_reduce")
+        with _Guard(self, "all_reduce"):
+            handle = self._all_reduce(tensor.contiguous(), op, async_op)
+            return self._finish(handle, True, "all_reduce") if async_op else handle.wait()
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None,
                    async_op: bool = False):
@@ -201,14 +222,23 @@ class Communicator(abc.ABC):
         Shards may differ in size along `dim` when `sizes` (every rank's size there) is given; all other
         dimensions must match.
         """
-        self._check_tensor("all_gather", tensor)
-        dim = self._check_dim("all_gather", tensor, dim)
-        sizes = self._check_gather_sizes(tensor, dim, sizes)
-        self._log("all_gather", tensor, dim=dim)
+        if not isinstance(tensor, torch.Tensor):
+            self._check_tensor("all_gather", tensor)
+        ndim = tensor.dim()
+        if dim.__class__ is int and ndim and -ndim <= dim < ndim:
+            dim %= ndim
+        else:
+            dim = self._check_dim("all_gather", tensor, dim)
+        if sizes is not None:
+            sizes = self._check_gather_sizes(tensor, dim, sizes)
+        self._debug = _getenv("TP_DEBUG", "") not in _OFF
+        if self._debug:
+            self._log("all_gather", tensor, dim=dim)
         if self._world_size == 1:
             return self._finish(Handle.completed(tensor.detach().clone()), async_op)
-        with self._guard("all_gather"):
-            return self._finish(self._all_gather(tensor.contiguous(), dim, sizes, async_op), async_op, "all_gather")
+        with _Guard(self, "all_gather"):
+            handle = self._all_gather(tensor.contiguous(), dim, sizes, async_op)
+            return self._finish(handle, True, "all_gather") if async_op else handle.wait()
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, dim: int = 0,
                        sizes: Sequence[int] | None = None, async_op: bool = False):
@@ -217,9 +247,15 @@ class Communicator(abc.ABC):
         Pieces follow `split_sizes` (the first ranks take one extra when `dim` does not divide) unless
         `sizes` says otherwise.
         """
-        op = ReduceOp.parse(op)
-        self._check_tensor("reduce_scatter", tensor)
-        dim = self._check_dim("reduce_scatter", tensor, dim)
+        if op.__class__ is not ReduceOp:
+            op = ReduceOp.parse(op)
+        if not isinstance(tensor, torch.Tensor):
+            self._check_tensor("reduce_scatter", tensor)
+        ndim = tensor.dim()
+        if dim.__class__ is int and ndim and -ndim <= dim < ndim:
+            dim %= ndim
+        else:
+            dim = self._check_dim("reduce_scatter", tensor, dim)
         if sizes is None:
             sizes = split_sizes(tensor.shape[dim], self._world_size)
         else:
@@ -228,12 +264,14 @@ class Communicator(abc.ABC):
                 raise ValueError(
                     f"reduce_scatter: sizes {sizes} must have {self._world_size} non-negative entries summing to "
                     f"the size of dim {dim} ({tensor.shape[dim]}) of the input of shape {tuple(tensor.shape)}")
-        self._log("reduce_scatter", tensor, op=op.name, dim=dim)
+        self._debug = _getenv("TP_DEBUG", "") not in _OFF
+        if self._debug:
+            self._log("reduce_scatter", tensor, op=op.name, dim=dim)
         if self._world_size == 1:
             return self._finish(Handle.completed(tensor.detach().clone()), async_op)
-        with self._guard("reduce_scatter"):
+        with _Guard(self, "reduce_scatter"):
             handle = self._reduce_scatter(tensor.contiguous(), op, dim, sizes, async_op)
-            return self._finish(handle, async_op, "reduce_scatter")
+            return self._finish(handle, True, "reduce_scatter") if async_op else handle.wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Every rank gets `src`'s tensor; other ranks' `tensor` only gives the shape and dtype."""
@@ -347,19 +385,15 @@ class Communicator(abc.ABC):
             return handle
         return handle.wait()
 
-    @contextlib.contextmanager
-    def _guard(self, op: str) -> Iterator[None]:
-        """Turn any backend failure into `CommError` naming the operation and the group."""
-        try:
-            yield
-        except (CommError, ValueError, TypeError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - every backend failure becomes a CommError
-            raise CommError(f"{op} failed on rank {self._rank} of group {self._name} "
-                            f"(world size {self._world_size}): {exc}") from exc
+    def _guard(self, op: str) -> "_Guard":
+        """A context that turns any backend failure into `CommError` naming the operation and the group."""
+        return _Guard(self, op)
 
     def _log(self, opname: str, tensor: torch.Tensor | None, **details) -> None:
-        if not debug_enabled():
+        """Log the call under TP_DEBUG. Every public operation calls this first, so it also reads TP_DEBUG
+        once for the whole call into `self._debug` (the backends' mismatch checks look there)."""
+        self._debug = debug_enabled()
+        if not self._debug:
             return
         _ensure_debug_handler()
         what = "" if tensor is None else f" shape={tuple(tensor.shape)} dtype={tensor.dtype}"
@@ -421,6 +455,26 @@ class Communicator(abc.ABC):
             raise ValueError(f"new_group: ranks {bad} are not ranks of group {self._name} "
                              f"(ranks 0..{self._world_size - 1})")
         return members
+
+
+class _Guard:
+    """`with comm._guard(op):` -- a plain class rather than a generator context manager: it runs on every
+    call, and this costs a third as much."""
+
+    __slots__ = ("comm", "op")
+
+    def __init__(self, comm: Communicator, op: str):
+        self.comm, self.op = comm, op
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, (CommError, ValueError, TypeError)):
+            return False
+        comm = self.comm
+        raise CommError(f"{self.op} failed on rank {comm._rank} of group {comm._name} "
+                        f"(world size {comm._world_size}): {exc}") from exc
 
 
 def _as_index(value) -> int | None:

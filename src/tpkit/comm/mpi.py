@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from .communicator import (SIGNATURE_LENGTH, Communicator, Handle, check_signatures, debug_enabled,
+from .communicator import (SIGNATURE_LENGTH, Communicator, Handle, check_signatures,
                            describe_signature, dtype_of_code, group_name, sent_shape, signature)
 from .errors import CommError
 from .ops import ReduceOp, divide_by_count, reduce_tensors
@@ -106,7 +106,7 @@ class MPICommunicator(Communicator):
 
     def _check_peers(self, op: str, tensor: torch.Tensor, **details) -> None:
         """Under TP_DEBUG: compare every rank's signature (op, dtype, shape, arguments); CommError if any differ."""
-        if not debug_enabled():
+        if not self._debug:
             return
         mine = torch.tensor(signature(op, tensor, **details), dtype=torch.int64)
         every = torch.empty(self._world_size, mine.numel(), dtype=torch.int64)
@@ -188,7 +188,7 @@ class MPICommunicator(Communicator):
     def _send(self, tensor, dst):
         self._cpu("send", tensor)
         data = tensor.detach()
-        if debug_enabled():  # announce shape and dtype so the receiver can check before taking the data
+        if self._debug:  # announce shape and dtype so the receiver can check before taking the data
             header = torch.tensor(signature("send", data), dtype=torch.int64)
             self._wait(self._comm.Isend(header.numpy(), dest=dst, tag=_TAG), "send", (header,))
         self._wait(self._comm.Isend(_bytes(data), dest=dst, tag=_TAG), "send", (data,))
@@ -197,7 +197,7 @@ class MPICommunicator(Communicator):
         self._cpu("recv", tensor)
         copy_back = not tensor.is_contiguous()
         buf = torch.empty_like(tensor, memory_format=torch.contiguous_format) if copy_back else tensor.detach()
-        if debug_enabled():
+        if self._debug:
             header = torch.empty(SIGNATURE_LENGTH, dtype=torch.int64)
             self._wait(self._comm.Irecv(header.numpy(), source=src, tag=_TAG), "recv", (header,))
             sent, expected = header.tolist(), signature("send", tensor)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .communicator import (SIGNATURE_LENGTH, Communicator, Handle, check_signatures, debug_enabled,
+from .communicator import (SIGNATURE_LENGTH, Communicator, Handle, check_signatures,
                            describe_signature, dtype_of_code, group_name, sent_shape, signature)
 from .errors import CommError
 from .ops import ReduceOp, divide_by_count
@@ -28,6 +28,11 @@ _TORCH_OPS = {
 # The non-deprecated names where torch has them (no FutureWarning on every call).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# all_reduce must not modify its input, so it reduces a copy. On CPU that copy is a pass over memory as
+# costly as a good part of the reduction itself; for big tensors it is made piece by piece, each piece
+# reduced (async) while the next is copied, which hides the copy behind the communication.
+PIPELINE_MIN_BYTES = 4 << 20
+PIPELINE_PIECE_BYTES = 2 << 20
 # Subgroups made by members only (use_local_synchronization) are named by their ranks in torch; asking for
 # the same ranks twice must reuse the group rather than collide.
 _LOCAL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -72,14 +77,38 @@ class TorchCommunicator(Communicator):
     # -- helpers ----------------------------------------------------------------------------------
     @staticmethod
     def _handle(work, finish: Callable[[], torch.Tensor]) -> Handle:
+        """`work` is None when the call was synchronous (no hand-off to gloo's worker thread): done already."""
+        if work is None:
+            return Handle.completed(finish())
+
         def wait() -> torch.Tensor:
             work.wait()
             return finish()
         return Handle(wait, work.is_completed)
 
+    @staticmethod
+    def _handle_all(works: list, finish: Callable[[], torch.Tensor]) -> Handle:
+        def wait() -> torch.Tensor:
+            for work in works:
+                work.wait()
+            return finish()
+        return Handle(wait, lambda: all(work.is_completed() for work in works))
+
+    def _copy_and_reduce_in_pieces(self, src: torch.Tensor, torch_op) -> tuple[torch.Tensor, list]:
+        """`src` copied into a new tensor that is all-reduced in pieces, each started as soon as it is copied."""
+        out = torch.empty_like(src, memory_format=torch.contiguous_format)
+        flat_src, flat_out = src.reshape(-1), out.view(-1)
+        step = max(1, PIPELINE_PIECE_BYTES // src.element_size())
+        works = []
+        for start in range(0, flat_src.numel(), step):
+            piece = flat_out[start:start + step]
+            piece.copy_(flat_src[start:start + step])
+            works.append(dist.all_reduce(piece, torch_op, group=self._group, async_op=True))
+        return out, works
+
     def _check_peers(self, op: str, tensor: torch.Tensor, **details) -> None:
         """Under TP_DEBUG: compare every rank's signature (op, dtype, shape, arguments); CommError if any differ."""
-        if not debug_enabled():
+        if not self._debug:
             return
         mine = torch.tensor(signature(op, tensor, **details), dtype=torch.int64, device=self._scratch_device())
         every = torch.empty(self._world_size * mine.numel(), dtype=torch.int64, device=mine.device)
@@ -88,17 +117,21 @@ class TorchCommunicator(Communicator):
 
     # -- primitives -------------------------------------------------------------------------------
     def _all_reduce(self, tensor, op, async_op):
-        self._check_peers("all_reduce", tensor, reduce_op=op)
-        out = tensor.detach().clone()
-        native = op is not ReduceOp.AVG or (self._native_avg and out.is_floating_point())
+        if self._debug:
+            self._check_peers("all_reduce", tensor, reduce_op=op)
+        src = tensor.detach()
+        native = op is not ReduceOp.AVG or (self._native_avg and src.is_floating_point())
         torch_op = dist.ReduceOp.AVG if op is ReduceOp.AVG and native else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
-        work = dist.all_reduce(out, torch_op, group=self._group, async_op=True)
-        if native:
-            return self._handle(work, lambda: out)
-        return self._handle(work, lambda: divide_by_count(out, self._world_size))
+        finish = (lambda: out) if native else (lambda: divide_by_count(out, self._world_size))
+        if src.device.type == "cpu" and src.numel() * src.element_size() >= PIPELINE_MIN_BYTES:
+            out, works = self._copy_and_reduce_in_pieces(src, torch_op)
+            return self._handle_all(works, finish)
+        out = src.clone()
+        return self._handle(dist.all_reduce(out, torch_op, group=self._group, async_op=async_op), finish)
 
     def _all_gather(self, tensor, dim, sizes, async_op):
-        self._check_peers("all_gather", tensor, dim=dim, sizes=sizes)
+        if self._debug:
+            self._check_peers("all_gather", tensor, dim=dim, sizes=sizes)
         moved = tensor.detach() if dim == 0 else tensor.detach().movedim(dim, 0).contiguous()
         n = self._world_size
         longest = moved.shape[0] if sizes is None else max(sizes)
@@ -107,7 +140,7 @@ class TorchCommunicator(Communicator):
             padded[: moved.shape[0]] = moved
             moved = padded
         out = moved.new_empty((n * longest,) + tuple(moved.shape[1:]))
-        work = _all_gather_single(out, moved, group=self._group, async_op=True)
+        work = _all_gather_single(out, moved, group=self._group, async_op=async_op)
 
         def finish() -> torch.Tensor:
             full = out
@@ -117,7 +150,8 @@ class TorchCommunicator(Communicator):
         return self._handle(work, finish)
 
     def _reduce_scatter(self, tensor, op, dim, sizes, async_op):
-        self._check_peers("reduce_scatter", tensor, dim=dim, reduce_op=op, sizes=sizes)
+        if self._debug:
+            self._check_peers("reduce_scatter", tensor, dim=dim, reduce_op=op, sizes=sizes)
         moved = tensor.detach() if dim == 0 else tensor.detach().movedim(dim, 0).contiguous()
         n = self._world_size
         longest = max(sizes)
@@ -131,7 +165,7 @@ class TorchCommunicator(Communicator):
         out = moved.new_empty((longest,) + tuple(moved.shape[1:]))
         native = op is not ReduceOp.AVG or (self._native_avg and out.is_floating_point())
         torch_op = dist.ReduceOp.AVG if op is ReduceOp.AVG and native else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
-        work = _reduce_scatter_single(out, moved, op=torch_op, group=self._group, async_op=True)
+        work = _reduce_scatter_single(out, moved, op=torch_op, group=self._group, async_op=async_op)
         mine = sizes[self._rank]
 
         def finish() -> torch.Tensor:
@@ -142,9 +176,10 @@ class TorchCommunicator(Communicator):
         return self._handle(work, finish)
 
     def _broadcast(self, tensor, src, async_op):
-        self._check_peers("broadcast", tensor, src=src)
+        if self._debug:
+            self._check_peers("broadcast", tensor, src=src)
         out = tensor.detach().clone() if self._rank == src else torch.empty_like(tensor)
-        work = dist.broadcast(out, self._global_ranks[src], group=self._group, async_op=True)
+        work = dist.broadcast(out, self._global_ranks[src], group=self._group, async_op=async_op)
         return self._handle(work, lambda: out)
 
     def _barrier(self):
@@ -153,7 +188,7 @@ class TorchCommunicator(Communicator):
 
     def _send(self, tensor, dst):
         peer = self._global_ranks[dst]
-        if debug_enabled():  # announce shape and dtype so the receiver can check before taking the data
+        if self._debug:  # announce shape and dtype so the receiver can check before taking the data
             header = torch.tensor(signature("send", tensor), dtype=torch.int64, device=self._scratch_device())
             dist.send(header, peer, group=self._group)
         dist.send(tensor.detach(), peer, group=self._group)
@@ -161,7 +196,7 @@ class TorchCommunicator(Communicator):
     def _recv(self, tensor, src):
         peer = self._global_ranks[src]
         buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        if debug_enabled():
+        if self._debug:
             header = torch.empty(SIGNATURE_LENGTH, dtype=torch.int64, device=self._scratch_device())
             dist.recv(header, peer, group=self._group)
             sent, expected = header.tolist(), signature("send", tensor)
