@@ -20,7 +20,7 @@ def _run_json(capsys, *argv) -> tuple[int, dict]:
 
 def test_threads_json_rows_cover_every_collective_size_and_algorithm(capsys, tmp_path):
     code, data = _run_json(capsys, "--backend", "threads", "-n", "3", "-b", "1K", "-e", "16K", "-f", "4",
-                           "-a", "builtin,auto,ring", "--iters", "2", "--repeats", "2", "--no-calibrate",
+                           "-a", "builtin,auto,ring", "--iters", "2", "--repeats", "2", "--budget", "0", "--no-calibrate",
                            "--plot", str(tmp_path / "busbw.png"))
     assert code == 0 and data["world_size"] == 3 and data["backend"] == "threads"
     rows = data["rows"]
@@ -47,7 +47,7 @@ def test_table_output_and_wrong_results_are_counted(capsys, monkeypatch):
 
     monkeypatch.setitem(algorithms.ALGORITHMS["all_reduce"], "ring", broken_ring)
     code = main(["bench", "--backend", "threads", "-n", "2", "-c", "all_reduce", "-b", "4K", "-e", "4K",
-                 "-a", "builtin,ring", "--iters", "1", "--repeats", "1", "--op", "max", "--no-progress"])
+                 "-a", "builtin,ring", "--iters", "1", "--repeats", "1", "--budget", "0", "--op", "max", "--no-progress"])
     out = capsys.readouterr().out
     assert code == 1
     header = next(line for line in out.splitlines() if "time(us)" in line)
@@ -62,7 +62,8 @@ def test_table_output_and_wrong_results_are_counted(capsys, monkeypatch):
 
 def test_gloo_processes_with_calibrated_auto(capsys):
     code, data = _run_json(capsys, "-n", "2", "-c", "all_reduce,reduce_scatter", "-b", "4K", "-e", "64K", "-f", "16",
-                           "--iters", "2", "--repeats", "1", "--op", "avg", "--timeout", "60")
+                           "--iters", "2", "--repeats", "1", "--budget", "0", "--calibration-budget", "1", "--op", "avg",
+                           "--timeout", "60")
     assert code == 0 and data["backend"] == "gloo" and data["world_size"] == 2
     assert data["model"]["calibrated"] and data["model"]["alpha"] >= 0
     assert len(data["rows"]) == 2 * 2 * 2 and all(r["wrong"] == 0 and r["redop"] == "avg" for r in data["rows"])

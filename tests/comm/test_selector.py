@@ -43,7 +43,7 @@ def test_single_rank_and_bad_input():
 
 def _model(**builtin) -> CostModel:
     model = CostModel(alpha=100e-6, beta=1e-9, gamma=1e-9, calibrated=True)
-    model.builtin.update({(c, 4): v for c, v in builtin.items()})
+    model.measured.update({(c, "builtin", 4): [(0, a), (1 << 30, a + b * (1 << 30))] for c, (a, b) in builtin.items()})
     return model
 
 
@@ -52,16 +52,14 @@ def test_calibrated_selector_picks_the_fastest_prediction_with_a_margin_for_buil
     # builtin all_reduce: 50 us + 1 ns/B -- far faster than any send/recv algorithm -> builtin
     sel = AlgorithmSelector(_model(all_reduce=(50e-6, 1e-9)))
     assert sel.select("all_reduce", m, 4) == "builtin"
-    # builtin reduce_scatter costs an all-reduce (2x the bytes): ring/pairwise (3 alpha + 1.5 ns/B * 0.75 MiB) win
+    # builtin reduce_scatter costs an all-reduce (2x the bytes): direct (1 alpha + 2 ns/B * 0.75 MiB) wins
     sel = AlgorithmSelector(_model(reduce_scatter=(300e-6, 4e-9)))
     best = sel.select("reduce_scatter", m, 4)
-    assert best in ("ring", "pairwise", "recursive_halving")
+    assert best == "direct"
     ranked = dict(sel.ranked("reduce_scatter", m, 4))
     assert ranked[best] == pytest.approx(min(v for k, v in ranked.items() if k != "builtin"))
     # margin: an algorithm predicted 10% faster than builtin is not worth it, 30% faster is
-    ring = _model().predict("all_gather", "ring", m, 4)
-    bruck = _model().predict("all_gather", "bruck", m, 4)
-    fastest = min(ring, bruck, _model().predict("all_gather", "recursive_doubling", m, 4))
+    fastest = min(_model().predict("all_gather", alg, m, 4) for alg in ("ring", "bruck", "recursive_doubling", "direct"))
     assert AlgorithmSelector(_model(all_gather=(fastest / 0.9, 0.0))).select("all_gather", m, 4) == "builtin"
     assert AlgorithmSelector(_model(all_gather=(fastest / 0.7, 0.0))).select("all_gather", m, 4) != "builtin"
 

@@ -1,4 +1,5 @@
-"""Collective algorithms built from point-to-point messages (Thakur, Rabenseifner & Gropp 2005).
+"""Collective algorithms built from point-to-point messages (Thakur, Rabenseifner & Gropp 2005), plus
+"direct" variants that post every message of a phase at once.
 
 Why: a backend's builtin collective is one fixed algorithm. torch's gloo `reduce_scatter` is an all-reduce
 in disguise (it moves twice the bytes it needs), and no single algorithm is best at every size: few large
@@ -63,6 +64,21 @@ class PointToPoint:
             self.comm.send(send, dst)
         if recv is not None:
             self.comm.recv(recv, src)
+
+    def exchange_all(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
+        """Post every receive and send at once, then wait for all: one round of latency, not one per peer."""
+        sends = [(t, d) for t, d in sends if t.numel()]
+        recvs = [(t, s) for t, s in recvs if t.numel()]
+        if self._group is not None:
+            works = [self._dist.irecv(t, self._global[s], group=self._group) for t, s in recvs]
+            works += [self._dist.isend(t, self._global[d], group=self._group) for t, d in sends]
+            for work in works:
+                work.wait()
+            return
+        for t, d in sends:
+            self.comm.send(t, d)
+        for t, s in recvs:
+            self.comm.recv(t, s)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.exchange(tensor, dst, None, dst)
@@ -288,6 +304,37 @@ def tree_all_reduce(comm: Communicator, tensor: torch.Tensor, op: ReduceOp) -> t
     return _finish_avg(out, op, comm.world_size)
 
 
+def direct_all_reduce(comm: Communicator, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    """Direct reduce-scatter then direct all-gather: ring's bytes in two rounds of latency (every message of a
+    round in flight at once), for networks (or oversubscribed CPUs) where per-step latency dominates."""
+    p2p = PointToPoint(comm)
+    n, rank = p2p.world_size, p2p.rank
+    flat = tensor.detach().contiguous().reshape(-1)
+    counts = split_sizes(flat.numel(), n)
+    off = _offsets(counts)
+    work = flat.new_empty(flat.numel())
+    work[off[rank]:off[rank + 1]] = _direct_reduce_block(p2p, flat, counts, op)
+    p2p.exchange_all([(work[off[rank]:off[rank + 1]], q) for q in range(n) if q != rank],
+                     [(work[off[q]:off[q + 1]], q) for q in range(n) if q != rank])
+    return _finish_avg(work, op, n).reshape(tensor.shape)
+
+
+def _direct_reduce_block(p2p: PointToPoint, flat: torch.Tensor, counts: list[int], op: ReduceOp) -> torch.Tensor:
+    """This rank's block reduced over all ranks, received from everyone at once and combined in rank order
+    (so the result is bitwise what a rank-ordered reduction gives)."""
+    n, rank = p2p.world_size, p2p.rank
+    off = _offsets(counts)
+    mine = counts[rank]
+    incoming = flat.new_empty((n, mine))
+    p2p.exchange_all([(flat[off[q]:off[q + 1]], q) for q in range(n) if q != rank],
+                     [(incoming[q], q) for q in range(n) if q != rank])
+    incoming[rank] = flat[off[rank]:off[rank + 1]]
+    acc = incoming[0].clone()
+    for q in range(1, n):
+        combine(acc, incoming[q], op)
+    return acc
+
+
 # -- broadcast --------------------------------------------------------------------------------------
 def binomial_broadcast(comm: Communicator, tensor: torch.Tensor, src: int) -> torch.Tensor:
     """Binomial tree from `src`: ceil(log2 n) steps of the whole vector (MPICH's short-message choice)."""
@@ -370,6 +417,20 @@ def recursive_doubling_all_gather(comm: Communicator, tensor: torch.Tensor, dim:
     return _restore(buf, sum(rows), tensor, dim)
 
 
+def direct_all_gather(comm: Communicator, tensor: torch.Tensor, dim: int = 0,
+                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Every rank sends its block to every other at once: ring's bytes in one round of latency."""
+    p2p = PointToPoint(comm)
+    n, rank = p2p.world_size, p2p.rank
+    rows, counts, mine = _gather_setup(tensor, dim, sizes, n)
+    off = _offsets(counts)
+    buf = mine.new_empty(off[-1])
+    buf[off[rank]:off[rank + 1]] = mine
+    p2p.exchange_all([(mine, q) for q in range(n) if q != rank],
+                     [(buf[off[q]:off[q + 1]], q) for q in range(n) if q != rank])
+    return _restore(buf, sum(rows), tensor, dim)
+
+
 def bruck_all_gather(comm: Communicator, tensor: torch.Tensor, dim: int = 0,
                      sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Bruck: ceil(log2 n) steps for any n; step k sends the blocks held so far to rank - k."""
@@ -431,6 +492,17 @@ def pairwise_reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: Reduce
     return _restore(_finish_avg(acc, op, n), sizes[rank], tensor, dim)
 
 
+def direct_reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp, dim: int = 0,
+                          sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Pairwise exchange with every step in flight at once: (n-1)/n of the bytes in one round of latency."""
+    p2p = PointToPoint(comm)
+    n, rank = p2p.world_size, p2p.rank
+    sizes = split_sizes(tensor.shape[dim], n) if sizes is None else list(sizes)
+    counts, flat = _scatter_setup(tensor, dim, sizes, n)
+    acc = _direct_reduce_block(p2p, flat, counts, op)
+    return _restore(_finish_avg(acc, op, n), sizes[rank], tensor, dim)
+
+
 def recursive_halving_reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp, dim: int = 0,
                                      sizes: Sequence[int] | None = None) -> torch.Tensor:
     """log2(n) steps, each exchanging half of what is left (MPICH's short-message choice)."""
@@ -453,11 +525,11 @@ def recursive_halving_reduce_scatter(comm: Communicator, tensor: torch.Tensor, o
 
 ALGORITHMS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "all_reduce": {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
-                   "rabenseifner": rabenseifner_all_reduce, "tree": tree_all_reduce},
+                   "rabenseifner": rabenseifner_all_reduce, "tree": tree_all_reduce, "direct": direct_all_reduce},
     "all_gather": {"ring": ring_all_gather, "recursive_doubling": recursive_doubling_all_gather,
-                   "bruck": bruck_all_gather},
+                   "bruck": bruck_all_gather, "direct": direct_all_gather},
     "reduce_scatter": {"ring": ring_reduce_scatter, "pairwise": pairwise_reduce_scatter,
-                       "recursive_halving": recursive_halving_reduce_scatter},
+                       "recursive_halving": recursive_halving_reduce_scatter, "direct": direct_reduce_scatter},
     "broadcast": {"binomial": binomial_broadcast, "scatter_allgather": scatter_allgather_broadcast},
 }
 

@@ -6,7 +6,11 @@ Why: choosing an algorithm needs a prediction for sizes and world sizes not meas
 time is `a*alpha + b*beta + c*gamma` with counts `(a, b, c)` that follow from its message pattern
 (`coefficients`); `calibrate(comm)` times a few runs on the real backend and fits alpha, beta, gamma by
 least squares on relative error. The backend's own ("builtin") collectives are black boxes, so each gets
-its own fitted line `t = a + b * bytes` per (collective, world size).
+its own measured curve per (collective, world size) -- and so does every measured algorithm: on a real
+machine the per-message cost depends on the pattern (an oversubscribed CPU box pays more for all ranks
+sending at once than alpha-beta says), so on the world size it was calibrated on the model interpolates
+each algorithm's own measurements (linear in bytes between measured sizes, the last segment's slope
+beyond), and uses the fitted formulas everywhere else.
 
 Bytes follow nccl-tests: the tensor for all_reduce and broadcast, the whole gathered output for
 all_gather, the whole input for reduce_scatter.
@@ -15,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 from typing import Sequence
 
 import torch
@@ -24,6 +26,7 @@ import torch
 from .algorithms import ALGORITHMS, COLLECTIVES
 from .communicator import Communicator
 from .ops import ReduceOp
+from .timing import interleaved_times, slowest_rank_medians
 
 BUILTIN = "builtin"
 # What a builtin collective is, as a formula, until it is measured: gloo's all_reduce is a ring, its
@@ -61,6 +64,13 @@ def coefficients(collective: str, algorithm: str, nbytes: float, p: int) -> tupl
         return (a + 2, b + 2 * m, c + m) if folded else (a, b, c)
     if key == ("all_reduce", "tree"):
         return 2 * _lg(p), 2 * _lg(p) * m, _lg(p) * m
+    # direct: every message of a round is in flight at once, so latencies overlap: one alpha per round
+    if key == ("all_reduce", "direct"):
+        return 2, 2 * (p - 1) / p * m, (p - 1) / p * m
+    if key == ("all_gather", "direct"):
+        return 1, (p - 1) / p * m, 0.0
+    if key == ("reduce_scatter", "direct"):
+        return 1, (p - 1) / p * m, (p - 1) / p * m
     if key == ("all_gather", "ring"):
         return p - 1, (p - 1) / p * m, 0.0
     if key == ("all_gather", "recursive_doubling"):
@@ -83,7 +93,8 @@ def coefficients(collective: str, algorithm: str, nbytes: float, p: int) -> tupl
 
 @dataclasses.dataclass
 class CostModel:
-    """alpha (s per message), beta (s per byte), gamma (s per reduced byte), plus fitted builtin lines.
+    """alpha (s per message), beta (s per byte), gamma (s per reduced byte), plus measured curves
+    `measured[(collective, algorithm, world_size)] = [(nbytes, seconds), ...]` ("builtin" included).
 
     The defaults describe a loopback gloo on a CPU box roughly; `calibrate` replaces them with measurements.
     """
@@ -91,7 +102,7 @@ class CostModel:
     alpha: float = 50e-6
     beta: float = 1.0e-9
     gamma: float = 0.3e-9
-    builtin: dict[tuple[str, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
+    measured: dict[tuple[str, str, int], list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     calibrated: bool = False
     version: int = 0  # bumped by every fit, so cached decisions know they are stale
 
@@ -103,9 +114,15 @@ class CostModel:
             raise ValueError(f"CostModel.predict: need world_size >= 1 and nbytes >= 0, got {world_size}, {nbytes}")
         if world_size == 1:
             return 0.0
-        if algorithm == BUILTIN and (collective, world_size) in self.builtin:
-            a, b = self.builtin[(collective, world_size)]
-            return a + b * nbytes
+        curve = self.measured.get((collective, algorithm, world_size))
+        if curve is not None and len(curve) >= 2:
+            return _interpolate(curve, float(nbytes))
+        return self.formula(collective, algorithm, nbytes, world_size)
+
+    def formula(self, collective: str, algorithm: str, nbytes: float, world_size: int) -> float:
+        """The alpha-beta-gamma prediction alone (what `predict` falls back on without measurements)."""
+        if world_size <= 1:
+            return 0.0
         ka, kb, kc = coefficients(collective, algorithm, nbytes, world_size)
         extra = 0.0
         if algorithm == BUILTIN and collective == "reduce_scatter":
@@ -113,28 +130,30 @@ class CostModel:
         return ka * self.alpha + kb * self.beta + kc * self.gamma + extra
 
     def fit(self, samples: Sequence[tuple[str, str, float, int, float]]) -> "CostModel":
-        """Fit alpha, beta, gamma (from non-builtin samples) and builtin lines from
-        `(collective, algorithm, nbytes, world_size, seconds)` samples; relative least squares, non-negative."""
+        """Fit alpha, beta, gamma from the non-builtin samples (relative least squares, non-negative) and keep
+        every (collective, algorithm, world size) measured at two or more sizes as its curve. Samples are
+        `(collective, algorithm, nbytes, world_size, seconds)`."""
         ours = [s for s in samples if s[1] != BUILTIN]
         if ours:
             rows = [[c / t for c in coefficients(col, alg, nb, p)] for col, alg, nb, p, t in ours]
             self.alpha, self.beta, self.gamma = _nonneg_lstsq(rows, [1.0] * len(rows))
-        lines: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        groups: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
         for col, alg, nb, p, t in samples:
-            if alg == BUILTIN:
-                lines.setdefault((col, p), []).append((nb, t))
-        for key, points in lines.items():
-            a, b = _nonneg_lstsq([[1.0 / t, nb / t] for nb, t in points], [1.0] * len(points))
-            self.builtin[key] = (a, b)
+            groups.setdefault((col, alg, p), []).append((nb, t))
+        for key, points in groups.items():
+            if len({nb for nb, _ in points}) >= 2:
+                self.measured[key] = sorted(points)
         self.calibrated = True
         self.version += 1
         return self
 
     def calibrate(self, comm: Communicator, sizes: Sequence[int] = (16 << 10, 256 << 10, 2 << 20, 16 << 20),
-                  collectives: Sequence[str] = COLLECTIVES, iters: int = 5) -> "CostModel":
+                  collectives: Sequence[str] = COLLECTIVES, iters: int = 3,
+                  budget_s: float = 8.0) -> "CostModel":
         """Time every algorithm and the builtin of `collectives` at `sizes` on `comm`, then `fit`.
 
-        Collective over `comm`: every rank calls it. Each rank's times are combined with a MAX all-reduce,
+        Calls alternate (`timing.interleaved_times`, at least `iters` rounds, about `budget_s` seconds in
+        all). Collective over `comm`: every rank calls it. Each rank's medians are combined with a MAX all-reduce,
         so every rank fits the same model and later picks the same algorithm (a must: ranks that pick
         different algorithms deadlock).
         """
@@ -144,20 +163,42 @@ class CostModel:
             self.calibrated = True
             return self
         plan = [(col, alg) for col in collectives for alg in [BUILTIN, *ALGORITHMS[col]]]
-        times = torch.zeros(len(plan) * len(sizes), dtype=torch.float64)
-        for k, nbytes in enumerate(sizes):
-            runs = iters if nbytes <= (4 << 20) else max(1, iters // 2)
-            medians = _time_interleaved(base, plan, nbytes, runs)
-            times[k * len(plan):(k + 1) * len(plan)] = torch.tensor(medians, dtype=torch.float64)
-        times = base.all_reduce(times, op=ReduceOp.MAX)
-        samples = [(col, alg, float(_numel(nbytes, p) * 4), p, float(times[k * len(plan) + j]))
-                   for k, nbytes in enumerate(sizes) for j, (col, alg) in enumerate(plan)]
+        samples = []
+        for nbytes in sizes:
+            numel = _numel(nbytes, p)
+            inputs = {col: torch.ones(numel // p if col == "all_gather" else numel) for col in collectives}
+            calls = [lambda col=col, alg=alg: _call(base, col, alg, inputs[col]) for col, alg in plan]
+            times = interleaved_times(base, calls, budget_s / len(sizes), min_rounds=iters)
+            medians = slowest_rank_medians(base, times)
+            samples += [(col, alg, float(numel * 4), p, t) for (col, alg), t in zip(plan, medians)]
         self.samples = samples
         return self.fit(samples)
 
     def to_dict(self) -> dict:
         return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma, "calibrated": self.calibrated,
-                "builtin": {f"{c}@{p}": list(v) for (c, p), v in self.builtin.items()}}
+                "measured": {f"{c}/{a}@{p}": [list(x) for x in v] for (c, a, p), v in self.measured.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        """The inverse of `to_dict` (for a model calibrated once and saved)."""
+        model = cls(alpha=data["alpha"], beta=data["beta"], gamma=data["gamma"], calibrated=data["calibrated"])
+        for key, curve in data.get("measured", {}).items():
+            name, p = key.rsplit("@", 1)
+            col, alg = name.split("/")
+            model.measured[(col, alg, int(p))] = [(float(b), float(t)) for b, t in curve]
+        return model
+
+
+def _interpolate(curve: list[tuple[float, float]], nbytes: float) -> float:
+    """Linear in bytes between the measured sizes around `nbytes`; the first time below the first size
+    (latency does not shrink), the last segment's (non-negative) slope beyond the last."""
+    if nbytes <= curve[0][0]:
+        return curve[0][1]
+    for (b0, t0), (b1, t1) in zip(curve, curve[1:]):
+        if nbytes <= b1:
+            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+    (b0, t0), (b1, t1) = curve[-2], curve[-1]
+    return t1 + max(0.0, (t1 - t0) / (b1 - b0)) * (nbytes - b1)
 
 
 def _numel(nbytes: int, p: int) -> int:
@@ -180,23 +221,6 @@ def _call(comm: Communicator, collective: str, algorithm: str, x: torch.Tensor):
     if collective == "reduce_scatter":
         return comm.reduce_scatter(x)
     return comm.broadcast(x, 0)
-
-
-def _time_interleaved(comm: Communicator, plan: Sequence[tuple[str, str]], nbytes: int, runs: int) -> list[float]:
-    """Median seconds of one call for every (collective, algorithm) in `plan`, the plan's calls interleaved
-    `runs` times (after one warm-up round) so a load spike on a shared machine hits all of them alike."""
-    p = comm.world_size
-    numel = _numel(nbytes, p)
-    inputs = {col: torch.ones(numel // p if col == "all_gather" else numel, dtype=torch.float32) for col, _ in plan}
-    samples: list[list[float]] = [[] for _ in plan]
-    for round_ in range(runs + 1):
-        for j, (col, alg) in enumerate(plan):
-            comm.barrier()
-            start = time.perf_counter()
-            _call(comm, col, alg, inputs[col])
-            if round_:
-                samples[j].append(time.perf_counter() - start)
-    return [statistics.median(s) for s in samples]
 
 
 def _nonneg_lstsq(rows: list[list[float]], rhs: list[float]) -> list[float]:

@@ -1,8 +1,9 @@
 """`tpkit bench`: collective benchmarks in the style of nccl-tests, per algorithm.
 
 For each collective and size it times every requested algorithm ("builtin" = the backend's own, "auto" =
-the selector's pick, or a name from `tpkit.comm.ALGORITHMS`), alternating between them `--repeats` times
-and reporting the median (the machine may be shared), and prints nccl-tests' columns: size, count, type,
+the selector's pick, or a name from `tpkit.comm.ALGORITHMS`), alternating between them call by call for
+`--budget` seconds (at least `--repeats` rounds) and reporting the median (the machine may be shared;
+see `tpkit.comm.timing`), and prints nccl-tests' columns: size, count, type,
 redop, time (us), algbw, busbw, #wrong (elements that differ from a reference computed on every rank
 from every rank's known input). Times are the slowest rank's. Runs on thread-ranks, on spawned gloo
 ranks (`--backend gloo`), or on the ranks torchrun started (nccl on GPUs, else gloo; detected from RANK).
@@ -47,13 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-b", "--min-bytes", type=parse_size, default=parse_size("4K"))
     parser.add_argument("-e", "--max-bytes", type=parse_size, default=parse_size("64M"))
     parser.add_argument("-f", "--step-factor", type=int, default=4, help="size multiplier between rows (default 4)")
-    parser.add_argument("--iters", type=int, default=10, help="iterations per timing at 1 MiB and below; fewer "
-                        "above, down to 1 (default 10)")
+    parser.add_argument("--iters", type=int, default=1, help="back-to-back calls per timed sample at 1 MiB and "
+                        "below, fewer above (default 1: every sample is one call started by a barrier)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5, help="alternating repeats; the median is reported")
+    parser.add_argument("--repeats", type=int, default=5, help="at least this many alternating rounds per size")
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds of alternating rounds per collective "
+                        "and size (rounds = max(--repeats, budget / one round)); the median is reported")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16", "int32",
                                                                 "int64"])
     parser.add_argument("-o", "--op", default="sum", help="reduce op: sum, avg, max, min, product")
+    parser.add_argument("--calibration-budget", type=float, default=8.0, help="seconds for calibrating auto")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="auto without calibrating the cost model first (MPICH thresholds)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
@@ -113,6 +117,7 @@ def bench_rank(cfg: dict[str, Any]) -> dict[str, Any]:
 
     import tpkit
     from tpkit.comm import ALGORITHMS, AlgorithmCommunicator, AlgorithmSelector, ReduceOp
+    from tpkit.comm.timing import interleaved_times
 
     comm = tpkit.get_communicator()
     n, rank = comm.world_size, comm.rank
@@ -120,24 +125,25 @@ def bench_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     op = ReduceOp.parse(cfg["op"])
     device = torch.device("cuda", torch.cuda.current_device()) if getattr(comm, "torch_backend", "") == "nccl" \
         else torch.device("cpu")
+    sizes, size = [], cfg["min_bytes"]
+    while size <= cfg["max_bytes"]:
+        sizes.append(size)
+        size *= cfg["step_factor"]
     selector = AlgorithmSelector()
     calib_s = 0.0
     if "auto" in cfg["algorithms"] and not cfg["no_calibrate"] and n > 1:
+        # calibrate where the benchmark runs: up to 5 of its sizes, the smallest and largest included
+        picks = sorted({round(i * (len(sizes) - 1) / 4) for i in range(5)})
         start = time.perf_counter()
-        selector.calibrate(comm)
+        selector.calibrate(comm, sizes=[sizes[i] for i in picks], budget_s=cfg["calibration_budget"], iters=2)
         calib_s = time.perf_counter() - start
     wrapped = {}
     for name in cfg["algorithms"]:
         wrapped[name] = comm if name == "builtin" else AlgorithmCommunicator(
             comm, name if name == "auto" else {c: name for c in ALGORITHMS if name in ALGORITHMS[c]}, selector)
-
-    sizes, size = [], cfg["min_bytes"]
-    while size <= cfg["max_bytes"]:
-        sizes.append(size)
-        size *= cfg["step_factor"]
     plan = [(c, s, [a for a in cfg["algorithms"] if a in ("builtin", "auto") or a in ALGORITHMS[c]])
             for c in cfg["collectives"] for s in sizes]
-    progress = _progress(rank == 0 and cfg["progress"], sum(len(a) * cfg["repeats"] for _, _, a in plan))
+    progress = _progress(rank == 0 and cfg["progress"], len(plan))
     rows, times = [], []
     itemsize = torch.empty((), dtype=dtype).element_size()
     for collective, nbytes, algs in plan:
@@ -146,7 +152,6 @@ def bench_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         x = rank_input(count // n if collective == "all_gather" else count, rank, dtype).to(device)
         ref = _reference(collective, count, n, rank, op, dtype).to(device)
         iters = iterations(cfg["iters"], count * itemsize)
-        per_alg: dict[str, list[float]] = {a: [] for a in algs}
         chosen: dict[str, str] = {}
         wrong: dict[str, int] = {}
         for a in algs:  # correctness first, outside the timings
@@ -155,23 +160,14 @@ def bench_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             chosen[a] = getattr(wrapped[a], "last_algorithm", "builtin")
             for _ in range(cfg["warmup"]):
                 _call(wrapped[a], collective, x, op)
-        for rep in range(cfg["repeats"]):
-            shift = rep % len(algs)  # rotate who goes first, so neither always follows the other
-            for a in algs[shift:] + algs[:shift]:
-                c = wrapped[a]
-                comm.barrier()
-                _sync(device)
-                start = time.perf_counter()
-                for _ in range(iters):
-                    _call(c, collective, x, op)
-                _sync(device)
-                per_alg[a].append((time.perf_counter() - start) / iters)
-                progress.advance()
-        for a in algs:
-            times.append(statistics.median(per_alg[a]))
+        samples = interleaved_times(comm, [lambda c=wrapped[a]: _call(c, collective, x, op) for a in algs],
+                                    cfg["budget"], cfg["repeats"], iters=iters, sync=lambda: _sync(device))
+        for a, runs in zip(algs, samples):
+            times.append(statistics.median(runs))
             rows.append({"collective": collective, "algorithm": a, "chosen": chosen[a], "bytes": count * itemsize,
                          "count": count, "type": cfg["dtype"], "redop": op.value if collective in REDUCING else "none",
-                         "iters": iters, "repeats": cfg["repeats"], "wrong": wrong[a]})
+                         "iters": iters, "samples": len(runs), "wrong": wrong[a]})
+        progress.advance()
     progress.close()
     # one all-reduce at the end: the slowest rank's time, and every rank's wrong count summed
     t = comm.all_reduce(torch.tensor(times, dtype=torch.float64, device=device), op=ReduceOp.MAX).cpu().tolist()
@@ -295,12 +291,13 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     ReduceOp.parse(args.op)
     if args.min_bytes > args.max_bytes:
         raise ValueError(f"tpkit bench: --min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}")
-    if args.step_factor < 2 or args.iters < 1 or args.repeats < 1 or args.world_size < 1:
-        raise ValueError("tpkit bench: need --step-factor >= 2, --iters >= 1, --repeats >= 1, --world-size >= 1")
+    if args.step_factor < 2 or args.iters < 1 or args.repeats < 1 or args.world_size < 1 or args.budget < 0:
+        raise ValueError("tpkit bench: need --step-factor >= 2, --iters >= 1, --repeats >= 1, --world-size >= 1, "
+                         "--budget >= 0")
     return {"collectives": collectives, "algorithms": algorithms, "min_bytes": args.min_bytes,
             "max_bytes": args.max_bytes, "step_factor": args.step_factor, "iters": args.iters,
-            "warmup": args.warmup, "repeats": args.repeats, "dtype": args.dtype, "op": args.op,
-            "no_calibrate": args.no_calibrate, "progress": not args.no_progress and sys.stderr.isatty()}
+            "warmup": args.warmup, "repeats": args.repeats, "budget": args.budget, "dtype": args.dtype, "op": args.op,
+            "no_calibrate": args.no_calibrate, "calibration_budget": args.calibration_budget, "progress": not args.no_progress and sys.stderr.isatty()}
 
 
 def run(args: argparse.Namespace) -> int:
