@@ -131,25 +131,25 @@ def _check_dataflow(name: str, m: nn.Module, style: str, a: Analysis, styles: di
                             f"is not 'colwise'")
 
 
-def _build(name: str, m: nn.Module, style: str, details: dict, comm) -> nn.Module | None:
+def _build(name: str, m: nn.Module, style: str, details: dict, comm, seq: bool = False) -> nn.Module | None:
     from ..nn import ParallelEmbedding, VocabParallelEmbedding
 
-    if style in ("replicate", "replicated_with_grad_allreduce") or style in CONTAINER_NO_OPS:
+    if style in ("replicate", "replicated_with_grad_allreduce", "sequence_parallel") or style in CONTAINER_NO_OPS:
         return None
     if is_embedding(m):
         if style in ("embedding_rowwise", "rowwise"):
             return VocabParallelEmbedding.from_module(m, comm)
         return ParallelEmbedding.from_module(m, comm)
     if style == "colwise":
-        return build_column(m, details, comm)
+        return build_column(m, details, comm, sequence_parallel=seq)
     if style == "colwise_rep":
         return build_column(m, {}, comm, gather=True)
     if style == "vocab_parallel":
-        layer = build_column(m, {}, comm)
+        layer = build_column(m, {}, comm, sequence_parallel=seq)
         layer.vocab_parallel_logits = True
         return layer
     if style == "rowwise":
-        return build_row(m, details, comm)
+        return build_row(m, details, comm, sequence_parallel=seq)
     if style == "rowwise_rep":
         return build_row(m, {}, comm, input_is_parallel=False)
     if style == "channelwise":
@@ -211,7 +211,7 @@ def _forward_reads_config_heads(cls: type) -> bool:
 
 
 def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = "inference",
-                example_inputs: Any = None) -> nn.Module:
+                example_inputs: Any = None, sequence_parallel: bool = False) -> nn.Module:
     """Convert `model` in place to this rank's tensor-parallel shard and return it.
 
     `plan`: "auto" (the planner's), a `Plan` (applied as is), a path to a plan JSON, or a mapping of user
@@ -219,6 +219,10 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     communicator (default `tpkit.get_communicator()`). `mode="training"` keeps LM-head logits split over
     the vocabulary (use `tpkit.nn.vocab_parallel_cross_entropy`). Works on meta-device models (shards
     stay meta, to be loaded later). Raises before changing anything when the plan cannot be applied.
+
+    `sequence_parallel=True` (or plan entries styled "sequence_parallel") also splits the residual stream
+    along the sequence between row- and column-wise layers (see `sequence.py`; training mode, sequence length
+    a multiple of the world size; call `tpkit.nn.sync_sequence_parallel_grads(model)` after backward).
     """
     from ..nn._layer import resolve_comm
 
@@ -243,12 +247,24 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
             raise PlanError(f"plan: style {style!r} is for container modules, not the layer {name}")
         _check(name, m, style, the_plan.details.get(name, {}), world, analysis, styles)
     _check_ties(analysis, styles)
+    region = None
+    if (sequence_parallel or "sequence_parallel" in styles.values()) and world > 1:
+        from .sequence import find_region
+
+        region = find_region(analysis, styles)
+        stray = [n for n, s in styles.items() if s == "sequence_parallel" and n not in region.norms]
+        if stray:
+            raise PlanError(f"plan: {stray} are styled 'sequence_parallel' but are not per-token layers on the "
+                            f"sequence-split residual stream (that region holds {region.norms[:4]}...)")
+        for n in region.norms:
+            styles[n] = "sequence_parallel"
     # 2. Build every new layer (the model is still untouched).
     built = {}
+    seq = set(region.rows) if region else set()  # rows reduce-scatter; columns get gathered inputs
     for name, style in styles.items():
         if world == 1:
             break
-        new = _build(name, modules[name], style, the_plan.details.get(name, {}), comm)
+        new = _build(name, modules[name], style, the_plan.details.get(name, {}), comm, name in seq)
         if new is not None:
             built[name] = new
     updates = _attention_updates(model, the_plan, styles, world, rank) if world > 1 else {}
@@ -265,9 +281,19 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
             if style == "replicated_with_grad_allreduce":
                 _sum_grads_over_ranks(modules[name], comm)
     _install_vocab_parallel_loss(model, built, styles, comm)
+    if region is not None:
+        from ..nn import mark_sequence_parallel
+        from .sequence import install_entry, install_gather
+
+        install_entry(model, region.entry_block, comm)
+        for n in region.norms:
+            mark_sequence_parallel(modules[n])
+        for n in region.gathered:
+            install_gather(modules[n], comm)
     record = Plan({n: s for n, s in styles.items() if n in analysis.leaves}, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
     record.updated_attributes = updates
+    record.sequence_parallel = region
     record.rank = rank
     _record(model, record)
     return model

@@ -23,6 +23,8 @@ STYLES = {
     "embedding_rowwise": "embedding split over the vocabulary (VocabParallelEmbedding); one all-reduce",
     "embedding_colwise": "embedding split over its features (ParallelEmbedding); one all-gather",
     "channelwise": "per-channel layer (BatchNorm) between a column and a row conv: holds this rank's channels",
+    "sequence_parallel": "a replicated per-token layer (norm) running on this rank's slice of the sequence; its "
+                         "gradient is a partial sum (tpkit.nn.sync_sequence_parallel_grads before the step)",
     "replicate": "every rank holds the whole module",
     "replicated_with_grad_allreduce": "every rank holds the whole module, applied to its own heads only (a "
                                       "per-head q/k norm): its gradient is summed over the ranks",
@@ -36,10 +38,7 @@ ALIASES = {
 }
 # Styles HF puts on container modules, where tpkit layers already do the communication themselves.
 CONTAINER_NO_OPS = {"gather", "all_reduce", "local", "ep_router", "moe_identity_expert"}
-UNSUPPORTED = {
-    "sequence_parallel": "sequence parallelism of norms is not applied by parallelize yet; build the model with "
-                         "tpkit.nn layers and sequence_parallel=True, or drop the entry (the norm stays replicated)",
-}
+UNSUPPORTED: dict[str, str] = {}
 
 
 class PlanError(ValueError):

@@ -77,7 +77,7 @@ def _picked(t: torch.Tensor, dim: int, index: list[int]) -> nn.Parameter:
     return nn.Parameter(t.detach().index_select(dim, idx).clone(), requires_grad=t.requires_grad)
 
 
-def build_column(m: nn.Module, details: dict, comm, gather: bool = False) -> nn.Module:
+def build_column(m: nn.Module, details: dict, comm, gather: bool = False, sequence_parallel: bool = False) -> nn.Module:
     from ..nn import ColumnParallelConv2d, ColumnParallelLinear
 
     if is_conv2d(m):
@@ -85,9 +85,9 @@ def build_column(m: nn.Module, details: dict, comm, gather: bool = False) -> nn.
     lin = as_linear(m)
     rows = column_rows(details, lin.out_features, comm.world_size, comm.rank)
     if rows is None or gather:
-        return ColumnParallelLinear.from_module(lin, comm, gather_output=gather)
+        return ColumnParallelLinear.from_module(lin, comm, gather_output=gather, **_sp(sequence_parallel))
     shape_only = nn.Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta")
-    layer = ColumnParallelLinear.from_module(shape_only, comm)
+    layer = ColumnParallelLinear.from_module(shape_only, comm, **_sp(sequence_parallel))
     sizes = column_sizes(details, lin.out_features, comm.world_size)
     layer.weight = _picked(lin.weight, 0, rows)
     _mark_index(layer.weight, 0, rows, sizes)
@@ -135,7 +135,13 @@ def _sum_replicated_row_grads(layer: nn.Module, rows: list[int], n_out: int, com
     layer.replicated_rows_synced = True
 
 
-def build_row(m: nn.Module, details: dict, comm, input_is_parallel: bool = True) -> nn.Module:
+def _sp(on: bool) -> dict:
+    """Sequence parallelism on the [batch, seq, hidden] activations of HF models: the dim before features."""
+    return {"sequence_parallel": True, "sequence_dim": -2} if on else {}
+
+
+def build_row(m: nn.Module, details: dict, comm, input_is_parallel: bool = True,
+              sequence_parallel: bool = False) -> nn.Module:
     from ..nn import RowParallelConv2d, RowParallelLinear
 
     if is_conv2d(m):
@@ -143,18 +149,20 @@ def build_row(m: nn.Module, details: dict, comm, input_is_parallel: bool = True)
     lin = as_linear(m)
     cols = row_cols(details, comm.world_size, comm.rank)
     if cols is None or not input_is_parallel:
-        return RowParallelLinear.from_module(lin, comm, input_is_parallel=input_is_parallel)
+        return RowParallelLinear.from_module(lin, comm, input_is_parallel=input_is_parallel, **_sp(sequence_parallel))
     shape_only = nn.Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta")
-    layer = RowParallelLinear.from_module(shape_only, comm)
+    layer = RowParallelLinear.from_module(shape_only, comm, **_sp(sequence_parallel))
     lay = head_layout(details["num_heads"], details["num_kv_heads"], comm.world_size, details.get("attention", ""))
     sizes = [len(h) * details["head_dim"] for h in lay.q_heads]
     layer.weight = _picked(lin.weight, 1, cols)
     _mark_index(layer.weight, 1, cols, sizes)
     if lin.bias is not None:
-        from ..nn import mark_replicated
+        from ..nn import mark_replicated, mark_sequence_parallel
 
         layer.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=lin.bias.requires_grad)
         mark_replicated(layer.bias)
+        if sequence_parallel:
+            mark_sequence_parallel([layer.bias])
     layer.partition_sizes = tuple(sizes)
     layer.input_size_per_partition = len(cols)
     layer.partition_index = tuple(cols)

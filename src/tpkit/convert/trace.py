@@ -75,6 +75,7 @@ class Trace:
     carried_by: dict[str, frozenset]
     broken: set = dataclasses.field(default_factory=set)  # layers whose output slices do not tile its features
     head_local: dict = dataclasses.field(default_factory=dict)  # per-head layers (q/k norms) -> their sources
+    module_inputs: dict = dataclasses.field(default_factory=dict)  # every module -> id of its first input
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -257,6 +258,13 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
+    module_inputs: dict[str, int] = {}
+    for name, module in model.named_modules():
+        def record(mod, args, kwargs, name=name):
+            x = first_tensor(args, kwargs)
+            if x is not None:
+                module_inputs.setdefault(name, id(x))
+        handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
     # Eval mode: no dropout draws from the RNG and no BatchNorm statistics move; the dataflow is the same.
     was_training = {m: m.training for m in model.modules()}
     model.eval()
@@ -288,7 +296,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
             escaped |= tag.sources
             for c in tag.carried:
                 escaped.add(c)
-    return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local)
+    return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs)
 
 
 def _leaves_of(out: Any):

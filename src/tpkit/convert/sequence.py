@@ -1,0 +1,119 @@
+"""Sequence parallelism for converted models: where the residual stream is split along the sequence.
+
+Between a row-wise layer and the next column-wise one, Megatron-style sequence parallelism keeps each rank's
+slice of the tokens: rows reduce-scatter instead of all-reducing, and the per-token layers in between (the
+residual stream and its norms) run on 1/N of the tokens. Two departures from Megatron, both because Hugging
+Face modules read shapes from their inputs: the split starts at the first block that receives the hidden
+states (a pre-hook scatters them there; masks and positions are built from the full embedding output), and
+the all-gather sits at the output of the norm that feeds an attention or MLP block, not inside the column
+layers, so those blocks see the whole sequence. The price: the backward of that gather is an all-reduce in
+the column layers plus a slice, where Megatron does one reduce-scatter. Found from the trace:
+
+- the entry: the first layer whose output feeds a column-wise layer (the first norm), and the outermost
+  module that receives that layer's input tensor (the first block);
+- the region: replicated layers fed only by row-wise layers, the entry's sources or the region itself; each
+  must be a per-token norm, and none may feed the model's output (only a column-wise layer, the LM head,
+  may leave the region).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from .modules import is_feature_norm
+from .plan import PlanError
+
+COLUMNS = ("colwise", "vocab_parallel")
+
+
+@dataclasses.dataclass
+class SequenceRegion:
+    entry_block: str
+    norms: list[str]     # per-token layers on the split sequence (gradients are partial sums)
+    columns: list[str]   # column-wise layers reading the (gathered) sequence
+    rows: list[str]      # row-wise layers that reduce-scatter it
+    gathered: list[str]  # norms whose output is all-gathered for the blocks that read it
+
+
+def find_region(analysis, styles: dict[str, str]) -> SequenceRegion:
+    """The sequence-parallel region of a model under `styles`, or PlanError saying why there is none."""
+    t = analysis.trace
+    if t is None:
+        raise PlanError(f"sequence parallelism needs the model's dataflow, but its forward could not be traced "
+                        f"({analysis.trace_error})")
+    order = sorted(t.calls, key=lambda n: t.calls[n][0].order)
+    entry = next((n for n in order if any(styles.get(c) in COLUMNS for c in t.consumers.get(n, ()))
+                  and styles.get(n) not in ("rowwise",) + COLUMNS), None)
+    if entry is None:
+        raise PlanError("sequence parallelism: no column-wise layer is fed by a replicated layer (a norm), so "
+                        "there is no residual stream to split")
+    entry_call = t.first(entry)
+    block = _outermost_receiver(analysis.model, t, entry_call.input_id, entry)
+    rows = [n for n in order if styles.get(n) == "rowwise"]
+    sharded = set(rows) | set(entry_call.input_tag.sources if entry_call.input_tag else ())
+    norms, columns = [], []
+    for name in order[order.index(entry):]:
+        tag = t.first(name).input_tag
+        if tag is None or not tag.sources or not tag.sources <= sharded | set(norms):
+            continue
+        style = styles.get(name, "replicate")
+        if style in COLUMNS:
+            columns.append(name)
+        elif style == "rowwise":
+            continue
+        elif style in ("replicate", "sequence_parallel") and is_feature_norm(analysis.leaves[name]):
+            norms.append(name)
+        else:
+            raise PlanError(f"sequence parallelism: {name} ({type(analysis.leaves[name]).__name__}, {style!r}) reads "
+                            f"the sequence-split hidden states but is not a per-token norm nor a split layer; split "
+                            f"it or turn sequence parallelism off")
+    for name in rows + norms:
+        users = t.consumers.get(name, set()) - set(norms) - set(columns) - set(rows)
+        if name in t.escaped or users:
+            what = "the model output" if name in t.escaped else sorted(users)
+            raise PlanError(f"sequence parallelism: {name}'s sequence-split output reaches {what}; only a "
+                            f"column-wise layer (e.g. a vocab-parallel LM head, mode='training') may read it")
+    gathered = [n for n in norms if any(styles.get(c) in COLUMNS for c in t.consumers.get(n, ()))]
+    return SequenceRegion(block, norms, columns, rows, gathered)
+
+
+def _outermost_receiver(model: nn.Module, t, tensor_id: int, entry: str) -> str:
+    candidates = [n for n, i in t.module_inputs.items()
+                  if i == tensor_id and n and entry.startswith(n + ".")]  # ancestors of the entry layer only
+    if not candidates:
+        raise PlanError(f"sequence parallelism: cannot find the block that receives {entry}'s input")
+    return min(candidates, key=lambda n: n.count("."))
+
+
+def install_entry(model: nn.Module, block: str, comm) -> None:
+    """Split the hidden states along the sequence (dim -2) as they enter `block`."""
+    from ..nn import scatter_to_sequence_region
+
+    def pre(mod, args, kwargs):
+        if args:
+            x = args[0]
+            _check(block, x, comm.world_size)
+            return (scatter_to_sequence_region(x, comm, -2),) + tuple(args[1:]), kwargs
+        key = next(k for k, v in kwargs.items() if hasattr(v, "shape"))
+        _check(block, kwargs[key], comm.world_size)
+        return args, dict(kwargs, **{key: scatter_to_sequence_region(kwargs[key], comm, -2)})
+
+    model.get_submodule(block).register_forward_pre_hook(pre, with_kwargs=True)
+
+
+def install_gather(norm: nn.Module, comm) -> None:
+    """All-gather a norm's output along the sequence for the block that reads it.
+
+    Attention and MLP modules of HF models take their shapes from their input, so they must see the whole
+    sequence; the gather sits at the norm's output rather than inside the column layers. Its backward keeps
+    this rank's slice: the column layers' input gradient is already summed over the ranks."""
+    from ..nn import gather_from_region
+
+    norm.register_forward_hook(lambda mod, args, out: gather_from_region(out, comm, -2))
+
+
+def _check(block: str, x, world: int) -> None:
+    if x.dim() < 2 or x.shape[-2] % world:
+        raise ValueError(f"sequence parallelism: the hidden states entering {block} have shape {tuple(x.shape)}; "
+                         f"the sequence length (dim -2) must be a multiple of the world size {world}; pad it")
