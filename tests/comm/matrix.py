@@ -128,10 +128,10 @@ def check_reductions(comm, c: Checker) -> None:
             given = [(q * 2) % 3 for q in range(n)]  # includes empty pieces
             given[-1] += 1
             _reduce_scatter_case(comm, c, dtype, op, (2, sum(given)), -1, given, f"sizes {given}")
-    # big enough for the torch backend's piecewise CPU all_reduce (4 MiB and more), with a ragged last piece
-    big = [rank_input(q, ((1 << 20) + 3,), torch.float32, 10) for q in range(n)] if comm.backend == "torch" else []
+    # big enough for the torch backend's piecewise CPU all_reduce (8 MiB and more), with a ragged last piece
+    big = [rank_input(q, ((2 << 20) + 3,), torch.float32, 10) for q in range(n)] if comm.backend == "torch" else []
     for op in (ReduceOp.SUM, ReduceOp.AVG) if big else ():
-        c.same(f"all_reduce {op.name} of a 4 MiB tensor", comm.all_reduce(big[r], op=op), reference(big, op),
+        c.same(f"all_reduce {op.name} of an 8 MiB tensor", comm.all_reduce(big[r], op=op), reference(big, op),
                _exact(op, torch.float32))
     # a middle dim of a 3-d tensor
     _reduce_scatter_case(comm, c, torch.float32, ReduceOp.SUM, (2, 2 * n + 1, 3), 1, None, "3-d")

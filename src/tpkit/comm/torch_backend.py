@@ -31,8 +31,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # all_reduce must not modify its input, so it reduces a copy. On CPU that copy is a pass over memory as
 # costly as a good part of the reduction itself; for big tensors it is made piece by piece, each piece
 # reduced (async) while the next is copied, which hides the copy behind the communication.
-PIPELINE_MIN_BYTES = 4 << 20
-PIPELINE_PIECE_BYTES = 2 << 20
+PIPELINE_MIN_BYTES = 8 << 20
+PIPELINE_PIECE_BYTES = 4 << 20
 # Subgroups made by members only (use_local_synchronization) are named by their ranks in torch; asking for
 # the same ranks twice must reuse the group rather than collide.
 _LOCAL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
