@@ -46,7 +46,7 @@ BAD_PLANS = {
     "split output into a replicated layer": ({"model.layers.0.mlp.down_proj": "replicate"}, "conflicting"),
     "tied weights split differently": ({"lm_head": "replicate"}, "share one weight"),
     "unknown style": ({"lm_head": "diagonal"}, "unknown style"),
-    "unsupported style": ({"model.norm": "sequence_parallel"}, "sequence parallelism"),
+    "sequence parallelism with attention left whole": ({"model.norm": "sequence_parallel"}, "stay whole"),
     "container style on a layer": ({"model.norm": "gather"}, "container"),
 }
 

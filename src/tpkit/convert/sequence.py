@@ -21,7 +21,7 @@ import dataclasses
 
 from torch import nn
 
-from .modules import is_feature_norm
+from .modules import is_conv2d, is_feature_norm, is_linear
 from .plan import PlanError
 
 COLUMNS = ("colwise", "vocab_parallel")
@@ -49,6 +49,11 @@ def find_region(analysis, styles: dict[str, str]) -> SequenceRegion:
         raise PlanError("sequence parallelism: no column-wise layer is fed by a replicated layer (a norm), so "
                         "there is no residual stream to split")
     entry_call = t.first(entry)
+    whole = [n for n in order if styles.get(n, "replicate") == "replicate" and t.first(n).order < entry_call.order
+             and (is_linear(analysis.leaves[n]) or is_conv2d(analysis.leaves[n]))]
+    if whole:
+        raise PlanError(f"sequence parallelism: layers before the first split block stay whole ({whole[:4]}); "
+                        f"every attention / MLP block must be split for the sequence to stay split between them")
     block = _outermost_receiver(analysis.model, t, entry_call.input_id, entry)
     rows = [n for n in order if styles.get(n) == "rowwise"]
     sharded = set(rows) | set(entry_call.input_tag.sources if entry_call.input_tag else ())
