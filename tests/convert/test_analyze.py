@@ -76,6 +76,7 @@ def test_suggestion_training_mode_and_recommendations():
         assert training.per_rank_memory[w] == 2 * b + (b // 4) * 8  # weights + grads (fp32) + AdamW (2 x fp32)
     text = " ".join(training.recommendations)
     assert "2 KV heads < world size 4" in text and "vocabulary 103 does not divide by 4" in text
+    assert "sequence_parallel=True) would split the residual stream and its 5 norms" in text
     assert training.plan["lm_head"] == "vocab_parallel"
     too_small = analyze(model, max_world_size=4, device_memory=1000)
     assert too_small.suggested_world_size is None and "no world size up to 4 fits" in too_small.suggestion

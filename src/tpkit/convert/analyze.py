@@ -294,6 +294,17 @@ def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisRepor
     elif replicated:
         recs.append(f"replicated: {len(replicated)} small layers ({human(rep_bytes)}, "
                     f"{100 * rep_bytes / max(report.total_bytes, 1):.1f}% of bytes), mostly norms")
+    if plan.mode == "training" and shown > 1:
+        from .plan import PlanError
+        from .sequence import find_region
+
+        try:
+            region = find_region(a, dict(plan.entries))
+            recs.append(f"parallelize(..., sequence_parallel=True) would split the residual stream and its "
+                        f"{len(region.norms)} norms along the sequence (from {region.entry_block} on): their "
+                        f"activations shrink {shown}x; sequence length must be a multiple of {shown}")
+        except PlanError:
+            pass
     hint = getattr(getattr(a.model, "config", None), "base_model_tp_plan", None)
     if hint:
         from .plan import Plan

@@ -17,7 +17,8 @@ class DistributedModelWrapper(nn.Module):
     """
 
     def __init__(self, model: nn.Module, world_size: int | None = None, rank: int | None = None, comm=None, *,
-                 plan: Any = "auto", mode: str = "inference", example_inputs: Any = None):
+                 plan: Any = "auto", mode: str = "inference", example_inputs: Any = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         from ..nn._layer import resolve_comm
 
@@ -30,7 +31,8 @@ class DistributedModelWrapper(nn.Module):
             raise ValueError(f"DistributedModelWrapper: rank={rank} but this process is rank {comm.rank} of its "
                              f"communicator")
         self.comm = comm
-        self.base_model = parallelize(model, plan, comm, mode=mode, example_inputs=example_inputs)
+        self.base_model = parallelize(model, plan, comm, mode=mode, example_inputs=example_inputs,
+                                      sequence_parallel=sequence_parallel)
 
     @property
     def world_size(self) -> int:
