@@ -390,8 +390,9 @@ class Communicator(abc.ABC):
         return _Guard(self, op)
 
     def _log(self, opname: str, tensor: torch.Tensor | None, **details) -> None:
-        """Log the call under TP_DEBUG. Every public operation calls this first, so it also reads TP_DEBUG
-        once for the whole call into `self._debug` (the backends' mismatch checks look there)."""
+        """Log the call under TP_DEBUG, and note in `self._debug` whether TP_DEBUG is on for this call (the
+        backends' mismatch checks look there). Every public operation reads TP_DEBUG exactly once: the hot
+        collectives inline the lookup and call this only when it is on; the others call this first."""
         self._debug = debug_enabled()
         if not self._debug:
             return
