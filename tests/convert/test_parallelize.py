@@ -156,3 +156,13 @@ def test_wrapper_and_generate():
         assert torch.equal(tokens, want)
     with pytest.raises(ValueError, match="world_size=4"):
         tpkit.comm.run_threads(lambda comm: DistributedModelWrapper(copy.deepcopy(model), world_size=4, comm=comm), 2)
+
+
+def test_second_conversion_is_refused():
+    model = hf_model("llama")
+
+    def body(comm):
+        m = parallelize(copy.deepcopy(model), "auto", comm)
+        with pytest.raises(PlanError, match="already holds tensor-parallel shards"):
+            parallelize(m, "auto", comm)
+    tpkit.comm.run_threads(body, 2)

@@ -34,7 +34,7 @@ def resolve_plan(model: nn.Module, plan: Any, world_size: int, analysis: Analysi
     if isinstance(plan, (str, Path)):
         return Plan.load(plan)
     if isinstance(plan, Plan):
-        return plan
+        return plan.updated({})  # a copy: the caller's plan is not filled in with details
     if isinstance(plan, Mapping):
         user = Plan.from_dict(plan)
         user.prefix = user.prefix or analysis.prefix
@@ -228,6 +228,10 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
 
     comm = resolve_comm(comm)
     world, rank = comm.world_size, comm.rank
+    done = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)]
+    if done:
+        raise PlanError(f"parallelize: the model already holds tensor-parallel shards (e.g. {done[0]}); it was "
+                        f"converted before (see its tp_plan). Convert the original model once per rank")
     analysis = analyze_structure(model, example_inputs)
     the_plan = resolve_plan(model, plan, world, analysis, mode)
     names = _names(model)
