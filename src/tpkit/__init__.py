@@ -1,7 +1,8 @@
 """tpkit: tensor parallelism for PyTorch models that is exact, fast and boring.
 
-Public API: process setup (`init`, `launch`, `get_communicator`, the seed-style helpers) and, through
-`tpkit.comm`, the communication layer. See README.md for the tour.
+Public API: process setup (`init`, `launch`, `get_communicator`, the seed-style helpers), conversion
+(`analyze`, `plan`, `parallelize`, `verify`, the estimates), and the subpackages `tpkit.comm` (communication)
+and `tpkit.nn` (tensor-parallel layers). See README.md for the tour.
 """
 from __future__ import annotations
 
@@ -20,10 +21,21 @@ from .distributed import (
     use_communicator,
 )
 from .launch import LaunchError, launch
+from . import comm, nn
+from .nn import (ColumnParallelConv2d, ColumnParallelLinear, ParallelEmbedding, RowParallelConv2d, RowParallelLinear,
+                 VocabParallelEmbedding, clip_grad_norm_, vocab_parallel_cross_entropy)
+from .convert import (AnalysisReport, DistributedModelWrapper, Plan, PlanError, VerifyReport, analyze, parallelize, plan,
+                      verify)
+from .convert.estimate import MemoryEstimate, estimate_memory
+from .convert.speed import SpeedEstimate, estimate_speed
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnalysisReport", "ColumnParallelConv2d", "ColumnParallelLinear", "DistributedModelWrapper", "MemoryEstimate",
+    "ParallelEmbedding", "Plan", "PlanError", "RowParallelConv2d", "RowParallelLinear", "SpeedEstimate", "VerifyReport",
+    "VocabParallelEmbedding", "analyze", "clip_grad_norm_", "comm", "estimate_memory", "estimate_speed", "nn",
+    "parallelize", "plan", "verify", "vocab_parallel_cross_entropy",
     "CommError", "Communicator", "LaunchError", "ReduceOp", "TPConfig", "__version__", "all_reduce_sum",
     "broadcast_tensor", "create_communicator", "get_communicator", "get_tensor_parallel_config", "init",
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",
