@@ -51,9 +51,11 @@ def test_figures_equal_hand_computed_ones():
     assert "model.layers.*.mlp.down_proj (x2)" in text and "rowwise" in text and "suggested world size: 1" in text
 
 
-def test_parameter_bytes_per_rank_equal_bytes_after_parallelize():
-    model = hf_model("llama", num_key_value_heads=2)
-    for world in (2, 3, 4):
+@pytest.mark.parametrize("heads,kv_heads,worlds", [(8, 2, (2, 3, 4)), (12, 4, (5,))])
+def test_parameter_bytes_per_rank_equal_bytes_after_parallelize(heads, kv_heads, worlds):
+    """(12 query / 4 KV heads at 5 ranks: the general layout, where rank 3 holds two KV heads.)"""
+    model = hf_model("llama", hidden_size=4 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    for world in worlds:
         report = analyze(model, world_size=world, max_world_size=world, device_memory="1GB")
         copies = [copy.deepcopy(model) for _ in range(world)]
 

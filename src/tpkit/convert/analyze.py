@@ -59,7 +59,7 @@ class LayerReport:
     bytes: int
     style: str
     reason: str
-    bytes_per_rank: int
+    bytes_per_rank: int  # on the rank holding the most of this layer
     tied_to: str | None = None
 
 
@@ -160,21 +160,33 @@ def _unique_params(m: nn.Module, seen: set) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _rank_bytes(a: Analysis, plan, world: int) -> int:
-    """Parameter bytes on rank 0 (the split rule gives the first ranks the remainder, so it is the fullest)."""
-    total, seen = 0, set()
-    for name, m in a.leaves.items():
-        params = _unique_params(m, seen)
-        if not params:
-            continue
-        style = plan.entries.get(name, "replicate")
-        shapes = local_shapes(m, style, plan.details.get(name, {}), world, 0)
+def _module_bytes(m: nn.Module, params, style: str, details: dict, world: int) -> list[int]:
+    """Bytes of `params` (module `m`'s own, not yet counted) that each rank holds under `style`."""
+    out = []
+    for rank in range(world):
+        shapes = local_shapes(m, style, details, world, rank)
+        total = 0
         for pname, p in params:
             numel = 1
             for s in shapes.get(pname, tuple(p.shape)):
                 numel *= s
             total += numel * p.element_size()
-    return total
+        out.append(total)
+        if style == "replicate":
+            return out * world
+    return out
+
+
+def _rank_bytes(a: Analysis, plan, world: int) -> int:
+    """Parameter bytes on the fullest rank (usually rank 0, which the split rule gives the remainder; uneven
+    GQA layouts can load another rank more, so every rank is counted)."""
+    per_rank, seen = [0] * world, set()
+    for name, m in a.leaves.items():
+        params = _unique_params(m, seen)
+        if params:
+            b = _module_bytes(m, params, plan.entries.get(name, "replicate"), plan.details.get(name, {}), world)
+            per_rank = [x + y for x, y in zip(per_rank, b)]
+    return max(per_rank)
 
 
 def _training_bytes(a: Analysis, param_bytes: int) -> int:
@@ -210,13 +222,7 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
         n = sum(p.numel() for _, p in params)
         b = sum(p.numel() * p.element_size() for _, p in params)
         style = plan.entries.get(name, "replicate")
-        local = local_shapes(m, style, plan.details.get(name, {}), shown, 0)
-        rb = 0
-        for pname, p in params:
-            k = 1
-            for s in local.get(pname, tuple(p.shape)):
-                k *= s
-            rb += k * p.element_size()
+        rb = max(_module_bytes(m, params, style, plan.details.get(name, {}), shown)) if params else 0
         total_bytes += b
         total_params += n
         if style != "replicate":
