@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpkit
+from tpkit.comm import run_threads
 from tpkit.nn import (DATA_PARALLEL_RNG, ColumnParallelLinear, RowParallelLinear, clip_grad_norm_, get_rng_tracker,
+                      mark_tensor_parallel,
                       model_parallel_manual_seed)
 
 from .helpers import FP64_TOL, THREAD_SIZES, assert_small, local_slice, randn, rel_err, run, seeded_linear
@@ -117,3 +119,21 @@ def test_rng_tracker_errors_and_state_roundtrip():
     tracker.set_states(saved)
     with tracker.fork():
         assert torch.equal(torch.rand(5), first)
+
+
+def test_clip_grad_norm_counts_replicated_slices_once():
+    """Rows that several ranks hold (replicated KV heads) count once in the global norm, for p = 2, 1 and inf."""
+    full = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    rows = {0: [0, 1, 2], 1: [0, 1, 3]}  # rows 0 and 1 live on both ranks
+    for norm_type in (2.0, 1.0, float("inf")):
+        expected = torch.linalg.vector_norm(full, norm_type)
+
+        def body(comm, norm_type=norm_type):
+            param = torch.nn.Parameter(full[rows[comm.rank]].clone())
+            param.grad = param.detach().clone()
+            mark_tensor_parallel(param, 0, (3, 3))
+            param.partition_replicas = (2, 2, 1)
+            return clip_grad_norm_([param], 1e9, norm_type, comm=comm)
+
+        for norm in run_threads(body, 2):
+            torch.testing.assert_close(norm, expected, rtol=1e-12, atol=0)

@@ -2,7 +2,8 @@
 
 The single-device norm is over every element once. Shards (`param.tensor_model_parallel`) hold disjoint
 pieces, so their per-rank sums of |g|^p add up across ranks (one all-reduce); replicated parameters hold the
-same gradient on every rank, so they are counted once, locally, after the reduction. Every rank ends with the
+same gradient on every rank, so they are counted once, locally, after the reduction. Slices of a shard that
+several ranks hold (`param.partition_replicas`, e.g. replicated KV heads) add |g|^p / replicas on each. Every rank ends with the
 same norm and the same clip coefficient, so shards and replicas stay consistent. Replicated gradients must
 already be equal across ranks (call `sync_sequence_parallel_grads` first under sequence parallelism).
 """
@@ -34,7 +35,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     if float(max_norm) < 0:
         raise ValueError(f"clip_grad_norm_: max_norm {max_norm} must be non-negative")
     grads = [p.grad for p in params if p.grad is not None]
-    sharded = [g for p, g in ((p, p.grad) for p in params) if g is not None and is_tensor_parallel(p)]
+    sharded = [(g, getattr(p, "partition_replicas", None), getattr(p, "partition_dim", 0))
+               for p, g in ((p, p.grad) for p in params) if g is not None and is_tensor_parallel(p)]
     replicated = [g for p, g in ((p, p.grad) for p in params) if g is not None and not is_tensor_parallel(p)]
     device = grads[0].device if grads else torch.device("cpu")
     # fp32 at least (bf16 squares overflow and round badly), fp64 when the model is fp64.
@@ -46,10 +48,23 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=dtype).to(device) for g in gs])
         return norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
 
+    def partial_shards() -> torch.Tensor:
+        if norm_type == math.inf:  # a maximum is not changed by counting a slice twice
+            return partial([g for g, _, _ in sharded])
+        total = torch.zeros((), dtype=dtype, device=device)
+        for g, replicas, dim in sharded:
+            if replicas is None:
+                total = total + partial([g])
+                continue
+            powered = g.detach().to(dtype).abs().pow(norm_type)
+            sums = powered.movedim(dim, 0).reshape(g.shape[dim], -1).sum(dim=1)
+            total = total + (sums / torch.tensor(replicas, dtype=dtype, device=sums.device)).sum().to(device)
+        return total
+
     if norm_type == math.inf:
-        total = torch.maximum(comm.all_reduce(partial(sharded), ReduceOp.MAX), partial(replicated))
+        total = torch.maximum(comm.all_reduce(partial_shards(), ReduceOp.MAX), partial(replicated))
     else:
-        total = (comm.all_reduce(partial(sharded)) + partial(replicated)).pow(1.0 / norm_type)
+        total = (comm.all_reduce(partial_shards()) + partial(replicated)).pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {float(total)}; set "
                            f"error_if_nonfinite=False to clip anyway")

@@ -14,6 +14,10 @@ Marking (what the converter, the checkpoint code and `clip_grad_norm_` rely on),
 - ``param.partition_sizes``: tuple of every rank's size along `partition_dim` (their sum is the full size;
   this rank's start is the sum of the sizes before it).
 - ``param.partition_stride``: always 1 (kept for readers of Megatron checkpoints).
+- ``param.partition_replicas`` (optional): when some slices along `partition_dim` live on several ranks (KV
+  heads replicated because there are fewer KV heads than ranks), a tuple with, for each of this rank's
+  slices, the number of ranks holding it. `clip_grad_norm_` divides those slices' contribution by it so the
+  norm counts every element of the full tensor once.
 - ``param.sequence_parallel``: True on replicated parameters whose gradient is a partial sum under
   sequence parallelism (LayerNorm/RMSNorm weights, a RowParallelLinear bias); see `sequence_parallel.py`.
 
