@@ -107,3 +107,29 @@ def test_gpt_neox_interleaved_qkv():
     ids = torch.randint(0, 103, (2, 6), generator=torch.Generator().manual_seed(0))
     report = verify(model, {"input_ids": ids}, world_size=4, backward=True)  # 6 heads: 2, 2, 1, 1
     assert report.ok, report.summary()
+
+
+def test_clip_grad_norm_with_replicated_kv_heads():
+    """KV heads (2) < ranks (4): the replicated K/V rows count once, so the global gradient norm of the
+    converted model equals the single-device model's."""
+    import torch
+    import transformers as tr
+
+    cfg = tr.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(cfg).double()
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    model.zero_grad()
+
+    def body():
+        import copy
+
+        tp = tpkit.parallelize(copy.deepcopy(model))
+        tp(ids, labels=ids).loss.backward()
+        return tpkit.clip_grad_norm_(tp.parameters(), 1e9)
+
+    for norm in tpkit.launch(body, 4, backend="threads"):
+        torch.testing.assert_close(norm, expected, rtol=1e-9, atol=0)

@@ -99,7 +99,20 @@ def build_column(m: nn.Module, details: dict, comm, gather: bool = False, sequen
     layer.partition_index = tuple(rows)
     if sum(sizes) > lin.out_features:  # some rows (replicated KV heads) live on several ranks
         _sum_replicated_row_grads(layer, rows, lin.out_features, comm)
+        _mark_replicas(layer, details, rows, lin.out_features, comm.world_size)
     return layer
+
+
+def _mark_replicas(layer: nn.Module, details: dict, rows: list[int], n_out: int, world: int) -> None:
+    """Tell `clip_grad_norm_` how many ranks hold each of this rank's rows (`param.partition_replicas`)."""
+    holders = [0] * n_out
+    for r in range(world):
+        for row in column_rows(details, n_out, world, r):
+            holders[row] += 1
+    replicas = tuple(holders[row] for row in rows)
+    for p in (layer.weight, layer.bias):
+        if p is not None:
+            p.partition_replicas = replicas  # type: ignore[attr-defined]
 
 
 def column_sizes(details: dict, n_out: int, world: int) -> list[int]:
