@@ -58,13 +58,16 @@ def test_random_llama_shapes_equal_parallelized_bytes(kv, group, head_dim, f, vo
 
 
 @pytest.mark.parametrize("t", [2, 4])
-def test_model_estimate_equals_parallelized_bytes_for_a_bare_encoder(t):
-    # A BertModel (pooler, no MLM head): the model path counts what the converter's plan holds.
+@pytest.mark.parametrize("cls_name", ["BertModel", "BertForMaskedLM"])
+def test_model_estimate_equals_parallelized_bytes_for_an_encoder(t, cls_name):
+    # The model path counts what the converter's plan holds; BertForMaskedLM's head bias is held twice in the
+    # module tree (cls.predictions.bias is decoder.bias) and must stay one vocab-split tensor.
+    cls = getattr(transformers, cls_name)
     config = tiny_configs()["bert"]
     with torch.device("meta"):
-        model = transformers.BertModel(config)
+        model = cls(config)
     est = estimate_memory(model, t, dtype=torch.float32, mode="training")
-    assert est.per_rank.parameters == _parallelized_bytes(config, t, cls=transformers.BertModel)
+    assert est.per_rank.parameters == _parallelized_bytes(config, t, cls=cls)
 
 
 @pytest.mark.parametrize("t,sp_free_heads", [(2, 4), (4, 2)])

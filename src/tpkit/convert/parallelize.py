@@ -280,6 +280,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
         for attr, value in new.items():
             setattr(attn, attr, value)
     _retie(model, analysis, built)
+    _repoint_shared_parameters(model, modules, built)
     if world > 1:
         for name, style in styles.items():
             if style == "replicated_with_grad_allreduce":
@@ -328,6 +329,24 @@ def _retie(model: nn.Module, a: Analysis, built: dict) -> None:
         for n in group:
             if n != owner:
                 model.get_submodule(n).weight = weight
+
+
+def _repoint_shared_parameters(model: nn.Module, before: dict, built: dict) -> None:
+    """A module outside the plan may hold the very Parameter a replaced layer held (BERT's
+    `cls.predictions.bias` is `decoder.bias`); point it at the layer's new shard so the tie survives and no
+    rank keeps a stale full copy."""
+    replaced = {}
+    for name, new in built.items():
+        for pname, old in before[name].named_parameters(recurse=False):
+            shard = getattr(new, pname, None)
+            if isinstance(shard, nn.Parameter):
+                replaced[id(old)] = shard
+    if not replaced:
+        return
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is not None and id(p) in replaced and replaced[id(p)] is not p:
+                module._parameters[pname] = replaced[id(p)]
 
 
 def _sum_grads_over_ranks(m: nn.Module, comm) -> None:
