@@ -35,7 +35,7 @@ def analyse(result: dict) -> tuple[list[str], dict]:
     sizes = sorted({r["bytes"] for r in result["rows"] if r["collective"] == "all_reduce"})
     lines = [f"| collective | " + " | ".join(human(s) for s in sizes) + " |",
              "|---|" + "---|" * len(sizes)]
-    worst, rs_min, errors = 10.0, 10.0, []
+    worst, rs_min, errors, formula_errors = 10.0, 10.0, [], []
     for col in collectives:
         cells = []
         for s in sorted({r["bytes"] for r in result["rows"] if r["collective"] == col}):
@@ -49,13 +49,18 @@ def analyse(result: dict) -> tuple[list[str], dict]:
                 for r, alg in ((b, "builtin"), (a, a["chosen"])):
                     pred = model.predict(col, alg, r["bytes"], n)
                     errors.append((abs(pred - r["time_us"] * 1e-6) / (r["time_us"] * 1e-6), col, alg, s))
+                    if alg != "builtin":
+                        pred = model.formula(col, alg, r["bytes"], n)
+                        formula_errors.append(abs(pred - r["time_us"] * 1e-6) / (r["time_us"] * 1e-6))
         lines.append(f"| {col} | " + " | ".join(cells) + " |")
     errors.sort(reverse=True)
     within = sum(e <= 0.25 for e, *_ in errors)
     summary = {"world_size": n, "worst_ratio": worst, "reduce_scatter_min_from_1MiB": rs_min,
                "model_within_25pct": f"{within}/{len(errors)}",
                "model_median_error": errors[len(errors) // 2][0] if errors else 0.0,
-               "model_worst": errors[0] if errors else None, "model": result["model"]}
+               "model_worst": errors[0] if errors else None, "model": result["model"],
+               "formula_within_25pct": f"{sum(e <= 0.25 for e in formula_errors)}/{len(formula_errors)}",
+               "formula_median_error": sorted(formula_errors)[len(formula_errors) // 2] if formula_errors else 0.0}
     return lines, summary
 
 
@@ -91,7 +96,9 @@ def run(argv: list[str] | None = None) -> int:
                    f"{summary['reduce_scatter_min_from_1MiB']:.2f}x at least; calibrated alpha "
                    f"{m['alpha'] * 1e6:.0f} us, beta {m['beta'] * 1e9:.2f} ns/B, gamma {m['gamma'] * 1e9:.2f} ns/B; "
                    f"model predictions within 25% of measured (>= 64 KiB, builtin and auto's pick): "
-                   f"{summary['model_within_25pct']}, median error {summary['model_median_error']:.0%}"]
+                   f"{summary['model_within_25pct']}, median error {summary['model_median_error']:.0%}; "
+                   f"alpha-beta-gamma formula alone for auto's non-builtin picks: {summary['formula_within_25pct']}, "
+                   f"median error {summary['formula_median_error']:.0%}"]
     print("\n".join(report))
     return 0
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tpkit
-from tpkit.comm import ALGORITHMS, AlgorithmCommunicator, ReduceOp, run_threads, split_sizes
+from tpkit.comm import ALGORITHMS, AlgorithmCommunicator, ReduceOp, create_communicator, run_threads, split_sizes
 from tpkit.comm.ops import reduce_tensors
 
 SHAPE = (6, 5)
@@ -106,7 +106,7 @@ def test_every_algorithm_matches_reference_on_gloo(world_size):
 
 @settings(max_examples=12, deadline=None)
 @given(world_size=st.integers(1, 6), rows=st.integers(0, 9), cols=st.integers(1, 4), dim=st.sampled_from([0, 1, -1]),
-       algorithm=st.sampled_from(["ring", "bruck", "recursive_doubling", "pairwise", "recursive_halving"]))
+       algorithm=st.sampled_from(["ring", "bruck", "recursive_doubling", "pairwise", "recursive_halving", "direct"]))
 def test_algorithm_communicator_matches_builtin_for_any_shape(world_size, rows, cols, dim, algorithm):
     def body(comm):
         fast = AlgorithmCommunicator(comm, algorithm)
@@ -150,3 +150,14 @@ def test_algorithm_option_validation_and_fallbacks():
     assert seen[2] == ("builtin",)
     assert seen[3][0] == "builtin" and "bool" in seen[3][1]
     assert seen[4] == "AlgorithmCommunicator"
+
+
+def _made_by_create_communicator():
+    made = create_communicator("threads", algorithm="direct")
+    out = made.all_gather(torch.tensor([float(made.rank)]))
+    return type(made).__name__, made.last_algorithm, out.tolist()
+
+
+def test_create_communicator_algorithm_option():
+    assert tpkit.launch(_made_by_create_communicator, 3, backend="threads") == [
+        ("AlgorithmCommunicator", "direct", [0.0, 1.0, 2.0])] * 3

@@ -36,8 +36,8 @@ def test_threads_json_rows_cover_every_collective_size_and_algorithm(capsys, tmp
         assert r["algbw"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
         assert r["busbw"] == pytest.approx(r["algbw"] * bus_factor(r["collective"], 3))
         assert r["redop"] == ("sum" if r["collective"] in ("all_reduce", "reduce_scatter") else "none")
-        if r["algorithm"] == "auto":  # uncalibrated: MPICH's choice
-            assert r["chosen"] in algorithms.ALGORITHMS[r["collective"]]
+        if r["algorithm"] == "auto":  # MPICH's choice, or builtin if it measured slower
+            assert r["chosen"] in [*algorithms.ALGORITHMS[r["collective"]], "builtin"]
     assert (tmp_path / "busbw.png").read_bytes()[:4] == b"\x89PNG"
 
 

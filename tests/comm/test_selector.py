@@ -1,10 +1,12 @@
 """AlgorithmSelector: MPICH thresholds before calibration, fastest predicted (with margin) after."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from tpkit.comm import AlgorithmCommunicator, AlgorithmSelector, CostModel, run_threads
+from tpkit.comm import ALGORITHMS, AlgorithmCommunicator, AlgorithmSelector, CostModel, run_threads
 from tpkit.comm.selector import mpich_choice
 
 
@@ -76,7 +78,7 @@ def test_decisions_are_cached_until_the_model_is_refit():
 
 def test_auto_communicator_runs_the_selected_algorithm_on_every_rank():
     def body(comm):
-        auto = AlgorithmCommunicator(comm, "auto")
+        auto = AlgorithmCommunicator(comm, "auto", verify=0)
         small, large = torch.ones(100), torch.ones(300_000)
         out = []
         for t in (small, large):
@@ -89,3 +91,37 @@ def test_auto_communicator_runs_the_selected_algorithm_on_every_rank():
     results = run_threads(body, 3)
     assert results[0] == ["recursive_halving", "bruck", "pairwise", "ring"]
     assert all(r == results[0] for r in results)
+
+
+def _slow(fn, seconds):
+    def run(*args):
+        time.sleep(seconds)
+        return fn(*args)
+    return run
+
+
+@pytest.mark.parametrize("slow_down, expected", [(0.03, "builtin"), (0.0, None)])
+def test_auto_verifies_the_prediction_and_every_rank_keeps_the_same_choice(monkeypatch, slow_down, expected):
+    ring = ALGORITHMS["all_reduce"]["ring"]
+    monkeypatch.setitem(ALGORITHMS["all_reduce"], "ring", _slow(ring, slow_down))
+    model = CostModel(calibrated=True)
+    model.measured[("all_reduce", "builtin", 3)] = [(0, 1.0), (1 << 30, 2.0)]  # builtin predicted very slow
+    model.measured[("all_reduce", "ring", 3)] = [(0, 1e-6), (1 << 30, 1e-6)]  # ring predicted very fast
+
+    def body(comm):
+        auto = AlgorithmCommunicator(comm, "auto", AlgorithmSelector(model), verify=3)
+        x = torch.arange(6.0) * (comm.rank + 1)
+        trail = []
+        for _ in range(8):
+            out = auto.all_reduce(x)
+            assert torch.equal(out, torch.arange(6.0) * 6)
+            trail.append((auto.last_algorithm, auto.last_note))
+        return trail
+
+    trails = run_threads(body, 3)
+    algs = [[a for a, _ in tr] for tr in trails]
+    assert all(a == algs[0] for a in algs)  # every rank ran the same algorithm at every call
+    assert algs[0][:6] == ["builtin", "ring"] * 3 and "verifying ring" in trails[0][0][1]
+    final = algs[0][6]
+    assert final == algs[0][7] and (final == expected if expected else final in ("ring", "builtin"))
+    assert ("kept builtin" if final == "builtin" else "verified") in trails[0][6][1]

@@ -7,10 +7,19 @@ the builtin and say why in `last_algorithm` / `last_note` (the profiler records 
 (the algorithms run synchronously; the builtin overlaps), bool tensors, tensors not on the backend's device
 (the builtin path stages them), and world size 1. Algorithms talk to the backend communicator under all
 wrappers (`base`) directly.
+
+`auto` checks the selector: a prediction is only a prediction, and on a shared or unusual machine it can
+be wrong by more than any algorithm wins. The first `2 * verify` calls of each (collective, size) alternate
+the predicted algorithm and builtin and time them; then one tiny all-reduce agrees the slowest rank's
+medians and every rank keeps the faster (the candidate only if `verify_margin` faster). From then on the
+decision is a dictionary lookup.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
+import time
 from typing import Mapping, Sequence
 
 import torch
@@ -45,21 +54,37 @@ def _resolve(algorithm: "str | Mapping[str, str]") -> dict[str, str]:
     return {c: name if name in ALGORITHMS[c] else BUILTIN for c in COLLECTIVES}
 
 
+@dataclasses.dataclass
+class _Trial:
+    """Timings of a predicted algorithm against builtin for one (collective, size), until decided."""
+
+    candidate: str
+    times: dict[str, list[float]]
+    decision: str | None = None
+    note: str = ""
+
+
 class AlgorithmCommunicator(WrappedCommunicator):
     """A Communicator whose collectives run the algorithm `algorithm` names (see module docstring)."""
 
     def __init__(self, inner: Communicator, algorithm: "str | Mapping[str, str]" = "auto",
-                 selector: AlgorithmSelector | None = None):
+                 selector: AlgorithmSelector | None = None, verify: int = 4, verify_margin: float = 0.05):
         super().__init__(inner)
+        if verify < 0 or not 0 <= verify_margin < 1:
+            raise ValueError(f"AlgorithmCommunicator: need verify >= 0 and 0 <= verify_margin < 1, got {verify}, "
+                             f"{verify_margin}")
         self.algorithm = algorithm
         self.choices = _resolve(algorithm)
         self.selector = selector if selector is not None else AlgorithmSelector()
+        self.verify, self.verify_margin = int(verify), float(verify_margin)
         self.last_algorithm = BUILTIN
         self.last_note = ""
+        self._trials: dict[tuple, _Trial] = {}
+        self._trial: _Trial | None = None
         self._device_type = "cuda" if getattr(self.base, "torch_backend", None) == "nccl" else "cpu"
 
     def _rewrap(self, group: Communicator) -> Communicator:
-        return AlgorithmCommunicator(group, self.algorithm, self.selector)
+        return AlgorithmCommunicator(group, self.algorithm, self.selector, self.verify, self.verify_margin)
 
     def calibrate(self, **kwargs) -> "AlgorithmCommunicator":
         """Fit the selector's cost model on this group (collective: every rank calls it)."""
@@ -78,22 +103,68 @@ class AlgorithmCommunicator(WrappedCommunicator):
         if tensor.device.type != self._device_type:
             return BUILTIN, f"{tensor.device.type} tensor on a {self._device_type} backend: builtin stages it"
         if wanted == "auto":
-            return self.selector.select(collective, nbytes, self.world_size, tensor.element_size()), ""
+            return self._auto(collective, nbytes, tensor.element_size())
         return wanted, ""
 
+    def _auto(self, collective: str, nbytes: int, itemsize: int) -> tuple[str, str]:
+        choice = self.selector.select(collective, nbytes, self.world_size, itemsize)
+        if choice == BUILTIN or self.verify == 0:
+            return choice, ""
+        key = (collective, nbytes, itemsize, choice)
+        trial = self._trials.get(key)
+        if trial is None:
+            if len(self._trials) > 4096:
+                self._trials.clear()
+            trial = self._trials[key] = _Trial(choice, {BUILTIN: [], choice: []})
+        if trial.decision is not None:
+            return trial.decision, trial.note
+        self._trial = trial
+        done = len(trial.times[BUILTIN]) + len(trial.times[choice])
+        return (BUILTIN if done % 2 == 0 else choice), f"verifying {choice} against builtin ({done + 1}/{2 * self.verify})"
+
     def _pick(self, collective: str, tensor: torch.Tensor, nbytes: int, async_op: bool) -> str:
+        self._trial = None
         self.last_algorithm, self.last_note = self.choose(collective, tensor, nbytes, async_op)
         return self.last_algorithm
+
+    def _run(self, call, tensor: torch.Tensor):
+        """`call()`, timed when this call is one of a verification trial's."""
+        trial = self._trial
+        if trial is None:
+            return call()
+        self._trial = None
+        sync = torch.cuda.synchronize if tensor.is_cuda else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        out = call()
+        sync()
+        trial.times[self.last_algorithm].append(time.perf_counter() - start)
+        if all(len(t) >= self.verify for t in trial.times.values()):
+            self._decide(trial)
+        return out
+
+    def _decide(self, trial: _Trial) -> None:
+        """Every rank agrees on the slowest rank's medians (one all-reduce) and keeps the faster."""
+        medians = [statistics.median(trial.times[BUILTIN]), statistics.median(trial.times[trial.candidate])]
+        device = torch.device("cuda", torch.cuda.current_device()) if self._device_type == "cuda" else None
+        agreed = self.base.all_reduce(torch.tensor(medians, dtype=torch.float64, device=device), op=ReduceOp.MAX)
+        builtin, candidate = agreed.tolist()
+        ratio = builtin / candidate if candidate > 0 else float("inf")
+        if candidate < builtin * (1 - self.verify_margin):
+            trial.decision, trial.note = trial.candidate, f"verified: {ratio:.2f}x builtin"
+        else:
+            trial.decision = BUILTIN
+            trial.note = f"predicted {trial.candidate} measured {ratio:.2f}x builtin: kept builtin"
 
     # Builtin calls go straight to `inner` (which validates); the checks here guard the algorithm paths.
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False):
         self._check_tensor("all_reduce", tensor)
         name = self._pick("all_reduce", tensor, tensor.numel() * tensor.element_size(), async_op)
         if name == BUILTIN:
-            return self.inner.all_reduce(tensor, op=op, async_op=async_op)
+            return self._run(lambda: self.inner.all_reduce(tensor, op=op, async_op=async_op), tensor)
         op = ReduceOp.parse(op)
         with self._guard("all_reduce"):
-            return ALGORITHMS["all_reduce"][name](self.base, tensor, op)
+            return self._run(lambda: ALGORITHMS["all_reduce"][name](self.base, tensor, op), tensor)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None,
                    async_op: bool = False):
@@ -105,16 +176,17 @@ class AlgorithmCommunicator(WrappedCommunicator):
         # the same on every rank (shards differ only along dim), so every rank picks the same algorithm
         name = self._pick("all_gather", tensor, rows * row_bytes, async_op)
         if name == BUILTIN or row_bytes == 0:
-            return self.inner.all_gather(tensor, dim=dim, sizes=sizes, async_op=async_op)
+            return self._run(lambda: self.inner.all_gather(tensor, dim=dim, sizes=sizes, async_op=async_op), tensor)
         with self._guard("all_gather"):
-            return ALGORITHMS["all_gather"][name](self.base, tensor, dim, sizes)
+            return self._run(lambda: ALGORITHMS["all_gather"][name](self.base, tensor, dim, sizes), tensor)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, dim: int = 0,
                        sizes: Sequence[int] | None = None, async_op: bool = False):
         self._check_tensor("reduce_scatter", tensor)
         name = self._pick("reduce_scatter", tensor, tensor.numel() * tensor.element_size(), async_op)
         if name == BUILTIN or tensor.numel() == 0:
-            return self.inner.reduce_scatter(tensor, op=op, dim=dim, sizes=sizes, async_op=async_op)
+            return self._run(lambda: self.inner.reduce_scatter(tensor, op=op, dim=dim, sizes=sizes, async_op=async_op),
+                             tensor)
         op = ReduceOp.parse(op)
         dim = self._check_dim("reduce_scatter", tensor, dim)
         if sizes is None:
@@ -126,13 +198,13 @@ class AlgorithmCommunicator(WrappedCommunicator):
                     f"reduce_scatter: sizes {sizes} must have {self.world_size} non-negative entries summing to "
                     f"the size of dim {dim} ({tensor.shape[dim]}) of the input of shape {tuple(tensor.shape)}")
         with self._guard("reduce_scatter"):
-            return ALGORITHMS["reduce_scatter"][name](self.base, tensor, op, dim, sizes)
+            return self._run(lambda: ALGORITHMS["reduce_scatter"][name](self.base, tensor, op, dim, sizes), tensor)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         self._check_tensor("broadcast", tensor)
         name = self._pick("broadcast", tensor, tensor.numel() * tensor.element_size(), async_op)
         if name == BUILTIN:
-            return self.inner.broadcast(tensor, src=src, async_op=async_op)
+            return self._run(lambda: self.inner.broadcast(tensor, src=src, async_op=async_op), tensor)
         self._check_rank("broadcast", src, "src")
         with self._guard("broadcast"):
-            return ALGORITHMS["broadcast"][name](self.base, tensor, src)
+            return self._run(lambda: ALGORITHMS["broadcast"][name](self.base, tensor, src), tensor)

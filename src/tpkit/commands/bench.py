@@ -158,8 +158,10 @@ def bench_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             out = _call(wrapped[a], collective, x, op)
             wrong[a] = int((out != ref).sum().item()) if out.shape == ref.shape else ref.numel()
             chosen[a] = getattr(wrapped[a], "last_algorithm", "builtin")
-            for _ in range(cfg["warmup"]):
+            settle = 2 * getattr(wrapped[a], "verify", 0) if a == "auto" else 0  # auto's verification calls
+            for _ in range(cfg["warmup"] + settle):
                 _call(wrapped[a], collective, x, op)
+            chosen[a] = getattr(wrapped[a], "last_algorithm", "builtin")
         samples = interleaved_times(comm, [lambda c=wrapped[a]: _call(c, collective, x, op) for a in algs],
                                     cfg["budget"], cfg["repeats"], iters=iters, sync=lambda: _sync(device))
         for a, runs in zip(algs, samples):

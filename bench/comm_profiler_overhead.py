@@ -1,0 +1,58 @@
+"""Issue 5: CommProfiler overhead on a 1 MiB all_reduce over gloo (target <= 5%).
+
+Plain and profiled calls alternate (each after a barrier, so ranks start together), many times; the
+figure is median(profiled) / median(plain) - 1 on the slowest rank, plus the profiler's own cost per
+call measured without communication (threads, world size 1) for scale.
+
+    python bench/comm_profiler_overhead.py [--world-size 2] [--rounds 300]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import tpkit
+from tpkit.comm import CommProfiler, create_communicators
+from tpkit.comm.timing import interleaved_times, slowest_rank_medians
+
+
+def _body(rounds: int) -> tuple[float, float]:
+    comm = tpkit.get_communicator()
+    prof = CommProfiler(comm)
+    x = torch.randn(1 << 18)  # 1 MiB of float32
+    samples = interleaved_times(comm, [lambda: comm.all_reduce(x), lambda: prof.all_reduce(x)], budget_s=0,
+                                min_rounds=rounds, max_rounds=rounds)
+    plain, profiled = slowest_rank_medians(comm, samples)
+    return plain, profiled
+
+
+def _bare_cost(calls: int = 20000) -> float:
+    """Seconds the profiler adds per call around a world-of-one all_reduce (no communication)."""
+    comm = create_communicators(1)[0]
+    prof = CommProfiler(comm, max_records=calls)
+    x = torch.ones(4)
+    out = []
+    for target in (comm, prof, comm, prof):
+        start = time.perf_counter()
+        for _ in range(calls):
+            target.all_reduce(x)
+        out.append((time.perf_counter() - start) / calls)
+    return statistics.mean(out[1::2]) - statistics.mean(out[0::2])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=300)
+    args = parser.parse_args()
+    plain, profiled = tpkit.launch(_body, args.world_size, args=(args.rounds,), timeout=300)[0]
+    print(f"gloo x{args.world_size}, 1 MiB all_reduce, {args.rounds} alternating rounds: plain {plain * 1e3:.3f} ms, "
+          f"profiled {profiled * 1e3:.3f} ms, overhead {profiled / plain - 1:+.1%}; "
+          f"profiler cost without communication: {_bare_cost() * 1e6:.1f} us per call")
+
+
+if __name__ == "__main__":
+    main()
