@@ -6,20 +6,18 @@ backend, or a world of one.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import os
-import threading
-from typing import Iterator
+
 
 import torch
 
 from .comm.communicator import Communicator
+from .comm.context import current_thread_communicator, use_communicator
 
 _default: Communicator | None = None
 _single: Communicator | None = None
-_thread_local = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +80,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> Communicat
     again returns the existing communicator.
     """
     global _default
-    current = getattr(_thread_local, "comm", None) or _default
+    current = current_thread_communicator() or _default
     if current is not None:
         return current
     backend = (backend or default_backend()).lower()
@@ -135,7 +133,7 @@ def shutdown() -> None:
 def get_communicator() -> Communicator:
     """The communicator layers use by default: this thread-rank's, the one `init` made, or a world of one."""
     global _single
-    comm = getattr(_thread_local, "comm", None) or _default
+    comm = current_thread_communicator() or _default
     if comm is not None:
         return comm
     if _single is None:
@@ -148,17 +146,6 @@ def set_communicator(comm: Communicator | None) -> None:
     """Make `comm` the default for the whole process (None forgets it)."""
     global _default
     _default = comm
-
-
-@contextlib.contextmanager
-def use_communicator(comm: Communicator) -> Iterator[Communicator]:
-    """Make `comm` the default for the current thread only, inside the block (how thread-ranks get theirs)."""
-    previous = getattr(_thread_local, "comm", None)
-    _thread_local.comm = comm
-    try:
-        yield comm
-    finally:
-        _thread_local.comm = previous
 
 
 @dataclasses.dataclass(frozen=True)

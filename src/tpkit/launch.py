@@ -21,7 +21,6 @@ import torch
 
 from .comm.errors import CommError
 from .comm.threads import create_communicators, mark_rank, raise_first_failure, run_on_threads
-from .distributed import use_communicator
 
 
 class LaunchError(RuntimeError):
@@ -54,10 +53,7 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
     if backend == "threads":
         comms = create_communicators(world_size, timeout)
 
-        def body(comm):
-            with use_communicator(comm):
-                return fn(*args)
-        return run_on_threads(body, comms)
+        return run_on_threads(lambda comm: fn(*args), comms)
     if backend == "mpi":
         raise ValueError("launch: backend 'mpi' needs processes started by mpirun; run "
                          f"`mpirun -n {world_size} python your_script.py` and call tpkit.init('mpi') there")

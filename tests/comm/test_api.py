@@ -107,3 +107,13 @@ def test_collectives_check_their_argument_type():
         comm.all_reduce([1.0, 2.0])
     with pytest.raises(ValueError, match="0-d tensor"):
         comm.all_gather(torch.tensor(1.0))
+
+
+def test_run_threads_makes_each_rank_the_threads_default():
+    """Layers built with comm=None inside run_threads see their thread-rank, not a world of one."""
+    import tpkit
+    from tpkit.comm import run_threads
+
+    results = run_threads(lambda comm: (tpkit.get_communicator() is comm, tpkit.nn.ColumnParallelLinear(4, 6).world_size), 3)
+    assert results == [(True, 3)] * 3
+    assert tpkit.get_communicator().world_size == 1  # the calling thread is unaffected

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .communicator import Communicator, Handle
+from .context import current_thread_communicator, use_communicator
 from .errors import CommError
 from .groups import split
 from .ops import ReduceOp
@@ -30,9 +31,7 @@ from .wrapper import WrappedCommunicator
 def _make_threads(world_size: int = 1, timeout: float | None = None, **config) -> Communicator:
     if config:
         raise ValueError(f"threads backend: unknown options {sorted(config)}")
-    from ..distributed import get_communicator, _thread_local
-
-    current = getattr(_thread_local, "comm", None)
+    current = current_thread_communicator()
     if current is not None and current.backend == "threads":
         return current
     if world_size != 1:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .communicator import Communicator, group_name
+from .context import use_communicator
 from .errors import CommError
 from .ops import reduce_tensors
 
@@ -233,13 +234,16 @@ def run_threads(fn: Callable[[ThreadCommunicator], Any], world_size: int, timeou
 
 
 def run_on_threads(fn: Callable[[ThreadCommunicator], Any], comms: list[ThreadCommunicator]) -> list:
-    """Run `fn(comm)` on one thread per communicator and gather results or the root failure."""
+    """Run `fn(comm)` on one thread per communicator and gather results or the root failure.
+
+    Each thread's default communicator (`tpkit.get_communicator()`, layers built with `comm=None`) is its own."""
     results: list[Any] = [None] * len(comms)
     errors: list[BaseException | None] = [None] * len(comms)
 
     def body(rank: int) -> None:
         try:
-            results[rank] = fn(comms[rank])
+            with use_communicator(comms[rank]):
+                results[rank] = fn(comms[rank])
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             errors[rank] = exc
             abort(comms, f"rank {rank} failed with {type(exc).__name__}: {exc}")
