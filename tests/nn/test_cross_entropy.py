@@ -107,3 +107,19 @@ def test_errors():
     for kwargs, exc, message in cases:
         with pytest.raises(exc, match=f"vocab_parallel_cross_entropy: {message}"):
             vocab_parallel_cross_entropy(comm=comm, **kwargs)
+
+
+def test_backward_twice_with_retain_graph_like_torch():
+    """The saved softmax is not consumed by backward: a second backward gives the same gradient."""
+    def body():
+        comm = tpkit.get_communicator()
+        full = randn((3, 4, 10), 5, torch.float64)
+        target = torch.randint(0, 10, (3, 4), generator=torch.Generator().manual_seed(6))
+        local = local_slice(full, -1, split_sizes(10, comm.world_size), comm.rank).clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(local, target, label_smoothing=0.1, vocab_size=10)
+        first, = torch.autograd.grad(loss, local, retain_graph=True)
+        second, = torch.autograd.grad(loss, local)
+        return rel_err(second, first)
+
+    for world_size in (1, 2, 3):
+        assert max(run(body, world_size, "threads")) == 0.0

@@ -50,8 +50,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, index, mine, valid = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(-1, index, -(1.0 - ctx.label_smoothing) * mine.unsqueeze(-1).to(grad.dtype))
+        # Out of place: the saved softmax must survive for a second backward (retain_graph=True).
+        grad = softmax.scatter_add(-1, index, -(1.0 - ctx.label_smoothing) * mine.unsqueeze(-1).to(softmax.dtype))
         if ctx.label_smoothing > 0:
             grad.sub_(ctx.label_smoothing / ctx.vocab_size)
         grad.mul_((grad_loss.to(grad.dtype) * valid).unsqueeze(-1))
