@@ -62,6 +62,17 @@ def test_module_factory(tmp_path, monkeypatch):
     assert config.n_embd == 32 and type(model).__name__ == "GPT2LMHeadModel"
 
 
+def test_module_factory_in_the_working_directory(tmp_path, monkeypatch):
+    """The `tpkit` console script does not put the working directory on sys.path; `here_models:mlp` run from
+    the directory holding here_models.py must still import."""
+    (tmp_path / "here_models.py").write_text("import torch\ndef mlp():\n    return torch.nn.Linear(4, 6)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "here_models", raising=False)
+    model, config = load_target("here_models:mlp")
+    assert isinstance(model, torch.nn.Linear) and model.out_features == 6 and config is None
+
+
 def test_build_model_on_cpu_in_a_dtype():
     from transformers import BertConfig
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -111,6 +112,10 @@ def load_target(target: str, device: str | torch.device = "meta", build: bool = 
         config = _config_from_path(target)
     elif ":" in target:
         module_name, _, attr = target.partition(":")
+        # The `tpkit` console script runs with its own bin directory, not the working directory, on sys.path;
+        # `mymodels:build` should find ./mymodels.py as `python -m tpkit` would (uvicorn does the same).
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
