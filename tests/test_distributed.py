@@ -99,3 +99,31 @@ def test_use_communicator_scopes_the_default():
     with tpkit.use_communicator(comms[0]):
         assert tpkit.get_communicator() is comms[0]
     assert tpkit.get_communicator() is not comms[0]
+
+
+def test_multi_node_mpirun_without_master_addr_is_refused(clean_env, monkeypatch):
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    with pytest.raises(ValueError, match=r"spans several nodes \(8 ranks, 4 on this node\).*MASTER_ADDR"):
+        tpkit.init("gloo")
+
+
+def _shutdown_keeps_a_user_process_group():
+    """Run in a fresh process: a process group the user made survives tpkit.shutdown()."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    tpkit.distributed.shutdown()  # forget what launch's init adopted
+    comm = tpkit.init("gloo")      # adopts the user's group
+    tpkit.shutdown()
+    alive = dist.is_initialized()
+    dist.destroy_process_group()
+    return alive, comm.world_size
+
+
+def test_shutdown_leaves_a_process_group_it_did_not_start():
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_shutdown_keeps_a_user_process_group) == (True, 1)

@@ -17,6 +17,7 @@ from .comm.communicator import Communicator
 from .comm.context import current_thread_communicator, use_communicator
 
 _default: Communicator | None = None
+_started_process_group = False  # whether init() called init_process_group (so shutdown() may destroy it)
 _single: Communicator | None = None
 
 
@@ -79,7 +80,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> Communicat
     (a world of one outside `launch`). Binds the CUDA device from LOCAL_RANK when using nccl. Calling it
     again returns the existing communicator.
     """
-    global _default
+    global _default, _started_process_group
     current = current_thread_communicator() or _default
     if current is not None:
         return current
@@ -108,25 +109,37 @@ def init(backend: str | None = None, timeout: float | None = None) -> Communicat
         if env.world_size == 1 and env.master_addr is None:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         else:
+            _check_rendezvous_address(env)
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
             dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                                     **kwargs)
+        _started_process_group = True
     _default = TorchCommunicator(timeout=timeout)
     return _default
 
 
+def _check_rendezvous_address(env: LaunchEnv) -> None:
+    """Under a multi-node mpirun, 127.0.0.1 is not rank 0's address: say so instead of timing out later."""
+    local_world = _int_env("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+    if env.launcher == "mpirun" and env.master_addr is None and local_world is not None and local_world < env.world_size:
+        raise ValueError(f"this mpirun spans several nodes ({env.world_size} ranks, {local_world} on this node) but "
+                         f"MASTER_ADDR is not set; export MASTER_ADDR=<rank 0's host> (and MASTER_PORT) to every "
+                         f"rank, e.g. mpirun -x MASTER_ADDR=node0 -x MASTER_PORT=29500 ..., or use init('mpi')")
+
+
 def shutdown() -> None:
-    """Forget the default communicator and tear down torch.distributed if `init` started it."""
-    global _default
+    """Forget the default communicator; tear down torch.distributed only if `init` started it."""
+    global _default, _started_process_group
     from .comm import torch_backend
 
-    if _default is not None and _default.backend == "torch":
+    if _started_process_group:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
         torch_backend._LOCAL_GROUPS.clear()
+        _started_process_group = False
     _default = None
 
 

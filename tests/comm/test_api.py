@@ -117,3 +117,13 @@ def test_run_threads_makes_each_rank_the_threads_default():
     results = run_threads(lambda comm: (tpkit.get_communicator() is comm, tpkit.nn.ColumnParallelLinear(4, 6).world_size), 3)
     assert results == [(True, 3)] * 3
     assert tpkit.get_communicator().world_size == 1  # the calling thread is unaffected
+
+
+def test_avg_of_bool_is_refused_up_front():
+    from tpkit.comm import create_communicators
+
+    comm = create_communicators(1)[0]
+    for call in (lambda t: comm.all_reduce(t, "avg"), lambda t: comm.reduce_scatter(t, "avg")):
+        with pytest.raises(TypeError, match="AVG has no meaning for bool"):
+            call(torch.ones(4, dtype=torch.bool))
+    assert comm.all_reduce(torch.ones(4, dtype=torch.bool), "max").all()

@@ -206,6 +206,9 @@ class Communicator(abc.ABC):
             op = ReduceOp.parse(op)
         if not isinstance(tensor, torch.Tensor):
             self._check_tensor("all_reduce", tensor)
+        if op is ReduceOp.AVG and tensor.dtype is torch.bool:
+            raise TypeError("all_reduce: ReduceOp.AVG has no meaning for bool tensors; use MAX (any) or MIN (all), "
+                            "or convert to an integer or float dtype first")
         self._debug = _getenv("TP_DEBUG", "") not in _OFF
         if self._debug:
             self._log("all_reduce", tensor, op=op.name)
@@ -251,6 +254,9 @@ class Communicator(abc.ABC):
             op = ReduceOp.parse(op)
         if not isinstance(tensor, torch.Tensor):
             self._check_tensor("reduce_scatter", tensor)
+        if op is ReduceOp.AVG and tensor.dtype is torch.bool:
+            raise TypeError("reduce_scatter: ReduceOp.AVG has no meaning for bool tensors; use MAX (any) or MIN (all), "
+                            "or convert to an integer or float dtype first")
         ndim = tensor.dim()
         if dim.__class__ is int and ndim and -ndim <= dim < ndim:
             dim %= ndim
