@@ -196,7 +196,8 @@ def parameterised_leaves(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def trace(model: nn.Module, example_inputs: Any) -> Trace:
-    """Run `model(*example_inputs)` (or `**example_inputs` for a mapping) once and record its dataflow."""
+    """Run `model(*example_inputs)` (`**example_inputs` for a mapping, `model(x)` for one tensor) once and
+    record its dataflow."""
     from .modules import is_conv2d
 
     leaves = parameterised_leaves(model)
@@ -272,6 +273,8 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
         with torch.no_grad(), tracer:
             if isinstance(example_inputs, Mapping):
                 out = model(**example_inputs)
+            elif isinstance(example_inputs, torch.Tensor):  # one input, as verify() calls it; not its rows
+                out = model(example_inputs)
             else:
                 out = model(*example_inputs)
     finally:
