@@ -8,6 +8,48 @@ from torch import nn
 from tpkit.convert import verify
 
 
+class ScaledMLP(nn.Module):
+    """Multiplies by `scale` (all ones) only while `down` is still a plain nn.Linear: after conversion the
+    output is the same but `scale` gets no gradient, which verify must report rather than skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 24), nn.Linear(24, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        y = self.down(torch.relu(self.up(x)))
+        return y * self.scale if type(self.down) is nn.Linear else y
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradient_missing_in_the_parallel_model_fails(world):
+    torch.manual_seed(0)
+    report = verify(ScaledMLP, torch.randn(4, 8, dtype=torch.float64).float(), world_size=world, backward=True)
+    lost = [g for g in report.gradients if g.name.startswith("scale")]
+    assert len(lost) == 1 and not lost[0].ok and lost[0].max_abs_error == float("inf")
+    assert "no gradient in the parallel model" in lost[0].name and "scale" in report.summary()
+    assert not report.ok and report.max_abs_error == float("inf")
+    assert all(g.ok for g in report.gradients if not g.name.startswith("scale"))
+
+
+class NamedLinear(nn.Linear):
+    """A plain linear layer that happens to carry attributes named like GPT-2 Conv1D's (`nf`, `nx`)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out)
+        self.nf, self.nx = n_out, n_in
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_linear_with_nf_nx_attributes_is_not_taken_for_conv1d(world):
+    torch.manual_seed(0)
+    model = nn.Sequential(NamedLinear(8, 16), nn.ReLU(), NamedLinear(16, 8))
+    report = verify(model, torch.randn(3, 8), world_size=world, backward=True)
+    assert report.ok, report.summary()
+    assert {g.name for g in report.gradients} == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
 def test_one_tensor_input_is_traced_as_one_argument():
     """A bare tensor as example input is the model's one argument (as verify calls it), not a tuple of rows:
     the auto plan then splits the MLP instead of replicating it for want of a trace."""

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from .modules import is_transposed_linear
 from .shard import local_slice
 
 
@@ -114,7 +115,7 @@ def verify(model_fn: Callable[[], nn.Module] | nn.Module, example_inputs: Any, w
         raise TypeError(f"verify: model_fn must be an nn.Module or return one, got {type(model).__name__}")
     copies = [copy.deepcopy(model) for _ in range(world_size)]
     reference = copy.deepcopy(model)
-    transposed = {n for n, m in reference.named_modules() if hasattr(m, "nf") and hasattr(m, "nx")}
+    transposed = {n for n, m in reference.named_modules() if is_transposed_linear(m)}
     loss = loss_fn or (lambda out: _default_loss(named_tensors(out)))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -139,7 +140,10 @@ def verify(model_fn: Callable[[], nn.Module] | nn.Module, example_inputs: Any, w
             if backward:
                 for n, p in m.named_parameters():
                     full = ref_grads.get(n)
-                    if p.grad is None or full is None:
+                    if full is None:
+                        continue
+                    if p.grad is None:  # the parallel model lost this gradient: a failure, never a skip
+                        grads[n] = None
                         continue
                     if n.rpartition(".")[0] in transposed and full.dim() == 2:
                         full = full.t()
@@ -155,11 +159,14 @@ def verify(model_fn: Callable[[], nn.Module] | nn.Module, example_inputs: Any, w
         outputs.append(OutputCheck(name, tuple(ref.shape), a, rel, rel <= rtol))
     gradients = []
     for name in ref_grads:
-        errs = [r[1][name] for r in results if name in r[1]]
+        lost = [rank for rank, r in enumerate(results) if name in r[1] and r[1][name] is None]
+        errs = [r[1][name] if r[1][name] is not None else (float("inf"), float("inf"))
+                for r in results if name in r[1]]
         if not errs:
             continue
         a, rel = max(e[0] for e in errs), max(e[1] for e in errs)
-        gradients.append(OutputCheck(name, tuple(ref_grads[name].shape), a, rel, rel <= rtol))
+        label = f"{name} (no gradient in the parallel model on rank(s) {lost})" if lost else name
+        gradients.append(OutputCheck(label, tuple(ref_grads[name].shape), a, rel, rel <= rtol))
     checks = outputs + gradients
     ok = bool(checks) and all(c.ok for c in checks)
     max_abs = max((c.max_abs_error for c in checks), default=float("nan"))
