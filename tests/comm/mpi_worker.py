@@ -29,7 +29,7 @@ def check_timeout(comm, c: Checker) -> None:
         with c.raises("a peer that never arrives", CommError, "all_reduce", "group world", "timed out"):
             short.all_reduce(torch.ones(3))
         elapsed = time.monotonic() - start
-        c.true("CommError within the timeout", TIMEOUT - 0.1 <= elapsed <= TIMEOUT + 2.0, f"after {elapsed:.2f}s")
+        c.true("CommError within the timeout", TIMEOUT - 0.1 <= elapsed <= TIMEOUT + 8.0, f"after {elapsed:.2f}s")
     comm.barrier()
     c.same("the group works after the late rank arrived", comm.all_reduce(torch.ones(2)),
            torch.full((2,), float(comm.world_size)))

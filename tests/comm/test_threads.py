@@ -83,7 +83,7 @@ def test_peer_that_never_arrives_times_out_on_every_other_rank():
     for message, elapsed in seen.values():
         assert "all_reduce" in message and "world[0, 1, 2]" in message and "timed out" in message, message
         assert "ranks [2] never arrived" in message
-        assert TIMEOUT - 0.5 <= elapsed <= TIMEOUT + 3, elapsed
+        assert TIMEOUT - 0.5 <= elapsed <= TIMEOUT + 6, elapsed
 
 
 def test_rank_that_dies_aborts_its_peers_at_once_and_is_reported_with_its_rank():

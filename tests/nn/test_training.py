@@ -104,7 +104,14 @@ def test_dropout_rng_rules_threads(world_size):
     check_dropout_results(run(dropout_checks, world_size, "threads", False), processes=False)
 
 
-def test_rng_tracker_errors_and_state_roundtrip():
+@pytest.fixture
+def restored_global_rng():
+    """model_parallel_manual_seed seeds the global RNG too; leave it as it was for the tests after this one."""
+    with torch.random.fork_rng():
+        yield
+
+
+def test_rng_tracker_errors_and_state_roundtrip(restored_global_rng):
     tracker = model_parallel_manual_seed(7)
     with pytest.raises(ValueError, match=r"RNG tracker: stream 'data-parallel-rng' already exists"):
         tracker.add(DATA_PARALLEL_RNG, 99)
