@@ -354,7 +354,17 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _new_group(self, members: list[int]) -> "Communicator | None": ...
 
+    def _gather_signatures(self, mine: list[int]) -> list[list[int]]:
+        """Every rank's signature (a short list of ints), for `TP_DEBUG` checks; backends that check always
+        (threads) need not implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not gather TP_DEBUG signatures")
+
     # -- helpers for backends ---------------------------------------------------------------------
+    def _check_peers(self, op: str, tensor: torch.Tensor, **details) -> None:
+        """Under TP_DEBUG: compare every rank's signature (op, dtype, shape, arguments); CommError if any differ."""
+        if self._debug:
+            check_signatures(op, self._name, self._gather_signatures(signature(op, tensor, **details)))
+
     def _in_background(self, fn: Callable[[], torch.Tensor], async_op: bool) -> Handle:
         """Run `fn` now, or on this communicator's one worker thread when `async_op` is set.
 

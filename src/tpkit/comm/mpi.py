@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from .communicator import (SIGNATURE_LENGTH, Communicator, Handle, check_signatures,
+from .communicator import (SIGNATURE_LENGTH, Communicator, Handle,
                            describe_signature, dtype_of_code, group_name, sent_shape, signature)
 from .errors import CommError
 from .ops import ReduceOp, divide_by_count, reduce_tensors
@@ -104,14 +104,11 @@ class MPICommunicator(Communicator):
             raise ValueError(f"{op}: the mpi backend moves CPU tensors, got a tensor on {tensor.device}; "
                              f"use the torch backend (nccl) for GPU tensors or call .cpu() first")
 
-    def _check_peers(self, op: str, tensor: torch.Tensor, **details) -> None:
-        """Under TP_DEBUG: compare every rank's signature (op, dtype, shape, arguments); CommError if any differ."""
-        if not self._debug:
-            return
-        mine = torch.tensor(signature(op, tensor, **details), dtype=torch.int64)
-        every = torch.empty(self._world_size, mine.numel(), dtype=torch.int64)
-        self._wait(self._comm.Iallgather(mine.numpy(), every.numpy()), op, (mine, every))
-        check_signatures(op, self._name, every.tolist())
+    def _gather_signatures(self, mine: list[int]) -> list[list[int]]:
+        sig = torch.tensor(mine, dtype=torch.int64)
+        every = torch.empty(self._world_size, sig.numel(), dtype=torch.int64)
+        self._wait(self._comm.Iallgather(sig.numpy(), every.numpy()), "signature check", (sig, every))
+        return every.tolist()
 
     def _gather_all(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """Start an all-gather of whole tensors into a (world_size, *shape) tensor."""

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .communicator import (SIGNATURE_LENGTH, Communicator, Handle, check_signatures,
+from .communicator import (SIGNATURE_LENGTH, Communicator, Handle,
                            describe_signature, dtype_of_code, group_name, sent_shape, signature)
 from .errors import CommError
 from .ops import ReduceOp, divide_by_count
@@ -106,14 +106,11 @@ class TorchCommunicator(Communicator):
             works.append(dist.all_reduce(piece, torch_op, group=self._group, async_op=True))
         return out, works
 
-    def _check_peers(self, op: str, tensor: torch.Tensor, **details) -> None:
-        """Under TP_DEBUG: compare every rank's signature (op, dtype, shape, arguments); CommError if any differ."""
-        if not self._debug:
-            return
-        mine = torch.tensor(signature(op, tensor, **details), dtype=torch.int64, device=self._scratch_device())
-        every = torch.empty(self._world_size * mine.numel(), dtype=torch.int64, device=mine.device)
-        _all_gather_single(every, mine, group=self._group)
-        check_signatures(op, self._name, every.view(self._world_size, -1).tolist())
+    def _gather_signatures(self, mine: list[int]) -> list[list[int]]:
+        sig = torch.tensor(mine, dtype=torch.int64, device=self._scratch_device())
+        every = torch.empty(self._world_size * sig.numel(), dtype=torch.int64, device=sig.device)
+        _all_gather_single(every, sig, group=self._group)
+        return every.view(self._world_size, -1).tolist()
 
     # -- primitives -------------------------------------------------------------------------------
     def _all_reduce(self, tensor, op, async_op):
