@@ -166,3 +166,38 @@ def test_second_conversion_is_refused():
         with pytest.raises(PlanError, match="already holds tensor-parallel shards"):
             parallelize(m, "auto", comm)
     tpkit.comm.run_threads(body, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_hf_style_strings_on_a_tied_embedding(world):
+    """HF writes 'rowwise' on an embedding (split over the vocabulary): with a tied LM head gathered over the
+    vocabulary it is the same split on both sides, so it is accepted, recorded as 'embedding_rowwise', exact."""
+    model = hf_model("qwen2", num_key_value_heads=2)  # tied embeddings
+    ref = model(input_ids=inputs()).logits
+    entries = {"model.embed_tokens": "rowwise", "lm_head": "colwise_rep"}
+    copies = [copy.deepcopy(model) for _ in range(world)]
+
+    def body(comm):
+        m = parallelize(copies[comm.rank], entries, comm)
+        emb = m.model.embed_tokens
+        return m(input_ids=inputs()).logits.detach(), m.tp_plan["model.embed_tokens"], type(emb).__name__, \
+            m.lm_head.weight is emb.weight
+    for out, style, cls, tied in tpkit.comm.run_threads(body, world):
+        assert style == "embedding_rowwise" and cls == "VocabParallelEmbedding" and tied
+        assert ((out - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_hf_style_on_an_unsupported_embedding_is_a_plan_error():
+    """'rowwise' on an embedding gets the same checks as 'embedding_rowwise' (sizes, unsupported options),
+    before anything changes."""
+    model = hf_model("llama")
+    model.model.embed_tokens.scale_grad_by_freq = True
+    snap = _snapshot(model)
+    copies = [model, copy.deepcopy(model)]
+
+    def body(comm):
+        with pytest.raises(PlanError, match=r"model\.embed_tokens.*scale_grad_by_freq") as info:
+            parallelize(copies[comm.rank], {"model.embed_tokens": "rowwise"}, comm)
+        return str(info.value)
+    tpkit.comm.run_threads(body, 2)
+    assert _unchanged(model, snap)

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ..nn._layer import check_module
+from ..nn.embedding import _UNSUPPORTED as EMBEDDING_UNSUPPORTED
 from .heads import HeadLayoutError, head_layout
 from .modules import is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d, kind, linear_dims
 from .plan import CONTAINER_NO_OPS, Plan, PlanError
@@ -54,8 +56,6 @@ def _check(name: str, m: nn.Module, style: str, details: dict, world: int, a: An
     where = f"{name} ({kind(m)})"
     if style in COLUMN_STYLES | ROW_STYLES:
         if not (is_linear(m) or is_plain_conv2d(m)):
-            if is_embedding(m) and style in ("colwise", "rowwise"):
-                return
             raise PlanError(f"{where}: style {style!r} needs a Linear, Conv1D or Conv2d (groups=1)")
         if is_conv2d(m):
             split = m.out_channels if style in COLUMN_STYLES else m.in_channels
@@ -76,9 +76,10 @@ def _check(name: str, m: nn.Module, style: str, details: dict, world: int, a: An
         n = m.num_embeddings if style == "embedding_rowwise" else m.embedding_dim
         if n < world:
             raise PlanError(f"{where}: {n} rows/features cannot be split over {world} ranks")
-        for attr, ok in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
-            if getattr(m, attr) != ok:
-                raise PlanError(f"{where}: {attr}={getattr(m, attr)!r} is not supported by the parallel embeddings")
+        try:  # the layer's own rule for which embeddings it can shard
+            check_module(f"{where}: {style}", m, nn.Embedding, EMBEDDING_UNSUPPORTED)
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"{exc}; plan it 'replicate'") from None
     elif style == "replicated_with_grad_allreduce":
         t = a.trace
         if t is None or name not in t.head_local:
@@ -137,7 +138,7 @@ def _build(name: str, m: nn.Module, style: str, details: dict, comm, seq: bool =
     if style in ("replicate", "replicated_with_grad_allreduce", "sequence_parallel") or style in CONTAINER_NO_OPS:
         return None
     if is_embedding(m):
-        if style in ("embedding_rowwise", "rowwise"):
+        if style == "embedding_rowwise":
             return VocabParallelEmbedding.from_module(m, comm)
         return ParallelEmbedding.from_module(m, comm)
     if style == "colwise":
@@ -235,12 +236,12 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     analysis = analyze_structure(model, example_inputs)
     the_plan = resolve_plan(model, plan, world, analysis, mode)
     names = _names(model)
-    styles = the_plan.resolve(names)
+    modules = dict(model.named_modules())
+    styles = _embedding_styles(the_plan.resolve(names), modules)
     # User-written entries carry no head / packing facts: take them from the traced structure.
     for name, style in styles.items():
         if style in ("colwise", "rowwise") and name not in the_plan.details and name in analysis.structures:
             the_plan.details[name] = analysis.structures[name]
-    modules = dict(model.named_modules())
     # 1. Validate everything.
     for name, style in styles.items():
         m = modules[name]
@@ -302,6 +303,14 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     record.rank = rank
     _record(model, record)
     return model
+
+
+def _embedding_styles(styles: dict[str, str], modules: dict[str, nn.Module]) -> dict[str, str]:
+    """HF plans write 'rowwise' / 'colwise' on embeddings too (PyTorch's styles shard an embedding's weight by
+    rows, the vocabulary, or by columns, its features); name them as the embedding styles they are, once, so
+    every later check (ties, sizes, dataflow) sees one vocabulary."""
+    return {n: f"embedding_{s}" if s in ("rowwise", "colwise") and is_embedding(modules[n]) else s
+            for n, s in styles.items()}
 
 
 def _check_ties(a: Analysis, styles: dict) -> None:

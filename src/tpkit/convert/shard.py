@@ -215,6 +215,11 @@ def local_shapes(m: nn.Module, style: str, details: dict, world: int, rank: int)
     full = {n: tuple(p.shape) for n, p in m.named_parameters(recurse=False)}
     if style == "replicate" or world == 1:
         return full
+    if is_embedding(m):  # HF's 'colwise' / 'rowwise' on an embedding split its features / its vocabulary
+        v, d = full["weight"]
+        if style in ("embedding_colwise", "colwise"):
+            return {"weight": (v, _size(d, world, rank))}
+        return {"weight": (_size(v, world, rank), d)}
     if style in ("colwise", "colwise_rep", "vocab_parallel", "rowwise", "rowwise_rep") and not is_conv2d(m):
         n_in, n_out = linear_dims(m)
         if style.startswith("col") or style == "vocab_parallel":
@@ -243,11 +248,6 @@ def local_shapes(m: nn.Module, style: str, details: dict, world: int, rank: int)
             if "bias" in full:
                 out["bias"] = full["bias"]
         return out
-    if is_embedding(m):
-        v, d = full["weight"]
-        if style == "embedding_colwise":
-            return {"weight": (v, _size(d, world, rank))}
-        return {"weight": (_size(v, world, rank), d)}
     if is_per_channel(m):
         return {n: (_size(s[0], world, rank),) for n, s in full.items()}
     return full
