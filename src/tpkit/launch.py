@@ -44,7 +44,8 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
     """Run `fn(*args)` on `world_size` local ranks; return their results in rank order.
 
     `backend`: "gloo" or "nccl" (one process per rank; `fn` must be picklable, i.e. defined at module
-    level) or "threads". `timeout` bounds every collective (seconds) and, for processes, the whole run
+    level; each process runs with `torch.set_num_threads(1)` so N ranks do not fight over the cores) or
+    "threads". `timeout` bounds every collective (seconds) and, for processes, the whole run
     waits at most that long after the first failure for the other ranks to notice it.
     """
     if not isinstance(world_size, int) or world_size < 1:

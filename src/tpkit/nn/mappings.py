@@ -27,16 +27,15 @@ import torch
 
 from ..comm.communicator import Communicator
 from ..comm.sharding import split_sizes
+from .partition import shard
 
 
 def _split(x: torch.Tensor, comm: Communicator, dim: int, sizes: Sequence[int] | None) -> torch.Tensor:
-    full = x.shape[dim]
-    sizes = split_sizes(full, comm.world_size) if sizes is None else sizes
-    if sum(sizes) != full or len(sizes) != comm.world_size:
-        raise ValueError(f"split: sizes {list(sizes)} do not cut dim {dim} of size {full} (shape {tuple(x.shape)}) "
-                         f"into {comm.world_size} pieces")
-    start = sum(sizes[:comm.rank])
-    return x.narrow(dim, start, sizes[comm.rank]).contiguous()
+    """This rank's piece of `x` along `dim` (the shared split rule unless `sizes` says otherwise)."""
+    sizes = split_sizes(x.shape[dim], comm.world_size) if sizes is None else sizes
+    if len(sizes) != comm.world_size:
+        raise ValueError(f"split: sizes {list(sizes)} must have one entry per rank ({comm.world_size})")
+    return shard(x, dim, sizes, comm.rank).contiguous()
 
 
 class _CopyToRegion(torch.autograd.Function):
