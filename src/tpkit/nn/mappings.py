@@ -33,8 +33,9 @@ from .partition import shard
 def _split(x: torch.Tensor, comm: Communicator, dim: int, sizes: Sequence[int] | None) -> torch.Tensor:
     """This rank's piece of `x` along `dim` (the shared split rule unless `sizes` says otherwise)."""
     sizes = split_sizes(x.shape[dim], comm.world_size) if sizes is None else sizes
-    if len(sizes) != comm.world_size:
-        raise ValueError(f"split: sizes {list(sizes)} must have one entry per rank ({comm.world_size})")
+    if sum(sizes) != x.shape[dim] or len(sizes) != comm.world_size:
+        raise ValueError(f"split: sizes {list(sizes)} do not cut dim {dim} of size {x.shape[dim]} (shape "
+                         f"{tuple(x.shape)}) into {comm.world_size} pieces")
     return shard(x, dim, sizes, comm.rank).contiguous()
 
 
