@@ -78,3 +78,55 @@ def test_hf_style_entry_turns_it_on_and_bad_uses_raise():
             parallelize(copies[comm.rank], "auto", comm, sequence_parallel=True)
     tpkit.comm.run_threads(bad, 2)
     assert all(torch.equal(v, snap[k]) for k, v in bert.state_dict().items())
+
+
+class _MaskedBlock(torch.nn.Module):
+    """A pre-norm MLP block called with keywords only, the mask first (as some models call their layers)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up, self.down = torch.nn.Linear(hidden, 2 * hidden), torch.nn.Linear(2 * hidden, hidden)
+
+    def forward(self, attention_mask=None, hidden_states=None):
+        return hidden_states + self.down(torch.relu(self.up(self.norm(hidden_states))) * attention_mask[..., None])
+
+
+class _MaskedNet(torch.nn.Module):
+    def __init__(self, hidden=12, out=10, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(out, hidden)
+        self.blocks = torch.nn.ModuleList(_MaskedBlock(hidden) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, out)
+
+    def forward(self, ids, mask):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(attention_mask=mask, hidden_states=x)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_entry_splits_the_hidden_states_not_the_first_keyword(world):
+    """The block takes `attention_mask` before `hidden_states` as keywords: only the hidden states are split
+    along the sequence; the mask (batch 4 x sequence 12, so a wrong split would not fail on shape) stays whole."""
+    from tpkit.comm import split_range
+
+    torch.manual_seed(0)
+    model = _MaskedNet().double()
+    x = torch.randint(0, 10, (4, 12))
+    mask = (torch.rand(4, 12) > 0.3).double()
+    ref = model(x, mask)
+    plan = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise", "head": "vocab_parallel"}
+    copies = [copy.deepcopy(model) for _ in range(world)]
+
+    def body(comm):
+        m = parallelize(copies[comm.rank], plan, comm, mode="training", sequence_parallel=True,
+                        example_inputs=(x, mask))
+        start, end = split_range(10, comm.world_size, comm.rank)
+        err = ((m(x, mask) - ref[..., start:end]).abs().max() / ref.abs().max()).item()
+        region = m.tp_plan.sequence_parallel
+        return err, region.entry_block, region.entry_arg
+    for err, block, arg in tpkit.comm.run_threads(body, world):
+        assert (block, arg) == ("blocks.0", "hidden_states") and err < 1e-12, (block, arg, err)

@@ -291,7 +291,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
         from ..nn import mark_sequence_parallel
         from .sequence import install_entry, install_gather
 
-        install_entry(model, region.entry_block, comm)
+        install_entry(model, region.entry_block, comm, region.entry_arg)
         for n in region.norms:
             mark_sequence_parallel(modules[n])
         for n in region.gathered:

@@ -30,6 +30,7 @@ COLUMNS = ("colwise", "vocab_parallel")
 @dataclasses.dataclass
 class SequenceRegion:
     entry_block: str
+    entry_arg: int | str  # where the hidden states enter that block: argument position or keyword
     norms: list[str]     # per-token layers on the split sequence (gradients are partial sums)
     columns: list[str]   # column-wise layers reading the (gathered) sequence
     rows: list[str]      # row-wise layers that reduce-scatter it
@@ -54,7 +55,7 @@ def find_region(analysis, styles: dict[str, str]) -> SequenceRegion:
     if whole:
         raise PlanError(f"sequence parallelism: layers before the first split block stay whole ({whole[:4]}); "
                         f"every attention / MLP block must be split for the sequence to stay split between them")
-    block = _outermost_receiver(analysis.model, t, entry_call.input_id, entry)
+    block, arg = _outermost_receiver(t, entry_call.input_id, entry)
     rows = [n for n in order if styles.get(n) == "rowwise"]
     sharded = set(rows) | set(entry_call.input_tag.sources if entry_call.input_tag else ())
     norms, columns = [], []
@@ -80,29 +81,35 @@ def find_region(analysis, styles: dict[str, str]) -> SequenceRegion:
             raise PlanError(f"sequence parallelism: {name}'s sequence-split output reaches {what}; only a "
                             f"column-wise layer (e.g. a vocab-parallel LM head, mode='training') may read it")
     gathered = [n for n in norms if any(styles.get(c) in COLUMNS for c in t.consumers.get(n, ()))]
-    return SequenceRegion(block, norms, columns, rows, gathered)
+    return SequenceRegion(block, arg, norms, columns, rows, gathered)
 
 
-def _outermost_receiver(model: nn.Module, t, tensor_id: int, entry: str) -> str:
-    candidates = [n for n, i in t.module_inputs.items()
-                  if i == tensor_id and n and entry.startswith(n + ".")]  # ancestors of the entry layer only
+def _outermost_receiver(t, tensor_id: int, entry: str) -> tuple[str, int | str]:
+    """The outermost ancestor of `entry` that received the entry's input tensor, and the argument it came in."""
+    candidates = [n for n, ids in t.module_inputs.items()
+                  if tensor_id in ids and n and entry.startswith(n + ".")]  # ancestors of the entry layer only
     if not candidates:
         raise PlanError(f"sequence parallelism: cannot find the block that receives {entry}'s input")
-    return min(candidates, key=lambda n: n.count("."))
+    block = min(candidates, key=lambda n: n.count("."))
+    return block, t.module_inputs[block][tensor_id]
 
 
-def install_entry(model: nn.Module, block: str, comm) -> None:
-    """Split the hidden states along the sequence (dim -2) as they enter `block`."""
+def install_entry(model: nn.Module, block: str, comm, arg: int | str = 0) -> None:
+    """Split the hidden states along the sequence (dim -2) as they enter `block`, in the argument the trace
+    saw them in (`arg`: a position or a keyword; the block may also take masks, which stay whole)."""
     from ..nn import scatter_to_sequence_region
 
     def pre(mod, args, kwargs):
-        if args:
-            x = args[0]
+        if isinstance(arg, int) and arg < len(args):
+            x = args[arg]
             _check(block, x, comm.world_size)
-            return (scatter_to_sequence_region(x, comm, -2),) + tuple(args[1:]), kwargs
-        key = next(k for k, v in kwargs.items() if hasattr(v, "shape"))
-        _check(block, kwargs[key], comm.world_size)
-        return args, dict(kwargs, **{key: scatter_to_sequence_region(kwargs[key], comm, -2)})
+            return args[:arg] + (scatter_to_sequence_region(x, comm, -2),) + args[arg + 1:], kwargs
+        if isinstance(arg, str) and arg in kwargs:
+            _check(block, kwargs[arg], comm.world_size)
+            return args, dict(kwargs, **{arg: scatter_to_sequence_region(kwargs[arg], comm, -2)})
+        raise ValueError(f"sequence parallelism: {block} was traced taking the hidden states as argument {arg!r}, "
+                         f"but this call passes {len(args)} positional argument(s) and keywords {sorted(kwargs)}; "
+                         f"call it the same way as the traced example")
 
     model.get_submodule(block).register_forward_pre_hook(pre, with_kwargs=True)
 

@@ -75,7 +75,8 @@ class Trace:
     carried_by: dict[str, frozenset]
     broken: set = dataclasses.field(default_factory=set)  # layers whose output slices do not tile its features
     head_local: dict = dataclasses.field(default_factory=dict)  # per-head layers (q/k norms) -> their sources
-    module_inputs: dict = dataclasses.field(default_factory=dict)  # every module -> id of its first input
+    # every module -> {id of a tensor argument of its first call: its position (int) or keyword (str)}
+    module_inputs: dict = dataclasses.field(default_factory=dict)
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -259,12 +260,12 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
-    module_inputs: dict[str, int] = {}
+    module_inputs: dict[str, dict[int, int | str]] = {}
     for name, module in model.named_modules():
         def record(mod, args, kwargs, name=name):
-            x = first_tensor(args, kwargs)
-            if x is not None:
-                module_inputs.setdefault(name, id(x))
+            if name not in module_inputs:
+                where = list(enumerate(args)) + list(kwargs.items())
+                module_inputs[name] = {id(v): at for at, v in reversed(where) if isinstance(v, torch.Tensor)}
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
     # Eval mode: no dropout draws from the RNG and no BatchNorm statistics move; the dataflow is the same.
     was_training = {m: m.training for m in model.modules()}
