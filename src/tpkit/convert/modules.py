@@ -60,10 +60,50 @@ def is_per_channel(m: nn.Module) -> bool:
 
 
 def is_feature_norm(m: nn.Module) -> bool:
-    """LayerNorm / RMSNorm / GroupNorm and look-alikes: they reduce over the features they normalise."""
-    if isinstance(m, (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
-        return True
-    return "norm" in type(m).__name__.lower() and not is_per_channel(m)
+    """A per-token norm over the last dim only (LayerNorm, RMSNorm, HF's *RMSNorm / T5LayerNorm): each token's
+    output depends on that token's features alone, so it runs unchanged on a slice of the sequence but needs
+    the whole feature vector.
+
+    Judged by type and behaviour, not name: nn.LayerNorm / nn.RMSNorm over one dim; otherwise a leaf whose only
+    parameters are a `weight` (and `bias`) of shape [hidden], whose class calls itself a norm, and which (when
+    its weights are real) behaves as one on a probe: tokens do not mix and each token's scale cancels.
+    GroupNorm, BatchNorm and InstanceNorm normalise over channels or the batch, never per token."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    if isinstance(m, (nn.GroupNorm, _BatchNorm, _InstanceNorm, nn.LocalResponseNorm)):
+        return False
+    if isinstance(m, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
+        return len(m.normalized_shape) == 1
+    params = dict(m.named_parameters(recurse=False))
+    weight = params.get("weight")
+    if ("norm" not in type(m).__name__.lower() or weight is None or weight.dim() != 1 or list(m.children())
+            or set(params) - {"weight", "bias"} or ("bias" in params and params["bias"].shape != weight.shape)):
+        return False
+    return weight.is_meta or _normalises_each_token(m, int(weight.shape[0]), weight.dtype, weight.device)
+
+
+def _normalises_each_token(m: nn.Module, hidden: int, dtype, device) -> bool:
+    """Probe: changing one token leaves the others' outputs alone, and scaling one token changes nothing."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, hidden, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    other = x.clone()
+    other[:, 0] = torch.randn(2, hidden, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    scaled = x.clone()
+    scaled[:, 1] *= 4
+    try:
+        with torch.no_grad():
+            y, y_other, y_scaled = m(x), m(other), m(scaled)
+    except Exception:  # noqa: BLE001 - a forward that needs more than a tensor is not a plain norm
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.shape == x.shape for t in (y, y_other, y_scaled)):
+        return False
+    tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4
+    scale = y.abs().max().clamp_min(1e-12)
+    return bool((y_other[:, 1:] - y[:, 1:]).abs().max() <= tol * scale
+                and (y_scaled - y).abs().max() <= tol * scale and (y - x).abs().max() > tol * scale)
 
 
 def kind(m: nn.Module) -> str:
