@@ -21,3 +21,26 @@ def test_embedding_local_shapes_match_the_built_shard(world, style):
         return tuple(m[0].weight.shape)
     built = tpkit.comm.run_threads(body, world)
     assert [local_shapes(emb, style, {}, world, r)["weight"] for r in range(world)] == built
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_conv_and_channelwise_shapes_follow_the_split_rule(world):
+    """Column conv -> BatchNorm -> row conv with 7 channels (uneven over 2, 3, 4): every rank's built
+    parameters and buffers have `local_shapes`' shapes, which are tpkit.comm.split_sizes' shares."""
+    from tpkit.comm import split_sizes
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 7, 1), nn.BatchNorm2d(7), nn.Conv2d(7, 5, 1))
+    full = make()
+    plan = {"0": "colwise", "1": "channelwise", "2": "rowwise"}
+    example = (torch.randn(2, 3, 4, 4),)
+
+    def body(comm):
+        m = tpkit.parallelize(make(), plan, comm, example_inputs=example)
+        return [{n: tuple(p.shape) for n, p in m[i].named_parameters()} for i in range(3)], \
+            tuple(m[1].running_mean.shape)
+    for rank, (shapes, running) in enumerate(tpkit.comm.run_threads(body, world)):
+        share = split_sizes(7, world)[rank]
+        assert shapes == [local_shapes(full[i], plan[str(i)], {}, world, rank) for i in range(3)]
+        assert shapes[1]["weight"] == running == (share,) and shapes[2]["weight"] == (5, share, 1, 1)

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..comm.sharding import split_range
+from ..comm import split_range, split_sizes
 from .heads import feature_index, head_layout
 from .modules import is_conv2d, is_embedding, is_per_channel, is_transposed_linear, linear_dims
 
@@ -126,7 +126,7 @@ def column_sizes(details: dict, n_out: int, world: int) -> list[int]:
             return [3 * n for n in q]
         return q if role == "q" else kv if role in ("k", "v") else [a + 2 * b for a, b in zip(q, kv)]
     pieces = details.get("pieces") or [n_out]
-    return [sum(_size(p, world, r) for p in pieces) for r in range(world)]
+    return [sum(per_rank) for per_rank in zip(*(split_sizes(p, world) for p in pieces))]
 
 
 def _sum_replicated_row_grads(layer: nn.Module, rows: list[int], n_out: int, comm) -> None:
@@ -188,8 +188,7 @@ def build_channelwise(m: nn.Module, comm) -> nn.Module:
 
     n = m.num_features
     start, end = split_range(n, comm.world_size, comm.rank)
-    sizes = [split_range(n, comm.world_size, r)[1] - split_range(n, comm.world_size, r)[0]
-             for r in range(comm.world_size)]
+    sizes = split_sizes(n, comm.world_size)
     device = next((t.device for t in list(m.parameters()) + list(m.buffers())), None)
     new = type(m)(end - start, eps=m.eps, momentum=m.momentum, affine=m.affine,
                   track_running_stats=m.track_running_stats, device="meta")
@@ -218,8 +217,8 @@ def local_shapes(m: nn.Module, style: str, details: dict, world: int, rank: int)
     if is_embedding(m):  # HF's 'colwise' / 'rowwise' on an embedding split its features / its vocabulary
         v, d = full["weight"]
         if style in ("embedding_colwise", "colwise"):
-            return {"weight": (v, _size(d, world, rank))}
-        return {"weight": (_size(v, world, rank), d)}
+            return {"weight": (v, split_sizes(d, world)[rank])}
+        return {"weight": (split_sizes(v, world)[rank], d)}
     if style in ("colwise", "colwise_rep", "vocab_parallel", "rowwise", "rowwise_rep") and not is_conv2d(m):
         n_in, n_out = linear_dims(m)
         if style.startswith("col") or style == "vocab_parallel":
@@ -232,7 +231,7 @@ def local_shapes(m: nn.Module, style: str, details: dict, world: int, rank: int)
             lay = head_layout(details["num_heads"], details["num_kv_heads"], world, details.get("attention", ""))
             k = len(lay.q_heads[rank]) * details["head_dim"]
         else:
-            k = _size(n_in, world, rank)
+            k = split_sizes(n_in, world)[rank]
         out = {"weight": (n_out, k)}
         if "bias" in full:
             out["bias"] = (n_out,)
@@ -240,22 +239,17 @@ def local_shapes(m: nn.Module, style: str, details: dict, world: int, rank: int)
     if is_conv2d(m):
         w = full["weight"]
         if style.startswith("col"):
-            out = {"weight": (_size(w[0], world, rank),) + w[1:]}
+            out = {"weight": (split_sizes(w[0], world)[rank],) + w[1:]}
             if "bias" in full:
                 out["bias"] = (out["weight"][0],)
         else:
-            out = {"weight": (w[0], _size(w[1], world, rank)) + w[2:]}
+            out = {"weight": (w[0], split_sizes(w[1], world)[rank]) + w[2:]}
             if "bias" in full:
                 out["bias"] = full["bias"]
         return out
     if is_per_channel(m):
-        return {n: (_size(s[0], world, rank),) for n, s in full.items()}
+        return {n: (split_sizes(s[0], world)[rank],) for n, s in full.items()}
     return full
-
-
-def _size(n: int, world: int, rank: int) -> int:
-    start, end = split_range(n, world, rank)
-    return end - start
 
 
 def local_slice(full: torch.Tensor, param: torch.Tensor, rank: int) -> torch.Tensor:
