@@ -30,9 +30,6 @@ class HeadLayout:
     def kv_replicated(self) -> bool:
         return sum(len(k) for k in self.kv_heads) > self.num_kv_heads
 
-    def local_groups(self, rank: int) -> int:
-        return len(self.q_heads[rank]) // len(self.kv_heads[rank])
-
 
 def _contiguous(sizes: list[int]) -> list[tuple]:
     out, start = [], 0

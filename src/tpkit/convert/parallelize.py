@@ -146,9 +146,7 @@ def _build(name: str, m: nn.Module, style: str, details: dict, comm, seq: bool =
     if style == "colwise_rep":
         return build_column(m, {}, comm, gather=True)
     if style == "vocab_parallel":
-        layer = build_column(m, {}, comm, sequence_parallel=seq)
-        layer.vocab_parallel_logits = True
-        return layer
+        return build_column(m, {}, comm, sequence_parallel=seq)
     if style == "rowwise":
         return build_row(m, details, comm, sequence_parallel=seq)
     if style == "rowwise_rep":

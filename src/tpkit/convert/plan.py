@@ -38,7 +38,6 @@ ALIASES = {
 }
 # Styles HF puts on container modules, where tpkit layers already do the communication themselves.
 CONTAINER_NO_OPS = {"gather", "all_reduce", "local", "ep_router", "moe_identity_expert"}
-UNSUPPORTED: dict[str, str] = {}
 
 
 class PlanError(ValueError):
@@ -53,8 +52,6 @@ def canonical_style(style: str, where: str = "plan") -> str:
     s = ALIASES.get(s, s)
     if s in STYLES or s in CONTAINER_NO_OPS:
         return s
-    if s in UNSUPPORTED:
-        raise PlanError(f"{where}: style {style!r}: {UNSUPPORTED[s]}")
     raise PlanError(f"{where}: unknown style {style!r}; valid styles: {', '.join(sorted(STYLES))} "
                     f"(aliases: {', '.join(sorted(ALIASES))})")
 

@@ -145,7 +145,6 @@ def _sum_replicated_row_grads(layer: nn.Module, rows: list[int], n_out: int, com
     for p in (layer.weight, layer.bias):
         if p is not None and p.requires_grad and p.device.type != "meta":
             p.register_hook(make_hook(p))
-    layer.replicated_rows_synced = True
 
 
 def _sp(on: bool) -> dict:
