@@ -100,7 +100,11 @@ def test_untraceable_model_is_replicated_with_the_reason():
 
 
 def test_parse_bytes_and_plain_mlp():
-    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("24GiB") == 24 * 2**30 and parse_bytes(5) == 5
+    assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes(5) == 5 and parse_bytes("1.5e9") == 1_500_000_000
+    # GPU memory is sold in binary units under decimal names: an "80GB" H100 holds 80 GiB.
+    for text, size in (("80GB", 80 * 2**30), ("80 gb", 80 * 2**30), ("80G", 80 * 2**30), ("16MB", 16 * 2**20),
+                       ("512MiB", 512 * 2**20), ("2TB", 2 * 2**40), ("2TiB", 2 * 2**40), ("4KB", 4096), ("7B", 7)):
+        assert parse_bytes(text) == size, text
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes("lots")
     report = analyze(mlp(), world_size=2, device_memory="1MB")

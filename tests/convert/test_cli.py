@@ -45,3 +45,9 @@ def test_demo_on_threads(capsys):
     assert main(["demo", "--backend", "threads", "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "rowwise" in out and "vocab_parallel_cross_entropy" in out and "rank 1" in out
+
+
+def test_analyze_help_says_device_memory_units_are_binary(capsys):
+    with pytest.raises(SystemExit):
+        main(["analyze", "--help"])
+    assert "GB and GiB both mean 2**30 bytes" in " ".join(capsys.readouterr().out.split())

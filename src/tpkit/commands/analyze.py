@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the suggested one, else 2)")
     parser.add_argument("--max-world-size", type=int, default=8, help="per-rank memory up to this size (default 8)")
     parser.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (default: the "
-                        "detected GPU's)")
+                        "detected GPU's); units are binary as GPU memory is sold: GB and GiB both mean 2**30 bytes "
+                        "(likewise MB/MiB, TB/TiB); a plain number is bytes")
     parser.add_argument("--mode", default="inference", choices=["inference", "training"])
     parser.add_argument("--plan-out", default=None, help="also write the plan as JSON to this file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -18,12 +18,16 @@ from .modules import kind
 from .planner import Analysis, analyze_structure, auto_plan
 from .shard import local_shapes
 
-UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-         "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+# Binary throughout: device memory is sold in binary units under decimal names (an "80GB" H100 holds 80 GiB).
+UNITS = {"b": 1, **{f"{p}{suffix}": 2 ** (10 * (i + 1)) for i, p in enumerate("kmgt") for suffix in ("", "b", "ib")}}
 
 
 def parse_bytes(value: Any) -> int | None:
-    """`80GB`, `80 GiB`, `1.5e9` or an int -> bytes (None stays None)."""
+    """A device memory size -> bytes: `80GB`, `80 GiB`, `80G`, `1.5e9` or an int (None stays None).
+
+    KB/MB/GB/TB (and K/M/G/T) mean the same as KiB/MiB/GiB/TiB, powers of 2**10: GPU memory is marketed that
+    way ("80GB" A100/H100 = 80 * 2**30 bytes), and reading it as 80e9 would under-count a device by 7%.
+    A plain number is a byte count."""
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
