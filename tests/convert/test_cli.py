@@ -51,3 +51,12 @@ def test_analyze_help_says_device_memory_units_are_binary(capsys):
     with pytest.raises(SystemExit):
         main(["analyze", "--help"])
     assert "GB and GiB both mean 2**30 bytes" in " ".join(capsys.readouterr().out.split())
+
+
+def test_demo_without_transformers_says_which_extra(capsys, monkeypatch):
+    """tpkit installed without the `hf` extra: a clear hint and exit code 2, not a traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` raise ImportError
+    assert main(["demo", "--backend", "threads", "--steps", "1"]) == 2
+    assert "pip install 'tpkit[hf]'" in capsys.readouterr().err

@@ -8,7 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+
+HF_EXTRA_HINT = "install the hf extra: pip install 'tpkit[hf]'"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +92,11 @@ def _rank_body(state, ref_logits, steps):
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # the demo model is a Hugging Face Llama; transformers is an optional extra
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        print(f"tpkit demo: the demo needs transformers ({exc}); {HF_EXTRA_HINT}", file=sys.stderr)
+        return 2
     import torch
     from rich.console import Console
     from rich.table import Table
