@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..nn._layer import check_module
-from ..nn.embedding import _UNSUPPORTED as EMBEDDING_UNSUPPORTED
+from ..nn.embedding import UNSUPPORTED_EMBEDDING_OPTIONS
 from .heads import HeadLayoutError, head_layout
 from .modules import is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d, kind, linear_dims
 from .plan import CONTAINER_NO_OPS, Plan, PlanError
@@ -77,7 +77,7 @@ def _check(name: str, m: nn.Module, style: str, details: dict, world: int, a: An
         if n < world:
             raise PlanError(f"{where}: {n} rows/features cannot be split over {world} ranks")
         try:  # the layer's own rule for which embeddings it can shard
-            check_module(f"{where}: {style}", m, nn.Embedding, EMBEDDING_UNSUPPORTED)
+            check_module(f"{where}: {style}", m, nn.Embedding, UNSUPPORTED_EMBEDDING_OPTIONS)
         except (TypeError, ValueError) as exc:
             raise PlanError(f"{exc}; plan it 'replicate'") from None
     elif style == "replicated_with_grad_allreduce":

@@ -21,7 +21,8 @@ from ._layer import (TensorParallelModule, check_module, check_positive, check_s
 from .mappings import gather_from_region, reduce_from_region, reduce_scatter_to_sequence_region
 from .partition import partition_sizes
 
-_UNSUPPORTED = {"max_norm": None, "scale_grad_by_freq": False, "sparse": False}
+# nn.Embedding options a sharded embedding cannot reproduce exactly (the converter checks them too).
+UNSUPPORTED_EMBEDDING_OPTIONS = {"max_norm": None, "scale_grad_by_freq": False, "sparse": False}
 
 
 def _check_ids(layer: str, ids: torch.Tensor, num_embeddings: int) -> None:
@@ -64,7 +65,7 @@ class _ParallelEmbedding(TensorParallelModule):
                     **kwargs):
         """This rank's shard of an existing `nn.Embedding` (meta modules give meta shards; copies except at
         world size 1, where the module's own tensor is used)."""
-        check_module(cls.__name__, module, nn.Embedding, _UNSUPPORTED)
+        check_module(cls.__name__, module, nn.Embedding, UNSUPPORTED_EMBEDDING_OPTIONS)
         return cls(module.num_embeddings, module.embedding_dim, module.padding_idx, comm=comm, device=device,
                    dtype=dtype, _full=module, **kwargs)
 
