@@ -443,7 +443,9 @@ class Communicator(abc.ABC):
             raise ValueError(f"{op}: {what} {rank} is this rank itself; a rank cannot {op} to itself")
         return index
 
-    def _check_gather_sizes(self, tensor: torch.Tensor, dim: int, sizes) -> list[int]:
+    def _check_gather_sizes(self, tensor: torch.Tensor, dim: int, sizes) -> list[int] | None:
+        if sizes is None:  # wrappers (AlgorithmCommunicator) pass the caller's value through
+            return None
         sizes = [int(s) for s in sizes]
         if len(sizes) != self._world_size or min(sizes) < 0:
             raise ValueError(f"all_gather: sizes {sizes} must have one non-negative entry per rank "
