@@ -38,7 +38,8 @@ def _resolve(algorithm: "str | Mapping[str, str]") -> dict[str, str]:
     if isinstance(algorithm, Mapping):
         bad = [c for c in algorithm if c not in COLLECTIVES]
         if bad:
-            raise ValueError(f"AlgorithmCommunicator: unknown collectives {bad} in algorithm=; valid: {', '.join(COLLECTIVES)}")
+            raise ValueError(f"AlgorithmCommunicator: unknown collectives {bad} in algorithm=; "
+                             f"valid: {', '.join(COLLECTIVES)}")
         chosen = {c: str(algorithm.get(c, BUILTIN)) for c in COLLECTIVES}
         for c, name in chosen.items():
             if name not in ("auto", BUILTIN, *ALGORITHMS[c]):
@@ -68,7 +69,7 @@ class AlgorithmCommunicator(WrappedCommunicator):
     """A Communicator whose collectives run the algorithm `algorithm` names (see module docstring)."""
 
     def __init__(self, inner: Communicator, algorithm: "str | Mapping[str, str]" = "auto",
-                 selector: AlgorithmSelector | None = None, verify: int = 4, verify_margin: float = 0.05):
+                 selector: AlgorithmSelector | None = None, verify: int = 8, verify_margin: float = 0.05):
         super().__init__(inner)
         if verify < 0 or not 0 <= verify_margin < 1:
             raise ValueError(f"AlgorithmCommunicator: need verify >= 0 and 0 <= verify_margin < 1, got {verify}, "
@@ -82,6 +83,7 @@ class AlgorithmCommunicator(WrappedCommunicator):
         self._trials: dict[tuple, _Trial] = {}
         self._trial: _Trial | None = None
         self._device_type = "cuda" if getattr(self.base, "torch_backend", None) == "nccl" else "cpu"
+        self._on_cuda = self._device_type == "cuda"
 
     def _rewrap(self, group: Communicator) -> Communicator:
         return AlgorithmCommunicator(group, self.algorithm, self.selector, self.verify, self.verify_margin)
@@ -100,7 +102,7 @@ class AlgorithmCommunicator(WrappedCommunicator):
             return BUILTIN, f"async_op: {wanted} runs synchronously, builtin overlaps"
         if tensor.dtype == torch.bool:
             return BUILTIN, f"{wanted} does not reduce bool tensors"
-        if tensor.device.type != self._device_type:
+        if tensor.is_cuda != self._on_cuda:
             return BUILTIN, f"{tensor.device.type} tensor on a {self._device_type} backend: builtin stages it"
         if wanted == "auto":
             return self._auto(collective, nbytes, tensor.element_size())
@@ -120,7 +122,8 @@ class AlgorithmCommunicator(WrappedCommunicator):
             return trial.decision, trial.note
         self._trial = trial
         done = len(trial.times[BUILTIN]) + len(trial.times[choice])
-        return (BUILTIN if done % 2 == 0 else choice), f"verifying {choice} against builtin ({done + 1}/{2 * self.verify})"
+        note = f"verifying {choice} against builtin ({done + 1}/{2 * self.verify})"
+        return (BUILTIN if done % 2 == 0 else choice), note
 
     def _pick(self, collective: str, tensor: torch.Tensor, nbytes: int, async_op: bool) -> str:
         self._trial = None
@@ -161,6 +164,8 @@ class AlgorithmCommunicator(WrappedCommunicator):
         self._check_tensor("all_reduce", tensor)
         name = self._pick("all_reduce", tensor, tensor.numel() * tensor.element_size(), async_op)
         if name == BUILTIN:
+            if self._trial is None:  # the common case: no timing, no closure
+                return self.inner.all_reduce(tensor, op=op, async_op=async_op)
             return self._run(lambda: self.inner.all_reduce(tensor, op=op, async_op=async_op), tensor)
         op = ReduceOp.parse(op)
         with self._guard("all_reduce"):
@@ -176,6 +181,8 @@ class AlgorithmCommunicator(WrappedCommunicator):
         # the same on every rank (shards differ only along dim), so every rank picks the same algorithm
         name = self._pick("all_gather", tensor, rows * row_bytes, async_op)
         if name == BUILTIN or row_bytes == 0:
+            if self._trial is None:  # the common case: no timing, no closure
+                return self.inner.all_gather(tensor, dim=dim, sizes=sizes, async_op=async_op)
             return self._run(lambda: self.inner.all_gather(tensor, dim=dim, sizes=sizes, async_op=async_op), tensor)
         with self._guard("all_gather"):
             return self._run(lambda: ALGORITHMS["all_gather"][name](self.base, tensor, dim, sizes), tensor)
@@ -185,6 +192,8 @@ class AlgorithmCommunicator(WrappedCommunicator):
         self._check_tensor("reduce_scatter", tensor)
         name = self._pick("reduce_scatter", tensor, tensor.numel() * tensor.element_size(), async_op)
         if name == BUILTIN or tensor.numel() == 0:
+            if self._trial is None:
+                return self.inner.reduce_scatter(tensor, op=op, dim=dim, sizes=sizes, async_op=async_op)
             return self._run(lambda: self.inner.reduce_scatter(tensor, op=op, dim=dim, sizes=sizes, async_op=async_op),
                              tensor)
         op = ReduceOp.parse(op)
@@ -204,6 +213,8 @@ class AlgorithmCommunicator(WrappedCommunicator):
         self._check_tensor("broadcast", tensor)
         name = self._pick("broadcast", tensor, tensor.numel() * tensor.element_size(), async_op)
         if name == BUILTIN:
+            if self._trial is None:  # the common case: no timing, no closure
+                return self.inner.broadcast(tensor, src=src, async_op=async_op)
             return self._run(lambda: self.inner.broadcast(tensor, src=src, async_op=async_op), tensor)
         self._check_rank("broadcast", src, "src")
         with self._guard("broadcast"):

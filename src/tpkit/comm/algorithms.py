@@ -65,7 +65,8 @@ class PointToPoint:
         if recv is not None:
             self.comm.recv(recv, src)
 
-    def exchange_all(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
+    def exchange_all(self, sends: Sequence[tuple[torch.Tensor, int]],
+                     recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
         """Post every receive and send at once, then wait for all: one round of latency, not one per peer."""
         sends = [(t, d) for t, d in sends if t.numel()]
         recvs = [(t, s) for t, s in recvs if t.numel()]
@@ -335,12 +336,18 @@ def _direct_reduce_block(p2p: PointToPoint, flat: torch.Tensor, counts: list[int
     return acc
 
 
+def _root_copy_or_buffer(tensor: torch.Tensor, is_root: bool) -> torch.Tensor:
+    if is_root:
+        return tensor.detach().contiguous().clone()
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
 # -- broadcast --------------------------------------------------------------------------------------
 def binomial_broadcast(comm: Communicator, tensor: torch.Tensor, src: int) -> torch.Tensor:
     """Binomial tree from `src`: ceil(log2 n) steps of the whole vector (MPICH's short-message choice)."""
     p2p = PointToPoint(comm)
     n, vr = p2p.world_size, (p2p.rank - src) % p2p.world_size
-    out = tensor.detach().contiguous().clone() if vr == 0 else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    out = _root_copy_or_buffer(tensor, vr == 0)
     flat, mask = out.reshape(-1), 1
     while mask < n:
         if vr & mask:
@@ -356,10 +363,10 @@ def binomial_broadcast(comm: Communicator, tensor: torch.Tensor, src: int) -> to
 
 
 def scatter_allgather_broadcast(comm: Communicator, tensor: torch.Tensor, src: int) -> torch.Tensor:
-    """van de Geijn: binomial scatter of n chunks, then ring all-gather; ~2x the bytes of one copy, for long messages."""
+    """van de Geijn: binomial scatter of n chunks, then ring all-gather; ~2x one copy's bytes, for long messages."""
     p2p = PointToPoint(comm)
     n, vr = p2p.world_size, (p2p.rank - src) % p2p.world_size
-    out = tensor.detach().contiguous().clone() if vr == 0 else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    out = _root_copy_or_buffer(tensor, vr == 0)
     flat = out.reshape(-1)
     off = _offsets(split_sizes(flat.numel(), n))  # chunk i belongs to relative rank i
     real = lambda v: (v + src) % n  # noqa: E731

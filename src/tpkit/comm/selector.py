@@ -3,8 +3,8 @@
 Why: the best algorithm changes with message size and group size. Before calibration the selector uses
 MPICH's classic thresholds (Thakur et al. 2005, MPICH 3 defaults), which encode decades of measurements
 on real networks; once its `CostModel` is calibrated it picks the fastest predicted, "builtin" included.
-A measured algorithm must be predicted faster than builtin by `margin` (20%) to be chosen: a prediction is an estimate, and
-the backend's own collective is the safe default.
+An algorithm must be predicted faster than builtin by `margin` (20%) to be chosen: a prediction is an
+estimate, and the backend's own collective is the safe default.
 
 Decisions are a pure function of (collective, bytes, world size) and the model, so every rank of a group
 (same model after a collective `calibrate`) picks the same algorithm.

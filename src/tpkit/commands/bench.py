@@ -153,6 +153,7 @@ def bench_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         ref = _reference(collective, count, n, rank, op, dtype).to(device)
         iters = iterations(cfg["iters"], count * itemsize)
         chosen: dict[str, str] = {}
+        notes: dict[str, str] = {}
         wrong: dict[str, int] = {}
         for a in algs:  # correctness first, outside the timings
             out = _call(wrapped[a], collective, x, op)
@@ -162,13 +163,14 @@ def bench_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             for _ in range(cfg["warmup"] + settle):
                 _call(wrapped[a], collective, x, op)
             chosen[a] = getattr(wrapped[a], "last_algorithm", "builtin")
+            notes[a] = getattr(wrapped[a], "last_note", "")
         samples = interleaved_times(comm, [lambda c=wrapped[a]: _call(c, collective, x, op) for a in algs],
                                     cfg["budget"], cfg["repeats"], iters=iters, sync=lambda: _sync(device))
         for a, runs in zip(algs, samples):
             times.append(statistics.median(runs))
             rows.append({"collective": collective, "algorithm": a, "chosen": chosen[a], "bytes": count * itemsize,
                          "count": count, "type": cfg["dtype"], "redop": op.value if collective in REDUCING else "none",
-                         "iters": iters, "samples": len(runs), "wrong": wrong[a]})
+                         "iters": iters, "samples": len(runs), "wrong": wrong[a], "note": notes[a]})
         progress.advance()
     progress.close()
     # one all-reduce at the end: the slowest rank's time, and every rank's wrong count summed
@@ -299,7 +301,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     return {"collectives": collectives, "algorithms": algorithms, "min_bytes": args.min_bytes,
             "max_bytes": args.max_bytes, "step_factor": args.step_factor, "iters": args.iters,
             "warmup": args.warmup, "repeats": args.repeats, "budget": args.budget, "dtype": args.dtype, "op": args.op,
-            "no_calibrate": args.no_calibrate, "calibration_budget": args.calibration_budget, "progress": not args.no_progress and sys.stderr.isatty()}
+            "no_calibrate": args.no_calibrate, "calibration_budget": args.calibration_budget,
+            "progress": not args.no_progress and sys.stderr.isatty()}
 
 
 def run(args: argparse.Namespace) -> int:
