@@ -127,3 +127,22 @@ def test_shutdown_leaves_a_process_group_it_did_not_start():
 
     with mp.get_context("spawn").Pool(1) as pool:
         assert pool.apply(_shutdown_keeps_a_user_process_group) == (True, 1)
+
+
+def _init_with_profile_and_auto():
+    """Run in a fresh process (no launcher: a world of one)."""
+    import torch
+
+    comm = tpkit.init("gloo", profile=True, algorithm="auto")
+    out = comm.all_reduce(torch.ones(4))
+    ops = [r.to_dict()["op"] for r in comm.records]
+    tpkit.shutdown()
+    return type(comm).__name__, out.tolist(), ops
+
+
+def test_init_wraps_in_profiler_and_algorithm_selection():
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        name, out, ops = pool.apply(_init_with_profile_and_auto)
+    assert name == "CommProfiler" and out == [1.0] * 4 and ops == ["all_reduce"]

@@ -6,7 +6,8 @@ and `tpkit.nn` (tensor-parallel layers). See README.md for the tour.
 """
 from __future__ import annotations
 
-from .comm import CommError, Communicator, ReduceOp, create_communicator, run_threads
+from .comm import (AlgorithmSelector, CommError, CommProfiler, CommunicationOptimizer, Communicator, CostModel,
+                   PinnedBufferPool, ReduceOp, create_communicator, run_threads, topology)
 from .distributed import (
     TPConfig,
     all_reduce_sum,
@@ -32,6 +33,7 @@ from .convert.speed import SpeedEstimate, estimate_speed
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlgorithmSelector", "CommProfiler", "CommunicationOptimizer", "CostModel", "PinnedBufferPool", "topology",
     "AnalysisReport", "ColumnParallelConv2d", "ColumnParallelLinear", "DistributedModelWrapper", "MemoryEstimate",
     "ParallelEmbedding", "Plan", "PlanError", "RowParallelConv2d", "RowParallelLinear", "SpeedEstimate", "VerifyReport",
     "VocabParallelEmbedding", "analyze", "clip_grad_norm_", "comm", "estimate_memory", "estimate_speed", "nn",

@@ -15,6 +15,7 @@ import torch
 
 from .comm.communicator import Communicator
 from .comm.context import current_thread_communicator, use_communicator
+from .comm.optimizer import instrument
 
 _default: Communicator | None = None
 _started_process_group = False  # whether init() called init_process_group (so shutdown() may destroy it)
@@ -73,12 +74,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init(backend: str | None = None, timeout: float | None = None) -> Communicator:
+def init(backend: str | None = None, timeout: float | None = None, profile: bool = False,
+         algorithm=None) -> Communicator:
     """Start this process's communication from the launcher's environment and make it the default.
 
     `backend`: None (nccl with CUDA, else gloo), "nccl", "gloo", "mpi" (mpi4py, under mpirun) or "threads"
     (a world of one outside `launch`). Binds the CUDA device from LOCAL_RANK when using nccl. Calling it
-    again returns the existing communicator.
+    again returns the existing communicator. `profile=True` records every collective in a `CommProfiler`
+    (the returned communicator is a `CommProfiler`: `.records`, `.stats()`); `algorithm="auto" | name | {collective: name}` runs collectives
+    through `AlgorithmCommunicator` (see `tpkit.comm.instrument`).
     """
     global _default, _started_process_group
     current = current_thread_communicator() or _default
@@ -89,7 +93,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> Communicat
         return get_communicator()
     if backend == "mpi":
         from .comm.mpi import MPICommunicator
-        _default = MPICommunicator(timeout=timeout)
+        _default = instrument(MPICommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
         return _default
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"unknown backend {backend!r}; valid: nccl, gloo, mpi, threads")
@@ -115,7 +119,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> Communicat
             dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                                     **kwargs)
         _started_process_group = True
-    _default = TorchCommunicator(timeout=timeout)
+    _default = instrument(TorchCommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
     return _default
 
 
