@@ -531,6 +531,26 @@ def _attention_kind(config, attention: str | None) -> str:
     return "eager" if attention == "eager" else "flash"
 
 
+def resolve_target(model_or_config, caller: str) -> tuple[Any, "TransformerShape | None"]:
+    """(HF config or None, its transformer shape or None) of what an estimate was asked about.
+
+    A model or config whose shape tpkit models gets the formulas; any other nn.Module is measured (shape None);
+    anything else is refused, naming `caller`.
+    """
+    is_module = isinstance(model_or_config, nn.Module)
+    config = getattr(model_or_config, "config", None) if is_module else model_or_config
+    shape = None
+    if config is not None and hasattr(config, "model_type"):
+        try:
+            shape = transformer_shape(config)
+        except ValueError:
+            if not is_module:
+                raise
+    if shape is None and not is_module:
+        raise TypeError(f"{caller} needs a Hugging Face config or an nn.Module, got {type(model_or_config).__name__}")
+    return config, shape
+
+
 def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None = None,
                     mode: str = "inference", optimizer: str = "adamw", batch_size: int = 1,
                     seq_len: int | None = None, sequence_parallel: bool = False, recompute="none",
@@ -556,18 +576,7 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     recompute = _normalise_recompute(recompute)
-    config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config, "config",
-                                                                                         None)
-    shape = None
-    if config is not None and hasattr(config, "model_type"):
-        try:
-            shape = transformer_shape(config)
-        except ValueError:
-            if not isinstance(model_or_config, nn.Module):
-                raise
-    if shape is None and not isinstance(model_or_config, nn.Module):
-        raise TypeError(f"estimate_memory needs a Hugging Face config or an nn.Module, got "
-                        f"{type(model_or_config).__name__}")
+    config, shape = resolve_target(model_or_config, "estimate_memory")
     if shape is not None:
         counted = _analysed_parameters(model_or_config, world_size, mode) if isinstance(model_or_config,
                                                                                           nn.Module) else None

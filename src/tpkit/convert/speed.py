@@ -29,9 +29,8 @@ from torch import nn
 
 from tpkit.comm.sharding import split_sizes
 
-from .estimate import (TransformerShape, _attention_kind, _normalise_recompute, _own_dtype, format_bytes,
-                       fullest_rank, parameter_counts, rank_heads, transformer_activation_bytes,
-                       transformer_shape)
+from .estimate import (TransformerShape, _attention_kind, _normalise_recompute, _own_dtype, format_bytes, resolve_target,
+                       fullest_rank, parameter_counts, rank_heads, transformer_activation_bytes)
 from .hardware import Hardware, get_hardware
 
 _MODES = ("training", "prefill", "decode")
@@ -213,22 +212,12 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     sizes = [world_size] if isinstance(world_size, int) else list(world_size)
     if not sizes or any(not isinstance(t, int) or t < 1 for t in sizes):
         raise ValueError(f"world sizes must be positive ints, got {world_size!r}")
-    config = getattr(model_or_config, "config", None) if isinstance(model_or_config, nn.Module) else model_or_config
     recompute = _normalise_recompute(recompute)
     hw = get_hardware(hardware, interconnect)
     dtype = dtype or _own_dtype(model_or_config)
     B = dtype.itemsize
-    shape = None
-    if config is not None and hasattr(config, "model_type"):
-        try:
-            shape = transformer_shape(config)
-        except ValueError:
-            if not isinstance(model_or_config, nn.Module):
-                raise
+    config, shape = resolve_target(model_or_config, "estimate_speed")
     if shape is None:
-        if not isinstance(model_or_config, nn.Module):
-            raise TypeError(f"estimate_speed needs a Hugging Face config or an nn.Module, got "
-                            f"{type(model_or_config).__name__}")
         if mode == "decode":
             raise ValueError(f"estimate_speed: mode 'decode' needs a decoder with a Hugging Face config; "
                              f"{type(model_or_config).__name__} is measured, use mode 'training' or 'prefill'")
