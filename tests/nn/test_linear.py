@@ -198,3 +198,51 @@ def test_chunks_keep_units_whole():
     layers = [ColumnParallelLinear(4, 5 * 8, comm=c, chunk=8, device="meta") for c in comms]
     assert [l.partition_sizes for l in layers] == [(16, 16, 8)] * 3
     assert [l.weight.shape[0] for l in layers] == [16, 16, 8]
+
+
+def _strided(n: int, world: int, rank: int) -> list[int]:
+    """Every world-th feature starting at rank: a layout the contiguous split rule never produces."""
+    return list(range(rank, n, world))
+
+
+def _explicit_index_errors() -> dict:
+    comm = tpkit.get_communicator()
+    n, r = comm.world_size, comm.rank
+    col_full, row_full = seeded_linear(5, 7, True, 10), seeded_linear(7, 4, True, 20)
+    x = randn((3, 5), 1, torch.float64).requires_grad_(True)
+    sizes = [len(_strided(7, n, q)) for q in range(n)]
+    rows = _strided(7, n, r)
+    col = ColumnParallelLinear.from_module(col_full, index=rows, partition_sizes=sizes)
+    row = RowParallelLinear.from_module(row_full, index=rows, partition_sizes=sizes)
+    y = row(torch.nn.functional.gelu(col(x)))
+    y.sum().backward()
+    xr = x.detach().clone().requires_grad_(True)
+    y_ref = row_full(torch.nn.functional.gelu(col_full(xr)))
+    y_ref.sum().backward()
+    return {"output": rel_err(y, y_ref), "input grad": rel_err(x.grad, xr.grad),
+            "column weight grad": rel_err(col.weight.grad, col_full.weight.grad[rows]),
+            "column bias grad": rel_err(col.bias.grad, col_full.bias.grad[rows]),
+            "row weight grad": rel_err(row.weight.grad, row_full.weight.grad[:, rows]),
+            "index recorded": 0.0 if col.weight.partition_index == tuple(rows) else 1.0}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_explicit_index_shards_equal_the_full_layers(world_size):
+    """from_module(index=, partition_sizes=) holds the named features, and a Column -> Row pair built that way
+    equals the full pair (outputs and gradients)."""
+    assert_small(run(_explicit_index_errors, world_size, "threads"), FP64_TOL)
+
+
+def test_explicit_index_errors():
+    comm = create_communicators(1)[0]
+    lin = nn.Linear(4, 6)
+    with pytest.raises(ValueError, match="index and partition_sizes go together"):
+        ColumnParallelLinear.from_module(lin, comm, index=[0, 1])
+    with pytest.raises(ValueError, match=r"index picks 2 of the 6 out_features but partition_sizes gives rank 0 3"):
+        ColumnParallelLinear.from_module(lin, comm, index=[0, 1], partition_sizes=[3])
+    with pytest.raises(ValueError, match=r"index entries \[6\] are outside the 6 out_features"):
+        ColumnParallelLinear.from_module(lin, comm, index=[0, 6], partition_sizes=[2])
+    with pytest.raises(ValueError, match="gather_output=True needs the contiguous split"):
+        ColumnParallelLinear.from_module(lin, comm, index=[1, 0], partition_sizes=[2], gather_output=True)
+    with pytest.raises(ValueError, match="input_is_parallel=False slices the input contiguously"):
+        RowParallelLinear.from_module(lin, comm, index=[1, 0], partition_sizes=[2], input_is_parallel=False)

@@ -2,13 +2,12 @@
 
 The plain cases go through the layers' own `from_module` (the shared split rule). Attention projections
 (whole heads, KV heads replicated when fewer than ranks) and packed projections (GPT-2's `c_attn`, packed
-gate_up) need rows picked piece by piece; those layers are built by `from_module` on a shape-only twin and
-then given the picked rows, with `param.partition_index` recording which rows of the full weight they are.
+gate_up) need rows picked piece by piece: `from_module(index=..., partition_sizes=...)` takes them, and
+`param.partition_index` records which rows of the full weight they are.
 `local_shapes` says the same thing without building anything (the analyzer's bytes per rank).
 """
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -65,18 +64,6 @@ def row_cols(details: dict, world: int, rank: int) -> list[int] | None:
     return None
 
 
-def _mark_index(param: nn.Parameter, dim: int, index: list[int], sizes: Sequence[int]) -> None:
-    from ..nn import mark_tensor_parallel
-
-    mark_tensor_parallel(param, dim, sizes)
-    param.partition_index = tuple(index)  # type: ignore[attr-defined]
-
-
-def _picked(t: torch.Tensor, dim: int, index: list[int]) -> nn.Parameter:
-    idx = torch.tensor(index, dtype=torch.long, device=t.device)
-    return nn.Parameter(t.detach().index_select(dim, idx).clone(), requires_grad=t.requires_grad)
-
-
 def build_column(m: nn.Module, details: dict, comm, gather: bool = False, sequence_parallel: bool = False) -> nn.Module:
     from ..nn import ColumnParallelConv2d, ColumnParallelLinear
 
@@ -86,17 +73,8 @@ def build_column(m: nn.Module, details: dict, comm, gather: bool = False, sequen
     rows = column_rows(details, lin.out_features, comm.world_size, comm.rank)
     if rows is None or gather:
         return ColumnParallelLinear.from_module(lin, comm, gather_output=gather, **_sp(sequence_parallel))
-    shape_only = nn.Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta")
-    layer = ColumnParallelLinear.from_module(shape_only, comm, **_sp(sequence_parallel))
     sizes = column_sizes(details, lin.out_features, comm.world_size)
-    layer.weight = _picked(lin.weight, 0, rows)
-    _mark_index(layer.weight, 0, rows, sizes)
-    if lin.bias is not None:
-        layer.bias = _picked(lin.bias, 0, rows)
-        _mark_index(layer.bias, 0, rows, sizes)
-    layer.partition_sizes = tuple(sizes)
-    layer.output_size_per_partition = len(rows)
-    layer.partition_index = tuple(rows)
+    layer = ColumnParallelLinear.from_module(lin, comm, index=rows, partition_sizes=sizes, **_sp(sequence_parallel))
     if sum(sizes) > lin.out_features:  # some rows (replicated KV heads) live on several ranks
         _sum_replicated_row_grads(layer, rows, lin.out_features, comm)
         _mark_replicas(layer, details, rows, lin.out_features, comm.world_size)
@@ -162,23 +140,9 @@ def build_row(m: nn.Module, details: dict, comm, input_is_parallel: bool = True,
     cols = row_cols(details, comm.world_size, comm.rank)
     if cols is None or not input_is_parallel:
         return RowParallelLinear.from_module(lin, comm, input_is_parallel=input_is_parallel, **_sp(sequence_parallel))
-    shape_only = nn.Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta")
-    layer = RowParallelLinear.from_module(shape_only, comm, **_sp(sequence_parallel))
     lay = head_layout(details["num_heads"], details["num_kv_heads"], comm.world_size, details.get("attention", ""))
     sizes = [len(h) * details["head_dim"] for h in lay.q_heads]
-    layer.weight = _picked(lin.weight, 1, cols)
-    _mark_index(layer.weight, 1, cols, sizes)
-    if lin.bias is not None:
-        from ..nn import mark_replicated, mark_sequence_parallel
-
-        layer.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=lin.bias.requires_grad)
-        mark_replicated(layer.bias)
-        if sequence_parallel:
-            mark_sequence_parallel([layer.bias])
-    layer.partition_sizes = tuple(sizes)
-    layer.input_size_per_partition = len(cols)
-    layer.partition_index = tuple(cols)
-    return layer
+    return RowParallelLinear.from_module(lin, comm, index=cols, partition_sizes=sizes, **_sp(sequence_parallel))
 
 
 def build_channelwise(m: nn.Module, comm) -> nn.Module:

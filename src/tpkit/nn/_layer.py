@@ -68,21 +68,48 @@ def full_module(factory: Callable[..., nn.Module], device, dtype) -> nn.Module:
 
 
 def make_shard(full: torch.Tensor | None, dim: int | None, sizes: Sequence[int], rank: int, *, device=None,
-               dtype=None, requires_grad: bool = True) -> nn.Parameter | None:
+               dtype=None, requires_grad: bool = True, index: Sequence[int] | None = None) -> nn.Parameter | None:
     """A Parameter holding `rank`'s slice of `full` along `dim` (or all of it when `dim` is None), marked.
 
-    The slice is copied so the full tensor can be freed, except at world size 1 (one entry in `sizes`) with the
-    same device and dtype, where the layer simply holds the full module's own tensor.
+    `index` picks explicit positions along `dim` instead of the contiguous slice (whole heads spread over the
+    ranks, a KV head several ranks hold, pieces of a packed projection); it is recorded as
+    `param.partition_index`. The slice is copied so the full tensor can be freed, except at world size 1 (one
+    entry in `sizes`) with the same device and dtype, where the layer simply holds the full module's own tensor.
     """
     if full is None:
         return None
-    piece = full.detach() if dim is None else shard(full.detach(), dim, sizes, rank)
+    if dim is None:
+        piece = full.detach()
+    elif index is not None:
+        piece = full.detach().index_select(dim, torch.tensor(list(index), dtype=torch.long, device=full.device))
+    else:
+        piece = shard(full.detach(), dim, sizes, rank)
     target_device = piece.device if device is None else torch.device(device)
     target_dtype = piece.dtype if dtype is None else dtype
     if not (len(sizes) == 1 and piece.device == target_device and piece.dtype == target_dtype):
         piece = piece.to(device=target_device, dtype=target_dtype, copy=True, memory_format=torch.contiguous_format)
     param = nn.Parameter(piece, requires_grad=requires_grad)
-    return mark_replicated(param) if dim is None else mark_tensor_parallel(param, dim, sizes)
+    if dim is None:
+        return mark_replicated(param)
+    mark_tensor_parallel(param, dim, sizes)
+    if index is not None:
+        param.partition_index = tuple(int(i) for i in index)  # type: ignore[attr-defined]
+    return param
+
+
+def check_index(layer: str, what: str, full_size: int, index: Sequence[int], sizes: Sequence[int], rank: int,
+                world_size: int) -> tuple[list[int], list[int]]:
+    """Validate an explicit shard index and the per-rank sizes that go with it, before anything is built."""
+    index, sizes = [int(i) for i in index], [int(s) for s in sizes]
+    if len(sizes) != world_size:
+        raise ValueError(f"{layer}: partition_sizes {sizes} must have one entry per rank ({world_size})")
+    if len(index) != sizes[rank]:
+        raise ValueError(f"{layer}: index picks {len(index)} of the {full_size} {what} but partition_sizes gives "
+                         f"rank {rank} {sizes[rank]}")
+    bad = [i for i in index if not 0 <= i < full_size]
+    if bad:
+        raise ValueError(f"{layer}: index entries {bad[:5]} are outside the {full_size} {what} (0..{full_size - 1})")
+    return index, sizes
 
 
 def check_module(layer: str, module: nn.Module, expected: type, unsupported: dict[str, object]) -> None:

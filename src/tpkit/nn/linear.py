@@ -18,13 +18,15 @@ At world size 1 `forward` is exactly `F.linear(x, weight, bias)`: no autograd Fu
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..comm.communicator import Communicator
-from ._layer import (TensorParallelModule, check_last_dim, check_module, check_positive, check_sequence_divisible,
-                     full_module, make_shard)
+from ._layer import (TensorParallelModule, check_index, check_last_dim, check_module, check_positive,
+                     check_sequence_divisible, full_module, make_shard)
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
                        reduce_scatter_to_sequence_region, scatter_to_region)
 from .partition import partition_sizes
@@ -39,7 +41,8 @@ class _ParallelLinear(TensorParallelModule):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: Communicator | None,
                  sequence_parallel: bool, sequence_dim: int, chunk: int, even: bool, device, dtype,
-                 _full: nn.Linear | None = None):
+                 _full: nn.Linear | None = None, _index: Sequence[int] | None = None,
+                 _sizes: Sequence[int] | None = None):
         super().__init__()
         name = type(self).__name__
         check_positive(name, in_features=in_features, out_features=out_features)
@@ -47,28 +50,40 @@ class _ParallelLinear(TensorParallelModule):
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
         split = in_features if self.PARTITION_DIMS["weight"] == 1 else out_features
-        self.partition_sizes = tuple(partition_sizes(split, self.world_size, chunk, layer=name, what=self._split_what,
-                                                     even=even))
+        if _index is None:
+            self.partition_sizes = tuple(partition_sizes(split, self.world_size, chunk, layer=name,
+                                                         what=self._split_what, even=even))
+        else:
+            _index, sizes = check_index(name, self._split_what, split, _index, _sizes or [], self.rank,
+                                        self.world_size)
+            self.partition_sizes = tuple(sizes)
+        self.partition_index = None if _index is None else tuple(_index)
         if _full is None:
             _full = full_module(lambda **kw: nn.Linear(in_features, out_features, bias, **kw), device, dtype)
         for pname in ("weight", "bias"):
             dim = self.PARTITION_DIMS[pname]
             tensor = getattr(_full, pname)
             param = make_shard(tensor, dim, self.partition_sizes, self.rank, device=device, dtype=dtype,
-                               requires_grad=True if tensor is None else tensor.requires_grad)
+                               requires_grad=True if tensor is None else tensor.requires_grad,
+                               index=None if dim is None else _index)
             self.register_parameter(pname, param)
 
     @classmethod
     def from_module(cls, module: nn.Linear, comm: Communicator | None = None, *, device=None, dtype=None,
-                    **kwargs):
+                    index: Sequence[int] | None = None, partition_sizes: Sequence[int] | None = None, **kwargs):
         """This rank's shard of an existing `nn.Linear` (meta modules give meta shards).
 
         The shard is a copy, so the full module can be freed; at world size 1 the layer holds the module's own
-        tensors. `device` / `dtype` move the shards; other keywords are the constructor's.
+        tensors. `device` / `dtype` move the shards; other keywords are the constructor's. `index` (with every
+        rank's `partition_sizes`) picks explicit features of the split dimension instead of the split rule's
+        contiguous slice: whole attention heads, KV heads held by several ranks (sizes may then add up to more
+        than the full size), or the pieces of a packed projection.
         """
         check_module(cls.__name__, module, nn.Linear, {})
+        if (index is None) != (partition_sizes is None):
+            raise ValueError(f"{cls.__name__}.from_module: index and partition_sizes go together; got only one")
         return cls(module.in_features, module.out_features, module.bias is not None, comm=comm, device=device,
-                   dtype=dtype, _full=module, **kwargs)
+                   dtype=dtype, _full=module, _index=index, _sizes=partition_sizes, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -95,6 +110,9 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, bias, comm, sequence_parallel, sequence_dim, chunk, even, device,
                          dtype, **private)
         self.gather_output = bool(gather_output)
+        if self.gather_output and self.partition_index is not None:
+            raise ValueError("ColumnParallelLinear: gather_output=True needs the contiguous split; an explicit index "
+                             "would gather the features out of order")
         self.output_size_per_partition = self.partition_sizes[self.rank]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +151,9 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, bias, comm, sequence_parallel, sequence_dim, chunk, even, device,
                          dtype, **private)
         self.input_is_parallel = bool(input_is_parallel)
+        if not self.input_is_parallel and self.partition_index is not None:
+            raise ValueError("RowParallelLinear: input_is_parallel=False slices the input contiguously; an explicit "
+                             "index needs the matching slice of the input (input_is_parallel=True)")
         self.input_size_per_partition = self.partition_sizes[self.rank]
         if self.sequence_parallel and self.bias is not None:
             mark_sequence_parallel([self.bias])
