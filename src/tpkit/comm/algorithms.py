@@ -392,14 +392,20 @@ def _gather_setup(tensor: torch.Tensor, dim: int, sizes: Sequence[int] | None, n
     return rows, [s * row for s in rows], _rows_first(tensor, dim).reshape(-1)
 
 
+def _gather_buffer(mine: torch.Tensor, counts: list[int], rank: int) -> tuple[torch.Tensor, list[int]]:
+    """The flat result buffer with this rank's block already in place, and every block's offset."""
+    off = _offsets(counts)
+    buf = mine.new_empty(off[-1])
+    buf[off[rank]:off[rank + 1]] = mine
+    return buf, off
+
+
 def ring_all_gather(comm: Communicator, tensor: torch.Tensor, dim: int = 0,
                     sizes: Sequence[int] | None = None) -> torch.Tensor:
     """n-1 steps, each passing one block to the next rank: bandwidth-optimal, latency (n-1) alpha."""
     p2p = PointToPoint(comm)
     rows, counts, mine = _gather_setup(tensor, dim, sizes, p2p.world_size)
-    off = _offsets(counts)
-    buf = mine.new_empty(off[-1])
-    buf[off[p2p.rank]:off[p2p.rank + 1]] = mine
+    buf, _ = _gather_buffer(mine, counts, p2p.rank)
     _ring_all_gather_flat(p2p, buf, counts)
     return _restore(buf, sum(rows), tensor, dim)
 
@@ -410,9 +416,7 @@ def recursive_doubling_all_gather(comm: Communicator, tensor: torch.Tensor, dim:
     p2p = PointToPoint(comm)
     n, rank = p2p.world_size, p2p.rank
     rows, counts, mine = _gather_setup(tensor, dim, sizes, n)
-    off = _offsets(counts)
-    buf = mine.new_empty(off[-1])
-    buf[off[rank]:off[rank + 1]] = mine
+    buf, off = _gather_buffer(mine, counts, rank)
     p2, r, newrank = _fold(n, rank)
     if rank < 2 * r:  # the even rank's block joins its odd neighbour's
         part = rank if rank % 2 == 0 else rank - 1
@@ -430,9 +434,7 @@ def direct_all_gather(comm: Communicator, tensor: torch.Tensor, dim: int = 0,
     p2p = PointToPoint(comm)
     n, rank = p2p.world_size, p2p.rank
     rows, counts, mine = _gather_setup(tensor, dim, sizes, n)
-    off = _offsets(counts)
-    buf = mine.new_empty(off[-1])
-    buf[off[rank]:off[rank + 1]] = mine
+    buf, off = _gather_buffer(mine, counts, rank)
     p2p.exchange_all([(mine, q) for q in range(n) if q != rank],
                      [(buf[off[q]:off[q + 1]], q) for q in range(n) if q != rank])
     return _restore(buf, sum(rows), tensor, dim)

@@ -23,11 +23,13 @@ _CHANNELS = -3
 class _ParallelConv2d(TensorParallelModule):
     PARTITION_DIMS: dict[str, int | None] = {}
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride, padding, dilation, bias: bool,
-                 padding_mode: str, comm: Communicator | None, chunk: int, even: bool, device, dtype,
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride, padding, dilation, groups: int,
+                 bias: bool, padding_mode: str, comm: Communicator | None, chunk: int, even: bool, device, dtype,
                  _full: nn.Conv2d | None = None):
         super().__init__()
         name = type(self).__name__
+        if groups != 1:
+            raise ValueError(f"{name}: groups={groups!r} is not supported (only groups=1)")
         check_positive(name, in_channels=in_channels, out_channels=out_channels)
         # A meta nn.Conv2d normalises every argument (tuples, "same", padding modes) exactly as torch does.
         shape = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, 1, bias, padding_mode,
@@ -84,10 +86,8 @@ class ColumnParallelConv2d(_ParallelConv2d):
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", gather_output: bool = False,
                  comm: Communicator | None = None, *, chunk: int = 1, even: bool = False, device=None,
                  dtype: torch.dtype | None = None, **private):
-        if groups != 1:
-            raise ValueError(f"{type(self).__name__}: groups={groups!r} is not supported (only groups=1)")
-        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, bias, padding_mode, comm,
-                         chunk, even, device, dtype, **private)
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         padding_mode, comm, chunk, even, device, dtype, **private)
         self.gather_output = bool(gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,10 +110,8 @@ class RowParallelConv2d(_ParallelConv2d):
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", input_is_parallel: bool = True,
                  comm: Communicator | None = None, *, chunk: int = 1, even: bool = False, device=None,
                  dtype: torch.dtype | None = None, **private):
-        if groups != 1:
-            raise ValueError(f"{type(self).__name__}: groups={groups!r} is not supported (only groups=1)")
-        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, bias, padding_mode, comm,
-                         chunk, even, device, dtype, **private)
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         padding_mode, comm, chunk, even, device, dtype, **private)
         self.input_is_parallel = bool(input_is_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
