@@ -57,3 +57,49 @@ def test_one_tensor_input_is_traced_as_one_argument():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     report = verify(model, torch.randn(5, 8), world_size=2, backward=True)
     assert report.ok and report.plan["entries"] == {"0": "colwise", "2": "rowwise"}, report.plan
+
+
+class NudgedGradient(nn.Module):
+    """An MLP whose output is the same on every world size, but whose `scale` gradient is off by `rel`
+    (relative) once the model runs on more than one rank: a real error that verify must catch."""
+
+    def __init__(self, rel: float):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 24), nn.Linear(24, 8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.rel = rel
+
+    def forward(self, x):
+        import tpkit
+
+        s = self.scale
+        if tpkit.get_communicator().world_size > 1:  # same value, gradient times (1 + rel)
+            s = s + self.rel * (s - s.detach())
+        return self.down(torch.relu(self.up(x))) * s
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_real_gradient_error_of_1e_3_fails(world):
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    bad = verify(NudgedGradient(1e-3), x, world_size=world, backward=True, rtol=1e-4)
+    scale = [g for g in bad.gradients if g.name == "scale"][0]
+    assert not bad.ok and not scale.ok and scale.max_rel_error > 5e-4, bad.summary()
+    assert all(o.ok for o in bad.outputs)
+    good = verify(NudgedGradient(0.0), x, world_size=world, backward=True, rtol=1e-4)
+    assert good.ok, good.summary()
+
+
+def test_rounding_noise_on_a_zero_gradient_passes_and_is_reported():
+    """A conv bias before BatchNorm (training) has gradient 0 in theory: only rounding noise, judged against the
+    layer's largest gradient (rtol x that), not against ~0. The report shows the error and what was allowed."""
+    from .models import cnn
+
+    torch.manual_seed(0)
+    model = cnn().train(True)
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    report = verify(model, (x,), world_size=3, backward=True, rtol=1e-5)
+    assert report.ok, report.summary()
+    bias = [g for g in report.gradients if g.name == "0.bias"][0]
+    weight = [g for g in report.gradients if g.name == "0.weight"][0]
+    assert 0 < bias.tolerance < weight.tolerance and "allowed" in report.summary()

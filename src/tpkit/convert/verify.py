@@ -20,11 +20,15 @@ from .shard import local_slice
 
 @dataclasses.dataclass
 class OutputCheck:
+    """One output or gradient: its largest absolute error over ranks, that error relative to the reference's
+    largest magnitude, and the absolute error it was allowed (`tolerance`, see `verify`)."""
+
     name: str
     shape: tuple
     max_abs_error: float
     max_rel_error: float
     ok: bool
+    tolerance: float = 0.0
 
 
 @dataclasses.dataclass
@@ -44,8 +48,8 @@ class VerifyReport:
                  f"(relative tolerance {self.rtol:g}); max abs error {self.max_abs_error:.3g}"]
         for kind, checks in (("output", self.outputs), ("grad", self.gradients)):
             for c in checks:
-                lines.append(f"  {kind} {c.name} {list(c.shape)}: abs {c.max_abs_error:.3g} rel {c.max_rel_error:.3g} "
-                             f"{'ok' if c.ok else 'FAIL'}")
+                lines.append(f"  {kind} {c.name} {list(c.shape)}: abs {c.max_abs_error:.3g} (allowed "
+                             f"{c.tolerance:.3g}) rel {c.max_rel_error:.3g} {'ok' if c.ok else 'FAIL'}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -86,13 +90,25 @@ def _default_loss(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _err(got: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> tuple[float, float]:
-    """(max abs error, that error relative to the reference's largest magnitude, floored at `floor`)."""
+def _abs_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference (inf when the shapes differ)."""
     if got.shape != ref.shape:
-        return float("inf"), float("inf")
-    diff = (got.detach().double() - ref.detach().double()).abs().max().item() if ref.numel() else 0.0
-    scale = ref.detach().double().abs().max().item() if ref.numel() else 0.0
-    return diff, diff / max(scale, floor)
+        return float("inf")
+    return (got.detach().double() - ref.detach().double()).abs().max().item() if ref.numel() else 0.0
+
+
+def _magnitude(t: torch.Tensor) -> float:
+    return t.detach().double().abs().max().item() if t.numel() else 0.0
+
+
+def _check(name: str, ref: torch.Tensor, errors: list[float], rtol: float, atol: float) -> OutputCheck:
+    """Judge one tensor as `torch.testing.assert_close` does: pass when the largest error is at most
+    `atol + rtol * max|ref|`."""
+    scale = _magnitude(ref)
+    err = max(errors)
+    tolerance = atol + rtol * scale
+    rel = err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
+    return OutputCheck(name, tuple(ref.shape), err, rel, err <= tolerance, tolerance)
 
 
 def verify(model_fn: Callable[[], nn.Module] | nn.Module, example_inputs: Any, world_size: int = 4,
@@ -100,11 +116,13 @@ def verify(model_fn: Callable[[], nn.Module] | nn.Module, example_inputs: Any, w
            loss_fn: Callable[[Any], torch.Tensor] | None = None) -> VerifyReport:
     """Run `plan` on `world_size` thread-ranks and compare with the original model.
 
-    `model_fn`: a module, or a function returning one (called once; ranks get deep copies). An output or a
-    gradient passes when its largest absolute error is at most `rtol` times the reference's largest
-    magnitude (for gradients: floored at 1e-3 of the largest gradient of the model, since some gradients
-    are zero in theory and hold only rounding noise). `loss_fn(outputs) -> scalar` for backward (default: a fixed random weighting of every
-    floating output).
+    `model_fn`: a module, or a function returning one (called once; ranks get deep copies). Each tensor is
+    judged the way `torch.testing.assert_close` judges it: it passes when its largest absolute error is at
+    most `atol + rtol * max|reference|`. For outputs `atol` is 0. For a gradient, `atol` is `rtol` times the
+    largest gradient of the same layer: some gradients are zero in theory (a conv bias before BatchNorm, a key
+    bias) and hold only the rounding noise of sums whose terms are as large as the layer's other gradients,
+    so ~0 is no scale to judge them by. The report gives each tensor's error and the error it was allowed.
+    `loss_fn(outputs) -> scalar` for backward (default: a fixed random weighting of every floating output).
     """
     from ..comm import run_threads
     from ..distributed import use_communicator
@@ -124,9 +142,10 @@ def verify(model_fn: Callable[[], nn.Module] | nn.Module, example_inputs: Any, w
             loss(ref_out).backward()
     ref_tensors = {k: v.detach() for k, v in named_tensors(ref_out).items()}
     ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
-    # Some gradients are zero in theory (a key bias shifts every score of a query equally); their rounding
-    # noise is judged against the model's largest gradient, scaled down by 1e-3, not against ~0.
-    grad_floor = 1e-3 * max((g.abs().max().item() for g in ref_grads.values() if g.numel()), default=0.0) or 1e-30
+    layer_scale: dict[str, float] = {}
+    for n, g in ref_grads.items():
+        layer = n.rpartition(".")[0]
+        layer_scale[layer] = max(layer_scale.get(layer, 0.0), _magnitude(g))
 
     def body(comm):
         with use_communicator(comm):
@@ -147,26 +166,23 @@ def verify(model_fn: Callable[[], nn.Module] | nn.Module, example_inputs: Any, w
                         continue
                     if n.rpartition(".")[0] in transposed and full.dim() == 2:
                         full = full.t()
-                    grads[n] = _err(p.grad, local_slice(full, p, comm.rank), grad_floor)
+                    grads[n] = _abs_err(p.grad, local_slice(full, p, comm.rank))
             record = getattr(m, "_tp_plan", None) if hasattr(type(m), "tp_plan") else getattr(m, "tp_plan", None)
             return outs, grads, record.to_dict() if record is not None else {}
 
     results = run_threads(body, world_size)
     outputs = []
     for name, ref in ref_tensors.items():
-        errs = [_err(r[0].get(name, torch.empty(0)), ref) for r in results]
-        a, rel = max(e[0] for e in errs), max(e[1] for e in errs)
-        outputs.append(OutputCheck(name, tuple(ref.shape), a, rel, rel <= rtol))
+        errs = [_abs_err(r[0].get(name, torch.empty(0)), ref) for r in results]
+        outputs.append(_check(name, ref, errs, rtol, 0.0))
     gradients = []
-    for name in ref_grads:
+    for name, ref in ref_grads.items():
         lost = [rank for rank, r in enumerate(results) if name in r[1] and r[1][name] is None]
-        errs = [r[1][name] if r[1][name] is not None else (float("inf"), float("inf"))
-                for r in results if name in r[1]]
+        errs = [float("inf") if r[1][name] is None else r[1][name] for r in results if name in r[1]]
         if not errs:
             continue
-        a, rel = max(e[0] for e in errs), max(e[1] for e in errs)
         label = f"{name} (no gradient in the parallel model on rank(s) {lost})" if lost else name
-        gradients.append(OutputCheck(label, tuple(ref_grads[name].shape), a, rel, rel <= rtol))
+        gradients.append(_check(label, ref, errs, rtol, rtol * layer_scale[name.rpartition(".")[0]]))
     checks = outputs + gradients
     ok = bool(checks) and all(c.ok for c in checks)
     max_abs = max((c.max_abs_error for c in checks), default=float("nan"))
