@@ -26,7 +26,8 @@ from . import comm, nn
 from .nn import (ColumnParallelConv2d, ColumnParallelLinear, ParallelEmbedding, RowParallelConv2d, RowParallelLinear,
                  VocabParallelEmbedding, clip_grad_norm_, vocab_parallel_cross_entropy)
 from .convert import (AnalysisReport, DistributedModelWrapper, Plan, PlanError, VerifyReport, analyze, parallelize, plan,
-                      verify)
+                      shard_layouts, verify)
+from .nn.layout import ShardLayout
 from .convert.estimate import MemoryEstimate, estimate_memory
 from .convert.speed import SpeedEstimate, estimate_speed
 
@@ -37,7 +38,7 @@ __all__ = [
     "AnalysisReport", "ColumnParallelConv2d", "ColumnParallelLinear", "DistributedModelWrapper", "MemoryEstimate",
     "ParallelEmbedding", "Plan", "PlanError", "RowParallelConv2d", "RowParallelLinear", "SpeedEstimate", "VerifyReport",
     "VocabParallelEmbedding", "analyze", "clip_grad_norm_", "comm", "estimate_memory", "estimate_speed", "nn",
-    "parallelize", "plan", "verify", "vocab_parallel_cross_entropy",
+    "parallelize", "plan", "verify", "vocab_parallel_cross_entropy", "ShardLayout", "shard_layouts",
     "CommError", "Communicator", "LaunchError", "ReduceOp", "TPConfig", "__version__", "all_reduce_sum",
     "broadcast_tensor", "create_communicator", "get_communicator", "get_tensor_parallel_config", "init",
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",

@@ -37,6 +37,14 @@ def hf_model(name: str, **over) -> nn.Module:
         kw = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, ffn_dim=72, word_embed_proj_dim=48,
                   max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
                   pad_token_id=1)
+    elif name == "phi3":  # q, k, v packed in one projection (GQA), gate and up in another
+        cls, cfg_cls = tr.Phi3ForCausalLM, tr.Phi3Config
+        kw = dict(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif name == "neox":  # each head's q, k, v side by side: [heads, 3 x head_dim]
+        cls, cfg_cls = tr.GPTNeoXForCausalLM, tr.GPTNeoXConfig
+        kw = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+                  max_position_embeddings=64)
     else:
         raise ValueError(name)
     kw.update(common)
@@ -74,8 +82,6 @@ def _loss(name: str, out, ids) -> torch.Tensor:
 
 def reference(name: str, **over) -> dict:
     """Single-device logits, weights after one AdamW step, and greedy tokens."""
-    from tpkit.convert.shard import is_transposed_linear
-
     ids = inputs()
     logits = first_output(hf_model(name, **over)(input_ids=ids)).detach()
     # The optimizer step runs in fp64: Adam's first step divides each gradient by its own magnitude, so an
@@ -85,8 +91,7 @@ def reference(name: str, **over) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _loss(name, out, ids).backward()
     opt.step()
-    transposed = {f"{n}.weight" for n, m in model.named_modules() if is_transposed_linear(m)}
-    after = {n: (p.detach().t() if n in transposed else p.detach()) for n, p in model.named_parameters()}
+    after = {n: p.detach() for n, p in model.named_parameters()}
     tokens = None
     if name in DECODERS:
         fresh = hf_model(name, **over).eval()
@@ -98,7 +103,6 @@ def rank_check(name: str, ref: dict, over: dict | None = None) -> dict:
     """On one rank: convert, compare logits, take one AdamW step and compare every shard, generate."""
     import tpkit
     from tpkit.convert import parallelize
-    from tpkit.convert.shard import local_slice
 
     over = over or {}
     comm = tpkit.get_communicator()
@@ -111,8 +115,9 @@ def rank_check(name: str, ref: dict, over: dict | None = None) -> dict:
     _loss(name, out, ids).backward()
     opt.step()
     step_err, worst = 0.0, None
+    layouts = tpkit.shard_layouts(model)
     for n, p in model.named_parameters():
-        want = local_slice(ref["after"][n], p, comm.rank)
+        want = layouts[n].shard(ref["after"][n])
         # Relative to the tensor's scale, floored at the step size lr: some gradients are exactly zero in
         # theory (a key bias shifts all scores of a query equally), so their update is rounding noise.
         err = ((p.detach() - want).abs().max() / want.abs().max().clamp_min(1e-2)).item()

@@ -12,7 +12,6 @@ pytest.importorskip("transformers")
 
 import tpkit  # noqa: E402
 from tpkit.convert import PlanError, parallelize  # noqa: E402
-from tpkit.convert.shard import is_transposed_linear, local_slice  # noqa: E402
 from tpkit.nn import sync_sequence_parallel_grads  # noqa: E402
 
 from .models import hf_model  # noqa: E402
@@ -24,10 +23,9 @@ def _reference(model):
     ref = copy.deepcopy(model)
     out = ref(input_ids=IDS, labels=IDS)
     out.loss.backward()
-    transposed = {f"{n}.weight" for n, m in ref.named_modules() if is_transposed_linear(m)}
-    grads = {n: (p.grad.t() if n in transposed else p.grad) for n, p in ref.named_parameters()}
+    grads = {n: p.grad for n, p in ref.named_parameters()}
     torch.optim.SGD(ref.parameters(), lr=1.0).step()
-    after = {n: (p.detach().t() if n in transposed else p.detach()) for n, p in ref.named_parameters()}
+    after = {n: p.detach() for n, p in ref.named_parameters()}
     return out.loss.item(), grads, after
 
 
@@ -42,10 +40,11 @@ def test_training_step_equals_one_device(name, world):
         out = m(input_ids=IDS, labels=IDS)
         out.loss.backward()
         assert sync_sequence_parallel_grads(m, comm) > 0
-        g_err = max(((p.grad - local_slice(grads[n], p, comm.rank)).abs().max()
+        lay = tpkit.shard_layouts(m)
+        g_err = max(((p.grad - lay[n].shard(grads[n])).abs().max()
                      / grads[n].abs().max().clamp_min(1e-30)).item() for n, p in m.named_parameters())
         torch.optim.SGD(m.parameters(), lr=1.0).step()
-        w_err = max(((p.detach() - local_slice(after[n], p, comm.rank)).abs().max()
+        w_err = max(((p.detach() - lay[n].shard(after[n])).abs().max()
                      / after[n].abs().max().clamp_min(1e-2)).item() for n, p in m.named_parameters())
         region = m.tp_plan.sequence_parallel
         return out.loss.item(), g_err, w_err, region.entry_block, len(region.norms)

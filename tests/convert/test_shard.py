@@ -1,4 +1,5 @@
-"""`local_shapes` (the analyzer's bytes per rank) against the layers `parallelize` builds, and the split rule."""
+"""`module_layouts` (what the analyzer counts and the builders cut) against the layers `parallelize` builds, and
+the split rule."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,11 @@ import torch
 from torch import nn
 
 import tpkit
-from tpkit.convert.shard import local_shapes
+from tpkit.convert.styles import module_layouts
+
+
+def local_shapes(m, style, details, world, rank):
+    return {n: lay.local_shape for n, lay in module_layouts(m, style, details, world, rank).items()}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -42,5 +47,7 @@ def test_conv_and_channelwise_shapes_follow_the_split_rule(world):
             tuple(m[1].running_mean.shape)
     for rank, (shapes, running) in enumerate(tpkit.comm.run_threads(body, world)):
         share = split_sizes(7, world)[rank]
-        assert shapes == [local_shapes(full[i], plan[str(i)], {}, world, rank) for i in range(3)]
+        want = [local_shapes(full[i], plan[str(i)], {}, world, rank) for i in range(3)]
+        assert shapes == [{n: s for n, s in w.items() if n in ("weight", "bias")} for w in want]
+        assert want[1]["running_mean"] == running
         assert shapes[1]["weight"] == running == (share,) and shapes[2]["weight"] == (5, share, 1, 1)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from .analyze import AnalysisReport, LayerReport, analyze
+from .layouts import shard_layouts
 from .parallelize import parallelize
 from .plan import STYLES, Plan, PlanError
 from .planner import plan
@@ -27,5 +28,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "AnalysisReport", "DistributedModelWrapper", "LayerReport", "MemoryEstimate", "Plan", "PlanError", "STYLES",
-    "VerifyReport", "analyze", "estimate_memory", "estimate_speed", "parallelize", "plan", "verify",
+    "VerifyReport", "analyze", "estimate_memory", "estimate_speed", "parallelize", "plan", "shard_layouts", "verify",
 ]

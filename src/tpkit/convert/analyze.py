@@ -16,7 +16,7 @@ from torch import nn
 
 from .modules import kind
 from .planner import Analysis, analyze_structure, auto_plan
-from .shard import local_shapes
+from .styles import REPLICATE, module_layouts
 
 # Binary throughout: device memory is sold in binary units under decimal names (an "80GB" H100 holds 80 GiB).
 UNITS = {"b": 1, **{f"{p}{suffix}": 2 ** (10 * (i + 1)) for i, p in enumerate("kmgt") for suffix in ("", "b", "ib")}}
@@ -168,15 +168,9 @@ def _module_bytes(m: nn.Module, params, style: str, details: dict, world: int) -
     """Bytes of `params` (module `m`'s own, not yet counted) that each rank holds under `style`."""
     out = []
     for rank in range(world):
-        shapes = local_shapes(m, style, details, world, rank)
-        total = 0
-        for pname, p in params:
-            numel = 1
-            for s in shapes.get(pname, tuple(p.shape)):
-                numel *= s
-            total += numel * p.element_size()
-        out.append(total)
-        if style == "replicate":
+        layouts = module_layouts(m, style, details, world, rank)
+        out.append(sum(layouts[pname].local_numel * p.element_size() for pname, p in params))
+        if style == REPLICATE:
             return out * world
     return out
 

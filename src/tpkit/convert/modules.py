@@ -38,6 +38,18 @@ def linear_dims(m: nn.Module) -> tuple[int, int]:
     return int(m.in_features), int(m.out_features)
 
 
+def as_linear(m: nn.Module) -> nn.Linear:
+    """An `nn.Linear` computing what `m` computes (GPT-2's Conv1D stores the weight transposed)."""
+    if not is_transposed_linear(m):
+        return m
+    n_in, n_out = linear_dims(m)
+    lin = nn.Linear(n_in, n_out, bias=m.bias is not None, device="meta")
+    lin.weight = nn.Parameter(m.weight.detach().t(), requires_grad=m.weight.requires_grad)
+    if m.bias is not None:
+        lin.bias = nn.Parameter(m.bias.detach(), requires_grad=m.bias.requires_grad)
+    return lin
+
+
 def is_conv2d(m: nn.Module) -> bool:
     return _keeps_forward(m, nn.Conv2d)
 

@@ -1,7 +1,7 @@
 """A tensor-parallel plan as data: `{module name or glob: style}`, printable and JSON in / out.
 
 Style strings are Hugging Face's `tp_plan` vocabulary, with a few of tpkit's own; aliases map to one
-canonical style each (the table below is the whole vocabulary). A plan may also carry, per module, the
+canonical style each (`styles.py` holds the whole vocabulary, as style objects). A plan may also carry, per module, the
 facts the planner found (`details`: attention heads, packed pieces) and why a layer stays replicated
 (`reasons`), so a saved plan replays exactly and a reader sees what was decided.
 """
@@ -12,48 +12,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-# canonical style -> what it does
-STYLES = {
-    "colwise": "split output features (attention: whole heads; packed projections: piece by piece); "
-               "output stays split for the row-wise layer that follows",
-    "colwise_rep": "split output features, all-gather the output (e.g. an LM head for inference)",
-    "vocab_parallel": "LM head split over the vocabulary, logits stay split; use vocab_parallel_cross_entropy",
-    "rowwise": "split input features; its input is a column-wise layer's split output; one all-reduce",
-    "rowwise_rep": "split input features of a full (replicated) input, slicing it locally; one all-reduce",
-    "embedding_rowwise": "embedding split over the vocabulary (VocabParallelEmbedding); one all-reduce",
-    "embedding_colwise": "embedding split over its features (ParallelEmbedding); one all-gather",
-    "channelwise": "per-channel layer (BatchNorm) between a column and a row conv: holds this rank's channels",
-    "sequence_parallel": "a replicated per-token layer (norm) running on this rank's slice of the sequence; its "
-                         "gradient is a partial sum (tpkit.nn.sync_sequence_parallel_grads before the step)",
-    "replicate": "every rank holds the whole module",
-    "replicated_with_grad_allreduce": "every rank holds the whole module, applied to its own heads only (a "
-                                      "per-head q/k norm): its gradient is summed over the ranks",
-}
-ALIASES = {
-    "local_colwise": "colwise", "packed_colwise": "colwise", "colwise_gather_output": "colwise_rep",
-    "gather_output": "colwise_rep", "local_rowwise": "rowwise", "packed_rowwise": "rowwise",
-    "rowwise_split_input": "rowwise_rep", "vocab": "embedding_rowwise", "vocab_parallel_embedding": "embedding_rowwise",
-    "replicated": "replicate", "none": "replicate",
-    "local_packed_rowwise": "rowwise", "isolated": "replicate",
-}
-# Styles HF puts on container modules, where tpkit layers already do the communication themselves.
-CONTAINER_NO_OPS = {"gather", "all_reduce", "local", "ep_router", "moe_identity_expert"}
+from .errors import PlanError
+from .styles import ALIASES, CONTAINER_NO_OPS, STYLES, canonical_style
 
-
-class PlanError(ValueError):
-    """A plan that cannot be applied: unknown style, an entry that names no module, conflicting entries."""
-
-
-def canonical_style(style: str, where: str = "plan") -> str:
-    """The canonical name of a style string (case-insensitive; aliases accepted)."""
-    if not isinstance(style, str):
-        raise PlanError(f"{where}: style must be a string, got {style!r}")
-    s = style.strip().lower()
-    s = ALIASES.get(s, s)
-    if s in STYLES or s in CONTAINER_NO_OPS:
-        return s
-    raise PlanError(f"{where}: unknown style {style!r}; valid styles: {', '.join(sorted(STYLES))} "
-                    f"(aliases: {', '.join(sorted(ALIASES))})")
+__all__ = ["Plan", "PlanError", "canonical_style", "is_glob", "STYLES", "ALIASES", "CONTAINER_NO_OPS"]
 
 
 def is_glob(pattern: str) -> bool:

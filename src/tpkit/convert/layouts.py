@@ -1,0 +1,79 @@
+"""Step 3 of `parallelize` (layouts) and `shard_layouts(model)`: the one record of what each rank holds.
+
+`plan_layouts` asks every planned module's style which part of each of its tensors this rank will hold,
+before anything is built; the builders cut their shards from those same layouts. After the swap,
+`key_layouts` re-keys them by `state_dict` key (a tensor two modules share, such as BERT's decoder bias, gets
+its layout under both keys), and `shard_layouts(model)` reads that record back, keyed exactly as
+`model.state_dict()`: split tensors and replicated ones alike.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from torch import nn
+
+from ..nn.layout import ShardLayout
+from .errors import PlanError
+from .modules import kind
+from .styles import Layouts, module_layouts, style
+
+
+def plan_layouts(modules: Mapping[str, nn.Module], leaves: Mapping[str, nn.Module], styles: Mapping[str, str],
+                 details: Mapping[str, dict], world: int, rank: int) -> dict[str, Layouts]:
+    """Per planned module, its tensors' layouts on `rank`; raises PlanError (naming the module) for a style
+    that does not fit the module's type or sizes. Nothing is changed."""
+    out: dict[str, Layouts] = {}
+    for name, s in styles.items():
+        m = modules[name]
+        obj = style(s)
+        if name not in leaves:
+            if not obj.container and obj.name != style("replicate").name:
+                raise PlanError(f"plan: style {s!r} on {name} ({type(m).__name__}), which is a container; name its "
+                                f"layers instead (e.g. {name}.*)")
+            continue
+        if obj.container:
+            raise PlanError(f"plan: style {s!r} is for container modules, not the layer {name}")
+        d = details.get(name, {})
+        obj.check(name, m, d, world)
+        try:
+            out[name] = module_layouts(m, s, d, world, rank)
+        except PlanError as exc:
+            raise PlanError(f"{name} ({kind(m)}): {exc}") from None
+    return out
+
+
+def key_layouts(model: nn.Module, modules: Mapping[str, nn.Module], layouts: Mapping[str, Layouts],
+                world: int, rank: int) -> dict[str, ShardLayout]:
+    """Every `state_dict` key of the converted `model` with its layout (tensors no style split are whole).
+
+    `modules` are the model's modules before the swap; the planned layouts are found by tensor identity
+    after it, so a tensor reachable under several keys (ties) has the same layout under each."""
+    by_id: dict[int, ShardLayout] = {}
+    for name, lays in layouts.items():
+        new = model.get_submodule(name) if name else model
+        for tname, lay in lays.items():
+            t = getattr(new, tname, None)
+            if t is not None:
+                by_id.setdefault(id(t), lay)
+    return {key: by_id.get(id(t)) or ShardLayout.replicated(t.shape, world, rank)
+            for key, t in model.state_dict(keep_vars=True).items()}
+
+
+def shard_layouts(model: nn.Module) -> dict[str, ShardLayout]:
+    """`{state_dict key: ShardLayout}` of a converted model: every parameter and persistent buffer, replicated
+    ones included, keyed exactly as `model.state_dict()` (a model wrapped after conversion, e.g. under a
+    `module.` prefix, is found by its submodule). An unconverted model: every tensor whole, world size 1."""
+    found = [(n, m._tp_conversion) for n, m in model.named_modules() if getattr(m, "_tp_conversion", None)]
+    if len(found) > 1:
+        raise ValueError(f"shard_layouts: the model holds {len(found)} converted submodules ({[n for n, _ in found]}); "
+                         f"call it on each")
+    prefix, conversion = found[0] if found else ("", None)
+    world, rank = (conversion.world_size, conversion.rank) if conversion else (1, 0)
+    known = conversion.layouts if conversion else {}
+    cut = len(prefix) + 1 if prefix else 0
+    out = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        inner = key[cut:] if prefix and key.startswith(prefix + ".") else key
+        lay = known.get(inner)
+        out[key] = lay if lay is not None else ShardLayout.replicated(t.shape, world, rank)
+    return out
