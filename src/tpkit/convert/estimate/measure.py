@@ -66,6 +66,120 @@ def _param_bytes_per_rank(m: nn.Module, style: str, t: int) -> float:
     return total
 
 
+def _nbytes(x) -> int:
+    """Bytes of a tensor, or of the tensors in a tuple or list (what hooks see as inputs and outputs)."""
+    return sum(v.numel() * v.element_size() for v in (x if isinstance(x, (tuple, list)) else [x])
+               if isinstance(v, torch.Tensor))
+
+
+class _StepRecorder:
+    """Follows one forward leaf by leaf, at world size 1 and on rank 0 of t.
+
+    The forward hooks (`pre`, `post`) and the saved-tensor hook (`pack`) share this state: the style each leaf
+    gets, whether the activations are split at this point of the forward, the bytes autograd saves (and whether
+    they were split when saved), the largest live input + output of a leaf, the FLOPs outside and inside a
+    split region, and the collectives the plan puts where a region ends.
+    """
+
+    def __init__(self, model: nn.Module, styles: dict[str, str] | None, world_size: int):
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self.styles, self.t = styles, world_size
+        self.sharded = False        # activations are split over the ranks here
+        self.region = False         # inside a column -> row pair: FLOPs divide over the ranks
+        self.in_one = 0.0           # the current leaf's input bytes on one device
+        self.in_rank = 0.0          # ... and on rank 0
+        self.live = [0.0, 0.0]      # largest input + output of one leaf: one device, rank 0
+        self.mark = 0               # FLOPs already attributed to a side
+        self.flops = [0, 0]         # FLOPs outside / inside a split region
+        self.chosen: dict[str, str] = {}
+        self.collectives: list[tuple[str, int]] = []
+        self.saved: dict[int, tuple[int, bool]] = {}
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        self.counter = FlopCounterMode(display=False)
+
+    def style_of(self, name: str, module: nn.Module) -> str:
+        """The plan's style for a leaf, decided once, on its first call (the type rule needs `sharded` then)."""
+        if name not in self.chosen:
+            self.chosen[name] = (self.styles.get(name, "replicate") if self.styles is not None
+                                 else _fallback_style(module, self.sharded, self.t)) if self.t > 1 else "replicate"
+        return self.chosen[name]
+
+    def account_flops(self) -> None:
+        total = self.counter.get_total_flops()
+        self.flops[1 if self.region else 0] += total - self.mark
+        self.mark = total
+
+    def pre(self, name: str):
+        def hook(module, inputs):
+            style = self.style_of(name, module)
+            self.account_flops()
+            if style in _OUT_SPLIT | {"colwise_rep"}:
+                self.region = True
+            self.in_rank = _nbytes(inputs) / (self.t if self.sharded else 1)
+            self.in_one = _nbytes(inputs)
+        return hook
+
+    def post(self, name: str):
+        def hook(module, inputs, output):
+            self.account_flops()
+            style = self.chosen.get(name, "replicate")
+            if style in _OUT_SPLIT:
+                self.sharded = True
+            elif style in _GATHERED | _REDUCED:
+                self.sharded = self.region = False
+                self.collectives.append(("all_gather" if style in _GATHERED else "all_reduce", _nbytes(output)))
+            out = _nbytes(output)
+            self.live[0] = max(self.live[0], self.in_one + out)
+            self.live[1] = max(self.live[1], self.in_rank + out / (self.t if self.sharded else 1))
+        return hook
+
+    def pack(self, x):
+        st = x.untyped_storage()
+        if st.data_ptr() not in self.param_ptrs and st.data_ptr() not in self.saved:
+            self.saved[st.data_ptr()] = (st.nbytes(), self.sharded)
+        return x
+
+    def run(self, model: nn.Module, leaves: dict[str, nn.Module], args, kwargs, training: bool) -> None:
+        """One forward with the hooks on (training: under saved_tensors_hooks; inference: no_grad)."""
+        handles = [m.register_forward_pre_hook(self.pre(n)) for n, m in leaves.items()]
+        handles += [m.register_forward_hook(self.post(n)) for n, m in leaves.items()]
+        try:
+            with self.counter:
+                if training:
+                    with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda x: x):
+                        model(*args, **kwargs)
+                else:
+                    with torch.no_grad():
+                        model(*args, **kwargs)
+                self.account_flops()
+        finally:
+            for h in handles:
+                h.remove()
+
+    def activations(self, training: bool) -> tuple[float, float]:
+        """(one device, rank 0): saved bytes, split ones divided by t, in training; the live peak in inference."""
+        if training:
+            one = float(sum(n for n, _ in self.saved.values()))
+            many = float(sum(math.ceil(n / self.t) if sharded else n for n, sharded in self.saved.values()))
+            return one, many
+        return self.live[0], self.live[1]
+
+
+def _parameter_bytes(leaves: dict[str, nn.Module], chosen: dict[str, str], t: int) -> tuple[float, float]:
+    """(parameter bytes, on rank 0), each parameter counted once (at its first leaf: tied weights) and split as
+    that leaf's style shards it."""
+    seen, params_one, params_rank = set(), 0.0, 0.0
+    for name, m in leaves.items():
+        own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+        seen |= {id(p) for p in own}
+        if own:
+            params_one += sum(p.numel() * p.element_size() for p in own)
+            params_rank += _param_bytes_per_rank(m, chosen.get(name, "replicate"), t)
+    return params_one, params_rank
+
+
 def measure_step(model: nn.Module, args=(), kwargs=None, styles=None, world_size: int = 1,
                  training: bool = True) -> dict[str, Any]:
     """Run `model(*args, **kwargs)` once and measure, at world size 1 and on rank 0 of `world_size`:
@@ -76,89 +190,15 @@ def measure_step(model: nn.Module, args=(), kwargs=None, styles=None, world_size
 
     `styles` maps module names to plan styles; None applies the type rule of `_fallback_style`.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     kwargs = kwargs or {}
     t = world_size
     leaves = _leaves(model)
-    state = {"sharded": False, "region": False, "in": 0.0, "in1": 0.0, "live": [0.0, 0.0], "mark": 0,
-             "flops": [0, 0]}  # flops outside / inside a split region
-    chosen: dict[str, str] = {}
-    collectives: list[int] = []
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    saved: dict[int, tuple[int, bool]] = {}
-    counter = FlopCounterMode(display=False)
-
-    def nbytes(x) -> int:
-        return sum(v.numel() * v.element_size() for v in (x if isinstance(x, (tuple, list)) else [x])
-                   if isinstance(v, torch.Tensor))
-
-    def account_flops():
-        total = counter.get_total_flops()
-        state["flops"][1 if state["region"] else 0] += total - state["mark"]
-        state["mark"] = total
-
-    def pre(name):
-        def hook(module, inputs):
-            if name not in chosen:
-                chosen[name] = (styles.get(name, "replicate") if styles is not None
-                                else _fallback_style(module, state["sharded"], t)) if t > 1 else "replicate"
-            account_flops()
-            if chosen[name] in _OUT_SPLIT | {"colwise_rep"}:
-                state["region"] = True
-            state["in"] = nbytes(inputs) / (t if state["sharded"] else 1)
-            state["in1"] = nbytes(inputs)
-        return hook
-
-    def post(name):
-        def hook(module, inputs, output):
-            account_flops()
-            style = chosen.get(name, "replicate")
-            if style in _OUT_SPLIT:
-                state["sharded"] = True
-            elif style in _GATHERED | _REDUCED:
-                state["sharded"] = state["region"] = False
-                collectives.append(("all_gather" if style in _GATHERED else "all_reduce", nbytes(output)))
-            out = nbytes(output)
-            state["live"][0] = max(state["live"][0], state["in1"] + out)
-            state["live"][1] = max(state["live"][1], state["in"] + out / (t if state["sharded"] else 1))
-        return hook
-
-    def pack(x):
-        st = x.untyped_storage()
-        if st.data_ptr() not in param_ptrs and st.data_ptr() not in saved:
-            saved[st.data_ptr()] = (st.nbytes(), state["sharded"])
-        return x
-
-    handles = [m.register_forward_pre_hook(pre(n)) for n, m in leaves.items()]
-    handles += [m.register_forward_hook(post(n)) for n, m in leaves.items()]
-    try:
-        with counter:
-            if training:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-                    model(*args, **kwargs)
-            else:
-                with torch.no_grad():
-                    model(*args, **kwargs)
-            account_flops()
-    finally:
-        for h in handles:
-            h.remove()
-    if training:
-        one = float(sum(n for n, _ in saved.values()))
-        many = float(sum(math.ceil(n / t) if sharded else n for n, sharded in saved.values()))
-    else:
-        one, many = state["live"]
-    seen, params_one, params_rank = set(), 0.0, 0.0
-    for name, m in leaves.items():
-        own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
-        seen |= {id(p) for p in own}
-        if own:
-            params_one += sum(p.numel() * p.element_size() for p in own)
-            params_rank += _param_bytes_per_rank(m, chosen.get(name, "replicate"), t)
-    collectives = collectives if t > 1 else []
-    outside, inside = state["flops"]
+    recorder = _StepRecorder(model, styles, t)
+    recorder.run(model, leaves, args, kwargs, training)
+    one, many = recorder.activations(training)
+    params_one, params_rank = _parameter_bytes(leaves, recorder.chosen, t)
+    collectives = recorder.collectives if t > 1 else []
+    outside, inside = recorder.flops
     largest = float(max((n for _, n in collectives), default=0))
     return {"activations": one, "activations_per_rank": many, "communication": largest,
             "collectives": collectives, "parameter_bytes": params_one, "parameter_bytes_per_rank": params_rank,
