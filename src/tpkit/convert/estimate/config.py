@@ -62,44 +62,48 @@ def _get(config, *names, default=None):
     return default
 
 
-def transformer_shape(config) -> TransformerShape:
-    """Read a Hugging Face config (Llama, Mistral, Qwen2, GPT-2, OPT, BERT and Llama-like others)."""
-    kind = getattr(config, "model_type", "")
-    if kind == "gpt2":
-        h = config.n_embd
-        return TransformerShape(
-            kind, config.vocab_size, h, config.n_layer, config.n_head, config.n_head, h // config.n_head,
-            config.n_inner or 4 * h, gated_mlp=False, activation=config.activation_function, norm="layer",
-            norm_bias=True, qkv_bias=True, out_bias=True, mlp_bias=True,
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
-            position_embeddings=config.n_positions, attention_dropout=config.attn_pdrop,
-            hidden_dropout=config.resid_pdrop, embedding_dropout=config.embd_pdrop)
-    if kind == "opt":
-        h = config.hidden_size
-        if config.word_embed_proj_dim != h or not config.do_layer_norm_before:
-            raise ValueError(f"OPT config with word_embed_proj_dim={config.word_embed_proj_dim} != hidden_size={h} "
-                             "or post-norm (OPT-350m) is not modelled by the estimate; use a model object")
-        return TransformerShape(
-            kind, config.vocab_size, h, config.num_hidden_layers, config.num_attention_heads,
-            config.num_attention_heads, h // config.num_attention_heads, config.ffn_dim, gated_mlp=False,
-            activation=config.activation_function, norm="layer", norm_bias=config.layer_norm_elementwise_affine,
-            qkv_bias=config.enable_bias, out_bias=config.enable_bias, mlp_bias=config.enable_bias,
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
-            position_embeddings=config.max_position_embeddings, position_offset=2,
-            attention_dropout=config.attention_dropout, hidden_dropout=config.dropout, softmax_fp32=True,
-            final_norm=not getattr(config, "_remove_final_layer_norm", False))
-    if kind == "bert":
-        h = config.hidden_size
-        return TransformerShape(
-            kind, config.vocab_size, h, config.num_hidden_layers, config.num_attention_heads,
-            config.num_attention_heads, h // config.num_attention_heads, config.intermediate_size,
-            gated_mlp=False, activation=config.hidden_act, norm="layer", norm_bias=True, qkv_bias=True,
-            out_bias=True, mlp_bias=True, tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
-            position_embeddings=config.max_position_embeddings, token_type_embeddings=config.type_vocab_size,
-            embedding_norm=True, final_norm=False, mlm_head=True,
-            attention_dropout=config.attention_probs_dropout_prob, hidden_dropout=config.hidden_dropout_prob,
-            embedding_dropout=config.hidden_dropout_prob, is_decoder=False, logits_fp32=False)
-    # Llama-like decoders: Llama, Mistral, Qwen2, and any config with the same attribute names.
+def _gpt2_shape(config, kind: str) -> TransformerShape:
+    h = config.n_embd
+    return TransformerShape(
+        kind, config.vocab_size, h, config.n_layer, config.n_head, config.n_head, h // config.n_head,
+        config.n_inner or 4 * h, gated_mlp=False, activation=config.activation_function, norm="layer",
+        norm_bias=True, qkv_bias=True, out_bias=True, mlp_bias=True,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+        position_embeddings=config.n_positions, attention_dropout=config.attn_pdrop,
+        hidden_dropout=config.resid_pdrop, embedding_dropout=config.embd_pdrop)
+
+
+def _opt_shape(config, kind: str) -> TransformerShape:
+    h = config.hidden_size
+    if config.word_embed_proj_dim != h or not config.do_layer_norm_before:
+        raise ValueError(f"OPT config with word_embed_proj_dim={config.word_embed_proj_dim} != hidden_size={h} "
+                         "or post-norm (OPT-350m) is not modelled by the estimate; use a model object")
+    return TransformerShape(
+        kind, config.vocab_size, h, config.num_hidden_layers, config.num_attention_heads,
+        config.num_attention_heads, h // config.num_attention_heads, config.ffn_dim, gated_mlp=False,
+        activation=config.activation_function, norm="layer", norm_bias=config.layer_norm_elementwise_affine,
+        qkv_bias=config.enable_bias, out_bias=config.enable_bias, mlp_bias=config.enable_bias,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+        position_embeddings=config.max_position_embeddings, position_offset=2,
+        attention_dropout=config.attention_dropout, hidden_dropout=config.dropout, softmax_fp32=True,
+        final_norm=not getattr(config, "_remove_final_layer_norm", False))
+
+
+def _bert_shape(config, kind: str) -> TransformerShape:
+    h = config.hidden_size
+    return TransformerShape(
+        kind, config.vocab_size, h, config.num_hidden_layers, config.num_attention_heads,
+        config.num_attention_heads, h // config.num_attention_heads, config.intermediate_size,
+        gated_mlp=False, activation=config.hidden_act, norm="layer", norm_bias=True, qkv_bias=True,
+        out_bias=True, mlp_bias=True, tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+        position_embeddings=config.max_position_embeddings, token_type_embeddings=config.type_vocab_size,
+        embedding_norm=True, final_norm=False, mlm_head=True,
+        attention_dropout=config.attention_probs_dropout_prob, hidden_dropout=config.hidden_dropout_prob,
+        embedding_dropout=config.hidden_dropout_prob, is_decoder=False, logits_fp32=False)
+
+
+def _llama_like_shape(config, kind: str) -> TransformerShape:
+    """Llama-like decoders: Llama, Mistral, Qwen2, and any config with the same attribute names."""
     h = _get(config, "hidden_size")
     heads = _get(config, "num_attention_heads")
     f = _get(config, "intermediate_size")
@@ -116,6 +120,16 @@ def transformer_shape(config) -> TransformerShape:
                                                                                    default=False)),
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         attention_dropout=float(_get(config, "attention_dropout", default=0.0)), softmax_fp32=True)
+
+
+# The families whose configs name things their own way; every other model_type is read as Llama-like.
+_READERS = {"gpt2": _gpt2_shape, "opt": _opt_shape, "bert": _bert_shape}
+
+
+def transformer_shape(config) -> TransformerShape:
+    """Read a Hugging Face config (Llama, Mistral, Qwen2, GPT-2, OPT, BERT and Llama-like others)."""
+    kind = getattr(config, "model_type", "")
+    return _READERS.get(kind, _llama_like_shape)(config, kind)
 
 
 def _own_dtype(model_or_config) -> torch.dtype:
