@@ -45,14 +45,6 @@ class TransformerShape:
     is_decoder: bool = True
     position_offset: int = 0          # OPT keeps 2 extra position rows
 
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
 
 def _get(config, *names, default=None):
     for name in names:

@@ -77,10 +77,8 @@ def optimizer_bytes_per_parameter(optimizer: str, dtype: torch.dtype, master_wei
 def _analysed_parameters(model: nn.Module, world_size: int, mode: str, example=None) -> tuple[int, int] | None:
     """(parameters, parameters on the fullest rank) of a model object from the converter's analysis: the very
     plan `parallelize` applies, so any head or class (sequence classification, a bare encoder) is exact."""
-    try:
-        from tpkit.convert.analyze import analyze
-    except ImportError:
-        return None
+    from tpkit.convert.analyze import analyze  # on use, so either module may import the other
+
     first = next(model.parameters(), None)
     if first is None:
         return None

@@ -10,23 +10,13 @@ import functools
 
 from tpkit.comm.sharding import split_sizes
 
+from ..heads import HeadLayoutError, head_layout
 from .config import TransformerShape
 
 
 @functools.lru_cache(maxsize=256)
 def _head_layout(num_heads: int, num_kv_heads: int, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(query heads per rank, KV heads per rank) as `parallelize` lays them out, or None (no layout)."""
-    try:
-        from tpkit.convert.heads import HeadLayoutError, head_layout
-    except ImportError:  # the converter's module is missing: contiguous query heads, the KV heads they read
-        sizes = split_sizes(num_heads, world_size)
-        if sizes[-1] == 0 or num_heads % num_kv_heads:
-            return None
-        group, start, kv = num_heads // num_kv_heads, 0, []
-        for n in sizes:
-            kv.append((start + n - 1) // group - start // group + 1)
-            start += n
-        return tuple(sizes), tuple(kv)
     try:
         layout = head_layout(num_heads, num_kv_heads, world_size)
     except HeadLayoutError:

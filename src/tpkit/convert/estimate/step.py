@@ -16,10 +16,8 @@ from .report import _MODES
 
 def _planned_styles(model: nn.Module, world_size: int, mode: str, example) -> tuple[dict[str, str] | None, str]:
     """`{module name: style}` from the converter's planner (what `parallelize` will do), or None and why."""
-    try:
-        from tpkit.convert.planner import plan as make_plan
-    except ImportError as exc:
-        return None, f"the converter's planner is not available ({exc})"
+    from tpkit.convert.planner import plan as make_plan  # on use, so either module may import the other
+
     try:
         p = make_plan(model, world_size, mode=mode, example_inputs=example)
     except Exception as exc:  # noqa: BLE001 - fall back to the type rule, and say so
