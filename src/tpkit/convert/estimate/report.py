@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-_MODES = ("inference", "training")
+_MODES = ("inference", "training")  # what a MemoryEstimate describes; the speed estimate splits inference further
 
 
 @dataclass
