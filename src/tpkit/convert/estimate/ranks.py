@@ -1,0 +1,55 @@
+"""What one rank holds of a transformer's widths at TP t: query and KV heads as `parallelize` lays them out
+(`tpkit.convert.heads`), the MLP width and the vocabulary as `tpkit.comm.split_sizes` cuts them.
+
+Every per-rank figure (parameters, activations, KV cache) goes through here, so the estimate and the converter
+cannot disagree on which rank holds an extra head when a size does not divide.
+"""
+from __future__ import annotations
+
+import functools
+
+from tpkit.comm.sharding import split_sizes
+
+from ..heads import HeadLayoutError, head_layout
+from .config import TransformerShape
+
+
+@functools.lru_cache(maxsize=256)
+def _head_layout(num_heads: int, num_kv_heads: int, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(query heads per rank, KV heads per rank) as `parallelize` lays them out, or None (no layout)."""
+    try:
+        layout = head_layout(num_heads, num_kv_heads, world_size)
+    except HeadLayoutError:
+        return None
+    return tuple(len(q) for q in layout.q_heads), tuple(len(k) for k in layout.kv_heads)
+
+
+def rank_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int = 0) -> tuple[int, int, bool]:
+    """(query heads, KV heads, split?) on `rank`, as `parallelize` lays them out.
+
+    The layout is the converter's (`tpkit.convert.heads.head_layout`: whole heads, GQA groups kept together,
+    KV heads replicated when fewer than ranks; with uneven splits a later rank may hold more KV heads than
+    rank 0). When no layout exists the attention stays replicated.
+    """
+    if world_size == 1:
+        return num_heads, num_kv_heads, True
+    layout = _head_layout(num_heads, num_kv_heads, world_size)
+    if layout is None:
+        return num_heads, num_kv_heads, False
+    return layout[0][rank], layout[1][rank], True
+
+
+def heads_per_rank(num_heads: int, world_size: int, num_kv_heads: int | None = None, rank: int = 0) -> int:
+    """Query heads on `rank`."""
+    return rank_heads(num_heads, num_kv_heads or num_heads, world_size, rank)[0]
+
+
+def kv_heads_per_rank(num_heads: int, num_kv_heads: int, world_size: int, rank: int = 0) -> int:
+    """KV heads on `rank`: its share, or a replica of those its query heads read when KV heads < t."""
+    return rank_heads(num_heads, num_kv_heads, world_size, rank)[1]
+
+
+def _rank_widths(shape: TransformerShape, t: int, rank: int) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, MLP width, vocabulary rows) that `rank` holds."""
+    q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t, rank)
+    return q_heads, kv_heads, split_sizes(shape.intermediate_size, t)[rank], split_sizes(shape.vocab_size, t)[rank]

@@ -1,0 +1,105 @@
+"""What an estimate returns: bytes by part on one device and on the most loaded rank, and their rendering.
+
+Kept apart from the arithmetic so that the formula path and the measured path build the same result.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+_MODES = ("inference", "training")  # what a MemoryEstimate describes; the speed estimate splits inference further
+
+
+@dataclass
+class Breakdown:
+    """Bytes on one rank."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer_states: float = 0.0
+    activations: float = 0.0
+    kv_cache: float = 0.0
+    communication_buffers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return (self.parameters + self.gradients + self.optimizer_states + self.activations + self.kv_cache
+                + self.communication_buffers)
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass
+class MemoryEstimate:
+    """Memory on one device (`single`) and on the most loaded of `world_size` TP ranks (`per_rank`)."""
+
+    world_size: int
+    mode: str
+    dtype: str
+    optimizer: str
+    batch_size: int
+    seq_len: int | None
+    sequence_parallel: bool
+    recompute: str
+    single: Breakdown
+    per_rank: Breakdown
+    parameters_total: int
+    parameters_per_rank: int
+    largest_collective: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.per_rank.total
+
+    @property
+    def savings_bytes(self) -> float:
+        return self.single.total - self.per_rank.total
+
+    @property
+    def savings_percent(self) -> float:
+        return 100.0 * self.savings_bytes / self.single.total if self.single.total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "mode": self.mode, "dtype": self.dtype, "optimizer": self.optimizer,
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "sequence_parallel": self.sequence_parallel,
+                "recompute": self.recompute, "parameters_total": self.parameters_total,
+                "parameters_per_rank": self.parameters_per_rank, "single_device": self.single.to_dict(),
+                "per_rank": self.per_rank.to_dict(), "savings_bytes": self.savings_bytes,
+                "savings_percent": self.savings_percent, "largest_collective": self.largest_collective,
+                "notes": list(self.notes)}
+
+    def summary(self) -> str:
+        """A terminal table: each part on one device and per rank."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"memory: {self.mode}, {self.dtype}",
+                      caption=f"batch {self.batch_size}" + (f" x seq {self.seq_len}" if self.seq_len else "")
+                      + (", sequence parallel" if self.sequence_parallel else "")
+                      + (f", {self.recompute} recompute" if self.recompute != "none" else ""))
+        table.add_column("part")
+        table.add_column("1 device", justify="right")
+        table.add_column(f"per rank (t={self.world_size})", justify="right")
+        for name in ("parameters", "gradients", "optimizer_states", "activations", "kv_cache",
+                     "communication_buffers"):
+            one, many = getattr(self.single, name), getattr(self.per_rank, name)
+            if one or many:
+                table.add_row(name.replace("_", " "), format_bytes(one), format_bytes(many))
+        table.add_row("total", format_bytes(self.single.total), format_bytes(self.per_rank.total), style="bold")
+        console = Console(width=100, record=True, force_terminal=False, color_system=None)
+        with console.capture() as capture:
+            console.print(table)
+            console.print(f"saves {format_bytes(self.savings_bytes)} per rank ({self.savings_percent:.1f}%); "
+                          f"largest collective: {self.largest_collective}")
+            for note in self.notes:
+                console.print(f"note: {note}")
+        return capture.get()
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"

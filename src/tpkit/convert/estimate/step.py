@@ -1,0 +1,103 @@
+"""The one small real step a non-transformer module is measured on: its example call, the plan styles the
+converter would apply, and a runnable copy of the model.
+
+Shared by the memory and the speed estimate, so both measure the very same step.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from .report import _MODES
+
+
+def _planned_styles(model: nn.Module, world_size: int, mode: str, example) -> tuple[dict[str, str] | None, str]:
+    """`{module name: style}` from the converter's planner (what `parallelize` will do), or None and why."""
+    from tpkit.convert.planner import plan as make_plan  # on use, so either module may import the other
+
+    try:
+        p = make_plan(model, world_size, mode=mode, example_inputs=example)
+    except Exception as exc:  # noqa: BLE001 - fall back to the type rule, and say so
+        return None, f"the planner failed ({type(exc).__name__}: {exc})"
+    styles = {name: style for name in dict(model.named_modules()) if (style := p.style_for(name))}
+    split = [n for n, st in styles.items() if st != "replicate"]
+    why = "" if split or not p.reasons else f"the plan splits nothing: {next(iter(p.reasons.values()))}"
+    return styles, why
+
+
+def _as_call(example):
+    if isinstance(example, dict):
+        return (), example
+    if isinstance(example, (tuple, list)):
+        return tuple(example), {}
+    return (example,), {}
+
+
+def _first_tensor(example) -> torch.Tensor | None:
+    args, kwargs = _as_call(example)
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def _runnable_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy to run one step on: real CPU storage (meta models get uninitialised memory, which is enough
+    to see sizes) in the estimate's dtype; the user's model and its BatchNorm statistics stay untouched."""
+    work = copy.deepcopy(model)
+    if any(p.is_meta for p in work.parameters()) or any(b.is_meta for b in work.buffers()):
+        work = work.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in work.parameters():
+                p.normal_(0, 0.02)
+    return work.to(dtype)
+
+
+def _example(model: nn.Module, dtype: torch.dtype, example_input, input_shape):
+    if example_input is not None:
+        def cast(v):
+            return v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        args, kwargs = _as_call(example_input)
+        return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()})
+    if input_shape is not None:
+        first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear, nn.Conv2d))), None)
+        if isinstance(first, nn.Embedding):
+            return (torch.zeros(tuple(input_shape), dtype=torch.long),), {}
+        return (torch.randn(tuple(input_shape), dtype=dtype),), {}
+    raise ValueError(f"estimate_memory: {type(model).__name__} is not a transformer with a Hugging Face config; "
+                     "pass example_input=... (a tensor, tuple or dict, batch first) or input_shape=(batch, ...) "
+                     "so its activations can be measured on one small step")
+
+
+def prepare_module_step(model: nn.Module, world_size: int, dtype: torch.dtype, mode: str, example_input=None,
+                        input_shape=None, seq_len: int | None = None) -> dict[str, Any]:
+    """Everything a measured step needs: the example call, its batch, the plan styles (or why not), a
+    runnable copy of the model. Shared by the memory and the speed estimate of non-transformer modules."""
+    if example_input is None and input_shape is None and getattr(model, "main_input_name", "") == "input_ids":
+        example_input = {"input_ids": torch.zeros(1, seq_len or 128, dtype=torch.long)}
+    args, kwargs = _example(model, dtype, example_input, input_shape)
+    first = _first_tensor(args) if args else _first_tensor(kwargs)
+    notes, styles, planned = [], None, ()
+    if world_size > 1:
+        first_param = next(model.parameters(), None)
+        device = first_param.device if first_param is not None else torch.device("cpu")
+        own = first_param.dtype if first_param is not None else dtype
+
+        def as_model(v):  # the planner traces the model itself: its device and dtype
+            if not isinstance(v, torch.Tensor):
+                return v
+            return v.to(device, own) if v.is_floating_point() else v.to(device)
+        planned = tuple(as_model(a) for a in args) if args else {k: as_model(v) for k, v in kwargs.items()}
+        styles, why = _planned_styles(model, world_size, mode if mode in _MODES else "inference", planned)
+        if styles is None:
+            notes.append(f"per-rank split by layer type (Linear/Conv2d pairs whose sizes divide, embeddings by "
+                         f"vocabulary) because {why}")
+        elif why:
+            notes.append(why)
+    work = _runnable_copy(model, dtype)
+    work.train(mode == "training")
+    return {"args": args, "kwargs": kwargs, "batch": int(first.shape[0]) if first is not None and first.dim() else 1,
+            "styles": styles, "planned_inputs": planned, "work": work, "notes": notes}
