@@ -21,9 +21,12 @@ import torch
 from torch import nn
 
 from .heads import HeadLayoutError, head_layout
+from .errors import PlanError
 from .modules import (is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, is_plain_conv2d, kind,
                       linear_dims)
-from .plan import Plan, PlanError
+from .plan import Plan
+from .styles import (CHANNELWISE, COLWISE, COLWISE_REP, EMBEDDING_ROWWISE, REPLICATE, REPLICATED_WITH_GRAD_ALLREDUCE,
+                     ROWWISE, VOCAB_PARALLEL, VOCAB_STYLES)
 from .trace import Trace, parameterised_leaves, trace
 
 HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "d_head", "d_k")
@@ -348,28 +351,28 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
     if a.trace is None:
         for name in a.leaves:
             reasons[name] = f"the model's forward could not be traced ({a.trace_error}); pass example_inputs"
-        return Plan({n: "replicate" for n in a.leaves}, world_size=world_size, mode=mode, reasons=reasons,
+        return Plan({n: REPLICATE for n in a.leaves}, world_size=world_size, mode=mode, reasons=reasons,
                     prefix=a.prefix)
     for pair in a.pairs:
         names = pair["columns"] + [pair["row"]] + pair["carried"]
         why = _pair_blocker(a, pair, world_size)
         if why:
             for n in names:
-                entries[n] = "replicate"
+                entries[n] = REPLICATE
                 reasons[n] = why
             continue
         for n in pair["columns"]:
-            entries[n] = "colwise"
+            entries[n] = COLWISE
             details[n] = a.structures[n]
-        entries[pair["row"]] = "rowwise"
+        entries[pair["row"]] = ROWWISE
         details[pair["row"]] = a.structures[pair["row"]]
         for n in pair["carried"]:
             # BatchNorm between convs holds its channels; a per-head norm stays whole, its gradient summed.
-            entries[n] = "replicated_with_grad_allreduce" if pair["kind"] == "attention" else "channelwise"
+            entries[n] = REPLICATED_WITH_GRAD_ALLREDUCE if pair["kind"] == "attention" else CHANNELWISE
             details[n] = a.structures[n]
     heads = _lm_heads(a, world_size)
     for h in heads:
-        entries[h] = "vocab_parallel" if mode == "training" else "colwise_rep"
+        entries[h] = VOCAB_PARALLEL if mode == "training" else COLWISE_REP
     for name, m in a.leaves.items():
         if name in entries or not is_embedding(m):
             continue
@@ -379,14 +382,14 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
         if m.num_embeddings < world_size:
             reasons[name] = f"{m.num_embeddings} rows cannot be split over {world_size} ranks"
         elif tied_to_head or m.num_embeddings == vocab or (vocab is None and share >= 0.05):
-            entries[name] = "embedding_rowwise"
+            entries[name] = EMBEDDING_ROWWISE
         else:
             reasons[name] = (f"not the vocabulary ({share:.1%} of parameters, {m.num_embeddings} rows): splitting it "
                              f"would add an all-reduce per forward for little memory")
     _settle_ties(a, entries, reasons)
     for name, m in a.leaves.items():
         if name not in entries:
-            entries[name] = "replicate"
+            entries[name] = REPLICATE
             reasons.setdefault(name, _replicate_reason(a, name, m))
     return Plan(entries, world_size=world_size, mode=mode, details=details, reasons=reasons, prefix=a.prefix)
 
@@ -407,14 +410,13 @@ def _pair_blocker(a: Analysis, pair: dict, world_size: int) -> str | None:
 
 def _settle_ties(a: Analysis, entries: dict, reasons: dict) -> None:
     """Tied weights must be split the same way (over the vocabulary) or all stay replicated."""
-    vocab_styles = {"embedding_rowwise", "colwise_rep", "vocab_parallel"}
     for name, others in a.ties.items():
         group = [name] + others
-        styles = {entries.get(n, "replicate") for n in group}
-        if styles <= vocab_styles or styles == {"replicate"}:
+        styles = {entries.get(n, REPLICATE) for n in group}
+        if styles <= VOCAB_STYLES or styles == {REPLICATE}:
             continue
         for n in group:
-            entries[n] = "replicate"
+            entries[n] = REPLICATE
             reasons[n] = f"weight tied with {[o for o in group if o != n]}, which cannot be split the same way"
 
 

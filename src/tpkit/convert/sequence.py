@@ -22,9 +22,10 @@ import dataclasses
 from torch import nn
 
 from .modules import is_conv2d, is_feature_norm, is_linear
-from .plan import PlanError
+from .errors import PlanError
+from .styles import COLWISE, REPLICATE, ROWWISE, SEQUENCE_PARALLEL, VOCAB_PARALLEL
 
-COLUMNS = ("colwise", "vocab_parallel")
+COLUMNS = (COLWISE, VOCAB_PARALLEL)
 
 
 @dataclasses.dataclass
@@ -45,30 +46,30 @@ def find_region(analysis, styles: dict[str, str]) -> SequenceRegion:
                         f"({analysis.trace_error})")
     order = sorted(t.calls, key=lambda n: t.calls[n][0].order)
     entry = next((n for n in order if any(styles.get(c) in COLUMNS for c in t.consumers.get(n, ()))
-                  and styles.get(n) not in ("rowwise",) + COLUMNS), None)
+                  and styles.get(n) not in (ROWWISE,) + COLUMNS), None)
     if entry is None:
         raise PlanError("sequence parallelism: no column-wise layer is fed by a replicated layer (a norm), so "
                         "there is no residual stream to split")
     entry_call = t.first(entry)
-    whole = [n for n in order if styles.get(n, "replicate") == "replicate" and t.first(n).order < entry_call.order
+    whole = [n for n in order if styles.get(n, REPLICATE) == REPLICATE and t.first(n).order < entry_call.order
              and (is_linear(analysis.leaves[n]) or is_conv2d(analysis.leaves[n]))]
     if whole:
         raise PlanError(f"sequence parallelism: layers before the first split block stay whole ({whole[:4]}); "
                         f"every attention / MLP block must be split for the sequence to stay split between them")
     block, arg = _outermost_receiver(t, entry_call.input_id, entry)
-    rows = [n for n in order if styles.get(n) == "rowwise"]
+    rows = [n for n in order if styles.get(n) == ROWWISE]
     sharded = set(rows) | set(entry_call.input_tag.sources if entry_call.input_tag else ())
     norms, columns = [], []
     for name in order[order.index(entry):]:
         tag = t.first(name).input_tag
         if tag is None or not tag.sources or not tag.sources <= sharded | set(norms):
             continue
-        style = styles.get(name, "replicate")
+        style = styles.get(name, REPLICATE)
         if style in COLUMNS:
             columns.append(name)
-        elif style == "rowwise":
+        elif style == ROWWISE:
             continue
-        elif style in ("replicate", "sequence_parallel") and is_feature_norm(analysis.leaves[name]):
+        elif style in (REPLICATE, SEQUENCE_PARALLEL) and is_feature_norm(analysis.leaves[name]):
             norms.append(name)
         else:
             raise PlanError(f"sequence parallelism: {name} ({type(analysis.leaves[name]).__name__}, {style!r}) reads "

@@ -6,6 +6,7 @@ from typing import Any
 from torch import nn
 
 from .parallelize import parallelize
+from .styles import REPLICATE
 
 
 class DistributedModelWrapper(nn.Module):
@@ -50,7 +51,7 @@ class DistributedModelWrapper(nn.Module):
     @property
     def parallelized_layers(self) -> list[str]:
         """Names of the layers that were split (everything else is replicated)."""
-        return [n for n, s in self.tp_plan.entries.items() if s != "replicate"]
+        return [n for n, s in self.tp_plan.entries.items() if s != REPLICATE]
 
     def forward(self, *args, **kwargs):
         return self.base_model(*args, **kwargs)

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.comm.sharding import split_sizes
+from ..styles import (CHANNELWISE, COLWISE, COLWISE_REP, EMBEDDING_COLWISE, EMBEDDING_ROWWISE, REPLICATE, ROWWISE,
+                      ROWWISE_REP, VOCAB_PARALLEL, module_layouts)
 
-
-_OUT_SPLIT = {"colwise", "vocab_parallel"}                  # output stays split
-_GATHERED = {"colwise_rep", "embedding_colwise"}            # output all-gathered: full again
-_REDUCED = {"rowwise", "rowwise_rep", "embedding_rowwise"}  # output all-reduced: full again
+_OUT_SPLIT = {COLWISE, VOCAB_PARALLEL}                  # output stays split
+_GATHERED = {COLWISE_REP, EMBEDDING_COLWISE}            # output all-gathered: full again
+_REDUCED = {ROWWISE, ROWWISE_REP, EMBEDDING_ROWWISE}    # output all-reduced: full again
 
 
 def _leaves(model: nn.Module) -> dict[str, nn.Module]:
@@ -32,38 +32,23 @@ def _fallback_style(m: nn.Module, sharded: bool, t: int) -> str:
     from torch.nn.modules.batchnorm import _BatchNorm
 
     if isinstance(m, nn.Embedding) and m.num_embeddings % t == 0:
-        return "embedding_rowwise"
+        return EMBEDDING_ROWWISE
     if isinstance(m, _BatchNorm) and sharded:
-        return "channelwise"
+        return CHANNELWISE
     if isinstance(m, nn.Linear) or (isinstance(m, nn.Conv2d) and m.groups == 1):
         n_in = m.in_features if isinstance(m, nn.Linear) else m.in_channels
         n_out = m.out_features if isinstance(m, nn.Linear) else m.out_channels
         if sharded and n_in % t == 0:
-            return "rowwise"
+            return ROWWISE
         if not sharded and n_out % t == 0:
-            return "colwise"
-    return "replicate"
+            return COLWISE
+    return REPLICATE
 
 
 def _param_bytes_per_rank(m: nn.Module, style: str, t: int) -> float:
-    """Bytes of `m`'s own parameters on rank 0 under `style` (dims as tpkit shards them)."""
-    transposed = type(m).__name__ == "Conv1D"  # Hugging Face's linear with a (in, out) weight
-    total = 0.0
-    for pname, p in m.named_parameters(recurse=False):
-        dim = None
-        if style in _OUT_SPLIT | {"colwise_rep", "embedding_rowwise", "channelwise"}:
-            dim = (1 if transposed and pname == "weight" else 0) if p.dim() else None
-            if style == "embedding_rowwise" and pname != "weight":
-                dim = None
-        elif style in {"rowwise", "rowwise_rep"}:
-            dim = (0 if transposed else 1) if pname == "weight" else None
-        elif style == "embedding_colwise":
-            dim = 1 if pname == "weight" else None
-        if dim is None or p.dim() <= dim:
-            total += p.numel() * p.element_size()
-        else:
-            total += p.numel() // p.shape[dim] * split_sizes(p.shape[dim], t)[0] * p.element_size()
-    return total
+    """Bytes of `m`'s own parameters on rank 0 under `style` (the converter's layouts, plain splits)."""
+    layouts = module_layouts(m, style, {}, t, 0)
+    return float(sum(layouts[n].local_numel * p.element_size() for n, p in m.named_parameters(recurse=False)))
 
 
 def _nbytes(x) -> int:
@@ -102,8 +87,8 @@ class _StepRecorder:
     def style_of(self, name: str, module: nn.Module) -> str:
         """The plan's style for a leaf, decided once, on its first call (the type rule needs `sharded` then)."""
         if name not in self.chosen:
-            self.chosen[name] = (self.styles.get(name, "replicate") if self.styles is not None
-                                 else _fallback_style(module, self.sharded, self.t)) if self.t > 1 else "replicate"
+            self.chosen[name] = (self.styles.get(name, REPLICATE) if self.styles is not None
+                                 else _fallback_style(module, self.sharded, self.t)) if self.t > 1 else REPLICATE
         return self.chosen[name]
 
     def account_flops(self) -> None:
@@ -115,7 +100,7 @@ class _StepRecorder:
         def hook(module, inputs):
             style = self.style_of(name, module)
             self.account_flops()
-            if style in _OUT_SPLIT | {"colwise_rep"}:
+            if style in _OUT_SPLIT | {COLWISE_REP}:
                 self.region = True
             self.in_rank = _nbytes(inputs) / (self.t if self.sharded else 1)
             self.in_one = _nbytes(inputs)
@@ -124,7 +109,7 @@ class _StepRecorder:
     def post(self, name: str):
         def hook(module, inputs, output):
             self.account_flops()
-            style = self.chosen.get(name, "replicate")
+            style = self.chosen.get(name, REPLICATE)
             if style in _OUT_SPLIT:
                 self.sharded = True
             elif style in _GATHERED | _REDUCED:
@@ -176,7 +161,7 @@ def _parameter_bytes(leaves: dict[str, nn.Module], chosen: dict[str, str], t: in
         seen |= {id(p) for p in own}
         if own:
             params_one += sum(p.numel() * p.element_size() for p in own)
-            params_rank += _param_bytes_per_rank(m, chosen.get(name, "replicate"), t)
+            params_rank += _param_bytes_per_rank(m, chosen.get(name, REPLICATE), t)
     return params_one, params_rank
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..styles import REPLICATE
 from .report import _MODES
 
 
@@ -23,7 +24,7 @@ def _planned_styles(model: nn.Module, world_size: int, mode: str, example) -> tu
     except Exception as exc:  # noqa: BLE001 - fall back to the type rule, and say so
         return None, f"the planner failed ({type(exc).__name__}: {exc})"
     styles = {name: style for name in dict(model.named_modules()) if (style := p.style_for(name))}
-    split = [n for n, st in styles.items() if st != "replicate"]
+    split = [n for n, st in styles.items() if st != REPLICATE]
     why = "" if split or not p.reasons else f"the plan splits nothing: {next(iter(p.reasons.values()))}"
     return styles, why
 
