@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from .modules import kind
-from .planner import Analysis, analyze_structure, auto_plan
+from .planner import auto_plan
+from .structure import Analysis, analyze_structure
 from .styles import REPLICATE, module_layouts
 
 # Binary throughout: device memory is sold in binary units under decimal names (an "80GB" H100 holds 80 GiB).

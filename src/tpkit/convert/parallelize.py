@@ -24,7 +24,8 @@ from ..nn.layout import ShardLayout
 from .errors import PlanError
 from .layouts import key_layouts, plan_layouts
 from .plan import Plan
-from .planner import Analysis, analyze_structure, auto_plan
+from .planner import auto_plan
+from .structure import Analysis, analyze_structure
 from .styles import COLWISE, ROWWISE, for_module
 from .swap import attention_updates, build, swap
 from .validate import validate

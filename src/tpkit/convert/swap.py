@@ -16,7 +16,8 @@ from torch import nn
 
 from .heads import head_layout
 from .modules import is_embedding
-from .planner import NUM_HEADS_ATTRS, NUM_KV_ATTRS, Analysis
+from .pairs import NUM_HEADS_ATTRS, NUM_KV_ATTRS
+from .structure import Analysis
 from .styles import REPLICATED_WITH_GRAD_ALLREDUCE, ROWWISE, VOCAB_PARALLEL, Layouts, style
 
 WIDTH_ATTRS = ("all_head_size", "embed_dim", "split_size", "inner_dim", "hidden_size", "kdim", "vdim")

@@ -196,6 +196,22 @@ def parameterised_leaves(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
+def first_tensor(args, kwargs) -> torch.Tensor | None:
+    for a in tree_flatten((args, kwargs))[0]:
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def is_head_local(mod, x, tag) -> bool:
+    """A layer applied to each head on its own (Qwen3's q_norm / k_norm): its input was reshaped to heads
+    of size D on the way from its sources, and every parameter it owns is one vector of D."""
+    if tag is None or x is None or not x.dim() or int(x.shape[-1]) not in tag.reshaped_to:
+        return False
+    d = int(x.shape[-1])
+    return all(tuple(p.shape) == (d,) for p in mod.parameters(recurse=False))
+
+
 def trace(model: nn.Module, example_inputs: Any) -> Trace:
     """Run `model(*example_inputs)` (`**example_inputs` for a mapping, `model(x)` for one tensor) once and
     record its dataflow."""
@@ -210,21 +226,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
     counter = [0]
     handles = []
 
-    def first_tensor(args, kwargs):
-        for a in tree_flatten((args, kwargs))[0]:
-            if isinstance(a, torch.Tensor):
-                return a
-        return None
-
     head_local: dict[str, frozenset] = {}
-
-    def is_head_local(mod, x, tag) -> bool:
-        """A layer applied to each head on its own (Qwen3's q_norm / k_norm): its input was reshaped to heads
-        of size D on the way from its sources, and every parameter it owns is one vector of D."""
-        if tag is None or x is None or not x.dim() or int(x.shape[-1]) not in tag.reshaped_to:
-            return False
-        d = int(x.shape[-1])
-        return all(tuple(p.shape) == (d,) for p in mod.parameters(recurse=False))
 
     for name, module in leaves.items():
         per_channel = is_per_channel(module)
@@ -267,22 +269,40 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
                 where = list(enumerate(args)) + list(kwargs.items())
                 module_inputs[name] = {id(v): at for at, v in reversed(where) if isinstance(v, torch.Tensor)}
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
-    # Eval mode: no dropout draws from the RNG and no BatchNorm statistics move; the dataflow is the same.
+    try:
+        out = _run(model, example_inputs, tracer)
+    finally:
+        for h in handles:
+            h.remove()
+    pieces, broken = _packed_pieces(tracer, calls)
+    escaped: set = set()
+    for t in _leaves_of(out):
+        tag = tracer.tag_of(t)
+        if tag is not None:
+            escaped |= tag.sources | tag.carried
+    return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs)
+
+
+def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:
+    """One forward under the tracer, in eval mode (no dropout draws from the RNG and no BatchNorm statistics
+    move; the dataflow is the same), restoring each module's training flag after."""
     was_training = {m: m.training for m in model.modules()}
     model.eval()
     try:
         with torch.no_grad(), tracer:
             if isinstance(example_inputs, Mapping):
-                out = model(**example_inputs)
-            elif isinstance(example_inputs, torch.Tensor):  # one input, as verify() calls it; not its rows
-                out = model(example_inputs)
-            else:
-                out = model(*example_inputs)
+                return model(**example_inputs)
+            if isinstance(example_inputs, torch.Tensor):  # one input, as verify() calls it; not its rows
+                return model(example_inputs)
+            return model(*example_inputs)
     finally:
-        for h in handles:
-            h.remove()
         for m, flag in was_training.items():
             m.training = flag
+
+
+def _packed_pieces(tracer: _Tracer, calls: dict[str, list[Call]]) -> tuple[dict, set]:
+    """Layers whose output was sliced along the features: pieces when the slices tile the output exactly
+    (a packed projection), `broken` when they do not."""
     pieces = dict(tracer.pieces)
     broken: set = set()
     for src, spans in tracer.slices.items():
@@ -293,14 +313,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
             pieces[src] = tuple(b - a for a, b in spans)
         else:
             broken.add(src)
-    escaped: set = set()
-    for t in _leaves_of(out):
-        tag = tracer.tag_of(t)
-        if tag is not None:
-            escaped |= tag.sources
-            for c in tag.carried:
-                escaped.add(c)
-    return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs)
+    return pieces, broken
 
 
 def _leaves_of(out: Any):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from .errors import PlanError
-from .planner import Analysis
+from .structure import Analysis
 from .styles import (CHANNELWISE, COLWISE, REPLICATE, REPLICATED_WITH_GRAD_ALLREDUCE, ROWWISE, SEQUENCE_PARALLEL,
                      VOCAB_STYLES)
 

@@ -1,0 +1,202 @@
+"""Finding the column -> row pairs of a traced model: MLP pairs and attention blocks (world-size free).
+
+Decisions come from module types and the traced dataflow, never from parameter names:
+- an MLP pair is a row candidate whose input is made, through per-feature ops only, from the outputs of
+  linear (or conv) layers that feed nothing else; those become column-wise, it becomes row-wise;
+- an attention pair is a row candidate whose input comes from linear layers that read one shared input,
+  inside a module that says its head size (or head count), with the head size seen on a reshape on the way;
+  q/k/v split by whole heads, packed projections piece by piece.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .modules import is_conv2d, is_linear, is_per_channel, is_plain_conv2d, kind, linear_dims
+
+HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "d_head", "d_k")
+NUM_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
+NUM_KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+
+
+def _int_attr(m: Any, names) -> int | None:
+    for n in names:
+        v = getattr(m, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def head_info(attn: nn.Module) -> tuple[int | None, int | None, int | None]:
+    """(head_dim, num_heads, num_kv_heads) as the attention module (or its config) states them."""
+    cfg = getattr(attn, "config", None)
+    hd = _int_attr(attn, HEAD_DIM_ATTRS)
+    nh = _int_attr(attn, NUM_HEADS_ATTRS)
+    nkv = _int_attr(attn, NUM_KV_ATTRS)
+    if cfg is not None:
+        hd = hd or _int_attr(cfg, ("head_dim",))
+        nh = nh or _int_attr(cfg, ("num_attention_heads", "n_head"))
+        nkv = nkv or _int_attr(cfg, ("num_key_value_heads",))
+    groups = _int_attr(attn, ("num_key_value_groups",))
+    if nkv is None and nh and groups:
+        nkv = nh // groups
+    return hd, nh, nkv
+
+
+def _lca(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def find_pairs(a) -> None:
+    t = a.trace
+    assert t is not None
+    taken: set = set()
+    order = sorted((c[0].order, n) for n, c in t.calls.items())
+    for _, row in order:
+        m = a.leaves[row]
+        if not (is_linear(m) or is_plain_conv2d(m)):
+            continue
+        call = t.first(row)
+        tag = call.input_tag
+        if tag is None or not tag.sources:
+            continue
+        srcs = sorted(tag.sources, key=lambda s: t.first(s).order)
+        if row in taken or any(s in taken for s in srcs):
+            a.notes.setdefault(row, "its input comes from a layer already paired with another row-wise layer "
+                                    "(an odd chain of layers: the last one stays replicated)")
+            continue
+        if len(t.calls[row]) > 1 or any(len(t.calls[s]) > 1 for s in srcs):
+            a.notes.setdefault(row, "called more than once per forward (shared module); replicated to stay safe")
+            continue
+        if any(s in t.broken for s in srcs):
+            reason = f"the output of {[s for s in srcs if s in t.broken]} is sliced into pieces that do not " \
+                     f"tile its features; replicated"
+        elif tag.clean:
+            reason = _try_mlp(a, row, srcs, tag)
+        else:
+            reason = _try_attention(a, row, srcs, tag)
+        if reason is None:
+            taken.add(row)
+            taken.update(srcs)
+        else:
+            a.notes.setdefault(row, reason)
+            for s in srcs:
+                if is_linear(a.leaves[s]) or is_conv2d(a.leaves[s]):
+                    a.notes.setdefault(s, reason)
+
+
+def _try_mlp(a, row: str, srcs: list[str], tag) -> str | None:
+    t = a.trace
+    rm = a.leaves[row]
+    conv = is_conv2d(rm)
+    width_in = rm.in_channels if conv else linear_dims(rm)[0]
+    for s in srcs:
+        sm = a.leaves[s]
+        if conv != is_plain_conv2d(sm) or (not conv and not is_linear(sm)):
+            return f"input of {row} comes from {s} ({kind(sm)}), which is not a {kind(rm)} that can be split"
+        if t.consumers.get(s, set()) != {row} or s in t.escaped:
+            users = sorted(t.consumers.get(s, set()) | ({"<model output>"} if s in t.escaped else set()))
+            return f"output of {s} also feeds {users}: splitting it would hand them a shard"
+        out = sm.out_channels if conv else linear_dims(sm)[1]
+        pieces = t.pieces.get(s)
+        if pieces and any(p != width_in for p in pieces):
+            return f"{s} is packed as {list(pieces)}, which does not match {row}'s {width_in} input features"
+        if not pieces and out != width_in:
+            return f"{s} gives {out} features but {row} takes {width_in}"
+    for c in tag.carried:
+        if not is_per_channel(a.leaves[c]) or a.leaves[c].num_features != width_in:
+            return f"{c} between {srcs} and {row} is not a per-channel layer of {width_in} channels"
+    for s in srcs:
+        a.structures[s] = {"pair": "conv" if conv else "mlp", "role": "column", "row": row}
+        if t.pieces.get(s):
+            a.structures[s]["pieces"] = list(t.pieces[s])
+    a.structures[row] = {"pair": "conv" if conv else "mlp", "role": "row", "columns": srcs}
+    for c in tag.carried:
+        a.structures[c] = {"pair": "conv", "role": "channel", "row": row}
+    a.pairs.append({"kind": "conv" if conv else "mlp", "columns": srcs, "row": row, "carried": sorted(tag.carried)})
+    return None
+
+
+def _try_attention(a, row: str, srcs: list[str], tag) -> str | None:
+    t = a.trace
+    rm = a.leaves[row]
+    if not is_linear(rm) or not all(is_linear(a.leaves[s]) for s in srcs):
+        return f"ops between {srcs} and {row} mix features ({tag.broken_by}) and they are not linear layers " \
+               f"of an attention block"
+    if len({t.first(s).input_id for s in srcs}) != 1:
+        return f"{srcs} do not read one shared input, so they are not the q/k/v of one attention block " \
+               f"(ops between them and {row}: {tag.broken_by})"
+    # The module that states the heads: the nearest ancestor of q/k/v (up to the one holding the row) that
+    # says its head size or count (BERT keeps them on `attention.self`, the output layer one level up).
+    top = _lca(srcs + [row])
+    attn_name = _lca(srcs) if len(srcs) > 1 else srcs[0].rpartition(".")[0]
+    while True:
+        attn = a.model.get_submodule(attn_name) if attn_name else a.model
+        hd, nh_attr, nkv_attr = head_info(attn)
+        if hd or nh_attr or len(attn_name) <= len(top):
+            break
+        attn_name = attn_name.rpartition(".")[0]
+    widths = [linear_dims(a.leaves[s])[1] for s in srcs]
+    head_width = hd
+    if len(srcs) == 1:
+        pieces = t.pieces.get(srcs[0])
+        out = widths[0]
+        per_head = hd or (out // (3 * nh_attr) if nh_attr and out % (3 * nh_attr) == 0 else None)
+        if pieces and len(pieces) == 3 and pieces[1] == pieces[2]:
+            q_w, kv_w = pieces[0], pieces[1]
+            roles = {srcs[0]: "qkv"}
+        elif per_head and out % (3 * per_head) == 0 and 3 * per_head in tag.reshaped_to:
+            # GPT-NeoX: one projection viewed as [heads, 3 x head_dim], each head's q, k, v side by side.
+            hd, head_width, pieces = per_head, 3 * per_head, None
+            q_w = kv_w = out // 3
+            roles = {srcs[0]: "qkv_heads"}
+        else:
+            return f"{srcs[0]} feeds {row} through {tag.broken_by} but is not split into q, k, v pieces"
+    elif len(srcs) == 3:
+        big = max(widths)
+        q_candidates = [s for s, w in zip(srcs, widths) if w == big]
+        q = q_candidates[0]
+        kv = [s for s in srcs if s != q]
+        if len({linear_dims(a.leaves[s])[1] for s in kv}) != 1:
+            return f"k/v projections {kv} of {attn_name} have different widths"
+        q_w, kv_w = big, linear_dims(a.leaves[kv[0]])[1]
+        roles = {q: "q", kv[0]: "k", kv[1]: "v"}
+        pieces = None
+    else:
+        return f"{len(srcs)} projections {srcs} feed {row}; only q/k/v (3) or packed qkv (1) are split by heads"
+    if hd is None and nh_attr:
+        hd = q_w // nh_attr
+    if hd is None:
+        return f"{attn_name} ({type(attn).__name__}) states no head size or head count, so heads cannot be " \
+               f"kept whole; replicated"
+    if (head_width or hd) not in tag.reshaped_to:
+        return f"no reshape to heads of size {hd} between {srcs} and {row} (saw {sorted(tag.reshaped_to)})"
+    if q_w % hd or kv_w % hd:
+        return f"projection widths {q_w}/{kv_w} of {attn_name} are not whole heads of {hd}"
+    nh, nkv = q_w // hd, kv_w // hd
+    if nh_attr and nh_attr != nh:
+        return f"{attn_name} says {nh_attr} heads but its query projection holds {nh} heads of {hd}"
+    if linear_dims(rm)[0] != q_w:
+        return f"{row} takes {linear_dims(rm)[0]} features but the heads give {q_w}"
+    common = {"pair": "attention", "attention": attn_name, "head_dim": hd, "num_heads": nh, "num_kv_heads": nkv}
+    for s, role in roles.items():
+        a.structures[s] = dict(common, role=role, row=row)
+        if role == "qkv":
+            a.structures[s]["pieces"] = list(pieces)
+    head_local = sorted(c for c in tag.carried if c in t.head_local)
+    if any(c not in t.head_local for c in tag.carried) or any(
+            a.leaves[c].weight.shape[0] != hd for c in head_local if hasattr(a.leaves[c], "weight")):
+        return f"layers {sorted(tag.carried)} between {srcs} and {row} are not per-head layers of size {hd}"
+    a.structures[row] = dict(common, role="o", columns=srcs)
+    for c in head_local:
+        a.structures[c] = dict(common, role="head_local", row=row)
+    a.pairs.append({"kind": "attention", "columns": srcs, "row": row, "carried": head_local, "attention": attn_name,
+                    "head_dim": hd, "num_heads": nh, "num_kv_heads": nkv})
+    return None

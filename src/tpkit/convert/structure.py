@@ -1,0 +1,124 @@
+"""Step 1 of conversion (trace): what a model is made of, independent of the world size.
+
+`analyze_structure` runs the model's forward once on tiny inputs under the dataflow tracer (`trace.py`), then
+finds its column -> row pairs (`pairs.py`) and its tied weights. The result, an `Analysis`, is remembered per
+model object so `analyze`, `plan` and `parallelize` in a row trace a large model once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from .modules import is_conv2d, is_embedding, is_linear, linear_dims
+from .pairs import find_pairs
+from .trace import Trace, parameterised_leaves, trace
+
+
+@dataclasses.dataclass
+class Analysis:
+    """What the planner learned about a model, independent of the world size."""
+
+    model: nn.Module
+    leaves: dict[str, nn.Module]
+    trace: Trace | None
+    trace_error: str | None
+    structures: dict[str, dict]          # module -> details (role in an attention/MLP/conv pair)
+    pairs: list[dict]                    # each: {"kind", "columns", "row", "carried", ...}
+    notes: dict[str, str]                # module -> why it is not part of a pair
+    ties: dict[str, list[str]]           # module -> other modules sharing its weight
+    total_params: int
+    prefix: str | None
+
+
+def default_inputs(model: nn.Module) -> list:
+    """Tiny inputs to try for the trace: HF models get token ids (or pixels); others a batch shaped for
+    their first layer, as [batch, features] and then [batch, seq, features]."""
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    cfg = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", None)
+    if cfg is not None and main == "input_ids":
+        return [{"input_ids": torch.zeros(1, 4, dtype=torch.long, device=device)}]
+    if cfg is not None and main == "pixel_values":
+        size = getattr(cfg, "image_size", 32)
+        size = size if isinstance(size, int) else size[0]
+        return [{"pixel_values": torch.zeros(1, getattr(cfg, "num_channels", 3), size, size, device=device)}]
+    for m in model.modules():
+        dtype = next(m.parameters(), torch.empty(0)).dtype
+        if is_linear(m) or isinstance(m, nn.LayerNorm):
+            n = linear_dims(m)[0] if is_linear(m) else m.normalized_shape[-1]
+            return [(torch.zeros(2, n, device=device, dtype=dtype),),
+                    (torch.zeros(2, 4, n, device=device, dtype=dtype),)]
+        if is_conv2d(m):
+            return [(torch.zeros(2, m.in_channels, 16, 16, device=device, dtype=dtype),)]
+        if is_embedding(m):
+            return [(torch.zeros(2, 4, dtype=torch.long, device=device),)]
+    raise ValueError(f"cannot guess an input for {type(model).__name__}; pass example_inputs")
+
+
+def _ties(leaves: dict[str, nn.Module]) -> dict[str, list[str]]:
+    owners: dict[int, list[str]] = {}
+    for name, m in leaves.items():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor):
+            owners.setdefault(id(w), []).append(name)
+    out = {}
+    for names in owners.values():
+        if len(names) > 1:
+            for n in names:
+                out[n] = [o for o in names if o != n]
+    return out
+
+
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _signature(model: nn.Module) -> tuple:
+    """What the analysis depends on: every module's name, class and parameter shapes (and identities)."""
+    return tuple((n, type(m), tuple((k, tuple(p.shape), id(p)) for k, p in m.named_parameters(recurse=False)))
+                 for n, m in model.named_modules())
+
+
+def analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
+    """Trace the model once and find its attention blocks and column -> row pairs (world-size free).
+
+    With the default inputs the result is remembered per model object until its modules or parameter
+    shapes change, so `analyze`, `plan` and `parallelize` in a row trace a large model once."""
+    if example_inputs is not None:
+        return _analyze_structure(model, example_inputs)
+    sig = _signature(model)
+    hit = _CACHE.get(model)
+    if hit is not None and hit[0] == sig:
+        return dataclasses.replace(hit[1], model=model)
+    a = _analyze_structure(model, None)
+    _CACHE[model] = (sig, dataclasses.replace(a, model=None))
+    return a
+
+
+def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
+    leaves = parameterised_leaves(model)
+    total = sum(p.numel() for p in model.parameters())
+    prefix = getattr(model, "base_model_prefix", None) if hasattr(model, "config") else None
+    if prefix and not hasattr(model, prefix):
+        prefix = None
+    analysis = Analysis(model, leaves, None, None, {}, [], {}, _ties(leaves), total, prefix)
+    try:
+        candidates = default_inputs(model) if example_inputs is None else [example_inputs]
+    except ValueError as exc:
+        analysis.trace_error = str(exc)
+        return analysis
+    for inputs in candidates:
+        try:
+            analysis.trace = trace(model, inputs)
+            break
+        except Exception as exc:  # noqa: BLE001 - any failure means: no dataflow, replicate with the reason
+            analysis.trace_error = analysis.trace_error or f"{type(exc).__name__}: {exc}"
+    if analysis.trace is None:
+        return analysis
+    analysis.trace_error = None
+    find_pairs(analysis)
+    return analysis
