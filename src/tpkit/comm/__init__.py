@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .communicator import Communicator, Handle
+from .communicator import Communicator
 from .context import current_thread_communicator, use_communicator
 from .errors import CommError
 from .groups import split
+from .handle import Handle
 from .ops import ReduceOp
 from .sharding import split_range, split_sizes
 from .threads import ThreadCommunicator, create_communicators, run_threads
