@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from .comm.backends import set_torch_init
 from .comm.communicator import Communicator
 from .comm.context import current_thread_communicator, use_communicator
 from .comm.optimizer import instrument
@@ -121,6 +122,9 @@ def init(backend: str | None = None, timeout: float | None = None, profile: bool
         _started_process_group = True
     _default = instrument(TorchCommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
     return _default
+
+
+set_torch_init(init)  # create_communicator("torch") starts torch.distributed through init (comm cannot import it)
 
 
 def _check_rendezvous_address(env: LaunchEnv) -> None:

@@ -29,7 +29,6 @@ from .communicator import Communicator
 from .cost_model import BUILTIN
 from .ops import ReduceOp
 from .selector import AlgorithmSelector
-from .sharding import split_sizes
 from .wrapper import WrappedCommunicator
 
 
@@ -198,14 +197,7 @@ class AlgorithmCommunicator(WrappedCommunicator):
                              tensor)
         op = ReduceOp.parse(op)
         dim = self._check_dim("reduce_scatter", tensor, dim)
-        if sizes is None:
-            sizes = split_sizes(tensor.shape[dim], self.world_size)
-        else:
-            sizes = [int(s) for s in sizes]
-            if len(sizes) != self.world_size or sum(sizes) != tensor.shape[dim] or min(sizes) < 0:
-                raise ValueError(
-                    f"reduce_scatter: sizes {sizes} must have {self.world_size} non-negative entries summing to "
-                    f"the size of dim {dim} ({tensor.shape[dim]}) of the input of shape {tuple(tensor.shape)}")
+        sizes = self._check_scatter_sizes(tensor, dim, sizes)
         with self._guard("reduce_scatter"):
             return self._run(lambda: ALGORITHMS["reduce_scatter"][name](self.base, tensor, op, dim, sizes), tensor)
 

@@ -1,49 +1,32 @@
 """`Communicator`: the one interface every layer talks through, whatever carries the bytes.
 
 The base class owns everything that must behave the same on every backend: argument checks (raised as
-`ValueError` before any peer is involved), the `dim` handling, uneven splits, `TP_DEBUG` logging,
-turning backend failures into `CommError`, and the async `Handle`. A backend implements a handful of
-primitives, each of which receives already-validated arguments and returns a `Handle`.
+`ValueError` before any peer is involved; the rules live in `checks.py`), the `dim` handling, uneven splits,
+`TP_DEBUG` logging (`debug.py`), turning backend failures into `CommError`, and the async `Handle`
+(`handle.py`). A backend implements a handful of primitives, each of which receives already-validated
+arguments and returns a `Handle`; backends that compare the ranks' calls under TP_DEBUG use `signatures.py`.
 """
 from __future__ import annotations
 
 import abc
-import logging
-import operator
-import os
-import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
 
+from . import checks
+from .debug import OFF as _OFF
+from .debug import debug_enabled, log_call
+from .debug import getenv as _getenv
 from .errors import CommError
+from .handle import Handle
 from .ops import ReduceOp
 from .sharding import split_sizes
+from .signatures import check_signatures, signature
 
-logger = logging.getLogger("tpkit")
-_debug_handler_lock = threading.Lock()
-
-
-_getenv = os.environ.get
-_OFF = ("", "0")
-
-
-def debug_enabled() -> bool:
-    """True when `TP_DEBUG` is set to something other than empty or 0."""
-    return _getenv("TP_DEBUG", "") not in _OFF
-
-
-def _ensure_debug_handler() -> None:
-    """Make `TP_DEBUG=1` visible without the user configuring logging first."""
-    with _debug_handler_lock:
-        if logger.level == logging.NOTSET or logger.level > logging.DEBUG:
-            logger.setLevel(logging.DEBUG)
-        if not logger.handlers and not logging.getLogger().handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("[tpkit %(asctime)s] %(message)s"))
-            logger.addHandler(handler)
+# Names that lived here before their modules were split out, still importable from here.
+from .debug import logger  # noqa: E402,F401
+from .signatures import SIGNATURE_LENGTH, describe_signature, dtype_of_code, sent_shape  # noqa: E402,F401
 
 
 def group_name(global_ranks: Sequence[int], world_size: int) -> str:
@@ -51,108 +34,6 @@ def group_name(global_ranks: Sequence[int], world_size: int) -> str:
     every backend, so an error message says which processes to look at."""
     ranks = list(global_ranks)
     return "world" if ranks == list(range(world_size)) else f"world{ranks}"
-
-
-# -- signatures: what ranks compare under TP_DEBUG before a collective (torch and mpi backends) ------------
-_OP_CODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "send": 5}
-_OP_NAMES = {v: k for k, v in _OP_CODES.items()}
-_MAX_DIMS = 8  # dimensions spelled out in a report; all of them are compared (through a hash)
-SIGNATURE_LENGTH = 8 + _MAX_DIMS
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    """The same number for the same dtype in every process (unlike an order-of-first-use counter)."""
-    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
-
-
-_DTYPES = {_dtype_code(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-
-
-def dtype_of_code(code: int) -> torch.dtype | None:
-    return _DTYPES.get(code)
-
-
-def _ints_hash(values: Sequence[int]) -> int:
-    """A hash of ints that every process agrees on (Python does not randomise the hashing of ints)."""
-    return hash(tuple(int(v) for v in values))
-
-
-def signature(op: str, tensor: torch.Tensor, dim: int = -1, sizes: Sequence[int] | None = None,
-              reduce_op: ReduceOp | None = None, src: int = -1) -> list[int]:
-    """`SIGNATURE_LENGTH` ints describing one rank's call; ranks of a correct collective have equal ones.
-
-    all_gather shards may differ along `dim` when `sizes` is given, so that size is masked and `sizes`
-    compared instead.
-    """
-    shape = list(tensor.shape)
-    if op == "all_gather" and sizes is not None:
-        shape[dim] = -1
-    reduce_code = -1 if reduce_op is None else list(ReduceOp).index(reduce_op)
-    head = [_OP_CODES[op], _dtype_code(tensor.dtype), tensor.dim(), reduce_code, dim, src,
-            0 if sizes is None else _ints_hash(sizes), _ints_hash(shape)]
-    return head + (shape + [0] * _MAX_DIMS)[:_MAX_DIMS]
-
-
-def sent_shape(row: Sequence[int]) -> list[int] | None:
-    """The shape a signature describes, if it is spelled out in full."""
-    return list(row[8:8 + row[2]]) if row[2] <= _MAX_DIMS else None
-
-
-def describe_signature(row: Sequence[int], with_op: bool = True) -> str:
-    ndim = row[2]
-    shape = list(row[8:8 + min(ndim, _MAX_DIMS)]) + (["..."] if ndim > _MAX_DIMS else [])
-    parts = [_OP_NAMES.get(row[0], "?")] if with_op else []
-    parts += [str(_DTYPES.get(row[1], "?")), f"shape {shape}"]
-    if row[3] >= 0:
-        parts.append(list(ReduceOp)[row[3]].name)
-    if row[4] >= 0:
-        parts.append(f"dim {row[4]}")
-    if row[5] >= 0:
-        parts.append(f"src {row[5]}")
-    return " ".join(parts)
-
-
-def check_signatures(op: str, group: str, rows: list[list[int]]) -> None:
-    """Raise `CommError` listing every rank's call when the ranks' signatures differ."""
-    if any(row != rows[0] for row in rows):
-        desc = "; ".join(f"rank {r}: {describe_signature(row)}" for r, row in enumerate(rows))
-        raise CommError(f"{op}: ranks of group {group} passed mismatched tensors or arguments: {desc}")
-
-
-def _true() -> bool:
-    return True
-
-
-def _returns(result):
-    return lambda: result
-
-
-class Handle:
-    """The result of an `async_op=True` call: `wait()` returns the tensor, `is_completed()` polls."""
-
-    def __init__(self, wait: Callable[[], torch.Tensor], is_completed: Callable[[], bool]):
-        self._wait = wait
-        self._is_completed = is_completed
-        self._result: torch.Tensor | None = None
-        self._done = False
-
-    @classmethod
-    def completed(cls, result: torch.Tensor) -> "Handle":
-        """A handle whose operation already finished (synchronous calls go through here)."""
-        handle = cls.__new__(cls)
-        handle._wait, handle._is_completed = _returns(result), _true
-        handle._result, handle._done = result, True
-        return handle
-
-    def wait(self) -> torch.Tensor:
-        """Block until the operation finished and return its result (the same tensor on repeated calls)."""
-        if not self._done:
-            self._result = self._wait()
-            self._done = True
-        return self._result  # type: ignore[return-value]
-
-    def is_completed(self) -> bool:
-        return self._done or bool(self._is_completed())
 
 
 class Communicator(abc.ABC):
@@ -207,8 +88,7 @@ class Communicator(abc.ABC):
         if not isinstance(tensor, torch.Tensor):
             self._check_tensor("all_reduce", tensor)
         if op is ReduceOp.AVG and tensor.dtype is torch.bool:
-            raise TypeError("all_reduce: ReduceOp.AVG has no meaning for bool tensors; use MAX (any) or MIN (all), "
-                            "or convert to an integer or float dtype first")
+            raise checks.average_of_bool("all_reduce")
         self._debug = _getenv("TP_DEBUG", "") not in _OFF
         if self._debug:
             self._log("all_reduce", tensor, op=op.name)
@@ -255,8 +135,7 @@ class Communicator(abc.ABC):
         if not isinstance(tensor, torch.Tensor):
             self._check_tensor("reduce_scatter", tensor)
         if op is ReduceOp.AVG and tensor.dtype is torch.bool:
-            raise TypeError("reduce_scatter: ReduceOp.AVG has no meaning for bool tensors; use MAX (any) or MIN (all), "
-                            "or convert to an integer or float dtype first")
+            raise checks.average_of_bool("reduce_scatter")
         ndim = tensor.dim()
         if dim.__class__ is int and ndim and -ndim <= dim < ndim:
             dim %= ndim
@@ -265,11 +144,7 @@ class Communicator(abc.ABC):
         if sizes is None:
             sizes = split_sizes(tensor.shape[dim], self._world_size)
         else:
-            sizes = [int(s) for s in sizes]
-            if len(sizes) != self._world_size or sum(sizes) != tensor.shape[dim] or min(sizes) < 0:
-                raise ValueError(
-                    f"reduce_scatter: sizes {sizes} must have {self._world_size} non-negative entries summing to "
-                    f"the size of dim {dim} ({tensor.shape[dim]}) of the input of shape {tuple(tensor.shape)}")
+            sizes = self._check_scatter_sizes(tensor, dim, sizes)
         self._debug = _getenv("TP_DEBUG", "") not in _OFF
         if self._debug:
             self._log("reduce_scatter", tensor, op=op.name, dim=dim)
@@ -410,68 +285,27 @@ class Communicator(abc.ABC):
         backends' mismatch checks look there). Every public operation reads TP_DEBUG exactly once: the hot
         collectives inline the lookup and call this only when it is on; the others call this first."""
         self._debug = debug_enabled()
-        if not self._debug:
-            return
-        _ensure_debug_handler()
-        what = "" if tensor is None else f" shape={tuple(tensor.shape)} dtype={tensor.dtype}"
-        extra = "".join(f" {k}={v}" for k, v in details.items())
-        logger.debug("%s%s%s group=%s rank=%d/%d backend=%s", opname, what, extra, self._name, self._rank,
-                     self._world_size, self.backend)
+        if self._debug:
+            log_call(opname, tensor, details, self._name, self._rank, self._world_size, self.backend)
 
-    # -- argument checks --------------------------------------------------------------------------
+    # -- argument checks (the rules are in checks.py; these bind them to this group) ----------------
     def _check_tensor(self, op: str, tensor) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{op}: expected a torch.Tensor, got {type(tensor).__name__}")
+        checks.check_tensor(op, tensor)
 
     def _check_dim(self, op: str, tensor: torch.Tensor, dim: int) -> int:
-        ndim = tensor.dim()
-        if ndim == 0:
-            raise ValueError(f"{op}: needs a tensor with at least one dimension, got a 0-d tensor; "
-                             f"use tensor.reshape(1)")
-        index = _as_index(dim)
-        if index is None or not -ndim <= index < ndim:
-            raise ValueError(f"{op}: dim {dim!r} is out of range for a tensor of shape {tuple(tensor.shape)} "
-                             f"(valid: {-ndim}..{ndim - 1})")
-        return index % ndim
+        return checks.check_dim(op, tensor, dim)
 
     def _check_rank(self, op: str, rank: int, what: str, allow_self: bool = True) -> int:
-        index = _as_index(rank)
-        if index is None or not 0 <= index < self._world_size:
-            raise ValueError(f"{op}: {what} {rank!r} is not a rank of group {self._name} "
-                             f"(ranks 0..{self._world_size - 1})")
-        if not allow_self and index == self._rank:
-            raise ValueError(f"{op}: {what} {rank} is this rank itself; a rank cannot {op} to itself")
-        return index
+        return checks.check_rank(op, rank, what, self._name, self._world_size, self._rank, allow_self)
 
     def _check_gather_sizes(self, tensor: torch.Tensor, dim: int, sizes) -> list[int] | None:
-        if sizes is None:  # wrappers (AlgorithmCommunicator) pass the caller's value through
-            return None
-        sizes = [int(s) for s in sizes]
-        if len(sizes) != self._world_size or min(sizes) < 0:
-            raise ValueError(f"all_gather: sizes {sizes} must have one non-negative entry per rank "
-                             f"({self._world_size})")
-        if sizes[self._rank] != tensor.shape[dim]:
-            raise ValueError(f"all_gather: sizes[{self._rank}] = {sizes[self._rank]} but this rank's tensor has "
-                             f"size {tensor.shape[dim]} in dim {dim} (shape {tuple(tensor.shape)})")
-        return sizes
+        return checks.check_gather_sizes(tensor, dim, sizes, self._world_size, self._rank)
+
+    def _check_scatter_sizes(self, tensor: torch.Tensor, dim: int, sizes) -> list[int]:
+        return checks.scatter_sizes(tensor, dim, sizes, self._world_size)
 
     def _check_group_ranks(self, ranks: Sequence[int]) -> list[int]:
-        try:
-            indices = [_as_index(r) for r in ranks]
-        except TypeError:
-            indices = [None]
-        if None in indices:
-            raise ValueError(f"new_group: ranks must be a sequence of ints, got {ranks!r}")
-        members = sorted(indices)  # type: ignore[type-var]
-        if not members:
-            raise ValueError("new_group: ranks is empty; a group needs at least one rank")
-        if len(set(members)) != len(members):
-            raise ValueError(f"new_group: ranks {list(ranks)} contain duplicates")
-        bad = [r for r in members if not 0 <= r < self._world_size]
-        if bad:
-            raise ValueError(f"new_group: ranks {bad} are not ranks of group {self._name} "
-                             f"(ranks 0..{self._world_size - 1})")
-        return members
+        return checks.check_group_ranks(ranks, self._name, self._world_size)
 
 
 class _Guard:
@@ -492,13 +326,3 @@ class _Guard:
         comm = self.comm
         raise CommError(f"{self.op} failed on rank {comm._rank} of group {comm._name} "
                         f"(world size {comm._world_size}): {exc}") from exc
-
-
-def _as_index(value) -> int | None:
-    """`value` as an int if it is an integer (Python, numpy or 0-d integer tensor); None otherwise."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None

@@ -18,10 +18,11 @@ from typing import Any, Callable
 
 import torch
 
-from .communicator import (SIGNATURE_LENGTH, Communicator, Handle,
-                           describe_signature, dtype_of_code, group_name, sent_shape, signature)
+from .communicator import Communicator, group_name
 from .errors import CommError
+from .handle import Handle
 from .ops import ReduceOp, divide_by_count, reduce_tensors
+from .signatures import SIGNATURE_LENGTH, describe_signature, dtype_of_code, sent_shape, signature
 
 DEFAULT_TIMEOUT = 1800.0
 # dtypes whose numpy view maps to an MPI datatype that MPI's reduction operators accept

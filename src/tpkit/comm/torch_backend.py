@@ -14,10 +14,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .communicator import (SIGNATURE_LENGTH, Communicator, Handle,
-                           describe_signature, dtype_of_code, group_name, sent_shape, signature)
+from .communicator import Communicator, group_name
 from .errors import CommError
+from .handle import Handle
 from .ops import ReduceOp, divide_by_count
+from .signatures import SIGNATURE_LENGTH, describe_signature, dtype_of_code, sent_shape, signature
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,

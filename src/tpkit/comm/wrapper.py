@@ -10,7 +10,8 @@ from typing import Sequence
 
 import torch
 
-from .communicator import Communicator, Handle
+from .communicator import Communicator
+from .handle import Handle
 from .ops import ReduceOp
 
 
