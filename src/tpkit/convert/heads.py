@@ -79,11 +79,6 @@ def head_layout(num_heads: int, num_kv_heads: int, world_size: int, where: str =
     return HeadLayout(nh, nkv, w, tuple(q), tuple(kv))
 
 
-def feature_index(heads: tuple, head_dim: int, offset: int = 0) -> list[int]:
-    """Feature numbers (rows of a projection's weight) of the given heads."""
-    return [offset + h * head_dim + i for h in heads for i in range(head_dim)]
-
-
 def valid_world_sizes(num_heads: int, num_kv_heads: int, limit: int = 64) -> list[int]:
     """World sizes (up to `limit`) over which these heads can be shared out."""
     out = []

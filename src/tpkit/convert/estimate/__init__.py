@@ -22,11 +22,11 @@ from .config import TransformerShape, _attention_kind, _own_dtype, resolve_targe
 from .measure import measure_step
 from .memory import estimate_memory
 from .params import fullest_rank, optimizer_bytes_per_parameter, parameter_counts
-from .ranks import heads_per_rank, kv_heads_per_rank, rank_heads
+from .ranks import rank_heads
 from .report import Breakdown, MemoryEstimate, format_bytes
 from .step import prepare_module_step
 
-__all__ = ["Breakdown", "MemoryEstimate", "TransformerShape", "estimate_memory", "format_bytes", "heads_per_rank",
-           "korthikanti_layer_bytes", "kv_heads_per_rank", "largest_collective_bytes", "measure_step",
+__all__ = ["Breakdown", "MemoryEstimate", "TransformerShape", "estimate_memory", "format_bytes",
+           "korthikanti_layer_bytes", "largest_collective_bytes", "measure_step",
            "optimizer_bytes_per_parameter", "parameter_counts", "prepare_module_step", "rank_heads", "fullest_rank",
            "transformer_activation_bytes", "transformer_inference_bytes", "transformer_shape"]

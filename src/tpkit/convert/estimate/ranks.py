@@ -39,16 +39,6 @@ def rank_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int = 0
     return layout[0][rank], layout[1][rank], True
 
 
-def heads_per_rank(num_heads: int, world_size: int, num_kv_heads: int | None = None, rank: int = 0) -> int:
-    """Query heads on `rank`."""
-    return rank_heads(num_heads, num_kv_heads or num_heads, world_size, rank)[0]
-
-
-def kv_heads_per_rank(num_heads: int, num_kv_heads: int, world_size: int, rank: int = 0) -> int:
-    """KV heads on `rank`: its share, or a replica of those its query heads read when KV heads < t."""
-    return rank_heads(num_heads, num_kv_heads, world_size, rank)[1]
-
-
 def _rank_widths(shape: TransformerShape, t: int, rank: int) -> tuple[int, int, int, int]:
     """(query heads, KV heads, MLP width, vocabulary rows) that `rank` holds."""
     q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t, rank)
