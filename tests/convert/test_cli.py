@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -9,6 +12,8 @@ pytest.importorskip("transformers")
 
 from tpkit.cli import main  # noqa: E402
 from tpkit.convert import Plan  # noqa: E402
+
+from .rendered import check_summary  # noqa: E402
 
 
 def test_analyze_preset_json(capsys, tmp_path):
@@ -31,6 +36,27 @@ def test_analyze_table_and_bad_target(capsys):
     assert "not a preset" in capsys.readouterr().err
 
 
+def test_analyze_table_piped_and_at_80_columns(capsys, monkeypatch):
+    """`tpkit analyze gpt2 | cat`: nothing wraps, each row on one line; in an 80-column terminal: every line fits,
+    less important columns are left out (and named), no cell is cut inside a word or a number."""
+    from tpkit.convert import analyze
+    from tpkit.convert.presets import load_target
+
+    argv = ["analyze", "gpt2", "--device-memory", "80GB", "--world-size", "2"]
+    report = analyze(load_target("gpt2", device="meta")[0], world_size=2, device_memory="80GB")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    piped = subprocess.run([sys.executable, "-m", "tpkit.cli", *argv], stdout=subprocess.PIPE, text=True, env=env,
+                           check=True).stdout
+    assert check_summary(piped, report, None) == ["layer", "type", "weight", "params", "bytes", "per rank @2",
+                                                   "style / reason"]
+    assert "left out" not in piped and "tied to transformer.wte" in piped
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(argv) == 0
+    narrow = capsys.readouterr().out
+    assert check_summary(narrow, report, 80)[-2:] == ["per rank @2", "style / reason"]
+    assert "left out to fit 80 columns:" in narrow
+
+
 def test_verify_module_factory_and_plan_file(capsys, tmp_path):
     assert main(["verify", "tests.convert.models:block", "--world-size", "3", "--backward"]) == 0
     assert "PASS at world size 3" in capsys.readouterr().out
@@ -40,11 +66,15 @@ def test_verify_module_factory_and_plan_file(capsys, tmp_path):
     assert "conflicting entries" in capsys.readouterr().err
 
 
-def test_demo_on_threads(capsys):
-    """The `make demo` body (on thread-ranks here; `make demo` runs it on 2 gloo processes)."""
+def test_demo_on_threads(capsys, monkeypatch):
+    """The `make demo` body (on thread-ranks here; `make demo` runs it on 2 gloo processes), in an 80-column
+    terminal."""
+    monkeypatch.setenv("COLUMNS", "80")
     assert main(["demo", "--backend", "threads", "--steps", "2"]) == 0
     out = capsys.readouterr().out
-    assert "PASS" in out and "rowwise" in out and "vocab_parallel_cross_entropy" in out and "rank 1" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    text = " ".join(out.split())
+    assert "PASS" in text and "rowwise" in text and "vocab_parallel_cross_entropy" in text and "rank 1" in text
 
 
 def test_analyze_help_says_device_memory_units_are_binary(capsys):
