@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,13 +70,39 @@ def test_verify_module_factory_and_plan_file(capsys, tmp_path):
 
 def test_demo_on_threads(capsys, monkeypatch):
     """The `make demo` body (on thread-ranks here; `make demo` runs it on 2 gloo processes), in an 80-column
-    terminal."""
+    terminal. Its "converted in N ms" is the parallelize() call alone: building the model (made 0.3 s slower
+    here) is not in it."""
+    import tpkit.convert
+    from tpkit.commands import demo
+
+    build, convert = demo._model, tpkit.convert.parallelize
+    timed: list[tuple[str, float]] = []
+
+    def slow_model(state=None):
+        time.sleep(0.3)
+        return build(state)
+
+    def timed_parallelize(model, *args, **kwargs):
+        start = time.perf_counter()
+        out = convert(model, *args, **kwargs)
+        timed.append((kwargs.get("mode", "inference"), time.perf_counter() - start))
+        return out
+
+    monkeypatch.setattr(demo, "_model", slow_model)
+    monkeypatch.setattr(tpkit.convert, "parallelize", timed_parallelize)
     monkeypatch.setenv("COLUMNS", "80")
+    began = time.perf_counter()
     assert main(["demo", "--backend", "threads", "--steps", "2"]) == 0
+    total = time.perf_counter() - began
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
     text = " ".join(out.split())
     assert "PASS" in text and "rowwise" in text and "vocab_parallel_cross_entropy" in text and "rank 1" in text
+    reported = float(re.search(r"converted in (\d+) ms \(the parallelize\(\) call alone, slowest of 2 ranks",
+                               text).group(1)) / 1e3
+    inference = [seconds for mode, seconds in timed if mode == "inference"]
+    assert len(inference) == 2  # one conversion per rank
+    assert max(inference) - 0.001 <= reported <= max(inference) + 0.1 < total
 
 
 def test_analyze_help_says_device_memory_units_are_binary(capsys):
