@@ -60,6 +60,31 @@ def test_table_output_and_wrong_results_are_counted(capsys, monkeypatch):
     assert "FAILED" in out
 
 
+def test_table_in_80_columns(capsys, monkeypatch, tmp_path):
+    """In an 80-column terminal each row fits one line, whole: count, type, redop, algbw go first (type and redop
+    then head each block), size, algorithm, time, busbw and #wrong stay."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code = main(["bench", "--backend", "threads", "-n", "2", "-c", "all_reduce,all_gather", "-b", "4K", "-e", "16K",
+                 "-a", "builtin,auto,recursive_doubling", "--repeats", "1", "--budget", "0", "--no-calibrate",
+                 "--no-progress", "--json", str(tmp_path / "out.json")])
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert code == 0 and max(len(line) for line in out.splitlines()) <= 80
+    header = next(line for line in out.splitlines() if "time(us)" in line).split()
+    assert header[:2] == ["#", "size"] and {"algorithm", "time(us)", "busbw(GB/s)", "#wrong"} <= set(header)
+    assert len(header) < 12  # something was left out: the full row is 126 characters
+    moved = [("float32", "float32"), ("sum", "none")] if "redop" not in header else [("float32", "float32")]
+    assert "type" not in header and "count" not in header
+    assert f"# all_reduce ({', '.join(m[0] for m in moved)})" in out
+    assert f"# all_gather ({', '.join(m[1] for m in moved)})" in out
+    lines = [line for line in out.splitlines() if line and not line.startswith("#")]
+    assert len(lines) == len(data["rows"])
+    for line, r in zip(lines, data["rows"]):
+        name = r["algorithm"] + (f" -> {r['chosen']}" if r["algorithm"] == "auto" else "")
+        assert line.split()[0] == str(r["bytes"]) and f" {name} " in line
+        assert f" {r['time_us']:.1f} " in line and f" {r['busbw']:.3f} " in line
+
+
 def test_gloo_processes_with_calibrated_auto(capsys):
     code, data = _run_json(capsys, "-n", "2", "-c", "all_reduce,reduce_scatter", "-b", "4K", "-e", "64K", "-f", "16",
                            "--iters", "2", "--repeats", "1", "--budget", "0", "--calibration-budget", "1", "--op", "avg",

@@ -1,6 +1,7 @@
 """AlgorithmSelector: MPICH thresholds before calibration, fastest predicted (with margin) after."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -122,6 +123,13 @@ def test_auto_verifies_the_prediction_and_every_rank_keeps_the_same_choice(monke
     algs = [[a for a, _ in tr] for tr in trails]
     assert all(a == algs[0] for a in algs)  # every rank ran the same algorithm at every call
     assert algs[0][:6] == ["builtin", "ring"] * 3 and "verifying ring" in trails[0][0][1]
-    final = algs[0][6]
-    assert final == algs[0][7] and (final == expected if expected else final in ("ring", "builtin"))
-    assert ("kept builtin" if final == "builtin" else "verified") in trails[0][6][1]
+    final, note = algs[0][6], trails[0][6][1]
+    assert final == algs[0][7] and ("kept builtin" if final == "builtin" else "verified") in note
+    if expected:
+        assert final == expected, note
+    else:  # nothing slowed down: which is faster is the machine's call, but the choice must follow the measurement
+        ratio = float(re.search(r"(\d+\.\d+)x builtin", note).group(1))  # builtin time / ring time, 2 decimals
+        if ratio >= 1.06:  # ring clearly more than verify_margin (5%) faster
+            assert final == "ring", note
+        elif ratio <= 1.04:
+            assert final == "builtin", note

@@ -14,6 +14,7 @@ from tpkit.convert import analyze, parallelize  # noqa: E402
 from tpkit.convert.analyze import parse_bytes  # noqa: E402
 
 from .models import VOCAB, hf_model, mlp  # noqa: E402
+from .rendered import check_summary, expected_rows  # noqa: E402
 
 H, I, L, NH, NKV = 64, 80, 2, 8, 4
 HD = H // NH
@@ -109,3 +110,23 @@ def test_parse_bytes_and_plain_mlp():
         parse_bytes("lots")
     report = analyze(mlp(), world_size=2, device_memory="1MB")
     assert [r.style for r in report.layers] == ["colwise", "rowwise", "replicate"]
+
+
+def test_summary_at_80_columns_and_unlimited():
+    """Readable piped (nothing wraps) and at 80 or 60 columns (columns left out, reasons wrapped between words,
+    names broken after a dot): no cell is cut inside a word or a number."""
+    report = analyze(hf_model("bert"), world_size=2, max_world_size=4, device_memory="1GB", mode="training")
+    wide = report.summary()
+    assert check_summary(wide, report, None) == ["layer", "type", "weight", "params", "bytes", "per rank @2",
+                                                  "style / reason"]
+    for label, nbytes, how in expected_rows(report):  # unlimited: each row whole on one line
+        assert any(label in line and nbytes in line and how in line for line in wide.splitlines()), label
+    for rec in report.recommendations:
+        assert f"  - {rec}" in wide.splitlines()
+    for width in (80, 60):
+        text = report.summary(width=width)
+        headers = check_summary(text, report, width)
+        assert headers[0] == "layer" and headers[-2:] == ["per rank @2", "style / reason"]
+        left_out = [h for h in ("type", "weight", "params", "bytes") if h not in headers]
+        assert left_out and f"left out to fit {width} columns: {', '.join(left_out)}" in " ".join(text.split())
+        assert " ".join(text.split()).count(report.recommendations[0]) == 1  # prose wraps between words

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -9,6 +14,8 @@ pytest.importorskip("transformers")
 
 from tpkit.cli import main  # noqa: E402
 from tpkit.convert import Plan  # noqa: E402
+
+from .rendered import check_summary  # noqa: E402
 
 
 def test_analyze_preset_json(capsys, tmp_path):
@@ -31,6 +38,27 @@ def test_analyze_table_and_bad_target(capsys):
     assert "not a preset" in capsys.readouterr().err
 
 
+def test_analyze_table_piped_and_at_80_columns(capsys, monkeypatch):
+    """`tpkit analyze gpt2 | cat`: nothing wraps, each row on one line; in an 80-column terminal: every line fits,
+    less important columns are left out (and named), no cell is cut inside a word or a number."""
+    from tpkit.convert import analyze
+    from tpkit.convert.presets import load_target
+
+    argv = ["analyze", "gpt2", "--device-memory", "80GB", "--world-size", "2"]
+    report = analyze(load_target("gpt2", device="meta")[0], world_size=2, device_memory="80GB")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    piped = subprocess.run([sys.executable, "-m", "tpkit.cli", *argv], stdout=subprocess.PIPE, text=True, env=env,
+                           check=True).stdout
+    assert check_summary(piped, report, None) == ["layer", "type", "weight", "params", "bytes", "per rank @2",
+                                                   "style / reason"]
+    assert "left out" not in piped and "tied to transformer.wte" in piped
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(argv) == 0
+    narrow = capsys.readouterr().out
+    assert check_summary(narrow, report, 80)[-2:] == ["per rank @2", "style / reason"]
+    assert "left out to fit 80 columns:" in narrow
+
+
 def test_verify_module_factory_and_plan_file(capsys, tmp_path):
     assert main(["verify", "tests.convert.models:block", "--world-size", "3", "--backward"]) == 0
     assert "PASS at world size 3" in capsys.readouterr().out
@@ -40,11 +68,41 @@ def test_verify_module_factory_and_plan_file(capsys, tmp_path):
     assert "conflicting entries" in capsys.readouterr().err
 
 
-def test_demo_on_threads(capsys):
-    """The `make demo` body (on thread-ranks here; `make demo` runs it on 2 gloo processes)."""
+def test_demo_on_threads(capsys, monkeypatch):
+    """The `make demo` body (on thread-ranks here; `make demo` runs it on 2 gloo processes), in an 80-column
+    terminal. Its "converted in N ms" is the parallelize() call alone: building the model (made 0.3 s slower
+    here) is not in it."""
+    import tpkit.convert
+    from tpkit.commands import demo
+
+    build, convert = demo._model, tpkit.convert.parallelize
+    timed: list[tuple[str, float]] = []
+
+    def slow_model(state=None):
+        time.sleep(0.3)
+        return build(state)
+
+    def timed_parallelize(model, *args, **kwargs):
+        start = time.perf_counter()
+        out = convert(model, *args, **kwargs)
+        timed.append((kwargs.get("mode", "inference"), time.perf_counter() - start))
+        return out
+
+    monkeypatch.setattr(demo, "_model", slow_model)
+    monkeypatch.setattr(tpkit.convert, "parallelize", timed_parallelize)
+    monkeypatch.setenv("COLUMNS", "80")
+    began = time.perf_counter()
     assert main(["demo", "--backend", "threads", "--steps", "2"]) == 0
+    total = time.perf_counter() - began
     out = capsys.readouterr().out
-    assert "PASS" in out and "rowwise" in out and "vocab_parallel_cross_entropy" in out and "rank 1" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    text = " ".join(out.split())
+    assert "PASS" in text and "rowwise" in text and "vocab_parallel_cross_entropy" in text and "rank 1" in text
+    reported = float(re.search(r"converted in (\d+) ms \(the parallelize\(\) call alone, slowest of 2 ranks",
+                               text).group(1)) / 1e3
+    inference = [seconds for mode, seconds in timed if mode == "inference"]
+    assert len(inference) == 2  # one conversion per rank
+    assert max(inference) - 0.001 <= reported <= max(inference) + 0.1 < total
 
 
 def test_analyze_help_says_device_memory_units_are_binary(capsys):

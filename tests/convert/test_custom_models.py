@@ -48,13 +48,17 @@ def test_cnn_with_batchnorm(training):
         assert report.ok, report.summary()
 
 
-def test_verify_catches_a_wrong_plan():
-    """A plan that splits an MLP pair the wrong way round must fail verification, not pass quietly."""
-    model = mlp()
-    x = torch.randn(5, 12)
-    report = verify(model, (x,), world_size=2, plan={"0": "rowwise_rep", "2": "colwise_rep"})
-    assert report.ok  # exact but communication-heavy styles: still equal
+def test_a_wrong_plan_is_refused_and_exact_heavy_styles_pass():
+    """A plan that splits the MLP pair the wrong way round (or feeds a split output to a replicated layer) is
+    refused before anything runs, naming the conflict; the exact but communication-heavy *_rep styles pass."""
     from tpkit.convert.plan import PlanError
 
-    with pytest.raises(PlanError, match="conflicting"):
-        verify(model, (x,), world_size=2, plan={"0": "colwise", "2": "replicate"})
+    model = mlp()
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(3))
+    for wrong, message in (({"0": "rowwise", "2": "colwise"}, "0 is 'rowwise' .* its input comes from no layer"),
+                           ({"0": "colwise", "2": "replicate"}, "0 is 'colwise' .* feeds \\['2'\\]")):
+        with pytest.raises(PlanError, match="conflicting entries: " + message):
+            verify(model, (x,), world_size=2, plan=wrong)
+    report = verify(model, (x,), world_size=2, plan={"0": "rowwise_rep", "2": "colwise_rep"}, backward=True)
+    assert report.ok, report.summary()
+    assert report.plan["entries"]["0"] == "rowwise_rep" and report.plan["entries"]["2"] == "colwise_rep"

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from tpkit.cli import main
-from tpkit.convert.estimate import estimate_memory
+from tpkit.convert.estimate import estimate_memory, format_bytes
 from tpkit.convert.presets import preset_config
 from tpkit.convert.speed import estimate_speed
+
+from .rendered import rows, tables
 
 pytest.importorskip("transformers")
 
@@ -40,6 +42,43 @@ def test_tables(capsys):
     assert "memory per rank" in text and "fits H100-SXM" in text and "speed: decode" in text
     assert main(["estimate", "bert-base", "--world-size", "1,2"]) == 0  # an encoder: one forward, no decode
     assert "speed: prefill" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("columns", [None, "80"])
+def test_tables_piped_and_at_80_columns(capsys, monkeypatch, columns):
+    """Piped, every column at full width; at 80 columns every line fits, world size / total / fits stay, the
+    columns left out are named, and each figure is whole on its row."""
+    argv = ["estimate", "llama-2-70b", "--world-size", "1,2,4,8", "--mode", "training"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    (memory, mem_lines), (speed, speed_lines) = tables(out)
+    if columns:
+        assert max(len(line) for line in out.splitlines()) <= 80
+        assert {"world size", "total", "fits H100-SXM"} <= set(memory) and len(memory) < 10
+        assert {"world size", "time/step", "tokens/s", "speedup"} <= set(speed) and len(speed) < 8
+        assert out.count("left out to fit 80 columns:") == 2
+    else:
+        assert memory == ["world size", "params", "grads", "optimizer", "activations", "kv cache", "comm buf",
+                          "total", "saves", "fits H100-SXM"]
+        assert speed == ["world size", "compute", "memory", "comm", "time/step", "tokens/s", "speedup", "bound"]
+        assert "left out" not in out
+    fields = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer_states", "total": "total",
+              "activations": "activations", "kv cache": "kv_cache", "comm buf": "communication_buffers"}
+    for row, m in zip(rows(mem_lines, 0), data["memory"], strict=True):
+        assert row[0] == [str(m["world_size"])]
+        for header, cell in zip(memory, row):
+            if header in fields:
+                assert cell == [format_bytes(m["per_rank"][fields[header]])], header
+    for row, r in zip(rows(speed_lines, 0), data["speed"]["rows"], strict=True):
+        cells = dict(zip(speed, row))
+        assert cells["world size"] == [str(r["world_size"])] and cells["speedup"] == [f"{r['speedup']:.2f}x"]
+        assert cells["tokens/s"] == [f"{r['tokens_per_s']:,.0f}"]
 
 
 def test_module_factory_with_input_shape(tmp_path, monkeypatch, capsys):

@@ -48,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        import shutil
+        from tpkit.convert.tables import output_width
 
-        print(report.summary(width=max(100, shutil.get_terminal_size((150, 40)).columns)))
+        print(report.summary(width=output_width()), end="")
         if args.plan_out:
             print(f"plan written to {args.plan_out}")
     return 0

@@ -224,27 +224,66 @@ def _progress(show: bool, total: int):
 
 
 # -- output -----------------------------------------------------------------------------------------
-def format_table(result: dict[str, Any], backend: str) -> str:
-    """nccl-tests-like text: one block per collective, one row per (size, algorithm), with time vs builtin."""
+# nccl-tests' columns: (header, width, align, drop, cell). `drop` > 0: left out, highest first, when the output is a
+# terminal too narrow for the row (type and redop then move into each block's header line).
+_COLUMNS = (
+    ("size", 11, ">", 0, lambda r: str(r["bytes"])),
+    ("count", 10, ">", 4, lambda r: str(r["count"])),
+    ("type", 8, ">", 5, lambda r: r["type"]),
+    ("redop", 7, ">", 3, lambda r: r["redop"]),
+    ("algorithm", 30, "<", 0, lambda r: r["algorithm"] + (f" -> {r['chosen']}" if r["algorithm"] == "auto" else "")),
+    ("time(us)", 11, ">", 0, lambda r: f"{r['time_us']:.1f}"),
+    ("algbw(GB/s)", 11, ">", 2, lambda r: f"{r['algbw']:.3f}"),
+    ("busbw(GB/s)", 11, ">", 0, lambda r: f"{r['busbw']:.3f}"),
+    ("#wrong", 6, ">", 0, lambda r: str(r["wrong"])),
+    ("vs builtin", 10, ">", 1, lambda r: r["vs builtin"]),
+)
+
+
+def format_table(result: dict[str, Any], backend: str, width: int | None = None) -> str:
+    """nccl-tests-like text: one block per collective, one row per (size, algorithm), with time vs builtin.
+
+    `width=None` (a pipe or a file) gives nccl-tests' fixed columns; a terminal's width gives columns as wide as
+    their contents, leaving out count, type, redop, algbw and "vs builtin" (in that order) until a row fits."""
+    from tpkit.convert.tables import wrap_text
+
     n = result["world_size"]
-    lines = [f"# tpkit bench: {n} {backend} rank(s); time = median of alternating repeats, slowest rank"]
+    by_key = {(r["collective"], r["bytes"], r["algorithm"]): r for r in result["rows"]}
+    rows = []
+    for r in result["rows"]:
+        base = by_key.get((r["collective"], r["bytes"], "builtin"))
+        rows.append(dict(r, **{"vs builtin": f"{base['time_us'] / r['time_us']:.2f}x"
+                               if base and r["algorithm"] != "builtin" else ""}))
+    cells = [[cell(r) for *_, cell in _COLUMNS] for r in rows]
+    if width is None:
+        keep = list(range(len(_COLUMNS)))
+        widths = [w for _, w, *_ in _COLUMNS]
+    else:
+        widths = [max([len(header), *(len(c[i]) for c in cells)]) for i, (header, *_) in enumerate(_COLUMNS)]
+        keep = list(range(len(_COLUMNS)))
+        for i in sorted((i for i in keep if _COLUMNS[i][3]), key=lambda i: -_COLUMNS[i][3]):
+            if 2 + sum(widths[j] for j in keep) + len(keep) - 1 <= width:
+                break
+            keep.remove(i)
+
+    def line(values: list[str], first: str = " ") -> str:
+        return (first + " " + " ".join(f"{values[i]:{_COLUMNS[i][2]}{widths[i]}}" for i in keep)).rstrip()
+
+    lines = [wrap_text(f"tpkit bench: {n} {backend} rank(s); time = median of alternating repeats, slowest rank",
+                       width, "# ", "#   ")]
     if result.get("model"):
         m = result["model"]
-        lines.append(f"# cost model calibrated in {result['calibration_s']:.1f}s: alpha {m['alpha'] * 1e6:.1f} us, "
-                     f"beta {m['beta'] * 1e9:.3f} ns/B, gamma {m['gamma'] * 1e9:.3f} ns/B")
-    by_key = {(r["collective"], r["bytes"], r["algorithm"]): r for r in result["rows"]}
+        lines.append(wrap_text(f"cost model calibrated in {result['calibration_s']:.1f}s: alpha {m['alpha'] * 1e6:.1f}"
+                               f" us, beta {m['beta'] * 1e9:.3f} ns/B, gamma {m['gamma'] * 1e9:.3f} ns/B",
+                               width, "# ", "#   "))
+    moved = [i for i in (2, 3) if i not in keep]  # type, redop: said once per block instead
     current = None
-    for r in result["rows"]:
+    for r, c in zip(rows, cells):
         if r["collective"] != current:
             current = r["collective"]
-            lines.append(f"#\n# {current}")
-            lines.append(f"# {'size':>11} {'count':>10} {'type':>8} {'redop':>7} {'algorithm':<30} {'time(us)':>11} "
-                         f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'vs builtin':>10}")
-        base = by_key.get((r["collective"], r["bytes"], "builtin"))
-        ratio = f"{base['time_us'] / r['time_us']:.2f}x" if base and r["algorithm"] != "builtin" else ""
-        name = r["algorithm"] + (f" -> {r['chosen']}" if r["algorithm"] == "auto" else "")
-        lines.append(f"  {r['bytes']:>11} {r['count']:>10} {r['type']:>8} {r['redop']:>7} {name:<30} "
-                     f"{r['time_us']:>11.1f} {r['algbw']:>11.3f} {r['busbw']:>11.3f} {r['wrong']:>6} {ratio:>10}")
+            lines.append(f"#\n# {current}" + (f" ({', '.join(c[i] for i in moved)})" if moved else ""))
+            lines.append(line([header for header, *_ in _COLUMNS], "#"))
+        lines.append(line(c))
     wrong = sum(r["wrong"] for r in result["rows"])
     lines.append(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     return "\n".join(lines)
@@ -336,7 +375,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(json.dumps(result, indent=1))
     else:
-        print(format_table(result, backend_name))
+        from tpkit.convert.tables import output_width
+
+        print(format_table(result, backend_name, output_width()))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

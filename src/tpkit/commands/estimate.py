@@ -45,33 +45,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def _memory_table(target: str, estimates, device_bytes: int, device_name: str) -> str:
-    from rich.console import Console
-    from rich.table import Table
-
+def _memory_table(target: str, estimates, device_bytes: int, device_name: str, width: int | None) -> str:
+    """Memory per rank, one row per world size. At a narrow width all-zero parts go first, then the parts that
+    matter least to whether a model fits; world size, total and `fits` always stay."""
     from tpkit.convert.estimate import format_bytes
+    from tpkit.convert.tables import Column, render_table, wrap_text
 
     first = estimates[0]
     title = (f"{target}: memory per rank, {first.mode}, {first.dtype}, batch {first.batch_size}"
              + (f" x seq {first.seq_len}" if first.seq_len else "") + (" + SP" if first.sequence_parallel else "")
              + (f", recompute {first.recompute}" if first.recompute != "none" else ""))
-    table = Table(title=title)
-    columns = ["world size", "params", "grads", "optimizer", "activations", "kv cache", "comm buf", "total", "saves",
-               f"fits {device_name}"]
-    for name in columns:
-        table.add_column(name, justify="right")
-    for e in estimates:
-        r = e.per_rank
-        table.add_row(str(e.world_size), format_bytes(r.parameters), format_bytes(r.gradients),
-                      format_bytes(r.optimizer_states), format_bytes(r.activations), format_bytes(r.kv_cache),
-                      format_bytes(r.communication_buffers), format_bytes(r.total), f"{e.savings_percent:.0f}%",
-                      "yes" if r.total <= device_bytes else "no")
-    console = Console(width=140, record=True, force_terminal=False, color_system=None)
-    with console.capture() as capture:
-        console.print(table)
-        for note in estimates[-1].notes:
-            console.print(f"note: {note}")
-    return capture.get()
+    parts = [("params", "parameters", 1), ("grads", "gradients", 5), ("optimizer", "optimizer_states", 3),
+             ("activations", "activations", 4), ("kv cache", "kv_cache", 2), ("comm buf", "communication_buffers", 7)]
+    columns = [Column("world size")]
+    for header, field, drop in parts:
+        zero = all(getattr(e.per_rank, field) == 0 for e in estimates)
+        columns.append(Column(header, drop=drop + 10 * zero))
+    columns += [Column("total"), Column("saves", drop=6), Column(f"fits {device_name}")]
+    rows = [[str(e.world_size), *(format_bytes(getattr(e.per_rank, field)) for _, field, _ in parts),
+             format_bytes(e.per_rank.total), f"{e.savings_percent:.0f}%", "yes" if e.per_rank.total <= device_bytes
+             else "no"] for e in estimates]
+    notes = [wrap_text(note, width, "note: ", "      ") for note in estimates[-1].notes]
+    return "\n".join([render_table(title, columns, rows, width), *notes])
+
+
+def _speed_table(speed, width: int | None) -> str:
+    """`SpeedEstimate.summary()`'s table, fitted to `width` (compute, memory and comm time go first)."""
+    from tpkit.convert.tables import Column, render_table, wrap_text
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+    unit = "token" if speed.mode == "decode" else "step"
+    seq = f" x seq {speed.seq_len}" if speed.seq_len else ""
+    title = (f"speed: {speed.mode}, {speed.dtype}, batch {speed.batch_size}{seq}, {speed.hardware} over "
+             f"{speed.interconnect}")
+    columns = [Column("world size"), Column("compute", drop=3), Column("memory", drop=4), Column("comm", drop=2),
+               Column(f"time/{unit}"), Column(f"{speed.unit}/s"), Column("speedup"), Column("bound", drop=1)]
+    rows = [[str(r.world_size), ms(r.compute_s), ms(r.memory_s), ms(r.communication_s), ms(r.total_s),
+             f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", r.bound] for r in speed.rows]
+    notes = [wrap_text(note, width, "note: ", "      ") for note in speed.notes]
+    return "\n".join([render_table(title, columns, rows, width), *notes])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,9 +132,12 @@ def _run(args: argparse.Namespace) -> int:
                "memory": [e.to_dict() for e in estimates], "speed": speed.to_dict() if speed else None}
         print(json.dumps(out, indent=2))
         return 0
-    print(_memory_table(args.target, estimates, hardware.memory_bytes, hardware.name))
+    from tpkit.convert.tables import output_width
+
+    width = output_width()
+    print(_memory_table(args.target, estimates, hardware.memory_bytes, hardware.name, width))
     if speed is not None:
-        print(speed.summary())
+        print(_speed_table(speed, width))
     else:
         print("speed: not estimated; pass --input-shape to measure this module's step")
     return 0

@@ -109,51 +109,42 @@ class AnalysisReport:
             groups.setdefault(key, []).append(r)
         return [(key[0], len(rows), rows[0]) for key, rows in groups.items()]
 
-    def summary(self, width: int = 150) -> str:
-        from rich.console import Console
-        from rich.table import Table
+    def summary(self, width: int | None = None) -> str:
+        """The tables and advice as text. `width=None` (default) never wraps a cell: every column at its natural
+        width, for files and pipes. A terminal's width (`tpkit.convert.tables.output_width()`) leaves out the least
+        important columns first (params, type, weight, bytes), then wraps reasons between words and breaks long
+        module names after a dot; no word or number is cut."""
+        from .tables import Column, render_table, wrap_text
 
-        table = Table(title=f"{self.model_name}: tensor-parallel plan at world size {self.world_size} ({self.mode})",
-                      show_lines=False)
-        for col, just in (("layer", "left"), ("type", "left"), ("weight", "right"), ("params", "right"),
-                          ("bytes", "right"), (f"per rank @{self.world_size}", "right"), ("style / reason", "left")):
-            table.add_column(col, justify=just, overflow="fold")
+        columns = [Column("layer", "left", wrap="names"), Column("type", "left", drop=3), Column("weight", drop=2),
+                   Column("params", drop=4), Column("bytes", drop=1), Column(f"per rank @{self.world_size}"),
+                   Column("style / reason", "left", wrap="words")]
+        rows = []
         for name, count, r in self.grouped_layers():
-            label = name if count == 1 else f"{name} (x{count})"
             how = r.style if r.style != "replicate" else f"replicate: {r.reason}"
             if r.tied_to:
                 how += f" (tied to {r.tied_to})"
-            table.add_row(label, r.type, "x".join(map(str, r.shape)), f"{r.params:,}", human(r.bytes),
-                          human(r.bytes_per_rank), how)
-        mem = Table(title=f"memory per rank ({self.mode}: "
-                          f"{'weights' if self.mode == 'inference' else 'weights + grads + AdamW states'})")
-        mem.add_column("world size", justify="right")
-        mem.add_column("parameters", justify="right")
-        mem.add_column(self.mode, justify="right")
-        for w in sorted(self.per_rank_bytes):
-            mem.add_row(str(w), human(self.per_rank_bytes[w]), human(self.per_rank_memory[w]))
-        console = Console(record=True, width=width, file=_Null())
-        console.print(table)
-        console.print(f"total: {self.total_params:,} parameters, {human(self.total_bytes)}; parallelizable: "
-                      f"{human(self.parallelizable_bytes)} ({self.parallelizable_percent:.1f}%)")
-        console.print(mem)
-        console.print(self.suggestion)
+            rows.append([name if count == 1 else f"{name} (x{count})", r.type, "x".join(map(str, r.shape)),
+                         f"{r.params:,}", human(r.bytes), human(r.bytes_per_rank), how])
+        memory = [[str(w), human(self.per_rank_bytes[w]), human(self.per_rank_memory[w])]
+                  for w in sorted(self.per_rank_bytes)]
+        what = "weights" if self.mode == "inference" else "weights + grads + AdamW states"
+        parts = [
+            render_table(f"{self.model_name}: tensor-parallel plan at world size {self.world_size} ({self.mode})",
+                         columns, rows, width),
+            wrap_text(f"total: {self.total_params:,} parameters, {human(self.total_bytes)}; parallelizable: "
+                      f"{human(self.parallelizable_bytes)} ({self.parallelizable_percent:.1f}%)", width),
+            render_table(f"memory per rank ({self.mode}: {what})",
+                         [Column("world size"), Column("parameters"), Column(self.mode)], memory, width),
+            wrap_text(self.suggestion, width),
+        ]
         if self.recommendations:
-            console.print("recommendations:")
-            for rec in self.recommendations:
-                console.print(f"  - {rec}")
-        return console.export_text()
+            parts.append("recommendations:")
+            parts += [wrap_text(rec, width, "  - ", "    ") for rec in self.recommendations]
+        return "\n".join(parts) + "\n"
 
     def __str__(self) -> str:
         return self.summary()
-
-
-class _Null:
-    def write(self, *_):
-        return 0
-
-    def flush(self):
-        pass
 
 
 def _unique_params(m: nn.Module, seen: set) -> list[tuple[str, torch.Tensor]]:
