@@ -77,14 +77,35 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def transformers_names(model: nn.Module, keys) -> dict[str, str]:
+    """`{name the model uses: checkpoint key}` by transformers' own renamings for this model (e.g. NeoX's
+    `embed_out` -> `lm_head`, legacy `gamma`/`beta`). Keys a transformers WeightConverter would rebuild
+    (concatenations, splits) are left out: they are not slices of one stored tensor, so they show as missing."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return {}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out = {}
+    for k in keys:
+        new, converter = rename_source_key(k, renamings, converters)
+        if converter is None and new != k:
+            out.setdefault(new, k)
+    return out
+
+
 def key_finder(model: nn.Module, source: Source):
-    """Model key -> checkpoint key: exact; legacy `gamma`/`beta` names; with or without the base-model prefix
-    (a checkpoint of the bare `LlamaModel` loads into `LlamaForCausalLM` and back)."""
+    """Model key -> checkpoint key: exact; renamed as transformers renames them; legacy `gamma`/`beta`; with
+    or without the base-model prefix (a bare `LlamaModel` checkpoint loads into `LlamaForCausalLM`)."""
     names = {}
     for k in source.entries:
         head, _, last = k.rpartition(".")
         if last in _LEGACY:
             names.setdefault(f"{head}.{_LEGACY[last]}" if head else _LEGACY[last], k)
+    names.update(transformers_names(model, source.entries) if source.manifest is None else {})
     names.update({k: k for k in source.entries})
     prefix = getattr(model, "base_model_prefix", "") or ""
 
