@@ -30,6 +30,7 @@ from .convert import (AnalysisReport, DistributedModelWrapper, Plan, PlanError, 
 from .nn.layout import ShardLayout
 from .convert.estimate import MemoryEstimate, estimate_memory
 from .convert.speed import SpeedEstimate, estimate_speed
+from .checkpoint import CheckpointError, consolidate, from_pretrained, load_sharded, save_sharded
 
 __version__ = "0.1.0"
 
@@ -43,4 +44,5 @@ __all__ = [
     "broadcast_tensor", "create_communicator", "get_communicator", "get_tensor_parallel_config", "init",
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",
     "use_communicator",
+    "CheckpointError", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
 ]

@@ -1,4 +1,4 @@
-"""The `tpkit` command: `tpkit demo | analyze | estimate | verify | bench | env`.
+"""The `tpkit` command: `tpkit demo | analyze | estimate | verify | bench | env | consolidate`.
 
 Each subcommand lives in its own module under `tpkit.commands` with two functions, `add_arguments(parser)`
 and `run(args) -> int`; this file only wires them up, so a subcommand is found by its name.
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "verify": "run a plan on N thread-ranks and compare with the original model",
     "bench": "collective benchmarks in the style of nccl-tests",
     "env": "devices, interconnect and NCCL settings, with advice",
+    "consolidate": "a tpkit checkpoint into a Hugging Face directory",
 }
 
 

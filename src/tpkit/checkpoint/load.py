@@ -1,0 +1,179 @@
+"""`load_sharded` and the loader every entry point shares: validate everything, agree, then read.
+
+The order is the point: (1) open the source (every header parsed), (2) match every model key to a source
+entry and check full shape, dtype and that the pieces cover this rank's region, optimizer state included,
+(3) one exchange so that all ranks raise the same `CheckpointError` if any rank found a problem, and only
+then (4) read each rank's regions into the tensors. A checkpoint that fits the embeddings but not the MLP
+fails at (2) with the model untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..convert.layouts import shard_layouts
+from ..nn._layer import resolve_comm
+from ..nn.layout import ShardLayout
+from ..nn.random import get_rng_tracker
+from . import optimizer as optim_state
+from .agree import agree
+from .errors import CheckpointError
+from .manifest import check_checksums, find_version, read_manifest
+from .progress import Progress
+from .reader import read_region, uncovered
+from .sources import Source, hf_files, manifest_source, whole_files
+
+
+@dataclasses.dataclass
+class Target:
+    """One tensor to read: source entry `key`, this rank's `layout`, wanted `dtype`, and the tensor to fill in
+    place (`dest`, a model tensor) or None (a new tensor: optimizer state). `name` is the model's key."""
+
+    key: str
+    name: str
+    layout: ShardLayout
+    dtype: torch.dtype
+    dest: torch.Tensor | None = None
+
+
+def open_source(path: str, rank: int = 0, world: int = 1) -> Source:
+    """A tpkit checkpoint (root, version or manifest; checksums of this rank's share of files checked), a
+    Hugging Face directory, a plain safetensors file or a directory of them."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such checkpoint file or directory")
+    version = find_version(path)
+    if version is not None:
+        manifest = read_manifest(version)
+        check_checksums(version, manifest, rank, world)
+        return manifest_source(version, manifest)
+    if os.path.isfile(path):
+        return whole_files([path], os.path.dirname(path))
+    source = whole_files(hf_files(path), path)
+    config = os.path.join(path, "config.json")
+    if os.path.exists(config):
+        with open(config) as f:
+            source.config = json.load(f)
+    return source
+
+
+def model_targets(model: nn.Module, source: Source, find: Callable[[str], str | None], strict: bool,
+                  convert: bool, missing_ok: Callable[[str], bool] = lambda k: False) -> list[Target]:
+    """A Target per distinct model tensor (tied keys share one). Raises CheckpointError for missing keys
+    (strict, or always when `missing_ok` says no) and, when strict, for unexpected ones."""
+    layouts = shard_layouts(model)
+    sd = model.state_dict(keep_vars=True)
+    targets, by_id, missing, used = [], {}, [], set()
+    for key, t in sd.items():
+        skey = find(key)
+        if skey is None:
+            missing.append(key)
+            continue
+        used.add(skey)
+        if id(t) not in by_id:
+            by_id[id(t)] = key
+            targets.append(Target(skey, key, layouts[key], t.dtype, t))
+    missing = [k for k in missing if id(sd[k]) not in by_id and (strict or not missing_ok(k))]
+    if missing:
+        raise CheckpointError(f"{source.root}: checkpoint lacks {len(missing)} tensor(s) of the model: "
+                              f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if strict:
+        extra = [k for k in source.entries if k not in used and not k.startswith(optim_state.PREFIX)]
+        if extra:
+            raise CheckpointError(f"{source.root}: checkpoint has {len(extra)} tensor(s) the model does not: "
+                                  f"{extra[:5]}{' ...' if len(extra) > 5 else ''} (a checkpoint of another model?)")
+    for t in targets:
+        check_target(source, t, convert)
+    return targets
+
+
+def check_target(source: Source, t: Target, convert: bool) -> None:
+    """Full shape (before any slicing: a slice of the right local shape can still be the wrong tensor), dtype,
+    and that the pieces cover this rank's region."""
+    e = source.entries[t.key]
+    where = e.pieces[0].path if e.pieces else source.root
+    if e.shape != t.layout.full_shape:
+        raise CheckpointError(f"{where}: tensor {t.key!r} has shape {list(e.shape)}, the model's {t.name} is "
+                              f"{list(t.layout.full_shape)}")
+    ok = e.dtype == t.dtype or (convert and e.dtype.is_floating_point and t.dtype.is_floating_point)
+    if not ok:
+        raise CheckpointError(f"{where}: tensor {t.key!r} is {e.dtype}, the model's {t.name} is {t.dtype}")
+    if uncovered(e, t.layout):
+        raise CheckpointError(f"{where}: tensor {t.key!r}: the checkpoint's pieces do not cover the region rank "
+                              f"{t.layout.rank} needs")
+
+
+def read_targets(source: Source, targets: list[Target], progress: Progress) -> dict[str, torch.Tensor]:
+    """Read every target (after validation and agreement). Model tensors are filled in place (straight from
+    the file when dtype and orientation allow); new tensors are returned by key."""
+    out = {}
+    with torch.no_grad():
+        for t in targets:
+            e = source.entries[t.key]
+            d = t.dest.data if t.dest is not None else None
+            if d is not None and e.dtype == d.dtype and not t.layout.transposed and d.is_contiguous():
+                read_region(e, t.layout, source.headers, d)
+            else:
+                buf = read_region(e, t.layout, source.headers, torch.empty(t.layout.stored_local_shape, dtype=e.dtype))
+                value = (buf.t() if t.layout.transposed else buf).to(t.dtype)
+                if d is not None:
+                    d.copy_(value)
+                else:
+                    out[t.key] = value.contiguous()
+            progress.advance(t.layout.local_numel * e.dtype.itemsize)
+    return out
+
+
+def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, strict: bool = True,
+                 progress: bool | None = None) -> dict:
+    """Load a tpkit checkpoint (any saved world size), a plain safetensors file or a directory of them into
+    the converted (or plain) `model`, each rank reading only its slices; optimizer state too. Collective.
+    Returns the manifest metadata: {"step", "extra", "config", "plan", "world_size"}."""
+    comm = resolve_comm(comm)
+    error, source, targets, section = None, None, [], {}
+    try:
+        source = open_source(directory, comm.rank, comm.world_size)
+        targets = model_targets(model, source, lambda k: k if k in source.entries else None, strict, convert=False)
+        if optimizer is not None:
+            section = (source.manifest or {}).get("optimizer") or {}
+            if not section and strict:
+                raise CheckpointError(f"{source.root}: the checkpoint holds no optimizer state")
+            targets += optimizer_targets(model, source, section)
+    except Exception as exc:  # every rank must reach agree(), whatever went wrong
+        error = exc
+    agree(comm, error)
+    total = sum(t.layout.local_numel * source.entries[t.key].dtype.itemsize for t in targets)
+    with Progress(f"loading {os.path.basename(directory.rstrip('/'))}", total, progress, comm.rank) as bar:
+        values = read_targets(source, targets, bar)
+    if optimizer is not None and section:
+        optim_state.restore(model, optimizer, section, values)
+    manifest = source.manifest or {}
+    restore_rng(manifest, comm)
+    return {"step": manifest.get("step"), "extra": manifest.get("extra"), "config": manifest.get("config"),
+            "plan": manifest.get("plan"), "world_size": manifest.get("world_size")}
+
+
+def optimizer_targets(model: nn.Module, source: Source, section: dict) -> list[Target]:
+    layouts = shard_layouts(model)
+    out = []
+    for key, lay, dtype in optim_state.state_targets(model, section, layouts, source.entries):
+        t = Target(key, key, lay, dtype)
+        check_target(source, t, convert=False)
+        out.append(t)
+    return out
+
+
+def restore_rng(manifest: dict, comm) -> None:
+    """The RNG tracker's streams, when the checkpoint was saved at this world size (per-rank streams do not
+    map onto another world size)."""
+    saved = manifest.get("rng")
+    if not saved or len(saved) != comm.world_size:
+        return
+    states = {name: {dev: torch.tensor(list(bytes.fromhex(h)), dtype=torch.uint8) for dev, h in d.items()}
+              for name, d in saved[comm.rank].items()}
+    if states:
+        get_rng_tracker(comm).set_states(states)

@@ -1,0 +1,80 @@
+"""Optimizer state as checkpoint tensors keyed by parameter name, so it reshards like the parameters.
+
+A state tensor shaped like its parameter (AdamW's `exp_avg`, `exp_avg_sq`, SGD's momentum) has the
+parameter's layout; any other tensor (AdamW's scalar `step`) is replicated. Keys are
+`optimizer/<parameter key>/<state name>`; non-tensor state and the param groups' hyperparameters go to the
+manifest as JSON, the groups' parameters as keys.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..nn.layout import ShardLayout
+
+PREFIX = "optimizer/"
+
+
+def named_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    yield from model.named_parameters()
+
+
+def state_tensors(model: nn.Module, optimizer, layouts: dict[str, ShardLayout]):
+    """`({key: (tensor, layout)}, manifest section)` of `optimizer`'s state on this rank."""
+    tensors, section = {}, {"state": {}, "param_groups": []}
+    names = {id(p): n for n, p in named_params(model)}
+    for name, p in named_params(model):
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        rec = section["state"][name] = {}
+        for sname, v in st.items():
+            if isinstance(v, torch.Tensor):
+                lay = layouts[name] if tuple(v.shape) == tuple(p.shape) else ShardLayout.replicated(
+                    v.shape, layouts[name].world_size, layouts[name].rank)
+                tensors[f"{PREFIX}{name}/{sname}"] = (v.detach(), lay)
+                rec[sname] = {"tensor": f"{PREFIX}{name}/{sname}"}
+            else:
+                rec[sname] = {"value": v}
+    for g in optimizer.param_groups:
+        hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"
+                 and isinstance(v, (int, float, bool, str, tuple, list, type(None)))}
+        section["param_groups"].append({**hyper, "params": [names[id(p)] for p in g["params"] if id(p) in names]})
+    return tensors, section
+
+
+def state_targets(model: nn.Module, section: dict, layouts: dict[str, ShardLayout], entries: dict):
+    """`[(key, layout, dtype)]` of every saved state tensor this model's parameters need (the parameter's
+    layout when the saved tensor has the parameter's full shape, replicated otherwise)."""
+    out = []
+    params = dict(named_params(model))
+    for name, rec in section.get("state", {}).items():
+        if name not in params:
+            continue
+        for sname, d in rec.items():
+            if "tensor" in d and d["tensor"] in entries:
+                e = entries[d["tensor"]]
+                lay = layouts[name] if e.shape == layouts[name].full_shape else ShardLayout.replicated(
+                    e.shape, layouts[name].world_size, layouts[name].rank)
+                out.append((d["tensor"], lay, e.dtype))
+    return out
+
+
+def restore(model: nn.Module, optimizer, section: dict, values: dict[str, torch.Tensor]) -> None:
+    """Put the loaded state into `optimizer` (its current state for these parameters is replaced) and the
+    saved hyperparameters into its param groups (matched by position)."""
+    params = dict(named_params(model))
+    for name, rec in section.get("state", {}).items():
+        p = params.get(name)
+        if p is None:
+            continue
+        state = {}
+        for sname, d in rec.items():
+            state[sname] = values[d["tensor"]] if "tensor" in d else d["value"]
+        optimizer.state[p] = state
+    for g, saved in zip(optimizer.param_groups, section.get("param_groups", [])):
+        for k, v in saved.items():
+            if k != "params" and k in g:
+                g[k] = tuple(v) if isinstance(g[k], tuple) else v

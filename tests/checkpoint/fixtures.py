@@ -1,0 +1,74 @@
+"""Shared pieces of the checkpoint tests: tiny Hugging Face directories written by `save_pretrained`, their
+reference logits from transformers' own loader, and the per-rank bodies (module level, so gloo processes can
+import them)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.convert.models import hf_model, inputs
+
+# name -> (family, overrides, save_pretrained kwargs): GQA Llama, fused-qkv NeoX, fused qkv + gate_up Phi-3
+# (the last as an index + shards).
+MODELS = {
+    "llama": ("llama", {"num_key_value_heads": 2}, {}),
+    "neox": ("neox", {}, {}),
+    "phi3": ("phi3", {}, {"max_shard_size": "50KB"}),
+}
+
+
+def write_hf(root: str, name: str) -> str:
+    family, over, kw = MODELS[name]
+    path = os.path.join(root, name)
+    hf_model(family, **over).save_pretrained(path, **kw)
+    return path
+
+
+def hf_logits(path: str) -> torch.Tensor:
+    import transformers
+
+    with torch.no_grad():
+        return transformers.AutoModelForCausalLM.from_pretrained(path)(input_ids=inputs()).logits
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.detach().float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=inputs()).logits
+
+
+def pretrained_and_save_body(paths: dict, refs: dict, out: str) -> dict:
+    """On each rank: from_pretrained every directory, compare logits, save_sharded under `out/<name>`."""
+    import tpkit
+
+    errs = {}
+    for name, path in paths.items():
+        model = tpkit.from_pretrained(path)
+        errs[name] = rel(logits_of(model), refs[name])
+        tpkit.save_sharded(model, os.path.join(out, name), step=7, extra={"name": name})
+    return errs
+
+
+def killed_save_body(root: str) -> None:
+    """Save once, change the weights, and start a second save that SIGKILLs this rank halfway through its file."""
+    import signal
+
+    import tpkit
+    from tpkit.checkpoint import save
+
+    model = tpkit.parallelize(hf_model("llama"))
+    tpkit.save_sharded(model, root, step=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+    def die(nbytes: int) -> None:
+        if nbytes > 4096:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    save.WRITE_HOOK = die
+    tpkit.save_sharded(model, root, step=2)

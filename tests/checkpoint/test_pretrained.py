@@ -1,0 +1,113 @@
+"""`from_pretrained` equals transformers' load followed by `parallelize` (gloo processes at world size 2, thread
+ranks at 3); the tpkit checkpoints the gloo ranks save reload at other world sizes and consolidate back into a
+directory transformers loads."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tpkit
+from tests.checkpoint.fixtures import MODELS, hf_logits, logits_of, pretrained_and_save_body, rel, write_hf
+from tests.convert.models import inputs
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    paths = {name: write_hf(str(root), name) for name in MODELS}
+    return paths, {name: hf_logits(p) for name, p in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def gloo_saved(hf_dirs, tmp_path_factory):
+    """One gloo launch at world size 2: from_pretrained of every model, then save_sharded of each."""
+    paths, refs = hf_dirs
+    out = str(tmp_path_factory.mktemp("saved"))
+    results = tpkit.launch(pretrained_and_save_body, 2, backend="gloo", args=(paths, refs, out), timeout=240)
+    return results, out
+
+
+def test_index_and_shards_fixture_is_sharded(hf_dirs):
+    assert os.path.exists(os.path.join(hf_dirs[0]["phi3"], "model.safetensors.index.json"))
+
+
+def test_from_pretrained_on_gloo_world_2_equals_transformers(gloo_saved):
+    results, _ = gloo_saved
+    for rank, errs in enumerate(results):
+        for name, err in errs.items():
+            assert err < 1e-5, (rank, name, err)
+
+
+def _threads_body(path, ref, full):
+    model = tpkit.from_pretrained(path)
+    layouts = tpkit.shard_layouts(model)
+    differ = [k for k, v in model.state_dict().items() if not torch.equal(v, layouts[k].shard(full[k]))]
+    inv = {n: b for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    return rel(logits_of(model), ref), differ, inv
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_from_pretrained_on_threads_world_3_equals_transformers_shards(hf_dirs, name):
+    import transformers
+
+    paths, refs = hf_dirs
+    hf = transformers.AutoModelForCausalLM.from_pretrained(paths[name])
+    full = hf.state_dict()
+    hf_inv = {n: b for n, b in hf.named_buffers() if n.endswith("inv_freq")}
+    for err, differ, inv in tpkit.launch(_threads_body, 3, backend="threads", args=(paths[name], refs[name], full)):
+        assert err < 1e-5 and not differ, (err, differ)
+        assert inv.keys() == hf_inv.keys() and all(torch.equal(inv[k], hf_inv[k]) for k in inv)
+
+
+def _load_body(directory, family, over, ref):
+    from tests.convert.models import hf_model
+
+    model = tpkit.parallelize(hf_model(family, initializer_range=0.9, **over))
+    meta = tpkit.load_sharded(model, directory)
+    return rel(logits_of(model), ref), meta
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_saved_at_2_loads_at_other_world_sizes(hf_dirs, gloo_saved, world):
+    _, refs = hf_dirs
+    _, out = gloo_saved
+    for name, (family, over, _) in MODELS.items():
+        for err, meta in tpkit.launch(_load_body, world, backend="threads",
+                                      args=(os.path.join(out, name), family, over, refs[name])):
+            assert err < 1e-5, (name, world, err)
+            assert meta["step"] == 7 and meta["extra"] == {"name": name}
+
+
+def test_from_pretrained_reads_a_tpkit_checkpoint(hf_dirs, gloo_saved):
+    _, refs = hf_dirs
+    _, out = gloo_saved
+    for err in tpkit.launch(lambda: rel(logits_of(tpkit.from_pretrained(os.path.join(out, "phi3"))), refs["phi3"]),
+                            2, backend="threads"):
+        assert err < 1e-5
+
+
+def test_consolidate_gives_a_directory_transformers_loads(hf_dirs, gloo_saved, tmp_path):
+    _, refs = hf_dirs
+    _, out = gloo_saved
+    for name in MODELS:
+        tpkit.consolidate(os.path.join(out, name), tmp_path / name)
+        assert rel(hf_logits(str(tmp_path / name)), refs[name]) < 1e-5, name
+
+
+def test_cli_consolidate(gloo_saved, tmp_path):
+    from tpkit.cli import main
+
+    _, out = gloo_saved
+    assert main(["consolidate", os.path.join(out, "llama"), str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "config.json").exists() and (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_nothing_written_is_pickle(gloo_saved):
+    _, out = gloo_saved
+    for dirpath, _, files in os.walk(out):
+        for f in files:
+            assert f.endswith((".safetensors", ".json")) or f == "latest", f
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                assert not fh.read(2).startswith(b"\x80"), f  # a pickle starts with PROTO (0x80)

@@ -1,0 +1,46 @@
+"""The pieces under the loaders: byte runs of a box, who writes what, headers, progress off without a TTY."""
+from __future__ import annotations
+
+import torch
+
+from tpkit.checkpoint.progress import Progress
+from tpkit.checkpoint.reader import box_ranges
+from tpkit.checkpoint.safetensors_file import read_header, read_ranges, write_file
+from tpkit.checkpoint.save import owned_spans
+from tpkit.nn.layout import Piece, ShardLayout
+
+
+def test_box_ranges_read_exactly_the_box(tmp_path):
+    full = torch.arange(4 * 5 * 6, dtype=torch.float32).reshape(4, 5, 6)
+    write_file(str(tmp_path / "f.safetensors"), {"x": full})
+    header = read_header(str(tmp_path / "f.safetensors"))
+    for box in [((1, 3), (0, 5), (0, 6)), ((0, 4), (2, 4), (0, 6)), ((1, 2), (1, 4), (2, 5)), ((0, 4), (0, 5), (3, 6))]:
+        out = torch.empty([b - a for a, b in box])
+        read_ranges(str(tmp_path / "f.safetensors"), header.tensors["x"], box_ranges(full.shape, box, 4), out)
+        assert torch.equal(out, full[tuple(slice(a, b) for a, b in box)])
+
+
+def test_layout_byte_ranges_give_the_shard(tmp_path):
+    full = torch.randn(10, 7, dtype=torch.bfloat16)
+    write_file(str(tmp_path / "f.safetensors"), {"x": full})
+    info = read_header(str(tmp_path / "f.safetensors")).tensors["x"]
+    for dim in (0, 1):
+        for r in range(3):
+            lay = ShardLayout.split(full.shape, dim, 3, r)
+            out = torch.empty(lay.stored_local_shape, dtype=torch.bfloat16)
+            read_ranges(str(tmp_path / "f.safetensors"), info, lay.byte_ranges(2), out)
+            assert torch.equal(out, lay.shard(full))
+
+
+def test_shared_kv_heads_are_written_once():
+    # A piece every rank holds and one split: ranks 1 and 2 skip what rank 0 already wrote.
+    lay = ShardLayout((6, 4), 3, 0, 0, (Piece(0, 2, ((0, 2),) * 3), Piece(2, 4, ((0, 2), (0, 2), (2, 4)))))
+    written = [[(a, b) for a, b, _ in owned_spans(lay, r)] for r in range(3)]
+    assert written == [[(0, 2), (2, 4)], [], [(4, 6)]]
+    assert owned_spans(ShardLayout.replicated((3,), 2, 1), 1) == []
+
+
+def test_progress_is_off_without_a_tty():
+    with Progress("x", 10) as bar:
+        bar.advance(5)
+        assert not bar.enabled
