@@ -116,7 +116,8 @@ class Communicator(abc.ABC):
             return tensor
         with _Guard(self, "all_reduce_"):
             self._drain()
-            return self._all_reduce_(tensor, op)
+            self._all_reduce_(tensor, op)
+            return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None,
                    async_op: bool = False):

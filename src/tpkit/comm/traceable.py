@@ -161,7 +161,8 @@ def all_reduce(x: torch.Tensor, comm: "Communicator", op: ReduceOp = ReduceOp.SU
 def all_reduce_(x: torch.Tensor, comm: "Communicator", op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
     """Sum `x` across ranks in place (for a temporary the caller owns and nobody else reads); returns `x`."""
     if not _compiling():
-        return comm.all_reduce_(x, op)
+        comm.all_reduce_(x, op)
+        return x
     if comm.world_size == 1:
         return x
     group = functional_group(comm)
