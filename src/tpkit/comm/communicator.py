@@ -23,6 +23,7 @@ from .handle import Handle
 from .ops import ReduceOp
 from .sharding import split_sizes
 from .signatures import check_signatures, signature
+from .traceable import register
 
 # Names that lived here before their modules were split out, still importable from here.
 from .debug import logger  # noqa: E402,F401
@@ -55,6 +56,7 @@ class Communicator(abc.ABC):
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list = []
         self._debug = False
+        register(self)  # the integer id compiled graphs name this communicator by (traceable.py)
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -97,6 +99,25 @@ class Communicator(abc.ABC):
         with _Guard(self, "all_reduce"):
             handle = self._all_reduce(tensor.contiguous(), op, async_op)
             return self._finish(handle, True, "all_reduce") if async_op else handle.wait()
+
+    def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
+        """`all_reduce` IN PLACE: `tensor` becomes the result and is returned. The one collective that modifies
+        its input, for temporaries a layer owns (a row-parallel layer's partial product); synchronous."""
+        if op.__class__ is not ReduceOp:
+            op = ReduceOp.parse(op)
+        if not isinstance(tensor, torch.Tensor):
+            self._check_tensor("all_reduce_", tensor)
+        if op is ReduceOp.AVG and tensor.dtype is torch.bool:
+            raise checks.average_of_bool("all_reduce_")
+        self._debug = _getenv("TP_DEBUG", "") not in _OFF
+        if self._debug:
+            self._log("all_reduce_", tensor, op=op.name)
+        if self._world_size == 1:
+            return tensor
+        with _Guard(self, "all_reduce_"):
+            self._drain()
+            self._all_reduce_(tensor, op)
+            return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None,
                    async_op: bool = False):
@@ -206,6 +227,12 @@ class Communicator(abc.ABC):
     # -- backend primitives -----------------------------------------------------------------------
     @abc.abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Handle: ...
+
+    def _all_reduce_(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """In-place all-reduce; backends with a native in-place path override this copy-back default."""
+        result = self._all_reduce(tensor.contiguous(), op, False).wait()
+        with torch.no_grad():
+            return tensor.copy_(result)
 
     @abc.abstractmethod
     def _all_gather(self, tensor: torch.Tensor, dim: int, sizes: list[int] | None, async_op: bool) -> Handle: ...

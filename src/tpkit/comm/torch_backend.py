@@ -18,6 +18,7 @@ from .communicator import Communicator, group_name
 from .errors import CommError
 from .handle import Handle
 from .ops import ReduceOp, divide_by_count
+from . import shm
 from .signatures import SIGNATURE_LENGTH, describe_signature, dtype_of_code, sent_shape, signature
 
 _TORCH_OPS = {
@@ -59,6 +60,11 @@ class TorchCommunicator(Communicator):
                          name or group_name(self._global_ranks, dist.get_world_size()),
                          timeout if timeout is not None else 1800.0)
         self._native_avg = self._pg_backend == "nccl"
+        # Small synchronous CPU collectives between processes of one host go through shared memory (shm.py);
+        # set up lazily by the first one (a collective, so every rank gets there together). None: not yet
+        # known; False: not possible. Compiled graphs use functional collectives only when it cannot be on.
+        self._shm = None if (shm.enabled() and self._pg_backend == "gloo" and self._world_size > 1) else False
+        self.__dict__["_functional_group"] = self._group.group_name if self._shm is False else None
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -113,10 +119,40 @@ class TorchCommunicator(Communicator):
         _all_gather_single(every, sig, group=self._group)
         return every.view(self._world_size, -1).tolist()
 
+    def _shm_channel(self, tensor: torch.Tensor, async_op: bool):
+        """The shared-memory channel when this call may use it (small, synchronous, CPU, not TP_DEBUG)."""
+        if self._shm is False or async_op or self._debug or tensor.device.type != "cpu" \
+                or tensor.numel() * tensor.element_size() > shm.SLOT_BYTES:
+            return None
+        if self._shm is None:
+            self._shm = shm.connect(self._group, self._rank, self._world_size, self._timeout, self._name) or False
+        return self._shm or None
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether small collectives of this group go through shared memory (known after the first one)."""
+        return bool(self._shm)
+
     # -- primitives -------------------------------------------------------------------------------
+    def _all_reduce_(self, tensor, op):
+        if self._debug:
+            self._check_peers("all_reduce", tensor, reduce_op=op)
+        channel = self._shm_channel(tensor, False)
+        if channel is not None and tensor.is_contiguous():
+            return channel.all_reduce(tensor.detach(), op, out=tensor.detach())
+        native = op is not ReduceOp.AVG or (self._native_avg and tensor.is_floating_point())
+        if not tensor.is_contiguous() or not native:
+            return super()._all_reduce_(tensor, op)
+        torch_op = dist.ReduceOp.AVG if op is ReduceOp.AVG else _TORCH_OPS[op]
+        dist.all_reduce(tensor.detach(), torch_op, group=self._group)
+        return tensor
+
     def _all_reduce(self, tensor, op, async_op):
         if self._debug:
             self._check_peers("all_reduce", tensor, reduce_op=op)
+        channel = self._shm_channel(tensor, async_op)
+        if channel is not None:
+            return Handle.completed(channel.all_reduce(tensor.detach(), op))
         src = tensor.detach()
         native = op is not ReduceOp.AVG or (self._native_avg and src.is_floating_point())
         torch_op = dist.ReduceOp.AVG if op is ReduceOp.AVG and native else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
@@ -130,6 +166,10 @@ class TorchCommunicator(Communicator):
     def _all_gather(self, tensor, dim, sizes, async_op):
         if self._debug:
             self._check_peers("all_gather", tensor, dim=dim, sizes=sizes)
+        if sizes is None or len(set(sizes)) == 1:
+            channel = self._shm_channel(tensor, async_op)
+            if channel is not None:
+                return Handle.completed(channel.all_gather(tensor.detach(), dim))
         moved = tensor.detach() if dim == 0 else tensor.detach().movedim(dim, 0).contiguous()
         n = self._world_size
         longest = moved.shape[0] if sizes is None else max(sizes)

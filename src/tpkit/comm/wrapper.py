@@ -49,6 +49,12 @@ class WrappedCommunicator(Communicator):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False):
         return self.inner.all_reduce(tensor, op=op, async_op=async_op)
 
+    def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
+        # Through this wrapper's all_reduce, so what the wrapper adds (profiling, algorithms) sees it too.
+        result = self.all_reduce(tensor, op=op)
+        with torch.no_grad():
+            return tensor.copy_(result)
+
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None,
                    async_op: bool = False):
         return self.inner.all_gather(tensor, dim=dim, sizes=sizes, async_op=async_op)

@@ -325,12 +325,14 @@ def _sum_replicated_row_grads(layer: nn.Module, rows: tuple[int, ...], n_out: in
     """Rows held by several ranks (replicated KV heads) get, on each, only the gradient of that rank's query
     heads; the full gradient is their sum, so sum it over the ranks (scatter-add into the full shape, one
     all-reduce, pick the rows back) before any optimizer sees it."""
+    from ..comm import traceable
+
     idx = torch.tensor(rows, dtype=torch.long)
 
     def hook(grad):
         full = grad.new_zeros((n_out,) + tuple(grad.shape[1:]))
         full.index_add_(0, idx.to(grad.device), grad)
-        return comm.all_reduce(full).index_select(0, idx.to(grad.device))
+        return traceable.all_reduce_(full, comm).index_select(0, idx.to(grad.device))  # `full` is ours
 
     for p in (layer.weight, layer.bias):
         if p is not None and p.requires_grad and p.device.type != "meta":

@@ -152,9 +152,11 @@ def _repoint_shared_parameters(model: nn.Module, before: Mapping[str, nn.Module]
 
 def _sum_grads_over_ranks(m: nn.Module, comm) -> None:
     """Each rank's gradient covers only its heads; the full gradient is the sum over ranks."""
+    from ..comm import traceable
+
     for p in m.parameters(recurse=False):
         if p.requires_grad and p.device.type != "meta":
-            p.register_hook(lambda g: comm.all_reduce(g))
+            p.register_hook(lambda g: traceable.all_reduce(g, comm))
 
 
 def _install_vocab_parallel_loss(model: nn.Module, built: Mapping[str, nn.Module], styles: Mapping[str, str],

@@ -13,7 +13,9 @@ from typing import Sequence
 
 import torch
 
+from ..comm import traceable
 from ..comm.communicator import Communicator
+from ..comm.debug import debug_enabled
 from ..comm.ops import ReduceOp
 from ..comm.sharding import split_sizes
 from ._layer import resolve_comm
@@ -25,7 +27,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, comm, vocab_start, vocab_size, ignore_index, label_smoothing):
         x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        global_max = comm.all_reduce(x.max(dim=-1).values, ReduceOp.MAX)
+        global_max = traceable.all_reduce(x.max(dim=-1).values, comm, ReduceOp.MAX)
         x = x - global_max.unsqueeze(-1)
         valid = target != ignore_index
         local_target = target - vocab_start
@@ -36,7 +38,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         stats = [target_logit, exp.sum(dim=-1)]
         if label_smoothing > 0:
             stats.append(x.sum(dim=-1))
-        stats = comm.all_reduce(torch.stack(stats))
+        stats = traceable.all_reduce_(torch.stack(stats), comm)  # our own temporary: in place
         log_z = stats[1].log()
         loss = log_z - stats[0]
         if label_smoothing > 0:
@@ -80,6 +82,22 @@ def _vocab_range(logits: torch.Tensor, comm: Communicator, vocab_size: int | Non
     return sum(sizes[:comm.rank]), sum(sizes)
 
 
+def _check_target(target: torch.Tensor, full: int, ignore_index: int) -> None:
+    """Target ids in range (or ignore_index): a device-side assertion, no host sync, compiled graphs too; under
+    TP_DEBUG=1 (eager) first say which ids are wrong."""
+    valid = target != ignore_index
+    if not torch.compiler.is_compiling() and debug_enabled():
+        real = target[valid]
+        bad = real[(real < 0) | (real >= full)]
+        if bad.numel():
+            values = bad.unique().tolist()
+            raise IndexError(f"{_NAME}: target ids must be in 0..{full - 1} (vocabulary size) or ignore_index "
+                             f"{ignore_index}; got {values[:10]}{' ...' if len(values) > 10 else ''}")
+    torch._assert_async((~valid | ((target >= 0) & (target < full))).all(),
+                        f"{_NAME}: target ids must be in 0..{full - 1} (vocabulary size) or ignore_index "
+                        f"{ignore_index}; set TP_DEBUG=1 to see which were not")
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                                  label_smoothing: float = 0.0, reduction: str = "mean",
                                  comm: Communicator | None = None, *, vocab_size: int | None = None,
@@ -107,11 +125,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ign
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"{_NAME}: label_smoothing {label_smoothing} must be in [0, 1]")
     start, full = _vocab_range(logits, comm, vocab_size, partition_sizes)
-    if target.device.type == "cpu" and target.numel():
-        real = target[target != ignore_index]
-        if real.numel() and (int(real.min()) < 0 or int(real.max()) >= full):
-            raise IndexError(f"{_NAME}: target ids must be in 0..{full - 1} (vocabulary size) or ignore_index "
-                             f"{ignore_index}; got values in {int(real.min())}..{int(real.max())}")
+    _check_target(target, full, ignore_index)
     loss = _VocabParallelCrossEntropy.apply(logits, target, comm, start, full, ignore_index, float(label_smoothing))
     if reduction == "none":
         return loss

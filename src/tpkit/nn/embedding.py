@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.communicator import Communicator
+from ..comm.debug import debug_enabled
 from ._layer import (TensorParallelModule, check_module, check_positive, check_sequence_divisible, full_module,
                      make_shard)
 from .mappings import gather_from_region, reduce_from_region, reduce_scatter_to_sequence_region
@@ -25,15 +26,34 @@ from .partition import partition_sizes
 UNSUPPORTED_EMBEDDING_OPTIONS = {"max_norm": None, "scale_grad_by_freq": False, "sparse": False}
 
 
-def _check_ids(layer: str, ids: torch.Tensor, num_embeddings: int) -> None:
-    """On CPU, where it costs no device sync, reject ids the single-device lookup would reject."""
+def _check_ids(layer: str, ids: torch.Tensor, num_embeddings: int, comm: Communicator) -> None:
+    """Reject ids the single-device lookup would reject, without a host sync: a device-side assertion
+    (`torch._assert_async`, which also runs in compiled graphs). Under TP_DEBUG=1 (eager only) first say which ids
+    are out of range and check that every rank got ids of the same shape and values."""
     if ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{layer}: ids must be an integer tensor, got {ids.dtype}")
-    if ids.device.type == "cpu" and ids.numel():
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= num_embeddings:
-            raise IndexError(f"{layer}: ids must be in 0..{num_embeddings - 1} (num_embeddings), got values in "
-                             f"{low}..{high}")
+    if not torch.compiler.is_compiling() and debug_enabled():
+        _describe_ids(layer, ids, num_embeddings, comm)
+    torch._assert_async(((ids >= 0) & (ids < num_embeddings)).all(),
+                        f"{layer}: ids must be in 0..{num_embeddings - 1} (num_embeddings); set TP_DEBUG=1 to see "
+                        f"which were not")
+
+
+def _describe_ids(layer: str, ids: torch.Tensor, num_embeddings: int, comm: Communicator) -> None:
+    """The TP_DEBUG checks (they read values: host syncs): which ids are out of range; same ids on every rank."""
+    bad = ids[(ids < 0) | (ids >= num_embeddings)]
+    if bad.numel():
+        values = bad.unique().tolist()
+        raise IndexError(f"{layer}: ids must be in 0..{num_embeddings - 1} (num_embeddings); got {len(values)} "
+                         f"distinct out-of-range value(s): {values[:10]}{' ...' if len(values) > 10 else ''}")
+    shape = list(ids.shape)[:6]
+    mine = torch.tensor([[ids.dim(), ids.numel(), int(ids.long().sum())] + shape + [-1] * (6 - len(shape))],
+                        dtype=torch.int64, device=ids.device)
+    every = comm.all_gather(mine, dim=0).tolist()
+    if any(row != every[0] for row in every):
+        raise ValueError(f"{layer}: ranks passed different ids (the input must be replicated): "
+                         + ", ".join(f"rank {r}: shape {tuple(v for v in row[3:] if v >= 0)} sum {row[2]}"
+                                     for r, row in enumerate(every)))
 
 
 class _ParallelEmbedding(TensorParallelModule):
@@ -96,7 +116,7 @@ class VocabParallelEmbedding(_ParallelEmbedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
-        _check_ids("VocabParallelEmbedding", ids, self.num_embeddings)
+        _check_ids("VocabParallelEmbedding", ids, self.num_embeddings, self.comm)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill_(outside, 0)
         out = F.embedding(local, self.weight, self.local_padding_idx)
@@ -104,7 +124,7 @@ class VocabParallelEmbedding(_ParallelEmbedding):
         if self.sequence_parallel:
             check_sequence_divisible("VocabParallelEmbedding", out, self.sequence_dim, self.world_size)
             return reduce_scatter_to_sequence_region(out, self.comm, self.sequence_dim)
-        return reduce_from_region(out, self.comm)
+        return reduce_from_region(out, self.comm, inplace=True)  # `out` is this layer's own temporary
 
 
 class ParallelEmbedding(_ParallelEmbedding):
@@ -122,7 +142,7 @@ class ParallelEmbedding(_ParallelEmbedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
-        _check_ids("ParallelEmbedding", ids, self.num_embeddings)
+        _check_ids("ParallelEmbedding", ids, self.num_embeddings, self.comm)
         out = F.embedding(ids, self.weight, self.padding_idx)
         if self.gather_output:
             out = gather_from_region(out, self.comm, -1, self.partition_sizes)

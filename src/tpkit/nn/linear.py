@@ -173,7 +173,7 @@ class RowParallelLinear(_ParallelLinear):
             check_sequence_divisible("RowParallelLinear", y, self.sequence_dim, self.world_size)
             y = reduce_scatter_to_sequence_region(y, self.comm, self.sequence_dim)
         else:
-            y = reduce_from_region(y, self.comm)
+            y = reduce_from_region(y, self.comm, inplace=True)  # `y` is this layer's own partial product
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

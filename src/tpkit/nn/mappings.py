@@ -18,6 +18,10 @@ Sequence-parallel region (the sequence dim, `dim`):
 
 Every mapping returns its input unchanged, without creating an autograd node, when the world size is 1.
 Uneven sizes follow `tpkit.comm.split_sizes` unless `sizes` (every rank's size along `dim`) is given.
+
+Every collective goes through `tpkit.comm.traceable` (the communicator's own method in eager mode, a
+functional collective or a `tpkit::` custom op under `torch.compile`), so the pairs compile with no graph
+break; nothing here reads a tensor's values.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from ..comm import traceable
 from ..comm.communicator import Communicator
 from ..comm.sharding import split_sizes
 from .partition import shard
@@ -47,17 +52,23 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad), None
+        return traceable.all_reduce(grad, ctx.comm), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm):
-        return comm.all_reduce(x)
+    def forward(ctx, x, comm, inplace):
+        # In place only on a temporary the calling layer owns and nobody else reads (its partial product).
+        # Compiled graphs take the out-of-place op: the compiler reuses buffers itself.
+        if inplace and not torch.compiler.is_compiling():
+            ctx.mark_dirty(x)
+            traceable.all_reduce_(x, comm)
+            return x
+        return traceable.all_reduce(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -69,14 +80,14 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_gather(grad.contiguous(), dim=ctx.dim, sizes=ctx.sizes), None, None, None
+        return traceable.all_gather(grad.contiguous(), ctx.comm, ctx.dim, ctx.sizes), None, None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim, sizes):
         ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        return comm.all_gather(x, dim=dim, sizes=sizes)
+        return traceable.all_gather(x, comm, dim, sizes)
 
     @staticmethod
     def backward(ctx, grad):
@@ -87,11 +98,11 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim, sizes):
         ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        return comm.all_gather(x, dim=dim, sizes=sizes)
+        return traceable.all_gather(x, comm, dim, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.reduce_scatter(grad.contiguous(), dim=ctx.dim, sizes=ctx.sizes), None, None, None
+        return traceable.reduce_scatter(grad.contiguous(), ctx.comm, ctx.dim, ctx.sizes), None, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -99,11 +110,11 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     def forward(ctx, x, comm, dim, sizes):
         ctx.comm, ctx.dim = comm, dim
         ctx.sizes = list(split_sizes(x.shape[dim], comm.world_size) if sizes is None else sizes)
-        return comm.reduce_scatter(x, dim=dim, sizes=ctx.sizes)
+        return traceable.reduce_scatter(x, comm, dim, ctx.sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_gather(grad.contiguous(), dim=ctx.dim, sizes=ctx.sizes), None, None, None
+        return traceable.all_gather(grad.contiguous(), ctx.comm, ctx.dim, ctx.sizes), None, None, None
 
 
 def _dim(x: torch.Tensor, dim: int) -> int:
@@ -118,9 +129,11 @@ def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return x if comm.world_size == 1 else _CopyToRegion.apply(x, comm)
 
 
-def reduce_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """Leave a tensor-parallel region by summing partial results: all-reduce forward, identity backward."""
-    return x if comm.world_size == 1 else _ReduceFromRegion.apply(x, comm)
+def reduce_from_region(x: torch.Tensor, comm: Communicator, inplace: bool = False) -> torch.Tensor:
+    """Leave a tensor-parallel region by summing partial results: all-reduce forward, identity backward.
+
+    `inplace=True` sums into `x` itself (`all_reduce_`): only for a temporary the caller made and owns."""
+    return x if comm.world_size == 1 else _ReduceFromRegion.apply(x, comm, inplace)
 
 
 def scatter_to_region(x: torch.Tensor, comm: Communicator, dim: int = -1,

@@ -1,0 +1,216 @@
+"""Shared-memory transport for small collectives between processes of one host.
+
+A torch (gloo) collective of a few KiB costs a millisecond here: sockets, gloo's worker thread, wake-ups. For
+the all-reduces of decoding (one token's activations) that is the whole step time. Ranks on one host can
+instead meet in one `/dev/shm` segment per communicator:
+
+    flags   one 64-byte line per rank: `arrived` (the call number whose data this rank has written) and
+            `done` (the call number this rank has finished reading)
+    slots   two banks (even / odd call numbers) of one `SLOT_BYTES` slot per rank
+
+Call `k`: a rank waits until every rank is done with call `k - 2` (the last user of this bank), copies its
+tensor into its slot, publishes `arrived = k`, spin-waits until every rank has arrived, reduces all slots in
+rank order (so every rank gets bitwise the same result) into its output, and publishes `done = k`. x86 keeps
+stores in order, so data written before the flag is visible once the flag is.
+
+`connect(group, ...)` sets it up (collective over the torch group: one all-gather of hostnames, then the
+segment is created by rank 0, mapped by all, and unlinked right after every rank has attached, so a crash
+leaves nothing behind; `atexit` unlinks too if setup dies half-way). `TorchCommunicator` uses it for
+synchronous CPU all_reduce / all_gather of at most `SLOT_BYTES` when every rank of its group is on this host;
+`TPKIT_SHM=0` turns it off. A rank that never arrives raises `CommError` after the communicator's timeout,
+and a peer process that died raises it within a second.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import mmap
+import os
+import secrets
+import socket
+import time
+
+import torch
+
+from .errors import CommError
+from .ops import ReduceOp, reduce_tensors
+
+SLOT_BYTES = 1 << 20
+_LINE = 64                      # bytes of flags per rank (one cache line)
+_FLAGS_BYTES = 64 * _LINE       # room for 64 ranks
+_Q = _LINE // 8                 # int64 words per line
+_DIR = "/dev/shm"
+_CREATED: set[str] = set()      # paths this process created and has not unlinked yet
+
+
+def enabled() -> bool:
+    return os.environ.get("TPKIT_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cleanup() -> None:
+    for path in list(_CREATED):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        _CREATED.discard(path)
+
+
+atexit.register(_cleanup)
+
+
+def _host_key() -> int:
+    digest = hashlib.sha1(socket.gethostname().encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+def connect(group, rank: int, world_size: int, timeout: float, name: str) -> "SharedMemoryChannel | None":
+    """Collective over the torch process group `group`: a channel when all its ranks share this host (and
+    /dev/shm exists), else None on every rank."""
+    import torch.distributed as dist
+
+    ok = os.path.isdir(_DIR) and world_size <= 64
+    mine = torch.tensor([_host_key(), secrets.randbits(62), os.getpid(), int(ok)], dtype=torch.int64)
+    every = torch.empty(world_size * 4, dtype=torch.int64)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(every, mine, group=group)
+    rows = every.view(world_size, 4).tolist()
+    if len({r[0] for r in rows}) != 1 or not all(r[3] for r in rows):
+        return None
+    path = os.path.join(_DIR, f"tpkit-{rows[0][1]:x}")
+    size = _FLAGS_BYTES + 2 * world_size * SLOT_BYTES
+    status = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            _CREATED.add(path)
+            os.ftruncate(fd, size)
+            os.close(fd)
+        except OSError:
+            status += 1
+    dist.all_reduce(status, group=group)                     # created (or not) before anyone opens
+    channel = None
+    if not int(status):
+        try:
+            channel = SharedMemoryChannel(path, size, rank, world_size, timeout, [r[2] for r in rows], name)
+        except OSError:
+            status += 1
+    dist.all_reduce(status, group=group)                     # every rank attached (or someone failed)
+    if rank == 0 and path in _CREATED:
+        try:
+            os.unlink(path)                                  # nothing left on disk from here on
+        except OSError:
+            pass
+        _CREATED.discard(path)
+    if int(status):
+        if channel is not None:
+            channel.close()
+        return None
+    return channel
+
+
+class SharedMemoryChannel:
+    """One rank's view of the segment; `all_reduce` / `all_gather` of tensors up to `SLOT_BYTES`."""
+
+    def __init__(self, path: str, size: int, rank: int, world_size: int, timeout: float, pids: list[int],
+                 name: str):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.rank, self.world_size, self.timeout, self.name = rank, world_size, float(timeout), name
+        self._pids = pids
+        self._flags = memoryview(self._map).cast("q")
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._seq = 0
+        self._views: dict = {}  # (dtype, shape) -> [bank][rank] views of the slots
+
+    def close(self) -> None:
+        try:
+            self._flags.release()
+            self._bytes = None
+            self._map.close()
+        except (BufferError, ValueError):
+            pass  # tensors still view it; the mapping goes with the process
+
+    # -- protocol ---------------------------------------------------------------------------------
+    def _slots(self, tensor: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Views of every rank's slot in both banks shaped like `tensor` (made once per dtype and shape)."""
+        key = (tensor.dtype, tensor.shape)
+        views = self._views.get(key)
+        if views is None:
+            nbytes = tensor.numel() * tensor.element_size()
+            starts = [[_FLAGS_BYTES + (bank * self.world_size + r) * SLOT_BYTES for r in range(self.world_size)]
+                      for bank in (0, 1)]
+            views = [[self._bytes[s:s + nbytes].view(tensor.dtype).view(tensor.shape) for s in bank]
+                     for bank in starts]
+            if len(self._views) > 256:
+                self._views.clear()
+            self._views[key] = views
+        return views
+
+    def _wait(self, word: int, seq: int, op: str) -> None:
+        """Spin until every rank's flag `word` (0 arrived, 1 done) reaches `seq`."""
+        flags, n = self._flags, self.world_size
+        for p in range(n):
+            index = p * _Q + word
+            if flags[index] >= seq:
+                continue
+            spins, deadline = 0, None
+            while flags[index] < seq:
+                spins += 1
+                if spins & 255 == 0:
+                    os.sched_yield()
+                    if spins & 16383 == 0:
+                        now = time.monotonic()
+                        if deadline is None:
+                            deadline = now + self.timeout
+                        self._check_peer(p, op, now >= deadline)
+
+    def _check_peer(self, peer: int, op: str, timed_out: bool) -> None:
+        try:
+            os.kill(self._pids[peer], 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        except OSError:
+            alive = True
+        if not alive:
+            raise CommError(f"{op} (shared memory) on rank {self.rank} of group {self.name}: rank {peer} "
+                            f"(pid {self._pids[peer]}) died")
+        if timed_out:
+            raise CommError(f"{op} (shared memory) on rank {self.rank} of group {self.name} timed out after "
+                            f"{self.timeout:g}s: rank {peer} never arrived")
+
+    def _publish(self, tensor: torch.Tensor, op: str) -> tuple[int, list[torch.Tensor]]:
+        """Write `tensor` into this rank's slot and wait for every rank's; (call number, every rank's slot)."""
+        seq = self._seq = self._seq + 1
+        parts = self._slots(tensor)[seq & 1]
+        if seq > 2:
+            self._wait(1, seq - 2, op)
+        parts[self.rank].copy_(tensor)
+        self._flags[self.rank * _Q] = seq
+        self._wait(0, seq, op)
+        return seq, parts
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The reduction of every rank's `tensor` (contiguous CPU, at most SLOT_BYTES) into `out` or a new tensor."""
+        seq, parts = self._publish(tensor, "all_reduce")
+        if op is ReduceOp.SUM:
+            result = torch.add(parts[0], parts[1], out=out) if out is not None else torch.add(parts[0], parts[1])
+            for part in parts[2:]:
+                result.add_(part)
+        else:
+            result = reduce_tensors(parts, op)
+            if out is not None:
+                result = out.copy_(result)
+        self._flags[self.rank * _Q + 1] = seq
+        return result
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's `tensor` (same shape on all) concatenated along `dim`."""
+        seq, parts = self._publish(tensor, "all_gather")
+        result = torch.cat(parts, dim)
+        self._flags[self.rank * _Q + 1] = seq
+        return result
