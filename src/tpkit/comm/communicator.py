@@ -83,17 +83,22 @@ class Communicator(abc.ABC):
     # -- public collectives -----------------------------------------------------------------------
     # The collectives run on every layer's forward and backward, so their common path is kept to a few
     # inline checks (a type test, a dim range, one environment lookup); everything else is on slow paths.
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False):
-        """Combine `tensor` across ranks with `op`; every rank gets the result."""
+    def _reduce_start(self, name: str, tensor: torch.Tensor, op: ReduceOp | str) -> ReduceOp:
+        """The inline checks both all-reduce forms make before any communication; returns the parsed op."""
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(op)
         if not isinstance(tensor, torch.Tensor):
-            self._check_tensor("all_reduce", tensor)
+            self._check_tensor(name, tensor)
         if op is ReduceOp.AVG and tensor.dtype is torch.bool:
-            raise checks.average_of_bool("all_reduce")
+            raise checks.average_of_bool(name)
         self._debug = _getenv("TP_DEBUG", "") not in _OFF
         if self._debug:
-            self._log("all_reduce", tensor, op=op.name)
+            self._log(name, tensor, op=op.name)
+        return op
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False):
+        """Combine `tensor` across ranks with `op`; every rank gets the result."""
+        op = self._reduce_start("all_reduce", tensor, op)
         if self._world_size == 1:
             return self._finish(Handle.completed(tensor.detach().clone()), async_op)
         with _Guard(self, "all_reduce"):
@@ -103,15 +108,7 @@ class Communicator(abc.ABC):
     def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
         """`all_reduce` IN PLACE: `tensor` becomes the result and is returned. The one collective that modifies
         its input, for temporaries a layer owns (a row-parallel layer's partial product); synchronous."""
-        if op.__class__ is not ReduceOp:
-            op = ReduceOp.parse(op)
-        if not isinstance(tensor, torch.Tensor):
-            self._check_tensor("all_reduce_", tensor)
-        if op is ReduceOp.AVG and tensor.dtype is torch.bool:
-            raise checks.average_of_bool("all_reduce_")
-        self._debug = _getenv("TP_DEBUG", "") not in _OFF
-        if self._debug:
-            self._log("all_reduce_", tensor, op=op.name)
+        op = self._reduce_start("all_reduce_", tensor, op)
         if self._world_size == 1:
             return tensor
         with _Guard(self, "all_reduce_"):
