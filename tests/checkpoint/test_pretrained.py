@@ -88,6 +88,31 @@ def test_from_pretrained_reads_a_tpkit_checkpoint(hf_dirs, gloo_saved):
         assert err < 1e-5
 
 
+def _pretrained_error(path):
+    try:
+        tpkit.from_pretrained(path)
+    except tpkit.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_from_pretrained_checks_each_piece_it_reads(gloo_saved, tmp_path, world):
+    """A flipped byte in rank 1's file: at world size 2 rank 1 reads its pieces whole and hashes the bytes as
+    read; at 3 two ranks read parts of them and hash the pieces from disk. Every rank raises, naming the file."""
+    import shutil
+
+    _, out = gloo_saved
+    copy = tmp_path / "llama"
+    shutil.copytree(os.path.join(out, "llama"), copy)
+    f = copy / (copy / "latest").read_text().strip() / "rank-00001.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0x40
+    f.write_bytes(bytes(data))
+    for message in tpkit.launch(_pretrained_error, world, backend="threads", args=(str(copy),)):
+        assert message is not None and "sha256" in message and "rank-00001" in message, message
+
+
 def test_consolidate_gives_a_directory_transformers_loads(hf_dirs, gloo_saved, tmp_path):
     _, refs = hf_dirs
     _, out = gloo_saved

@@ -25,7 +25,7 @@ from .agree import agree
 from .errors import CheckpointError
 from .manifest import check_checksums, find_version, read_manifest
 from .progress import Progress
-from .reader import read_region, uncovered
+from .reader import check_pieces, read_region, uncovered
 from .sources import Source, hf_files, manifest_source, whole_files
 
 
@@ -42,14 +42,15 @@ class Target:
 
 
 def open_source(path: str, rank: int = 0, world: int = 1) -> Source:
-    """A tpkit checkpoint (root, version or manifest; checksums of this rank's share of files checked), a
-    Hugging Face directory, a plain safetensors file or a directory of them."""
+    """A tpkit checkpoint (root, version or manifest), a Hugging Face directory, a plain safetensors file or a
+    directory of them. Every header is parsed and checked; pieces' sha256 are checked where they are read."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such checkpoint file or directory")
     version = find_version(path)
     if version is not None:
         manifest = read_manifest(version)
-        check_checksums(version, manifest, rank, world)
+        if any("sha256" in d for d in manifest.get("files", {}).values()):  # written before pieces had sha256
+            check_checksums(version, manifest, rank, world)
         return manifest_source(version, manifest)
     if os.path.isfile(path):
         return whole_files([path], os.path.dirname(path))
@@ -107,18 +108,21 @@ def check_target(source: Source, t: Target, convert: bool) -> None:
                               f"{t.layout.rank} needs")
 
 
-def read_targets(source: Source, targets: list[Target], progress: Progress) -> dict[str, torch.Tensor]:
+def read_targets(source: Source, targets: list[Target], progress: Progress,
+                 verify: bool = False) -> dict[str, torch.Tensor]:
     """Read every target (after validation and agreement). Model tensors are filled in place (straight from
-    the file when dtype and orientation allow); new tensors are returned by key."""
+    the file when dtype and orientation allow); new tensors are returned by key. `verify`: check each piece's
+    sha256 as it is read (for a new model; a live one is checked before with `check_pieces`)."""
     out = {}
     with torch.no_grad():
         for t in targets:
             e = source.entries[t.key]
             d = t.dest.data if t.dest is not None else None
             if d is not None and e.dtype == d.dtype and not t.layout.transposed and d.is_contiguous():
-                read_region(e, t.layout, source.headers, d)
+                read_region(e, t.layout, source.headers, d, verify)
             else:
-                buf = read_region(e, t.layout, source.headers, torch.empty(t.layout.stored_local_shape, dtype=e.dtype))
+                buf = read_region(e, t.layout, source.headers, torch.empty(t.layout.stored_local_shape, dtype=e.dtype),
+                                  verify)
                 value = (buf.t() if t.layout.transposed else buf).to(t.dtype)
                 if d is not None:
                     d.copy_(value)
@@ -143,6 +147,8 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
             if not section and strict:
                 raise CheckpointError(f"{source.root}: the checkpoint holds no optimizer state")
             targets += optimizer_targets(model, source, section)
+        for t in targets:  # before anything changes: the model is the caller's
+            check_pieces(source.entries[t.key], t.layout, source.headers)
     except Exception as exc:  # every rank must reach agree(), whatever went wrong
         error = exc
     agree(comm, error)

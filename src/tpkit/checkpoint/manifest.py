@@ -6,8 +6,9 @@ DIR/v000002-step-000000123/      manifest.json + rank-00000.safetensors, rank-00
 ```
 A save writes a new version directory and only then moves `latest`, so a save killed midway leaves the
 pointer (and the version it names) untouched. The manifest records, for every key, the full shape, dtype
-and the pieces (file, tensor name, offsets in the full tensor); plus files with sha256, step, extra, the
-model config and plan, optimizer hyperparameters, and RNG tracker states. Nothing is pickled.
+and the pieces (file, tensor name, offsets in the full tensor, sha256 of its bytes); plus the files with
+their sizes, step, extra, the model config and plan, optimizer hyperparameters, and RNG tracker states.
+Nothing is pickled. Manifests of format version 1 hashed whole files instead (`check_checksums`).
 """
 from __future__ import annotations
 

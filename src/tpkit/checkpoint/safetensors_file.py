@@ -117,19 +117,20 @@ def read_ranges(path: str, info: TensorInfo, ranges: Iterable[tuple[int, int]], 
 
 
 def write_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
-               after_bytes: Callable[[int], None] | None = None) -> str:
-    """Write `tensors` as a safetensors file, fsync it and return its sha256 (hashed as written, so the file is
-    not read back). `after_bytes(n)` is called with the bytes written so far (tests kill a save halfway)."""
+               after_bytes: Callable[[int], None] | None = None) -> dict[str, str]:
+    """Write `tensors` as a safetensors file, fsync it and return each tensor's sha256 (of its bytes, hashed as
+    written, so the file is not read back). `after_bytes(n)` is called with the bytes written so far (tests
+    kill a save halfway with it)."""
     specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
     return write_stream(path, specs, tensors.__getitem__, metadata, after_bytes, cumulative=True)
 
 
 def write_stream(path: str, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
                  produce: Callable[[str], torch.Tensor], metadata: Mapping[str, str] | None = None,
-                 after_bytes: Callable[[int], None] | None = None, cumulative: bool = False) -> str:
+                 after_bytes: Callable[[int], None] | None = None, cumulative: bool = False) -> dict[str, str]:
     """Write a safetensors file whose tensors are made one at a time by `produce(name)` (the header comes
-    from `specs` alone), fsync it and return its sha256. `after_bytes` gets each tensor's byte count (or the
-    running total with `cumulative`)."""
+    from `specs` alone), fsync it and return `{name: sha256 of its bytes}`. `after_bytes` gets each tensor's
+    byte count (or the running total with `cumulative`)."""
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     at = 0
     for name, dtype, shape in specs:
@@ -138,11 +139,9 @@ def write_stream(path: str, specs: Sequence[tuple[str, torch.dtype, Sequence[int
         at += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    digest = hashlib.sha256()
+    digests = {}
     with open(path, "wb") as f:
-        head = struct.pack("<Q", len(raw)) + raw
-        f.write(head)
-        digest.update(head)
+        f.write(struct.pack("<Q", len(raw)) + raw)
         written = 0
         for name, dtype, shape in specs:
             t = produce(name).detach().contiguous().cpu()
@@ -151,11 +150,31 @@ def write_stream(path: str, specs: Sequence[tuple[str, torch.dtype, Sequence[int
                                  f"{dtype} {list(shape)}")
             data = byte_view(t)
             f.write(data)
-            digest.update(data)
+            digests[name] = sha256_bytes(data)
             written += len(data)
             if after_bytes is not None:
                 f.flush()
                 after_bytes(written if cumulative else len(data))
         f.flush()
         os.fsync(f.fileno())
+    return digests
+
+
+def sha256_bytes(data: memoryview | torch.Tensor) -> str:
+    """sha256 of a buffer, or of a contiguous CPU tensor's bytes (hashlib releases the GIL while hashing)."""
+    return hashlib.sha256(byte_view(data) if isinstance(data, torch.Tensor) else data).hexdigest()
+
+
+def sha256_range(path: str, start: int, stop: int) -> str:
+    """sha256 of the file's bytes [start, stop), read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = stop - start
+        while left > 0:
+            chunk = f.read(min(left, 1 << 22))
+            if not chunk:
+                raise CheckpointError(f"{path}: truncated file (ends before byte {stop})")
+            digest.update(chunk)
+            left -= len(chunk)
     return digest.hexdigest()

@@ -4,7 +4,7 @@ on the TP size.
 For each tensor, rank r writes the positions of its segments that no lower rank holds (so a replicated
 tensor, or a KV head several ranks share, is written once: by the first holder), each as one piece with its
 offsets in the full tensor. Every rank can work out every other rank's pieces from the layouts
-(`layout.for_rank`), so rank 0 writes the whole manifest after gathering only the files' checksums and RNG
+(`layout.for_rank`), so rank 0 writes the whole manifest after gathering only the pieces' sha256 and RNG
 states. Then a barrier, then `latest` moves: a save killed before that leaves the previous one in place.
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ def save_sharded(model: nn.Module, directory: str, optimizer=None, step: int | N
             if WRITE_HOOK is not None:
                 WRITE_HOOK(n)
         digest = write_file(os.path.join(version, rank_file(comm.rank)), mine, {"format": "pt"}, hook)
-    digests = [d.decode() for d in gather_bytes(comm, digest.encode())]
+    digests = [json.loads(d) for d in gather_bytes(comm, json.dumps(digest).encode())]
     rng = [json.loads(r) for r in gather_bytes(comm, json.dumps(_rng_states(comm)).encode())]
     if comm.rank == 0:
         manifest = _manifest(model, tensors, aliases, section, comm.world_size, step, extra, digests, rng, version)
@@ -138,17 +138,18 @@ def _rng_states(comm) -> dict:
 def _manifest(model, tensors, aliases, section, world, step, extra, digests, rng, version) -> dict:
     entries = {}
     for key, (t, lay) in tensors.items():
-        pieces = [p for r in range(world) for p in rank_pieces(key, lay.for_rank(r), r)]
+        pieces = [dict(p, sha256=digests[r][p["name"]])
+                  for r in range(world) for p in rank_pieces(key, lay.for_rank(r), r)]
         entries[key] = {"shape": list(lay.full_shape), "dtype": NAMES[t.dtype], "pieces": pieces}
     for alias, key in aliases.items():
         entries[alias] = dict(entries[key], alias_of=key)
     config = getattr(model, "config", None)
     plan = getattr(model, "tp_plan", None)
-    return {"format": FORMAT, "version": 1, "tpkit_version": _tpkit_version(), "world_size": world, "step": step,
+    return {"format": FORMAT, "version": 2, "tpkit_version": _tpkit_version(), "world_size": world, "step": step,
             "extra": extra, "config": json.loads(config.to_json_string(use_diff=False)) if hasattr(config, "to_json_string") else None,
             "plan": plan.to_dict() if hasattr(plan, "to_dict") else None,
-            "files": {rank_file(r): {"sha256": d, "bytes": os.path.getsize(os.path.join(version, rank_file(r)))}
-                      for r, d in enumerate(digests)},
+            "files": {rank_file(r): {"bytes": os.path.getsize(os.path.join(version, rank_file(r)))}
+                      for r in range(world)},
             "tensors": entries, "optimizer": section or None, "rng": rng if any(rng) else None}
 
 

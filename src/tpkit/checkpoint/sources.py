@@ -19,12 +19,14 @@ from .safetensors_file import DTYPES, Header, read_header
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """A box of the full tensor: stored as tensor `name` of file `path`, starting at `offsets`."""
+    """A box of the full tensor: stored as tensor `name` of file `path`, starting at `offsets`; `sha256` of its
+    bytes when the writer recorded one (tpkit checkpoints)."""
 
     path: str
     name: str
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
+    sha256: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +102,7 @@ def manifest_source(directory: str, manifest: dict) -> Source:
             if info.dtype != DTYPES[d["dtype"]]:
                 raise CheckpointError(f"{path}: tensor {p['name']!r} (of {key}) is {info.dtype}, the manifest says "
                                       f"{d['dtype']}")
-            pieces.append(Piece(path, p["name"], tuple(p["offsets"]), info.shape))
+            pieces.append(Piece(path, p["name"], tuple(p["offsets"]), info.shape, p.get("sha256")))
         entry = Entry(key, tuple(d["shape"]), DTYPES[d["dtype"]], tuple(pieces))
         for piece in entry.pieces:
             if len(piece.offsets) != len(entry.shape) or any(
