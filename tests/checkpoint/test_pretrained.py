@@ -88,6 +88,25 @@ def test_from_pretrained_reads_a_tpkit_checkpoint(hf_dirs, gloo_saved):
         assert err < 1e-5
 
 
+def test_reload_at_the_saved_world_size_applies_the_recorded_plan_without_tracing(hf_dirs, gloo_saved, monkeypatch):
+    """Same world size and mode: the manifest's plan is applied as recorded (no trace); the model equals the
+    traced conversion. At another world size the model is planned (and traced) again."""
+    from tpkit.convert import structure
+
+    _, refs = hf_dirs
+    _, out = gloo_saved
+    path = os.path.join(out, "phi3")
+    traced = []
+    real = structure.trace
+    monkeypatch.setattr(structure, "trace", lambda *a, **k: traced.append(1) or real(*a, **k))
+    for err in tpkit.launch(lambda: rel(logits_of(tpkit.from_pretrained(path)), refs["phi3"]), 2, backend="threads"):
+        assert err < 1e-5
+    assert not traced
+    for err in tpkit.launch(lambda: rel(logits_of(tpkit.from_pretrained(path)), refs["phi3"]), 3, backend="threads"):
+        assert err < 1e-5
+    assert traced
+
+
 def _pretrained_error(path):
     try:
         tpkit.from_pretrained(path)

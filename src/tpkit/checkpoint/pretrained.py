@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..convert.parallelize import parallelize
+from ..convert.plan import Plan
 from ..nn._layer import resolve_comm
 from .agree import agree
 from .errors import CheckpointError
@@ -145,6 +146,16 @@ def load_config(source: Source, path: str):
     return transformers.AutoConfig.for_model(model_type, **d)
 
 
+def recorded_plan(source: Source, plan, world: int, mode: str):
+    """`(plan, recorded)`: a tpkit checkpoint saved at this world size and mode carries the plan its model was
+    converted with; with `plan="auto"` that plan is applied as recorded (no trace: a reload is mostly reading)."""
+    saved = (source.manifest or {}).get("plan")
+    if isinstance(plan, str) and plan == "auto" and saved and saved.get("world_size") == world \
+            and saved.get("mode") == mode:
+        return Plan.from_dict(saved), True
+    return plan, False
+
+
 def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str = "inference", dtype=None,
                     model_cls=None, progress: bool | None = None) -> nn.Module:
     """A Hugging Face directory (single file or index + shards) or a tpkit checkpoint, built and converted
@@ -160,7 +171,8 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     agree(comm, error)
     target_dtype = resolve_dtype(dtype, config)
     model = build(config, model_cls, target_dtype)
-    parallelize(model, plan, comm, mode=mode)
+    plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
+    parallelize(model, plan, comm, mode=mode, recorded=recorded)
     materialize(model)
     buffers = {n for n, _ in model.named_buffers()}
     error, targets = None, []

@@ -25,8 +25,8 @@ from .errors import PlanError
 from .layouts import key_layouts, plan_layouts
 from .plan import Plan
 from .planner import auto_plan
-from .structure import Analysis, analyze_structure
-from .styles import COLWISE, ROWWISE, for_module
+from .structure import Analysis, analyze_structure, untraced_structure
+from .styles import COLWISE, ROWWISE, SEQUENCE_PARALLEL, for_module
 from .swap import attention_updates, build, swap
 from .validate import validate
 
@@ -67,7 +67,7 @@ def _names(model: nn.Module) -> list[str]:
 
 
 def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = "inference",
-                example_inputs: Any = None, sequence_parallel: bool = False) -> nn.Module:
+                example_inputs: Any = None, sequence_parallel: bool = False, recorded: bool = False) -> nn.Module:
     """Convert `model` in place to this rank's tensor-parallel shard and return it.
 
     `plan`: "auto" (the planner's), a `Plan` (applied as is), a path to a plan JSON, or a mapping of user
@@ -79,6 +79,10 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     `sequence_parallel=True` (or plan entries styled "sequence_parallel") also splits the residual stream
     along the sequence between row- and column-wise layers (see `sequence.py`; training mode, sequence length
     a multiple of the world size; call `tpkit.nn.sync_sequence_parallel_grads(model)` after backward).
+
+    `recorded=True`: `plan` is the `Plan` this same model was converted with before at this world size (as a
+    checkpoint records it); it is applied without tracing the model or re-checking the dataflow, which was
+    done when it was made (reloads skip the trace). Ignored with sequence parallelism, which needs the trace.
     """
     from ..nn._layer import resolve_comm
 
@@ -88,12 +92,14 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     if done:
         raise PlanError(f"parallelize: the model already holds tensor-parallel shards (e.g. {done[0]}); it was "
                         f"converted before (see its tp_plan). Convert the original model once per rank")
-    analysis = analyze_structure(model, example_inputs)                                   # 1. trace
+    recorded = recorded and isinstance(plan, Plan) and plan.world_size == world and not sequence_parallel and \
+        SEQUENCE_PARALLEL not in plan.entries.values()
+    analysis = untraced_structure(model) if recorded else analyze_structure(model, example_inputs)  # 1. trace
     the_plan = resolve_plan(model, plan, world, analysis, mode)                           # 2. plan
     modules = dict(model.named_modules())
     styles = _styles(the_plan, analysis, modules)
     per_module = plan_layouts(modules, analysis.leaves, styles, the_plan.details, world, rank)  # 3. layouts
-    region = validate(analysis, styles, world, sequence_parallel)                        # 4. validate
+    region = None if recorded else validate(analysis, styles, world, sequence_parallel)  # 4. validate
     built = build(modules, styles, per_module, comm, set(region.rows) if region else set())   # 5. swap
     updates = attention_updates(model, styles, the_plan.details, world, rank)
     swap(model, modules, analysis, styles, built, updates, region, comm)

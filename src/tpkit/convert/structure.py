@@ -99,13 +99,19 @@ def analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
     return a
 
 
-def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
+def untraced_structure(model: nn.Module) -> Analysis:
+    """The structure without a trace (leaves, ties, prefix): enough to apply a plan recorded for this model
+    before, not to make or check one."""
     leaves = parameterised_leaves(model)
     total = sum(p.numel() for p in model.parameters())
     prefix = getattr(model, "base_model_prefix", None) if hasattr(model, "config") else None
     if prefix and not hasattr(model, prefix):
         prefix = None
-    analysis = Analysis(model, leaves, None, None, {}, [], {}, _ties(leaves), total, prefix)
+    return Analysis(model, leaves, None, None, {}, [], {}, _ties(leaves), total, prefix)
+
+
+def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
+    analysis = untraced_structure(model)
     try:
         candidates = default_inputs(model) if example_inputs is None else [example_inputs]
     except ValueError as exc:
