@@ -20,6 +20,7 @@ from ..convert.parallelize import parallelize
 from ..convert.plan import Plan
 from ..nn._layer import resolve_comm
 from .agree import agree
+from .conversions import transformers_keys
 from .errors import CheckpointError
 from .load import Source, model_targets, open_source, read_targets
 from .progress import Progress
@@ -78,31 +79,12 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def transformers_names(model: nn.Module, keys) -> dict[str, str]:
-    """`{name the model uses: checkpoint key}` by transformers' own renamings for this model (e.g. NeoX's
-    `embed_out` -> `lm_head`, legacy `gamma`/`beta`). Keys a transformers WeightConverter would rebuild
-    (concatenations, splits) are left out: they are not slices of one stored tensor, so they show as missing."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
-        return {}
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    out = {}
-    for k in keys:
-        new, converter = rename_source_key(k, renamings, converters)
-        if converter is None and new != k:
-            out.setdefault(new, k)
-    return out
-
-
-def key_finder(model: nn.Module, source: Source):
+def key_finder(model: nn.Module, source: Source, notes: list[str] | None = None):
     """Model key -> checkpoint key: exact; legacy `gamma`/`beta`; with or without the base-model prefix (a
-    bare `LlamaModel` checkpoint loads into `LlamaForCausalLM`); else renamed as transformers renames them.
-    transformers' rename table is built (~0.5 s: a thousand regexes) only when a key is not found otherwise,
-    which a checkpoint saved by current transformers or tpkit never needs."""
+    bare `LlamaModel` checkpoint loads into `LlamaForCausalLM`); else as transformers renames or rebuilds it
+    (`conversions.py`, which adds fused entries to `source`). transformers' table is built (~0.5 s: a
+    thousand regexes) only when a key is not found otherwise, which a checkpoint saved by tpkit never needs.
+    `notes` receives the conversions tpkit could not read."""
     names = {}
     for k in source.entries:
         head, _, last = k.rpartition(".")
@@ -119,7 +101,9 @@ def key_finder(model: nn.Module, source: Source):
             options += [key[len(prefix) + 1:]] if key.startswith(prefix + ".") else [f"{prefix}.{key}"]
         found = next((names[o] for o in options if o in names), None)
         if found is None and renamed is None:
-            renamed = transformers_names(model, source.entries)
+            renamed, unread = transformers_keys(model, source)
+            if notes is not None:
+                notes.extend(unread)
         return found if found is not None else next((renamed[o] for o in options if o in renamed), None)
 
     return find
@@ -175,10 +159,13 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     parallelize(model, plan, comm, mode=mode, recorded=recorded)
     materialize(model)
     buffers = {n for n, _ in model.named_buffers()}
-    error, targets = None, []
+    error, targets, notes = None, [], []
     try:
-        targets = model_targets(model, source, key_finder(model, source), strict=False, convert=True,
+        targets = model_targets(model, source, key_finder(model, source, notes), strict=False, convert=True,
                                 missing_ok=lambda k: k in buffers)
+    except CheckpointError as exc:
+        error = CheckpointError(f"{exc}; transformers rebuilds {notes[:2]} in ways tpkit does not read") if notes \
+            else exc
     except Exception as exc:
         error = exc
     agree(comm, error)
