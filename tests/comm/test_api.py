@@ -21,6 +21,16 @@ def test_unknown_backend_lists_the_valid_ones():
     assert set(BACKENDS) >= {"torch", "threads", "mpi"}
 
 
+def _torch_with_backend_keyword():
+    comm = create_communicator("torch", backend="gloo")
+    return comm.world_size, comm.all_reduce(torch.ones(1)).tolist()
+
+
+def test_torch_factory_takes_the_process_group_backend_as_a_keyword():
+    """`backend=` after the positional backend name is the torch process-group backend, not a clash."""
+    assert tpkit.launch(_torch_with_backend_keyword, 2, backend="gloo") == [(2, [2.0]), (2, [2.0])]
+
+
 def test_threads_factory_gives_a_world_of_one_outside_launch_and_the_rank_inside():
     comm = create_communicator("threads")
     assert (comm.world_size, comm.rank, comm.backend) == (1, 0, "threads")

@@ -67,8 +67,8 @@ BACKENDS: dict[str, Callable[..., Communicator]] = {
 }
 
 
-def create_communicator(backend: str, algorithm: Any = None, profile: bool = False, **config: Any) -> Communicator:
-    """A communicator of the named backend: `torch` (nccl/gloo/mpi process groups; `backend=` picks which
+def create_communicator(backend: str, /, algorithm: Any = None, profile: bool = False, **config: Any) -> Communicator:
+    """A communicator of the named backend: `torch` (nccl/gloo/mpi process groups; the keyword `backend=` picks which
     when torch.distributed is not yet initialised), `threads`, or `mpi` (mpi4py).
 
     `algorithm="auto" | name | {collective: name}` runs collectives through `AlgorithmCommunicator`;
