@@ -1,0 +1,122 @@
+"""Mixture-of-experts models converted by `parallelize`: fused 3-D experts split inside every expert
+(`experts_tp`, automatic) or divided over the ranks (`experts_ep`), router whole. Float64 logits and one SGD
+step (the model's own loss, router auxiliary loss included) equal the single-device model's at world sizes 2
+and 3, on thread-ranks and on gloo processes."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import tpkit  # noqa: E402
+from tpkit.convert import PlanError  # noqa: E402
+
+from .moe_models import BUILDERS, mixtral, qwen2_moe, rank_check, reference  # noqa: E402
+
+TOL = 1e-6
+EP = {"model.layers.*.mlp.experts": "experts_ep"}
+
+
+def _assert(name: str, results: list) -> None:
+    for rank, r in enumerate(results):
+        assert r["logit_err"] < TOL, f"{name} rank {rank}: logits rel err {r['logit_err']:.2e}"
+        assert r["step_err"] < TOL, f"{name} rank {rank}: SGD update rel err {r['step_err']:.2e} ({r['worst']})"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_experts_tp_threads(name, world):
+    over = {"output_router_logits": True, "router_aux_loss_coef": 0.1}
+    ref = reference(name, **over)
+    results = tpkit.launch(rank_check, world, backend="threads", args=(name, ref, over))
+    _assert(name, results)
+    assert results[0]["styles"]["model.layers.0.mlp.experts"] == "experts_tp"
+    assert results[0]["styles"]["model.layers.0.mlp.gate"] == "replicate"
+
+
+@pytest.mark.parametrize("world", [2, 3])  # Mixtral's 8 experts on 3 ranks: 3, 3, 2
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_experts_ep_threads(name, world):
+    ref = reference(name)
+    results = tpkit.launch(rank_check, world, backend="threads", args=(name, ref, None, EP))
+    _assert(name, results)
+    assert results[0]["styles"]["model.layers.0.mlp.experts"] == "experts_ep"
+
+
+@pytest.mark.slow
+def test_gloo_world_size_2():
+    refs = {n: reference(n) for n in BUILDERS}
+    for name in BUILDERS:
+        _assert(name, tpkit.launch(rank_check, 2, backend="gloo", args=(name, refs[name]), timeout=120))
+
+
+def test_mixtral_share_at_tp2():
+    """Per-rank parameter share (sum of local numel over the full numel of every state_dict tensor)."""
+    ref = reference("mixtral")
+    shares = [r["share"] for r in tpkit.launch(rank_check, 2, backend="threads", args=("mixtral", ref))]
+    assert max(shares) <= 0.60, shares
+
+
+def test_expert_layouts_two_pieces_and_round_trip():
+    """gate_up is two pieces (gate, up), each split on its own; shard / unshard give the full tensors back."""
+    from tpkit.convert.experts import expert_layouts
+
+    m = mixtral().model.layers[0].mlp.experts
+    for ep in (False, True):
+        lays = [expert_layouts(m, 3, r, ep) for r in range(3)]
+        for key in ("gate_up_proj", "down_proj"):
+            full = getattr(m, key).detach()
+            assert torch.equal(lays[0][key].unshard([l[key].shard(full) for l in lays]), full)
+    tp = expert_layouts(m, 2, 1, False)["gate_up_proj"]
+    assert tp.dim == 1 and tp.segments() == [(24, 48), (72, 96)]  # rank 1: second half of gate, then of up
+    assert expert_layouts(m, 3, 2, True)["down_proj"].segments() == [(6, 8)]
+
+
+def test_one_all_reduce_per_experts_forward():
+    """The experts' partial sums are combined first and reduced once, whatever the number of experts hit."""
+    from tpkit.comm import traceable
+
+    base = mixtral().model.layers[0].mlp
+    x = torch.randn(10, 48, generator=torch.Generator().manual_seed(0))
+    calls: list = []
+    real = traceable.all_reduce
+
+    def counting(t, comm, *a, **k):
+        calls.append(comm.rank)
+        return real(t, comm, *a, **k)
+
+    import copy
+    copies = [copy.deepcopy(base) for _ in range(2)]
+
+    def body():
+        comm = tpkit.get_communicator()
+        block = tpkit.parallelize(copies[comm.rank], plan={"experts": "experts_tp", "gate": "replicate"}, comm=comm,
+                                  example_inputs=(x[None],))
+        return block(x[None])
+
+    traceable.all_reduce = counting
+    try:
+        outs = tpkit.launch(body, 2, backend="threads")
+    finally:
+        traceable.all_reduce = real
+    assert torch.allclose(outs[0], base(x[None]), rtol=1e-5, atol=1e-6)
+    assert sorted(calls) == [0, 1]  # one all-reduce per rank for 8 experts, 2 per token
+
+
+def test_too_many_ranks_is_refused_with_the_fix():
+    m = qwen2_moe()  # 6 experts, 24 intermediate features each
+    with pytest.raises(PlanError, match="experts_tp"):
+        tpkit.parallelize(m, plan=EP, comm=_world(8))
+    assert m.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 6  # nothing changed
+    p = tpkit.plan(m, 32)
+    assert p["model.layers.0.mlp.experts"] == "replicate"
+    assert "experts_ep" in p.reasons["model.layers.0.mlp.experts"]
+
+
+def _world(n: int):
+    """A communicator that only says its size (planning and checks run before any communication)."""
+    class Fake:
+        world_size, rank = n, 0
+    return Fake()
