@@ -97,3 +97,6 @@ def rank_check(name: str, ref: dict, over: dict | None = None, plan="auto") -> d
         torch.Size(l.full_shape).numel() for l in layouts.values())
     return {"logit_err": logit_err, "step_err": step_err, "worst": worst, "share": share,
             "styles": dict(model.tp_plan.entries)}
+
+
+COVERAGE = {"Mixtral": mixtral, "Qwen2-MoE (shared expert)": qwen2_moe}  # rows of bench/coverage.py
