@@ -99,4 +99,92 @@ def rank_check(name: str, ref: dict, over: dict | None = None, plan="auto") -> d
             "styles": dict(model.tp_plan.entries)}
 
 
-COVERAGE = {"Mixtral": mixtral, "Qwen2-MoE (shared expert)": qwen2_moe}  # rows of bench/coverage.py
+# A hand-written MoE whose experts are separate nn.Linear modules (the older Mixtral / Qwen2-MoE layout).
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(hidden, inner, bias=False), nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routing over separate experts; returns the combined output and the router logits."""
+
+    def __init__(self, hidden: int = 32, inner: int = 40, experts: int = 5, top_k: int = 2, residual: bool = False):
+        super().__init__()
+        self.top_k, self.residual = top_k, residual
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(ExpertMLP(hidden, inner) for _ in range(experts))
+
+    def forward(self, x):
+        b, t, h = x.shape
+        flat = x.reshape(-1, h)
+        logits = self.gate(flat)
+        weights, chosen = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.numel():
+                out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+        out = out.reshape(b, t, h)
+        return (out + x if self.residual else out), logits
+
+
+class TinyMoELM(nn.Module):
+    """Embedding -> (norm -> MoE, residual) x 2 -> norm -> head; `aux` is a load-balancing style loss."""
+
+    def __init__(self, hidden: int = 32, residual_inside: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(2))
+        self.moes = nn.ModuleList(SparseMoE(hidden, residual=residual_inside) for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, ids):
+        h, aux = self.embed(ids), 0.0
+        for norm, moe in zip(self.norms, self.moes):
+            y, logits = moe(norm(h))
+            h = h + y
+            aux = aux + (logits.softmax(-1).mean(0) ** 2).sum()
+        return self.head(self.norm(h)), aux
+
+
+def custom_moe(**over) -> nn.Module:
+    with _BUILD_LOCK:
+        torch.manual_seed(4321)
+        return TinyMoELM(**over)
+
+
+def custom_check(ref: dict | None, over: dict | None = None, plan="auto") -> dict:
+    """Reference (ref None) or one rank's float64 logits and SGD update of the custom MoE, loss = CE + aux."""
+    import tpkit
+
+    model = custom_moe(**(over or {})).double()
+    if ref is not None:
+        model = tpkit.parallelize(model, plan=plan, comm=tpkit.get_communicator())
+    layouts = tpkit.shard_layouts(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = inputs()
+    logits, aux = model(ids)
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1)) + 0.1 * aux
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss.backward()
+    opt.step()
+    update = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    if ref is None:
+        return {"logits": logits.detach(), "update": update}
+    err = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()  # noqa: E731
+    steps = {n: err(u, layouts[n].shard(ref["update"][n])) for n, u in update.items()}
+    worst = max(steps, key=steps.get)
+    return {"logit_err": err(logits.detach(), ref["logits"]), "step_err": steps[worst], "worst": worst,
+            "styles": dict(model.tp_plan.entries), "reasons": dict(model.tp_plan.reasons)}
+
+
+COVERAGE = {"Mixtral": mixtral, "Qwen2-MoE (shared expert)": qwen2_moe,
+            "custom MoE (separate experts)": custom_moe}  # rows of bench/coverage.py

@@ -45,11 +45,24 @@ def test_experts_ep_threads(name, world):
     assert results[0]["styles"]["model.layers.0.mlp.experts"] == "experts_ep"
 
 
+def _gloo_body(refs: dict, custom_ref: dict) -> dict:
+    from .moe_models import custom_check
+
+    out = {n: rank_check(n, refs[n]) for n in refs}
+    out["ep"] = rank_check("mixtral", refs["mixtral"], None, EP)
+    out["custom"] = custom_check(custom_ref)
+    return out
+
+
 @pytest.mark.slow
 def test_gloo_world_size_2():
+    """Real processes: both fused models (experts_tp), Mixtral with experts_ep, the separate-Linear MoE."""
+    from .moe_models import custom_check
+
     refs = {n: reference(n) for n in BUILDERS}
-    for name in BUILDERS:
-        _assert(name, tpkit.launch(rank_check, 2, backend="gloo", args=(name, refs[name]), timeout=120))
+    results = tpkit.launch(_gloo_body, 2, backend="gloo", args=(refs, custom_check(None)), timeout=240)
+    for name in results[0]:
+        _assert(name, [r[name] for r in results])
 
 
 def test_mixtral_share_at_tp2():
@@ -120,3 +133,53 @@ def _world(n: int):
     class Fake:
         world_size, rank = n, 0
     return Fake()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_separate_linear_experts_one_region(world):
+    """Experts as separate nn.Linear modules: the block is one region (moe_block), expert projections split
+    without communication, the router whole; the router logits also feed an auxiliary loss."""
+    from .moe_models import custom_check
+
+    ref = custom_check(None)
+    results = tpkit.launch(custom_check, world, backend="threads", args=(ref,))
+    _assert("custom MoE", results)
+    styles = results[0]["styles"]
+    assert styles["moes.0"] == "moe_block"
+    assert styles["moes.0.experts.4.w1"] == "expert_colwise" and styles["moes.0.experts.4.w2"] == "expert_rowwise"
+    assert styles["moes.0.gate"] == "replicate"
+
+
+def test_block_with_a_residual_inside_is_left_whole_with_the_reason():
+    from .moe_models import custom_moe
+
+    p = tpkit.plan(custom_moe(residual_inside=True), 2)
+    assert "moes.0" not in p.entries and p["moes.0.experts.0.w2"] != "expert_rowwise"
+    assert "not the sum of its experts' partial outputs" in p.reasons["moes.0"]
+
+
+def test_region_layers_refuse_to_run_outside_their_region():
+    """A plan naming the experts' projections but not their block would return partial sums: it fails loudly."""
+    from .moe_models import custom_moe
+
+    def body():
+        m = tpkit.parallelize(custom_moe(), plan={"entries": {"moes.*.experts.*.w1": "expert_colwise"}},
+                              comm=tpkit.get_communicator())
+        with pytest.raises(RuntimeError, match="moe_block"):
+            m(torch.zeros(1, 3, dtype=torch.long))
+        return True
+
+    assert all(tpkit.launch(body, 2, backend="threads"))
+
+
+def test_recorded_plan_replays_the_region():
+    """model.tp_plan keeps the moe_block entry, so applying it to a fresh model converts the same way."""
+    from .moe_models import custom_check, custom_moe
+
+    def record():
+        return tpkit.parallelize(custom_moe(), comm=tpkit.get_communicator()).tp_plan
+
+    plan = tpkit.launch(record, 2, backend="threads")[0]
+    assert plan["moes.1"] == "moe_block"
+    ref = custom_check(None)
+    _assert("custom MoE (replayed plan)", tpkit.launch(custom_check, 2, backend="threads", args=(ref, None, plan)))

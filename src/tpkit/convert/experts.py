@@ -26,6 +26,7 @@ from torch import nn
 
 from ..nn.layout import Piece, ShardLayout
 from .errors import PlanError
+from .expert_blocks import plan_blocks
 from .styles import STYLES, Layouts, Style
 
 EXPERTS_TP = "experts_tp"
@@ -184,9 +185,11 @@ class ExpertsEP(ExpertsTP):
 STYLES.update({s.name: s for s in (ExpertsTP(), ExpertsEP())})
 
 
-def plan_experts(leaves: Mapping[str, nn.Module], world_size: int, entries: dict, reasons: dict) -> None:
+def plan_experts(model: nn.Module, leaves: Mapping[str, nn.Module], world_size: int, entries: dict,
+                 reasons: dict) -> None:
     """Plan every fused experts module not planned yet: `experts_tp` when its intermediate size splits over
-    the ranks, otherwise whole with the reason."""
+    the ranks, otherwise whole with the reason; and every MoE block of separate experts (expert_blocks.py)."""
+    plan_blocks(model, world_size, entries, reasons)
     for name, m in leaves.items():
         if name in entries:
             continue

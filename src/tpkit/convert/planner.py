@@ -83,7 +83,7 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
         else:
             reasons[name] = (f"not the vocabulary ({share:.1%} of parameters, {m.num_embeddings} rows): splitting it "
                              f"would add an all-reduce per forward for little memory")
-    plan_experts(a.leaves, world_size, entries, reasons)  # fused MoE experts (experts.py)
+    plan_experts(a.model, a.leaves, world_size, entries, reasons)  # mixture-of-experts layers (experts.py)
     _settle_ties(a, entries, reasons)
     for name, m in a.leaves.items():
         if name not in entries:

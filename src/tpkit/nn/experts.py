@@ -80,3 +80,60 @@ def _set_arg(args: list, kwargs: dict, i: int, name: str, value) -> None:
         kwargs[name] = value
     else:
         args[i] = value
+
+
+class _ShareGrad(torch.autograd.Function):
+    """Identity forward; backward divides the gradient by the world size (see `BlockRegion`)."""
+
+    @staticmethod
+    def forward(ctx, x, n):
+        ctx.n = n
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.n, None
+
+
+class BlockRegion:
+    """Hooks that make a whole MoE block one partial-sum region, for experts kept as separate modules (whose
+    combine happens in the block's own forward).
+
+    Inside, every rank runs the whole router and its slice of every expert with no communication, so the
+    block's first output is a partial sum: all-reduced once, on the way out. Its floating-point inputs enter
+    with `copy_to_region`. The gradients of the block's replicated parameters (the router) are partial on each
+    rank, so they are summed; a replicated output (router logits, for an auxiliary loss) brings the same full
+    gradient on every rank, so it is divided by the world size on the way in, and the sums restore it."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+
+    def install(self, block: nn.Module) -> nn.Module:
+        from ..comm import traceable
+        from .partition import is_tensor_parallel
+
+        block.register_forward_pre_hook(self.enter, with_kwargs=True)
+        block.register_forward_hook(self.leave)
+        for m in block.modules():  # layers that compute partial results only run inside a region
+            m.tp_block_region = True
+        for p in block.parameters():
+            if p.requires_grad and not is_tensor_parallel(p) and p.device.type != "meta":
+                p.register_hook(lambda g: traceable.all_reduce(g, self.comm))
+        return block
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def enter_one(v):
+            return copy_to_region(v, self.comm) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+        return tuple(enter_one(a) for a in args), {k: enter_one(v) for k, v in kwargs.items()}
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return reduce_from_region(output, self.comm)
+        if not isinstance(output, tuple) or not output or not isinstance(output[0], torch.Tensor):
+            raise TypeError(f"{type(module).__name__}: a MoE block split by tpkit must return its combined output, "
+                            f"alone or first in a tuple; got {type(output).__name__}")
+        rest = tuple(_ShareGrad.apply(o, self.comm.world_size)
+                     if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad else o
+                     for o in output[1:])
+        return (reduce_from_region(output[0], self.comm),) + rest
