@@ -12,17 +12,17 @@ VOCAB = 103
 _BUILD_LOCK = threading.Lock()
 
 
-def mixtral(**over) -> nn.Module:
+def mixtral(experts: str = "eager", **over) -> nn.Module:
     import transformers as tr
 
     kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=48, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=6, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
               router_jitter_noise=0.0)
     kw.update(over)
-    return _build(tr.MixtralForCausalLM, tr.MixtralConfig(**kw))
+    return _build(tr.MixtralForCausalLM, tr.MixtralConfig(**kw), experts)
 
 
-def qwen2_moe(**over) -> nn.Module:
+def qwen2_moe(experts: str = "eager", **over) -> nn.Module:
     import transformers as tr
 
     kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=48, moe_intermediate_size=24,
@@ -30,7 +30,7 @@ def qwen2_moe(**over) -> nn.Module:
               num_experts=6, num_experts_per_tok=2, max_position_embeddings=64, decoder_sparse_step=1,
               norm_topk_prob=False)
     kw.update(over)
-    return _build(tr.Qwen2MoeForCausalLM, tr.Qwen2MoeConfig(**kw))
+    return _build(tr.Qwen2MoeForCausalLM, tr.Qwen2MoeConfig(**kw), experts)
 
 
 def _build(cls, config, experts: str = "eager") -> nn.Module:

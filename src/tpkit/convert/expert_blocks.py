@@ -64,7 +64,8 @@ def find_block(name: str, block: nn.Module) -> ExpertBlock | str | None:
         ins = [(n, m) for n, m in owners if m.in_features == hidden and m.out_features != hidden]
         outs = [(n, m) for n, m in owners if m.out_features == hidden and m.in_features != hidden]
         if len(outs) != 1 or not ins or len(ins) + 1 != len(owners):
-            return f"{where}: expert {ename} is not input projections {hidden} -> I and one output projection I -> {hidden}"
+            return (f"{where}: expert {ename} is not input projections {hidden} -> I and one output projection "
+                    f"I -> {hidden}")
         if outs[0][1].bias is not None:
             return f"{where}: expert output projections with a bias are not split yet; left to the per-layer planner"
         widths |= {m.out_features for _, m in ins} | {outs[0][1].in_features}
