@@ -196,7 +196,8 @@ def plan_blocks(model: nn.Module, world_size: int, entries: dict, reasons: dict)
         if why is not None:
             for n in ([found.router] if not isinstance(found, str) else []):
                 reasons.setdefault(n, why)
-            reasons.setdefault(name, why)
+            if name:  # the root of a model that merely looks like one (a ModuleList beside a small head) is noise
+                reasons.setdefault(name, why)
             continue
         entries[name] = MOE_BLOCK
         entries.update({n: EXPERT_COLWISE for n in found.columns})
