@@ -26,7 +26,7 @@ from .layouts import key_layouts, plan_layouts
 from .plan import Plan
 from .planner import auto_plan
 from .structure import Analysis, analyze_structure, untraced_structure
-from .styles import COLWISE, ROWWISE, SEQUENCE_PARALLEL, for_module
+from .styles import COLWISE, ROWWISE, SEQUENCE_PARALLEL, for_module, style
 from .swap import attention_updates, build, swap
 from .validate import validate
 
@@ -103,7 +103,8 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     built = build(modules, styles, per_module, comm, set(region.rows) if region else set())   # 5. swap
     updates = attention_updates(model, styles, the_plan.details, world, rank)
     swap(model, modules, analysis, styles, built, updates, region, comm)
-    record = Plan({n: s for n, s in styles.items() if n in analysis.leaves}, world_size=world, mode=the_plan.mode,
+    kept = {n: s for n, s in styles.items() if n in analysis.leaves or hasattr(style(s), "install")}  # + moe_block
+    record = Plan(kept, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
     record.updated_attributes, record.sequence_parallel, record.rank = updates, region, rank
     _record(model, Conversion(record, key_layouts(model, modules, per_module, world, rank), updates, region,

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from .experts import plan_experts
 from .heads import HeadLayoutError, head_layout
 from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, kind, linear_dims
 from .plan import Plan
@@ -82,6 +83,7 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
         else:
             reasons[name] = (f"not the vocabulary ({share:.1%} of parameters, {m.num_embeddings} rows): splitting it "
                              f"would add an all-reduce per forward for little memory")
+    plan_experts(a.model, a.leaves, world_size, entries, reasons)  # mixture-of-experts layers (experts.py)
     _settle_ties(a, entries, reasons)
     for name, m in a.leaves.items():
         if name not in entries:

@@ -100,6 +100,9 @@ def swap(model: nn.Module, modules: Mapping[str, nn.Module], analysis: Analysis,
         attn = model.get_submodule(attn_name) if attn_name else model
         for attr, value in new.items():
             setattr(attn, attr, value)
+    for name, s in styles.items():  # styles acting on a whole container install their hooks (moe_block)
+        if hasattr(style(s), "install") and comm.world_size > 1:
+            style(s).install(model.get_submodule(name) if name else model, comm)
     _retie(model, analysis, built)
     _repoint_shared_parameters(model, modules, built)
     if comm.world_size > 1:

@@ -11,6 +11,7 @@ from ._layer import TensorParallelModule
 from .conv import ColumnParallelConv2d, RowParallelConv2d
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import ParallelEmbedding, VocabParallelEmbedding
+from .experts import ExpertsRegion
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
                        reduce_scatter_to_sequence_region, scatter_to_region, scatter_to_sequence_region)
@@ -23,7 +24,7 @@ from .sequence_parallel import mark_sequence_parallel, sequence_parallel_params,
 __all__ = [
     # layers
     "ColumnParallelConv2d", "ColumnParallelLinear", "ParallelEmbedding", "RowParallelConv2d", "RowParallelLinear",
-    "TensorParallelModule", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "TensorParallelModule", "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "ExpertsRegion",
     # communication mappings
     "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region",
     "reduce_scatter_to_sequence_region", "scatter_to_region", "scatter_to_sequence_region",
