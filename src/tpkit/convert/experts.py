@@ -113,9 +113,12 @@ def expert_layouts(m: nn.Module, world: int, rank: int, expert_parallel: bool) -
                 "down_proj": ShardLayout.split(down_shape, 0, world, rank)}
     i = info.intermediate
     up_dim, down_dim = (2, 1) if info.transposed else (1, 2)
-    pieces = tuple(Piece.split(n * i, i, world) for n in range(info.pieces))
+    # transformers' `grouped_mm` kernel needs every row stride a multiple of 16 bytes: split in whole units
+    # of 16 bytes of a 2-byte dtype (8 features) where that leaves each rank some, else of a 4-byte one, ...
+    unit = next(u for u in (8, 4, 2, 1) if i % u == 0 and i // u >= world)
+    pieces = tuple(Piece.split(n * i, i, world, unit) for n in range(info.pieces))
     return {info.up: ShardLayout(up_shape, world, rank, up_dim, pieces),
-            "down_proj": ShardLayout(down_shape, world, rank, down_dim, (Piece.split(0, i, world),))}
+            "down_proj": ShardLayout(down_shape, world, rank, down_dim, (Piece.split(0, i, world, unit),))}
 
 
 def build_experts(m: nn.Module, layouts: Layouts, comm, expert_parallel: bool) -> nn.Module:

@@ -6,6 +6,7 @@ model object so `analyze`, `plan` and `parallelize` in a row trace a large model
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Any
@@ -110,6 +111,25 @@ def untraced_structure(model: nn.Module) -> Analysis:
     return Analysis(model, leaves, None, None, {}, [], {}, _ties(leaves), total, prefix)
 
 
+@contextlib.contextmanager
+def traceable_experts(model: nn.Module):
+    """On the meta device, trace transformers' mixture-of-experts blocks through their `batched_mm` kernel:
+    it computes the same sums as the others, but `grouped_mm`'s meta checks reject float32 and the eager
+    loop asks which experts got tokens (`.item()`), and a failed trace would leave the whole model unsplit.
+    Real tensors trace with the model's own choice."""
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_experts_implementation")]
+    saved = [c._experts_implementation for c in configs]
+    try:
+        for c in configs:
+            if on_meta and c._experts_implementation is not None:
+                c._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for c, v in zip(configs, saved):
+            c._experts_implementation = v
+
+
 def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
     analysis = untraced_structure(model)
     try:
@@ -119,7 +139,8 @@ def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis
         return analysis
     for inputs in candidates:
         try:
-            analysis.trace = trace(model, inputs)
+            with traceable_experts(model):
+                analysis.trace = trace(model, inputs)
             break
         except Exception as exc:  # noqa: BLE001 - any failure means: no dataflow, replicate with the reason
             analysis.trace_error = analysis.trace_error or f"{type(exc).__name__}: {exc}"
