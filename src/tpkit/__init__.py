@@ -31,6 +31,7 @@ from .nn.layout import ShardLayout
 from .convert.estimate import MemoryEstimate, estimate_memory
 from .convert.speed import SpeedEstimate, estimate_speed
 from .checkpoint import CheckpointError, consolidate, from_pretrained, load_sharded, save_sharded
+from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh
 
 __version__ = "0.1.0"
 
@@ -45,4 +46,5 @@ __all__ = [
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",
     "use_communicator",
     "CheckpointError", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
+    "data_parallel", "data_parallel_manual_seed", "device_mesh",
 ]

@@ -24,6 +24,7 @@ from . import optimizer as optim_state
 from .agree import agree
 from .errors import CheckpointError
 from .manifest import check_checksums, find_version, read_manifest
+from .mesh import is_sharded, like, put, unwrap
 from .progress import Progress
 from .reader import check_pieces, read_region, uncovered
 from .sources import Source, hf_files, manifest_source, whole_files
@@ -118,13 +119,16 @@ def read_targets(source: Source, targets: list[Target], progress: Progress,
         for t in targets:
             e = source.entries[t.key]
             d = t.dest.data if t.dest is not None else None
-            if d is not None and e.dtype == d.dtype and not t.layout.transposed and d.is_contiguous():
+            sharded = is_sharded(t.dest)  # an FSDP2 shard: read the TP-local region, keep this rank's dp part
+            if not sharded and d is not None and e.dtype == d.dtype and not t.layout.transposed and d.is_contiguous():
                 read_region(e, t.layout, source.headers, d, verify)
             else:
                 buf = read_region(e, t.layout, source.headers, torch.empty(t.layout.stored_local_shape, dtype=e.dtype),
                                   verify)
                 value = (buf.t() if t.layout.transposed else buf).to(t.dtype)
-                if d is not None:
+                if sharded:
+                    put(t.dest, value)
+                elif d is not None:
                     d.copy_(value)
                 else:
                     out[t.key] = value.contiguous()
@@ -138,6 +142,7 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
     the converted (or plain) `model`, each rank reading only its slices; optimizer state too. Collective.
     Returns the manifest metadata: {"step", "extra", "config", "plan", "world_size"}."""
     comm = resolve_comm(comm)
+    model, record = unwrap(model, comm)
     error, source, targets, section = None, None, [], {}
     try:
         source = open_source(directory, comm.rank, comm.world_size)
@@ -156,9 +161,9 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
     with Progress(f"loading {os.path.basename(directory.rstrip('/'))}", total, progress, comm.rank) as bar:
         values = read_targets(source, targets, bar)
     if optimizer is not None and section:
-        optim_state.restore(model, optimizer, section, values)
+        optim_state.restore(model, optimizer, section, values, place=like)
     manifest = source.manifest or {}
-    restore_rng(manifest, comm)
+    restore_rng(manifest, comm, record.tp_comm if record is not None else None)
     return {"step": manifest.get("step"), "extra": manifest.get("extra"), "config": manifest.get("config"),
             "plan": manifest.get("plan"), "world_size": manifest.get("world_size")}
 
@@ -173,13 +178,13 @@ def optimizer_targets(model: nn.Module, source: Source, section: dict) -> list[T
     return out
 
 
-def restore_rng(manifest: dict, comm) -> None:
-    """The RNG tracker's streams, when the checkpoint was saved at this world size (per-rank streams do not
-    map onto another world size)."""
+def restore_rng(manifest: dict, comm, tracker_comm=None) -> None:
+    """The RNG tracker's streams (of `tracker_comm`, the tp communicator of a data-parallel model, else
+    `comm`'s), when the checkpoint was saved at this world size (per-rank streams do not map onto another)."""
     saved = manifest.get("rng")
     if not saved or len(saved) != comm.world_size:
         return
     states = {name: {dev: torch.tensor(list(bytes.fromhex(h)), dtype=torch.uint8) for dev, h in d.items()}
               for name, d in saved[comm.rank].items()}
     if states:
-        get_rng_tracker(comm).set_states(states)
+        get_rng_tracker(tracker_comm or comm).set_states(states)

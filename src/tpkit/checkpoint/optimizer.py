@@ -7,7 +7,7 @@ manifest as JSON, the groups' parameters as keys.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -62,9 +62,11 @@ def state_targets(model: nn.Module, section: dict, layouts: dict[str, ShardLayou
     return out
 
 
-def restore(model: nn.Module, optimizer, section: dict, values: dict[str, torch.Tensor]) -> None:
+def restore(model: nn.Module, optimizer, section: dict, values: dict[str, torch.Tensor],
+            place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda value, param: value) -> None:
     """Put the loaded state into `optimizer` (its current state for these parameters is replaced) and the
-    saved hyperparameters into its param groups (matched by position)."""
+    saved hyperparameters into its param groups (matched by position). `place(value, param)` turns a loaded
+    tensor into the form the optimizer keeps (an FSDP2 shard for a sharded parameter)."""
     params = dict(named_params(model))
     for name, rec in section.get("state", {}).items():
         p = params.get(name)
@@ -72,7 +74,7 @@ def restore(model: nn.Module, optimizer, section: dict, values: dict[str, torch.
             continue
         state = {}
         for sname, d in rec.items():
-            state[sname] = values[d["tensor"]] if "tensor" in d else d["value"]
+            state[sname] = place(values[d["tensor"]], p) if "tensor" in d else d["value"]
         optimizer.state[p] = state
     for g, saved in zip(optimizer.param_groups, section.get("param_groups", [])):
         for k, v in saved.items():

@@ -5,7 +5,9 @@ For each tensor, rank r writes the positions of its segments that no lower rank 
 tensor, or a KV head several ranks share, is written once: by the first holder), each as one piece with its
 offsets in the full tensor. Every rank can work out every other rank's pieces from the layouts
 (`layout.for_rank`), so rank 0 writes the whole manifest after gathering only the pieces' sha256 and RNG
-states. Then a barrier, then `latest` moves: a save killed before that leaves the previous one in place.
+states. Then a barrier, then `latest` moves: a save killed before that leaves the previous one in place. A
+model under `tpkit.data_parallel` is saved with the world communicator: its TP layouts are spread over the
+world ranks (`mesh.py`), so dp replicas are written once and the files look like any TP checkpoint's.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..nn.layout import ShardLayout
 from ..nn.random import get_rng_tracker
 from . import optimizer as optim_state
 from .agree import gather_bytes
+from .mesh import spread, unwrap, whole_local
 from .manifest import FORMAT, MANIFEST, fsync_dir, next_version, point_latest, rank_file, write_json
 from .progress import Progress
 from .safetensors_file import NAMES, write_file
@@ -94,7 +97,11 @@ def save_sharded(model: nn.Module, directory: str, optimizer=None, step: int | N
     """Save `model` (and `optimizer`) under `directory` as a new version; collective. Returns the version
     directory. `extra` must be JSON-serialisable."""
     comm = resolve_comm(comm)
+    model, record = unwrap(model, comm)
     tensors, aliases, section = collect(model, optimizer)
+    if record is not None:  # FSDP2 shards gathered to TP-local tensors (collective, same order on every rank)
+        tensors = {k: (whole_local(t), spread(lay, record.tp_size, comm.world_size, comm.rank))
+                   for k, (t, lay) in tensors.items()}
     json.dumps(extra)  # fail before writing anything
     version = _agree_version(comm, directory, step)
     os.makedirs(version, exist_ok=True)
@@ -109,7 +116,8 @@ def save_sharded(model: nn.Module, directory: str, optimizer=None, step: int | N
                 WRITE_HOOK(n)
         digest = write_file(os.path.join(version, rank_file(comm.rank)), mine, {"format": "pt"}, hook)
     digests = [json.loads(d) for d in gather_bytes(comm, json.dumps(digest).encode())]
-    rng = [json.loads(r) for r in gather_bytes(comm, json.dumps(_rng_states(comm)).encode())]
+    rng_comm = record.tp_comm if record is not None and record.tp_comm is not None else comm
+    rng = [json.loads(r) for r in gather_bytes(comm, json.dumps(_rng_states(rng_comm)).encode())]
     if comm.rank == 0:
         manifest = _manifest(model, tensors, aliases, section, comm.world_size, step, extra, digests, rng, version)
         write_json(os.path.join(version, MANIFEST), manifest)

@@ -6,11 +6,15 @@ same gradient on every rank, so they are counted once, locally, after the reduct
 several ranks hold (`param.partition_replicas`, e.g. replicated KV heads) add |g|^p / replicas on each. Every rank ends with the
 same norm and the same clip coefficient, so shards and replicas stay consistent. Replicated gradients must
 already be equal across ranks (call `sync_sequence_parallel_grads` first under sequence parallelism).
+
+Parameters whose layout `nn` cannot see (a model under torch's FSDP2, which replaces the Parameters and so drops
+the marks above, or any layout over more than one dimension) are counted by a *norm source* registered in
+`NORM_SOURCES` by the layer that made the layout (`tpkit.data_parallel`); the clipping itself stays here.
 """
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -18,6 +22,12 @@ from ..comm.communicator import Communicator
 from ..comm.ops import ReduceOp
 from ._layer import resolve_comm
 from .partition import is_tensor_parallel
+
+
+# A norm source takes (parameters, norm_type) and returns None when it does not know these parameters, or
+# (global norm, the plain tensors to scale in place) when it does. Collective: every rank must get the same answer.
+NormSource = Callable[[list[torch.Tensor], float], "tuple[torch.Tensor, list[torch.Tensor]] | None"]
+NORM_SOURCES: list[NormSource] = []
 
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
@@ -34,6 +44,20 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         raise ValueError(f"clip_grad_norm_: norm_type {norm_type} must be positive or inf")
     if float(max_norm) < 0:
         raise ValueError(f"clip_grad_norm_: max_norm {max_norm} must be non-negative")
+    found = next((r for r in (source(params, norm_type) for source in list(NORM_SOURCES)) if r is not None), None)
+    total, grads = found if found is not None else (_tensor_parallel_norm(params, norm_type, comm), [
+        p.grad for p in params if p.grad is not None])
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {float(total)}; set "
+                           f"error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total
+
+
+def _tensor_parallel_norm(params: list[torch.Tensor], norm_type: float, comm: Communicator) -> torch.Tensor:
+    """The global norm over the TP group, from the marks tpkit layers set on their parameters."""
     grads = [p.grad for p in params if p.grad is not None]
     sharded = [(g, getattr(p, "partition_replicas", None), getattr(p, "partition_dim", 0))
                for p, g in ((p, p.grad) for p in params) if g is not None and is_tensor_parallel(p)]
@@ -65,10 +89,4 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         total = torch.maximum(comm.all_reduce(partial_shards(), ReduceOp.MAX), partial(replicated))
     else:
         total = (comm.all_reduce(partial_shards()) + partial(replicated)).pow(1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {float(total)}; set "
-                           f"error_if_nonfinite=False to clip anyway")
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
     return total

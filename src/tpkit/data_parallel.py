@@ -1,0 +1,292 @@
+"""Tensor parallel x data parallel: a converted model under torch's own FSDP2 or DDP on a 2-D layout.
+
+Tensor parallelism stops scaling at one node's fast interconnect; beyond it, the model is replicated (DDP) or
+sharded (FSDP) over a second, data-parallel dimension. `tpkit.comm.split(comm, tp_size)` lays out the ranks
+(tp groups of consecutive ranks, dp groups across them); `parallelize(model, comm=tp_comm)` converts the model
+on the tp group; `data_parallel(model, dp_comm)` then hands each rank's TP-local parameters to torch's engine
+over the dp group: FSDP2 (`fully_shard`, once per transformer block, then the root) shards them on their first
+dimension, DDP averages their gradients. torch does the data-parallel work; tpkit only keeps what torch does
+not know about:
+
+- the TP layout of every parameter, by name (`fully_shard` replaces Parameters, so marks tpkit sets on them,
+  the partition dim or "replicated across TP", are gone), for `tpkit.clip_grad_norm_` and the checkpoints;
+- the global gradient norm over both dimensions: TP-split parameters summed over every rank, TP-replicated ones
+  once per TP group, dp shards (FSDP) summed over dp and dp replicas (DDP) counted once;
+- per-dimension RNG seeds (`data_parallel_manual_seed`): dropout differs across dp ranks and follows the TP
+  rules across tp ranks.
+
+Parameters replicated across TP ranks (norms, a row layer's bias) already get the same gradient on every TP rank
+under plain TP (their activations are replicated and the column layers' backward all-reduces the input
+gradient); averaging over dp keeps them equal, so no extra synchronisation is needed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .comm.communicator import Communicator
+from .comm.groups import split
+from .comm.ops import ReduceOp
+from .convert.layouts import shard_layouts
+from .nn import TensorParallelModule, model_parallel_manual_seed
+from .nn.grad_clip import NORM_SOURCES
+from .nn.layout import ShardLayout
+
+MODES = ("fsdp", "ddp")
+# Seeds of dp rank d are `seed + d * DP_SEED_OFFSET`: far enough apart that the per-TP-rank streams
+# (`seed + 2718 + tp_rank`) of different dp ranks never meet.
+DP_SEED_OFFSET = 1_000_003
+
+
+@dataclasses.dataclass(eq=False)
+class DataParallelRecord:
+    """What `data_parallel` did, kept on the returned module as `_tp_data_parallel` (the checkpoint code and
+    `clip_grad_norm_` read it): the engine, the model whose state_dict keys are the original's (DDP's inner
+    module), both communicators, and the TP layout of every state_dict key taken before torch wrapped it."""
+
+    mode: str
+    module: nn.Module
+    dp_comm: Communicator
+    tp_comm: Communicator | None
+    layouts: dict[str, ShardLayout]
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp_comm is None else self.tp_comm.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_comm.world_size
+
+    def reshard(self) -> None:
+        """Put FSDP2 back in its sharded state (a forward under `no_grad` leaves the root unsharded); anything
+        that reads parameters by name (save, load, byte counts, the norm) calls this first."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def parameter_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.module.named_parameters()}
+
+
+_RECORDS: "weakref.WeakSet[DataParallelRecord]" = weakref.WeakSet()
+
+
+def device_mesh(comm: Communicator, tp_size: int):
+    """A 2-D `torch.distributed.DeviceMesh` with dims ("dp", "tp") built on the very process groups that
+    `tpkit.comm.split(comm, tp_size)` makes (ranks 0..3, tp 2: tp {0,1} {2,3}, dp {0,2} {1,3}), for torch APIs
+    that want a mesh. Collective over `comm` (a torch-backend world communicator)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    _process_group(comm, "device_mesh", "comm")
+    tp_comm, dp_comm = split(comm, tp_size)
+    layout = torch.arange(comm.world_size).reshape(comm.world_size // tp_size, tp_size)
+    return DeviceMesh.from_group([dp_comm.process_group, tp_comm.process_group], _device_type(comm), mesh=layout,
+                                 mesh_dim_names=("dp", "tp"))
+
+
+def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *,
+                  blocks: Iterable[nn.Module] | None = None, **torch_kwargs: Any) -> nn.Module:
+    """Put a (converted) `model` under torch's FSDP2 (`mode="fsdp"`) or DDP (`mode="ddp"`) over `dp_comm`.
+
+    Call after `parallelize(model, comm=tp_comm)` (an unconverted model is plain data parallelism). FSDP2 wraps
+    each of `blocks` (default: the model's repeated blocks, HF's `_no_split_modules`) then the root, and
+    returns `model` itself; DDP returns the `DistributedDataParallel` wrapper. `torch_kwargs` go to
+    `fully_shard` / `DistributedDataParallel`. Gradients are averaged over dp: give each dp rank its share of
+    the global batch. Clip with `tpkit.clip_grad_norm_(model.parameters(), ...)` (the global norm over both
+    dimensions); save and load with `save_sharded` / `load_sharded` and the world communicator.
+    """
+    conversion = _check(model, dp_comm, mode)
+    tp_comm = _tp_comm(model)
+    layouts = shard_layouts(model)
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        if conversion is not None and conversion.sequence_parallel:
+            raise ValueError("data_parallel: mode='fsdp' with sequence parallelism is not supported (the norms' "
+                             "partial gradients would be reduce-scattered before the TP sum); use mode='ddp' and "
+                             "tpkit.nn.sync_sequence_parallel_grads, or convert without sequence_parallel")
+        mesh = DeviceMesh.from_group(dp_comm.process_group, _device_type(dp_comm))
+        for block in _blocks(model, blocks):
+            fully_shard(block, mesh=mesh, **torch_kwargs)
+        wrapped = fully_shard(model, mesh=mesh, **torch_kwargs)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, process_group=dp_comm.process_group, **torch_kwargs)
+    record = DataParallelRecord(mode, model, dp_comm, tp_comm, layouts)
+    wrapped._tp_data_parallel = record
+    _RECORDS.add(record)
+    return wrapped
+
+
+def data_parallel_manual_seed(seed: int, tp_comm: Communicator, dp_comm: Communicator):
+    """Seed every random stream per dimension: torch's default generator `seed + dp_rank * DP_SEED_OFFSET` (the
+    same on the TP ranks of a dp rank, so replicated-activation dropout agrees; different across dp ranks, whose
+    samples differ) and the TP tracker on top of that (`tpkit.nn.model_parallel_manual_seed`: sharded-activation
+    dropout differs on every rank). Returns the tracker of `tp_comm`."""
+    return model_parallel_manual_seed(int(seed) + dp_comm.rank * DP_SEED_OFFSET, tp_comm)
+
+
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of parameters (and optimizer state) this rank holds: FSDP2 shards counted by their local part,
+    after resharding (a forward under `no_grad` leaves the root's parameters whole)."""
+    record = getattr(model, "_tp_data_parallel", None)
+    if record is not None:
+        record.reshard()
+    tensors = list(model.parameters())
+    if optimizer is not None:
+        tensors += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return sum(_local(t).numel() * t.element_size() for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks and defaults.
+
+def _process_group(comm: Any, where: str, what: str):
+    group = getattr(comm, "process_group", None)
+    if group is None:
+        raise TypeError(f"{where}: {what} must be a torch-backend communicator (it wraps a torch.distributed process "
+                        f"group, as tpkit.init() and tpkit.comm.split of it give); got {type(comm).__name__}. "
+                        f"torch's FSDP2 and DDP run on process groups, not on the threads or mpi backends")
+    return group
+
+
+def _device_type(comm: Communicator) -> str:
+    return "cuda" if getattr(comm, "torch_backend", "gloo") == "nccl" else "cpu"
+
+
+def _check(model: nn.Module, dp_comm: Communicator, mode: str):
+    if mode not in MODES:
+        raise ValueError(f"data_parallel: mode {mode!r} is not one of {MODES}")
+    _process_group(dp_comm, "data_parallel", "dp_comm")
+    if getattr(model, "_tp_data_parallel", None) is not None or any(
+            getattr(m, "_tp_data_parallel", None) is not None for m in model.modules()):
+        raise ValueError("data_parallel: the model is already under data parallelism; wrap the converted model once")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("data_parallel: the model is a DistributedDataParallel wrapper already; pass the model")
+    found = [m._tp_conversion for m in model.modules() if getattr(m, "_tp_conversion", None) is not None]
+    return found[0] if found else None
+
+
+def _tp_comm(model: nn.Module) -> Communicator | None:
+    """The communicator of the model's tpkit layers (None for an unconverted model); all must agree."""
+    comms = {id(m.comm): m.comm for m in model.modules() if isinstance(m, TensorParallelModule)}
+    if len(comms) > 1:
+        raise ValueError(f"data_parallel: the model's tensor-parallel layers use {len(comms)} different "
+                         f"communicators; convert it once, with one tp communicator")
+    comm = next(iter(comms.values()), None)
+    return comm if comm is not None and comm.world_size > 1 else None
+
+
+def _blocks(model: nn.Module, blocks: Iterable[nn.Module] | None) -> list[nn.Module]:
+    """The units FSDP2 gathers one at a time: `blocks`, else the modules of HF's `_no_split_modules` classes,
+    else the children of the model's longest ModuleList."""
+    if blocks is not None:
+        return list(blocks)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    if found:
+        return found
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The global gradient norm over both dimensions (a norm source of tpkit.nn.clip_grad_norm_).
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _dp_start(p: torch.Tensor, dim: int, local: torch.Tensor) -> int:
+    """Where this rank's FSDP2 shard starts along `dim` of the TP-local tensor (torch.chunk's rule), or 0."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor) or not any(isinstance(pl, Shard) and pl.dim == dim for pl in p.placements):
+        return 0
+    n, parts = p.shape[dim], p.device_mesh.size()
+    step = math.ceil(n / parts)
+    start = min(p.device_mesh.get_local_rank() * step, n)
+    assert local.shape[dim] == max(0, min(step, n - start)), "FSDP2 shard is not torch.chunk's"
+    return start
+
+
+def _replica_weights(lay: ShardLayout | None, p: torch.Tensor, local: torch.Tensor, dtype) -> torch.Tensor | None:
+    """1 / (ranks holding it) per entry of `local` along the split dim, when some TP slice is held by several
+    ranks (KV heads replicated); None when every entry is held once."""
+    if lay is None or lay.dim is None or lay.is_replicated:
+        return None
+    reps = lay.replicas()
+    if max(reps, default=1) == 1:
+        return None
+    dim = (1 - lay.dim) if lay.transposed else lay.dim
+    start = _dp_start(p, dim, local)
+    w = 1.0 / torch.tensor(reps[start:start + local.shape[dim]], dtype=dtype, device=local.device)
+    shape = [1] * local.dim()
+    shape[dim] = -1
+    return w.view(shape)
+
+
+def _power_sum(items: list[tuple[torch.Tensor, torch.Tensor | None]], norm_type: float, dtype) -> torch.Tensor:
+    total = torch.zeros((), dtype=dtype)
+    for g, w in items:
+        if g.numel() == 0:
+            continue
+        if norm_type == math.inf:
+            total = torch.maximum(total, g.detach().abs().max().to(dtype).cpu())
+        elif w is None:
+            total = total + torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype).pow(norm_type).cpu()
+        else:
+            total = total + (g.detach().to(dtype).abs().pow(norm_type) * w).sum().cpu()
+    return total
+
+
+def _global_norm(params: list[torch.Tensor], norm_type: float):
+    """The norm source for models under `data_parallel`: None unless every parameter belongs to one of them."""
+    if not params:
+        return None
+    for record in list(_RECORDS):
+        names = record.parameter_names()
+        if not all(id(p) in names for p in params):
+            record.reshard()
+            names = record.parameter_names()
+        if all(id(p) in names for p in params):
+            return _record_norm(record, params, names, norm_type)
+    return None
+
+
+@torch.no_grad()
+def _record_norm(record: DataParallelRecord, params: list[torch.Tensor], names: dict[int, str], norm_type: float):
+    grads = [(p, _local(p.grad)) for p in params if p.grad is not None]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in grads) else torch.float32
+    split_items, replicated = [], []
+    for p, g in grads:
+        lay = record.layouts.get(names[id(p)])
+        held_once = lay is None or lay.dim is None or lay.is_replicated
+        (replicated if held_once else split_items).append((g, _replica_weights(lay, p, g, dtype)))
+    op = ReduceOp.MAX if norm_type == math.inf else ReduceOp.SUM
+    total = _power_sum(split_items, norm_type, dtype)
+    if record.tp_comm is not None:
+        total = record.tp_comm.all_reduce(total, op)
+    mine = _power_sum(replicated, norm_type, dtype)
+    total = torch.maximum(total, mine) if op is ReduceOp.MAX else total + mine
+    if record.mode == "fsdp":  # dp shards hold disjoint parts; under DDP every dp rank holds the same gradients
+        total = record.dp_comm.all_reduce(total, op)
+    if op is not ReduceOp.MAX:
+        total = total.pow(1.0 / norm_type)
+    device = grads[0][1].device if grads else torch.device("cpu")
+    return total.to(device), [g for _, g in grads]
+
+
+NORM_SOURCES.append(_global_norm)
