@@ -35,6 +35,15 @@ def test_llama_two_kv_heads_world_size_4():
         _assert_rank("llama", result, rank)
 
 
+def test_llama_kv_heads_shared_by_some_ranks_only_world_size_3():
+    """4 heads, 2 KV heads on 3 ranks: ranks 1 and 2 share KV head 1, rank 0 holds head 0 alone; rank 0 must
+    still join the KV gradient sum (it once skipped it, and backward failed with mismatched all-reduces)."""
+    over = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
+    ref = reference("llama", **over)
+    for rank, result in enumerate(tpkit.launch(rank_check, 3, backend="threads", args=("llama", ref, over))):
+        _assert_rank("llama", result, rank)
+
+
 @pytest.mark.slow
 def test_gloo_world_size_2_all_models():
     refs = {n: reference(n) for n in MODELS}

@@ -180,7 +180,9 @@ class ColWise(_FeatureSplit):
             return ColumnParallelLinear.from_module(lin, comm, gather_output=self.gather, **sp)
         layer = ColumnParallelLinear.from_module(lin, comm, index=lay.index(), partition_sizes=lay.sizes(), **sp)
         replicas = lay.replicas()
-        if max(replicas) > 1:  # some rows (replicated KV heads) live on several ranks
+        # Some rows (replicated KV heads) live on several ranks: every rank joins the gradient sum, including
+        # one whose own rows are all single (KV heads 2 over 3 ranks: rank 0 holds head 0 alone).
+        if any(max(lay.for_rank(r).replicas(), default=1) > 1 for r in range(lay.world_size)):
             _sum_replicated_row_grads(layer, lay.index(), lay.full_shape[lay.dim], comm)
             for p in (layer.weight, layer.bias):
                 if p is not None:
