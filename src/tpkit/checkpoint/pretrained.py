@@ -23,6 +23,7 @@ from .agree import agree
 from .conversions import transformers_keys
 from .errors import CheckpointError
 from .load import Source, model_targets, open_source, read_targets
+from .memory import empty_for_load
 from .progress import Progress
 
 # Building patches nn.Module.register_parameter and the default dtype process-wide: one build at a time.
@@ -63,7 +64,7 @@ def materialize(model: nn.Module) -> None:
             if p is None or p.device.type != "meta":
                 continue
             if id(p) not in made:
-                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                new = nn.Parameter(empty_for_load(p.shape, p.dtype), requires_grad=p.requires_grad)
                 new.__dict__.update(p.__dict__)  # tensor-parallel attributes set by the layers
                 made[id(p)] = new
             module._parameters[name] = made[id(p)]
