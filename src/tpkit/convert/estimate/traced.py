@@ -132,6 +132,18 @@ def _fake_inputs(model: nn.Module, batch: int, seq: int, example) -> tuple[tuple
     return (), kwargs
 
 
+def _meta_example(example):
+    """The example call on the meta device, for the planner's trace of a module without a config."""
+    if example is None:
+        return None
+    from .step import _as_call
+
+    def meta(v):
+        return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+    args, kwargs = _as_call(example)
+    return {k: meta(v) for k, v in kwargs.items()} if kwargs else tuple(meta(a) for a in args)
+
+
 def saved_bytes(model: nn.Module, args=(), kwargs=None) -> int:
     """Bytes `model(*args, **kwargs)` saves for backward: distinct storages, parameters and buffers excluded.
 
@@ -162,7 +174,7 @@ def _trace_one(model: nn.Module, rank: int, world_size: int, sequence_parallel: 
 
     if world_size > 1:
         parallelize(model, comm=ShapeOnlyCommunicator(rank, world_size), mode="training",
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel, example_inputs=_meta_example(example))
     seen, shapes = set(), []
     for p in model.parameters():
         if id(p) not in seen:
@@ -177,15 +189,15 @@ def _trace_one(model: nn.Module, rank: int, world_size: int, sequence_parallel: 
 
 def trace_rank(model_or_config, world_size: int, rank: int, dtype: torch.dtype, batch_size: int = 1,
                seq_len: int = 128, sequence_parallel: bool = False, attention: str | None = None,
-               example_input=None) -> TracedStep:
+               example_input=None, whole: bool = False) -> TracedStep:
     """Trace rank `rank` of TP `world_size` (see the module doc). `model_or_config`: an HF config, a model
-    with one (rebuilt from it on meta, 1 and 2 layers), or any module (copied to meta and traced whole; pass
-    `example_input`, batch first)."""
+    with one (rebuilt from it on meta, 1 and 2 layers, unless `whole`), or any module (copied to meta and
+    traced whole; pass `example_input`, batch first)."""
     config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config,
                                                                                         "config", None)
     layers = getattr(config, "num_hidden_layers", None) if config is not None else None
     results = []
-    if isinstance(layers, int) and layers >= 2 and hasattr(config, "model_type"):
+    if isinstance(layers, int) and layers >= 2 and hasattr(config, "model_type") and not whole:
         model_cls = type(model_or_config) if isinstance(model_or_config, nn.Module) else None
         for n in (1, 2):
             model = _build(config, model_cls, n, dtype, attention)
@@ -193,10 +205,11 @@ def trace_rank(model_or_config, world_size: int, rank: int, dtype: torch.dtype, 
                                       example_input))
         counted = (1, 2)
     else:
-        if not isinstance(model_or_config, nn.Module):
+        if not isinstance(model_or_config, nn.Module) and not whole:
             raise TypeError(f"trace_rank needs an nn.Module or a Hugging Face config with num_hidden_layers >= 2, "
                             f"got {type(model_or_config).__name__}")
-        model = _meta_copy(model_or_config)
+        model = (_meta_copy(model_or_config) if isinstance(model_or_config, nn.Module)
+                 else _build(config, None, layers, dtype, attention))
         model = model.to(dtype) if dtype is not None else model
         results = [_trace_one(model, rank, world_size, sequence_parallel, batch_size, seq_len, example_input)] * 2
         counted, layers = (0, 0), 0
