@@ -233,7 +233,7 @@ def _rates(hw: Hardware, profile: SpeedProfile, B: int, efficiency, memory_effic
             raise ValueError(f"{name} must be in (0, 1], got {value}")
     rates = _Rates(hw.peak_flops(B) * eff, hw.memory_bandwidth * mem, hw.interconnect.bandwidth * lnk,
                    link.hop_latency_s, link.collective_latency_s, vocab_parallel)
-    note = (f"{hw.name}: {hw.peak_flops(B) / 1e12:.0f} TFLOP/s peak, {hw.memory_bandwidth / 1e9:.0f} GB/s HBM, "
+    note = (f"{hw.name}: {hw.peak_flops(B) / 1e12:.3g} TFLOP/s peak, {hw.memory_bandwidth / 1e9:.3g} GB/s HBM, "
             f"{hw.interconnect.name}; profile {profile.name!r}: FLOP/s x{eff:g}, HBM x{mem:g}, link x{lnk:g}, "
             f"{link.collective_latency_s * 1e6:g} us per collective + {link.hop_latency_s * 1e6:g} us per hop")
     return rates, note
