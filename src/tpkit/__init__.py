@@ -30,6 +30,8 @@ from .convert import (AnalysisReport, DistributedModelWrapper, Plan, PlanError, 
 from .nn.layout import ShardLayout
 from .convert.estimate import MemoryEstimate, estimate_memory
 from .convert.speed import SpeedEstimate, estimate_speed
+from .convert.profile import SpeedProfile, load_profile, save_profile
+from .convert.calibrate import calibrate_profile
 from .checkpoint import CheckpointError, consolidate, from_pretrained, load_sharded, save_sharded
 
 __version__ = "0.1.0"
@@ -45,4 +47,5 @@ __all__ = [
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",
     "use_communicator",
     "CheckpointError", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
+    "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",
 ]

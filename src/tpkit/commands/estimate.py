@@ -114,11 +114,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace):
-    from tpkit.convert.calibrate import calibrate
+    from tpkit.convert.calibrate import calibrate_profile
     from tpkit.convert.estimate import format_bytes
     from tpkit.convert.profile import save_profile
 
-    profile = calibrate(args.backend, (2,), quick=args.quick)
+    profile = calibrate_profile(args.backend, (2,), quick=args.quick)
     path = save_profile(profile, args.profile)
     hw = profile.hardware
     link = profile.links[args.backend]

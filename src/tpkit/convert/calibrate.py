@@ -90,12 +90,12 @@ def _split_latency(latencies: dict[int, float]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
-def calibrate(backend: str = "gloo", world_sizes=(2,), quick: bool = False) -> SpeedProfile:
+def calibrate_profile(backend: str = "gloo", world_sizes=(2,), quick: bool = False) -> SpeedProfile:
     """Measure this machine (see the module doc) and return its profile: the machine as a `Hardware` whose
     peaks are the measured figures (efficiencies 1), and the backend's link figures keyed by `backend`."""
     sizes = [int(t) for t in world_sizes]
     if not sizes or min(sizes) < 2:
-        raise ValueError(f"calibrate: world sizes must be >= 2 (an all-reduce needs two ranks), got {world_sizes!r}")
+        raise ValueError(f"calibrate_profile: world sizes must be >= 2 (an all-reduce needs two ranks), got {world_sizes!r}")
     k = _SIZES[bool(quick)]
     fp32 = measure_matmul_flops(torch.float32, k["matmul"], k["repeats"])
     bf16 = measure_matmul_flops(torch.bfloat16, k["matmul"], k["repeats"])
