@@ -88,6 +88,37 @@ def test_traced_activations_match_saved_tensors(family, attn, t):
         assert by_config.activations_per_layer is not None and by_config.activations_per_layer > 0
 
 
+def test_traced_sequence_parallel_matches_saved_tensors():
+    """With sequence parallelism the trace follows the converter's own region (what it keeps whole, such as the
+    gathered input of the column layers, and what it splits), so it equals the real rank's bytes."""
+    base = _model("llama")
+    ids = torch.randint(0, V, (2, 16))
+
+    def body(comm):
+        model = tpkit.parallelize(copy.deepcopy(base), comm=comm, mode="training", sequence_parallel=True)
+        return saved_bytes(model, (), {"input_ids": ids, "labels": ids})
+    saved = max(run_threads(body, 2))
+    est = estimate_memory(base, 2, dtype=torch.float32, mode="training", batch_size=2, seq_len=16,
+                          sequence_parallel=True)
+    plain = estimate_memory(base, 2, dtype=torch.float32, mode="training", batch_size=2, seq_len=16)
+    assert est.per_rank.activations == saved < plain.per_rank.activations
+
+
+def _gloo_rank(family: str, attn: str, ids: torch.Tensor) -> int:
+    """One gloo process: the same seeded model on every rank, converted, one real forward measured."""
+    model = _model(family, attn)
+    tpkit.parallelize(model, mode="training")
+    return saved_bytes(model, (), {"input_ids": ids, "labels": ids})
+
+
+@pytest.mark.slow
+def test_traced_activations_match_two_gloo_processes():
+    ids = torch.randint(0, V, (2, 16))
+    saved = max(tpkit.launch(_gloo_rank, 2, backend="gloo", args=("neox", "sdpa", ids)))
+    est = estimate_memory(_model("neox"), 2, dtype=torch.float32, mode="training", batch_size=2, seq_len=16)
+    assert est.per_rank.activations == saved
+
+
 @pytest.mark.parametrize("t", [1, 2])
 def test_traced_cnn_matches_saved_tensors(t):
     """A sixth shape with no config: convolutions column -> row, then an MLP head."""
