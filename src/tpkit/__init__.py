@@ -30,6 +30,8 @@ from .convert import (AnalysisReport, DistributedModelWrapper, Plan, PlanError, 
 from .nn.layout import ShardLayout
 from .convert.estimate import MemoryEstimate, estimate_memory
 from .convert.speed import SpeedEstimate, estimate_speed
+from .convert.profile import SpeedProfile, load_profile, save_profile
+from .convert.calibrate import calibrate_profile
 from .checkpoint import CheckpointError, consolidate, from_pretrained, load_sharded, save_sharded
 from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh
 
@@ -47,4 +49,5 @@ __all__ = [
     "use_communicator",
     "CheckpointError", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
     "data_parallel", "data_parallel_manual_seed", "device_mesh",
+    "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",
 ]

@@ -202,8 +202,8 @@ def test_activation_options_order():
     full = estimate_memory(cfg, 4, recompute="full", **run).per_rank.activations
     one = estimate_memory(cfg, 1, **run).per_rank.activations
     assert full < selective < none < one and sp < none
-    flash = estimate_memory(cfg, 4, **{**run, "attention": "sdpa"}).per_rank.activations
-    # Fused attention keeps no s*s scores (what selective recompute drops) but a fp32 log-sum-exp per head:
+    flash = estimate_memory(cfg, 4, **{**run, "attention": "sdpa"}).activations_formula
+    # The formula (recompute is not traced, so `selective` is the formula's): fused attention keeps no s*s scores (what selective recompute drops) but a fp32 log-sum-exp per head:
     # 4 layers * 2048 tokens * 2 heads per rank * 4 bytes.
     assert flash == selective + 4 * 2048 * 2 * 4
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from tpkit.convert.hardware import HARDWARE, Hardware, Interconnect, get_hardware
 from tpkit.convert.presets import preset_config
+from tpkit.convert.profile import IDEAL_PROFILE
 from tpkit.convert.speed import estimate_speed, ring_all_gather_seconds, ring_all_reduce_seconds
 
 pytest.importorskip("transformers")
@@ -31,7 +32,8 @@ def test_ring_collectives_by_hand():
 
 
 def test_decode_roofline_by_hand():
-    est = estimate_speed(tiny_llama(), [1, 2], hardware=TOY, mode="decode", batch_size=1, seq_len=100)
+    est = estimate_speed(tiny_llama(), [1, 2], hardware=TOY, mode="decode", batch_size=1, seq_len=100,
+                         profile=IDEAL_PROFILE)
     one, two = est.row(1), est.row(2)
     # t=1: weights 105,280 * 2 B + KV cache 2 layers * 2 (k, v) * 100 positions * 32 features * 2 B.
     assert one.bytes_per_rank == 105_280 * 2 + 2 * 2 * 100 * 32 * 2
@@ -98,7 +100,7 @@ def test_bad_arguments(kwargs, match):
 def test_measured_module_by_hand():
     mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     est = estimate_speed(mlp, [1, 2], hardware=TOY, dtype=torch.float32, mode="training", batch_size=8,
-                         input_shape=(4, 16))
+                         input_shape=(4, 16), profile=IDEAL_PROFILE)
     one, two = est.row(1), est.row(2)
     # Forward: 2 * 8 samples * (16*64 + 64*16) multiply-adds; training = 3 x forward; t=2 halves the pair.
     assert one.flops_per_rank == 3 * 2 * 8 * 2048 and two.flops_per_rank == one.flops_per_rank / 2

@@ -1,7 +1,12 @@
 """`tpkit estimate TARGET`: memory per rank and speed per world size, before buying the devices.
 
 TARGET is a preset (`llama-2-70b`), an HF config.json or model directory, or `module:factory`. Transformers
-are estimated from their config alone; other modules need `--input-shape` to measure one small step.
+are estimated from their config alone; other modules need `--input-shape` to trace one small step.
+
+`--calibrate` measures this machine (matmul FLOP/s, memory bandwidth, all-reduce latency and bandwidth over
+`--backend` on 2 local ranks) and writes a speed profile (`--profile FILE`, default `$TPKIT_PROFILE` or
+~/.cache/tpkit/profile.json) that later estimates read; `--plot out.png` draws memory per rank and
+throughput against world size.
 """
 from __future__ import annotations
 
@@ -26,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tpkit.convert.hardware import HARDWARE
     from tpkit.convert.presets import PRESETS
 
-    parser.add_argument("target", help=f"a preset ({', '.join(PRESETS)}), an HF config.json or model directory, "
-                                       "or package.module:factory")
+    parser.add_argument("target", nargs="?", default=None,
+                        help=f"a preset ({', '.join(PRESETS)}), an HF config.json or model directory, "
+                             "or package.module:factory (optional with --calibrate)")
     parser.add_argument("--world-size", type=_sizes, default=[1, 2, 4, 8], help="comma-separated (default 1,2,4,8)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     parser.add_argument("--mode", default="inference", choices=["inference", "training"])
@@ -38,8 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     parser.add_argument("--attention", default=None, choices=["eager", "sdpa", "flash"],
                         help="attention kernel (default: the config's, else fused)")
-    parser.add_argument("--hardware", default="H100-SXM", help=f"one of {', '.join(HARDWARE)}")
-    parser.add_argument("--interconnect", default="nvlink", choices=["nvlink", "pcie"])
+    parser.add_argument("--hardware", default=None,
+                        help=f"one of {', '.join(HARDWARE)} (default: the profile's measured machine, else H100-SXM)")
+    parser.add_argument("--interconnect", default=None, choices=["nvlink", "pcie"], help="default nvlink")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="speed profile JSON to read (and, with --calibrate, write); default $TPKIT_PROFILE or "
+                             "~/.cache/tpkit/profile.json if present, else the built-in calibrated profile")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine (matmul, memory bandwidth, all-reduce) into the profile")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "threads"], help="for --calibrate")
+    parser.add_argument("--quick", action="store_true", help="--calibrate with small sizes and few repeats")
+    parser.add_argument("--plot", metavar="PNG", help="memory per rank and throughput against world size")
     parser.add_argument("--input-shape", default=None,
                         help="for modules without a transformer config: input shape, batch first, e.g. 8,3,32,32")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -98,16 +113,41 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _calibrate(args: argparse.Namespace):
+    from tpkit.convert.calibrate import calibrate_profile
+    from tpkit.convert.estimate import format_bytes
+    from tpkit.convert.profile import save_profile
+
+    profile = calibrate_profile(args.backend, (2,), quick=args.quick)
+    path = save_profile(profile, args.profile)
+    hw = profile.hardware
+    link = profile.links[args.backend]
+    print(f"calibrated {hw.name}: matmul {hw.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32, "
+          f"{hw.peak_flops_16bit / 1e9:.1f} GFLOP/s bf16; memory {hw.memory_bandwidth / 1e9:.2f} GB/s; "
+          f"all-reduce over {args.backend}: {2 * link.hop_latency_s * 1e6:.1f} us latency (2 ranks), "
+          f"{hw.interconnect.bandwidth / 1e9:.3f} GB/s bus bandwidth; memory {format_bytes(hw.memory_bytes)}")
+    print(f"profile written to {path}")
+    return profile
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
 
     from tpkit.convert.estimate import estimate_memory, transformer_shape
     from tpkit.convert.hardware import get_hardware
     from tpkit.convert.presets import load_target
+    from tpkit.convert.profile import load_profile
     from tpkit.convert.speed import estimate_speed
 
+    if args.target is None and not args.calibrate:
+        raise ValueError("give a TARGET to estimate (a preset, config.json, model directory or module:factory), "
+                         "or --calibrate to measure this machine")
+    profile = _calibrate(args) if args.calibrate else load_profile(args.profile)
+    if args.target is None:
+        return 0
     dtype = getattr(torch, _DTYPES[args.dtype])
-    hardware = get_hardware(args.hardware, args.interconnect)
+    hardware = get_hardware(args.hardware or profile.hardware or "H100-SXM",
+                            args.interconnect or (None if args.hardware is None and profile.hardware else "nvlink"))
     model, config = load_target(args.target, build=False)
     subject = model if model is not None else config
     extra = {}
@@ -126,9 +166,15 @@ def _run(args: argparse.Namespace) -> int:
                                "decode" if decodes else "prefill",
                                batch_size=args.batch_size, seq_len=estimates[0].seq_len or 2048,
                                sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                               attention=args.attention, **extra)
+                               attention=args.attention, profile=profile, **extra)
+    if args.plot:
+        from .estimate_plot import plot_estimate
+
+        plot_estimate(estimates, speed, args.plot, f"tpkit estimate {args.target}", hardware.memory_bytes)
+        if not args.json:
+            print(f"plot written to {args.plot}")
     if args.json:
-        out = {"target": args.target, "hardware": hardware.name, "device_memory_bytes": hardware.memory_bytes,
+        out = {"target": args.target, "hardware": hardware.name, "profile": profile.name, "device_memory_bytes": hardware.memory_bytes,
                "memory": [e.to_dict() for e in estimates], "speed": speed.to_dict() if speed else None}
         print(json.dumps(out, indent=2))
         return 0

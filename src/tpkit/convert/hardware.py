@@ -6,9 +6,10 @@ throughput (no 2:4 sparsity), HBM bandwidth and capacity, and per-GPU link bandw
 H100/H200 NVLink 4 is 450 GB/s each way; PCIe gen4 x16 is ~32 GB/s each way, gen5 x16 ~64 GB/s). A ring
 all-reduce streams in one direction per link, so the one-way figure is the one the cost model needs.
 
-Latencies (`latency_s`, the alpha of the alpha-beta model) are not on datasheets; the presets use typical
-per-hop figures of NCCL rings (a few microseconds over NVLink, more through PCIe and the host). Real runs
-reach 60-80% of these peaks; pass `efficiency` to `estimate_speed`, or your own `Hardware`, to model that.
+Latencies (`latency_s`, the per-hop alpha of the alpha-beta model) are not on datasheets; the presets use
+typical per-hop figures of NCCL rings (a few microseconds over NVLink, more through PCIe and the host). What
+kernels and collectives actually reach (a fraction of these peaks, a fixed cost per collective, the per-hop
+latency calibrated against published runs) lives in the speed profile (`profile.py`), keyed by `kind`.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Interconnect:
     name: str
     bandwidth: float
     latency_s: float
+    kind: str = "nvlink"   # what the speed profile's calibrated link figures are keyed by
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,8 @@ class Hardware:
 
 NVLINK3 = Interconnect("NVLink 3 (300 GB/s per direction)", 300 * GB, 2e-6)
 NVLINK4 = Interconnect("NVLink 4 (450 GB/s per direction)", 450 * GB, 2e-6)
-PCIE4 = Interconnect("PCIe gen4 x16 (32 GB/s per direction)", 32 * GB, 5e-6)
-PCIE5 = Interconnect("PCIe gen5 x16 (64 GB/s per direction)", 64 * GB, 5e-6)
+PCIE4 = Interconnect("PCIe gen4 x16 (32 GB/s per direction)", 32 * GB, 5e-6, "pcie")
+PCIE5 = Interconnect("PCIe gen5 x16 (64 GB/s per direction)", 64 * GB, 5e-6, "pcie")
 
 # TF32 dense peaks stand for fp32: A100 156 TFLOP/s, H100/H200 SXM 494.7 TFLOP/s.
 HARDWARE: dict[str, Hardware] = {

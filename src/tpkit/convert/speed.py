@@ -13,11 +13,15 @@ Per rank and per step (a training step, a prefill forward, or one decoded token)
 * communication (Megatron TP): 2 all-reduces of (b, s, h) per layer forward (after attention and the MLP),
   2 more in backward; the vocab-parallel embedding's all-reduce; inference gathers the logits. With
   sequence parallelism each all-reduce becomes an all-gather plus a reduce-scatter: the same bytes.
-  Ring all-reduce: 2(t-1)/t * bytes / link bandwidth + 2(t-1) * latency; all-gather: half of that.
+  Ring all-reduce: fixed cost + 2(t-1)/t * bytes / link bandwidth + 2(t-1) * hop latency; all-gather: half
+  the steps and bytes.
 * step time = roofline + communication (no overlap assumed: TP collectives sit on the critical path).
 
-Peaks come from `hardware.py` (datasheet figures); `efficiency`, `memory_efficiency` and
-`link_efficiency` scale them to what kernels reach in practice (defaults 1.0: an ideal roofline).
+Peaks come from `hardware.py` (datasheet figures); the speed profile (`profile.py`: by default calibrated on
+published runs, or measured here by `tpkit estimate --calibrate`) scales them to what kernels and collectives
+reach. `efficiency`, `memory_efficiency` and `link_efficiency` override the profile's fractions.
+`vocab_parallel=False` models embedding and LM head replicated on every rank (gpt-fast's `tp.py`): no
+embedding all-reduce, no logits gather, whole vocabulary weights on each rank.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from tpkit.comm.sharding import split_sizes
 from .estimate import (TransformerShape, _attention_kind, _normalise_recompute, _own_dtype, format_bytes, resolve_target,
                        fullest_rank, parameter_counts, rank_heads, transformer_activation_bytes)
 from .hardware import Hardware, get_hardware
+from .profile import SpeedProfile, load_profile
 
 _MODES = ("training", "prefill", "decode")
 
@@ -107,32 +112,63 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def ring_all_reduce_seconds(nbytes: float, world_size: int, bandwidth: float, latency_s: float) -> float:
-    """Ring all-reduce: each rank sends and receives 2(t-1)/t of the message in 2(t-1) steps."""
+def ring_all_reduce_seconds(nbytes: float, world_size: int, bandwidth: float, latency_s: float,
+                            fixed_s: float = 0.0) -> float:
+    """Ring all-reduce: each rank sends and receives 2(t-1)/t of the message in 2(t-1) steps of `latency_s`,
+    plus `fixed_s` per collective (launch and synchronisation)."""
     if world_size == 1:
         return 0.0
     t = world_size
-    return 2 * (t - 1) / t * nbytes / bandwidth + 2 * (t - 1) * latency_s
+    return fixed_s + 2 * (t - 1) / t * nbytes / bandwidth + 2 * (t - 1) * latency_s
 
 
-def ring_all_gather_seconds(nbytes_total: float, world_size: int, bandwidth: float, latency_s: float) -> float:
+def ring_all_gather_seconds(nbytes_total: float, world_size: int, bandwidth: float, latency_s: float,
+                            fixed_s: float = 0.0) -> float:
     """Ring all-gather of a result of `nbytes_total`: (t-1)/t of it crosses each link in t-1 steps."""
     if world_size == 1:
         return 0.0
     t = world_size
-    return (t - 1) / t * nbytes_total / bandwidth + (t - 1) * latency_s
+    return fixed_s + (t - 1) / t * nbytes_total / bandwidth + (t - 1) * latency_s
 
 
-def _matmul_params(shape: TransformerShape, t: int) -> float:
+@dataclass(frozen=True)
+class _Rates:
+    """What one step is timed with: achieved FLOP/s and bytes/s, the link's bytes/s, per-hop latency and
+    fixed cost per collective, and whether the vocabulary is split."""
+
+    flops: float
+    memory: float
+    link: float
+    hop_s: float
+    fixed_s: float
+    vocab_parallel: bool = True
+
+    def all_reduce(self, nbytes: float, t: int) -> float:
+        return ring_all_reduce_seconds(nbytes, t, self.link, self.hop_s, self.fixed_s)
+
+    def all_gather(self, nbytes: float, t: int) -> float:
+        return ring_all_gather_seconds(nbytes, t, self.link, self.hop_s, self.fixed_s)
+
+
+def _matmul_params(shape: TransformerShape, t: int, vocab_parallel: bool = True) -> float:
     """Weights that multiply every token on the rank: attention, MLP, the LM head (tied or not)."""
     counts = parameter_counts(shape, t)
     h = shape.hidden_size
-    lm_head = split_sizes(shape.vocab_size, t)[fullest_rank(shape, t)] * h + (h * h if shape.mlm_head else 0)
+    vocab = split_sizes(shape.vocab_size, t)[fullest_rank(shape, t)] if vocab_parallel else shape.vocab_size
+    lm_head = vocab * h + (h * h if shape.mlm_head else 0)
     return counts["attention"] + counts["mlp"] + lm_head
 
 
-def _step(shape: TransformerShape, hw: Hardware, t: int, mode: str, B: int, b: int, s: int, recompute: str,
-          sequence_parallel: bool, attention: str, eff: float, mem_eff: float, link_eff: float) -> SpeedRow:
+def _rank_parameters(shape: TransformerShape, t: int, vocab_parallel: bool) -> int:
+    counts = parameter_counts(shape, t)
+    if not vocab_parallel:  # embedding and LM head whole on every rank
+        whole = parameter_counts(shape, 1)
+        counts["embeddings"], counts["lm_head"] = whole["embeddings"], whole["lm_head"]
+    return sum(counts.values())
+
+
+def _step(shape: TransformerShape, t: int, mode: str, B: int, b: int, s: int, recompute: str,
+          sequence_parallel: bool, attention: str, rates: _Rates) -> SpeedRow:
     L, h, d = shape.num_layers, shape.hidden_size, shape.head_dim
     q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t, fullest_rank(shape, t))
     causal = 0.5 if shape.is_decoder else 1.0
@@ -142,9 +178,8 @@ def _step(shape: TransformerShape, hw: Hardware, t: int, mode: str, B: int, b: i
     else:
         tokens, s_q, s_kv = b * s, s, s
     score_flops = L * 4 * b * s_q * s_kv * q_heads * d * causal
-    forward = 2 * tokens * _matmul_params(shape, t) + score_flops
-    params_rank = sum(parameter_counts(shape, t).values())
-    weight_bytes = params_rank * B
+    forward = 2 * tokens * _matmul_params(shape, t, rates.vocab_parallel) + score_flops
+    weight_bytes = _rank_parameters(shape, t, rates.vocab_parallel) * B
     if mode == "training":
         flops = 3 * forward + (forward if recompute == "full" else score_flops if recompute == "selective" else 0)
         acts = sum(transformer_activation_bytes(shape, b, s, B, t, sequence_parallel and t > 1, recompute,
@@ -158,99 +193,117 @@ def _step(shape: TransformerShape, hw: Hardware, t: int, mode: str, B: int, b: i
         flops = forward
         nbytes = weight_bytes + 2 * L * tokens * (h + 2 * kv_heads * d) * B
 
-    bw, alpha = hw.interconnect.bandwidth * link_eff, hw.interconnect.latency_s
     message = tokens * h * B
     per_layer = 2 if mode != "training" else 4
-    all_reduces = L * per_layer + 1 + (1 if mode == "training" else 0)  # + embedding (+ LM-head input in bwd)
-    comm_s = all_reduces * ring_all_reduce_seconds(message, t, bw, alpha)
+    vocab = 1 if rates.vocab_parallel else 0
+    all_reduces = L * per_layer + vocab * (1 + (1 if mode == "training" else 0))  # + embedding (+ LM-head input)
+    comm_s = all_reduces * rates.all_reduce(message, t)
     comm_bytes = all_reduces * (2 * (t - 1) / t * message if t > 1 else 0)
     collectives = all_reduces if t > 1 else 0
-    if mode == "training":   # vocab-parallel cross entropy: max, sum-exp and target logit, fp32 per token
-        comm_s += 3 * ring_all_reduce_seconds(tokens * 4, t, bw, alpha)
+    if mode == "training" and vocab:   # vocab-parallel cross entropy: max, sum-exp and target logit, fp32
+        comm_s += 3 * rates.all_reduce(tokens * 4, t)
         comm_bytes += 3 * (2 * (t - 1) / t * tokens * 4 if t > 1 else 0)
         collectives += 3 if t > 1 else 0
-    else:                    # gather the logits of the last position
+    elif vocab:                        # gather the logits of the last position
         logits = b * shape.vocab_size * B
-        comm_s += ring_all_gather_seconds(logits, t, bw, alpha)
+        comm_s += rates.all_gather(logits, t)
         comm_bytes += (t - 1) / t * logits if t > 1 else 0
         collectives += 1 if t > 1 else 0
-    compute_s = flops / (hw.peak_flops(B) * eff)
-    memory_s = nbytes / (hw.memory_bandwidth * mem_eff)
+    return _row(t, flops, nbytes, comm_bytes, collectives, flops / rates.flops, nbytes / rates.memory, comm_s,
+                b if mode == "decode" else tokens)
+
+
+def _row(t, flops, nbytes, comm_bytes, collectives, compute_s, memory_s, comm_s, units) -> SpeedRow:
     roof = max(compute_s, memory_s)
     total = roof + comm_s
-    bound = "compute" if compute_s >= memory_s else "memory"
-    if comm_s > roof:
-        bound = "communication"
-    new_tokens = b if mode == "decode" else tokens
-    return SpeedRow(t, flops, nbytes, comm_bytes, collectives, compute_s, memory_s, comm_s, total,
-                    new_tokens / total, 1.0, bound)
+    bound = "communication" if comm_s > roof else "compute" if compute_s >= memory_s else "memory"
+    return SpeedRow(t, flops, nbytes, comm_bytes, collectives, compute_s, memory_s, comm_s, total, units / total,
+                    1.0, bound)
+
+
+def _rates(hw: Hardware, profile: SpeedProfile, B: int, efficiency, memory_efficiency, link_efficiency,
+           vocab_parallel: bool) -> tuple[_Rates, str]:
+    """Achieved rates: the profile's fractions of the peaks, unless an efficiency is given; and a note."""
+    link = profile.link(hw.interconnect)
+    eff = profile.flops_efficiency if efficiency is None else efficiency
+    mem = profile.memory_efficiency if memory_efficiency is None else memory_efficiency
+    lnk = link.bandwidth_efficiency if link_efficiency is None else link_efficiency
+    for name, value in (("efficiency", eff), ("memory_efficiency", mem), ("link_efficiency", lnk)):
+        if not 0 < value <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {value}")
+    rates = _Rates(hw.peak_flops(B) * eff, hw.memory_bandwidth * mem, hw.interconnect.bandwidth * lnk,
+                   link.hop_latency_s, link.collective_latency_s, vocab_parallel)
+    note = (f"{hw.name}: {hw.peak_flops(B) / 1e12:.3g} TFLOP/s peak, {hw.memory_bandwidth / 1e9:.3g} GB/s HBM, "
+            f"{hw.interconnect.name}; profile {profile.name!r}: FLOP/s x{eff:g}, HBM x{mem:g}, link x{lnk:g}, "
+            f"{link.collective_latency_s * 1e6:g} us per collective + {link.hop_latency_s * 1e6:g} us per hop")
+    return rates, note
 
 
 def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 8),
-                   hardware: str | Hardware = "H100-SXM", interconnect: str | None = None,
+                   hardware: str | Hardware | None = None, interconnect: str | None = None,
                    dtype: torch.dtype | None = None, mode: str = "training",
                    batch_size: int = 1, seq_len: int = 2048, sequence_parallel: bool = False, recompute="none",
-                   attention: str | None = None, efficiency: float = 1.0, memory_efficiency: float = 1.0,
-                   link_efficiency: float = 1.0, example_input=None, input_shape=None) -> SpeedEstimate:
+                   attention: str | None = None, efficiency: float | None = None,
+                   memory_efficiency: float | None = None, link_efficiency: float | None = None,
+                   example_input=None, input_shape=None, profile: SpeedProfile | str | None = None,
+                   vocab_parallel: bool = True) -> SpeedEstimate:
     """Step time (training, prefill) or time per decoded token (decode, with a context of `seq_len`) and
     speedup over one device, for each world size.
 
     Transformers (an HF config or a model with one) are modelled from their shape. Any other module is
-    measured on one step (pass `example_input` or `input_shape`, batch first): FLOPs with
+    measured on one fake step (pass `example_input` or `input_shape`, batch first): FLOPs with
     `torch.utils.flop_counter`, those inside column -> row pairs divided over the ranks, and the
     collectives the converter's plan adds; the step is scaled to `batch_size` and `tokens_per_s` counts
     samples. Training counts backward as twice the forward FLOPs, and each forward collective once more.
+
+    `profile`: a `SpeedProfile`, a path to a profile JSON, or None (`load_profile()`: the calibrated file at
+    the default location if there is one, else `DEFAULT_PROFILE`). `hardware`: a preset name or a
+    `Hardware`; default the profile's measured machine if it has one, else "H100-SXM".
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-    for name, value in (("efficiency", efficiency), ("memory_efficiency", memory_efficiency),
-                        ("link_efficiency", link_efficiency)):
-        if not 0 < value <= 1:
-            raise ValueError(f"{name} must be in (0, 1], got {value}")
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
     sizes = [world_size] if isinstance(world_size, int) else list(world_size)
     if not sizes or any(not isinstance(t, int) or t < 1 for t in sizes):
         raise ValueError(f"world sizes must be positive ints, got {world_size!r}")
     recompute = _normalise_recompute(recompute)
-    hw = get_hardware(hardware, interconnect)
+    profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
+    hw = get_hardware(hardware if hardware is not None else profile.hardware or "H100-SXM", interconnect)
     dtype = dtype or _own_dtype(model_or_config)
     B = dtype.itemsize
+    rates, hw_note = _rates(hw, profile, B, efficiency, memory_efficiency, link_efficiency, vocab_parallel)
     config, shape = resolve_target(model_or_config, "estimate_speed")
     if shape is None:
         if mode == "decode":
             raise ValueError(f"estimate_speed: mode 'decode' needs a decoder with a Hugging Face config; "
                              f"{type(model_or_config).__name__} is measured, use mode 'training' or 'prefill'")
         return _measured_speed(model_or_config, sorted(set(sizes)), hw, dtype, mode, batch_size, seq_len,
-                               example_input, input_shape, (efficiency, memory_efficiency, link_efficiency))
+                               example_input, input_shape, rates, hw_note)
     kind = _attention_kind(config, attention)
     if mode == "decode" and not shape.is_decoder:
         raise ValueError(f"estimate_speed: {shape.model_type} is an encoder; it does not decode tokens, use mode "
                          f"'prefill' (one forward) or 'training'")
-    args = (mode, B, batch_size, seq_len, recompute, sequence_parallel, kind, efficiency, memory_efficiency,
-            link_efficiency)
-    base = _step(shape, hw, 1, *args)
+    args = (mode, B, batch_size, seq_len, recompute, sequence_parallel, kind, rates)
+    base = _step(shape, 1, *args)
     rows = []
     for t in sorted(set(sizes)):
-        row = base if t == 1 else _step(shape, hw, t, *args)
+        row = base if t == 1 else _step(shape, t, *args)
         row.speedup = base.total_s / row.total_s
         rows.append(row)
-    notes = [f"{hw.name}: {hw.peak_flops(B) / 1e12:.0f} TFLOP/s peak, {hw.memory_bandwidth / 1e9:.0f} GB/s HBM, "
-             f"{hw.interconnect.name}, {hw.interconnect.latency_s * 1e6:.0f} us per hop; "
-             f"efficiencies {efficiency}/{memory_efficiency}/{link_efficiency}",
-             f"weights per rank at t=1: {format_bytes(sum(parameter_counts(shape, 1).values()) * B)}"]
+    notes = [hw_note, f"weights per rank at t=1: {format_bytes(sum(parameter_counts(shape, 1).values()) * B)}"]
+    if not vocab_parallel:
+        notes.append("embedding and LM head replicated on every rank (vocab_parallel=False)")
     return SpeedEstimate(hw.name, hw.interconnect.name, mode, str(dtype).replace("torch.", ""), batch_size, seq_len,
                          rows, notes)
 
 
 def _measured_speed(model: nn.Module, sizes: list[int], hw: Hardware, dtype: torch.dtype, mode: str,
-                    batch_size: int, seq_len: int, example_input, input_shape, effs) -> SpeedEstimate:
+                    batch_size: int, seq_len: int, example_input, input_shape, rates: _Rates,
+                    hw_note: str) -> SpeedEstimate:
     from .estimate import measure_step, prepare_module_step
 
-    eff, mem_eff, link_eff = effs
     training = mode == "training"
-    B = dtype.itemsize
-    bw, alpha = hw.interconnect.bandwidth * link_eff, hw.interconnect.latency_s
     rows, notes = [], []
     for t in sizes:
         step = prepare_module_step(model, t, dtype, "training" if training else "inference", example_input,
@@ -265,27 +318,22 @@ def _measured_speed(model: nn.Module, sizes: list[int], hw: Hardware, dtype: tor
         for kind, n in m["collectives"]:
             n *= scale
             if kind == "all_reduce":
-                comm_s += ring_all_reduce_seconds(n, t, bw, alpha)
+                comm_s += rates.all_reduce(n, t)
                 comm_bytes += 2 * (t - 1) / t * n
             else:
-                comm_s += ring_all_gather_seconds(n, t, bw, alpha)
+                comm_s += rates.all_gather(n, t)
                 comm_bytes += (t - 1) / t * n
         repeat = 2 if training else 1
-        compute_s = flops / (hw.peak_flops(B) * eff)
-        memory_s = nbytes / (hw.memory_bandwidth * mem_eff)
-        roof = max(compute_s, memory_s)
-        total = roof + repeat * comm_s
-        bound = "communication" if repeat * comm_s > roof else "compute" if compute_s >= memory_s else "memory"
-        rows.append(SpeedRow(t, flops, nbytes, repeat * comm_bytes, repeat * len(m["collectives"]), compute_s,
-                             memory_s, repeat * comm_s, total, batch_size / total, 1.0, bound))
+        rows.append(_row(t, flops, nbytes, repeat * comm_bytes, repeat * len(m["collectives"]), flops / rates.flops,
+                         nbytes / rates.memory, repeat * comm_s, batch_size))
     base = rows[0] if rows[0].world_size == 1 else None
     if base is None:
-        base_est = _measured_speed(model, [1], hw, dtype, mode, batch_size, seq_len, example_input, input_shape, effs)
-        base = base_est.rows[0]
+        base = _measured_speed(model, [1], hw, dtype, mode, batch_size, seq_len, example_input, input_shape, rates,
+                               hw_note).rows[0]
     for r in rows:
         r.speedup = base.total_s / r.total_s
-    notes = [f"{type(model).__name__}: FLOPs, bytes and collectives measured on one step and scaled to batch "
-             f"{batch_size}; throughput is in samples/s"] + notes
+    notes = [f"{type(model).__name__}: FLOPs, bytes and collectives measured on one fake step and scaled to "
+             f"batch {batch_size}; throughput is in samples/s", hw_note] + notes
     return SpeedEstimate(hw.name, hw.interconnect.name, mode, str(dtype).replace("torch.", ""), batch_size, None,
                          rows, notes, unit="samples")
 

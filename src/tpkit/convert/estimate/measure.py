@@ -1,4 +1,4 @@
-"""Any other module is measured (`measure_step`): one forward of a copy, the bytes autograd saves for backward
+"""Any other module is measured (`measure_step`): one forward of a weightless copy on fake tensors, the bytes autograd saves for backward
 deduplicated by storage, attributed to a rank by the converter's plan (between a column and a row layer the
 activations are split) and scaled linearly with the batch.
 
@@ -80,8 +80,9 @@ class _StepRecorder:
         self.chosen: dict[str, str] = {}
         self.collectives: list[tuple[str, int]] = []
         self.saved: dict[int, tuple[int, bool]] = {}
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        self.alive: list[torch.Tensor] = []
+        self.param_ptrs = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.param_ptrs |= {b.untyped_storage()._cdata for b in model.buffers()}
         self.counter = FlopCounterMode(display=False)
 
     def style_of(self, name: str, module: nn.Module) -> str:
@@ -122,8 +123,9 @@ class _StepRecorder:
 
     def pack(self, x):
         st = x.untyped_storage()
-        if st.data_ptr() not in self.param_ptrs and st.data_ptr() not in self.saved:
-            self.saved[st.data_ptr()] = (st.nbytes(), self.sharded)
+        self.alive.append(x)  # no storage address is reused while counting
+        if st._cdata not in self.param_ptrs and st._cdata not in self.saved:
+            self.saved[st._cdata] = (st.nbytes(), self.sharded)
         return x
 
     def run(self, model: nn.Module, leaves: dict[str, nn.Module], args, kwargs, training: bool) -> None:
@@ -165,6 +167,11 @@ def _parameter_bytes(leaves: dict[str, nn.Module], chosen: dict[str, str], t: in
     return params_one, params_rank
 
 
+def _fake(v):
+    """A tensor argument as an uninitialised one of its shape and dtype (inside the fake mode: fake)."""
+    return torch.empty(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+
+
 def measure_step(model: nn.Module, args=(), kwargs=None, styles=None, world_size: int = 1,
                  training: bool = True) -> dict[str, Any]:
     """Run `model(*args, **kwargs)` once and measure, at world size 1 and on rank 0 of `world_size`:
@@ -175,11 +182,20 @@ def measure_step(model: nn.Module, args=(), kwargs=None, styles=None, world_size
 
     `styles` maps module names to plan styles; None applies the type rule of `_fallback_style`.
     """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .traced import _meta_copy
+
     kwargs = kwargs or {}
     t = world_size
-    leaves = _leaves(model)
-    recorder = _StepRecorder(model, styles, t)
-    recorder.run(model, leaves, args, kwargs, training)
+    model = _meta_copy(model)  # never the user's weights, never real data: shapes are all it needs
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device="cpu")
+        args = tuple(_fake(a) for a in args)
+        kwargs = {k: _fake(v) for k, v in kwargs.items()}
+        leaves = _leaves(model)
+        recorder = _StepRecorder(model, styles, t)
+        recorder.run(model, leaves, args, kwargs, training)
     one, many = recorder.activations(training)
     params_one, params_rank = _parameter_bytes(leaves, recorder.chosen, t)
     collectives = recorder.collectives if t > 1 else []

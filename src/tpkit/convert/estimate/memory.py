@@ -29,7 +29,8 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
                     mode: str = "inference", optimizer: str = "adamw", batch_size: int = 1,
                     seq_len: int | None = None, sequence_parallel: bool = False, recompute="none",
                     attention: str | None = None, master_weights: bool | None = None,
-                    example_input=None, input_shape: Iterable[int] | None = None) -> MemoryEstimate:
+                    example_input=None, input_shape: Iterable[int] | None = None, dp_size: int = 1,
+                    dp_mode: str | None = None) -> MemoryEstimate:
     """Estimate memory on one device and per rank at TP `world_size`.
 
     `model_or_config`: a Hugging Face config, a model with a `.config`, or any `nn.Module` (then pass
@@ -39,6 +40,15 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
     implementation, else fused). Inference counts the forward working set of `batch_size` x `seq_len`
     tokens and a KV cache of `seq_len` positions; training counts gradients, optimizer states (see
     `optimizer_bytes_per_parameter`) and activations kept for backward.
+
+    Training activations come from the traced graph (`traced.py`: the bytes a fake forward of this rank's
+    converted copy saves for backward) when the model can be built and converted; else from the formula
+    (`activations.py`, also reported as `activations_formula`), and recompute other than "none" always does.
+
+    2-D layouts: `world_size` is the TP size; `dp_size` data-parallel replicas of it (world_size * dp_size
+    devices in all). `dp_mode="fsdp"`: each rank's TP-local parameters, gradients and optimizer states are
+    further cut by FSDP2 along dim 0 of every local tensor (ceil(rows / dp_size) rows, padded); `"ddp"`: they
+    are replicated. Either way `batch_size` is the local micro-batch, so activations do not change.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -50,18 +60,36 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     recompute = _normalise_recompute(recompute)
+    _check_dp(dp_size, dp_mode)
     config, shape = resolve_target(model_or_config, "estimate_memory")
+    dp = (dp_size, dp_mode if dp_size > 1 else None)
     if shape is not None:
         counted = _analysed_parameters(model_or_config, world_size, mode) if isinstance(model_or_config,
                                                                                           nn.Module) else None
-        return _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
-                                     sequence_parallel, recompute, attention, master_weights, counted)
-    return _estimate_module(model_or_config, world_size, dtype, mode, optimizer, batch_size, master_weights,
-                            example_input, input_shape, seq_len)
+        est = _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
+                                    sequence_parallel, recompute, attention, master_weights, counted,
+                                    model_or_config, dp)
+    else:
+        est = _estimate_module(model_or_config, world_size, dtype, mode, optimizer, batch_size, master_weights,
+                               example_input, input_shape, seq_len, dp)
+    est.dp_size, est.dp_mode = dp_size, dp[1]
+    return est
+
+
+def _check_dp(dp_size, dp_mode) -> None:
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+        raise ValueError(f"estimate_memory: dp_size must be a positive int, got {dp_size!r}")
+    if dp_mode not in (None, "fsdp", "ddp"):
+        raise ValueError(f"estimate_memory: dp_mode must be None, 'fsdp' or 'ddp', got {dp_mode!r}")
+    if dp_size > 1 and dp_mode is None:
+        raise ValueError(f"estimate_memory: dp_size={dp_size} needs dp_mode='fsdp' (shard parameters, gradients "
+                         f"and optimizer states over the replicas) or 'ddp' (replicate them)")
 
 
 def _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel, recompute, master_weights,
-              params_one, params_rank, act_one, act_rank, kv_one, kv_rank, comm_rank, comm_what, notes):
+              params_one, params_rank, act_one, act_rank, kv_one, kv_rank, comm_rank, comm_what, notes,
+              params_sharded=None, **extra):
+    """The result. `params_sharded`: parameters a rank holds after FSDP (default `params_rank`)."""
     B = dtype.itemsize
     training = mode == "training"
     opt = optimizer_bytes_per_parameter(optimizer, dtype, master_weights) if training else 0
@@ -70,16 +98,46 @@ def _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_
         return Breakdown(parameters=params * B, gradients=params * B if training else 0,
                          optimizer_states=params * opt, activations=acts, kv_cache=kv, communication_buffers=comm)
 
+    held = params_rank if params_sharded is None else params_sharded
     return MemoryEstimate(world_size, mode, str(dtype).replace("torch.", ""), optimizer if training else "none",
                           batch_size, seq_len, sequence_parallel, recompute,
                           single=breakdown(params_one, act_one, kv_one, 0.0),
-                          per_rank=breakdown(params_rank, act_rank, kv_rank, comm_rank),
-                          parameters_total=params_one, parameters_per_rank=params_rank,
-                          largest_collective=comm_what, notes=notes)
+                          per_rank=breakdown(held, act_rank, kv_rank, comm_rank),
+                          parameters_total=params_one, parameters_per_rank=held,
+                          largest_collective=comm_what, notes=notes, **extra)
 
 
-def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
-                          sequence_parallel, recompute, attention, master_weights, counted=None) -> MemoryEstimate:
+def _even(shape, t: int) -> bool:
+    """Every split divides, so all ranks hold the same and tracing rank 0 is enough."""
+    kv = shape.num_kv_heads
+    return (shape.num_heads % t == 0 and shape.intermediate_size % t == 0 and shape.vocab_size % t == 0
+            and (kv % t == 0 or t % kv == 0))
+
+
+def _traced(subject, world_size, dtype, batch_size, seq_len, sequence_parallel, attention, even, example=None):
+    """(traced step at t=1, at t=world_size) or (None, why): the graph path of the estimate (`traced.py`)."""
+    from .traced import trace_fullest_rank
+
+    try:
+        one = trace_fullest_rank(subject, 1, dtype, batch_size, seq_len, False, attention, example, True)
+        many = one if world_size == 1 else trace_fullest_rank(subject, world_size, dtype, batch_size, seq_len,
+                                                              sequence_parallel, attention, example, even)
+    except Exception as exc:  # noqa: BLE001 - the formula / measured path stands, and the note says why
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+    return (one, many), ""
+
+
+def _fsdp_note(dp) -> str:
+    size, how = dp
+    return (f"{how} over {size} data-parallel replicas: " + (
+        "parameters, gradients and optimizer states are FSDP2 shards (dim 0 of each TP-local tensor, padded); "
+        "a layer's parameters are all-gathered while it runs" if how == "fsdp" else
+        "parameters, gradients and optimizer states replicated; gradients all-reduced")
+        + "; activations are for the local micro-batch")
+
+
+def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel,
+                          recompute, attention, master_weights, counted, subject, dp) -> MemoryEstimate:
     if seq_len is None:
         seq_len = min(int(_get(config, "max_position_embeddings", "n_positions", default=2048)), 4096)
     B = dtype.itemsize
@@ -92,17 +150,35 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
     notes = [f"{shape.model_type}: {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.num_heads} heads "
              f"({shape.num_kv_heads} KV), MLP {shape.intermediate_size}{' gated' if shape.gated_mlp else ''}, "
              f"vocab {shape.vocab_size}; {kind} attention"]
-    if not rank_heads(shape.num_heads, shape.num_kv_heads, world_size)[2]:
-        notes.append(f"{shape.num_heads} query heads in {shape.num_kv_heads} KV groups have no layout over "
-                     f"{world_size} ranks: attention is counted replicated")
-    elif shape.num_kv_heads < world_size:
-        notes.append(f"{shape.num_kv_heads} KV heads < world size {world_size}: each rank holds a replica of the "
-                     f"KV heads its query heads use")
-    if shape.num_heads % world_size or shape.intermediate_size % world_size or shape.vocab_size % world_size:
-        notes.append("uneven split (heads, MLP width or vocabulary not divisible): figures are the fullest rank's")
+    notes += _layout_notes(shape, world_size)
+    sp = sequence_parallel and world_size > 1
+    traced, why = (None, "")
+    if mode == "training" and recompute == "none" or dp[1] == "fsdp":
+        traced, why = _traced(subject, world_size, dtype, batch_size, seq_len, sp, attention,
+                              _even(shape, world_size))
+    extra = {}
+    if traced is not None:
+        params_one, params_rank = traced[0].parameters(), traced[1].parameters()
+    if dp[1] == "fsdp":
+        extra["params_sharded"] = (traced[1].parameters(dp[0]) if traced is not None
+                                   else -(-params_rank // dp[0]))
+        notes.append(_fsdp_note(dp) + ("" if traced is not None else f" (per-tensor padding not counted: {why})"))
+    elif dp[1] == "ddp":
+        notes.append(_fsdp_note(dp))
     if mode == "training":
-        acts = [sum(transformer_activation_bytes(shape, batch_size, seq_len, B, t, sequence_parallel and t > 1,
-                                                 recompute, kind).values()) for t in (1, world_size)]
+        formula = [sum(transformer_activation_bytes(shape, batch_size, seq_len, B, t, sp and t > 1, recompute,
+                                                    kind).values()) for t in (1, world_size)]
+        acts = formula
+        extra["activations_formula"] = formula[1]
+        if traced is not None and recompute == "none":
+            acts = [traced[0].activations, traced[1].activations]
+            extra.update(activation_method="traced", activations_per_layer=traced[1].per_layer)
+            notes.append(f"activations traced (bytes a fake forward of this rank's converted copy saves for "
+                         f"backward); formula cross-check {formula[1] / acts[1] - 1:+.0%}")
+        elif recompute != "none":
+            notes.append(f"activations by formula ({recompute} recompute is not traced)")
+        else:
+            notes.append(f"activations by formula: tracing failed ({why})")
         kv = [0.0, 0.0]
         opt = optimizer_bytes_per_parameter(optimizer, dtype, master_weights)
         notes.append(f"optimizer {optimizer}: {opt} bytes per parameter"
@@ -114,29 +190,61 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
         kv = [one["kv_cache"], many["kv_cache"]]
     comm, what = largest_collective_bytes(shape, batch_size, seq_len, B, world_size, mode, sequence_parallel)
     return _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel, recompute,
-                     master_weights, params_one, params_rank, acts[0], acts[1], kv[0], kv[1], comm, what, notes)
+                     master_weights, params_one, params_rank, acts[0], acts[1], kv[0], kv[1], comm, what, notes,
+                     **extra)
+
+
+def _layout_notes(shape, world_size) -> list[str]:
+    notes = []
+    if not rank_heads(shape.num_heads, shape.num_kv_heads, world_size)[2]:
+        notes.append(f"{shape.num_heads} query heads in {shape.num_kv_heads} KV groups have no layout over "
+                     f"{world_size} ranks: attention is counted replicated")
+    elif shape.num_kv_heads < world_size:
+        notes.append(f"{shape.num_kv_heads} KV heads < world size {world_size}: each rank holds a replica of the "
+                     f"KV heads its query heads use")
+    if shape.num_heads % world_size or shape.intermediate_size % world_size or shape.vocab_size % world_size:
+        notes.append("uneven split (heads, MLP width or vocabulary not divisible): figures are the fullest rank's")
+    return notes
 
 
 def _estimate_module(model, world_size, dtype, mode, optimizer, batch_size, master_weights, example_input,
-                     input_shape, seq_len=None) -> MemoryEstimate:
+                     input_shape, seq_len, dp) -> MemoryEstimate:
     step = prepare_module_step(model, world_size, dtype, mode, example_input, input_shape, seq_len)
     scale = batch_size / step["batch"]
     training = mode == "training"
-    notes = [f"{type(model).__name__}: activations measured on one step with batch {step['batch']} and scaled "
-             f"linearly to batch {batch_size}" + ("; a loss computed outside the model is not counted" if training
-                                                  else "")] + step["notes"]
     m = measure_step(step["work"], step["args"], step["kwargs"], step["styles"], world_size, training)
     B = dtype.itemsize
     params_one, params_rank = m["parameter_bytes"] / B, m["parameter_bytes_per_rank"] / B
-    if step["styles"] is not None:  # the converter's own count of the plan's shard shapes (packed, heads)
+    acts = [m["activations"] * scale, m["activations_per_rank"] * scale]
+    traced, extra, how = None, {}, "measured on one fake step"
+    if training or dp[1] == "fsdp":
+        example = step["kwargs"] if step["kwargs"] else step["args"]
+        traced, why = _traced(model, world_size, dtype, step["batch"], seq_len or 1, False, None, False, example)
+        if traced is None:
+            how += f" (tracing the converted copy failed: {why})"
+    if traced is not None:
+        params_one, params_rank = traced[0].parameters(), traced[1].parameters()
+        if training:
+            acts = [traced[0].activations * scale, traced[1].activations * scale]
+            how, extra["activation_method"] = "traced on this rank's converted copy", "traced"
+    elif step["styles"] is not None:  # the converter's own count of the plan's shard shapes (packed, heads)
         try:
             counted = _analysed_parameters(model, world_size, mode, step["planned_inputs"])
         except Exception:  # noqa: BLE001 - the measured count above stands
             counted = None
         if counted is not None:
             params_one, params_rank = counted
+    if training and traced is None:
+        extra["activation_method"] = "measured"
+    notes = [f"{type(model).__name__}: activations {how} with batch {step['batch']} and scaled linearly to batch "
+             f"{batch_size}" + ("; a loss computed outside the model is not counted" if training else "")]
+    notes += step["notes"]
+    if dp[1] is not None:
+        notes.append(_fsdp_note(dp))
+    if dp[1] == "fsdp":
+        extra["params_sharded"] = traced[1].parameters(dp[0]) if traced is not None else -(-int(params_rank)
+                                                                                             // dp[0])
     return _assemble(world_size, dtype, mode, optimizer, batch_size, None, False, "none", master_weights,
-                     int(params_one), int(params_rank), m["activations"] * scale, m["activations_per_rank"] * scale,
-                     0.0, 0.0, m["communication"] * scale,
+                     int(params_one), int(params_rank), acts[0], acts[1], 0.0, 0.0, m["communication"] * scale,
                      "largest all-reduce / all-gather result seen in the step" if world_size > 1 else
-                     "none (world size 1)", notes)
+                     "none (world size 1)", notes, **extra)

@@ -48,6 +48,11 @@ class MemoryEstimate:
     parameters_per_rank: int
     largest_collective: str = ""
     notes: list[str] = field(default_factory=list)
+    dp_size: int = 1                     # data-parallel replicas of this TP group (2-D layout)
+    dp_mode: str | None = None           # "fsdp" (parameters, grads, states sharded) or "ddp" (replicated)
+    activation_method: str = "formula"   # "traced" (saved bytes of a fake forward) | "formula" | "measured"
+    activations_per_layer: float | None = None   # per rank, one transformer layer (traced configs)
+    activations_formula: float | None = None     # the Korthikanti-style cross-check, per rank
 
     @property
     def total(self) -> float:
@@ -68,7 +73,9 @@ class MemoryEstimate:
                 "parameters_per_rank": self.parameters_per_rank, "single_device": self.single.to_dict(),
                 "per_rank": self.per_rank.to_dict(), "savings_bytes": self.savings_bytes,
                 "savings_percent": self.savings_percent, "largest_collective": self.largest_collective,
-                "notes": list(self.notes)}
+                "dp_size": self.dp_size, "dp_mode": self.dp_mode, "activation_method": self.activation_method,
+                "activations_per_layer": self.activations_per_layer,
+                "activations_formula": self.activations_formula, "notes": list(self.notes)}
 
     def summary(self) -> str:
         """A terminal table: each part on one device and per rank."""

@@ -5,7 +5,6 @@ Shared by the memory and the speed estimate, so both measure the very same step.
 """
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -46,15 +45,11 @@ def _first_tensor(example) -> torch.Tensor | None:
 
 
 def _runnable_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy to run one step on: real CPU storage (meta models get uninitialised memory, which is enough
-    to see sizes) in the estimate's dtype; the user's model and its BatchNorm statistics stay untouched."""
-    work = copy.deepcopy(model)
-    if any(p.is_meta for p in work.parameters()) or any(b.is_meta for b in work.buffers()):
-        work = work.to_empty(device="cpu")
-        with torch.no_grad():
-            for p in work.parameters():
-                p.normal_(0, 0.02)
-    return work.to(dtype)
+    """A weightless (meta) copy in the estimate's dtype to trace one step on: the user's weights are never
+    copied or run, and its BatchNorm statistics stay untouched."""
+    from .traced import _meta_copy
+
+    return _meta_copy(model).to(dtype)
 
 
 def _example(model: nn.Module, dtype: torch.dtype, example_input, input_shape):

@@ -1,0 +1,120 @@
+"""Measure this machine for the speed estimate: matmul FLOP/s, memory bandwidth and all-reduce latency and
+bandwidth over a backend, into a `SpeedProfile` (`tpkit estimate --calibrate` writes it as JSON).
+
+Why measured rather than looked up: a CPU box, a power-capped GPU or an unusual link is on no datasheet,
+and the estimate is only as good as the three numbers it divides by. Each figure is the best of a few
+repeats (the machine's capability, not its noise); the all-reduce is timed on real ranks started by
+`tpkit.launch` (processes for gloo, threads for "threads"), a small message for latency and a large one for
+bandwidth, as the alpha-beta model of `speed.py` reads them: time(n) = alpha + 2(t-1)/t * n / bandwidth.
+
+With one world size the latency is booked as ring hops (2(t-1) of them); with several (`world_sizes`) it is
+split by least squares into a fixed cost per collective and a per-hop latency.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+from .hardware import Hardware, Interconnect
+from .profile import LinkProfile, SpeedProfile
+
+_SIZES = {True: dict(matmul=256, copy=8 * 2**20, small=8, large=2**20, repeats=3),
+          False: dict(matmul=1024, copy=256 * 2**20, small=8, large=32 * 2**20, repeats=10)}
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm up (allocation, first-call dispatch)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) on this process's threads."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), repeats)
+
+
+def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
+    """Bytes/s of a large copy (read + write: 2 x nbytes moved), the figure a weight-streaming decode sees."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), repeats)
+
+
+def _time_all_reduce(small: int, large: int, repeats: int) -> tuple[float, float]:
+    """On one rank: best seconds of an all-reduce of `small` and of `large` bytes (fp32), barrier first."""
+    from tpkit.distributed import get_communicator
+
+    comm = get_communicator()
+    out = []
+    for nbytes in (small, large):
+        x = torch.ones(max(1, nbytes // 4))
+
+        def once():
+            comm.all_reduce(x)
+        comm.barrier()
+        out.append(_best_seconds(once, repeats))
+    return out[0], out[1]
+
+
+def measure_all_reduce(backend: str = "gloo", world_size: int = 2, small: int = 8, large: int = 2**25,
+                       repeats: int = 10) -> tuple[float, float]:
+    """(latency seconds of a tiny all-reduce, bus bandwidth bytes/s) over `backend` on `world_size` local
+    ranks started by `tpkit.launch`; the slowest rank's figures (a collective ends when its last rank does)."""
+    from tpkit.launch import launch
+
+    timings = launch(_time_all_reduce, world_size, backend=backend, args=(small, large, repeats))
+    t_small = max(t[0] for t in timings)
+    t_large = max(t[1] for t in timings)
+    moved = 2 * (world_size - 1) / world_size * (max(1, large // 4) * 4)
+    return t_small, moved / max(t_large - t_small, 1e-9)
+
+
+def _split_latency(latencies: dict[int, float]) -> tuple[float, float]:
+    """(fixed cost per collective, per-hop latency) from small-message times at each world size."""
+    if len(latencies) == 1:
+        (t, lat), = latencies.items()
+        return 0.0, lat / (2 * (t - 1))
+    xs = [2 * (t - 1) for t in latencies]
+    ys = list(latencies.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+def calibrate_profile(backend: str = "gloo", world_sizes=(2,), quick: bool = False) -> SpeedProfile:
+    """Measure this machine (see the module doc) and return its profile: the machine as a `Hardware` whose
+    peaks are the measured figures (efficiencies 1), and the backend's link figures keyed by `backend`."""
+    sizes = [int(t) for t in world_sizes]
+    if not sizes or min(sizes) < 2:
+        raise ValueError(f"calibrate_profile: world sizes must be >= 2 (an all-reduce needs two ranks), got {world_sizes!r}")
+    k = _SIZES[bool(quick)]
+    fp32 = measure_matmul_flops(torch.float32, k["matmul"], k["repeats"])
+    bf16 = measure_matmul_flops(torch.bfloat16, k["matmul"], k["repeats"])
+    memory = measure_memory_bandwidth(k["copy"], k["repeats"])
+    latencies, bandwidths = {}, []
+    for t in sizes:
+        lat, bw = measure_all_reduce(backend, t, k["small"], k["large"], k["repeats"])
+        latencies[t] = lat
+        bandwidths.append(bw)
+    fixed, hop = _split_latency(latencies)
+    link = Interconnect(f"{backend} on this host (measured)", min(bandwidths), hop, backend)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 0
+    name = f"measured: {platform.machine()} {os.cpu_count()} cores" + (", quick" if quick else "")
+    hw = Hardware(name, bf16, fp32, memory, int(ram), link)
+    when = time.strftime("%Y-%m-%d %H:%M:%S")
+    return SpeedProfile(name, 1.0, 1.0, {backend: LinkProfile(fixed, hop, 1.0)}, hw,
+                        {"measured": f"tpkit estimate --calibrate on {platform.node() or 'this host'} at {when}; "
+                                     f"all-reduce over {backend} with world sizes {sizes}",
+                         "torch": torch.__version__, "threads": str(torch.get_num_threads())})

@@ -1,0 +1,229 @@
+"""Activations and parameters per rank from the traced graph: the bytes one forward saves for backward, read
+off a weightless copy of the model converted for that rank and run on fake tensors.
+
+Why not a formula: what autograd keeps depends on every op of the block (the activation's own saves, a fp32
+upcast inside a norm, whether the attention kernel keeps probabilities or a log-sum-exp, CPU dropout masks in
+the input dtype), and a formula per architecture is only as good as the last block shape someone wrote down
+(on the test models: -15% to +56% for GPT-2, BERT, OPT and GPT-NeoX blocks). Here the model itself says:
+
+1. a copy with meta parameters (nothing allocated; a config is built on the meta device with 1 and 2 layers);
+2. for rank r of t, `parallelize` with a `ShapeOnlyCommunicator`: the very layers, head layout, sequence
+   parallel region and vocab-parallel loss a real rank gets, so per-rank shapes are exact, uneven splits
+   included;
+3. under `FakeTensorMode` the copy is moved to fake CPU tensors and one training forward (with labels, so the
+   loss counts) runs under `saved_tensors_hooks`; saved tensors are counted once per storage, parameters and
+   buffers excluded - exactly how the tests measure a real forward. No data is computed: a 70B layer costs
+   what a 70-parameter one does.
+
+A config is traced with 1 and 2 layers: the difference is one layer's bytes (per layer, per rank), and the
+stack is extrapolated linearly (`outside + L * per_layer`), which is exact for the identical layers of these
+models. Parameter shapes come from the same converted copy, so parameter, gradient and optimizer bytes are
+exact, and so is an FSDP shard of them (`parameters(dp_size)`).
+
+What it reflects: CPU kernels (the dispatch fake CPU tensors follow). On CUDA, dropout keeps a 1-byte mask and
+fused attention a similar log-sum-exp; the Korthikanti-style formula (`activations.py`) models CUDA's masks and
+is kept as a cross-check.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .shape_comm import ShapeOnlyCommunicator
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """One rank's traced training forward: saved bytes and local parameter shapes, of a model with `layers[0]`
+    and `layers[1]` transformer layers, extrapolated to `num_layers` (identical layers)."""
+
+    rank: int
+    world_size: int
+    saved: tuple[int, int]
+    shapes: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
+    layers: tuple[int, int]
+    num_layers: int
+
+    def _extrapolate(self, a: float, b: float) -> float:
+        if self.layers[0] == self.layers[1]:
+            return a
+        per_layer = (b - a) / (self.layers[1] - self.layers[0])
+        return a + (self.num_layers - self.layers[0]) * per_layer
+
+    @property
+    def activations(self) -> float:
+        """Bytes saved for backward by the whole model on this rank."""
+        return self._extrapolate(*self.saved)
+
+    @property
+    def per_layer(self) -> float | None:
+        """Bytes one transformer layer saves on this rank (None when the model was traced whole)."""
+        if self.layers[0] == self.layers[1]:
+            return None
+        return (self.saved[1] - self.saved[0]) / (self.layers[1] - self.layers[0])
+
+    def parameters(self, dp_size: int = 1) -> int:
+        """Parameters on this rank; with `dp_size` > 1, its FSDP2 shard: dim 0 of every local tensor cut in
+        `dp_size` chunks of ceil(dim0 / dp_size) rows (padded), the largest of which rank 0 holds."""
+        def count(shapes):
+            return sum(_fsdp_rows(s[0] if s else 1, dp_size) * math.prod(s[1:]) for s in shapes)
+        return int(round(self._extrapolate(count(self.shapes[0]), count(self.shapes[1]))))
+
+
+def _fsdp_rows(rows: int, dp_size: int) -> int:
+    return -(-rows // dp_size)
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy whose parameters and buffers are meta tensors (the weights are never copied)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _with_layers(config, layers: int):
+    """A copy of an HF config with `layers` transformer layers (per-layer type lists cut to match)."""
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = layers
+    for name in ("layer_types", "block_types"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, (list, tuple)) and len(value) >= layers:
+            setattr(cfg, name, type(value)(value[:layers]))
+    return cfg
+
+
+def _build(config, model_cls, layers: int, dtype: torch.dtype, attention: str | None) -> nn.Module:
+    from ..presets import build_model  # on use: presets may import the estimate
+
+    cfg = _with_layers(config, layers)
+    if attention is not None:
+        cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
+    if model_cls is None:
+        return build_model(cfg, device="meta", dtype=dtype)
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    return model.to(dtype)
+
+
+def _fake_inputs(model: nn.Module, batch: int, seq: int, example) -> tuple[tuple, dict]:
+    """The forward's arguments as fake tensors (call inside the fake mode): the example's shapes and dtypes,
+    else token ids (and labels when the forward takes them, so the loss counts)."""
+    if example is not None:
+        from .step import _as_call
+
+        args, kwargs = _as_call(example)
+
+        def fake(v):
+            return torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+        return tuple(fake(a) for a in args), {k: fake(v) for k, v in kwargs.items()}
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    kwargs = {"input_ids": ids}
+    if "labels" in inspect.signature(model.forward).parameters:
+        kwargs["labels"] = ids
+    return (), kwargs
+
+
+def _meta_example(example):
+    """The example call on the meta device, for the planner's trace of a module without a config."""
+    if example is None:
+        return None
+    from .step import _as_call
+
+    def meta(v):
+        return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+    args, kwargs = _as_call(example)
+    return {k: meta(v) for k, v in kwargs.items()} if kwargs else tuple(meta(a) for a in args)
+
+
+def saved_bytes(model: nn.Module, args=(), kwargs=None) -> int:
+    """Bytes `model(*args, **kwargs)` saves for backward: distinct storages, parameters and buffers excluded.
+
+    The measurement itself (the tests run it on real tensors, the estimate on fake ones)."""
+    skip = {p.untyped_storage()._cdata for p in model.parameters()}
+    skip |= {b.untyped_storage()._cdata for b in model.buffers()}
+    seen: dict[int, int] = {}
+    alive = []  # keep every saved tensor alive, so no storage address is reused while counting
+
+    def pack(x):
+        storage = x.untyped_storage()
+        alive.append(x)
+        if storage._cdata not in skip:
+            seen[storage._cdata] = storage.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        model(*args, **(kwargs or {}))
+    return sum(seen.values())
+
+
+def _trace_one(model: nn.Module, rank: int, world_size: int, sequence_parallel: bool, batch: int, seq: int,
+               example) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """(saved bytes, local parameter shapes) of `model` (meta, consumed) as rank `rank` of `world_size`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..parallelize import parallelize  # on use: parallelize may import the estimate
+
+    if world_size > 1:
+        parallelize(model, comm=ShapeOnlyCommunicator(rank, world_size), mode="training",
+                    sequence_parallel=sequence_parallel, example_inputs=_meta_example(example))
+    seen, shapes = set(), []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            shapes.append(tuple(p.shape))
+    model.train()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device="cpu")
+        args, kwargs = _fake_inputs(model, batch, seq, example)
+        return saved_bytes(model, args, kwargs), tuple(shapes)
+
+
+def trace_rank(model_or_config, world_size: int, rank: int, dtype: torch.dtype, batch_size: int = 1,
+               seq_len: int = 128, sequence_parallel: bool = False, attention: str | None = None,
+               example_input=None, whole: bool = False) -> TracedStep:
+    """Trace rank `rank` of TP `world_size` (see the module doc). `model_or_config`: an HF config, a model
+    with one (rebuilt from it on meta, 1 and 2 layers, unless `whole`), or any module (copied to meta and
+    traced whole; pass `example_input`, batch first)."""
+    config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config,
+                                                                                        "config", None)
+    layers = getattr(config, "num_hidden_layers", None) if config is not None else None
+    results = []
+    if isinstance(layers, int) and layers >= 2 and hasattr(config, "model_type") and not whole:
+        model_cls = type(model_or_config) if isinstance(model_or_config, nn.Module) else None
+        for n in (1, 2):
+            model = _build(config, model_cls, n, dtype, attention)
+            results.append(_trace_one(model, rank, world_size, sequence_parallel, batch_size, seq_len,
+                                      example_input))
+        counted = (1, 2)
+    else:
+        if not isinstance(model_or_config, nn.Module) and not whole:
+            raise TypeError(f"trace_rank needs an nn.Module or a Hugging Face config with num_hidden_layers >= 2, "
+                            f"got {type(model_or_config).__name__}")
+        model = (_meta_copy(model_or_config) if isinstance(model_or_config, nn.Module)
+                 else _build(config, None, layers, dtype, attention))
+        model = model.to(dtype) if dtype is not None else model
+        results = [_trace_one(model, rank, world_size, sequence_parallel, batch_size, seq_len, example_input)] * 2
+        counted, layers = (0, 0), 0
+    return TracedStep(rank, world_size, (results[0][0], results[1][0]), (results[0][1], results[1][1]), counted,
+                      layers)
+
+
+def trace_fullest_rank(model_or_config, world_size: int, dtype: torch.dtype, batch_size: int = 1,
+                       seq_len: int = 128, sequence_parallel: bool = False, attention: str | None = None,
+                       example_input=None, even: bool = False) -> TracedStep:
+    """The traced rank that keeps the most (activations plus parameters). With `even` (every split divides)
+    all ranks hold the same and only rank 0 is traced."""
+    ranks = [0] if even or world_size == 1 else range(world_size)
+    steps = [trace_rank(model_or_config, world_size, r, dtype, batch_size, seq_len, sequence_parallel, attention,
+                        example_input) for r in ranks]
+    item = dtype.itemsize
+    return max(steps, key=lambda s: s.activations + s.parameters() * item)

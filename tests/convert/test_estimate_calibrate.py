@@ -1,0 +1,67 @@
+"""`tpkit estimate --calibrate` (measured profile on this machine, gloo on loopback over 2 ranks started by
+tpkit.launch) and `--plot`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tpkit.cli import main
+from tpkit.convert.calibrate import _split_latency, measure_matmul_flops, measure_memory_bandwidth
+from tpkit.convert.profile import load_profile
+
+pytest.importorskip("transformers")
+
+
+def test_measurements_are_positive_and_plausible():
+    flops = measure_matmul_flops(n=128, repeats=2)
+    bw = measure_memory_bandwidth(4 * 2**20, repeats=2)
+    assert 1e7 < flops < 1e14 and 1e8 < bw < 1e13
+
+
+def test_latency_split():
+    assert _split_latency({2: 40e-6}) == (0.0, 20e-6)
+    fixed, hop = _split_latency({2: 12e-6, 4: 16e-6, 8: 24e-6})  # 10 us + 1 us per hop, 2(t-1) hops
+    assert fixed == pytest.approx(10e-6) and hop == pytest.approx(1e-6)
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_profile_that_later_estimates_use(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "profile.json"
+    monkeypatch.setenv("TPKIT_PROFILE", str(path))
+    assert main(["estimate", "--calibrate", "--quick", "--backend", "gloo"]) == 0
+    out = capsys.readouterr().out
+    assert f"profile written to {path}" in out and "all-reduce over gloo" in out
+    profile = load_profile(str(path))
+    hw = profile.hardware
+    assert hw is not None and hw.interconnect.kind == "gloo" and profile.links["gloo"].hop_latency_s > 0
+    assert hw.peak_flops_fp32 > 0 and hw.memory_bandwidth > 0 and hw.interconnect.bandwidth > 0
+    # A later estimate (default location via $TPKIT_PROFILE) runs on the measured machine.
+    assert main(["estimate", "gpt2", "--world-size", "1,2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"] == hw.name and data["profile"] == profile.name
+    assert data["speed"]["interconnect"] == hw.interconnect.name
+
+
+def test_plot_writes_a_png(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("TPKIT_PROFILE", str(tmp_path / "none.json"))
+    png = tmp_path / "est.png"
+    assert main(["estimate", "llama-2-7b", "--world-size", "1,2,4,8", "--hardware", "A100-80GB", "--plot",
+                 str(png)]) == 0
+    assert f"plot written to {png}" in capsys.readouterr().out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert [p.name for p in tmp_path.iterdir()] == ["est.png"]  # no temporary left behind
+
+
+def test_target_or_calibrate_is_required(capsys):
+    assert main(["estimate"]) == 2
+    assert "give a TARGET" in capsys.readouterr().err
+
+
+def test_bad_profile_file_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "p.json"
+    bad.write_text("[]")
+    assert main(["estimate", "gpt2", "--profile", str(bad)]) == 2
+    assert "not a tpkit speed profile" in capsys.readouterr().err
