@@ -1,0 +1,96 @@
+"""One check body for the coverage tests: a converted model's forward and one AdamW step, in float64, equal the
+unconverted model's on every rank (thread-ranks through `tpkit.launch`).
+
+The model is built once, outside the ranks, and deep-copied per rank (thread-ranks share torch's global RNG).
+Errors are relative: outputs to their largest magnitude; gradients and updated weights to the tensor's own
+largest magnitude, floored (some gradients are zero in theory, a key bias for instance, and hold only
+rounding noise; a weight's floor is the step size, as Adam's first step moves every weight by about lr).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import tpkit
+from tpkit.convert.verify import named_tensors
+
+LR = 1e-2
+
+
+def call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+
+
+def weighted_loss(out: Any) -> torch.Tensor:
+    """Every floating output element with its own fixed weight (a plain sum would hide errors that cancel)."""
+    total = 0.0
+    for t in named_tensors(out).values():
+        w = torch.randn(t.shape, generator=torch.Generator().manual_seed(1234), dtype=t.dtype)
+        total = total + (t * w).sum()
+    return total
+
+
+def _rel(got: torch.Tensor | None, want: torch.Tensor, floor: float = 0.0) -> float:
+    if got is None or got.shape != want.shape:
+        return float("inf")
+    if not want.numel():
+        return 0.0
+    scale = max(want.detach().abs().max().item(), floor)
+    err = (got.detach() - want.detach()).abs().max().item()
+    return err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
+
+
+def reference(model: nn.Module, inputs: Any, train: bool = False) -> dict:
+    """The unconverted model's outputs, gradients and weights after one AdamW step."""
+    ref = copy.deepcopy(model).train(train)
+    out = call(ref, inputs)
+    outs = {k: v.detach() for k, v in named_tensors(out).items()}
+    weighted_loss(out).backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    torch.optim.AdamW(ref.parameters(), lr=LR).step()
+    after = {n: p.detach() for n, p in ref.named_parameters()}
+    return {"outputs": outs, "grads": grads, "after": after,
+            "grad_floor": 1e-3 * max((g.abs().max().item() for g in grads.values()), default=0.0)}
+
+
+def rank_errors(copies: list, inputs: Any, ref: dict, plan: Any = "auto", train: bool = False,
+                prepare: Callable[[nn.Module], None] | None = None) -> dict:
+    """On one rank: convert its copy, compare outputs, gradients and the weights after one AdamW step."""
+    comm = tpkit.get_communicator()
+    model = copies[comm.rank]
+    tpkit.parallelize(model, plan, comm, example_inputs=inputs)
+    if prepare is not None:
+        prepare(model)
+    model.train(train)
+    out = call(model, inputs)
+    got = named_tensors(out)
+    errs = {f"out {k}": _rel(got.get(k), v) for k, v in ref["outputs"].items()}
+    weighted_loss(out).backward()
+    layouts = tpkit.shard_layouts(model)
+    for n, p in model.named_parameters():
+        if n in ref["grads"]:
+            want = layouts[n].shard(ref["grads"][n])
+            errs[f"grad {n}"] = _rel(p.grad, want, ref["grad_floor"])
+    torch.optim.AdamW(model.parameters(), lr=LR).step()
+    for n, p in model.named_parameters():
+        errs[f"step {n}"] = _rel(p, layouts[n].shard(ref["after"][n]), LR)
+    local = sum(torch.Size(lay.local_shape).numel() for lay in layouts.values())
+    full = sum(torch.Size(lay.full_shape).numel() for lay in layouts.values())
+    return {"errors": errs, "share": local / full, "plan": model.tp_plan if hasattr(model, "tp_plan") else None}
+
+
+def check(model: nn.Module, inputs: Any, world_size: int, plan: Any = "auto", train: bool = False,
+          tol: float = 1e-6) -> list[dict]:
+    """Run `rank_errors` on `world_size` thread-ranks; assert every error is within `tol`; the per-rank results."""
+    ref = reference(model, inputs, train)
+    copies = [copy.deepcopy(model) for _ in range(world_size)]
+    results = tpkit.launch(rank_errors, world_size, backend="threads", args=(copies, inputs, ref, plan, train))
+    for rank, r in enumerate(results):
+        bad = {k: v for k, v in r["errors"].items() if not v <= tol}
+        assert not bad, f"rank {rank} of {world_size}: errors above {tol}: {dict(list(bad.items())[:6])}"
+    return results
