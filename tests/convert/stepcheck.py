@@ -9,7 +9,7 @@ rounding noise; a weight's floor is the step size, as Adam's first step moves ev
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,11 +45,18 @@ def _rel(got: torch.Tensor | None, want: torch.Tensor, floor: float = 0.0) -> fl
     return err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
 
 
-def reference(model: nn.Module, inputs: Any, train: bool = False) -> dict:
-    """The unconverted model's outputs, gradients and weights after one AdamW step."""
+def _no_grad_outputs(model: nn.Module, inputs: Any) -> dict:
+    with torch.no_grad():
+        return {f"no_grad {k}": v for k, v in named_tensors(call(model, inputs)).items()}
+
+
+def reference(model: nn.Module, inputs: Any, train: bool = False, grad: bool = True) -> dict:
+    """The unconverted model's outputs (also under `no_grad` when `grad` is False: fused fast paths run
+    there), gradients and weights after one AdamW step."""
     ref = copy.deepcopy(model).train(train)
+    outs = {} if grad else _no_grad_outputs(ref, inputs)
     out = call(ref, inputs)
-    outs = {k: v.detach() for k, v in named_tensors(out).items()}
+    outs.update({k: v.detach() for k, v in named_tensors(out).items()})
     weighted_loss(out).backward()
     grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     torch.optim.AdamW(ref.parameters(), lr=LR).step()
@@ -59,16 +66,15 @@ def reference(model: nn.Module, inputs: Any, train: bool = False) -> dict:
 
 
 def rank_errors(copies: list, inputs: Any, ref: dict, plan: Any = "auto", train: bool = False,
-                prepare: Callable[[nn.Module], None] | None = None) -> dict:
+                grad: bool = True) -> dict:
     """On one rank: convert its copy, compare outputs, gradients and the weights after one AdamW step."""
     comm = tpkit.get_communicator()
     model = copies[comm.rank]
     tpkit.parallelize(model, plan, comm, example_inputs=inputs)
-    if prepare is not None:
-        prepare(model)
     model.train(train)
+    got = {} if grad else _no_grad_outputs(model, inputs)
     out = call(model, inputs)
-    got = named_tensors(out)
+    got.update(named_tensors(out))
     errs = {f"out {k}": _rel(got.get(k), v) for k, v in ref["outputs"].items()}
     weighted_loss(out).backward()
     layouts = tpkit.shard_layouts(model)
@@ -85,11 +91,13 @@ def rank_errors(copies: list, inputs: Any, ref: dict, plan: Any = "auto", train:
 
 
 def check(model: nn.Module, inputs: Any, world_size: int, plan: Any = "auto", train: bool = False,
-          tol: float = 1e-6) -> list[dict]:
-    """Run `rank_errors` on `world_size` thread-ranks; assert every error is within `tol`; the per-rank results."""
-    ref = reference(model, inputs, train)
+          grad: bool = True, tol: float = 1e-6) -> list[dict]:
+    """Run `rank_errors` on `world_size` thread-ranks; assert every error is within `tol`; the per-rank results.
+    `train` picks the mode; `grad=False` also compares a forward under `torch.no_grad()`."""
+    ref = reference(model, inputs, train, grad)
     copies = [copy.deepcopy(model) for _ in range(world_size)]
-    results = tpkit.launch(rank_errors, world_size, backend="threads", args=(copies, inputs, ref, plan, train))
+    results = tpkit.launch(rank_errors, world_size, backend="threads",
+                           args=(copies, inputs, ref, plan, train, grad))
     for rank, r in enumerate(results):
         bad = {k: v for k, v in r["errors"].items() if not v <= tol}
         assert not bad, f"rank {rank} of {world_size}: errors above {tol}: {dict(list(bad.items())[:6])}"

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from .fastpath import direct_read_reason
 from .heads import HeadLayoutError, head_layout
 from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, kind, linear_dims
 from .plan import Plan
@@ -66,11 +67,14 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
             # BatchNorm between convs holds its channels; a per-head norm stays whole, its gradient summed.
             entries[n] = REPLICATED_WITH_GRAD_ALLREDUCE if pair["kind"] == "attention" else CHANNELWISE
             details[n] = a.structures[n]
-    heads = _lm_heads(a, world_size)
+    heads = [h for h in _lm_heads(a, world_size) if h not in a.trace.read_directly]
     for h in heads:
         entries[h] = VOCAB_PARALLEL if mode == "training" else COLWISE_REP
     for name, m in a.leaves.items():
         if name in entries or not is_embedding(m):
+            continue
+        if name in a.trace.read_directly:
+            reasons[name] = direct_read_reason(name, a.trace.read_directly[name])
             continue
         tied_to_head = any(o in heads for o in a.ties.get(name, []))
         vocab = getattr(getattr(a.model, "config", None), "vocab_size", None)
@@ -91,6 +95,9 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
 
 
 def _pair_blocker(a: Analysis, pair: dict, world_size: int) -> str | None:
+    read = [n for n in pair["columns"] + [pair["row"]] if n in a.trace.read_directly]
+    if read:
+        return f"{read[0]}: {direct_read_reason(read[0], a.trace.read_directly[read[0]])}"
     if pair["kind"] == "attention":
         try:
             head_layout(pair["num_heads"], pair["num_kv_heads"], world_size, pair["attention"])
@@ -117,6 +124,8 @@ def _settle_ties(a: Analysis, entries: dict, reasons: dict) -> None:
 
 
 def _replicate_reason(a: Analysis, name: str, m: nn.Module) -> str:
+    if name in a.trace.read_directly:
+        return direct_read_reason(name, a.trace.read_directly[name])
     if name not in a.trace.calls:
         return "not run in the traced forward"
     if name in a.notes:

@@ -77,6 +77,9 @@ class Trace:
     head_local: dict = dataclasses.field(default_factory=dict)  # per-head layers (q/k norms) -> their sources
     # every module -> {id of a tensor argument of its first call: its position (int) or keyword (str)}
     module_inputs: dict = dataclasses.field(default_factory=dict)
+    # layers whose parameters an op outside their own forward read (layer -> that op): a fused fast path or a
+    # parent that does `F.linear(x, child.weight)`; a shard there would meet code that expects the whole tensor
+    read_directly: dict = dataclasses.field(default_factory=dict)
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -95,6 +98,8 @@ class _Tracer(TorchFunctionMode):
         self.conv_layers = conv_layers
         self.pieces: dict[str, tuple] = {}
         self.slices: dict[str, set] = {}
+        self.owners: dict[int, tuple[torch.Tensor, str]] = {}  # id(parameter) -> (it, the layer that owns it)
+        self.read_directly: dict[str, str] = {}
 
     def tag_of(self, t: Any) -> Tag | None:
         if isinstance(t, torch.Tensor):
@@ -115,9 +120,11 @@ class _Tracer(TorchFunctionMode):
         if self.depth:
             return out
         name = getattr(func, "__name__", str(func))
+        flat = [a for a in tree_flatten((args, kwargs))[0]]
+        if name not in METADATA or isinstance(out, torch.Tensor):  # `.T` is a `__get__` too, `.shape` is not
+            self._note_direct_reads(name, flat)
         if name in METADATA:
             return out
-        flat = [a for a in tree_flatten((args, kwargs))[0]]
         tagged = [(a, self.tag_of(a)) for a in flat]
         tags = [tg for _, tg in tagged if tg is not None]
         if not tags:
@@ -136,6 +143,13 @@ class _Tracer(TorchFunctionMode):
         new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped)
         self.set_tag(out, new)
         return out
+
+    def _note_direct_reads(self, name: str, flat: list) -> None:
+        """An op outside every layer's forward that takes a layer's parameter reads it directly."""
+        for a in flat:
+            owner = self.owners.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if owner is not None and owner[0] is a:
+                self.read_directly.setdefault(owner[1], name)
 
     def _per_feature(self, name, ref, flat, out, fdim, tag) -> bool:
         if name == "__getitem__":
@@ -220,6 +234,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
     leaves = parameterised_leaves(model)
     conv_layers = {n for n, m in leaves.items() if is_conv2d(m)}
     tracer = _Tracer(conv_layers)
+    tracer.owners = {id(p): (p, n) for n, m in leaves.items() for p in m.parameters(recurse=False)}
     calls: dict[str, list[Call]] = {}
     consumers: dict[str, set] = {}
     carried_by: dict[str, frozenset] = {}
@@ -280,7 +295,8 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
         tag = tracer.tag_of(t)
         if tag is not None:
             escaped |= tag.sources | tag.carried
-    return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs)
+    return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
+                 tracer.read_directly)
 
 
 def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from .errors import PlanError
+from .fastpath import check_direct_reads
 from .structure import Analysis
 from .styles import (CHANNELWISE, COLWISE, REPLICATE, REPLICATED_WITH_GRAD_ALLREDUCE, ROWWISE, SEQUENCE_PARALLEL,
                      VOCAB_STYLES)
@@ -26,6 +27,8 @@ def validate(analysis: Analysis, styles: dict[str, str], world: int, sequence_pa
         if analysis.trace is not None and world > 1:
             check_dataflow(name, s, analysis, styles)
     check_ties(analysis, styles)
+    if analysis.trace is not None and world > 1:
+        check_direct_reads(analysis.trace.read_directly, styles)
     if not ((sequence_parallel or SEQUENCE_PARALLEL in styles.values()) and world > 1):
         return None
     from .sequence import find_region

@@ -1,0 +1,125 @@
+"""Fused fast paths and direct weight reads (`convert/fastpath.py`): PyTorch's encoder layer in eval under
+no_grad runs one fused kernel that reads its children's weights directly; a converted model must still equal
+the unconverted one in every mode (train / eval x grad / no_grad), at world sizes 2 and 3, in float64. A layer
+whose weight some other code reads directly is left whole, with the reason in the plan."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpkit.convert import PlanError, plan, verify
+
+from .stepcheck import check
+
+MODES = [(False, False), (False, True), (True, False), (True, True)]  # (train, grad)
+
+
+def encoder_layer() -> nn.Module:
+    torch.manual_seed(11)
+    return nn.TransformerEncoderLayer(48, 6, 96, dropout=0.0, batch_first=True).double()
+
+
+def encoder_stack() -> nn.Module:
+    torch.manual_seed(12)
+    layer = nn.TransformerEncoderLayer(48, 6, 96, dropout=0.0, batch_first=True, activation="gelu")
+    return nn.TransformerEncoder(layer, 2).double()
+
+
+def x() -> torch.Tensor:
+    return torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+def test_fused_kernel_runs_unconverted_and_not_converted(monkeypatch):
+    """The hazard is real: in eval under no_grad the unconverted layer runs the fused kernel (which would read the
+    shards as whole weights); the converted layers do not, and still give the same numbers."""
+    import tpkit
+
+    fused = torch._transformer_encoder_layer_fwd
+    calls = []
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    model = encoder_layer().eval()
+    with torch.no_grad():
+        want = model(x())
+    assert calls == [1]
+    copies = [encoder_layer().eval() for _ in range(2)]
+
+    def body():
+        comm = tpkit.get_communicator()
+        m = tpkit.parallelize(copies[comm.rank], comm=comm)
+        with torch.no_grad():
+            return m(x()), m.tp_plan.updated_attributes
+
+    for got, updated in tpkit.launch(body, 2, backend="threads"):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        assert updated[""] == {"activation_relu_or_gelu": 0}
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("train,grad", MODES)
+def test_encoder_layer_every_mode(train, grad, world_size):
+    results = check(encoder_layer(), (x(),), world_size, train=train, grad=grad)
+    p = results[0]["plan"]
+    assert p["linear1"] == "colwise" and p["linear2"] == "rowwise"
+    assert "read directly by `multi_head_attention_forward`" in p.reasons["self_attn.out_proj"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("train,grad", MODES)
+def test_encoder_stack_every_mode(train, grad, world_size):
+    check(encoder_stack(), (x(),), world_size, train=train, grad=grad)
+
+
+@pytest.mark.parametrize("train,grad", MODES)
+def test_multihead_attention_alone_every_mode(train, grad):
+    torch.manual_seed(13)
+    mha = nn.MultiheadAttention(48, 6, batch_first=True).double()
+    check(mha, (x(), x(), x()), 2, train=train, grad=grad)
+
+
+class ReadsChildWeight(nn.Module):
+    """A parent that uses its children's weights directly: `F.linear(h, self.fc1.weight)` beside calling fc1,
+    and logits as `h @ self.embed.weight.T` (a hand-tied head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(97, 24)
+        self.fc1, self.fc2 = nn.Linear(24, 48), nn.Linear(48, 24)
+        self.up, self.down = nn.Linear(24, 40), nn.Linear(40, 24)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.fc2(F.gelu(self.fc1(h))) + 0.1 * F.linear(h, self.fc1.weight)[..., :24]
+        h = h + self.down(torch.relu(self.up(h)))
+        return h @ self.embed.weight.T
+
+
+def reads_child_weight() -> nn.Module:
+    torch.manual_seed(14)
+    return ReadsChildWeight().double()
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(4))
+
+
+def test_direct_weight_reads_stay_whole_with_reason():
+    p = plan(reads_child_weight(), 2, example_inputs=(ids(),))
+    for name in ("fc1", "fc2", "embed"):
+        assert p[name] == "replicate", (name, p.entries)
+        assert "read directly" in p.reasons[name]
+    assert p["up"] == "colwise" and p["down"] == "rowwise"  # the rest still splits
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("train,grad", MODES)
+def test_direct_weight_reads_exact_every_mode(train, grad, world_size):
+    check(reads_child_weight(), (ids(),), world_size, train=train, grad=grad)
+
+
+def test_a_plan_splitting_a_directly_read_layer_is_refused():
+    model = reads_child_weight()
+    with pytest.raises(PlanError, match="fc1: planned 'colwise', but its parameters are read directly"):
+        verify(model, (ids(),), world_size=2, plan={"fc1": "colwise", "fc2": "rowwise"})
