@@ -13,7 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from .modules import is_conv2d, is_linear, is_per_channel, is_plain_conv2d, kind, linear_dims
+from .modules import is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d, kind, linear_dims
+from .per_head import is_per_head_source
 
 HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "d_head", "d_k")
 NUM_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
@@ -58,6 +59,7 @@ def find_pairs(a) -> None:
     t = a.trace
     assert t is not None
     taken: set = set()
+    as_row: set = set()  # layers whose note says why they are no row-wise layer (a column's reason beats it)
     order = sorted((c[0].order, n) for n, c in t.calls.items())
     for _, row in order:
         m = a.leaves[row]
@@ -68,6 +70,10 @@ def find_pairs(a) -> None:
         if tag is None or not tag.sources:
             continue
         srcs = sorted(tag.sources, key=lambda s: t.first(s).order)
+        # Embeddings among an attention output's sources are per-head tensors (T5's position bias): one may
+        # serve several blocks, so they are not "taken" by the first (the planner splits all or none of them).
+        per_head = [s for s in srcs if not tag.clean and is_embedding(a.leaves[s])]
+        srcs = [s for s in srcs if s not in per_head]
         if row in taken or any(s in taken for s in srcs):
             a.notes.setdefault(row, "its input comes from a layer already paired with another row-wise layer "
                                     "(an odd chain of layers: the last one stays replicated)")
@@ -81,15 +87,19 @@ def find_pairs(a) -> None:
         elif tag.clean:
             reason = _try_mlp(a, row, srcs, tag)
         else:
-            reason = _try_attention(a, row, srcs, tag)
+            reason = _try_attention(a, row, srcs, tag, per_head)
         if reason is None:
             taken.add(row)
             taken.update(srcs)
         else:
-            a.notes.setdefault(row, reason)
-            for s in srcs:
-                if is_linear(a.leaves[s]) or is_conv2d(a.leaves[s]):
-                    a.notes.setdefault(s, reason)
+            if row not in a.notes:
+                a.notes[row] = reason
+                as_row.add(row)
+            for s in srcs + per_head:
+                if (is_linear(a.leaves[s]) or is_conv2d(a.leaves[s]) or s in per_head) and (
+                        s not in a.notes or s in as_row):
+                    a.notes[s] = reason
+                    as_row.discard(s)
 
 
 def _try_mlp(a, row: str, srcs: list[str], tag) -> str | None:
@@ -124,13 +134,15 @@ def _try_mlp(a, row: str, srcs: list[str], tag) -> str | None:
     return None
 
 
-def _try_attention(a, row: str, srcs: list[str], tag) -> str | None:
+def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = ()) -> str | None:
     t = a.trace
     rm = a.leaves[row]
-    if not is_linear(rm) or not all(is_linear(a.leaves[s]) for s in srcs):
-        return f"ops between {srcs} and {row} mix features ({tag.broken_by}) and they are not linear layers " \
-               f"of an attention block"
-    if len({t.first(s).input_id for s in srcs}) != 1:
+    if not srcs or not is_linear(rm) or not all(is_linear(a.leaves[s]) for s in srcs):
+        return f"ops between {srcs + list(head_tensors)} and {row} mix features ({tag.broken_by}) and they are not " \
+               f"linear layers of an attention block"
+    inputs = [t.first(s).input_id for s in srcs]
+    cross = len(srcs) == 3 and len(set(inputs)) == 2 and len(set(inputs[1:])) == 1
+    if len(set(inputs)) != 1 and not cross:
         return f"{srcs} do not read one shared input, so they are not the q/k/v of one attention block " \
                f"(ops between them and {row}: {tag.broken_by})"
     # The module that states the heads: the nearest ancestor of q/k/v (up to the one holding the row) that
@@ -161,12 +173,12 @@ def _try_attention(a, row: str, srcs: list[str], tag) -> str | None:
             return f"{srcs[0]} feeds {row} through {tag.broken_by} but is not split into q, k, v pieces"
     elif len(srcs) == 3:
         big = max(widths)
-        q_candidates = [s for s, w in zip(srcs, widths) if w == big]
-        q = q_candidates[0]
+        # Cross-attention: the query reads one input, key and value another (the encoder's output).
+        q = srcs[0] if cross else [s for s, w in zip(srcs, widths) if w == big][0]
         kv = [s for s in srcs if s != q]
         if len({linear_dims(a.leaves[s])[1] for s in kv}) != 1:
             return f"k/v projections {kv} of {attn_name} have different widths"
-        q_w, kv_w = big, linear_dims(a.leaves[kv[0]])[1]
+        q_w, kv_w = linear_dims(a.leaves[q])[1], linear_dims(a.leaves[kv[0]])[1]
         roles = {q: "q", kv[0]: "k", kv[1]: "v"}
         pieces = None
     else:
@@ -194,9 +206,14 @@ def _try_attention(a, row: str, srcs: list[str], tag) -> str | None:
     if any(c not in t.head_local for c in tag.carried) or any(
             a.leaves[c].weight.shape[0] != hd for c in head_local if hasattr(a.leaves[c], "weight")):
         return f"layers {sorted(tag.carried)} between {srcs} and {row} are not per-head layers of size {hd}"
+    odd = [p for p in head_tensors if not is_per_head_source(a.leaves[p], nh)]
+    if odd:
+        return f"{odd} reach the scores of {attn_name} but are not per-head tensors of its {nh} heads"
     a.structures[row] = dict(common, role="o", columns=srcs)
     for c in head_local:
         a.structures[c] = dict(common, role="head_local", row=row)
+    for p in head_tensors:
+        a.structures.setdefault(p, dict(common, role="per_head", rows=[]))["rows"].append(row)
     a.pairs.append({"kind": "attention", "columns": srcs, "row": row, "carried": head_local, "attention": attn_name,
-                    "head_dim": hd, "num_heads": nh, "num_kv_heads": nkv})
+                    "head_dim": hd, "num_heads": nh, "num_kv_heads": nkv, "per_head": list(head_tensors)})
     return None

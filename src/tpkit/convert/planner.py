@@ -13,6 +13,7 @@ from torch import nn
 from .fastpath import direct_read_reason
 from .heads import HeadLayoutError, head_layout
 from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, kind, linear_dims
+from .per_head import PER_HEAD
 from .plan import Plan
 from .styles import (CHANNELWISE, COLWISE, COLWISE_REP, EMBEDDING_ROWWISE, REPLICATE, REPLICATED_WITH_GRAD_ALLREDUCE,
                      ROWWISE, VOCAB_PARALLEL, VOCAB_STYLES)
@@ -50,9 +51,9 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
             reasons[name] = f"the model's forward could not be traced ({a.trace_error}); pass example_inputs"
         return Plan({n: REPLICATE for n in a.leaves}, world_size=world_size, mode=mode, reasons=reasons,
                     prefix=a.prefix)
-    for pair in a.pairs:
-        names = pair["columns"] + [pair["row"]] + pair["carried"]
-        why = _pair_blocker(a, pair, world_size)
+    blockers = _blockers(a, world_size)
+    for pair, why in zip(a.pairs, blockers):
+        names = pair["columns"] + [pair["row"]] + pair["carried"] + pair.get("per_head", [])
         if why:
             for n in names:
                 entries[n] = REPLICATE
@@ -67,6 +68,9 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
             # BatchNorm between convs holds its channels; a per-head norm stays whole, its gradient summed.
             entries[n] = REPLICATED_WITH_GRAD_ALLREDUCE if pair["kind"] == "attention" else CHANNELWISE
             details[n] = a.structures[n]
+        for n in pair.get("per_head", []):
+            entries[n] = PER_HEAD
+            details[n] = a.structures[n]
     heads = [h for h in _lm_heads(a, world_size) if h not in a.trace.read_directly]
     for h in heads:
         entries[h] = VOCAB_PARALLEL if mode == "training" else COLWISE_REP
@@ -75,6 +79,9 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
             continue
         if name in a.trace.read_directly:
             reasons[name] = direct_read_reason(name, a.trace.read_directly[name])
+            continue
+        if name in a.notes:  # a per-head tensor of attention that stays whole
+            reasons[name] = a.notes[name]
             continue
         tied_to_head = any(o in heads for o in a.ties.get(name, []))
         vocab = getattr(getattr(a.model, "config", None), "vocab_size", None)
@@ -92,6 +99,25 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
             entries[name] = REPLICATE
             reasons.setdefault(name, _replicate_reason(a, name, m))
     return Plan(entries, world_size=world_size, mode=mode, details=details, reasons=reasons, prefix=a.prefix)
+
+
+def _blockers(a: Analysis, world_size: int) -> list[str | None]:
+    """Per pair, why it stays whole (None: split). A per-head tensor serving several attention blocks (T5's
+    position bias) is split with all of them or none: one blocked block, or one that failed to pair, or
+    blocks with other head counts keep every block it reaches whole."""
+    out = [_pair_blocker(a, p, world_size) for p in a.pairs]
+    for src in {s for p in a.pairs for s in p.get("per_head", [])}:
+        users = [i for i, p in enumerate(a.pairs) if src in p.get("per_head", [])]
+        heads = {(a.pairs[i]["num_heads"], a.pairs[i]["num_kv_heads"]) for i in users}
+        why = next((out[i] for i in users if out[i]), None) or (a.notes.get(src) and
+                                                              f"{src} also reaches attention that stays whole: "
+                                                              f"{a.notes[src]}")
+        if why is None and len(heads) > 1:
+            why = f"{src} serves attention blocks with different head counts {sorted(heads)}"
+        if why:
+            for i in users:
+                out[i] = out[i] or f"shares the per-head tensor {src} with attention that stays whole ({why})"
+    return out
 
 
 def _pair_blocker(a: Analysis, pair: dict, world_size: int) -> str | None:
