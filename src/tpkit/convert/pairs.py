@@ -94,7 +94,8 @@ def find_pairs(a) -> None:
         else:
             if row not in a.notes:
                 a.notes[row] = reason
-                as_row.add(row)
+                if not any(is_linear(a.leaves[s]) or is_conv2d(a.leaves[s]) for s in srcs):
+                    as_row.add(row)  # only "its input is no splittable layer": says nothing about it
             for s in srcs + per_head:
                 if (is_linear(a.leaves[s]) or is_conv2d(a.leaves[s]) or s in per_head) and (
                         s not in a.notes or s in as_row):
@@ -140,6 +141,11 @@ def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = 
     if not srcs or not is_linear(rm) or not all(is_linear(a.leaves[s]) for s in srcs):
         return f"ops between {srcs + list(head_tensors)} and {row} mix features ({tag.broken_by}) and they are not " \
                f"linear layers of an attention block"
+    mixed = [s for s in srcs if s in tag.unproven]
+    if mixed:
+        return f"the output of {mixed} is rearranged across its features ({tag.broken_by}) before any reshape to " \
+               f"heads (an interleaved rotary or a packing the planner cannot prove), so a split by heads could " \
+               f"be wrong; left whole"
     inputs = [t.first(s).input_id for s in srcs]
     cross = len(srcs) == 3 and len(set(inputs)) == 2 and len(set(inputs[1:])) == 1
     if len(set(inputs)) != 1 and not cross:

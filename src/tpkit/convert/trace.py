@@ -31,6 +31,8 @@ __itruediv__ __neg__ __pow__ add_ mul_ sub_ div_ sigmoid_ tanh_ silu_ gelu_ cos 
 # Ops that only read metadata: they neither carry nor break a tag.
 METADATA = frozenset("size dim shape numel __get__ __len__ is_floating_point get_device is_contiguous".split())
 SPLITS = frozenset(("split", "chunk", "tensor_split", "unbind"))
+# Ops that move or add leading axes: they keep every feature in place when the last axis keeps its size.
+LAYOUT = frozenset("unsqueeze squeeze expand expand_as transpose permute movedim repeat".split())
 RESHAPES = frozenset(("view", "reshape", "flatten", "unflatten"))
 
 
@@ -38,17 +40,22 @@ RESHAPES = frozenset(("view", "reshape", "flatten", "unflatten"))
 class Tag:
     """What a tensor is made of: the nearest parameterised layers upstream (`sources`), whether only
     per-feature ops lay between (`clean`), per-channel layers passed on the way (`carried`), the first op
-    that mixed features (`broken_by`) and the last-dim sizes seen on reshapes (`reshaped_to`, head sizes)."""
+    that mixed features (`broken_by`), the last-dim sizes seen on reshapes (`reshaped_to`, head sizes), and
+    the sources whose features were mixed before any reshape (`unproven`: an interleaved rotary or a custom
+    packing over the whole projection, so its heads are not the contiguous blocks a split would give)."""
 
     sources: frozenset
     clean: bool = True
     carried: frozenset = frozenset()
     broken_by: str | None = None
     reshaped_to: frozenset = frozenset()
+    unproven: frozenset = frozenset()
+    headed: bool = False  # a reshape added axes (to heads; one head of the projection's width included)
 
     def merge(self, other: "Tag") -> "Tag":
         return Tag(self.sources | other.sources, self.clean and other.clean, self.carried | other.carried,
-                   self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to)
+                   self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to,
+                   self.unproven | other.unproven, self.headed or other.headed)
 
 
 @dataclasses.dataclass
@@ -140,7 +147,12 @@ class _Tracer(TorchFunctionMode):
         if name in RESHAPES and isinstance(out, torch.Tensor) and out.dim() and ref.dim():
             if out.shape[-1] != ref.shape[-1]:
                 reshaped = reshaped | {int(out.shape[-1])}
-        new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped)
+        keeps = name in LAYOUT and isinstance(out, torch.Tensor) and out.dim() and out.shape[-1] == ref.shape[-1]
+        headed = tag.headed or bool(reshaped) or (name in RESHAPES and isinstance(out, torch.Tensor)
+                                                  and out.dim() > ref.dim())
+        unproven = tag.unproven | (tag.sources if not clean and not headed and not keeps else frozenset())
+        new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped, unproven,
+                  headed)
         self.set_tag(out, new)
         return out
 
@@ -266,12 +278,14 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
             call.output_shape = tuple(y.shape) if y is not None else None
             if name in head_local and call.input_tag is not None and call.output_shape == call.input_shape:
                 t = call.input_tag  # per head: the heads' tags flow through, marked as carried
-                tracer.set_tag(out, Tag(t.sources, False, t.carried | {name}, t.broken_by or name, t.reshaped_to))
+                tracer.set_tag(out, Tag(t.sources, False, t.carried | {name}, t.broken_by or name, t.reshaped_to,
+                                        t.unproven, t.headed))
             elif per_channel and call.input_tag is not None:
                 # A per-channel layer passes its input's shards straight through; remember it rides along.
                 t = call.input_tag
                 carried_by[name] = t.sources
-                tracer.set_tag(out, Tag(t.sources, t.clean, t.carried | {name}, t.broken_by, t.reshaped_to))
+                tracer.set_tag(out, Tag(t.sources, t.clean, t.carried | {name}, t.broken_by, t.reshaped_to,
+                                        t.unproven, t.headed))
             else:
                 tracer.set_tag(out, Tag(frozenset({name})))
 
