@@ -135,6 +135,19 @@ def _try_mlp(a, row: str, srcs: list[str], tag) -> str | None:
     return None
 
 
+def _heads_module(a, srcs: list[str], row: str):
+    """The module that states the heads: the nearest ancestor of q/k/v (up to the one holding the row) that
+    says its head size or count (BERT keeps them on `attention.self`, the output layer one level up)."""
+    top = _lca(srcs + [row])
+    attn_name = _lca(srcs) if len(srcs) > 1 else srcs[0].rpartition(".")[0]
+    while True:
+        attn = a.model.get_submodule(attn_name) if attn_name else a.model
+        info = head_info(attn)
+        if info[0] or info[1] or len(attn_name) <= len(top):
+            return attn_name, attn, info
+        attn_name = attn_name.rpartition(".")[0]
+
+
 def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = ()) -> str | None:
     t = a.trace
     rm = a.leaves[row]
@@ -151,16 +164,7 @@ def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = 
     if len(set(inputs)) != 1 and not cross:
         return f"{srcs} do not read one shared input, so they are not the q/k/v of one attention block " \
                f"(ops between them and {row}: {tag.broken_by})"
-    # The module that states the heads: the nearest ancestor of q/k/v (up to the one holding the row) that
-    # says its head size or count (BERT keeps them on `attention.self`, the output layer one level up).
-    top = _lca(srcs + [row])
-    attn_name = _lca(srcs) if len(srcs) > 1 else srcs[0].rpartition(".")[0]
-    while True:
-        attn = a.model.get_submodule(attn_name) if attn_name else a.model
-        hd, nh_attr, nkv_attr = head_info(attn)
-        if hd or nh_attr or len(attn_name) <= len(top):
-            break
-        attn_name = attn_name.rpartition(".")[0]
+    attn_name, attn, (hd, nh_attr, nkv_attr) = _heads_module(a, srcs, row)
     widths = [linear_dims(a.leaves[s])[1] for s in srcs]
     head_width = hd
     if len(srcs) == 1:
