@@ -26,9 +26,15 @@ def is_transposed_linear(m: nn.Module) -> bool:
     return cls is not None and _keeps_forward(m, cls)
 
 
+# nn.Linear subclasses whose own forward computes exactly `x @ weight.T + bias` (checked by a test against
+# F.linear), so a split Linear replaces them as it replaces nn.Linear. Keyed by class (module.qualname).
+LINEAR_FORWARDS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
 def is_linear(m: nn.Module) -> bool:
-    """nn.Linear, or GPT-2's Conv1D (the same map with the weight transposed)."""
-    return _keeps_forward(m, nn.Linear) or is_transposed_linear(m)
+    """nn.Linear (or a subclass in LINEAR_FORWARDS), or GPT-2's Conv1D (the same map, weight transposed)."""
+    return (_keeps_forward(m, nn.Linear) or is_transposed_linear(m) or
+            (isinstance(m, nn.Linear) and f"{type(m).__module__}.{type(m).__qualname__}" in LINEAR_FORWARDS))
 
 
 def linear_dims(m: nn.Module) -> tuple[int, int]:
