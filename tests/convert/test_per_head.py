@@ -63,3 +63,39 @@ def test_bias_whole_while_heads_split_is_refused():
     over = {BIAS: "replicate"}
     with pytest.raises(PlanError, match="o is 'rowwise'.*relative_attention_bias"):
         verify(model, t5_inputs(True), world_size=2, plan=over)
+
+
+def test_bloom_alibi_sliced_with_the_heads():
+    """BLOOM packs qkv as [heads, 3, head_dim] and adds an ALiBi bias the model builds for all heads
+    ([batch x heads, 1, keys]): the projection splits by head blocks, each rank's attention gets its heads' rows
+    of the bias."""
+    from .zoo import ZOO, example_inputs
+
+    model, x = ZOO["bloom"](), example_inputs("bloom")
+    p = plan(model, 2, example_inputs=x)
+    qkv, dense = "transformer.h.0.self_attention.query_key_value", "transformer.h.0.self_attention.dense"
+    assert p[qkv] == "colwise" and p.details[qkv]["role"] == "qkv_heads"
+    assert p.details[dense]["head_args"] == {"alibi": "flat"}
+    for world in (2, 3, 4):  # 6 heads: 3+3, 2+2+2, 2+2+1+1
+        check(model, x, world)
+
+
+def falcon(new_arch: bool) -> nn.Module:
+    cfg = tr.FalconConfig(vocab_size=101, hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                          new_decoder_architecture=new_arch, multi_query=False, num_kv_heads=2 if new_arch else 6, hidden_dropout=0.0,
+                          attention_dropout=0.0, bias=not new_arch)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(22)
+    return tr.FalconForCausalLM(cfg).double()
+
+
+@pytest.mark.parametrize("new_arch,world_size", [(True, 2), (True, 3), (True, 4), (False, 3)])
+def test_falcon_grouped_and_per_head_qkv(new_arch, world_size):
+    """Falcon's grouped qkv ([kv heads, group + 2, head_dim]; 2 KV heads, so at 3 and 4 ranks KV heads are shared
+    by ranks holding different query heads of one group) and its older [heads, 3, head_dim] layout."""
+    ids = {"input_ids": torch.randint(2, 101, (2, 6), generator=torch.Generator().manual_seed(9))}
+    p = plan(falcon(new_arch), world_size, example_inputs=ids)
+    qkv = "transformer.h.0.self_attention.query_key_value"
+    assert p[qkv] == "colwise", p.reasons.get(qkv)
+    assert p.details[qkv]["role"] == ("qkv_groups" if new_arch else "qkv_heads")
+    check(falcon(new_arch), ids, world_size)

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from .modules import is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d, kind, linear_dims
-from .per_head import is_per_head_source
+from .per_head import head_args, is_per_head_source
 
 HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "d_head", "d_k")
 NUM_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
@@ -148,6 +148,31 @@ def _heads_module(a, srcs: list[str], row: str):
         attn_name = attn_name.rpartition(".")[0]
 
 
+def _packed(pieces, out: int, tag, hd, nh, nkv):
+    """How one projection holds q, k and v: (role, q width, kv width, head_dim, head block width, pieces,
+    extra details), or None when no layout is proven.
+    - "qkv": split into three pieces [q | k | v] (Phi-3's slices, GPT-2's split);
+    - "qkv_heads": [heads, 3, head_dim], each head's q, k, v side by side (GPT-NeoX views [heads, 3 x hd],
+      BLOOM and Falcon [heads, 3, hd]);
+    - "qkv_groups": [kv heads, group + 2, head_dim], each KV group's query heads then its key and value
+      (Falcon's grouped layout), seen as a reshape to exactly those sizes."""
+    per_head = hd or (out // (3 * nh) if nh and out % (3 * nh) == 0 else None)
+    if pieces and len(pieces) == 3 and pieces[1] == pieces[2]:
+        return "qkv", pieces[0], pieces[1], hd, hd, pieces, {}
+    if per_head and out % (3 * per_head) == 0:
+        heads = out // (3 * per_head)
+        # [heads, 3, hd] with heads == 3 reads the same as [3, heads, hd]: not proven.
+        if 3 * per_head in tag.reshaped_to:
+            return "qkv_heads", out // 3, out // 3, per_head, 3 * per_head, None, {}
+        if heads != 3 and (heads, 3, per_head) in tag.blocks:
+            return "qkv_heads", out // 3, out // 3, per_head, per_head, None, {}
+    if hd and nh and nkv and nh % nkv == 0 and out == (nh + 2 * nkv) * hd:
+        group = nh // nkv
+        if nkv != group + 2 and (nkv, group + 2, hd) in tag.blocks:
+            return "qkv_groups", nh * hd, nkv * hd, hd, hd, None, {"group": group}
+    return None
+
+
 def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = ()) -> str | None:
     t = a.trace
     rm = a.leaves[row]
@@ -167,20 +192,13 @@ def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = 
     attn_name, attn, (hd, nh_attr, nkv_attr) = _heads_module(a, srcs, row)
     widths = [linear_dims(a.leaves[s])[1] for s in srcs]
     head_width = hd
+    extra: dict = {}
     if len(srcs) == 1:
-        pieces = t.pieces.get(srcs[0])
-        out = widths[0]
-        per_head = hd or (out // (3 * nh_attr) if nh_attr and out % (3 * nh_attr) == 0 else None)
-        if pieces and len(pieces) == 3 and pieces[1] == pieces[2]:
-            q_w, kv_w = pieces[0], pieces[1]
-            roles = {srcs[0]: "qkv"}
-        elif per_head and out % (3 * per_head) == 0 and 3 * per_head in tag.reshaped_to:
-            # GPT-NeoX: one projection viewed as [heads, 3 x head_dim], each head's q, k, v side by side.
-            hd, head_width, pieces = per_head, 3 * per_head, None
-            q_w = kv_w = out // 3
-            roles = {srcs[0]: "qkv_heads"}
-        else:
+        found = _packed(t.pieces.get(srcs[0]), widths[0], tag, hd, nh_attr, nkv_attr)
+        if found is None:
             return f"{srcs[0]} feeds {row} through {tag.broken_by} but is not split into q, k, v pieces"
+        role, q_w, kv_w, hd, head_width, pieces, extra = found
+        roles = {srcs[0]: role}
     elif len(srcs) == 3:
         big = max(widths)
         # Cross-attention: the query reads one input, key and value another (the encoder's output).
@@ -212,6 +230,7 @@ def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = 
         a.structures[s] = dict(common, role=role, row=row)
         if role == "qkv":
             a.structures[s]["pieces"] = list(pieces)
+        a.structures[s].update(extra)
     head_local = sorted(c for c in tag.carried if c in t.head_local)
     if any(c not in t.head_local for c in tag.carried) or any(
             a.leaves[c].weight.shape[0] != hd for c in head_local if hasattr(a.leaves[c], "weight")):
@@ -220,6 +239,11 @@ def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = 
     if odd:
         return f"{odd} reach the scores of {attn_name} but are not per-head tensors of its {nh} heads"
     a.structures[row] = dict(common, role="o", columns=srcs)
+    read = {t.first(s).input_id for s in srcs}
+    plain = {at: shape for at, (shape, ident) in t.plain_args.get(attn_name, {}).items() if ident not in read}
+    sliced = head_args(plain, t.first(srcs[0]).input_shape[0], nh)
+    if sliced:
+        a.structures[row]["head_args"] = sliced
     for c in head_local:
         a.structures[c] = dict(common, role="head_local", row=row)
     for p in head_tensors:

@@ -72,6 +72,59 @@ class PerHead:
         return new
 
 
+def group_pieces(lay, hd: int, group: int) -> tuple[Piece, ...]:
+    """A projection packed per KV group as [kv heads, group + 2, hd] (each group's query heads, then its key and
+    value), cut so every rank holds, group by group, its query heads then that group's key and value: the same
+    packing with the rank's local head counts (KV heads shared by several ranks are held by each)."""
+    out = []
+    for k in range(lay.num_kv_heads):
+        base, q_spans, kv_spans = k * (group + 2) * hd, [], []
+        for r in range(lay.world_size):
+            mine = [h - k * group for h in lay.q_heads[r] if h // group == k]
+            q_spans.append((mine[0] * hd, (mine[-1] + 1) * hd) if mine else (0, 0))
+            kv_spans.append((0, 2 * hd) if k in lay.kv_heads[r] else (0, 0))
+        out += [Piece(base, group * hd, tuple(q_spans)), Piece(base + group * hd, 2 * hd, tuple(kv_spans))]
+    return tuple(out)
+
+
+def head_args(plain_args: Mapping, batch: int, num_heads: int) -> dict:
+    """Arguments of an attention module that hold one slice per head and come from outside the split layers
+    (BLOOM's ALiBi bias, built by the model for all heads): `{position or keyword: "flat"}` for
+    [batch x heads, q or 1, k] and `"dim1"` for [batch, heads, q or 1, k] (floating point, never the input
+    the projections read)."""
+    out = {}
+    for at, shape in plain_args.items():
+        if num_heads < 2:
+            continue
+        if len(shape) == 3 and shape[0] == batch * num_heads:
+            out[at] = "flat"
+        elif len(shape) == 4 and shape[0] == batch and shape[1] == num_heads:
+            out[at] = "dim1"
+    return out
+
+
+def _slice_heads(x, layout: str, num_heads: int, first: int, count: int):
+    if layout == "flat":
+        return x.unflatten(0, (-1, num_heads)).narrow(1, first, count).flatten(0, 1)
+    return x.narrow(1, first, count)
+
+
+def install_head_arg_slicers(attn: nn.Module, args: Mapping, num_heads: int, heads: tuple) -> None:
+    """Give `attn` only this rank's heads of its per-head arguments (a forward pre-hook; `heads` are the rank's
+    query heads, contiguous)."""
+    first, count = heads[0], len(heads)
+    args = {(int(k) if isinstance(k, str) and k.isdigit() else k): v for k, v in args.items()}  # JSON: keys str
+
+    def hook(mod, a, kw):
+        a = tuple(_slice_heads(v, args[i], num_heads, first, count) if i in args and v is not None else v
+                  for i, v in enumerate(a))
+        kw = {k: _slice_heads(v, args[k], num_heads, first, count) if k in args and v is not None else v
+              for k, v in kw.items()}
+        return a, kw
+
+    attn.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def is_per_head_source(m: nn.Module, num_heads: int) -> bool:
     """A layer that can be split with the heads: an embedding with one column per head."""
     return is_embedding(m) and m.embedding_dim == num_heads and isinstance(m.weight, torch.Tensor)

@@ -17,7 +17,7 @@ from torch import nn
 from ..nn.layout import Piece, ShardLayout
 from .errors import PlanError
 from .heads import HeadLayoutError, head_layout
-from .per_head import PER_HEAD, PerHead
+from .per_head import PER_HEAD, PerHead, group_pieces
 from .modules import (as_linear, is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d,
                       is_transposed_linear, kind, linear_dims)
 
@@ -116,6 +116,8 @@ def feature_pieces(details: Mapping, size: int, world: int, column: bool) -> tup
                     Piece(qw + kw, kw, _head_spans(lay.kv_heads, hd)))
         if role == "qkv_heads":  # GPT-NeoX: [heads, 3 x head_dim]
             return (Piece(0, size, _head_spans(lay.q_heads, 3 * hd)),)
+        if role == "qkv_groups":  # Falcon: [kv heads, group + 2, head_dim]
+            return group_pieces(lay, hd, details["group"])
     pieces = details.get("pieces") if column else None
     out, offset = [], 0
     for p in pieces or [size]:

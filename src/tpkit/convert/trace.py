@@ -51,11 +51,12 @@ class Tag:
     reshaped_to: frozenset = frozenset()
     unproven: frozenset = frozenset()
     headed: bool = False  # a reshape added axes (to heads; one head of the projection's width included)
+    blocks: frozenset = frozenset()  # the last three sizes of reshapes that split the features ([heads, 3, hd])
 
     def merge(self, other: "Tag") -> "Tag":
         return Tag(self.sources | other.sources, self.clean and other.clean, self.carried | other.carried,
                    self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to,
-                   self.unproven | other.unproven, self.headed or other.headed)
+                   self.unproven | other.unproven, self.headed or other.headed, self.blocks | other.blocks)
 
 
 @dataclasses.dataclass
@@ -87,6 +88,9 @@ class Trace:
     # layers whose parameters an op outside their own forward read (layer -> that op): a fused fast path or a
     # parent that does `F.linear(x, child.weight)`; a shard there would meet code that expects the whole tensor
     read_directly: dict = dataclasses.field(default_factory=dict)
+    # every module -> {position or keyword: (shape, id)} of the float tensor arguments of its first call that no
+    # parameterised layer made (masks, ALiBi biases built from the mask)
+    plain_args: dict = dataclasses.field(default_factory=dict)
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -143,16 +147,18 @@ class _Tracer(TorchFunctionMode):
         is_conv = bool(tag.sources & self.conv_layers)
         fdim = _feature_dim(ref, is_conv)
         clean = tag.clean and self._per_feature(name, ref, flat, out, fdim, tag)
-        reshaped = tag.reshaped_to
+        reshaped, blocks = tag.reshaped_to, tag.blocks
         if name in RESHAPES and isinstance(out, torch.Tensor) and out.dim() and ref.dim():
             if out.shape[-1] != ref.shape[-1]:
                 reshaped = reshaped | {int(out.shape[-1])}
+                if out.dim() >= 3 and out.shape[-3:].numel() == ref.shape[-1]:
+                    blocks = blocks | {tuple(int(d) for d in out.shape[-3:])}
         keeps = name in LAYOUT and isinstance(out, torch.Tensor) and out.dim() and out.shape[-1] == ref.shape[-1]
         headed = tag.headed or bool(reshaped) or (name in RESHAPES and isinstance(out, torch.Tensor)
                                                   and out.dim() > ref.dim())
         unproven = tag.unproven | (tag.sources if not clean and not headed and not keeps else frozenset())
         new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped, unproven,
-                  headed)
+                  headed, blocks)
         self.set_tag(out, new)
         return out
 
@@ -279,24 +285,27 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
             if name in head_local and call.input_tag is not None and call.output_shape == call.input_shape:
                 t = call.input_tag  # per head: the heads' tags flow through, marked as carried
                 tracer.set_tag(out, Tag(t.sources, False, t.carried | {name}, t.broken_by or name, t.reshaped_to,
-                                        t.unproven, t.headed))
+                                        t.unproven, t.headed, t.blocks))
             elif per_channel and call.input_tag is not None:
                 # A per-channel layer passes its input's shards straight through; remember it rides along.
                 t = call.input_tag
                 carried_by[name] = t.sources
                 tracer.set_tag(out, Tag(t.sources, t.clean, t.carried | {name}, t.broken_by, t.reshaped_to,
-                                        t.unproven, t.headed))
+                                        t.unproven, t.headed, t.blocks))
             else:
                 tracer.set_tag(out, Tag(frozenset({name})))
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     module_inputs: dict[str, dict[int, int | str]] = {}
+    plain_args: dict[str, dict] = {}
     for name, module in model.named_modules():
         def record(mod, args, kwargs, name=name):
             if name not in module_inputs:
                 where = list(enumerate(args)) + list(kwargs.items())
                 module_inputs[name] = {id(v): at for at, v in reversed(where) if isinstance(v, torch.Tensor)}
+                plain_args[name] = {at: (tuple(v.shape), id(v)) for at, v in where if isinstance(v, torch.Tensor)
+                                    and v.is_floating_point() and tracer.tag_of(v) is None}
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
     try:
         out = _run(model, example_inputs, tracer)
@@ -310,7 +319,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
         if tag is not None:
             escaped |= tag.sources | tag.carried
     return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
-                 tracer.read_directly)
+                 tracer.read_directly, plain_args)
 
 
 def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:
