@@ -63,7 +63,9 @@ def test_encoder_layer_every_mode(train, grad, world_size):
     results = check(encoder_layer(), (x(),), world_size, train=train, grad=grad)
     p = results[0]["plan"]
     assert p["linear1"] == "colwise" and p["linear2"] == "rowwise"
-    assert "read directly by `multi_head_attention_forward`" in p.reasons["self_attn.out_proj"]
+    assert p["self_attn"] == "multihead_attention" and p["self_attn.out_proj"] == "rowwise"
+    if world_size == 2:
+        assert results[0]["share"] < 0.55, results[0]["share"]  # only the norms and the row biases stay whole
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -74,9 +76,44 @@ def test_encoder_stack_every_mode(train, grad, world_size):
 
 @pytest.mark.parametrize("train,grad", MODES)
 def test_multihead_attention_alone_every_mode(train, grad):
+    """The model itself is the attention: nothing to swap it in, so it stays whole (and exact)."""
     torch.manual_seed(13)
     mha = nn.MultiheadAttention(48, 6, batch_first=True).double()
     check(mha, (x(), x(), x()), 2, train=train, grad=grad)
+
+
+class CrossAttention(nn.Module):
+    """nn.MultiheadAttention called with masks and attention weights asked for (averaged or per head)."""
+
+    def __init__(self, average: bool, batch_first: bool):
+        super().__init__()
+        self.average, self.batch_first = average, batch_first
+        self.attn = nn.MultiheadAttention(48, 6, batch_first=batch_first)
+        self.proj = nn.Linear(48, 48)
+
+    def forward(self, q, kv, key_padding_mask, attn_mask):
+        if not self.batch_first:
+            q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+        out, w = self.attn(self.proj(q), kv, kv, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                           need_weights=True, average_attn_weights=self.average)
+        return out, w
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("average,batch_first,mask3d", [(True, True, False), (False, False, True)])
+def test_multihead_attention_split_with_masks_and_weights(average, batch_first, mask3d, world_size):
+    torch.manual_seed(15)
+    model = CrossAttention(average, batch_first).double()
+    g = torch.Generator().manual_seed(5)
+    q, kv = torch.randn(2, 4, 48, generator=g, dtype=torch.float64), torch.randn(2, 7, 48, generator=g,
+                                                                                 dtype=torch.float64)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    mask = torch.randn(12 if mask3d else 1, 4, 7, generator=g, dtype=torch.float64)
+    mask = mask if mask3d else mask[0] > 1.0  # per-head float mask, or one boolean mask for all heads
+    for train, grad in MODES:
+        results = check(model, (q, kv, pad, mask), world_size, train=train, grad=grad)
+    assert results[0]["plan"]["attn"] == "multihead_attention"
 
 
 class ReadsChildWeight(nn.Module):

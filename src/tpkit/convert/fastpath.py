@@ -65,9 +65,13 @@ def direct_read_reason(name: str, op: str) -> str:
             f"using its weight); a shard there would be taken for the whole tensor, so it stays whole")
 
 
-def check_direct_reads(read_directly: Mapping[str, str], styles: Mapping[str, str]) -> None:
-    """Refuse a plan that splits a layer whose weight some other code reads directly."""
+def check_direct_reads(read_directly: Mapping[str, str], styles: Mapping[str, str],
+                       readers: Mapping[str, str] | None = None) -> None:
+    """Refuse a plan that splits a layer whose weight some other code reads directly (unless that code is a
+    MultiheadAttention replaced by its split version, which calls the layer)."""
+    from .mha import MULTIHEAD_ATTENTION
+
     for name, op in read_directly.items():
         s = styles.get(name, REPLICATE)
-        if s not in WHOLE:
+        if s not in WHOLE and styles.get((readers or {}).get(name, "")) != MULTIHEAD_ATTENTION:
             raise PlanError(f"{name}: planned {s!r}, but {direct_read_reason(name, op)}; plan it 'replicate'")

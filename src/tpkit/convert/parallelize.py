@@ -100,7 +100,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     for name, attrs in fast_path_updates(model, styles, world).items():
         updates.setdefault(name, {}).update(attrs)
     swap(model, modules, analysis, styles, built, updates, region, comm, the_plan.details)
-    record = Plan({n: s for n, s in styles.items() if n in analysis.leaves}, world_size=world, mode=the_plan.mode,
+    record = Plan({n: s for n, s in styles.items() if n in analysis.leaves or n in per_module}, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
     record.updated_attributes, record.sequence_parallel, record.rank = updates, region, rank
     _record(model, Conversion(record, key_layouts(model, modules, per_module, world, rank), updates, region,

@@ -13,6 +13,7 @@ from torch import nn
 from .fastpath import direct_read_reason
 from .heads import HeadLayoutError, head_layout
 from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, kind, linear_dims
+from .mha import MULTIHEAD_ATTENTION, unsupported
 from .per_head import PER_HEAD
 from .plan import Plan
 from .styles import (CHANNELWISE, COLWISE, COLWISE_REP, EMBEDDING_ROWWISE, REPLICATE, REPLICATED_WITH_GRAD_ALLREDUCE,
@@ -71,6 +72,7 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
         for n in pair.get("per_head", []):
             entries[n] = PER_HEAD
             details[n] = a.structures[n]
+    _multihead_attention(a, world_size, entries, details, reasons)
     heads = [h for h in _lm_heads(a, world_size) if h not in a.trace.read_directly]
     for h in heads:
         entries[h] = VOCAB_PARALLEL if mode == "training" else COLWISE_REP
@@ -99,6 +101,31 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
             entries[name] = REPLICATE
             reasons.setdefault(name, _replicate_reason(a, name, m))
     return Plan(entries, world_size=world_size, mode=mode, details=details, reasons=reasons, prefix=a.prefix)
+
+
+def _multihead_attention(a: Analysis, world_size: int, entries: dict, details: dict, reasons: dict) -> None:
+    """Every `nn.MultiheadAttention` run in the forward is split by heads (mha.py) when it reads its out_proj
+    itself (and nothing else does) and its heads divide; otherwise its out_proj stays whole, with the reason."""
+    for name, m in a.model.named_modules():
+        out = f"{name}.out_proj"
+        if not name or type(m) is not nn.MultiheadAttention or name not in a.trace.module_inputs:
+            continue
+        why = unsupported(m)
+        if why is None and a.trace.readers.get(out) != name:
+            why = f"{out} is not read by {name}'s own forward alone"
+        if why is None:
+            try:
+                head_layout(m.num_heads, m.num_heads, world_size, name)
+            except HeadLayoutError as exc:
+                why = str(exc)
+        if why:
+            reasons[out] = f"{name} stays whole: {why}"
+            continue
+        common = {"pair": "attention", "attention": name, "head_dim": m.head_dim, "num_heads": m.num_heads,
+                  "num_kv_heads": m.num_heads}
+        entries[name], details[name] = MULTIHEAD_ATTENTION, dict(common, role="qkv")
+        entries[out], details[out] = ROWWISE, dict(common, role="o")
+        reasons.pop(out, None)
 
 
 def _blockers(a: Analysis, world_size: int) -> list[str | None]:

@@ -17,6 +17,7 @@ from torch import nn
 from ..nn.layout import Piece, ShardLayout
 from .errors import PlanError
 from .heads import HeadLayoutError, head_layout
+from .mha import MULTIHEAD_ATTENTION, MultiheadAttentionHeads
 from .per_head import PER_HEAD, PerHead, group_pieces
 from .modules import (as_linear, is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d,
                       is_transposed_linear, kind, linear_dims)
@@ -345,7 +346,8 @@ def _sum_replicated_row_grads(layer: nn.Module, rows: tuple[int, ...], n_out: in
 STYLES: dict[str, Style] = {s.name: s for s in (
     ColWise(), ColWiseRep(), VocabParallel(), RowWise(), RowWiseRep(), EmbeddingRowwise(), EmbeddingColwise(),
     ChannelWise(), SequenceParallelNorm(), Style(), ReplicatedGradAllReduce())}
-STYLES[PER_HEAD] = PerHead()  # type: ignore[assignment]  # per_head.py: same interface, kept with its concept
+STYLES[PER_HEAD] = PerHead()  # type: ignore[assignment]  # per_head.py, mha.py: same interface, kept with
+STYLES[MULTIHEAD_ATTENTION] = MultiheadAttentionHeads()  # type: ignore[assignment]  # their concepts
 CONTAINER_NO_OPS: dict[str, Style] = {n: ContainerNoOp(n) for n in ("gather", "all_reduce", "local", "ep_router",
                                                                     "moe_identity_expert")}
 ALIASES = {

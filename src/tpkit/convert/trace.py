@@ -88,6 +88,7 @@ class Trace:
     # layers whose parameters an op outside their own forward read (layer -> that op): a fused fast path or a
     # parent that does `F.linear(x, child.weight)`; a shard there would meet code that expects the whole tensor
     read_directly: dict = dataclasses.field(default_factory=dict)
+    readers: dict = dataclasses.field(default_factory=dict)  # see read_directly: read by that MultiheadAttention
     # every module -> {position or keyword: (shape, id)} of the float tensor arguments of its first call that no
     # parameterised layer made (masks, ALiBi biases built from the mask)
     plain_args: dict = dataclasses.field(default_factory=dict)
@@ -111,6 +112,8 @@ class _Tracer(TorchFunctionMode):
         self.slices: dict[str, set] = {}
         self.owners: dict[int, tuple[torch.Tensor, str]] = {}  # id(parameter) -> (it, the layer that owns it)
         self.read_directly: dict[str, str] = {}
+        self.readers: dict[str, str] = {}  # layer read directly -> the MultiheadAttention whose forward read it
+        self.inside: list[str] = []  # the MultiheadAttention modules whose forward is running
 
     def tag_of(self, t: Any) -> Tag | None:
         if isinstance(t, torch.Tensor):
@@ -166,8 +169,10 @@ class _Tracer(TorchFunctionMode):
         """An op outside every layer's forward that takes a layer's parameter reads it directly."""
         for a in flat:
             owner = self.owners.get(id(a)) if isinstance(a, torch.Tensor) else None
-            if owner is not None and owner[0] is a:
-                self.read_directly.setdefault(owner[1], name)
+            if owner is not None and owner[0] is a and owner[1] not in self.read_directly:
+                self.read_directly[owner[1]] = name
+                if self.inside:
+                    self.readers[owner[1]] = self.inside[-1]
 
     def _per_feature(self, name, ref, flat, out, fdim, tag) -> bool:
         if name == "__getitem__":
@@ -300,6 +305,9 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
     module_inputs: dict[str, dict[int, int | str]] = {}
     plain_args: dict[str, dict] = {}
     for name, module in model.named_modules():
+        if type(module) is nn.MultiheadAttention:  # reads its out_proj's weight itself (see mha.py)
+            handles.append(module.register_forward_pre_hook(lambda *a, name=name: tracer.inside.append(name)))
+            handles.append(module.register_forward_hook(lambda *a: tracer.inside.pop() and None))
         def record(mod, args, kwargs, name=name):
             if name not in module_inputs:
                 where = list(enumerate(args)) + list(kwargs.items())
@@ -319,7 +327,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
         if tag is not None:
             escaped |= tag.sources | tag.carried
     return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
-                 tracer.read_directly, plain_args)
+                 tracer.read_directly, tracer.readers, plain_args)
 
 
 def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:

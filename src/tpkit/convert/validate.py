@@ -29,7 +29,7 @@ def validate(analysis: Analysis, styles: dict[str, str], world: int, sequence_pa
             check_dataflow(name, s, analysis, styles)
     check_ties(analysis, styles)
     if analysis.trace is not None and world > 1:
-        check_direct_reads(analysis.trace.read_directly, styles)
+        check_direct_reads(analysis.trace.read_directly, styles, analysis.trace.readers)
     if not ((sequence_parallel or SEQUENCE_PARALLEL in styles.values()) and world > 1):
         return None
     from .sequence import find_region
