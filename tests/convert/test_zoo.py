@@ -11,9 +11,8 @@ from .stepcheck import check  # noqa: E402
 from .zoo import ZOO, example_inputs  # noqa: E402
 
 # Per-rank parameter share at TP2 (local / full numel) that each model must stay under; 1.0 = nothing split.
-# Gemma's embedding scales its output (a subclass with its own forward), so it and the tied head stay whole;
 # CodeGen packs qkv in 4 groups of [q | v | k] (mp_num), a layout the planner does not prove: attention whole.
-SHARE_AT_2 = {"gemma": 0.66, "gemma2": 0.66, "codegen": 0.66}
+SHARE_AT_2 = {"codegen": 0.66}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -43,3 +42,25 @@ def test_linear_forwards_are_linear():
             x = torch.randn(3, 4, 6, dtype=torch.float64)
             assert is_linear(m)
             torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-12, atol=1e-12)
+
+
+def test_scaled_embeddings_are_recognised_by_their_forward():
+    """Gemma's embedding (output times a scalar buffer) is an embedding whose scale the split layer keeps; a
+    subclass with the same buffer but another forward is not."""
+    import torch
+    from torch import nn
+    from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
+
+    from tpkit.convert.modules import is_embedding, output_scale
+
+    class Shifted(nn.Embedding):
+        def __init__(self):
+            super().__init__(10, 4)
+            self.embed_scale = nn.Buffer(torch.tensor(2.0), persistent=False)
+
+        def forward(self, input_ids):
+            return super().forward(input_ids) + self.embed_scale.to(self.weight.dtype)
+
+    gemma = GemmaTextScaledWordEmbedding(10, 4, 0, embed_scale=3.0)
+    assert is_embedding(gemma) and float(output_scale(gemma)) == 3.0
+    assert not is_embedding(Shifted()) and output_scale(Shifted()) is None

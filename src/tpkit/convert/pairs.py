@@ -73,6 +73,7 @@ def find_pairs(a) -> None:
         # Embeddings among an attention output's sources are per-head tensors (T5's position bias): one may
         # serve several blocks, so they are not "taken" by the first (the planner splits all or none of them).
         per_head = [s for s in srcs if not tag.clean and is_embedding(a.leaves[s])]
+        per_head = per_head if len(per_head) < len(srcs) else []  # only beside projections
         srcs = [s for s in srcs if s not in per_head]
         if row in taken or any(s in taken for s in srcs):
             a.notes.setdefault(row, "its input comes from a layer already paired with another row-wise layer "

@@ -21,7 +21,7 @@ from torch import nn
 from ..nn.layout import Piece, ShardLayout
 from .errors import PlanError
 from .heads import HeadLayoutError, head_layout
-from .modules import is_embedding, kind
+from .modules import is_embedding, keep_output_scale, kind
 
 PER_HEAD = "per_head"
 
@@ -69,7 +69,7 @@ class PerHead:
         w = nn.Parameter(lay.shard(m.weight.detach()).clone(), requires_grad=m.weight.requires_grad)
         new.weight = mark_tensor_parallel(w, 1, lay.sizes())
         new.train(m.training)
-        return new
+        return keep_output_scale(m, new)
 
 
 def group_pieces(lay, hd: int, group: int) -> tuple[Piece, ...]:

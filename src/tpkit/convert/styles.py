@@ -20,7 +20,7 @@ from .heads import HeadLayoutError, head_layout
 from .mha import MULTIHEAD_ATTENTION, MultiheadAttentionHeads
 from .per_head import PER_HEAD, PerHead, group_pieces
 from .modules import (as_linear, is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d,
-                      is_transposed_linear, kind, linear_dims)
+                      is_transposed_linear, keep_output_scale, kind, linear_dims)
 
 COLWISE = "colwise"
 COLWISE_REP = "colwise_rep"
@@ -263,7 +263,7 @@ class EmbeddingRowwise(_EmbeddingSplit):
     def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
         from ..nn import VocabParallelEmbedding
 
-        return VocabParallelEmbedding.from_module(m, comm)
+        return keep_output_scale(m, VocabParallelEmbedding.from_module(m, comm))
 
 
 class EmbeddingColwise(_EmbeddingSplit):
@@ -275,7 +275,7 @@ class EmbeddingColwise(_EmbeddingSplit):
     def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
         from ..nn import ParallelEmbedding
 
-        return ParallelEmbedding.from_module(m, comm)
+        return keep_output_scale(m, ParallelEmbedding.from_module(m, comm))
 
 
 class ChannelWise(Style):
