@@ -106,7 +106,24 @@ class RotateHalfWhole(InterleavedRotary):
         return torch.cat((-b, a), -1) * 0.5 + t
 
 
-CASES = {"interleaved_rotary": (InterleavedRotary, "rearranged across its features"),
+class PerHeadScale(_Base):
+    """A learned per-head temperature held by the attention module itself, used on the scores."""
+
+    def __init__(self):
+        super().__init__()
+        del self.qkv
+        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM) for _ in range(3))
+        self.head_scale = nn.Parameter(torch.linspace(0.5, 1.5, HEADS))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, -1, HD).transpose(1, 2) for f in (self.wq, self.wk, self.wv))
+        att = (q @ k.transpose(-1, -2) * self.head_scale.view(1, -1, 1, 1)).softmax(-1)
+        x = x + self.o((att @ v).transpose(1, 2).flatten(2))
+        return x + self.down(F.gelu(self.up(x)))
+
+
+CASES = {"per_head_scale": (PerHeadScale, "holds ['head_scale'] itself"),"interleaved_rotary": (InterleavedRotary, "rearranged across its features"),
          "qkv_first_reshape": (QKVFirstReshape, "not split into q, k, v pieces"),
          "grouped_qkv": (GroupedQKV, "not split into q, k, v pieces"),
          "heads_last": (HeadsLast, "no reshape to heads of size 8"),

@@ -174,10 +174,9 @@ def _packed(pieces, out: int, tag, hd, nh, nkv):
     return None
 
 
-def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = ()) -> str | None:
-    t = a.trace
-    rm = a.leaves[row]
-    if not srcs or not is_linear(rm) or not all(is_linear(a.leaves[s]) for s in srcs):
+def _unsplittable(a, row: str, srcs: list[str], tag, head_tensors) -> str | None:
+    """Why q/k/v -> row cannot be an attention block split by heads, before its heads are even looked at."""
+    if not srcs or not is_linear(a.leaves[row]) or not all(is_linear(a.leaves[s]) for s in srcs):
         return f"ops between {srcs + list(head_tensors)} and {row} mix features ({tag.broken_by}) and they are not " \
                f"linear layers of an attention block"
     mixed = [s for s in srcs if s in tag.unproven]
@@ -185,12 +184,40 @@ def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = 
         return f"the output of {mixed} is rearranged across its features ({tag.broken_by}) before any reshape to " \
                f"heads (an interleaved rotary or a packing the planner cannot prove), so a split by heads could " \
                f"be wrong; left whole"
-    inputs = [t.first(s).input_id for s in srcs]
-    cross = len(srcs) == 3 and len(set(inputs)) == 2 and len(set(inputs[1:])) == 1
-    if len(set(inputs)) != 1 and not cross:
+    inputs = [a.trace.first(s).input_id for s in srcs]
+    if len(set(inputs)) != 1 and not _is_cross(srcs, inputs):
         return f"{srcs} do not read one shared input, so they are not the q/k/v of one attention block " \
                f"(ops between them and {row}: {tag.broken_by})"
+    return None
+
+
+def _is_cross(srcs: list[str], inputs: list) -> bool:
+    """Cross-attention: the query reads one input, key and value another (the encoder's output)."""
+    return len(srcs) == 3 and len(set(inputs)) == 2 and len(set(inputs[1:])) == 1
+
+
+def _own_parameters(a, attn_name: str, names: list[str]) -> list[str]:
+    """Parameters held by the attention module itself or a container between it and its layers (a per-head
+    scale or sink, say): the forward uses them beside the heads, and nothing splits them with the heads."""
+    top, out = _lca(names), []
+    for name, m in a.model.named_modules():
+        if name not in a.leaves and (name == attn_name or (name.startswith(attn_name) and top.startswith(name))):
+            out += [f"{name}.{p}" if name else p for p, _ in m.named_parameters(recurse=False)]
+    return out
+
+
+def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = ()) -> str | None:
+    t = a.trace
+    rm = a.leaves[row]
+    why = _unsplittable(a, row, srcs, tag, head_tensors)
+    if why:
+        return why
+    cross = _is_cross(srcs, [t.first(s).input_id for s in srcs])
     attn_name, attn, (hd, nh_attr, nkv_attr) = _heads_module(a, srcs, row)
+    own = _own_parameters(a, attn_name, srcs + [row])
+    if own:
+        return f"{attn_name} holds {own} itself and uses them beside its heads (per-head scales?); they are not " \
+               f"split with the heads, so the attention stays whole"
     widths = [linear_dims(a.leaves[s])[1] for s in srcs]
     head_width = hd
     extra: dict = {}
@@ -202,7 +229,6 @@ def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = 
         roles = {srcs[0]: role}
     elif len(srcs) == 3:
         big = max(widths)
-        # Cross-attention: the query reads one input, key and value another (the encoder's output).
         q = srcs[0] if cross else [s for s, w in zip(srcs, widths) if w == big][0]
         kv = [s for s in srcs if s != q]
         if len({linear_dims(a.leaves[s])[1] for s in kv}) != 1:
