@@ -160,3 +160,15 @@ def test_a_plan_splitting_a_directly_read_layer_is_refused():
     model = reads_child_weight()
     with pytest.raises(PlanError, match="fc1: planned 'colwise', but its parameters are read directly"):
         verify(model, (ids(),), world_size=2, plan={"fc1": "colwise", "fc2": "rowwise"})
+
+
+def test_analyze_counts_the_attention_it_splits():
+    """`analyze` counts nn.MultiheadAttention's own in_proj (a container's parameters) and shows it split."""
+    import tpkit
+
+    model = encoder_stack()
+    report = tpkit.analyze(model, world_size=2)
+    assert report.total_params == sum(p.numel() for p in model.parameters())
+    row = next(r for r in report.layers if r.name == "layers.0.self_attn")
+    assert row.style == "multihead_attention" and row.bytes_per_rank == row.bytes // 2
+    assert report.parallelizable_percent > 95
