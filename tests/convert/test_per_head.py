@@ -99,3 +99,19 @@ def test_falcon_grouped_and_per_head_qkv(new_arch, world_size):
     assert p[qkv] == "colwise", p.reasons.get(qkv)
     assert p.details[qkv]["role"] == ("qkv_groups" if new_arch else "qkv_heads")
     check(falcon(new_arch), ids, world_size)
+
+
+def test_saved_plans_replay_exactly():
+    """Plans with the new styles and details (per_head, multihead_attention, ALiBi head_args, grouped qkv)
+    survive JSON and convert exactly when replayed."""
+    from tpkit import Plan
+
+    from .test_fastpath import encoder_layer, x
+    from .zoo import ZOO, example_inputs
+
+    cases = [(t5(True), t5_inputs(True)), (ZOO["bloom"](), example_inputs("bloom")), (falcon(True), None),
+             (encoder_layer(), (x(),))]
+    for model, inputs in cases:
+        inputs = inputs or {"input_ids": torch.randint(2, 101, (2, 6), generator=torch.Generator().manual_seed(9))}
+        saved = Plan.from_json(plan(model, 2, example_inputs=inputs).to_json())
+        check(model, inputs, 2, plan=saved)
