@@ -91,13 +91,13 @@ def rank_errors(copies: list, inputs: Any, ref: dict, plan: Any = "auto", train:
 
 
 def check(model: nn.Module, inputs: Any, world_size: int, plan: Any = "auto", train: bool = False,
-          grad: bool = True, tol: float = 1e-6) -> list[dict]:
-    """Run `rank_errors` on `world_size` thread-ranks; assert every error is within `tol`; the per-rank results.
-    `train` picks the mode; `grad=False` also compares a forward under `torch.no_grad()`."""
+          grad: bool = True, tol: float = 1e-6, backend: str = "threads") -> list[dict]:
+    """Run `rank_errors` on `world_size` ranks (threads, or gloo processes); assert every error is within `tol`;
+    the per-rank results. `train` picks the mode; `grad=False` also compares a forward under `torch.no_grad()`."""
     ref = reference(model, inputs, train, grad)
     copies = [copy.deepcopy(model) for _ in range(world_size)]
-    results = tpkit.launch(rank_errors, world_size, backend="threads",
-                           args=(copies, inputs, ref, plan, train, grad))
+    results = tpkit.launch(rank_errors, world_size, backend=backend, args=(copies, inputs, ref, plan, train, grad),
+                           **({"timeout": 240} if backend != "threads" else {}))
     for rank, r in enumerate(results):
         bad = {k: v for k, v in r["errors"].items() if not v <= tol}
         assert not bad, f"rank {rank} of {world_size}: errors above {tol}: {dict(list(bad.items())[:6])}"

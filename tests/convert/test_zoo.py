@@ -24,6 +24,14 @@ def test_zoo_forward_and_one_step(name, world_size):
         assert share <= SHARE_AT_2.get(name, 0.60), f"{name}: each rank holds {share:.3f} of the parameters"
 
 
+@pytest.mark.slow
+def test_gloo_processes_world_size_2():
+    """The same check on real gloo processes for the models whose conversion needs the new machinery (grouped
+    and per-head qkv, ALiBi slices, scaled embeddings)."""
+    for name in ("bloom", "falcon", "gemma"):
+        check(ZOO[name](), example_inputs(name), 2, backend="gloo")
+
+
 def test_linear_forwards_are_linear():
     """Every class in LINEAR_FORWARDS computes F.linear exactly (so swapping it for a split Linear is exact)."""
     import importlib
