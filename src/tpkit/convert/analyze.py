@@ -167,11 +167,20 @@ def _module_bytes(m: nn.Module, params, style: str, details: dict, world: int) -
     return out
 
 
+def _holders(a: Analysis) -> dict[str, nn.Module]:
+    """Every module that holds parameters itself: the planned layers, and containers with parameters of their
+    own (nn.MultiheadAttention's in_proj, ViT's class token), so every parameter is counted once: layers
+    first, so a parameter a container shares with a layer (BERT's `cls.predictions.bias`) counts as the layer's."""
+    others = {n: m for n, m in a.model.named_modules()
+              if n not in a.leaves and any(True for _ in m.parameters(recurse=False))}
+    return {**a.leaves, **others}
+
+
 def _rank_bytes(a: Analysis, plan, world: int) -> int:
     """Parameter bytes on the fullest rank (usually rank 0, which the split rule gives the remainder; uneven
     GQA layouts can load another rank more, so every rank is counted)."""
     per_rank, seen = [0] * world, set()
-    for name, m in a.leaves.items():
+    for name, m in _holders(a).items():
         params = _unique_params(m, seen)
         if params:
             b = _module_bytes(m, params, plan.entries.get(name, "replicate"), plan.details.get(name, {}), world)
@@ -204,7 +213,7 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     plan = plans.get(shown) or auto_plan(a, shown, mode)
     rows, seen = [], set()
     total_bytes = parallel_bytes = total_params = 0
-    for name, m in a.leaves.items():
+    for name, m in _holders(a).items():
         params = _unique_params(m, seen)
         tied = a.ties.get(name)
         weight = getattr(m, "weight", None)
@@ -217,7 +226,9 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
         total_params += n
         if style != "replicate":
             parallel_bytes += b
-        rows.append(LayerReport(name, kind(m), shape, n, b, style, plan.reasons.get(name, ""), rb,
+        why = plan.reasons.get(name, "" if name in a.leaves or style != "replicate" else
+                               "holds parameters of its own beside its layers; kept whole")
+        rows.append(LayerReport(name, kind(m), shape, n, b, style, why, rb,
                                 tied[0] if tied and not params else None))
     report = AnalysisReport(type(model).__name__, rows, shown, mode, total_params, total_bytes, parallel_bytes,
                             per_rank, memory, dev, suggested, suggestion, [], plan, a.trace_error)

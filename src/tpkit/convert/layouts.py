@@ -26,7 +26,7 @@ def plan_layouts(modules: Mapping[str, nn.Module], leaves: Mapping[str, nn.Modul
     for name, s in styles.items():
         m = modules[name]
         obj = style(s)
-        if name not in leaves:
+        if name not in leaves and not getattr(obj, "owns_module", False):
             if not obj.container and obj.name != style("replicate").name:
                 raise PlanError(f"plan: style {s!r} on {name} ({type(m).__name__}), which is a container; name its "
                                 f"layers instead (e.g. {name}.*)")

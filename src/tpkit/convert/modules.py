@@ -5,6 +5,9 @@ adds an offset, for example), so the checks below accept a subclass only when it
 """
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import nn
 
 
@@ -26,9 +29,15 @@ def is_transposed_linear(m: nn.Module) -> bool:
     return cls is not None and _keeps_forward(m, cls)
 
 
+# nn.Linear subclasses whose own forward computes exactly `x @ weight.T + bias` (checked by a test against
+# F.linear), so a split Linear replaces them as it replaces nn.Linear. Keyed by class (module.qualname).
+LINEAR_FORWARDS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
 def is_linear(m: nn.Module) -> bool:
-    """nn.Linear, or GPT-2's Conv1D (the same map with the weight transposed)."""
-    return _keeps_forward(m, nn.Linear) or is_transposed_linear(m)
+    """nn.Linear (or a subclass in LINEAR_FORWARDS), or GPT-2's Conv1D (the same map, weight transposed)."""
+    return (_keeps_forward(m, nn.Linear) or is_transposed_linear(m) or
+            (isinstance(m, nn.Linear) and f"{type(m).__module__}.{type(m).__qualname__}" in LINEAR_FORWARDS))
 
 
 def linear_dims(m: nn.Module) -> tuple[int, int]:
@@ -61,7 +70,40 @@ def is_plain_conv2d(m: nn.Module) -> bool:
 
 
 def is_embedding(m: nn.Module) -> bool:
-    return _keeps_forward(m, nn.Embedding)
+    """nn.Embedding, or one whose forward only scales its output by a scalar buffer (Gemma's)."""
+    return _keeps_forward(m, nn.Embedding) or output_scale(m) is not None
+
+
+def output_scale(m: nn.Module) -> torch.Tensor | None:
+    """The scalar an embedding multiplies its output by, for the Hugging Face `*ScaledWordEmbedding` classes
+    whose forward is exactly `super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)` (Gemma and
+    25 others); None for any other module."""
+    scale = getattr(m, "embed_scale", None)
+    if not (isinstance(m, nn.Embedding) and isinstance(scale, torch.Tensor) and scale.numel() == 1):
+        return None
+    return scale if _scales_output(type(m)) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _scales_output(cls: type) -> bool:
+    import inspect
+
+    try:
+        body = "".join(inspect.getsource(cls.forward).split()[-6:])
+    except (OSError, TypeError):
+        return False
+    return body.endswith("returnsuper().forward(input_ids)*self.embed_scale.to(self.weight.dtype)")
+
+
+def keep_output_scale(old: nn.Module, new: nn.Module) -> nn.Module:
+    """`new` (a split embedding built from `old`) scales its output as `old` did (a non-persistent buffer and a
+    forward hook, so state_dict keys do not change)."""
+    scale = output_scale(old)
+    if scale is None:
+        return new
+    new.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+    new.register_forward_hook(lambda mod, args, out: out * mod.embed_scale.to(out.dtype))
+    return new
 
 
 def is_per_channel(m: nn.Module) -> bool:

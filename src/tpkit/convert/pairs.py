@@ -13,7 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from .modules import is_conv2d, is_linear, is_per_channel, is_plain_conv2d, kind, linear_dims
+from .modules import is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d, kind, linear_dims
+from .per_head import head_args, is_per_head_source
 
 HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "d_head", "d_k")
 NUM_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
@@ -58,6 +59,7 @@ def find_pairs(a) -> None:
     t = a.trace
     assert t is not None
     taken: set = set()
+    as_row: set = set()  # layers whose note says why they are no row-wise layer (a column's reason beats it)
     order = sorted((c[0].order, n) for n, c in t.calls.items())
     for _, row in order:
         m = a.leaves[row]
@@ -68,6 +70,11 @@ def find_pairs(a) -> None:
         if tag is None or not tag.sources:
             continue
         srcs = sorted(tag.sources, key=lambda s: t.first(s).order)
+        # Embeddings among an attention output's sources are per-head tensors (T5's position bias): one may
+        # serve several blocks, so they are not "taken" by the first (the planner splits all or none of them).
+        per_head = [s for s in srcs if not tag.clean and is_embedding(a.leaves[s])]
+        per_head = per_head if len(per_head) < len(srcs) else []  # only beside projections
+        srcs = [s for s in srcs if s not in per_head]
         if row in taken or any(s in taken for s in srcs):
             a.notes.setdefault(row, "its input comes from a layer already paired with another row-wise layer "
                                     "(an odd chain of layers: the last one stays replicated)")
@@ -81,15 +88,20 @@ def find_pairs(a) -> None:
         elif tag.clean:
             reason = _try_mlp(a, row, srcs, tag)
         else:
-            reason = _try_attention(a, row, srcs, tag)
+            reason = _try_attention(a, row, srcs, tag, per_head)
         if reason is None:
             taken.add(row)
             taken.update(srcs)
         else:
-            a.notes.setdefault(row, reason)
-            for s in srcs:
-                if is_linear(a.leaves[s]) or is_conv2d(a.leaves[s]):
-                    a.notes.setdefault(s, reason)
+            if row not in a.notes:
+                a.notes[row] = reason
+                if not any(is_linear(a.leaves[s]) or is_conv2d(a.leaves[s]) for s in srcs):
+                    as_row.add(row)  # only "its input is no splittable layer": says nothing about it
+            for s in srcs + per_head:
+                if (is_linear(a.leaves[s]) or is_conv2d(a.leaves[s]) or s in per_head) and (
+                        s not in a.notes or s in as_row):
+                    a.notes[s] = reason
+                    as_row.discard(s)
 
 
 def _try_mlp(a, row: str, srcs: list[str], tag) -> str | None:
@@ -124,49 +136,104 @@ def _try_mlp(a, row: str, srcs: list[str], tag) -> str | None:
     return None
 
 
-def _try_attention(a, row: str, srcs: list[str], tag) -> str | None:
-    t = a.trace
-    rm = a.leaves[row]
-    if not is_linear(rm) or not all(is_linear(a.leaves[s]) for s in srcs):
-        return f"ops between {srcs} and {row} mix features ({tag.broken_by}) and they are not linear layers " \
-               f"of an attention block"
-    if len({t.first(s).input_id for s in srcs}) != 1:
-        return f"{srcs} do not read one shared input, so they are not the q/k/v of one attention block " \
-               f"(ops between them and {row}: {tag.broken_by})"
-    # The module that states the heads: the nearest ancestor of q/k/v (up to the one holding the row) that
-    # says its head size or count (BERT keeps them on `attention.self`, the output layer one level up).
+def _heads_module(a, srcs: list[str], row: str):
+    """The module that states the heads: the nearest ancestor of q/k/v (up to the one holding the row) that
+    says its head size or count (BERT keeps them on `attention.self`, the output layer one level up)."""
     top = _lca(srcs + [row])
     attn_name = _lca(srcs) if len(srcs) > 1 else srcs[0].rpartition(".")[0]
     while True:
         attn = a.model.get_submodule(attn_name) if attn_name else a.model
-        hd, nh_attr, nkv_attr = head_info(attn)
-        if hd or nh_attr or len(attn_name) <= len(top):
-            break
+        info = head_info(attn)
+        if info[0] or info[1] or len(attn_name) <= len(top):
+            return attn_name, attn, info
         attn_name = attn_name.rpartition(".")[0]
+
+
+def _packed(pieces, out: int, tag, hd, nh, nkv):
+    """How one projection holds q, k and v: (role, q width, kv width, head_dim, head block width, pieces,
+    extra details), or None when no layout is proven.
+    - "qkv": split into three pieces [q | k | v] (Phi-3's slices, GPT-2's split);
+    - "qkv_heads": [heads, 3, head_dim], each head's q, k, v side by side (GPT-NeoX views [heads, 3 x hd],
+      BLOOM and Falcon [heads, 3, hd]);
+    - "qkv_groups": [kv heads, group + 2, head_dim], each KV group's query heads then its key and value
+      (Falcon's grouped layout), seen as a reshape to exactly those sizes."""
+    per_head = hd or (out // (3 * nh) if nh and out % (3 * nh) == 0 else None)
+    if pieces and len(pieces) == 3 and pieces[1] == pieces[2]:
+        return "qkv", pieces[0], pieces[1], hd, hd, pieces, {}
+    if per_head and out % (3 * per_head) == 0:
+        heads = out // (3 * per_head)
+        # [heads, 3, hd] with heads == 3 reads the same as [3, heads, hd]: not proven.
+        if 3 * per_head in tag.reshaped_to:
+            return "qkv_heads", out // 3, out // 3, per_head, 3 * per_head, None, {}
+        if heads != 3 and (heads, 3, per_head) in tag.blocks:
+            return "qkv_heads", out // 3, out // 3, per_head, per_head, None, {}
+    if hd and nh and nkv and nh % nkv == 0 and out == (nh + 2 * nkv) * hd:
+        group = nh // nkv
+        if nkv != group + 2 and (nkv, group + 2, hd) in tag.blocks:
+            return "qkv_groups", nh * hd, nkv * hd, hd, hd, None, {"group": group}
+    return None
+
+
+def _unsplittable(a, row: str, srcs: list[str], tag, head_tensors) -> str | None:
+    """Why q/k/v -> row cannot be an attention block split by heads, before its heads are even looked at."""
+    if not srcs or not is_linear(a.leaves[row]) or not all(is_linear(a.leaves[s]) for s in srcs):
+        return f"ops between {srcs + list(head_tensors)} and {row} mix features ({tag.broken_by}) and they are not " \
+               f"linear layers of an attention block"
+    mixed = [s for s in srcs if s in tag.unproven]
+    if mixed:
+        return f"the output of {mixed} is rearranged across its features ({tag.broken_by}) before any reshape to " \
+               f"heads (an interleaved rotary or a packing the planner cannot prove), so a split by heads could " \
+               f"be wrong; left whole"
+    inputs = [a.trace.first(s).input_id for s in srcs]
+    if len(set(inputs)) != 1 and not _is_cross(srcs, inputs):
+        return f"{srcs} do not read one shared input, so they are not the q/k/v of one attention block " \
+               f"(ops between them and {row}: {tag.broken_by})"
+    return None
+
+
+def _is_cross(srcs: list[str], inputs: list) -> bool:
+    """Cross-attention: the query reads one input, key and value another (the encoder's output)."""
+    return len(srcs) == 3 and len(set(inputs)) == 2 and len(set(inputs[1:])) == 1
+
+
+def _own_parameters(a, attn_name: str, names: list[str]) -> list[str]:
+    """Parameters held by the attention module itself or a container between it and its layers (a per-head
+    scale or sink, say): the forward uses them beside the heads, and nothing splits them with the heads."""
+    top, out = _lca(names), []
+    for name, m in a.model.named_modules():
+        if name not in a.leaves and (name == attn_name or (name.startswith(attn_name) and top.startswith(name))):
+            out += [f"{name}.{p}" if name else p for p, _ in m.named_parameters(recurse=False)]
+    return out
+
+
+def _try_attention(a, row: str, srcs: list[str], tag, head_tensors: list[str] = ()) -> str | None:
+    t = a.trace
+    rm = a.leaves[row]
+    why = _unsplittable(a, row, srcs, tag, head_tensors)
+    if why:
+        return why
+    cross = _is_cross(srcs, [t.first(s).input_id for s in srcs])
+    attn_name, attn, (hd, nh_attr, nkv_attr) = _heads_module(a, srcs, row)
+    own = _own_parameters(a, attn_name, srcs + [row])
+    if own:
+        return f"{attn_name} holds {own} itself and uses them beside its heads (per-head scales?); they are not " \
+               f"split with the heads, so the attention stays whole"
     widths = [linear_dims(a.leaves[s])[1] for s in srcs]
     head_width = hd
+    extra: dict = {}
     if len(srcs) == 1:
-        pieces = t.pieces.get(srcs[0])
-        out = widths[0]
-        per_head = hd or (out // (3 * nh_attr) if nh_attr and out % (3 * nh_attr) == 0 else None)
-        if pieces and len(pieces) == 3 and pieces[1] == pieces[2]:
-            q_w, kv_w = pieces[0], pieces[1]
-            roles = {srcs[0]: "qkv"}
-        elif per_head and out % (3 * per_head) == 0 and 3 * per_head in tag.reshaped_to:
-            # GPT-NeoX: one projection viewed as [heads, 3 x head_dim], each head's q, k, v side by side.
-            hd, head_width, pieces = per_head, 3 * per_head, None
-            q_w = kv_w = out // 3
-            roles = {srcs[0]: "qkv_heads"}
-        else:
+        found = _packed(t.pieces.get(srcs[0]), widths[0], tag, hd, nh_attr, nkv_attr)
+        if found is None:
             return f"{srcs[0]} feeds {row} through {tag.broken_by} but is not split into q, k, v pieces"
+        role, q_w, kv_w, hd, head_width, pieces, extra = found
+        roles = {srcs[0]: role}
     elif len(srcs) == 3:
         big = max(widths)
-        q_candidates = [s for s, w in zip(srcs, widths) if w == big]
-        q = q_candidates[0]
+        q = srcs[0] if cross else [s for s, w in zip(srcs, widths) if w == big][0]
         kv = [s for s in srcs if s != q]
         if len({linear_dims(a.leaves[s])[1] for s in kv}) != 1:
             return f"k/v projections {kv} of {attn_name} have different widths"
-        q_w, kv_w = big, linear_dims(a.leaves[kv[0]])[1]
+        q_w, kv_w = linear_dims(a.leaves[q])[1], linear_dims(a.leaves[kv[0]])[1]
         roles = {q: "q", kv[0]: "k", kv[1]: "v"}
         pieces = None
     else:
@@ -190,13 +257,24 @@ def _try_attention(a, row: str, srcs: list[str], tag) -> str | None:
         a.structures[s] = dict(common, role=role, row=row)
         if role == "qkv":
             a.structures[s]["pieces"] = list(pieces)
+        a.structures[s].update(extra)
     head_local = sorted(c for c in tag.carried if c in t.head_local)
     if any(c not in t.head_local for c in tag.carried) or any(
             a.leaves[c].weight.shape[0] != hd for c in head_local if hasattr(a.leaves[c], "weight")):
         return f"layers {sorted(tag.carried)} between {srcs} and {row} are not per-head layers of size {hd}"
+    odd = [p for p in head_tensors if not is_per_head_source(a.leaves[p], nh)]
+    if odd:
+        return f"{odd} reach the scores of {attn_name} but are not per-head tensors of its {nh} heads"
     a.structures[row] = dict(common, role="o", columns=srcs)
+    read = {t.first(s).input_id for s in srcs}
+    plain = {at: shape for at, (shape, ident) in t.plain_args.get(attn_name, {}).items() if ident not in read}
+    sliced = head_args(plain, t.first(srcs[0]).input_shape[0], nh)
+    if sliced:
+        a.structures[row]["head_args"] = sliced
     for c in head_local:
         a.structures[c] = dict(common, role="head_local", row=row)
+    for p in head_tensors:
+        a.structures.setdefault(p, dict(common, role="per_head", rows=[]))["rows"].append(row)
     a.pairs.append({"kind": "attention", "columns": srcs, "row": row, "carried": head_local, "attention": attn_name,
-                    "head_dim": hd, "num_heads": nh, "num_kv_heads": nkv})
+                    "head_dim": hd, "num_heads": nh, "num_kv_heads": nkv, "per_head": list(head_tensors)})
     return None

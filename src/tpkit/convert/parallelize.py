@@ -22,6 +22,7 @@ from torch import nn
 
 from ..nn.layout import ShardLayout
 from .errors import PlanError
+from .fastpath import fast_path_updates
 from .layouts import key_layouts, plan_layouts
 from .plan import Plan
 from .planner import auto_plan
@@ -102,8 +103,11 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     region = None if recorded else validate(analysis, styles, world, sequence_parallel)  # 4. validate
     built = build(modules, styles, per_module, comm, set(region.rows) if region else set())   # 5. swap
     updates = attention_updates(model, styles, the_plan.details, world, rank)
-    swap(model, modules, analysis, styles, built, updates, region, comm)
-    kept = {n: s for n, s in styles.items() if n in analysis.leaves or hasattr(style(s), "install")}  # + moe_block
+    for name, attrs in fast_path_updates(model, styles, world).items():
+        updates.setdefault(name, {}).update(attrs)
+    swap(model, modules, analysis, styles, built, updates, region, comm, the_plan.details)
+    kept = {n: s for n, s in styles.items()  # leaves, modules with layouts, containers with hooks (moe_block)
+            if n in analysis.leaves or n in per_module or hasattr(style(s), "install")}
     record = Plan(kept, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
     record.updated_attributes, record.sequence_parallel, record.rank = updates, region, rank

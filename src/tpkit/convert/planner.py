@@ -11,8 +11,11 @@ from typing import Any, Mapping
 from torch import nn
 
 from .experts import plan_experts
+from .fastpath import direct_read_reason
 from .heads import HeadLayoutError, head_layout
 from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, kind, linear_dims
+from .mha import MULTIHEAD_ATTENTION, unsupported
+from .per_head import PER_HEAD
 from .plan import Plan
 from .styles import (CHANNELWISE, COLWISE, COLWISE_REP, EMBEDDING_ROWWISE, REPLICATE, REPLICATED_WITH_GRAD_ALLREDUCE,
                      ROWWISE, VOCAB_PARALLEL, VOCAB_STYLES)
@@ -50,9 +53,9 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
             reasons[name] = f"the model's forward could not be traced ({a.trace_error}); pass example_inputs"
         return Plan({n: REPLICATE for n in a.leaves}, world_size=world_size, mode=mode, reasons=reasons,
                     prefix=a.prefix)
-    for pair in a.pairs:
-        names = pair["columns"] + [pair["row"]] + pair["carried"]
-        why = _pair_blocker(a, pair, world_size)
+    blockers = _blockers(a, world_size)
+    for pair, why in zip(a.pairs, blockers):
+        names = pair["columns"] + [pair["row"]] + pair["carried"] + pair.get("per_head", [])
         if why:
             for n in names:
                 entries[n] = REPLICATE
@@ -67,11 +70,21 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
             # BatchNorm between convs holds its channels; a per-head norm stays whole, its gradient summed.
             entries[n] = REPLICATED_WITH_GRAD_ALLREDUCE if pair["kind"] == "attention" else CHANNELWISE
             details[n] = a.structures[n]
-    heads = _lm_heads(a, world_size)
+        for n in pair.get("per_head", []):
+            entries[n] = PER_HEAD
+            details[n] = a.structures[n]
+    _multihead_attention(a, world_size, entries, details, reasons)
+    heads = [h for h in _lm_heads(a, world_size) if h not in a.trace.read_directly]
     for h in heads:
         entries[h] = VOCAB_PARALLEL if mode == "training" else COLWISE_REP
     for name, m in a.leaves.items():
         if name in entries or not is_embedding(m):
+            continue
+        if name in a.trace.read_directly:
+            reasons[name] = direct_read_reason(name, a.trace.read_directly[name])
+            continue
+        if name in a.notes:  # a per-head tensor of attention that stays whole
+            reasons[name] = a.notes[name]
             continue
         tied_to_head = any(o in heads for o in a.ties.get(name, []))
         vocab = getattr(getattr(a.model, "config", None), "vocab_size", None)
@@ -92,7 +105,54 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
     return Plan(entries, world_size=world_size, mode=mode, details=details, reasons=reasons, prefix=a.prefix)
 
 
+def _multihead_attention(a: Analysis, world_size: int, entries: dict, details: dict, reasons: dict) -> None:
+    """Every `nn.MultiheadAttention` run in the forward is split by heads (mha.py) when it reads its out_proj
+    itself (and nothing else does) and its heads divide; otherwise its out_proj stays whole, with the reason."""
+    for name, m in a.model.named_modules():
+        out = f"{name}.out_proj"
+        if not name or type(m) is not nn.MultiheadAttention or name not in a.trace.module_inputs:
+            continue
+        why = unsupported(m)
+        if why is None and a.trace.readers.get(out) != name:
+            why = f"{out} is not read by {name}'s own forward alone"
+        if why is None:
+            try:
+                head_layout(m.num_heads, m.num_heads, world_size, name)
+            except HeadLayoutError as exc:
+                why = str(exc)
+        if why:
+            reasons[out] = f"{name} stays whole: {why}"
+            continue
+        common = {"pair": "attention", "attention": name, "head_dim": m.head_dim, "num_heads": m.num_heads,
+                  "num_kv_heads": m.num_heads}
+        entries[name], details[name] = MULTIHEAD_ATTENTION, dict(common, role="qkv")
+        entries[out], details[out] = ROWWISE, dict(common, role="o")
+        reasons.pop(out, None)
+
+
+def _blockers(a: Analysis, world_size: int) -> list[str | None]:
+    """Per pair, why it stays whole (None: split). A per-head tensor serving several attention blocks (T5's
+    position bias) is split with all of them or none: one blocked block, or one that failed to pair, or
+    blocks with other head counts keep every block it reaches whole."""
+    out = [_pair_blocker(a, p, world_size) for p in a.pairs]
+    for src in {s for p in a.pairs for s in p.get("per_head", [])}:
+        users = [i for i, p in enumerate(a.pairs) if src in p.get("per_head", [])]
+        heads = {(a.pairs[i]["num_heads"], a.pairs[i]["num_kv_heads"]) for i in users}
+        why = next((out[i] for i in users if out[i]), None) or (a.notes.get(src) and
+                                                              f"{src} also reaches attention that stays whole: "
+                                                              f"{a.notes[src]}")
+        if why is None and len(heads) > 1:
+            why = f"{src} serves attention blocks with different head counts {sorted(heads)}"
+        if why:
+            for i in users:
+                out[i] = out[i] or f"shares the per-head tensor {src} with attention that stays whole ({why})"
+    return out
+
+
 def _pair_blocker(a: Analysis, pair: dict, world_size: int) -> str | None:
+    read = [n for n in pair["columns"] + [pair["row"]] if n in a.trace.read_directly]
+    if read:
+        return f"{read[0]}: {direct_read_reason(read[0], a.trace.read_directly[read[0]])}"
     if pair["kind"] == "attention":
         try:
             head_layout(pair["num_heads"], pair["num_kv_heads"], world_size, pair["attention"])
@@ -119,6 +179,8 @@ def _settle_ties(a: Analysis, entries: dict, reasons: dict) -> None:
 
 
 def _replicate_reason(a: Analysis, name: str, m: nn.Module) -> str:
+    if name in a.trace.read_directly:
+        return direct_read_reason(name, a.trace.read_directly[name])
     if name not in a.trace.calls:
         return "not run in the traced forward"
     if name in a.notes:

@@ -17,8 +17,10 @@ from torch import nn
 from ..nn.layout import Piece, ShardLayout
 from .errors import PlanError
 from .heads import HeadLayoutError, head_layout
+from .mha import MULTIHEAD_ATTENTION, MultiheadAttentionHeads
+from .per_head import PER_HEAD, PerHead, group_pieces
 from .modules import (as_linear, is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d,
-                      is_transposed_linear, kind, linear_dims)
+                      is_transposed_linear, keep_output_scale, kind, linear_dims)
 
 COLWISE = "colwise"
 COLWISE_REP = "colwise_rep"
@@ -115,6 +117,8 @@ def feature_pieces(details: Mapping, size: int, world: int, column: bool) -> tup
                     Piece(qw + kw, kw, _head_spans(lay.kv_heads, hd)))
         if role == "qkv_heads":  # GPT-NeoX: [heads, 3 x head_dim]
             return (Piece(0, size, _head_spans(lay.q_heads, 3 * hd)),)
+        if role == "qkv_groups":  # Falcon: [kv heads, group + 2, head_dim]
+            return group_pieces(lay, hd, details["group"])
     pieces = details.get("pieces") if column else None
     out, offset = [], 0
     for p in pieces or [size]:
@@ -261,7 +265,7 @@ class EmbeddingRowwise(_EmbeddingSplit):
     def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
         from ..nn import VocabParallelEmbedding
 
-        return VocabParallelEmbedding.from_module(m, comm)
+        return keep_output_scale(m, VocabParallelEmbedding.from_module(m, comm))
 
 
 class EmbeddingColwise(_EmbeddingSplit):
@@ -273,7 +277,7 @@ class EmbeddingColwise(_EmbeddingSplit):
     def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
         from ..nn import ParallelEmbedding
 
-        return ParallelEmbedding.from_module(m, comm)
+        return keep_output_scale(m, ParallelEmbedding.from_module(m, comm))
 
 
 class ChannelWise(Style):
@@ -344,6 +348,8 @@ def _sum_replicated_row_grads(layer: nn.Module, rows: tuple[int, ...], n_out: in
 STYLES: dict[str, Style] = {s.name: s for s in (
     ColWise(), ColWiseRep(), VocabParallel(), RowWise(), RowWiseRep(), EmbeddingRowwise(), EmbeddingColwise(),
     ChannelWise(), SequenceParallelNorm(), Style(), ReplicatedGradAllReduce())}
+STYLES[PER_HEAD] = PerHead()  # type: ignore[assignment]  # per_head.py, mha.py: same interface, kept with
+STYLES[MULTIHEAD_ATTENTION] = MultiheadAttentionHeads()  # type: ignore[assignment]  # their concepts
 CONTAINER_NO_OPS: dict[str, Style] = {n: ContainerNoOp(n) for n in ("gather", "all_reduce", "local", "ep_router",
                                                                     "moe_identity_expert")}
 ALIASES = {

@@ -91,7 +91,8 @@ def _forward_reads_config_heads(cls: type) -> bool:
 
 
 def swap(model: nn.Module, modules: Mapping[str, nn.Module], analysis: Analysis, styles: Mapping[str, str],
-         built: Mapping[str, nn.Module], updates: Mapping[str, dict], region, comm) -> None:
+         built: Mapping[str, nn.Module], updates: Mapping[str, dict], region, comm,
+         details: Mapping[str, dict] | None = None) -> None:
     """Put the built layers in and install what they need; `modules` are the model's modules before."""
     for name, new in built.items():
         parent_name, _, child = name.rpartition(".")
@@ -110,6 +111,7 @@ def swap(model: nn.Module, modules: Mapping[str, nn.Module], analysis: Analysis,
             if s == REPLICATED_WITH_GRAD_ALLREDUCE:
                 _sum_grads_over_ranks(modules[name], comm)
     _install_vocab_parallel_loss(model, built, styles, comm)
+    _slice_head_args(model, styles, details, comm)
     if region is not None:
         from ..nn import mark_sequence_parallel
         from .sequence import install_entry, install_gather
@@ -119,6 +121,20 @@ def swap(model: nn.Module, modules: Mapping[str, nn.Module], analysis: Analysis,
             mark_sequence_parallel(modules[n])
         for n in region.gathered:
             install_gather(modules[n], comm)
+
+
+def _slice_head_args(model: nn.Module, styles: Mapping[str, str], details: Mapping[str, dict] | None, comm):
+    """Split attention that takes per-head arguments built for all heads (ALiBi) gets its heads' slices."""
+    if comm.world_size == 1:
+        return
+    from .per_head import install_head_arg_slicers
+
+    for name, s in styles.items():
+        d = (details or {}).get(name, {})
+        if s == ROWWISE and d.get("head_args"):
+            lay = head_layout(d["num_heads"], d["num_kv_heads"], comm.world_size, d["attention"])
+            attn = model.get_submodule(d["attention"]) if d["attention"] else model
+            install_head_arg_slicers(attn, d["head_args"], d["num_heads"], lay.q_heads[comm.rank])
 
 
 def _retie(model: nn.Module, a: Analysis, built: Mapping[str, nn.Module]) -> None:

@@ -31,6 +31,8 @@ __itruediv__ __neg__ __pow__ add_ mul_ sub_ div_ sigmoid_ tanh_ silu_ gelu_ cos 
 # Ops that only read metadata: they neither carry nor break a tag.
 METADATA = frozenset("size dim shape numel __get__ __len__ is_floating_point get_device is_contiguous".split())
 SPLITS = frozenset(("split", "chunk", "tensor_split", "unbind"))
+# Ops that move or add leading axes: they keep every feature in place when the last axis keeps its size.
+LAYOUT = frozenset("unsqueeze squeeze expand expand_as transpose permute movedim repeat".split())
 RESHAPES = frozenset(("view", "reshape", "flatten", "unflatten"))
 
 
@@ -38,17 +40,23 @@ RESHAPES = frozenset(("view", "reshape", "flatten", "unflatten"))
 class Tag:
     """What a tensor is made of: the nearest parameterised layers upstream (`sources`), whether only
     per-feature ops lay between (`clean`), per-channel layers passed on the way (`carried`), the first op
-    that mixed features (`broken_by`) and the last-dim sizes seen on reshapes (`reshaped_to`, head sizes)."""
+    that mixed features (`broken_by`), the last-dim sizes seen on reshapes (`reshaped_to`, head sizes), and
+    the sources whose features were mixed before any reshape (`unproven`: an interleaved rotary or a custom
+    packing over the whole projection, so its heads are not the contiguous blocks a split would give)."""
 
     sources: frozenset
     clean: bool = True
     carried: frozenset = frozenset()
     broken_by: str | None = None
     reshaped_to: frozenset = frozenset()
+    unproven: frozenset = frozenset()
+    headed: bool = False  # a reshape added axes (to heads; one head of the projection's width included)
+    blocks: frozenset = frozenset()  # the last three sizes of reshapes that split the features ([heads, 3, hd])
 
     def merge(self, other: "Tag") -> "Tag":
         return Tag(self.sources | other.sources, self.clean and other.clean, self.carried | other.carried,
-                   self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to)
+                   self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to,
+                   self.unproven | other.unproven, self.headed or other.headed, self.blocks | other.blocks)
 
 
 @dataclasses.dataclass
@@ -77,6 +85,13 @@ class Trace:
     head_local: dict = dataclasses.field(default_factory=dict)  # per-head layers (q/k norms) -> their sources
     # every module -> {id of a tensor argument of its first call: its position (int) or keyword (str)}
     module_inputs: dict = dataclasses.field(default_factory=dict)
+    # layers whose parameters an op outside their own forward read (layer -> that op): a fused fast path or a
+    # parent that does `F.linear(x, child.weight)`; a shard there would meet code that expects the whole tensor
+    read_directly: dict = dataclasses.field(default_factory=dict)
+    readers: dict = dataclasses.field(default_factory=dict)  # see read_directly: read by that MultiheadAttention
+    # every module -> {position or keyword: (shape, id)} of the float tensor arguments of its first call that no
+    # parameterised layer made (masks, ALiBi biases built from the mask)
+    plain_args: dict = dataclasses.field(default_factory=dict)
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -95,6 +110,10 @@ class _Tracer(TorchFunctionMode):
         self.conv_layers = conv_layers
         self.pieces: dict[str, tuple] = {}
         self.slices: dict[str, set] = {}
+        self.owners: dict[int, tuple[torch.Tensor, str]] = {}  # id(parameter) -> (it, the layer that owns it)
+        self.read_directly: dict[str, str] = {}
+        self.readers: dict[str, str] = {}  # layer read directly -> the MultiheadAttention whose forward read it
+        self.inside: list[str] = []  # the MultiheadAttention modules whose forward is running
 
     def tag_of(self, t: Any) -> Tag | None:
         if isinstance(t, torch.Tensor):
@@ -115,9 +134,11 @@ class _Tracer(TorchFunctionMode):
         if self.depth:
             return out
         name = getattr(func, "__name__", str(func))
+        flat = [a for a in tree_flatten((args, kwargs))[0]]
+        if name not in METADATA or isinstance(out, torch.Tensor):  # `.T` is a `__get__` too, `.shape` is not
+            self._note_direct_reads(name, flat)
         if name in METADATA:
             return out
-        flat = [a for a in tree_flatten((args, kwargs))[0]]
         tagged = [(a, self.tag_of(a)) for a in flat]
         tags = [tg for _, tg in tagged if tg is not None]
         if not tags:
@@ -129,13 +150,29 @@ class _Tracer(TorchFunctionMode):
         is_conv = bool(tag.sources & self.conv_layers)
         fdim = _feature_dim(ref, is_conv)
         clean = tag.clean and self._per_feature(name, ref, flat, out, fdim, tag)
-        reshaped = tag.reshaped_to
+        reshaped, blocks = tag.reshaped_to, tag.blocks
         if name in RESHAPES and isinstance(out, torch.Tensor) and out.dim() and ref.dim():
             if out.shape[-1] != ref.shape[-1]:
                 reshaped = reshaped | {int(out.shape[-1])}
-        new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped)
+                if out.dim() >= 3 and out.shape[-3:].numel() == ref.shape[-1]:
+                    blocks = blocks | {tuple(int(d) for d in out.shape[-3:])}
+        keeps = name in LAYOUT and isinstance(out, torch.Tensor) and out.dim() and out.shape[-1] == ref.shape[-1]
+        headed = tag.headed or bool(reshaped) or (name in RESHAPES and isinstance(out, torch.Tensor)
+                                                  and out.dim() > ref.dim())
+        unproven = tag.unproven | (tag.sources if not clean and not headed and not keeps else frozenset())
+        new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped, unproven,
+                  headed, blocks)
         self.set_tag(out, new)
         return out
+
+    def _note_direct_reads(self, name: str, flat: list) -> None:
+        """An op outside every layer's forward that takes a layer's parameter reads it directly."""
+        for a in flat:
+            owner = self.owners.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if owner is not None and owner[0] is a and owner[1] not in self.read_directly:
+                self.read_directly[owner[1]] = name
+                if self.inside:
+                    self.readers[owner[1]] = self.inside[-1]
 
     def _per_feature(self, name, ref, flat, out, fdim, tag) -> bool:
         if name == "__getitem__":
@@ -220,6 +257,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
     leaves = parameterised_leaves(model)
     conv_layers = {n for n, m in leaves.items() if is_conv2d(m)}
     tracer = _Tracer(conv_layers)
+    tracer.owners = {id(p): (p, n) for n, m in leaves.items() for p in m.parameters(recurse=False)}
     calls: dict[str, list[Call]] = {}
     consumers: dict[str, set] = {}
     carried_by: dict[str, frozenset] = {}
@@ -251,23 +289,31 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
             call.output_shape = tuple(y.shape) if y is not None else None
             if name in head_local and call.input_tag is not None and call.output_shape == call.input_shape:
                 t = call.input_tag  # per head: the heads' tags flow through, marked as carried
-                tracer.set_tag(out, Tag(t.sources, False, t.carried | {name}, t.broken_by or name, t.reshaped_to))
+                tracer.set_tag(out, Tag(t.sources, False, t.carried | {name}, t.broken_by or name, t.reshaped_to,
+                                        t.unproven, t.headed, t.blocks))
             elif per_channel and call.input_tag is not None:
                 # A per-channel layer passes its input's shards straight through; remember it rides along.
                 t = call.input_tag
                 carried_by[name] = t.sources
-                tracer.set_tag(out, Tag(t.sources, t.clean, t.carried | {name}, t.broken_by, t.reshaped_to))
+                tracer.set_tag(out, Tag(t.sources, t.clean, t.carried | {name}, t.broken_by, t.reshaped_to,
+                                        t.unproven, t.headed, t.blocks))
             else:
                 tracer.set_tag(out, Tag(frozenset({name})))
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     module_inputs: dict[str, dict[int, int | str]] = {}
+    plain_args: dict[str, dict] = {}
     for name, module in model.named_modules():
+        if type(module) is nn.MultiheadAttention:  # reads its out_proj's weight itself (see mha.py)
+            handles.append(module.register_forward_pre_hook(lambda *a, name=name: tracer.inside.append(name)))
+            handles.append(module.register_forward_hook(lambda *a: tracer.inside.pop() and None))
         def record(mod, args, kwargs, name=name):
             if name not in module_inputs:
                 where = list(enumerate(args)) + list(kwargs.items())
                 module_inputs[name] = {id(v): at for at, v in reversed(where) if isinstance(v, torch.Tensor)}
+                plain_args[name] = {at: (tuple(v.shape), id(v)) for at, v in where if isinstance(v, torch.Tensor)
+                                    and v.is_floating_point() and tracer.tag_of(v) is None}
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
     try:
         out = _run(model, example_inputs, tracer)
@@ -280,7 +326,8 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
         tag = tracer.tag_of(t)
         if tag is not None:
             escaped |= tag.sources | tag.carried
-    return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs)
+    return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
+                 tracer.read_directly, tracer.readers, plain_args)
 
 
 def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:

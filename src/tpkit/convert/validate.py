@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from .errors import PlanError
+from .fastpath import check_direct_reads
+from .per_head import PER_HEAD
 from .structure import Analysis
 from .styles import (CHANNELWISE, COLWISE, REPLICATE, REPLICATED_WITH_GRAD_ALLREDUCE, ROWWISE, SEQUENCE_PARALLEL,
                      VOCAB_STYLES)
@@ -26,6 +28,8 @@ def validate(analysis: Analysis, styles: dict[str, str], world: int, sequence_pa
         if analysis.trace is not None and world > 1:
             check_dataflow(name, s, analysis, styles)
     check_ties(analysis, styles)
+    if analysis.trace is not None and world > 1:
+        check_direct_reads(analysis.trace.read_directly, styles, analysis.trace.readers)
     if not ((sequence_parallel or SEQUENCE_PARALLEL in styles.values()) and world > 1):
         return None
     from .sequence import find_region
@@ -52,11 +56,16 @@ def check_dataflow(name: str, s: str, a: Analysis, styles: Mapping[str, str]) ->
     if s == ROWWISE and name in t.calls:
         tag = t.first(name).input_tag
         srcs = sorted(tag.sources) if tag is not None else []
-        bad = [x for x in srcs if _style(styles, x) not in (COLWISE, CHANNELWISE)]
+        bad = [x for x in srcs if _style(styles, x) not in (COLWISE, CHANNELWISE, PER_HEAD)]
         if bad or not srcs:
             raise PlanError(f"conflicting entries: {name} is 'rowwise' (it takes a split input) but its input comes "
                             f"from {bad or 'no layer'}, which give(s) the whole vector; use 'rowwise_rep' or make "
                             f"them 'colwise'")
+    if s == PER_HEAD:
+        bad = sorted(u for u in t.consumers.get(name, set()) if _style(styles, u) != ROWWISE)
+        if bad or name in t.escaped:
+            raise PlanError(f"conflicting entries: {name} is 'per_head' (it holds this rank's heads only) but it "
+                            f"reaches {bad or '<model output>'}, which take(s) all heads; plan it 'replicate'")
     if s == CHANNELWISE and name in t.carried_by:
         bad = [x for x in t.carried_by[name] if _style(styles, x) != COLWISE]
         if bad:

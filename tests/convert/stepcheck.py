@@ -1,0 +1,104 @@
+"""One check body for the coverage tests: a converted model's forward and one AdamW step, in float64, equal the
+unconverted model's on every rank (thread-ranks through `tpkit.launch`).
+
+The model is built once, outside the ranks, and deep-copied per rank (thread-ranks share torch's global RNG).
+Errors are relative: outputs to their largest magnitude; gradients and updated weights to the tensor's own
+largest magnitude, floored (some gradients are zero in theory, a key bias for instance, and hold only
+rounding noise; a weight's floor is the step size, as Adam's first step moves every weight by about lr).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import tpkit
+from tpkit.convert.verify import named_tensors
+
+LR = 1e-2
+
+
+def call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+
+
+def weighted_loss(out: Any) -> torch.Tensor:
+    """Every floating output element with its own fixed weight (a plain sum would hide errors that cancel)."""
+    total = 0.0
+    for t in named_tensors(out).values():
+        w = torch.randn(t.shape, generator=torch.Generator().manual_seed(1234), dtype=t.dtype)
+        total = total + (t * w).sum()
+    return total
+
+
+def _rel(got: torch.Tensor | None, want: torch.Tensor, floor: float = 0.0) -> float:
+    if got is None or got.shape != want.shape:
+        return float("inf")
+    if not want.numel():
+        return 0.0
+    scale = max(want.detach().abs().max().item(), floor)
+    err = (got.detach() - want.detach()).abs().max().item()
+    return err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
+
+
+def _no_grad_outputs(model: nn.Module, inputs: Any) -> dict:
+    with torch.no_grad():
+        return {f"no_grad {k}": v for k, v in named_tensors(call(model, inputs)).items()}
+
+
+def reference(model: nn.Module, inputs: Any, train: bool = False, grad: bool = True) -> dict:
+    """The unconverted model's outputs (also under `no_grad` when `grad` is False: fused fast paths run
+    there), gradients and weights after one AdamW step."""
+    ref = copy.deepcopy(model).train(train)
+    outs = {} if grad else _no_grad_outputs(ref, inputs)
+    out = call(ref, inputs)
+    outs.update({k: v.detach() for k, v in named_tensors(out).items()})
+    weighted_loss(out).backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    torch.optim.AdamW(ref.parameters(), lr=LR).step()
+    after = {n: p.detach() for n, p in ref.named_parameters()}
+    return {"outputs": outs, "grads": grads, "after": after,
+            "grad_floor": 1e-3 * max((g.abs().max().item() for g in grads.values()), default=0.0)}
+
+
+def rank_errors(copies: list, inputs: Any, ref: dict, plan: Any = "auto", train: bool = False,
+                grad: bool = True) -> dict:
+    """On one rank: convert its copy, compare outputs, gradients and the weights after one AdamW step."""
+    comm = tpkit.get_communicator()
+    model = copies[comm.rank]
+    tpkit.parallelize(model, plan, comm, example_inputs=inputs)
+    model.train(train)
+    got = {} if grad else _no_grad_outputs(model, inputs)
+    out = call(model, inputs)
+    got.update(named_tensors(out))
+    errs = {f"out {k}": _rel(got.get(k), v) for k, v in ref["outputs"].items()}
+    weighted_loss(out).backward()
+    layouts = tpkit.shard_layouts(model)
+    for n, p in model.named_parameters():
+        if n in ref["grads"]:
+            want = layouts[n].shard(ref["grads"][n])
+            errs[f"grad {n}"] = _rel(p.grad, want, ref["grad_floor"])
+    torch.optim.AdamW(model.parameters(), lr=LR).step()
+    for n, p in model.named_parameters():
+        errs[f"step {n}"] = _rel(p, layouts[n].shard(ref["after"][n]), LR)
+    local = sum(torch.Size(lay.local_shape).numel() for lay in layouts.values())
+    full = sum(torch.Size(lay.full_shape).numel() for lay in layouts.values())
+    return {"errors": errs, "share": local / full, "plan": model.tp_plan if hasattr(model, "tp_plan") else None}
+
+
+def check(model: nn.Module, inputs: Any, world_size: int, plan: Any = "auto", train: bool = False,
+          grad: bool = True, tol: float = 1e-6, backend: str = "threads") -> list[dict]:
+    """Run `rank_errors` on `world_size` ranks (threads, or gloo processes); assert every error is within `tol`;
+    the per-rank results. `train` picks the mode; `grad=False` also compares a forward under `torch.no_grad()`."""
+    ref = reference(model, inputs, train, grad)
+    copies = [copy.deepcopy(model) for _ in range(world_size)]
+    results = tpkit.launch(rank_errors, world_size, backend=backend, args=(copies, inputs, ref, plan, train, grad),
+                           **({"timeout": 240} if backend != "threads" else {}))
+    for rank, r in enumerate(results):
+        bad = {k: v for k, v in r["errors"].items() if not v <= tol}
+        assert not bad, f"rank {rank} of {world_size}: errors above {tol}: {dict(list(bad.items())[:6])}"
+    return results
