@@ -6,6 +6,7 @@ vocabulary when large or tied to the head; everything else is replicated, with t
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping
 
 from torch import nn
@@ -39,6 +40,20 @@ def _lm_heads(a: Analysis, world_size: int) -> list[str]:
         if n_out >= max(world_size, 2) and big:
             out.append(name)
     return out
+
+
+def computes_own_loss(model) -> bool:
+    """A Hugging Face model whose forward computes its loss other than through `self.loss_function` as a
+    causal LM (masked LM, seq2seq: inline `CrossEntropyLoss` over `view(-1, vocab)`), which vocabulary-split
+    logits would crash or, worse, feed wrong. Causal LMs get tpkit's loss (`losses.py`); other models keep the
+    documented split logits for `vocab_parallel_cross_entropy`."""
+    if not isinstance(getattr(type(model), "loss_function", None), property):
+        return False
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True
+    return "self.loss_function" not in source or getattr(model, "loss_type", None) not in (None, "ForCausalLM")
 
 
 def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
@@ -75,8 +90,12 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference") -> Plan:
             details[n] = a.structures[n]
     _multihead_attention(a, world_size, entries, details, reasons)
     heads = [h for h in _lm_heads(a, world_size) if h not in a.trace.read_directly]
+    own_loss = mode == "training" and computes_own_loss(a.model)
     for h in heads:
-        entries[h] = VOCAB_PARALLEL if mode == "training" else COLWISE_REP
+        entries[h] = VOCAB_PARALLEL if mode == "training" and not own_loss else COLWISE_REP
+        if own_loss:
+            reasons[h] = (f"logits gathered in training: {type(a.model).__name__}.forward computes its loss from full "
+                          f"logits itself, which split logits would break")
     for name, m in a.leaves.items():
         if name in entries or not is_embedding(m):
             continue
