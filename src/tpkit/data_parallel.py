@@ -34,7 +34,7 @@ from .comm.groups import split
 from .comm.ops import ReduceOp
 from .convert.layouts import shard_layouts
 from .nn import TensorParallelModule, model_parallel_manual_seed
-from .nn.grad_clip import NORM_SOURCES
+from .nn.grad_clip import NORM_SOURCES, power_sum
 from .nn.layout import ShardLayout
 
 MODES = ("fsdp", "ddp")
@@ -222,34 +222,17 @@ def _dp_start(p: torch.Tensor, dim: int, local: torch.Tensor) -> int:
     return start
 
 
-def _replica_weights(lay: ShardLayout | None, p: torch.Tensor, local: torch.Tensor, dtype) -> torch.Tensor | None:
-    """1 / (ranks holding it) per entry of `local` along the split dim, when some TP slice is held by several
-    ranks (KV heads replicated); None when every entry is held once."""
+def _replicas(lay: ShardLayout | None, p: torch.Tensor, local: torch.Tensor) -> tuple[tuple[int, ...] | None, int]:
+    """`(ranks holding each entry of local along the split dim, that dim)` when some TP slice is held by several
+    ranks (KV heads replicated); `(None, 0)` when every entry is held once."""
     if lay is None or lay.dim is None or lay.is_replicated:
-        return None
+        return None, 0
     reps = lay.replicas()
     if max(reps, default=1) == 1:
-        return None
+        return None, 0
     dim = (1 - lay.dim) if lay.transposed else lay.dim
     start = _dp_start(p, dim, local)
-    w = 1.0 / torch.tensor(reps[start:start + local.shape[dim]], dtype=dtype, device=local.device)
-    shape = [1] * local.dim()
-    shape[dim] = -1
-    return w.view(shape)
-
-
-def _power_sum(items: list[tuple[torch.Tensor, torch.Tensor | None]], norm_type: float, dtype) -> torch.Tensor:
-    total = torch.zeros((), dtype=dtype)
-    for g, w in items:
-        if g.numel() == 0:
-            continue
-        if norm_type == math.inf:
-            total = torch.maximum(total, g.detach().abs().max().to(dtype).cpu())
-        elif w is None:
-            total = total + torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype).pow(norm_type).cpu()
-        else:
-            total = total + (g.detach().to(dtype).abs().pow(norm_type) * w).sum().cpu()
-    return total
+    return reps[start:start + local.shape[dim]], dim
 
 
 def _global_norm(params: list[torch.Tensor], norm_type: float):
@@ -274,12 +257,13 @@ def _record_norm(record: DataParallelRecord, params: list[torch.Tensor], names: 
     for p, g in grads:
         lay = record.layouts.get(names[id(p)])
         held_once = lay is None or lay.dim is None or lay.is_replicated
-        (replicated if held_once else split_items).append((g, _replica_weights(lay, p, g, dtype)))
+        (replicated if held_once else split_items).append((g, *_replicas(lay, p, g)))
     op = ReduceOp.MAX if norm_type == math.inf else ReduceOp.SUM
-    total = _power_sum(split_items, norm_type, dtype)
+    cpu = torch.device("cpu")
+    total = power_sum(split_items, norm_type, dtype, cpu)
     if record.tp_comm is not None:
         total = record.tp_comm.all_reduce(total, op)
-    mine = _power_sum(replicated, norm_type, dtype)
+    mine = power_sum(replicated, norm_type, dtype, cpu)
     total = torch.maximum(total, mine) if op is ReduceOp.MAX else total + mine
     if record.mode == "fsdp":  # dp shards hold disjoint parts; under DDP every dp rank holds the same gradients
         total = record.dp_comm.all_reduce(total, op)

@@ -14,7 +14,7 @@ the marks above, or any layout over more than one dimension) are counted by a *n
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -59,34 +59,34 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
 def _tensor_parallel_norm(params: list[torch.Tensor], norm_type: float, comm: Communicator) -> torch.Tensor:
     """The global norm over the TP group, from the marks tpkit layers set on their parameters."""
     grads = [p.grad for p in params if p.grad is not None]
-    sharded = [(g, getattr(p, "partition_replicas", None), getattr(p, "partition_dim", 0))
-               for p, g in ((p, p.grad) for p in params) if g is not None and is_tensor_parallel(p)]
-    replicated = [g for p, g in ((p, p.grad) for p in params) if g is not None and not is_tensor_parallel(p)]
+    sharded = [(p.grad, getattr(p, "partition_replicas", None), getattr(p, "partition_dim", 0))
+               for p in params if p.grad is not None and is_tensor_parallel(p)]
+    replicated = [(p.grad, None, 0) for p in params if p.grad is not None and not is_tensor_parallel(p)]
     device = grads[0].device if grads else torch.device("cpu")
     # fp32 at least (bf16 squares overflow and round badly), fp64 when the model is fp64.
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-
-    def partial(gs: list[torch.Tensor]) -> torch.Tensor:
-        if not gs:
-            return torch.zeros((), dtype=dtype, device=device)
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=dtype).to(device) for g in gs])
-        return norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
-
-    def partial_shards() -> torch.Tensor:
-        if norm_type == math.inf:  # a maximum is not changed by counting a slice twice
-            return partial([g for g, _, _ in sharded])
-        total = torch.zeros((), dtype=dtype, device=device)
-        for g, replicas, dim in sharded:
-            if replicas is None:
-                total = total + partial([g])
-                continue
-            powered = g.detach().to(dtype).abs().pow(norm_type)
-            sums = powered.movedim(dim, 0).reshape(g.shape[dim], -1).sum(dim=1)
-            total = total + (sums / torch.tensor(replicas, dtype=dtype, device=sums.device)).sum().to(device)
-        return total
-
+    shards, mine = power_sum(sharded, norm_type, dtype, device), power_sum(replicated, norm_type, dtype, device)
     if norm_type == math.inf:
-        total = torch.maximum(comm.all_reduce(partial_shards(), ReduceOp.MAX), partial(replicated))
-    else:
-        total = (comm.all_reduce(partial_shards()) + partial(replicated)).pow(1.0 / norm_type)
+        return torch.maximum(comm.all_reduce(shards, ReduceOp.MAX), mine)
+    return (comm.all_reduce(shards) + mine).pow(1.0 / norm_type)
+
+
+def power_sum(items: Iterable[tuple[torch.Tensor, Sequence[int] | None, int]], norm_type: float,
+              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This rank's part of the norm: the sum of |g|^p over `items` (gradient, replicas, dim), or their maximum
+    for the inf norm. With `replicas` (one count per index along `dim`) each slice counts 1/replicas, since that
+    many ranks add it (a maximum is not changed by counting a slice twice). Shared with the 2-D norm of
+    `tpkit.data_parallel`, which finds the replicas by parameter name."""
+    total = torch.zeros((), dtype=dtype, device=device)
+    for g, replicas, dim in items:
+        if g.numel() == 0:
+            continue
+        g = g.detach()
+        if norm_type == math.inf:
+            total = torch.maximum(total, g.abs().max().to(device, dtype))
+        elif replicas is None:
+            total = total + torch.linalg.vector_norm(g, norm_type, dtype=dtype).pow(norm_type).to(device)
+        else:
+            sums = g.to(dtype).abs().pow(norm_type).movedim(dim, 0).reshape(g.shape[dim], -1).sum(dim=1)
+            total = total + (sums / torch.tensor(replicas, dtype=dtype, device=sums.device)).sum().to(device)
     return total
