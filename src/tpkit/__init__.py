@@ -27,7 +27,7 @@ from .nn import (ColumnParallelConv2d, ColumnParallelLinear, ParallelEmbedding, 
                  VocabParallelEmbedding, clip_grad_norm_, vocab_parallel_cross_entropy)
 from .convert import (AnalysisReport, DistributedModelWrapper, Plan, PlanError, VerifyReport, analyze, parallelize, plan,
                       shard_layouts, verify)
-from .nn.layout import ShardLayout
+from .layout import ShardLayout
 from .convert.estimate import MemoryEstimate, estimate_memory
 from .convert.speed import SpeedEstimate, estimate_speed
 from .convert.profile import SpeedProfile, load_profile, save_profile

@@ -35,7 +35,7 @@ from .comm.ops import ReduceOp
 from .convert.layouts import shard_layouts
 from .nn import TensorParallelModule, model_parallel_manual_seed
 from .nn.grad_clip import NORM_SOURCES, power_sum
-from .nn.layout import ShardLayout
+from .layout import ShardLayout
 
 MODES = ("fsdp", "ddp")
 # Seeds of dp rank d are `seed + d * DP_SEED_OFFSET`: far enough apart that the per-TP-rank streams

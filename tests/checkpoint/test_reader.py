@@ -7,7 +7,7 @@ from tpkit.checkpoint.progress import Progress
 from tpkit.checkpoint.reader import box_ranges
 from tpkit.checkpoint.safetensors_file import read_header, read_ranges, write_file
 from tpkit.checkpoint.save import owned_spans
-from tpkit.nn.layout import Piece, ShardLayout
+from tpkit.layout import Piece, ShardLayout
 
 
 def test_box_ranges_read_exactly_the_box(tmp_path):

@@ -56,7 +56,7 @@ def assert_unbroken(expected: str, pieces: list[str], prose: bool = False) -> No
 
 def expected_rows(report) -> list[tuple[str, str, str]]:
     """(layer label, per-rank bytes, style / reason) of each row of an `AnalysisReport.summary()`."""
-    from tpkit.convert.analyze import human
+    from tpkit.tables import format_bytes as human
 
     out = []
     for name, count, r in report.grouped_layers():
@@ -69,7 +69,7 @@ def expected_rows(report) -> list[tuple[str, str, str]]:
 def check_summary(text: str, report, width: int | None) -> list[str]:
     """Every layer row of `report` is in `text` (its summary, or `tpkit analyze`'s output) whole, every line
     within `width`; returns the plan table's headers."""
-    from tpkit.convert.analyze import human
+    from tpkit.tables import format_bytes as human
 
     if width is not None:
         assert max(len(line) for line in text.splitlines()) <= width, text

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tpkit.cli import main
-from tpkit.convert.estimate import estimate_memory, format_bytes
+from tpkit.convert.estimate import estimate_memory
+from tpkit.tables import format_bytes
 from tpkit.convert.presets import preset_config
 from tpkit.convert.speed import estimate_speed
 

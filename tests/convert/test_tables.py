@@ -7,7 +7,7 @@ import pty
 
 import pytest
 
-from tpkit.convert.tables import Column, output_width, render_table
+from tpkit.tables import Column, output_width, render_table
 
 from .rendered import assert_unbroken, rows, tables
 

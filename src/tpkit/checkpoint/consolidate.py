@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ..nn.layout import ShardLayout
+from ..layout import ShardLayout
 from .errors import CheckpointError
 from .load import open_source
 from .optimizer import PREFIX

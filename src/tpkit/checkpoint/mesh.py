@@ -14,7 +14,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..nn.layout import Piece, ShardLayout
+from ..layout import Piece, ShardLayout
 from .errors import CheckpointError
 
 

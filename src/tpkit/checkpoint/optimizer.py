@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..nn.layout import ShardLayout
+from ..layout import ShardLayout
 
 PREFIX = "optimizer/"
 

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from ..nn.layout import ShardLayout
+from ..layout import ShardLayout
 from .errors import CheckpointError
 from .safetensors_file import Header, TensorInfo, read_ranges, sha256_bytes, sha256_range
 from .sources import Entry, Piece

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..convert.layouts import shard_layouts
 from ..nn._layer import resolve_comm
-from ..nn.layout import ShardLayout
+from ..layout import ShardLayout
 from ..nn.random import get_rng_tracker
 from . import optimizer as optim_state
 from .agree import gather_bytes

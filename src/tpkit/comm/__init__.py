@@ -15,7 +15,7 @@ from .errors import CommError
 from .groups import split
 from .handle import Handle
 from .ops import ReduceOp
-from .sharding import split_range, split_sizes
+from ..layout import split_range, split_sizes
 from .threads import ThreadCommunicator, create_communicators, run_threads
 from .algorithm_communicator import AlgorithmCommunicator
 from .algorithms import ALGORITHMS

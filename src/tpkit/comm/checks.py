@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from .sharding import split_sizes
+from ..layout import split_sizes
 
 
 def as_index(value) -> int | None:

@@ -21,9 +21,9 @@ from .debug import getenv as _getenv
 from .errors import CommError
 from .handle import Handle
 from .ops import ReduceOp
-from .sharding import split_sizes
+from ..layout import split_sizes
 from .signatures import check_signatures, signature
-from .traceable import register
+from .ids import register
 
 # Names that lived here before their modules were split out, still importable from here.
 from .debug import logger  # noqa: E402,F401

@@ -229,13 +229,15 @@ class CommProfiler(WrappedCommunicator):
             })
         return rows
 
-    def summary(self) -> str:
-        """A plain table of `stats()`."""
-        lines = [f"{'op':<15}{'bucket':>10}{'count':>7}{'total ms':>10}{'busbw GB/s p50':>16}{'p99':>8}  algorithms"]
-        for s in self.stats():
-            lines.append(f"{s['op']:<15}{_human(s['size_bucket']):>10}{s['count']:>7}{s['total_time'] * 1e3:>10.2f}"
-                         f"{s['busbw_p50']:>16.3f}{s['busbw_p99']:>8.3f}  {','.join(s['algorithms'])}")
-        return "\n".join(lines)
+    def summary(self, width: int | None = None) -> str:
+        """`stats()` as a table (fitted to `width` columns; None: natural width)."""
+        from ..tables import Column, format_bytes, render_table
+
+        columns = [Column("op", "left"), Column("bucket"), Column("count"), Column("total ms"),
+                   Column("busbw GB/s p50"), Column("p99", drop=2), Column("algorithms", "left", drop=1, wrap="words")]
+        rows = [[s["op"], format_bytes(s["size_bucket"]), str(s["count"]), f"{s['total_time'] * 1e3:.2f}",
+                 f"{s['busbw_p50']:.3f}", f"{s['busbw_p99']:.3f}", ", ".join(s["algorithms"])] for s in self.stats()]
+        return render_table(f"communication on rank {self.rank} of {self.world_size}", columns, rows, width)
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """Records and stats as JSON; written to `path` if given."""
@@ -261,10 +263,3 @@ class CommProfiler(WrappedCommunicator):
         with open(path, "w") as f:
             json.dump(trace, f)
         return trace
-
-
-def _human(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g}{unit}"
-    return f"{nbytes}B"

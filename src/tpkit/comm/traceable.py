@@ -8,7 +8,7 @@ TP_DEBUG, `CommError`, the shared-memory transport). Inside one they become grap
 - torch.distributed functional collectives (`_c10d_functional` + `wait_tensor`) when the communicator is a
   plain torch process group with no faster transport active, so inductor can schedule them;
 - otherwise a `torch.library.custom_op` per collective (`tpkit::all_reduce`, ...), keyed by the integer
-  `comm_id` under which every communicator registers itself (`register` / `lookup`): threads, mpi, shared
+  `comm_id` under which every communicator registers itself (`ids.register` / `ids.lookup`): threads, mpi, shared
   memory, wrapped communicators. Their fake impls need nothing but their arguments (the output shape follows
   from the input shape, `sizes` and `rank`), because dynamo may turn the id into a SymInt.
 
@@ -17,41 +17,16 @@ thread-rank; above 8 thread-ranks raise `torch._dynamo.config.cache_size_limit` 
 """
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from .ids import lookup, register
 from .ops import ReduceOp
-from .sharding import split_sizes
+from ..layout import split_sizes
 
 if TYPE_CHECKING:
     from .communicator import Communicator
-
-_REGISTRY: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
-_IDS = itertools.count(1)
-_LOCK = threading.Lock()
-
-
-def register(comm: "Communicator") -> int:
-    """A process-unique integer for `comm` (the key the custom ops look it up by); idempotent."""
-    cid = comm.__dict__.get("_comm_id")
-    if cid is None:
-        with _LOCK:
-            cid = next(_IDS)
-            _REGISTRY[cid] = comm
-            comm.__dict__["_comm_id"] = cid
-    return cid
-
-
-def lookup(comm_id: int) -> "Communicator":
-    comm = _REGISTRY.get(int(comm_id))
-    if comm is None:
-        raise KeyError(f"no live communicator with id {comm_id}")
-    return comm
-
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        from tpkit.convert.tables import output_width
+        from tpkit.tables import output_width
 
         print(report.summary(width=output_width()), end="")
         if args.plan_out:

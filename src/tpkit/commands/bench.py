@@ -245,7 +245,7 @@ def format_table(result: dict[str, Any], backend: str, width: int | None = None)
 
     `width=None` (a pipe or a file) gives nccl-tests' fixed columns; a terminal's width gives columns as wide as
     their contents, leaving out count, type, redop, algbw and "vs builtin" (in that order) until a row fits."""
-    from tpkit.convert.tables import wrap_text
+    from tpkit.tables import wrap_text
 
     n = result["world_size"]
     by_key = {(r["collective"], r["bytes"], r["algorithm"]): r for r in result["rows"]}
@@ -375,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(json.dumps(result, indent=1))
     else:
-        from tpkit.convert.tables import output_width
+        from tpkit.tables import output_width
 
         print(format_table(result, backend_name, output_width()))
         if args.json:

@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
     import tpkit
     from tpkit.convert import analyze
-    from tpkit.convert.analyze import human
-    from tpkit.convert.tables import Column, output_width, render_table
+    from tpkit.tables import format_bytes as human
+    from tpkit.tables import Column, output_width, render_table
 
     width = output_width()  # None when piped: nothing wraps; a terminal's width: tables leave out columns to fit
     console = Console(width=width, soft_wrap=width is None)

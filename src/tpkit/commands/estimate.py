@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _memory_table(target: str, estimates, device_bytes: int, device_name: str, width: int | None) -> str:
     """Memory per rank, one row per world size. At a narrow width all-zero parts go first, then the parts that
     matter least to whether a model fits; world size, total and `fits` always stay."""
-    from tpkit.convert.estimate import format_bytes
-    from tpkit.convert.tables import Column, render_table, wrap_text
+    from tpkit.tables import format_bytes
+    from tpkit.tables import Column, render_table, wrap_text
 
     first = estimates[0]
     title = (f"{target}: memory per rank, {first.mode}, {first.dtype}, batch {first.batch_size}"
@@ -86,7 +86,7 @@ def _memory_table(target: str, estimates, device_bytes: int, device_name: str, w
 
 def _speed_table(speed, width: int | None) -> str:
     """`SpeedEstimate.summary()`'s table, fitted to `width` (compute, memory and comm time go first)."""
-    from tpkit.convert.tables import Column, render_table, wrap_text
+    from tpkit.tables import Column, render_table, wrap_text
 
     def ms(seconds: float) -> str:
         return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace):
     from tpkit.convert.calibrate import calibrate_profile
-    from tpkit.convert.estimate import format_bytes
+    from tpkit.tables import format_bytes
     from tpkit.convert.profile import save_profile
 
     profile = calibrate_profile(args.backend, (2,), quick=args.quick)
@@ -178,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
                "memory": [e.to_dict() for e in estimates], "speed": speed.to_dict() if speed else None}
         print(json.dumps(out, indent=2))
         return 0
-    from tpkit.convert.tables import output_width
+    from tpkit.tables import output_width
 
     width = output_width()
     print(_memory_table(args.target, estimates, hardware.memory_bytes, hardware.name, width))

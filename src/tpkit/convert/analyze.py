@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..tables import format_bytes as human
 from .modules import kind
 from .planner import auto_plan
 from .structure import Analysis, analyze_structure
@@ -37,14 +38,6 @@ def parse_bytes(value: Any) -> int | None:
     if not m or m.group(2).lower() not in UNITS | {"": 1}:
         raise ValueError(f"cannot read a memory size from {value!r}; write e.g. '80GB', '24GiB' or a byte count")
     return int(float(m.group(1)) * UNITS.get(m.group(2).lower(), 1))
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def detected_device_memory() -> int | None:
@@ -114,7 +107,7 @@ class AnalysisReport:
         width, for files and pipes. A terminal's width (`tpkit.convert.tables.output_width()`) leaves out the least
         important columns first (params, type, weight, bytes), then wraps reasons between words and breaks long
         module names after a dot; no word or number is cut."""
-        from .tables import Column, render_table, wrap_text
+        from ..tables import Column, render_table, wrap_text
 
         columns = [Column("layer", "left", wrap="names"), Column("type", "left", drop=3), Column("weight", drop=2),
                    Column("params", drop=4), Column("bytes", drop=1), Column(f"per rank @{self.world_size}"),
@@ -262,7 +255,7 @@ def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisRepor
         nh, nkv = p0["num_heads"], p0["num_kv_heads"]
         blocked = [w for w, pl in plans.items() if pl.entries.get(p0["row"]) == "replicate" and w > 1]
         if blocked:
-            from .heads import valid_world_sizes
+            from ..layout import valid_world_sizes
 
             recs.append(f"attention ({nh} query / {nkv} KV heads) stays replicated at world sizes {blocked}: "
                         f"{plans[blocked[0]].reasons.get(p0['row'], '')}; world sizes that split it: "

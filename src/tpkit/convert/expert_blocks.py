@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..nn.layout import ShardLayout
+from ..layout import ShardLayout
 from .errors import PlanError
 from .styles import STYLES, Layouts, Style
 

@@ -24,7 +24,7 @@ from typing import Mapping
 
 from torch import nn
 
-from ..nn.layout import Piece, ShardLayout
+from ..layout import Piece, ShardLayout
 from .errors import PlanError
 from .expert_blocks import plan_blocks
 from .styles import STYLES, Layouts, Style

@@ -12,7 +12,7 @@ from typing import Mapping
 
 from torch import nn
 
-from ..nn.layout import ShardLayout
+from ..layout import ShardLayout
 from .errors import PlanError
 from .modules import kind
 from .styles import Layouts, module_layouts, style

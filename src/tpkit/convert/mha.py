@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.layout import Piece, ShardLayout
+from ..layout import Piece, ShardLayout
 from .errors import PlanError
-from .heads import HeadLayoutError, head_layout
+from ..layout import HeadLayoutError, head_layout
 
 MULTIHEAD_ATTENTION = "multihead_attention"
 

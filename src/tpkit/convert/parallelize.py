@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from ..nn.layout import ShardLayout
+from ..layout import ShardLayout
 from .errors import PlanError
 from .fastpath import fast_path_updates
 from .layouts import key_layouts, plan_layouts

@@ -18,22 +18,21 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..nn.layout import Piece, ShardLayout
+from ..layout import Piece, ShardLayout
 from .errors import PlanError
-from .heads import HeadLayoutError, head_layout
+from ..layout import HeadLayoutError, head_columns, head_layout
 from .modules import is_embedding, keep_output_scale, kind
 
 PER_HEAD = "per_head"
 
 
-def head_columns(details: Mapping, world: int) -> Piece:
+def head_piece(details: Mapping, world: int) -> Piece:
     """Each rank's span of a one-column-per-query-head tensor, from the attention's head counts."""
     try:
         lay = head_layout(details["num_heads"], details["num_kv_heads"], world, details.get("attention") or "")
     except HeadLayoutError as exc:
         raise PlanError(f"{exc}; mark this attention block 'replicate' instead") from None
-    spans = tuple((h[0], h[-1] + 1) if h else (0, 0) for h in lay.q_heads)
-    return Piece(0, lay.num_heads, spans)
+    return head_columns(lay)
 
 
 class PerHead:
@@ -56,7 +55,7 @@ class PerHead:
             raise PlanError(f"{where}: {m.embedding_dim} columns, but its attention has {details['num_heads']} heads")
 
     def layouts(self, m: nn.Module, details: Mapping, world: int, rank: int) -> dict[str, ShardLayout]:
-        return {"weight": ShardLayout(tuple(m.weight.shape), world, rank, 1, (head_columns(details, world),))}
+        return {"weight": ShardLayout(tuple(m.weight.shape), world, rank, 1, (head_piece(details, world),))}
 
     def build(self, m: nn.Module, layouts: Mapping[str, ShardLayout], comm,
               sequence_parallel: bool = False) -> nn.Module:
@@ -70,21 +69,6 @@ class PerHead:
         new.weight = mark_tensor_parallel(w, 1, lay.sizes())
         new.train(m.training)
         return keep_output_scale(m, new)
-
-
-def group_pieces(lay, hd: int, group: int) -> tuple[Piece, ...]:
-    """A projection packed per KV group as [kv heads, group + 2, hd] (each group's query heads, then its key and
-    value), cut so every rank holds, group by group, its query heads then that group's key and value: the same
-    packing with the rank's local head counts (KV heads shared by several ranks are held by each)."""
-    out = []
-    for k in range(lay.num_kv_heads):
-        base, q_spans, kv_spans = k * (group + 2) * hd, [], []
-        for r in range(lay.world_size):
-            mine = [h - k * group for h in lay.q_heads[r] if h // group == k]
-            q_spans.append((mine[0] * hd, (mine[-1] + 1) * hd) if mine else (0, 0))
-            kv_spans.append((0, 2 * hd) if k in lay.kv_heads[r] else (0, 0))
-        out += [Piece(base, group * hd, tuple(q_spans)), Piece(base + group * hd, 2 * hd, tuple(kv_spans))]
-    return tuple(out)
 
 
 def head_args(plain_args: Mapping, batch: int, num_heads: int) -> dict:

@@ -13,7 +13,7 @@ from torch import nn
 
 from .experts import plan_experts
 from .fastpath import direct_read_reason
-from .heads import HeadLayoutError, head_layout
+from ..layout import HeadLayoutError, head_layout
 from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, kind, linear_dims
 from .mha import MULTIHEAD_ATTENTION, unsupported
 from .per_head import PER_HEAD

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from tpkit.comm.sharding import split_sizes
+from tpkit.layout import split_sizes
 
 from .estimate import (TransformerShape, _attention_kind, _normalise_recompute, _own_dtype, format_bytes, resolve_target,
                        fullest_rank, parameter_counts, rank_heads, transformer_activation_bytes)

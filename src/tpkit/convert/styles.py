@@ -14,11 +14,11 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..nn.layout import Piece, ShardLayout
+from ..layout import Piece, ShardLayout
 from .errors import PlanError
-from .heads import HeadLayoutError, head_layout
+from ..layout import HeadLayoutError, group_pieces, head_layout, head_spans
 from .mha import MULTIHEAD_ATTENTION, MultiheadAttentionHeads
-from .per_head import PER_HEAD, PerHead, group_pieces
+from .per_head import PER_HEAD, PerHead
 from .modules import (as_linear, is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d,
                       is_transposed_linear, keep_output_scale, kind, linear_dims)
 
@@ -87,11 +87,6 @@ class SequenceParallelNorm(Style):
 
 
 # ---------------------------------------------------------------------------------------------- split features
-def _head_spans(heads_per_rank: tuple, width: int) -> tuple[tuple[int, int], ...]:
-    """Each rank's span of a projection holding `width` features per head, for contiguous head numbers."""
-    return tuple((h[0] * width, (h[-1] + 1) * width) if h else (0, 0) for h in heads_per_rank)
-
-
 def feature_pieces(details: Mapping, size: int, world: int, column: bool) -> tuple[Piece, ...]:
     """How the split feature dimension (`size` features) is cut, from the planner's details: whole heads for
     attention projections (KV heads replicated when fewer than ranks), packed projections piece by piece, the
@@ -103,20 +98,20 @@ def feature_pieces(details: Mapping, size: int, world: int, column: bool) -> tup
         except HeadLayoutError as exc:
             raise PlanError(f"{exc}; mark this attention block 'replicate' instead") from None
         hd, role = details["head_dim"], details.get("role")
-        q = Piece(0, lay.num_heads * hd, _head_spans(lay.q_heads, hd))
+        q = Piece(0, lay.num_heads * hd, head_spans(lay.q_heads, hd))
         if not column:
             return (q,)
         kv_size = lay.num_kv_heads * hd
         if role == "q":
             return (q,)
         if role in ("k", "v"):
-            return (Piece(0, kv_size, _head_spans(lay.kv_heads, hd)),)
+            return (Piece(0, kv_size, head_spans(lay.kv_heads, hd)),)
         if role == "qkv":
             qw, kw = details["pieces"][0], details["pieces"][1]
-            return (Piece(0, qw, q.spans), Piece(qw, kw, _head_spans(lay.kv_heads, hd)),
-                    Piece(qw + kw, kw, _head_spans(lay.kv_heads, hd)))
+            return (Piece(0, qw, q.spans), Piece(qw, kw, head_spans(lay.kv_heads, hd)),
+                    Piece(qw + kw, kw, head_spans(lay.kv_heads, hd)))
         if role == "qkv_heads":  # GPT-NeoX: [heads, 3 x head_dim]
-            return (Piece(0, size, _head_spans(lay.q_heads, 3 * hd)),)
+            return (Piece(0, size, head_spans(lay.q_heads, 3 * hd)),)
         if role == "qkv_groups":  # Falcon: [kv heads, group + 2, head_dim]
             return group_pieces(lay, hd, details["group"])
     pieces = details.get("pieces") if column else None

@@ -14,7 +14,7 @@ from typing import Mapping
 
 from torch import nn
 
-from .heads import head_layout
+from ..layout import head_layout
 from .modules import is_embedding
 from .pairs import NUM_HEADS_ATTRS, NUM_KV_ATTRS
 from .structure import Analysis

@@ -17,7 +17,7 @@ from ..comm import traceable
 from ..comm.communicator import Communicator
 from ..comm.debug import debug_enabled
 from ..comm.ops import ReduceOp
-from ..comm.sharding import split_sizes
+from ..layout import split_sizes
 from ._layer import resolve_comm
 
 _NAME = "vocab_parallel_cross_entropy"

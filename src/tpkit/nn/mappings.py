@@ -31,7 +31,7 @@ import torch
 
 from ..comm import traceable
 from ..comm.communicator import Communicator
-from ..comm.sharding import split_sizes
+from ..layout import split_sizes
 from .partition import shard
 
 

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from ..comm.sharding import split_sizes
+from ..layout import split_sizes
 
 
 def partition_sizes(size: int, world_size: int, chunk: int = 1, *, layer: str = "layer", what: str = "size",

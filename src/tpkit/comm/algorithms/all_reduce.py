@@ -5,7 +5,7 @@ import torch
 
 from ..communicator import Communicator
 from ..ops import ReduceOp
-from ..sharding import split_sizes
+from ...layout import split_sizes
 from .broadcast import binomial_broadcast
 from .point_to_point import PointToPoint
 from .steps import (combine, direct_reduce_block, doubling_gather_flat, finish_avg, fold, fold_in, fold_out,

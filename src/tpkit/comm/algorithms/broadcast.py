@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..communicator import Communicator
-from ..sharding import split_sizes
+from ...layout import split_sizes
 from .point_to_point import PointToPoint
 from .steps import offsets, ring_all_gather_flat
 

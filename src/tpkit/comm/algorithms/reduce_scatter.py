@@ -8,7 +8,7 @@ import torch
 
 from ..communicator import Communicator
 from ..ops import ReduceOp
-from ..sharding import split_sizes
+from ...layout import split_sizes
 from .point_to_point import PointToPoint
 from .steps import (combine, direct_reduce_block, finish_avg, fold, fold_in, fold_out, halving_flat, offsets, restore,
                     ring_reduce_scatter_flat, row_size, rows_first, super_block_starts)

@@ -1,5 +1,5 @@
 """What one rank holds of a transformer's widths at TP t: query and KV heads as `parallelize` lays them out
-(`tpkit.convert.heads`), the MLP width and the vocabulary as `tpkit.comm.split_sizes` cuts them.
+(`tpkit.layout.heads`), the MLP width and the vocabulary as `tpkit.comm.split_sizes` cuts them.
 
 Every per-rank figure (parameters, activations, KV cache) goes through here, so the estimate and the converter
 cannot disagree on which rank holds an extra head when a size does not divide.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import functools
 
-from tpkit.comm.sharding import split_sizes
+from tpkit.layout import split_sizes
 
-from ..heads import HeadLayoutError, head_layout
+from ...layout import HeadLayoutError, head_layout
 from .config import TransformerShape
 
 
@@ -27,7 +27,7 @@ def _head_layout(num_heads: int, num_kv_heads: int, world_size: int) -> tuple[tu
 def rank_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int = 0) -> tuple[int, int, bool]:
     """(query heads, KV heads, split?) on `rank`, as `parallelize` lays them out.
 
-    The layout is the converter's (`tpkit.convert.heads.head_layout`: whole heads, GQA groups kept together,
+    The layout is the converter's (`tpkit.layout.heads.head_layout`: whole heads, GQA groups kept together,
     KV heads replicated when fewer than ranks; with uneven splits a later rank may hold more KV heads than
     rank 0). When no layout exists the attention stays replicated.
     """

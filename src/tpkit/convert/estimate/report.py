@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ...tables import format_bytes
+
 _MODES = ("inference", "training")  # what a MemoryEstimate describes; the speed estimate splits inference further
 
 
@@ -103,10 +105,3 @@ class MemoryEstimate:
             for note in self.notes:
                 console.print(f"note: {note}")
         return capture.get()
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"

@@ -12,7 +12,7 @@ import torch
 
 from tpkit.comm.communicator import Communicator
 from tpkit.comm.handle import Handle
-from tpkit.comm.sharding import split_sizes
+from tpkit.layout import split_sizes
 
 
 class ShapeOnlyCommunicator(Communicator):

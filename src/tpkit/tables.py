@@ -1,4 +1,7 @@
-"""Terminal tables that stay readable at any width: `render_table(title, columns, rows, width)`.
+"""Text for people: one byte formatter (`format_bytes`) and one table renderer (`render_table`) for every
+`summary()` and command, so sizes and tables read the same everywhere.
+
+Tables stay readable at any width: `render_table(title, columns, rows, width)`.
 
 `width=None` (output piped to a file or another program) renders every column at its natural width and never
 wraps a cell. A given width (a terminal's) is met by, in order: leaving out the least important columns (each
@@ -14,6 +17,15 @@ import sys
 import textwrap
 
 WORDS_MIN = 20  # a prose column is not squeezed below this (or its longest word, if longer)
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in binary units: `512 B`, `1.50 KiB`, ... `2.00 TiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..comm.sharding import split_sizes
+from .split import split_sizes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tpkit import ShardLayout
 from tpkit.comm import split_sizes
-from tpkit.nn.layout import Piece
+from tpkit.layout import Piece
 
 
 def _read(full: torch.Tensor, lay: ShardLayout) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Which attention heads each rank holds: whole heads only, GQA groups kept together, KV heads replicated
-when there are fewer of them than ranks.
+when there are fewer of them than ranks; and the pieces of a tensor those heads make.
 
 A rank must hold, for every query head it owns, the key/value head that query head reads; and for the
 model's `repeat_kv` to work unchanged, every KV head a rank holds must serve the same number of its query
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..comm.sharding import split_sizes
+from .shard import Piece
+from .split import split_sizes
 
 
 class HeadLayoutError(ValueError):
@@ -89,3 +90,28 @@ def valid_world_sizes(num_heads: int, num_kv_heads: int, limit: int = 64) -> lis
             continue
         out.append(w)
     return out
+
+
+def head_spans(heads_per_rank: tuple, width: int) -> tuple[tuple[int, int], ...]:
+    """Each rank's span of a tensor holding `width` entries per head, for contiguous head numbers."""
+    return tuple((h[0] * width, (h[-1] + 1) * width) if h else (0, 0) for h in heads_per_rank)
+
+
+def head_columns(lay: HeadLayout) -> Piece:
+    """Each rank's span of a tensor with one entry per query head (T5's relative attention bias columns)."""
+    return Piece(0, lay.num_heads, head_spans(lay.q_heads, 1))
+
+
+def group_pieces(lay: HeadLayout, hd: int, group: int) -> tuple[Piece, ...]:
+    """A projection packed per KV group as [kv heads, group + 2, hd] (each group's query heads, then its key and
+    value), cut so every rank holds, group by group, its query heads then that group's key and value: the same
+    packing with the rank's local head counts (KV heads shared by several ranks are held by each)."""
+    out = []
+    for k in range(lay.num_kv_heads):
+        base, q_spans, kv_spans = k * (group + 2) * hd, [], []
+        for r in range(lay.world_size):
+            mine = [h - k * group for h in lay.q_heads[r] if h // group == k]
+            q_spans.append((mine[0] * hd, (mine[-1] + 1) * hd) if mine else (0, 0))
+            kv_spans.append((0, 2 * hd) if k in lay.kv_heads[r] else (0, 0))
+        out += [Piece(base, group * hd, tuple(q_spans)), Piece(base + group * hd, 2 * hd, tuple(kv_spans))]
+    return tuple(out)
