@@ -22,7 +22,7 @@ import tpkit
 
 def meta_conversion(repeats: int) -> dict:
     from tpkit.convert import analyze, parallelize, plan
-    from tpkit.convert.presets import build_model, preset_config
+    from tpkit.estimate.presets import build_model, preset_config
 
     start = time.perf_counter()
     model = build_model(preset_config("llama-2-7b"), device="meta")

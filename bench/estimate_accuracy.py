@@ -13,9 +13,9 @@ import argparse
 
 import torch
 
-from tpkit.convert.presets import preset_config
-from tpkit.convert.profile import DEFAULT_PROFILE
-from tpkit.convert.speed import estimate_speed
+from tpkit.estimate.presets import preset_config
+from tpkit.estimate.profile import DEFAULT_PROFILE
+from tpkit.estimate.speed import estimate_speed
 
 PUBLISHED = {"llama-2-7b": {1: 104.9, 2: 168.84, 4: 254.02, 8: 328.43},
              "llama-2-70b": {2: 21.32, 4: 38.01, 8: 62.50}}
@@ -39,7 +39,7 @@ def main() -> None:
             cells = [f"{got[v][t]:.1f} ({got[v][t] / measured - 1:+.1%})" for v in (False, True)]
             print(f"| {name} | {t} | {measured} | {cells[0]} | {cells[1]} |")
     if args.calibrate:
-        from tpkit.convert.calibrate import calibrate_profile
+        from tpkit.estimate.calibrate import calibrate_profile
 
         prof = calibrate_profile("gloo", (2,), quick=args.quick)
         hw, link = prof.hardware, prof.links["gloo"]

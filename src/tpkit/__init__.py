@@ -28,10 +28,8 @@ from .nn import (ColumnParallelConv2d, ColumnParallelLinear, ParallelEmbedding, 
 from .convert import (AnalysisReport, DistributedModelWrapper, Plan, PlanError, VerifyReport, analyze, parallelize, plan,
                       shard_layouts, verify)
 from .layout import ShardLayout
-from .convert.estimate import MemoryEstimate, estimate_memory
-from .convert.speed import SpeedEstimate, estimate_speed
-from .convert.profile import SpeedProfile, load_profile, save_profile
-from .convert.calibrate import calibrate_profile
+from .estimate import (MemoryEstimate, SpeedEstimate, SpeedProfile, calibrate_profile, estimate_memory, estimate_speed,
+                       load_profile, save_profile)
 from .checkpoint import CheckpointError, consolidate, from_pretrained, load_sharded, save_sharded
 from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh
 

@@ -42,7 +42,7 @@ def test_analyze_table_piped_and_at_80_columns(capsys, monkeypatch):
     """`tpkit analyze gpt2 | cat`: nothing wraps, each row on one line; in an 80-column terminal: every line fits,
     less important columns are left out (and named), no cell is cut inside a word or a number."""
     from tpkit.convert import analyze
-    from tpkit.convert.presets import load_target
+    from tpkit.estimate.presets import load_target
 
     argv = ["analyze", "gpt2", "--device-memory", "80GB", "--world-size", "2"]
     report = analyze(load_target("gpt2", device="meta")[0], world_size=2, device_memory="80GB")

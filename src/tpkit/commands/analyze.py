@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tpkit.convert import analyze
-    from tpkit.convert.presets import load_target
+    from tpkit.estimate.presets import load_target
 
     try:
         model, config = load_target(args.target, device="meta")

@@ -28,8 +28,8 @@ def _sizes(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tpkit.convert.hardware import HARDWARE
-    from tpkit.convert.presets import PRESETS
+    from tpkit.estimate.hardware import HARDWARE
+    from tpkit.estimate.presets import PRESETS
 
     parser.add_argument("target", nargs="?", default=None,
                         help=f"a preset ({', '.join(PRESETS)}), an HF config.json or model directory, "
@@ -114,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace):
-    from tpkit.convert.calibrate import calibrate_profile
+    from tpkit.estimate.calibrate import calibrate_profile
     from tpkit.tables import format_bytes
-    from tpkit.convert.profile import save_profile
+    from tpkit.estimate.profile import save_profile
 
     profile = calibrate_profile(args.backend, (2,), quick=args.quick)
     path = save_profile(profile, args.profile)
@@ -133,11 +133,11 @@ def _calibrate(args: argparse.Namespace):
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from tpkit.convert.estimate import estimate_memory, transformer_shape
-    from tpkit.convert.hardware import get_hardware
-    from tpkit.convert.presets import load_target
-    from tpkit.convert.profile import load_profile
-    from tpkit.convert.speed import estimate_speed
+    from tpkit.estimate import estimate_memory, transformer_shape
+    from tpkit.estimate.hardware import get_hardware
+    from tpkit.estimate.presets import load_target
+    from tpkit.estimate.profile import load_profile
+    from tpkit.estimate.speed import estimate_speed
 
     if args.target is None and not args.calibrate:
         raise ValueError("give a TARGET to estimate (a preset, config.json, model directory or module:factory), "

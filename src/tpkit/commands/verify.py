@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _build(args):
     import torch
 
-    from tpkit.convert.presets import build_model, load_target
+    from tpkit.estimate.presets import build_model, load_target
 
     model, config = load_target(args.target, build=False)
     if model is not None:

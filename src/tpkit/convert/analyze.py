@@ -3,7 +3,7 @@ smallest world size that fits a device.
 
 Figures are exact parameter bytes from the plan the planner would apply (the same shard shapes
 `parallelize` builds); "training" adds gradients and AdamW's two fp32 states per parameter. Activations and
-the KV cache are not counted here (see `tpkit.convert.estimate_memory`).
+the KV cache are not counted here (see `tpkit.estimate.estimate_memory`).
 """
 from __future__ import annotations
 

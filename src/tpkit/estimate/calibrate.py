@@ -50,7 +50,7 @@ def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 10) -> fl
 
 def _time_all_reduce(small: int, large: int, repeats: int) -> tuple[float, float]:
     """On one rank: best seconds of an all-reduce of `small` and of `large` bytes (fp32), barrier first."""
-    from tpkit.distributed import get_communicator
+    from ..distributed import get_communicator
 
     comm = get_communicator()
     out = []
@@ -68,7 +68,7 @@ def measure_all_reduce(backend: str = "gloo", world_size: int = 2, small: int = 
                        repeats: int = 10) -> tuple[float, float]:
     """(latency seconds of a tiny all-reduce, bus bandwidth bytes/s) over `backend` on `world_size` local
     ranks started by `tpkit.launch`; the slowest rank's figures (a collective ends when its last rank does)."""
-    from tpkit.launch import launch
+    from ..launch import launch
 
     timings = launch(_time_all_reduce, world_size, backend=backend, args=(small, large, repeats))
     t_small = max(t[0] for t in timings)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from tpkit.layout import split_sizes
-
-from ...layout import HeadLayoutError, head_layout
+from ..layout import HeadLayoutError, head_layout, split_sizes
 from .config import TransformerShape
 
 
@@ -39,7 +37,7 @@ def rank_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int = 0
     return layout[0][rank], layout[1][rank], True
 
 
-def _rank_widths(shape: TransformerShape, t: int, rank: int) -> tuple[int, int, int, int]:
+def rank_widths(shape: TransformerShape, t: int, rank: int) -> tuple[int, int, int, int]:
     """(query heads, KV heads, MLP width, vocabulary rows) that `rank` holds."""
     q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t, rank)
     return q_heads, kv_heads, split_sizes(shape.intermediate_size, t)[rank], split_sizes(shape.vocab_size, t)[rank]

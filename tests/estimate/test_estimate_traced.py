@@ -16,8 +16,8 @@ from torch import nn
 
 import tpkit
 from tpkit.comm import run_threads
-from tpkit.convert.estimate import estimate_memory, optimizer_bytes_per_parameter
-from tpkit.convert.estimate.traced import ShapeOnlyCommunicator, saved_bytes, trace_rank
+from tpkit.estimate import estimate_memory, optimizer_bytes_per_parameter
+from tpkit.estimate.traced import ShapeOnlyCommunicator, saved_bytes, trace_rank
 
 transformers = pytest.importorskip("transformers")
 V = 100

@@ -15,13 +15,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .activations import _normalise_recompute, transformer_activation_bytes, transformer_inference_bytes
+from .activations import normalise_recompute, transformer_activation_bytes, transformer_inference_bytes
 from .communication import largest_collective_bytes
-from .config import _attention_kind, _get, _own_dtype, resolve_target
+from .config import attention_kind, config_value, own_dtype, resolve_target
 from .measure import measure_step
-from .params import _OPTIMIZERS, _analysed_parameters, optimizer_bytes_per_parameter, parameter_counts
+from .params import OPTIMIZERS, analysed_parameters, optimizer_bytes_per_parameter, parameter_counts
 from .ranks import rank_heads
-from .report import _MODES, Breakdown, MemoryEstimate
+from .report import MODES, Breakdown, MemoryEstimate
 from .step import prepare_module_step
 
 
@@ -52,19 +52,19 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-    if optimizer not in _OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}")
-    dtype = dtype or _own_dtype(model_or_config)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    dtype = dtype or own_dtype(model_or_config)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    recompute = _normalise_recompute(recompute)
+    recompute = normalise_recompute(recompute)
     _check_dp(dp_size, dp_mode)
     config, shape = resolve_target(model_or_config, "estimate_memory")
     dp = (dp_size, dp_mode if dp_size > 1 else None)
     if shape is not None:
-        counted = _analysed_parameters(model_or_config, world_size, mode) if isinstance(model_or_config,
+        counted = analysed_parameters(model_or_config, world_size, mode) if isinstance(model_or_config,
                                                                                           nn.Module) else None
         est = _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
                                     sequence_parallel, recompute, attention, master_weights, counted,
@@ -139,9 +139,9 @@ def _fsdp_note(dp) -> str:
 def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel,
                           recompute, attention, master_weights, counted, subject, dp) -> MemoryEstimate:
     if seq_len is None:
-        seq_len = min(int(_get(config, "max_position_embeddings", "n_positions", default=2048)), 4096)
+        seq_len = min(int(config_value(config, "max_position_embeddings", "n_positions", default=2048)), 4096)
     B = dtype.itemsize
-    kind = _attention_kind(config, attention)
+    kind = attention_kind(config, attention)
     if counted is not None:
         params_one, params_rank = counted
     else:
@@ -229,7 +229,7 @@ def _estimate_module(model, world_size, dtype, mode, optimizer, batch_size, mast
             how, extra["activation_method"] = "traced on this rank's converted copy", "traced"
     elif step["styles"] is not None:  # the converter's own count of the plan's shard shapes (packed, heads)
         try:
-            counted = _analysed_parameters(model, world_size, mode, step["planned_inputs"])
+            counted = analysed_parameters(model, world_size, mode, step["planned_inputs"])
         except Exception:  # noqa: BLE001 - the measured count above stands
             counted = None
         if counted is not None:

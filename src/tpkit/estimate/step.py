@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..styles import REPLICATE
-from .report import _MODES
+from ..convert import plan as make_plan
+from ..convert.styles import REPLICATE
+from .calls import as_call, meta_copy
+from .report import MODES
 
 
 def _planned_styles(model: nn.Module, world_size: int, mode: str, example) -> tuple[dict[str, str] | None, str]:
     """`{module name: style}` from the converter's planner (what `parallelize` will do), or None and why."""
-    from tpkit.convert.planner import plan as make_plan  # on use, so either module may import the other
-
     try:
         p = make_plan(model, world_size, mode=mode, example_inputs=example)
     except Exception as exc:  # noqa: BLE001 - fall back to the type rule, and say so
@@ -28,16 +28,8 @@ def _planned_styles(model: nn.Module, world_size: int, mode: str, example) -> tu
     return styles, why
 
 
-def _as_call(example):
-    if isinstance(example, dict):
-        return (), example
-    if isinstance(example, (tuple, list)):
-        return tuple(example), {}
-    return (example,), {}
-
-
 def _first_tensor(example) -> torch.Tensor | None:
-    args, kwargs = _as_call(example)
+    args, kwargs = as_call(example)
     for v in list(args) + list(kwargs.values()):
         if isinstance(v, torch.Tensor):
             return v
@@ -47,16 +39,14 @@ def _first_tensor(example) -> torch.Tensor | None:
 def _runnable_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A weightless (meta) copy in the estimate's dtype to trace one step on: the user's weights are never
     copied or run, and its BatchNorm statistics stay untouched."""
-    from .traced import _meta_copy
-
-    return _meta_copy(model).to(dtype)
+    return meta_copy(model).to(dtype)
 
 
 def _example(model: nn.Module, dtype: torch.dtype, example_input, input_shape):
     if example_input is not None:
         def cast(v):
             return v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-        args, kwargs = _as_call(example_input)
+        args, kwargs = as_call(example_input)
         return (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()})
     if input_shape is not None:
         first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear, nn.Conv2d))), None)
@@ -87,7 +77,7 @@ def prepare_module_step(model: nn.Module, world_size: int, dtype: torch.dtype, m
                 return v
             return v.to(device, own) if v.is_floating_point() else v.to(device)
         planned = tuple(as_model(a) for a in args) if args else {k: as_model(v) for k, v in kwargs.items()}
-        styles, why = _planned_styles(model, world_size, mode if mode in _MODES else "inference", planned)
+        styles, why = _planned_styles(model, world_size, mode if mode in MODES else "inference", planned)
         if styles is None:
             notes.append(f"per-rank split by layer type (Linear/Conv2d pairs whose sizes divide, embeddings by "
                          f"vocabulary) because {why}")

@@ -14,11 +14,11 @@ import json
 import pytest
 import torch
 
-from tpkit.convert.hardware import HARDWARE, Hardware, Interconnect
-from tpkit.convert.presets import preset_config
-from tpkit.convert.profile import (DEFAULT_PROFILE, IDEAL_PROFILE, LinkProfile, SpeedProfile, default_profile_path,
+from tpkit.estimate.hardware import HARDWARE, Hardware, Interconnect
+from tpkit.estimate.presets import preset_config
+from tpkit.estimate.profile import (DEFAULT_PROFILE, IDEAL_PROFILE, LinkProfile, SpeedProfile, default_profile_path,
                                    load_profile, save_profile)
-from tpkit.convert.speed import estimate_speed, ring_all_reduce_seconds
+from tpkit.estimate.speed import estimate_speed, ring_all_reduce_seconds
 
 pytest.importorskip("transformers")
 

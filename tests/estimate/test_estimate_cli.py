@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from tpkit.cli import main
-from tpkit.convert.estimate import estimate_memory
+from tpkit.estimate import estimate_memory
 from tpkit.tables import format_bytes
-from tpkit.convert.presets import preset_config
-from tpkit.convert.speed import estimate_speed
+from tpkit.estimate.presets import preset_config
+from tpkit.estimate.speed import estimate_speed
 
-from .rendered import rows, tables
+from ..convert.rendered import rows, tables
 
 pytest.importorskip("transformers")
 

@@ -1,7 +1,7 @@
 """Parameters and optimizer states per rank.
 
 A transformer is counted from its shape as tpkit shards it (`parameter_counts`); a model object by the
-converter's own analysis (`_analysed_parameters`), so any head or model class is exact. Gradients are one copy
+converter's own analysis (`analysed_parameters`), so any head or model class is exact. Gradients are one copy
 of the parameters in the training dtype; optimizer states follow mixed precision
 (`optimizer_bytes_per_parameter`).
 """
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from .config import TransformerShape
-from .ranks import _rank_widths
+from .ranks import rank_widths
 
-_OPTIMIZERS = ("adamw", "sgd", "none")
+OPTIMIZERS = ("adamw", "sgd", "none")
 
 
 def fullest_rank(shape: TransformerShape, world_size: int) -> int:
@@ -34,7 +34,7 @@ def parameter_counts(shape: TransformerShape, world_size: int = 1, rank: int | N
     t, h, d = world_size, shape.hidden_size, shape.head_dim
     if rank is None:
         rank = fullest_rank(shape, t) if t > 1 else 0
-    q_heads, kv_heads, f, vocab = _rank_widths(shape, t, rank)
+    q_heads, kv_heads, f, vocab = rank_widths(shape, t, rank)
     q, kv = q_heads * d, kv_heads * d
     norm = h * (2 if shape.norm_bias else 1)
     if shape.vocab_size < t:  # too few rows to split: whole on every rank
@@ -61,8 +61,8 @@ def optimizer_bytes_per_parameter(optimizer: str, dtype: torch.dtype, master_wei
     the master copy for 16-bit parameters. Pass `master_weights=False` for plain `torch.optim` on bf16 params,
     whose states are in the parameter dtype.
     """
-    if optimizer not in _OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     states = {"adamw": 2, "sgd": 1, "none": 0}[optimizer]
     if states == 0:
         return 0
@@ -74,10 +74,10 @@ def optimizer_bytes_per_parameter(optimizer: str, dtype: torch.dtype, master_wei
     return states * dtype.itemsize
 
 
-def _analysed_parameters(model: nn.Module, world_size: int, mode: str, example=None) -> tuple[int, int] | None:
+def analysed_parameters(model: nn.Module, world_size: int, mode: str, example=None) -> tuple[int, int] | None:
     """(parameters, parameters on the fullest rank) of a model object from the converter's analysis: the very
     plan `parallelize` applies, so any head or class (sequence classification, a bare encoder) is exact."""
-    from tpkit.convert.analyze import analyze  # on use, so either module may import the other
+    from ..convert import analyze
 
     first = next(model.parameters(), None)
     if first is None:

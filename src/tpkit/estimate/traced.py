@@ -35,6 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..convert import parallelize
+from .calls import as_call, meta_copy
+from .presets import build_model
 from .shape_comm import ShapeOnlyCommunicator
 
 
@@ -80,16 +83,6 @@ def _fsdp_rows(rows: int, dp_size: int) -> int:
     return -(-rows // dp_size)
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy whose parameters and buffers are meta tensors (the weights are never copied)."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
-
-
 def _with_layers(config, layers: int):
     """A copy of an HF config with `layers` transformer layers (per-layer type lists cut to match)."""
     cfg = copy.deepcopy(config)
@@ -102,8 +95,6 @@ def _with_layers(config, layers: int):
 
 
 def _build(config, model_cls, layers: int, dtype: torch.dtype, attention: str | None) -> nn.Module:
-    from ..presets import build_model  # on use: presets may import the estimate
-
     cfg = _with_layers(config, layers)
     if attention is not None:
         cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
@@ -118,9 +109,7 @@ def _fake_inputs(model: nn.Module, batch: int, seq: int, example) -> tuple[tuple
     """The forward's arguments as fake tensors (call inside the fake mode): the example's shapes and dtypes,
     else token ids (and labels when the forward takes them, so the loss counts)."""
     if example is not None:
-        from .step import _as_call
-
-        args, kwargs = _as_call(example)
+        args, kwargs = as_call(example)
 
         def fake(v):
             return torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
@@ -136,11 +125,9 @@ def _meta_example(example):
     """The example call on the meta device, for the planner's trace of a module without a config."""
     if example is None:
         return None
-    from .step import _as_call
-
     def meta(v):
         return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
-    args, kwargs = _as_call(example)
+    args, kwargs = as_call(example)
     return {k: meta(v) for k, v in kwargs.items()} if kwargs else tuple(meta(a) for a in args)
 
 
@@ -169,8 +156,6 @@ def _trace_one(model: nn.Module, rank: int, world_size: int, sequence_parallel: 
                example) -> tuple[int, tuple[tuple[int, ...], ...]]:
     """(saved bytes, local parameter shapes) of `model` (meta, consumed) as rank `rank` of `world_size`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ..parallelize import parallelize  # on use: parallelize may import the estimate
 
     if world_size > 1:
         parallelize(model, comm=ShapeOnlyCommunicator(rank, world_size), mode="training",
@@ -208,7 +193,7 @@ def trace_rank(model_or_config, world_size: int, rank: int, dtype: torch.dtype, 
         if not isinstance(model_or_config, nn.Module) and not whole:
             raise TypeError(f"trace_rank needs an nn.Module or a Hugging Face config with num_hidden_layers >= 2, "
                             f"got {type(model_or_config).__name__}")
-        model = (_meta_copy(model_or_config) if isinstance(model_or_config, nn.Module)
+        model = (meta_copy(model_or_config) if isinstance(model_or_config, nn.Module)
                  else _build(config, None, layers, dtype, attention))
         model = model.to(dtype) if dtype is not None else model
         results = [_trace_one(model, rank, world_size, sequence_parallel, batch_size, seq_len, example_input)] * 2

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from tpkit.cli import main
-from tpkit.convert.calibrate import _split_latency, measure_matmul_flops, measure_memory_bandwidth
-from tpkit.convert.profile import load_profile
+from tpkit.estimate.calibrate import _split_latency, measure_matmul_flops, measure_memory_bandwidth
+from tpkit.estimate.profile import load_profile
 
 pytest.importorskip("transformers")
 

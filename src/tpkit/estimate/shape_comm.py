@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from tpkit.comm.communicator import Communicator
-from tpkit.comm.handle import Handle
-from tpkit.layout import split_sizes
+from ..comm.communicator import Communicator
+from ..comm.handle import Handle
+from ..layout import split_sizes
 
 
 class ShapeOnlyCommunicator(Communicator):

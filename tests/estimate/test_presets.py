@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from tpkit.convert.estimate import parameter_counts, transformer_shape
-from tpkit.convert.presets import PRESETS, PUBLISHED_PARAMETERS, build_model, load_target, preset_config
+from tpkit.estimate import parameter_counts, transformer_shape
+from tpkit.estimate.presets import PRESETS, PUBLISHED_PARAMETERS, build_model, load_target, preset_config
 
 pytest.importorskip("transformers")
 

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tpkit.convert.estimate import (TransformerShape, estimate_memory, korthikanti_layer_bytes, measure_step,
+from tpkit.estimate import (TransformerShape, estimate_memory, korthikanti_layer_bytes, measure_step,
                                     optimizer_bytes_per_parameter, parameter_counts, transformer_activation_bytes,
                                     transformer_shape)
-from tpkit.convert.presets import build_model
+from tpkit.estimate.presets import build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,7 +117,7 @@ def test_per_rank_parameters_by_hand():
 def test_fullest_rank_is_not_always_rank_0():
     from transformers import LlamaConfig
 
-    from tpkit.convert.estimate import fullest_rank
+    from tpkit.estimate import fullest_rank
 
     # 9 query heads of 4 in 3 KV groups over 5 ranks: query heads [2, 2, 2, 2, 1]; rank 1 holds heads 2 and 3,
     # which read KV heads 0 and 1, so it holds 2 KV heads where rank 0 holds 1. MLP 8 -> [2, 2, 2, 1, 1].
@@ -264,7 +264,7 @@ def test_inference_kv_cache_and_logit_gather():
 
 
 def test_70b_preset_fits_only_when_split():
-    from tpkit.convert.presets import preset_config
+    from tpkit.estimate.presets import preset_config
 
     cfg = preset_config("llama-2-70b")
     e1 = estimate_memory(cfg, 1, mode="inference", batch_size=1, seq_len=4096)

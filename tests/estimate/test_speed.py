@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from tpkit.convert.hardware import HARDWARE, Hardware, Interconnect, get_hardware
-from tpkit.convert.presets import preset_config
-from tpkit.convert.profile import IDEAL_PROFILE
-from tpkit.convert.speed import estimate_speed, ring_all_gather_seconds, ring_all_reduce_seconds
+from tpkit.estimate.hardware import HARDWARE, Hardware, Interconnect, get_hardware
+from tpkit.estimate.presets import preset_config
+from tpkit.estimate.profile import IDEAL_PROFILE
+from tpkit.estimate.speed import estimate_speed, ring_all_gather_seconds, ring_all_reduce_seconds
 
 pytest.importorskip("transformers")
 

@@ -46,7 +46,7 @@ class TransformerShape:
     position_offset: int = 0          # OPT keeps 2 extra position rows
 
 
-def _get(config, *names, default=None):
+def config_value(config, *names, default=None):
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
@@ -96,22 +96,22 @@ def _bert_shape(config, kind: str) -> TransformerShape:
 
 def _llama_like_shape(config, kind: str) -> TransformerShape:
     """Llama-like decoders: Llama, Mistral, Qwen2, and any config with the same attribute names."""
-    h = _get(config, "hidden_size")
-    heads = _get(config, "num_attention_heads")
-    f = _get(config, "intermediate_size")
-    if h is None or heads is None or f is None or _get(config, "num_hidden_layers") is None:
+    h = config_value(config, "hidden_size")
+    heads = config_value(config, "num_attention_heads")
+    f = config_value(config, "intermediate_size")
+    if h is None or heads is None or f is None or config_value(config, "num_hidden_layers") is None:
         raise ValueError(f"config of model_type {kind!r} lacks hidden_size/num_attention_heads/"
                          "intermediate_size/num_hidden_layers; pass a model object instead")
-    bias = bool(_get(config, "attention_bias", default=False))
+    bias = bool(config_value(config, "attention_bias", default=False))
     return TransformerShape(
-        kind, config.vocab_size, h, config.num_hidden_layers, heads, _get(config, "num_key_value_heads",
+        kind, config.vocab_size, h, config.num_hidden_layers, heads, config_value(config, "num_key_value_heads",
                                                                           default=heads),
-        _get(config, "head_dim", default=h // heads), f, gated_mlp=True,
-        activation=_get(config, "hidden_act", default="silu"), norm="rms",
-        qkv_bias=True if kind == "qwen2" else bias, out_bias=bias, mlp_bias=bool(_get(config, "mlp_bias",
+        config_value(config, "head_dim", default=h // heads), f, gated_mlp=True,
+        activation=config_value(config, "hidden_act", default="silu"), norm="rms",
+        qkv_bias=True if kind == "qwen2" else bias, out_bias=bias, mlp_bias=bool(config_value(config, "mlp_bias",
                                                                                    default=False)),
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        attention_dropout=float(_get(config, "attention_dropout", default=0.0)), softmax_fp32=True)
+        attention_dropout=float(config_value(config, "attention_dropout", default=0.0)), softmax_fp32=True)
 
 
 # The families whose configs name things their own way; every other model_type is read as Llama-like.
@@ -124,7 +124,7 @@ def transformer_shape(config) -> TransformerShape:
     return _READERS.get(kind, _llama_like_shape)(config, kind)
 
 
-def _own_dtype(model_or_config) -> torch.dtype:
+def own_dtype(model_or_config) -> torch.dtype:
     """A model's floating parameter dtype; bfloat16 for a config (the usual training and serving dtype)."""
     if isinstance(model_or_config, nn.Module):
         for p in model_or_config.parameters():
@@ -133,7 +133,7 @@ def _own_dtype(model_or_config) -> torch.dtype:
     return torch.bfloat16
 
 
-def _attention_kind(config, attention: str | None) -> str:
+def attention_kind(config, attention: str | None) -> str:
     if attention is None:
         attention = getattr(config, "_attn_implementation", None) or "sdpa"
     return "eager" if attention == "eager" else "flash"

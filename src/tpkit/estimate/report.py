@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...tables import format_bytes
+from ..tables import format_bytes
 
-_MODES = ("inference", "training")  # what a MemoryEstimate describes; the speed estimate splits inference further
+MODES = ("inference", "training")  # what a MemoryEstimate describes; the speed estimate splits inference further
 
 
 @dataclass

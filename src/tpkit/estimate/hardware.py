@@ -84,6 +84,6 @@ def get_hardware(hardware: str | Hardware, interconnect: str | Interconnect | No
         by_lower = {name.lower(): hw for name, hw in HARDWARE.items()}
         if hardware.lower() not in by_lower:
             raise ValueError(f"unknown hardware {hardware!r}; presets are {sorted(HARDWARE)}, "
-                             "or pass tpkit.convert.hardware.Hardware(...) with your own figures")
+                             "or pass tpkit.estimate.hardware.Hardware(...) with your own figures")
         hw = by_lower[hardware.lower()]
     return hw if interconnect is None else hw.with_interconnect(interconnect)

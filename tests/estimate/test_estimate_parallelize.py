@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpkit.comm import run_threads
-from tpkit.convert.estimate import estimate_memory, transformer_activation_bytes, transformer_shape
+from tpkit.estimate import estimate_memory, transformer_activation_bytes, transformer_shape
 from tpkit.convert.parallelize import parallelize
-from tpkit.convert.presets import build_model
+from tpkit.estimate.presets import build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,9 +124,9 @@ def _gloo_rank_body(families):
     import tpkit
 
     from tpkit.convert.parallelize import parallelize as parallelize_
-    from tpkit.convert.presets import build_model as build
+    from tpkit.estimate.presets import build_model as build
 
-    from tests.convert.test_estimate import measured_activation_bytes as saved_bytes, tiny_configs as configs
+    from tests.estimate.test_estimate import measured_activation_bytes as saved_bytes, tiny_configs as configs
 
     comm = tpkit.get_communicator()
     held = {}

@@ -43,7 +43,7 @@ Inference keeps nothing for backward: its figure is the live working set of one 
 from __future__ import annotations
 
 from .config import TransformerShape
-from .ranks import _rank_widths
+from .ranks import rank_widths
 
 _RECOMPUTE = ("none", "selective", "full")
 
@@ -60,7 +60,7 @@ def korthikanti_layer_bytes(seq_len: int, batch_size: int, hidden: int, heads: i
     return s * b * h * (10 + 24 / t + score / t)
 
 
-def _normalise_recompute(recompute) -> str:
+def normalise_recompute(recompute) -> str:
     if recompute is True:
         return "full"
     if recompute in (False, None):
@@ -94,7 +94,7 @@ def transformer_activation_bytes(shape: TransformerShape, batch_size: int, seq_l
     h = shape.hidden_size
     tokens = s * b
     sp = t if sequence_parallel else 1
-    a_r, kv_r, f, vocab = _rank_widths(shape, t, rank)
+    a_r, kv_r, f, vocab = rank_widths(shape, t, rank)
     q, kv = a_r * shape.head_dim, kv_r * shape.head_dim
     norm = (4 + B) * h if shape.norm == "rms" else B * h
     hidden_mask = mask_bytes * h if shape.hidden_dropout > 0 else 0
@@ -146,7 +146,7 @@ def transformer_inference_bytes(shape: TransformerShape, batch_size: int, seq_le
                                                 r) for r in range(world_size)]
         return max(per_rank, key=lambda parts: sum(parts.values()))
     t, B, tokens, h = world_size, bytes_per_element, batch_size * seq_len, shape.hidden_size
-    q_heads, kv_heads, f, logits = _rank_widths(shape, t, rank)  # logits: this rank's vocabulary shard
+    q_heads, kv_heads, f, logits = rank_widths(shape, t, rank)  # logits: this rank's vocabulary shard
     q, kv = q_heads * shape.head_dim, kv_heads * shape.head_dim
     scores = q_heads * seq_len * (4 if shape.softmax_fp32 else B) / B if attention == "eager" else 0
     live = 2 * h + max(2 * q + 2 * kv + scores, (3 if shape.gated_mlp else 2) * f)

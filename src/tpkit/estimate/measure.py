@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..styles import (CHANNELWISE, COLWISE, COLWISE_REP, EMBEDDING_COLWISE, EMBEDDING_ROWWISE, REPLICATE, ROWWISE,
+from ..convert.styles import (CHANNELWISE, COLWISE, COLWISE_REP, EMBEDDING_COLWISE, EMBEDDING_ROWWISE, REPLICATE, ROWWISE,
                       ROWWISE_REP, VOCAB_PARALLEL, module_layouts)
 
 _OUT_SPLIT = {COLWISE, VOCAB_PARALLEL}                  # output stays split
@@ -184,11 +184,11 @@ def measure_step(model: nn.Module, args=(), kwargs=None, styles=None, world_size
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .traced import _meta_copy
+    from .calls import meta_copy
 
     kwargs = kwargs or {}
     t = world_size
-    model = _meta_copy(model)  # never the user's weights, never real data: shapes are all it needs
+    model = meta_copy(model)  # never the user's weights, never real data: shapes are all it needs
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model.to_empty(device="cpu")
         args = tuple(_fake(a) for a in args)

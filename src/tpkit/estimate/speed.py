@@ -31,14 +31,16 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from tpkit.layout import split_sizes
-
-from .estimate import (TransformerShape, _attention_kind, _normalise_recompute, _own_dtype, format_bytes, resolve_target,
-                       fullest_rank, parameter_counts, rank_heads, transformer_activation_bytes)
+from ..layout import split_sizes
+from ..tables import format_bytes
+from .activations import normalise_recompute, transformer_activation_bytes
+from .config import TransformerShape, attention_kind, own_dtype, resolve_target
 from .hardware import Hardware, get_hardware
+from .params import fullest_rank, parameter_counts
 from .profile import SpeedProfile, load_profile
+from .ranks import rank_heads
 
-_MODES = ("training", "prefill", "decode")
+MODES = ("training", "prefill", "decode")
 
 
 @dataclass
@@ -260,17 +262,17 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     the default location if there is one, else `DEFAULT_PROFILE`). `hardware`: a preset name or a
     `Hardware`; default the profile's measured machine if it has one, else "H100-SXM".
     """
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
     sizes = [world_size] if isinstance(world_size, int) else list(world_size)
     if not sizes or any(not isinstance(t, int) or t < 1 for t in sizes):
         raise ValueError(f"world sizes must be positive ints, got {world_size!r}")
-    recompute = _normalise_recompute(recompute)
+    recompute = normalise_recompute(recompute)
     profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
     hw = get_hardware(hardware if hardware is not None else profile.hardware or "H100-SXM", interconnect)
-    dtype = dtype or _own_dtype(model_or_config)
+    dtype = dtype or own_dtype(model_or_config)
     B = dtype.itemsize
     rates, hw_note = _rates(hw, profile, B, efficiency, memory_efficiency, link_efficiency, vocab_parallel)
     config, shape = resolve_target(model_or_config, "estimate_speed")
@@ -280,7 +282,7 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
                              f"{type(model_or_config).__name__} is measured, use mode 'training' or 'prefill'")
         return _measured_speed(model_or_config, sorted(set(sizes)), hw, dtype, mode, batch_size, seq_len,
                                example_input, input_shape, rates, hw_note)
-    kind = _attention_kind(config, attention)
+    kind = attention_kind(config, attention)
     if mode == "decode" and not shape.is_decoder:
         raise ValueError(f"estimate_speed: {shape.model_type} is an encoder; it does not decode tokens, use mode "
                          f"'prefill' (one forward) or 'training'")
@@ -301,7 +303,8 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
 def _measured_speed(model: nn.Module, sizes: list[int], hw: Hardware, dtype: torch.dtype, mode: str,
                     batch_size: int, seq_len: int, example_input, input_shape, rates: _Rates,
                     hw_note: str) -> SpeedEstimate:
-    from .estimate import measure_step, prepare_module_step
+    from .measure import measure_step
+    from .step import prepare_module_step
 
     training = mode == "training"
     rows, notes = [], []
