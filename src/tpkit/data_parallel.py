@@ -32,6 +32,7 @@ from torch import nn
 from .comm.communicator import Communicator
 from .comm.groups import split
 from .comm.ops import ReduceOp
+from .convert.conversion import conversions_in
 from .convert.layouts import shard_layouts
 from .nn import TensorParallelModule, model_parallel_manual_seed
 from .nn.grad_clip import NORM_SOURCES, power_sum
@@ -173,8 +174,8 @@ def _check(model: nn.Module, dp_comm: Communicator, mode: str):
         raise ValueError("data_parallel: the model is already under data parallelism; wrap the converted model once")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("data_parallel: the model is a DistributedDataParallel wrapper already; pass the model")
-    found = [m._tp_conversion for m in model.modules() if getattr(m, "_tp_conversion", None) is not None]
-    return found[0] if found else None
+    found = conversions_in(model)
+    return found[0][1] if found else None
 
 
 def _tp_comm(model: nn.Module) -> Communicator | None:

@@ -91,7 +91,7 @@ def test_from_pretrained_reads_a_tpkit_checkpoint(hf_dirs, gloo_saved):
 def test_reload_at_the_saved_world_size_applies_the_recorded_plan_without_tracing(hf_dirs, gloo_saved, monkeypatch):
     """Same world size and mode: the manifest's plan is applied as recorded (no trace); the model equals the
     traced conversion. At another world size the model is planned (and traced) again."""
-    from tpkit.convert import structure
+    from tpkit.convert.trace import structure
 
     _, refs = hf_dirs
     _, out = gloo_saved

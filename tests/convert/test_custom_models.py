@@ -29,7 +29,7 @@ def test_handwritten_transformer_block(world_size):
     model = block()
     p = plan(model, world_size)
     assert [p[n] for n in ("wq", "wk", "wv", "wo", "fc1", "fc2")] == ["colwise"] * 3 + ["rowwise", "colwise", "rowwise"]
-    assert p.details["wq"]["head_dim"] == 8 and p.details["wq"]["num_heads"] == 6
+    assert p.details["wq"].head_dim == 8 and p.details["wq"].num_heads == 6
     x = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(1))
     report = verify(model, (x,), world_size=world_size, backward=True, rtol=1e-4)
     assert report.ok, report.summary()

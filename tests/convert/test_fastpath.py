@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpkit.convert import PlanError, plan, verify
+from tpkit.convert import PlanError, conversion_of, plan, verify
 
 from .stepcheck import check
 
@@ -49,7 +49,7 @@ def test_fused_kernel_runs_unconverted_and_not_converted(monkeypatch):
         comm = tpkit.get_communicator()
         m = tpkit.parallelize(copies[comm.rank], comm=comm)
         with torch.no_grad():
-            return m(x()), m.tp_plan.updated_attributes
+            return m(x()), conversion_of(m).updated_attributes
 
     for got, updated in tpkit.launch(body, 2, backend="threads"):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

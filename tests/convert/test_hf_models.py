@@ -68,8 +68,8 @@ def test_phi3_packed_qkv_and_gate_up():
     torch.manual_seed(0)
     model = tr.Phi3ForCausalLM(cfg)
     p = plan(model, 4)
-    assert p.details["model.layers.0.self_attn.qkv_proj"]["pieces"] == [64, 16, 16]
-    assert p.details["model.layers.0.mlp.gate_up_proj"]["pieces"] == [80, 80]
+    assert p.details["model.layers.0.self_attn.qkv_proj"].pieces == (64, 16, 16)
+    assert p.details["model.layers.0.mlp.gate_up_proj"].pieces == (80, 80)
     ids = torch.randint(0, 103, (2, 6), generator=torch.Generator().manual_seed(0))
     for world in (3, 4):
         report = verify(model, {"input_ids": ids}, world_size=world, backward=True)
@@ -112,7 +112,7 @@ def test_gpt_neox_interleaved_qkv():
     model = tr.GPTNeoXForCausalLM(cfg)
     p = plan(model, 4)
     assert p["gpt_neox.layers.0.attention.query_key_value"] == "colwise"
-    assert p.details["gpt_neox.layers.0.attention.query_key_value"]["role"] == "qkv_heads"
+    assert p.details["gpt_neox.layers.0.attention.query_key_value"].role == "qkv_heads"
     ids = torch.randint(0, 103, (2, 6), generator=torch.Generator().manual_seed(0))
     report = verify(model, {"input_ids": ids}, world_size=4, backward=True)  # 6 heads: 2, 2, 1, 1
     assert report.ok, report.summary()

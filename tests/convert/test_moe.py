@@ -74,7 +74,7 @@ def test_mixtral_share_at_tp2():
 
 def test_expert_layouts_two_pieces_and_round_trip():
     """gate_up is two pieces (gate, up), each split on its own; shard / unshard give the full tensors back."""
-    from tpkit.convert.experts import expert_layouts
+    from tpkit.convert.families.experts import expert_layouts
 
     m = mixtral().model.layers[0].mlp.experts
     for ep in (False, True):

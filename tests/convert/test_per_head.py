@@ -35,7 +35,7 @@ BIAS = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias"
 def test_t5_plan_splits_the_bias_with_its_heads():
     p = plan(t5(), 2, example_inputs=t5_inputs())
     assert p[BIAS] == "per_head" and p[BIAS.replace("encoder", "decoder")] == "per_head"
-    assert p.details[BIAS]["rows"] == [f"encoder.block.{i}.layer.0.SelfAttention.o" for i in (0, 1)]
+    assert p.details[BIAS].rows == tuple(f"encoder.block.{i}.layer.0.SelfAttention.o" for i in (0, 1))
     for n in ("q", "k", "v"):
         assert p[f"decoder.block.1.layer.1.EncDecAttention.{n}"] == "colwise"  # cross-attention
     assert p["encoder.block.1.layer.0.SelfAttention.o"] == "rowwise"
@@ -74,8 +74,8 @@ def test_bloom_alibi_sliced_with_the_heads():
     model, x = ZOO["bloom"](), example_inputs("bloom")
     p = plan(model, 2, example_inputs=x)
     qkv, dense = "transformer.h.0.self_attention.query_key_value", "transformer.h.0.self_attention.dense"
-    assert p[qkv] == "colwise" and p.details[qkv]["role"] == "qkv_heads"
-    assert p.details[dense]["head_args"] == {"alibi": "flat"}
+    assert p[qkv] == "colwise" and p.details[qkv].role == "qkv_heads"
+    assert dict(p.details[dense].head_args) == {"alibi": "flat"}
     for world in (2, 3, 4):  # 6 heads: 3+3, 2+2+2, 2+2+1+1
         check(model, x, world)
 
@@ -97,7 +97,7 @@ def test_falcon_grouped_and_per_head_qkv(new_arch, world_size):
     p = plan(falcon(new_arch), world_size, example_inputs=ids)
     qkv = "transformer.h.0.self_attention.query_key_value"
     assert p[qkv] == "colwise", p.reasons.get(qkv)
-    assert p.details[qkv]["role"] == ("qkv_groups" if new_arch else "qkv_heads")
+    assert p.details[qkv].role == ("qkv_groups" if new_arch else "qkv_heads")
     check(falcon(new_arch), ids, world_size)
 
 

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 import tpkit  # noqa: E402
-from tpkit.convert import PlanError, parallelize  # noqa: E402
+from tpkit.convert import PlanError, conversion_of, parallelize  # noqa: E402
 from tpkit.nn import sync_sequence_parallel_grads  # noqa: E402
 
 from .models import hf_model  # noqa: E402
@@ -46,7 +46,7 @@ def test_training_step_equals_one_device(name, world):
         torch.optim.SGD(m.parameters(), lr=1.0).step()
         w_err = max(((p.detach() - lay[n].shard(after[n])).abs().max()
                      / after[n].abs().max().clamp_min(1e-2)).item() for n, p in m.named_parameters())
-        region = m.tp_plan.sequence_parallel
+        region = conversion_of(m).settled["sequence_parallel"].state
         return out.loss.item(), g_err, w_err, region.entry_block, len(region.norms)
     for got, g_err, w_err, entry, norms in tpkit.comm.run_threads(body, world):
         assert abs(got - loss) < 1e-6 * abs(loss)
@@ -125,7 +125,7 @@ def test_entry_splits_the_hidden_states_not_the_first_keyword(world):
                         example_inputs=(x, mask))
         start, end = split_range(10, comm.world_size, comm.rank)
         err = ((m(x, mask) - ref[..., start:end]).abs().max() / ref.abs().max()).item()
-        region = m.tp_plan.sequence_parallel
+        region = conversion_of(m).settled["sequence_parallel"].state
         return err, region.entry_block, region.entry_arg
     for err, block, arg in tpkit.comm.run_threads(body, world):
         assert (block, arg) == ("blocks.0", "hidden_states") and err < 1e-12, (block, arg, err)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import tpkit
-from tpkit.convert.styles import module_layouts
+from tpkit.convert.registry import module_layouts
 
 
 def local_shapes(m, style, details, world, rank):
@@ -25,7 +25,7 @@ def test_embedding_local_shapes_match_the_built_shard(world, style):
                               example_inputs=(torch.tensor([[1, 2]]),))
         return tuple(m[0].weight.shape)
     built = tpkit.comm.run_threads(body, world)
-    assert [local_shapes(emb, style, {}, world, r)["weight"] for r in range(world)] == built
+    assert [local_shapes(emb, style, None, world, r)["weight"] for r in range(world)] == built
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -47,7 +47,7 @@ def test_conv_and_channelwise_shapes_follow_the_split_rule(world):
             tuple(m[1].running_mean.shape)
     for rank, (shapes, running) in enumerate(tpkit.comm.run_threads(body, world)):
         share = split_sizes(7, world)[rank]
-        want = [local_shapes(full[i], plan[str(i)], {}, world, rank) for i in range(3)]
+        want = [local_shapes(full[i], plan[str(i)], None, world, rank) for i in range(3)]
         assert shapes == [{n: s for n, s in w.items() if n in ("weight", "bias")} for w in want]
         assert want[1]["running_mean"] == running
         assert shapes[1]["weight"] == running == (share,) and shapes[2]["weight"] == (5, share, 1, 1)

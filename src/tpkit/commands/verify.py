@@ -53,7 +53,7 @@ def _build(args):
 def _inputs(model, args):
     import torch
 
-    from tpkit.convert.structure import default_inputs
+    from tpkit.convert.trace import default_inputs
 
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(model, "main_input_name", None) == "input_ids":

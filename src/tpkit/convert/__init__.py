@@ -7,14 +7,21 @@ The estimates (`tpkit.estimate`) sit above and read these plans; this package ne
 from __future__ import annotations
 
 from .analyze import AnalysisReport, LayerReport, analyze
+from .conversion import Conversion, conversion_of
+from .family import Checked, Choice, Draft, Family, Planned, Proposal
 from .layouts import shard_layouts
 from .parallelize import parallelize
-from .plan import STYLES, Plan, PlanError
-from .planner import plan
+from .plan import Plan, PlanError
+from .planner import plan, propose
+from .registry import FAMILIES, STYLES, register_family, unregister_family
+from .roles import Role
+from .styles import Style
 from .verify import VerifyReport, verify
 from .wrapper import DistributedModelWrapper
 
 __all__ = [
-    "AnalysisReport", "DistributedModelWrapper", "LayerReport", "Plan", "PlanError", "STYLES",
-    "VerifyReport", "analyze", "parallelize", "plan", "shard_layouts", "verify",
+    "AnalysisReport", "Checked", "Choice", "Conversion", "DistributedModelWrapper", "Draft", "FAMILIES", "Family",
+    "LayerReport", "Plan", "PlanError", "Planned", "Proposal", "Role", "STYLES", "Style", "VerifyReport", "analyze",
+    "conversion_of", "parallelize", "plan", "propose", "register_family", "shard_layouts", "unregister_family",
+    "verify",
 ]

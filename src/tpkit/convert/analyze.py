@@ -15,10 +15,13 @@ import torch
 from torch import nn
 
 from ..tables import format_bytes as human
+from ..layout import valid_world_sizes
 from .modules import kind
-from .planner import auto_plan
-from .structure import Analysis, analyze_structure
-from .styles import REPLICATE, module_layouts
+from .plan import Plan
+from .planner import auto_plan, propose
+from .registry import module_layouts
+from .styles import REPLICATE
+from .trace import Analysis, analyze_structure
 
 # Binary throughout: device memory is sold in binary units under decimal names (an "80GB" H100 holds 80 GiB).
 UNITS = {"b": 1, **{f"{p}{suffix}": 2 ** (10 * (i + 1)) for i, p in enumerate("kmgt") for suffix in ("", "b", "ib")}}
@@ -149,7 +152,7 @@ def _unique_params(m: nn.Module, seen: set) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _module_bytes(m: nn.Module, params, style: str, details: dict, world: int) -> list[int]:
+def _module_bytes(m: nn.Module, params, style: str, details, world: int) -> list[int]:
     """Bytes of `params` (module `m`'s own, not yet counted) that each rank holds under `style`."""
     out = []
     for rank in range(world):
@@ -176,7 +179,7 @@ def _rank_bytes(a: Analysis, plan, world: int) -> int:
     for name, m in _holders(a).items():
         params = _unique_params(m, seen)
         if params:
-            b = _module_bytes(m, params, plan.entries.get(name, "replicate"), plan.details.get(name, {}), world)
+            b = _module_bytes(m, params, plan.entries.get(name, "replicate"), plan.details.get(name), world)
             per_rank = [x + y for x, y in zip(per_rank, b)]
     return max(per_rank)
 
@@ -214,7 +217,7 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
         n = sum(p.numel() for _, p in params)
         b = sum(p.numel() * p.element_size() for _, p in params)
         style = plan.entries.get(name, "replicate")
-        rb = max(_module_bytes(m, params, style, plan.details.get(name, {}), shown)) if params else 0
+        rb = max(_module_bytes(m, params, style, plan.details.get(name), shown)) if params else 0
         total_bytes += b
         total_params += n
         if style != "replicate":
@@ -249,22 +252,20 @@ def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisRepor
         recs.append(f"the forward could not be traced ({a.trace_error}), so every layer is replicated; pass "
                     f"example_inputs=... that the model's forward accepts")
         return recs
-    attn = [p for p in a.pairs if p["kind"] == "attention"]
+    attn = [p for p in a.pairs if p.kind == "attention"]
     if attn:
         p0 = attn[0]
-        nh, nkv = p0["num_heads"], p0["num_kv_heads"]
-        blocked = [w for w, pl in plans.items() if pl.entries.get(p0["row"]) == "replicate" and w > 1]
+        nh, nkv = p0.num_heads, p0.num_kv_heads
+        blocked = [w for w, pl in plans.items() if pl.entries.get(p0.row) == "replicate" and w > 1]
         if blocked:
-            from ..layout import valid_world_sizes
-
             recs.append(f"attention ({nh} query / {nkv} KV heads) stays replicated at world sizes {blocked}: "
-                        f"{plans[blocked[0]].reasons.get(p0['row'], '')}; world sizes that split it: "
+                        f"{plans[blocked[0]].reasons.get(p0.row, '')}; world sizes that split it: "
                         f"{valid_world_sizes(nh, nkv, 64)}")
-        if nkv < shown and nkv < nh and plan.entries.get(p0["row"]) == "rowwise":
+        if nkv < shown and nkv < nh and plan.entries.get(p0.row) == "rowwise":
             recs.append(f"{nkv} KV heads < world size {shown}: each KV head is replicated on {shown // nkv} ranks "
                         f"(k/v projections hold {shown // nkv}x their even share; their gradients are summed "
                         f"across those ranks)")
-        elif nh % shown and plan.entries.get(p0["row"]) == "rowwise":
+        elif nh % shown and plan.entries.get(p0.row) == "rowwise":
             recs.append(f"{nh} heads do not divide by {shown}: the first {nh % shown} ranks hold one head more, so "
                         f"they set the step time; world sizes dividing {nh} balance the work")
         recs.append(f"{len(attn)} attention blocks and {len(a.pairs) - len(attn)} MLP pairs split as column -> "
@@ -294,21 +295,12 @@ def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisRepor
     elif replicated:
         recs.append(f"replicated: {len(replicated)} small layers ({human(rep_bytes)}, "
                     f"{100 * rep_bytes / max(report.total_bytes, 1):.1f}% of bytes), mostly norms")
-    if plan.mode == "training" and shown > 1:
-        from .plan import PlanError
-        from .sequence import find_region
-
-        try:
-            region = find_region(a, dict(plan.entries))
-            recs.append(f"parallelize(..., sequence_parallel=True) would split the residual stream and its "
-                        f"{len(region.norms)} norms along the sequence (from {region.entry_block} on): their "
-                        f"activations shrink {shown}x; sequence length must be a multiple of {shown}")
-        except PlanError:
-            pass
+    on = _sequence_parallel_alternative(a, shown, plan.mode)
+    if on is not None:
+        recs.append(f"parallelize(..., sequence_parallel=True) would {on.note}: their activations shrink {shown}x; "
+                    f"sequence length must be a multiple of {shown}")
     hint = getattr(getattr(a.model, "config", None), "base_model_tp_plan", None)
     if hint:
-        from .plan import Plan
-
         try:
             hp = Plan(hint, prefix=a.prefix)
             differ = [n for n in a.leaves if (hp.style_for(n) or "replicate") != plan.entries.get(n, "replicate")
@@ -319,3 +311,11 @@ def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisRepor
             recs.append(f"the config's base_model_tp_plan differs from tpkit's plan on {len(differ)} layers "
                         f"(e.g. {differ[0]}: {hp.style_for(differ[0])} vs {plan.entries.get(differ[0])})")
     return recs
+
+
+def _sequence_parallel_alternative(a: Analysis, world: int, mode: str):
+    """The planner's "sequence parallel on" alternative at this world size (a `Choice`), or None."""
+    if mode != "training" or world == 1:
+        return None
+    _, proposals = propose(a, world, mode)
+    return next((c for p in proposals if p.key == "sequence_parallel" for c in p.choices if c.label == "on"), None)

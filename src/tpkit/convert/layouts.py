@@ -13,27 +13,30 @@ from typing import Mapping
 from torch import nn
 
 from ..layout import ShardLayout
+from .conversion import conversions_in
 from .errors import PlanError
 from .modules import kind
-from .styles import Layouts, module_layouts, style
+from .registry import module_layouts, style
+from .roles import Role
+from .styles import REPLICATE, Layouts
 
 
 def plan_layouts(modules: Mapping[str, nn.Module], leaves: Mapping[str, nn.Module], styles: Mapping[str, str],
-                 details: Mapping[str, dict], world: int, rank: int) -> dict[str, Layouts]:
+                 details: Mapping[str, Role], world: int, rank: int) -> dict[str, Layouts]:
     """Per planned module, its tensors' layouts on `rank`; raises PlanError (naming the module) for a style
     that does not fit the module's type or sizes. Nothing is changed."""
     out: dict[str, Layouts] = {}
     for name, s in styles.items():
         m = modules[name]
         obj = style(s)
-        if name not in leaves and not getattr(obj, "owns_module", False):
-            if not obj.container and obj.name != style("replicate").name:
+        if name not in leaves and not obj.owns_module:
+            if not obj.container and obj.name != REPLICATE:
                 raise PlanError(f"plan: style {s!r} on {name} ({type(m).__name__}), which is a container; name its "
                                 f"layers instead (e.g. {name}.*)")
             continue
         if obj.container:
             raise PlanError(f"plan: style {s!r} is for container modules, not the layer {name}")
-        d = details.get(name, {})
+        d = details.get(name)
         obj.check(name, m, d, world)
         try:
             out[name] = module_layouts(m, s, d, world, rank)
@@ -63,7 +66,7 @@ def shard_layouts(model: nn.Module) -> dict[str, ShardLayout]:
     """`{state_dict key: ShardLayout}` of a converted model: every parameter and persistent buffer, replicated
     ones included, keyed exactly as `model.state_dict()` (a model wrapped after conversion, e.g. under a
     `module.` prefix, is found by its submodule). An unconverted model: every tensor whole, world size 1."""
-    found = [(n, m._tp_conversion) for n, m in model.named_modules() if getattr(m, "_tp_conversion", None)]
+    found = conversions_in(model)
     if len(found) > 1:
         raise ValueError(f"shard_layouts: the model holds {len(found)} converted submodules ({[n for n, _ in found]}); "
                          f"call it on each")

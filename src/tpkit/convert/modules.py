@@ -165,3 +165,8 @@ def kind(m: nn.Module) -> str:
     if is_transposed_linear(m):
         return "Conv1D (transposed linear)"
     return type(m).__name__
+
+
+def is_per_head_source(m: nn.Module, num_heads: int) -> bool:
+    """A layer that can be split with the heads: an embedding with one column per head."""
+    return is_embedding(m) and m.embedding_dim == num_heads and isinstance(m.weight, torch.Tensor)

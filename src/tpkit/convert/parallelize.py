@@ -2,11 +2,13 @@
 
 Five named steps, each a function with a typed result:
 
-1. trace    `planner.analyze_structure` -> `Analysis` (the dataflow, once per model);
-2. plan     `resolve_plan` -> `Plan` (module -> style, as data; user entries over automatic ones);
+1. trace    `trace.analyze_structure` -> `Analysis` (the dataflow, once per model);
+2. plan     `resolve_plan` -> `Plan` (module -> style, as data; user entries over automatic ones; the
+            registered families propose the automatic ones);
 3. layouts  `layouts.plan_layouts` -> per module, one `ShardLayout` per tensor (type and size checks);
-4. validate `validate.validate` -> the plan as a whole (dataflow, ties, sequence-parallel region);
-5. swap     `swap.build` then `swap.swap`: new layers cut from those layouts, then put in.
+4. validate `validate.validate` -> the plan as a whole (each style's dataflow, ties, every family's checks);
+5. swap     `swap.build` then `swap.swap`: new layers cut from those layouts, then put in, then every family
+            installs what its styles need.
 
 Everything is checked and every new layer is built before the first module is swapped, so an error leaves
 the model exactly as it was. The result is one `Conversion` record: `model.tp_plan` is its plan, and
@@ -14,34 +16,23 @@ the model exactly as it was. The result is one `Conversion` record: `model.tp_pl
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
 from torch import nn
 
-from ..layout import ShardLayout
+from ..nn._layer import resolve_comm
+from .conversion import Conversion, attach
 from .errors import PlanError
-from .fastpath import fast_path_updates
+from .family import Planned
 from .layouts import key_layouts, plan_layouts
 from .plan import Plan
 from .planner import auto_plan
-from .structure import Analysis, analyze_structure, untraced_structure
-from .styles import COLWISE, ROWWISE, SEQUENCE_PARALLEL, for_module, style
-from .swap import attention_updates, build, swap
+from .registry import STYLES, for_module, style
+from .styles import COLWISE, ROWWISE, SEQUENCE_PARALLEL
+from .swap import attribute_updates, build, swap
+from .trace import Analysis, analyze_structure, untraced_structure
 from .validate import validate
-
-
-@dataclasses.dataclass
-class Conversion:
-    """What `parallelize` did on one rank: the plan it applied and what each tensor now holds."""
-
-    plan: Plan
-    layouts: dict[str, ShardLayout]        # state_dict key -> layout (every key, replicated ones included)
-    updated_attributes: dict[str, dict]    # attention module -> attributes set to local head counts
-    sequence_parallel: Any                 # the SequenceRegion, or None
-    world_size: int
-    rank: int
 
 
 def resolve_plan(model: nn.Module, plan: Any, world_size: int, analysis: Analysis, mode: str) -> Plan:
@@ -85,8 +76,6 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     checkpoint records it); it is applied without tracing the model or re-checking the dataflow, which was
     done when it was made (reloads skip the trace). Ignored with sequence parallelism, which needs the trace.
     """
-    from ..nn._layer import resolve_comm
-
     comm = resolve_comm(comm)
     world, rank = comm.world_size, comm.rank
     done = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)]
@@ -100,19 +89,23 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     modules = dict(model.named_modules())
     styles = _styles(the_plan, analysis, modules)
     per_module = plan_layouts(modules, analysis.leaves, styles, the_plan.details, world, rank)  # 3. layouts
-    region = None if recorded else validate(analysis, styles, world, sequence_parallel)  # 4. validate
-    built = build(modules, styles, per_module, comm, set(region.rows) if region else set())   # 5. swap
-    updates = attention_updates(model, styles, the_plan.details, world, rank)
-    for name, attrs in fast_path_updates(model, styles, world).items():
-        updates.setdefault(name, {}).update(attrs)
-    swap(model, modules, analysis, styles, built, updates, region, comm, the_plan.details)
-    kept = {n: s for n, s in styles.items()  # leaves, modules with layouts, containers with hooks (moe_block)
-            if n in analysis.leaves or n in per_module or hasattr(style(s), "install")}
+    planned = Planned(model, analysis, styles, the_plan.details, world, rank, STYLES, sequence_parallel)
+    checked = {} if recorded else validate(planned)                                      # 4. validate
+    for c in checked.values():
+        styles.update(c.styles)
+    options: dict[str, dict] = {}
+    for c in checked.values():
+        for name, kwargs in c.build.items():
+            options.setdefault(name, {}).update(kwargs)
+    built = build(modules, styles, per_module, comm, options)                             # 5. swap
+    updates = attribute_updates(planned)
+    swap(model, modules, planned, built, updates, checked, comm)
+    kept = {n: s for n, s in styles.items()  # leaves, modules with layouts, containers acting as regions
+            if n in analysis.leaves or n in per_module or style(s).region}
     record = Plan(kept, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
-    record.updated_attributes, record.sequence_parallel, record.rank = updates, region, rank
-    _record(model, Conversion(record, key_layouts(model, modules, per_module, world, rank), updates, region,
-                              world, rank))
+    attach(model, Conversion(record, key_layouts(model, modules, per_module, world, rank), updates, checked, world,
+                             rank))
     return model
 
 
@@ -124,12 +117,3 @@ def _styles(the_plan: Plan, analysis: Analysis, modules: Mapping[str, nn.Module]
         if s in (COLWISE, ROWWISE) and name not in the_plan.details and name in analysis.structures:
             the_plan.details[name] = analysis.structures[name]
     return styles
-
-
-def _record(model: nn.Module, conversion: Conversion) -> None:
-    model._tp_conversion = conversion
-    # Hugging Face models expose `tp_plan` as a validating property backed by `_tp_plan`.
-    if isinstance(getattr(type(model), "tp_plan", None), property):
-        model._tp_plan = conversion.plan
-    else:
-        model.tp_plan = conversion.plan

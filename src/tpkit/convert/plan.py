@@ -1,9 +1,9 @@
 """A tensor-parallel plan as data: `{module name or glob: style}`, printable and JSON in / out.
 
 Style strings are Hugging Face's `tp_plan` vocabulary, with a few of tpkit's own; aliases map to one
-canonical style each (`styles.py` holds the whole vocabulary, as style objects). A plan may also carry, per module, the
-facts the planner found (`details`: attention heads, packed pieces) and why a layer stays replicated
-(`reasons`), so a saved plan replays exactly and a reader sees what was decided.
+canonical style each (`registry.STYLES` holds the whole vocabulary, as style objects). A plan may also carry, per
+module, the facts the planner found (`details`: one `Role` each, attention heads, packed pieces) and why a layer
+stays replicated (`reasons`), so a saved plan replays exactly and a reader sees what was decided.
 """
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from .errors import PlanError
-from .styles import ALIASES, CONTAINER_NO_OPS, STYLES, canonical_style
+from .registry import STYLES, canonical_style
+from .roles import Role
+from .styles import ALIASES
 
-__all__ = ["Plan", "PlanError", "canonical_style", "is_glob", "STYLES", "ALIASES", "CONTAINER_NO_OPS"]
+__all__ = ["Plan", "PlanError", "canonical_style", "is_glob", "STYLES", "ALIASES"]
 
 
 def is_glob(pattern: str) -> bool:
@@ -31,14 +33,19 @@ class Plan(Mapping[str, str]):
     """
 
     def __init__(self, entries: Mapping[str, str] | None = None, *, world_size: int | None = None,
-                 mode: str = "inference", details: Mapping[str, dict] | None = None,
+                 mode: str = "inference", details: Mapping[str, Role | Mapping] | None = None,
                  reasons: Mapping[str, str] | None = None, prefix: str | None = None):
         self.entries: dict[str, str] = {}
         for k, v in dict(entries or {}).items():
             self.entries[str(k)] = canonical_style(v, f"plan entry {k!r}")
         self.world_size = world_size
         self.mode = mode
-        self.details = {k: dict(v) for k, v in dict(details or {}).items()}
+        self.details: dict[str, Role] = {}
+        for k, v in dict(details or {}).items():
+            try:
+                self.details[str(k)] = Role.from_dict(v)
+            except (TypeError, ValueError) as exc:
+                raise PlanError(f"plan details of {k!r}: {exc}") from None
         self.reasons = dict(reasons or {})
         self.prefix = prefix
 
@@ -122,7 +129,8 @@ class Plan(Mapping[str, str]):
     # Data in / out.
     def to_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "mode": self.mode, "prefix": self.prefix,
-                "entries": dict(self.entries), "details": self.details, "reasons": self.reasons}
+                "entries": dict(self.entries), "details": {k: v.to_dict() for k, v in self.details.items()},
+                "reasons": self.reasons}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

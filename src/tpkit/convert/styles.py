@@ -1,26 +1,27 @@
-"""The plan styles, as data: one small class per style, one registry.
+"""The plan styles: one small class per style, every one a `Style`; the core ones live here, the rest in the
+architecture family that adds them, and `registry.STYLES` holds them all.
 
-A style says three things about a module (as PyTorch's `tensor/parallel/style.py` keeps one class per style):
+A style says four things about a module (as PyTorch's `tensor/parallel/style.py` keeps one class per style):
 which module types it applies to and which sizes it needs (`check`), which part of each of the module's
-tensors a rank holds (`layouts`, one `ShardLayout` per parameter and persistent buffer), and which `tpkit.nn`
+tensors a rank holds (`layouts`, one `ShardLayout` per parameter and persistent buffer), which `tpkit.nn`
 layer replaces the module (`build`, made from those layouts, so the shard built and the shard described are one
-fact). `collectives` names the communication its layer does in the forward. Style names are Hugging Face's
-`tp_plan` strings with a few of tpkit's own; every other module names them through the constants below.
+fact), and what its neighbours in the dataflow must be (`check_dataflow`, read through `split_output` /
+`split_input` of the styles around it). `collectives` names the communication its layer does in the forward.
+Style names are Hugging Face's `tp_plan` strings with a few of tpkit's own; every other module names them
+through the constants below.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Callable
 
-import torch
 from torch import nn
 
-from ..layout import Piece, ShardLayout
+from ..layout import HeadLayoutError, Piece, ShardLayout, group_pieces, head_layout, head_spans
+from ..nn.mappings import reduce_replicated_rows_grad
 from .errors import PlanError
-from ..layout import HeadLayoutError, group_pieces, head_layout, head_spans
-from .mha import MULTIHEAD_ATTENTION, MultiheadAttentionHeads
-from .per_head import PER_HEAD, PerHead
 from .modules import (as_linear, is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d,
                       is_transposed_linear, keep_output_scale, kind, linear_dims)
+from .roles import Role
 
 COLWISE = "colwise"
 COLWISE_REP = "colwise_rep"
@@ -30,11 +31,11 @@ ROWWISE_REP = "rowwise_rep"
 EMBEDDING_ROWWISE = "embedding_rowwise"
 EMBEDDING_COLWISE = "embedding_colwise"
 CHANNELWISE = "channelwise"
-SEQUENCE_PARALLEL = "sequence_parallel"
 REPLICATE = "replicate"
-REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
+SEQUENCE_PARALLEL = "sequence_parallel"  # also a conversion option: parallelize(..., sequence_parallel=True)
 
 Layouts = dict[str, ShardLayout]
+Lookup = Callable[[str], "Style"]  # a module name -> the Style object it is planned with
 
 
 def replicated_layouts(m: nn.Module, world: int, rank: int) -> Layouts:
@@ -52,17 +53,26 @@ class Style:
     name = REPLICATE
     description = "every rank holds the whole module"
     collectives: tuple[str, ...] = ()
-    container = False  # applies to container modules (HF plan entries tpkit's layers make unnecessary)
+    container = False     # applies to container modules (HF plan entries tpkit's layers make unnecessary)
+    region = False        # a container style that acts on its module as one region (kept in the plan's record)
+    owns_module = False   # holds parameters itself although a child is planned on its own
+    split_output = False  # its output stays split over features, for layers that take a split input
+    split_input = False   # it takes a feature-split input
+    splits = False        # it splits some tensor (False: every rank holds the module whole)
 
-    def check(self, name: str, m: nn.Module, details: Mapping, world: int) -> None:
+    def check(self, name: str, m: nn.Module, role: Role | None, world: int) -> None:
         """Raise PlanError if this style cannot be applied to `m` at this world size."""
 
-    def layouts(self, m: nn.Module, details: Mapping, world: int, rank: int) -> Layouts:
+    def layouts(self, m: nn.Module, role: Role | None, world: int, rank: int) -> Layouts:
         return replicated_layouts(m, world, rank)
 
     def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module | None:
         """This rank's replacement for `m`, or None when `m` stays as it is."""
         return None
+
+    def check_dataflow(self, name: str, planned: Any, lookup: Lookup) -> None:
+        """Raise PlanError if the traced dataflow around `name` does not fit this style (`planned`: the
+        `family.Planned` being validated; `lookup`: the style object of any module)."""
 
 
 class ContainerNoOp(Style):
@@ -73,31 +83,18 @@ class ContainerNoOp(Style):
         self.description = f"HF container style {name!r}: tpkit's layers already do this communication"
 
 
-class ReplicatedGradAllReduce(Style):
-    name = REPLICATED_WITH_GRAD_ALLREDUCE
-    description = ("every rank holds the whole module, applied to its own heads only (a per-head q/k norm): its "
-                   "gradient is summed over the ranks")
-    collectives = ("all_reduce (backward)",)
-
-
-class SequenceParallelNorm(Style):
-    name = SEQUENCE_PARALLEL
-    description = ("a replicated per-token layer (norm) running on this rank's slice of the sequence; its gradient "
-                   "is a partial sum (tpkit.nn.sync_sequence_parallel_grads before the step)")
-
-
 # ---------------------------------------------------------------------------------------------- split features
-def feature_pieces(details: Mapping, size: int, world: int, column: bool) -> tuple[Piece, ...]:
-    """How the split feature dimension (`size` features) is cut, from the planner's details: whole heads for
+def feature_pieces(details: Role | None, size: int, world: int, column: bool) -> tuple[Piece, ...]:
+    """How the split feature dimension (`size` features) is cut, from the module's role: whole heads for
     attention projections (KV heads replicated when fewer than ranks), packed projections piece by piece, the
     split rule otherwise."""
-    if details.get("pair") == "attention":
-        where = details.get("attention") or "attention"
+    if details is not None and details.is_attention:
+        where = details.attention or "attention"
         try:
-            lay = head_layout(details["num_heads"], details["num_kv_heads"], world, where)
+            lay = head_layout(details.num_heads, details.num_kv_heads, world, where)
         except HeadLayoutError as exc:
             raise PlanError(f"{exc}; mark this attention block 'replicate' instead") from None
-        hd, role = details["head_dim"], details.get("role")
+        hd, role = details.head_dim, details.role
         q = Piece(0, lay.num_heads * hd, head_spans(lay.q_heads, hd))
         if not column:
             return (q,)
@@ -107,14 +104,14 @@ def feature_pieces(details: Mapping, size: int, world: int, column: bool) -> tup
         if role in ("k", "v"):
             return (Piece(0, kv_size, head_spans(lay.kv_heads, hd)),)
         if role == "qkv":
-            qw, kw = details["pieces"][0], details["pieces"][1]
+            qw, kw = details.pieces[0], details.pieces[1]
             return (Piece(0, qw, q.spans), Piece(qw, kw, head_spans(lay.kv_heads, hd)),
                     Piece(qw + kw, kw, head_spans(lay.kv_heads, hd)))
         if role == "qkv_heads":  # GPT-NeoX: [heads, 3 x head_dim]
             return (Piece(0, size, head_spans(lay.q_heads, 3 * hd)),)
         if role == "qkv_groups":  # Falcon: [kv heads, group + 2, head_dim]
-            return group_pieces(lay, hd, details["group"])
-    pieces = details.get("pieces") if column else None
+            return group_pieces(lay, hd, details.group)
+    pieces = details.pieces if column and details is not None else None
     out, offset = [], 0
     for p in pieces or [size]:
         out.append(Piece.split(offset, p, world))
@@ -135,7 +132,9 @@ class _FeatureSplit(Style):
     column = True
     uses_details = True  # attention heads and packed pieces; the *_rep and vocab styles use the plain split
 
-    def check(self, name: str, m: nn.Module, details: Mapping, world: int) -> None:
+    splits = True
+
+    def check(self, name: str, m: nn.Module, role: Role | None, world: int) -> None:
         where = f"{name} ({kind(m)})"
         if not (is_linear(m) or is_plain_conv2d(m)):
             raise PlanError(f"{where}: style {self.name!r} needs a Linear, Conv1D or Conv2d (groups=1)")
@@ -150,8 +149,8 @@ class _FeatureSplit(Style):
         n_in, n_out = linear_dims(m)
         return n_out if self.column else n_in
 
-    def layouts(self, m: nn.Module, details: Mapping, world: int, rank: int) -> Layouts:
-        d = details if self.uses_details and not is_conv2d(m) else {}
+    def layouts(self, m: nn.Module, role: Role | None, world: int, rank: int) -> Layouts:
+        d = role if self.uses_details and not is_conv2d(m) else None
         pieces = feature_pieces(d, self._split_size(m), world, self.column)
         transposed = is_transposed_linear(m)
         out = {"weight": _split_layout(tuple(m.weight.shape), 0 if self.column else 1, pieces, transposed, world,
@@ -164,6 +163,7 @@ class _FeatureSplit(Style):
 
 class ColWise(_FeatureSplit):
     name = COLWISE
+    split_output = True
     description = ("split output features (attention: whole heads; packed projections: piece by piece); output "
                    "stays split for the row-wise layer that follows")
     gather = False
@@ -182,15 +182,38 @@ class ColWise(_FeatureSplit):
         # Some rows (replicated KV heads) live on several ranks: every rank joins the gradient sum, including
         # one whose own rows are all single (KV heads 2 over 3 ranks: rank 0 holds head 0 alone).
         if any(max(lay.for_rank(r).replicas(), default=1) > 1 for r in range(lay.world_size)):
-            _sum_replicated_row_grads(layer, lay.index(), lay.full_shape[lay.dim], comm)
             for p in (layer.weight, layer.bias):
                 if p is not None:
+                    reduce_replicated_rows_grad(p, lay.index(), lay.full_shape[lay.dim], comm)
                     p.partition_replicas = replicas  # type: ignore[attr-defined]
         return layer
+
+    def check_dataflow(self, name: str, planned: Any, lookup: Lookup) -> None:
+        """A split output must reach only layers that take a split input, and every column feeding the same
+        row-wise layer must be split with it."""
+        a = planned.analysis
+        t = a.trace
+        if self.name != COLWISE or t is None or planned.world_size == 1 or name not in t.calls:
+            return
+        users = t.consumers.get(name, set())
+        bad = sorted(u for u in users if not lookup(u).split_input)
+        if name in t.escaped:
+            bad.append("<model output>")
+        if bad or not users:
+            raise PlanError(f"conflicting entries: {name} is 'colwise' (its output stays split) but its output "
+                            f"feeds {bad or 'no layer'}, which take(s) the whole vector; make those 'rowwise' or "
+                            f"{name} 'replicate'/'colwise_rep'")
+        shared = a.structures.get(name)
+        row = a.structures.get(shared.row) if shared is not None and shared.row else None
+        for other in row.columns if row is not None else ():
+            if planned.style_of(other) != COLWISE:
+                raise PlanError(f"conflicting entries: {name} is 'colwise' but {other}, which feeds the same "
+                                f"row-wise layer {shared.row}, is {planned.style_of(other)!r}")
 
 
 class ColWiseRep(ColWise):
     name = COLWISE_REP
+    split_output = False
     description = "split output features, all-gather the output (e.g. an LM head for inference)"
     collectives = ("all_gather",)
     gather = True
@@ -199,6 +222,7 @@ class ColWiseRep(ColWise):
 
 class VocabParallel(ColWise):
     name = VOCAB_PARALLEL
+    split_output = False  # split logits leave the model (for vocab_parallel_cross_entropy)
     description = "LM head split over the vocabulary, logits stay split; use vocab_parallel_cross_entropy"
     uses_details = False
 
@@ -209,6 +233,7 @@ class RowWise(_FeatureSplit):
     collectives = ("all_reduce",)
     column = False
     input_is_parallel = True
+    split_input = True
 
     def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
         from ..nn import RowParallelConv2d, RowParallelLinear
@@ -221,19 +246,34 @@ class RowWise(_FeatureSplit):
             return RowParallelLinear.from_module(lin, comm, input_is_parallel=self.input_is_parallel, **sp)
         return RowParallelLinear.from_module(lin, comm, index=lay.index(), partition_sizes=lay.sizes(), **sp)
 
+    def check_dataflow(self, name: str, planned: Any, lookup: Lookup) -> None:
+        """Its input must come from layers whose output stays split."""
+        t = planned.analysis.trace
+        if not self.input_is_parallel or t is None or planned.world_size == 1 or name not in t.calls:
+            return
+        tag = t.first(name).input_tag
+        srcs = sorted(tag.sources) if tag is not None else []
+        bad = [x for x in srcs if not lookup(x).split_output]
+        if bad or not srcs:
+            raise PlanError(f"conflicting entries: {name} is 'rowwise' (it takes a split input) but its input comes "
+                            f"from {bad or 'no layer'}, which give(s) the whole vector; use 'rowwise_rep' or make "
+                            f"them 'colwise'")
+
 
 class RowWiseRep(RowWise):
     name = ROWWISE_REP
     description = "split input features of a full (replicated) input, slicing it locally; one all-reduce"
     input_is_parallel = False
     uses_details = False
+    split_input = False
 
 
 # ---------------------------------------------------------------------------------------------- other layers
 class _EmbeddingSplit(Style):
     dim = 0
+    splits = True
 
-    def check(self, name: str, m: nn.Module, details: Mapping, world: int) -> None:
+    def check(self, name: str, m: nn.Module, role: Role | None, world: int) -> None:
         from ..nn._layer import check_module
         from ..nn.embedding import UNSUPPORTED_EMBEDDING_OPTIONS
 
@@ -248,7 +288,7 @@ class _EmbeddingSplit(Style):
         except (TypeError, ValueError) as exc:
             raise PlanError(f"{exc}; plan it 'replicate'") from None
 
-    def layouts(self, m: nn.Module, details: Mapping, world: int, rank: int) -> Layouts:
+    def layouts(self, m: nn.Module, role: Role | None, world: int, rank: int) -> Layouts:
         return {"weight": ShardLayout.split(tuple(m.weight.shape), self.dim, world, rank)}
 
 
@@ -278,14 +318,15 @@ class EmbeddingColwise(_EmbeddingSplit):
 class ChannelWise(Style):
     name = CHANNELWISE
     description = "per-channel layer (BatchNorm) between a column and a row conv: holds this rank's channels"
+    split_input = split_output = splits = True
 
-    def check(self, name: str, m: nn.Module, details: Mapping, world: int) -> None:
+    def check(self, name: str, m: nn.Module, role: Role | None, world: int) -> None:
         if not is_per_channel(m):
             raise PlanError(f"{name} ({kind(m)}): style 'channelwise' needs a BatchNorm")
         if m.num_features < world:
             raise PlanError(f"{name} ({kind(m)}): {m.num_features} channels cannot be split over {world} ranks")
 
-    def layouts(self, m: nn.Module, details: Mapping, world: int, rank: int) -> Layouts:
+    def layouts(self, m: nn.Module, role: Role | None, world: int, rank: int) -> Layouts:
         out = replicated_layouts(m, world, rank)
         for n in ("weight", "bias", "running_mean", "running_var"):
             if n in out:
@@ -316,77 +357,29 @@ class ChannelWise(Style):
         new.train(m.training)
         return new
 
+    def check_dataflow(self, name: str, planned: Any, lookup: Lookup) -> None:
+        t = planned.analysis.trace
+        if t is None or planned.world_size == 1 or name not in t.carried_by:
+            return
+        bad = [x for x in t.carried_by[name] if planned.style_of(x) != COLWISE]
+        if bad:
+            raise PlanError(f"conflicting entries: {name} is 'channelwise' but its input comes from {bad}, which "
+                            f"is not 'colwise'")
+
 
 def _sp(on: bool) -> dict:
     """Sequence parallelism on the [batch, seq, hidden] activations of HF models: the dim before features."""
     return {"sequence_parallel": True, "sequence_dim": -2} if on else {}
 
 
-def _sum_replicated_row_grads(layer: nn.Module, rows: tuple[int, ...], n_out: int, comm) -> None:
-    """Rows held by several ranks (replicated KV heads) get, on each, only the gradient of that rank's query
-    heads; the full gradient is their sum, so sum it over the ranks (scatter-add into the full shape, one
-    all-reduce, pick the rows back) before any optimizer sees it."""
-    from ..comm import traceable
-
-    idx = torch.tensor(rows, dtype=torch.long)
-
-    def hook(grad):
-        full = grad.new_zeros((n_out,) + tuple(grad.shape[1:]))
-        full.index_add_(0, idx.to(grad.device), grad)
-        return traceable.all_reduce_(full, comm).index_select(0, idx.to(grad.device))  # `full` is ours
-
-    for p in (layer.weight, layer.bias):
-        if p is not None and p.requires_grad and p.device.type != "meta":
-            p.register_hook(hook)
-
-
-STYLES: dict[str, Style] = {s.name: s for s in (
-    ColWise(), ColWiseRep(), VocabParallel(), RowWise(), RowWiseRep(), EmbeddingRowwise(), EmbeddingColwise(),
-    ChannelWise(), SequenceParallelNorm(), Style(), ReplicatedGradAllReduce())}
-STYLES[PER_HEAD] = PerHead()  # type: ignore[assignment]  # per_head.py, mha.py: same interface, kept with
-STYLES[MULTIHEAD_ATTENTION] = MultiheadAttentionHeads()  # type: ignore[assignment]  # their concepts
-CONTAINER_NO_OPS: dict[str, Style] = {n: ContainerNoOp(n) for n in ("gather", "all_reduce", "local", "ep_router",
-                                                                    "moe_identity_expert")}
+CORE_STYLES: tuple[Style, ...] = (ColWise(), ColWiseRep(), VocabParallel(), RowWise(), RowWiseRep(), EmbeddingRowwise(),
+                                  EmbeddingColwise(), ChannelWise(), Style())
+CONTAINER_NO_OPS: tuple[Style, ...] = tuple(ContainerNoOp(n) for n in ("gather", "all_reduce", "local", "ep_router",
+                                                                       "moe_identity_expert"))
 ALIASES = {
     "local_colwise": COLWISE, "packed_colwise": COLWISE, "colwise_gather_output": COLWISE_REP,
     "gather_output": COLWISE_REP, "local_rowwise": ROWWISE, "packed_rowwise": ROWWISE,
     "rowwise_split_input": ROWWISE_REP, "vocab": EMBEDDING_ROWWISE, "vocab_parallel_embedding": EMBEDDING_ROWWISE,
     "replicated": REPLICATE, "none": REPLICATE, "local_packed_rowwise": ROWWISE, "isolated": REPLICATE,
 }
-COLUMN_STYLES = frozenset((COLWISE, COLWISE_REP, VOCAB_PARALLEL))
-ROW_STYLES = frozenset((ROWWISE, ROWWISE_REP))
 VOCAB_STYLES = frozenset((EMBEDDING_ROWWISE, COLWISE_REP, VOCAB_PARALLEL))  # tied weights split over the vocabulary
-
-
-def style(name: str) -> Style:
-    """The style object of a canonical style name."""
-    return STYLES.get(name) or CONTAINER_NO_OPS[name]
-
-
-def canonical_style(name: str, where: str = "plan") -> str:
-    """The canonical name of a style string (case-insensitive; aliases accepted)."""
-    if not isinstance(name, str):
-        raise PlanError(f"{where}: style must be a string, got {name!r}")
-    s = name.strip().lower()
-    s = ALIASES.get(s, s)
-    if s in STYLES or s in CONTAINER_NO_OPS:
-        return s
-    raise PlanError(f"{where}: unknown style {name!r}; valid styles: {', '.join(sorted(STYLES))} "
-                    f"(aliases: {', '.join(sorted(ALIASES))})")
-
-
-def for_module(name: str, m: nn.Module) -> str:
-    """The style `name` means on module `m`. HF plans write 'rowwise' / 'colwise' on embeddings too (PyTorch's
-    styles shard an embedding's weight by rows, the vocabulary, or by columns, its features): on an embedding
-    they are the embedding styles, so every later check (ties, sizes, dataflow) sees one vocabulary."""
-    if is_embedding(m) and name in (ROWWISE, COLWISE):
-        return EMBEDDING_ROWWISE if name == ROWWISE else EMBEDDING_COLWISE
-    return name
-
-
-def module_layouts(m: nn.Module, style_name: str, details: Mapping, world: int, rank: int) -> Layouts:
-    """Every tensor `m` holds directly, as this rank holds it under `style_name` (all whole at world size 1)."""
-    if world == 1:
-        return replicated_layouts(m, world, rank)
-    return style(for_module(style_name, m)).layouts(m, details, world, rank)
-

@@ -5,6 +5,7 @@ from typing import Any
 
 from torch import nn
 
+from ..nn._layer import resolve_comm
 from .parallelize import parallelize
 from .styles import REPLICATE
 
@@ -21,8 +22,6 @@ class DistributedModelWrapper(nn.Module):
                  plan: Any = "auto", mode: str = "inference", example_inputs: Any = None,
                  sequence_parallel: bool = False):
         super().__init__()
-        from ..nn._layer import resolve_comm
-
         comm = resolve_comm(comm)
         if world_size is not None and world_size != comm.world_size:
             raise ValueError(f"DistributedModelWrapper: world_size={world_size} but the communicator has "

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..convert.registry import module_layouts
 from ..convert.styles import (CHANNELWISE, COLWISE, COLWISE_REP, EMBEDDING_COLWISE, EMBEDDING_ROWWISE, REPLICATE, ROWWISE,
-                      ROWWISE_REP, VOCAB_PARALLEL, module_layouts)
+                              ROWWISE_REP, VOCAB_PARALLEL)
 
 _OUT_SPLIT = {COLWISE, VOCAB_PARALLEL}                  # output stays split
 _GATHERED = {COLWISE_REP, EMBEDDING_COLWISE}            # output all-gathered: full again
@@ -47,7 +48,7 @@ def _fallback_style(m: nn.Module, sharded: bool, t: int) -> str:
 
 def _param_bytes_per_rank(m: nn.Module, style: str, t: int) -> float:
     """Bytes of `m`'s own parameters on rank 0 under `style` (the converter's layouts, plain splits)."""
-    layouts = module_layouts(m, style, {}, t, 0)
+    layouts = module_layouts(m, style, None, t, 0)
     return float(sum(layouts[n].local_numel * p.element_size() for n, p in m.named_parameters(recurse=False)))
 
 

@@ -20,14 +20,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from typing import Mapping
+from typing import Iterator
 
 from torch import nn
 
-from ..layout import Piece, ShardLayout
-from .errors import PlanError
-from .expert_blocks import plan_blocks
-from .styles import STYLES, Layouts, Style
+from ...layout import Piece, ShardLayout
+from ...nn import mark_tensor_parallel
+from ...nn.experts import ExpertsRegion
+from ..errors import PlanError
+from ..family import Choice, Draft, Family, Proposal
+from ..roles import Role
+from ..styles import Layouts, Style
 
 EXPERTS_TP = "experts_tp"
 EXPERTS_EP = "experts_ep"
@@ -123,9 +126,6 @@ def expert_layouts(m: nn.Module, world: int, rank: int, expert_parallel: bool) -
 
 def build_experts(m: nn.Module, layouts: Layouts, comm, expert_parallel: bool) -> nn.Module:
     """A copy of `m` holding this rank's shards, its forward wrapped in one experts region."""
-    from ..nn import mark_tensor_parallel
-    from ..nn.experts import ExpertsRegion
-
     info = _info(type(m).__name__, m)
     keep = {id(t): t for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
     if getattr(m, "config", None) is not None:
@@ -161,8 +161,9 @@ class ExpertsTP(Style):
                    "columns; router whole; one all-reduce after the combine")
     collectives = ("all_reduce",)
     expert_parallel = False
+    splits = True
 
-    def check(self, name: str, m: nn.Module, details: Mapping, world: int) -> None:
+    def check(self, name: str, m: nn.Module, role: Role | None, world: int) -> None:
         info = _info(name, m)
         n = info.num_experts if self.expert_parallel else info.intermediate
         what = "experts" if self.expert_parallel else "intermediate features per expert"
@@ -171,7 +172,7 @@ class ExpertsTP(Style):
             raise PlanError(f"{name} ({type(m).__name__}): {n} {what} cannot be split over {world} ranks; use a world "
                             f"size <= {n}, style {other!r}, or 'replicate'")
 
-    def layouts(self, m: nn.Module, details: Mapping, world: int, rank: int) -> Layouts:
+    def layouts(self, m: nn.Module, role: Role | None, world: int, rank: int) -> Layouts:
         return expert_layouts(m, world, rank, self.expert_parallel)
 
     def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
@@ -185,30 +186,46 @@ class ExpertsEP(ExpertsTP):
     expert_parallel = True
 
 
-STYLES.update({s.name: s for s in (ExpertsTP(), ExpertsEP())})
+ROUTER_REASON = "the router of the experts beside it: whole, so every rank routes alike (small)"
 
 
-def plan_experts(model: nn.Module, leaves: Mapping[str, nn.Module], world_size: int, entries: dict,
-                 reasons: dict) -> None:
-    """Plan every fused experts module not planned yet: `experts_tp` when its intermediate size splits over
-    the ranks, otherwise whole with the reason; and every MoE block of separate experts (expert_blocks.py)."""
-    plan_blocks(model, world_size, entries, reasons)
-    for name, m in leaves.items():
-        if name in entries:
-            continue
-        info = fused_experts(m)
-        if info is None:
-            continue
-        if isinstance(info, str):
-            reasons[name] = info
-        elif info.intermediate < world_size:
-            reasons[name] = (f"{info.intermediate} intermediate features per expert cannot be split over {world_size} "
-                             f"ranks (style {EXPERTS_EP!r} divides the {info.num_experts} experts instead)")
-        else:
-            entries[name] = EXPERTS_TP
-            parent = name.rpartition(".")[0]
-            for other, r in leaves.items():  # the router beside it: [experts, hidden]
-                w = getattr(r, "weight", None)
-                if (other.rpartition(".")[0] == parent and other not in entries and w is not None
-                        and tuple(w.shape) == (info.num_experts, info.hidden)):
-                    reasons[other] = "the router of the experts beside it: whole, so every rank routes alike (small)"
+class FusedExpertsFamily(Family):
+    """Every fused experts module not planned before: tensor parallelism inside every expert by default, expert
+    parallelism as the alternative, or whole with the reason."""
+
+    name = "fused_experts"
+    styles = (ExpertsTP(), ExpertsEP())
+
+    def detect(self, analysis) -> list[tuple[str, FusedExperts | str]]:
+        return [(n, info) for n, m in analysis.leaves.items() if (info := fused_experts(m)) is not None]
+
+    def propose(self, draft: Draft, found: list[tuple[str, FusedExperts | str]]) -> Iterator[Proposal]:
+        world = draft.world_size
+        for name, info in found:
+            if draft.style(name) is not None:
+                continue
+            if isinstance(info, str):
+                yield Proposal(self.name, name, (Choice("whole", reasons={name: info}),))
+                continue
+            routers = self._routers(draft, name, info)
+            tp = Choice("experts TP", {name: EXPERTS_TP}, reasons=routers)
+            ep = [Choice("experts EP", {name: EXPERTS_EP}, reasons=routers)] if info.num_experts >= world else []
+            if info.intermediate >= world:
+                yield Proposal(self.name, name, (tp, *ep, Choice("whole", reasons={name: "kept whole by the chosen "
+                                                                                         "setup"})))
+            else:
+                why = (f"{info.intermediate} intermediate features per expert cannot be split over {world} ranks "
+                       f"(style {EXPERTS_EP!r} divides the {info.num_experts} experts instead)")
+                yield Proposal(self.name, name, (Choice("whole", reasons={name: why}), *ep))
+
+    @staticmethod
+    def _routers(draft: Draft, name: str, info: FusedExperts) -> dict[str, str]:
+        """The router beside the experts ([experts, hidden], not planned yet), with why it stays whole."""
+        parent = name.rpartition(".")[0]
+        out = {}
+        for other, r in draft.analysis.leaves.items():
+            w = getattr(r, "weight", None)
+            if (other.rpartition(".")[0] == parent and draft.style(other) is None and w is not None
+                    and tuple(w.shape) == (info.num_experts, info.hidden)):
+                out[other] = ROUTER_REASON
+        return out

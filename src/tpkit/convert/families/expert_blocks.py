@@ -15,14 +15,18 @@ the per-layer planner, with the reason.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from ..layout import ShardLayout
-from .errors import PlanError
-from .styles import STYLES, Layouts, Style
+from ...layout import ShardLayout
+from ...nn import mark_tensor_parallel
+from ...nn.experts import BlockRegion
+from ..errors import PlanError
+from ..family import Checked, Choice, Draft, Family, Planned, Proposal
+from ..roles import Role
+from ..styles import REPLICATE, Layouts, Style
 
 MOE_BLOCK = "moe_block"
 EXPERT_COLWISE = "expert_colwise"
@@ -132,8 +136,9 @@ class ExpertColwise(Style):
     name = EXPERT_COLWISE
     description = "an expert's input projection inside a moe_block region: this rank's rows, no communication"
     column = True
+    splits = True
 
-    def check(self, name: str, m: nn.Module, details: Mapping, world: int) -> None:
+    def check(self, name: str, m: nn.Module, role: Role | None, world: int) -> None:
         n = m.out_features if self.column else m.in_features
         if not _plain_linear(m) or n < world:
             raise PlanError(f"{name}: style {self.name!r} needs an nn.Linear with at least {world} "
@@ -141,15 +146,13 @@ class ExpertColwise(Style):
         if not self.column and m.bias is not None:
             raise PlanError(f"{name}: style {self.name!r} needs an output projection without a bias")
 
-    def layouts(self, m: nn.Module, details: Mapping, world: int, rank: int) -> Layouts:
+    def layouts(self, m: nn.Module, role: Role | None, world: int, rank: int) -> Layouts:
         out = {"weight": ShardLayout.split(tuple(m.weight.shape), 0 if self.column else 1, world, rank)}
         if m.bias is not None:
             out["bias"] = ShardLayout.split(tuple(m.bias.shape), 0, world, rank)
         return out
 
     def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
-        from ..nn import mark_tensor_parallel
-
         w = layouts["weight"]
         n_out, n_in = w.local_shape
         new = RegionLinear(n_in, n_out, bias=m.bias is not None, device="meta")
@@ -172,37 +175,47 @@ class MoEBlock(Style):
     description = ("a MoE block with separate experts as one region: replicated inputs in, one all-reduce of its "
                    "combined output; router whole, its gradient summed")
     collectives = ("all_reduce",)
-    container = True
-
-    def install(self, block: nn.Module, comm) -> None:
-        from ..nn.experts import BlockRegion
-
-        BlockRegion(comm).install(block)
+    container = region = splits = True
 
 
-STYLES.update({s.name: s for s in (ExpertColwise(), ExpertRowwise(), MoEBlock())})
+ROUTER_REASON = "the router of a moe_block: whole, so every rank routes alike; its gradient is summed"
 
 
-def plan_blocks(model: nn.Module, world_size: int, entries: dict, reasons: dict) -> None:
-    """Plan every MoE block with separate experts that splits exactly as one region (over any entries the
-    per-layer planner made for its layers); the others keep those entries, with the reason noted."""
-    for name, block in model.named_modules():
-        found = find_block(name, block)
-        if found is None:
-            continue
-        why = found if isinstance(found, str) else probe(block, found)
-        if why is None and found.intermediate < world_size:
-            why = f"{found.intermediate} intermediate features per expert cannot be split over {world_size} ranks"
-        if why is not None:
-            for n in ([found.router] if not isinstance(found, str) else []):
-                reasons.setdefault(n, why)
-            if name:  # the root of a model that merely looks like one (a ModuleList beside a small head) is noise
-                reasons.setdefault(name, why)
-            continue
-        entries[name] = MOE_BLOCK
-        entries.update({n: EXPERT_COLWISE for n in found.columns})
-        entries.update({n: EXPERT_ROWWISE for n in found.rows})
-        entries.pop(found.router, None)
-        reasons[found.router] = "the router of a moe_block: whole, so every rank routes alike; its gradient is summed"
-        for n in found.columns + found.rows:
-            reasons.pop(n, None)
+class ExpertBlocks(Family):
+    """Every MoE block of separate experts that splits exactly as one region, over any entries the per-layer
+    families made for its layers; the others keep those entries, with the reason noted on the router."""
+
+    name = "expert_blocks"
+    styles = (ExpertColwise(), ExpertRowwise(), MoEBlock())
+
+    def detect(self, analysis) -> list[tuple[str, ExpertBlock | str, str | None]]:
+        """Every block with a list of separate experts: (name, its layout or why it has none, why it is not one
+        region: probed with real weights once, world-size free)."""
+        out = []
+        for name, block in analysis.model.named_modules():
+            found = find_block(name, block)
+            if found is not None:
+                out.append((name, found, found if isinstance(found, str) else probe(block, found)))
+        return out
+
+    def propose(self, draft: Draft, found: list[tuple[str, ExpertBlock | str, str | None]]) -> Iterator[Proposal]:
+        world = draft.world_size
+        for name, block, why in found:
+            if why is None and block.intermediate < world:
+                why = f"{block.intermediate} intermediate features per expert cannot be split over {world} ranks"
+            if why is not None:
+                names = ([block.router] if not isinstance(block, str) else []) + ([name] if name else [])
+                # (the root of a model that merely looks like a block, a ModuleList beside a small head, is noise)
+                yield Proposal(self.name, name, (Choice("whole", reasons={
+                    n: why for n in names if n not in draft.reasons}),))
+                continue
+            region = Choice("one region", {name: MOE_BLOCK, **{n: EXPERT_COLWISE for n in block.columns},
+                                           **{n: EXPERT_ROWWISE for n in block.rows}, block.router: REPLICATE},
+                            reasons={block.router: ROUTER_REASON})
+            yield Proposal(self.name, name, (region, Choice("per layer")))
+
+    def install(self, model: nn.Module, planned: Planned, checked: Checked | None, comm) -> None:
+        if comm.world_size > 1:
+            for name, s in planned.styles.items():
+                if s == MOE_BLOCK:
+                    BlockRegion(comm).install(model.get_submodule(name) if name else model)

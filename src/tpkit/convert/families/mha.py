@@ -19,9 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layout import Piece, ShardLayout
-from .errors import PlanError
-from ..layout import HeadLayoutError, head_layout
+from ...layout import HeadLayoutError, Piece, ShardLayout, head_layout
+from ...nn import copy_to_region, gather_from_region, mark_tensor_parallel, reduce_from_region
+from ..errors import PlanError
+from ..family import Choice, Draft, Family, Proposal
+from ..roles import ATTENTION, Role
+from ..styles import ROWWISE, Style
 
 MULTIHEAD_ATTENTION = "multihead_attention"
 
@@ -46,23 +49,23 @@ def _pieces(nh: int, hd: int, world: int, where: str) -> tuple[Piece, ...]:
     return tuple(Piece(i * nh * hd, nh * hd, spans) for i in range(3))
 
 
-class MultiheadAttentionHeads:
+class MultiheadAttentionHeads(Style):
     """Plan style for `nn.MultiheadAttention`: in_proj rows of this rank's heads; its out_proj is 'rowwise'."""
 
     name = MULTIHEAD_ATTENTION
     description = ("torch.nn.MultiheadAttention split by whole heads (q/k/v rows of in_proj); its out_proj is "
                    "'rowwise'; one all-reduce")
     collectives: tuple[str, ...] = ("all_reduce",)
-    container = False
     owns_module = True  # holds parameters itself and has a child (out_proj) planned on its own
+    splits = True
 
-    def check(self, name: str, m: nn.Module, details: Mapping, world: int) -> None:
+    def check(self, name: str, m: nn.Module, role: Role | None, world: int) -> None:
         why = unsupported(m)
         if why:
             raise PlanError(f"{name} ({type(m).__name__}): style {self.name!r}: {why}; plan it 'replicate'")
 
-    def layouts(self, m: nn.Module, details: Mapping, world: int, rank: int) -> dict[str, ShardLayout]:
-        pieces = _pieces(m.num_heads, m.head_dim, world, details.get("attention", ""))
+    def layouts(self, m: nn.Module, role: Role | None, world: int, rank: int) -> dict[str, ShardLayout]:
+        pieces = _pieces(m.num_heads, m.head_dim, world, role.attention if role is not None else "")
         out = {"in_proj_weight": ShardLayout(tuple(m.in_proj_weight.shape), world, rank, 0, pieces)}
         if m.in_proj_bias is not None:
             out["in_proj_bias"] = ShardLayout(tuple(m.in_proj_bias.shape), world, rank, 0, pieces)
@@ -77,8 +80,6 @@ class ParallelMultiheadAttention(nn.Module):
     """This rank's heads of an `nn.MultiheadAttention` (same call signature, same state_dict keys)."""
 
     def __init__(self, m: nn.MultiheadAttention, layouts: Mapping[str, ShardLayout], comm):
-        from ..nn import mark_tensor_parallel
-
         super().__init__()
         lay = layouts["in_proj_weight"]
         self.comm, self.batch_first, self.dropout = comm, m.batch_first, m.dropout
@@ -120,8 +121,6 @@ class ParallelMultiheadAttention(nn.Module):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        from ..nn import copy_to_region, gather_from_region, reduce_from_region
-
         if is_causal and attn_mask is None:
             raise RuntimeError("MultiheadAttention: is_causal=True needs attn_mask (the causal mask); torch's "
                                "module says the same")
@@ -153,3 +152,39 @@ class ParallelMultiheadAttention(nn.Module):
             sizes = [s // (3 * self.head_dim) for s in self.in_proj_weight.partition_sizes]
             weights = gather_from_region(weights, self.comm, dim=1, sizes=sizes)
         return out, (weights.squeeze(0) if unbatched else weights)
+
+
+class MultiheadAttentions(Family):
+    """Every `nn.MultiheadAttention` the forward runs, split by heads when it reads its out_proj itself (and
+    nothing else does) and its heads divide; otherwise whole, with the reason on its out_proj."""
+
+    name = "multihead_attention"
+    styles = (MultiheadAttentionHeads(),)
+
+    def detect(self, analysis) -> list[str]:
+        t = analysis.trace
+        return [] if t is None else [n for n, m in analysis.model.named_modules()
+                                     if n and type(m) is nn.MultiheadAttention and n in t.module_inputs]
+
+    def propose(self, draft: Draft, found: list[str]) -> list[Proposal]:
+        out = []
+        for name in found:
+            m, proj = draft.analysis.model.get_submodule(name), f"{name}.out_proj"
+            why = unsupported(m)
+            if why is None and draft.analysis.trace.readers.get(proj) != name:
+                why = f"{proj} is not read by {name}'s own forward alone"
+            if why is None:
+                try:
+                    head_layout(m.num_heads, m.num_heads, draft.world_size, name)
+                except HeadLayoutError as exc:
+                    why = str(exc)
+            if why:
+                out.append(Proposal(self.name, name, (Choice("whole", reasons={proj: f"{name} stays whole: {why}"}),)))
+                continue
+            role = Role(ATTENTION, "qkv", attention=name, head_dim=m.head_dim, num_heads=m.num_heads,
+                        num_kv_heads=m.num_heads)
+            split = Choice("split by heads", {name: MULTIHEAD_ATTENTION, proj: ROWWISE},
+                           details={name: role, proj: role.replace(role="o")})
+            kept = Choice("whole", reasons={proj: f"{name} stays whole: kept whole by the chosen setup"})
+            out.append(Proposal(self.name, name, (split, kept)))
+        return out

@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .modules import is_per_channel
+from ..modules import is_conv2d, is_per_channel
 
 # Ops that act on every element alone (or with a scalar / per-row operand): shards pass straight through.
 ELEMENTWISE = frozenset("""
@@ -59,7 +59,7 @@ class Tag:
                    self.unproven | other.unproven, self.headed or other.headed, self.blocks | other.blocks)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Call:
     """One call of a parameterised layer in the traced forward."""
 
@@ -71,7 +71,7 @@ class Call:
     output_shape: tuple | None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Trace:
     """The result: per layer its calls, its consumers, packed splits of its output, and which layers'
     outputs leave the model (LM heads, classifiers)."""
@@ -252,8 +252,6 @@ def is_head_local(mod, x, tag) -> bool:
 def trace(model: nn.Module, example_inputs: Any) -> Trace:
     """Run `model(*example_inputs)` (`**example_inputs` for a mapping, `model(x)` for one tensor) once and
     record its dataflow."""
-    from .modules import is_conv2d
-
     leaves = parameterised_leaves(model)
     conv_layers = {n for n, m in leaves.items() if is_conv2d(m)}
     tracer = _Tracer(conv_layers)
@@ -284,9 +282,9 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
 
         def post(mod, args, kwargs, out, name=name, per_channel=per_channel):
             tracer.depth -= 1
-            call = calls[name][-1]
             y = first_tensor((out,), {})
-            call.output_shape = tuple(y.shape) if y is not None else None
+            call = calls[name][-1] = dataclasses.replace(calls[name][-1],
+                                                         output_shape=tuple(y.shape) if y is not None else None)
             if name in head_local and call.input_tag is not None and call.output_shape == call.input_shape:
                 t = call.input_tag  # per head: the heads' tags flow through, marked as carried
                 tracer.set_tag(out, Tag(t.sources, False, t.carried | {name}, t.broken_by or name, t.reshaped_to,
@@ -305,7 +303,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
     module_inputs: dict[str, dict[int, int | str]] = {}
     plain_args: dict[str, dict] = {}
     for name, module in model.named_modules():
-        if type(module) is nn.MultiheadAttention:  # reads its out_proj's weight itself (see mha.py)
+        if type(module) is nn.MultiheadAttention:  # reads its out_proj's weight itself (see families/mha.py)
             handles.append(module.register_forward_pre_hook(lambda *a, name=name: tracer.inside.append(name)))
             handles.append(module.register_forward_hook(lambda *a: tracer.inside.pop() and None))
         def record(mod, args, kwargs, name=name):

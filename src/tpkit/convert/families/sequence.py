@@ -18,27 +18,36 @@ the column layers plus a slice, where Megatron does one reduce-scatter. Found fr
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator, Mapping
 
 from torch import nn
 
-from .modules import is_conv2d, is_feature_norm, is_linear
-from .errors import PlanError
-from .styles import COLWISE, REPLICATE, ROWWISE, SEQUENCE_PARALLEL, VOCAB_PARALLEL
+from ...nn import gather_from_region, mark_sequence_parallel, scatter_to_sequence_region
+from ..errors import PlanError
+from ..family import Checked, Choice, Draft, Family, Planned, Proposal
+from ..modules import is_conv2d, is_feature_norm, is_linear
+from ..styles import COLWISE, REPLICATE, ROWWISE, SEQUENCE_PARALLEL, VOCAB_PARALLEL, Style
 
 COLUMNS = (COLWISE, VOCAB_PARALLEL)
 
 
-@dataclasses.dataclass
+class SequenceParallelNorm(Style):
+    name = SEQUENCE_PARALLEL
+    description = ("a replicated per-token layer (norm) running on this rank's slice of the sequence; its gradient "
+                   "is a partial sum (tpkit.nn.sync_sequence_parallel_grads before the step)")
+
+
+@dataclasses.dataclass(frozen=True)
 class SequenceRegion:
     entry_block: str
-    entry_arg: int | str  # where the hidden states enter that block: argument position or keyword
-    norms: list[str]     # per-token layers on the split sequence (gradients are partial sums)
-    columns: list[str]   # column-wise layers reading the (gathered) sequence
-    rows: list[str]      # row-wise layers that reduce-scatter it
-    gathered: list[str]  # norms whose output is all-gathered for the blocks that read it
+    entry_arg: int | str    # where the hidden states enter that block: argument position or keyword
+    norms: tuple[str, ...]     # per-token layers on the split sequence (gradients are partial sums)
+    columns: tuple[str, ...]   # column-wise layers reading the (gathered) sequence
+    rows: tuple[str, ...]      # row-wise layers that reduce-scatter it
+    gathered: tuple[str, ...]  # norms whose output is all-gathered for the blocks that read it
 
 
-def find_region(analysis, styles: dict[str, str]) -> SequenceRegion:
+def find_region(analysis, styles: Mapping[str, str]) -> SequenceRegion:
     """The sequence-parallel region of a model under `styles`, or PlanError saying why there is none."""
     t = analysis.trace
     if t is None:
@@ -82,7 +91,7 @@ def find_region(analysis, styles: dict[str, str]) -> SequenceRegion:
             raise PlanError(f"sequence parallelism: {name}'s sequence-split output reaches {what}; only a "
                             f"column-wise layer (e.g. a vocab-parallel LM head, mode='training') may read it")
     gathered = [n for n in norms if any(styles.get(c) in COLUMNS for c in t.consumers.get(n, ()))]
-    return SequenceRegion(block, arg, norms, columns, rows, gathered)
+    return SequenceRegion(block, arg, tuple(norms), tuple(columns), tuple(rows), tuple(gathered))
 
 
 def _outermost_receiver(t, tensor_id: int, entry: str) -> tuple[str, int | str]:
@@ -98,8 +107,6 @@ def _outermost_receiver(t, tensor_id: int, entry: str) -> tuple[str, int | str]:
 def install_entry(model: nn.Module, block: str, comm, arg: int | str = 0) -> None:
     """Split the hidden states along the sequence (dim -2) as they enter `block`, in the argument the trace
     saw them in (`arg`: a position or a keyword; the block may also take masks, which stay whole)."""
-    from ..nn import scatter_to_sequence_region
-
     def pre(mod, args, kwargs):
         if isinstance(arg, int) and arg < len(args):
             x = args[arg]
@@ -121,8 +128,6 @@ def install_gather(norm: nn.Module, comm) -> None:
     Attention and MLP modules of HF models take their shapes from their input, so they must see the whole
     sequence; the gather sits at the norm's output rather than inside the column layers. Its backward keeps
     this rank's slice: the column layers' input gradient is already summed over the ranks."""
-    from ..nn import gather_from_region
-
     norm.register_forward_hook(lambda mod, args, out: gather_from_region(out, comm, -2))
 
 
@@ -130,3 +135,47 @@ def _check(block: str, x, world: int) -> None:
     if x.dim() < 2 or x.shape[-2] % world:
         raise ValueError(f"sequence parallelism: the hidden states entering {block} have shape {tuple(x.shape)}; "
                          f"the sequence length (dim -2) must be a multiple of the world size {world}; pad it")
+
+
+class SequenceParallel(Family):
+    """Sequence parallelism as a conversion option (`parallelize(..., sequence_parallel=True)` or plan entries
+    styled `sequence_parallel`), and as an alternative the planner offers in training mode."""
+
+    name = "sequence_parallel"
+    styles = (SequenceParallelNorm(),)
+
+    def propose(self, draft: Draft, found) -> Iterator[Proposal]:
+        """Off by default; on, where the plan has a region, splits its norms along the sequence."""
+        if draft.mode != "training" or draft.world_size == 1 or draft.analysis.trace is None:
+            return
+        try:
+            region = find_region(draft.analysis, draft.entries)
+        except PlanError:
+            return
+        note = (f"split the residual stream and its {len(region.norms)} norms along the sequence (from "
+                f"{region.entry_block} on)")
+        yield Proposal(self.name, self.name, (Choice("off"), Choice("on", {n: SEQUENCE_PARALLEL for n in region.norms},
+                                                                    note=note)))
+
+    def validate(self, planned: Planned) -> Checked | None:
+        """The region, its norms styled `sequence_parallel`, its row-wise layers built to reduce-scatter."""
+        if not ((planned.sequence_parallel or SEQUENCE_PARALLEL in planned.styles.values()) and
+                planned.world_size > 1):
+            return None
+        region = find_region(planned.analysis, planned.styles)
+        stray = [n for n, s in planned.styles.items() if s == SEQUENCE_PARALLEL and n not in region.norms]
+        if stray:
+            raise PlanError(f"plan: {stray} are styled 'sequence_parallel' but are not per-token layers on the "
+                            f"sequence-split residual stream (that region holds {list(region.norms[:4])}...)")
+        return Checked(styles={n: SEQUENCE_PARALLEL for n in region.norms},
+                       build={n: {"sequence_parallel": True} for n in region.rows}, state=region)
+
+    def install(self, model: nn.Module, planned: Planned, checked: Checked | None, comm) -> None:
+        if checked is None or checked.state is None:
+            return
+        region: SequenceRegion = checked.state
+        install_entry(model, region.entry_block, comm, region.entry_arg)
+        for n in region.norms:
+            mark_sequence_parallel(model.get_submodule(n))
+        for n in region.gathered:
+            install_gather(model.get_submodule(n), comm)

@@ -1,6 +1,6 @@
 """Step 1 of conversion (trace): what a model is made of, independent of the world size.
 
-`analyze_structure` runs the model's forward once on tiny inputs under the dataflow tracer (`trace.py`), then
+`analyze_structure` runs the model's forward once on tiny inputs under the dataflow tracer (`dataflow.py`), then
 finds its column -> row pairs (`pairs.py`) and its tied weights. The result, an `Analysis`, is remembered per
 model object so `analyze`, `plan` and `parallelize` in a row trace a large model once.
 """
@@ -9,28 +9,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from .modules import is_conv2d, is_embedding, is_linear, linear_dims
+from ..modules import is_conv2d, is_embedding, is_linear, linear_dims
+from ..roles import Pair, Role
+from .dataflow import Trace, parameterised_leaves, trace
 from .pairs import find_pairs
-from .trace import Trace, parameterised_leaves, trace
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Analysis:
     """What the planner learned about a model, independent of the world size."""
 
     model: nn.Module
-    leaves: dict[str, nn.Module]
+    leaves: Mapping[str, nn.Module]
     trace: Trace | None
     trace_error: str | None
-    structures: dict[str, dict]          # module -> details (role in an attention/MLP/conv pair)
-    pairs: list[dict]                    # each: {"kind", "columns", "row", "carried", ...}
-    notes: dict[str, str]                # module -> why it is not part of a pair
-    ties: dict[str, list[str]]           # module -> other modules sharing its weight
+    structures: Mapping[str, Role]       # module -> its role in an attention / MLP / conv pair
+    pairs: tuple[Pair, ...]
+    notes: Mapping[str, str]             # module -> why it is not part of a pair
+    ties: Mapping[str, list[str]]        # module -> other modules sharing its weight
     total_params: int
     prefix: str | None
 
@@ -108,7 +109,7 @@ def untraced_structure(model: nn.Module) -> Analysis:
     prefix = getattr(model, "base_model_prefix", None) if hasattr(model, "config") else None
     if prefix and not hasattr(model, prefix):
         prefix = None
-    return Analysis(model, leaves, None, None, {}, [], {}, _ties(leaves), total, prefix)
+    return Analysis(model, leaves, None, None, {}, (), {}, _ties(leaves), total, prefix)
 
 
 @contextlib.contextmanager
@@ -135,17 +136,16 @@ def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis
     try:
         candidates = default_inputs(model) if example_inputs is None else [example_inputs]
     except ValueError as exc:
-        analysis.trace_error = str(exc)
-        return analysis
+        return dataclasses.replace(analysis, trace_error=str(exc))
+    error = None
     for inputs in candidates:
         try:
             with traceable_experts(model):
-                analysis.trace = trace(model, inputs)
-            break
+                found = trace(model, inputs)
         except Exception as exc:  # noqa: BLE001 - any failure means: no dataflow, replicate with the reason
-            analysis.trace_error = analysis.trace_error or f"{type(exc).__name__}: {exc}"
-    if analysis.trace is None:
-        return analysis
-    analysis.trace_error = None
-    find_pairs(analysis)
-    return analysis
+            error = error or f"{type(exc).__name__}: {exc}"
+            continue
+        pairing = find_pairs(model, dict(analysis.leaves), found)
+        return dataclasses.replace(analysis, trace=found, structures=pairing.structures, pairs=tuple(pairing.pairs),
+                                   notes=pairing.notes)
+    return dataclasses.replace(analysis, trace_error=error)

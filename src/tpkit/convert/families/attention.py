@@ -1,0 +1,150 @@
+"""Attention blocks split by whole heads: q/k/v (or one packed projection) column-wise, the output layer
+row-wise, per-head norms (Qwen3's q_norm / k_norm) whole on every rank with their gradient summed.
+
+The trace finds the blocks (`trace/attention.py`); here they are planned (split by heads, or whole when the heads
+cannot be shared out or a layer of the block must stay whole), checked, and given their local head counts: the
+attention module's forward reads its head counts from attributes (or its config), so after the split they must
+say this rank's heads.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from typing import Any, Mapping
+
+from torch import nn
+
+from ...layout import HeadLayoutError, head_layout
+from ...nn.mappings import reduce_grad
+from ..errors import PlanError
+from ..family import Checked, Choice, Draft, Family, Planned, Proposal, whole_choice
+from ..roles import ATTENTION, Pair
+from ..styles import COLWISE, REPLICATE, ROWWISE, Style
+from ..trace.heads import NUM_HEADS_ATTRS, NUM_KV_ATTRS
+
+REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
+WIDTH_ATTRS = ("all_head_size", "embed_dim", "split_size", "inner_dim", "hidden_size", "kdim", "vdim")
+
+
+class ReplicatedGradAllReduce(Style):
+    name = REPLICATED_WITH_GRAD_ALLREDUCE
+    description = ("every rank holds the whole module, applied to its own heads only (a per-head q/k norm): its "
+                   "gradient is summed over the ranks")
+    collectives = ("all_reduce (backward)",)
+
+    def check_dataflow(self, name: str, planned: Any, lookup) -> None:
+        t = planned.analysis.trace
+        if t is None or name not in t.head_local:
+            raise PlanError(f"{name}: style 'replicated_with_grad_allreduce' is for per-head layers (q/k norms) "
+                            f"between split q/k projections and their row-wise output layer; the trace does not "
+                            f"show {name} as one")
+
+
+class Attention(Family):
+    name = "attention"
+    styles = (ReplicatedGradAllReduce(),)
+
+    def detect(self, analysis) -> tuple[Pair, ...]:
+        return tuple(p for p in analysis.pairs if p.kind == ATTENTION)
+
+    def propose(self, draft: Draft, found: tuple[Pair, ...]) -> list[Proposal]:
+        out = []
+        for pair in found:
+            layers = pair.columns + (pair.row,)
+            whole = draft.whole(layers)
+            if whole is None and draft.claimed(layers):
+                continue  # an earlier family planned this block
+            why = f"{whole[0]}: {whole[1]}" if whole else _heads_blocker(pair, draft.world_size)
+            if why:
+                out.append(Proposal(self.name, pair.row, (whole_choice(pair.members, why),)))
+                continue
+            a = draft.analysis
+            split = Choice("split by heads", {**{n: COLWISE for n in pair.columns}, pair.row: ROWWISE,
+                                              **{n: REPLICATED_WITH_GRAD_ALLREDUCE for n in pair.carried}},
+                           details={n: a.structures[n] for n in pair.columns + (pair.row,) + pair.carried})
+            kept = whole_choice(pair.members, f"attention {pair.attention or '<model>'} kept whole by the chosen setup "
+                                      f"(it splits by heads at {draft.world_size} ranks)")
+            out.append(Proposal(self.name, pair.row, (split, kept)))
+        return out
+
+    def validate(self, planned: Planned) -> Checked | None:
+        """A split q/k whose heads pass through a per-head layer needs that layer's gradient summed."""
+        t = planned.analysis.trace
+        if t is None or planned.world_size == 1:
+            return None
+        for name, s in planned.styles.items():
+            if s != COLWISE or name not in t.calls:
+                continue
+            for h, sources in t.head_local.items():
+                if name in sources and planned.style_of(h) != REPLICATED_WITH_GRAD_ALLREDUCE:
+                    raise PlanError(f"conflicting entries: {name} is 'colwise' and its heads pass through the "
+                                    f"per-head layer {h}, which must then be 'replicated_with_grad_allreduce' (its "
+                                    f"gradient is a sum over the ranks' heads), not {planned.style_of(h)!r}")
+        return None
+
+    def attributes(self, planned: Planned) -> Mapping[str, Mapping[str, Any]]:
+        """New values of the head-count / width attributes that attention modules read, per module."""
+        if planned.world_size == 1:
+            return {}
+        updates: dict[str, dict] = {}
+        for name, s in planned.styles.items():
+            d = planned.details.get(name)
+            if s != ROWWISE or d is None or not d.is_attention:
+                continue
+            attn = planned.model.get_submodule(d.attention) if d.attention else planned.model
+            lay = head_layout(d.num_heads, d.num_kv_heads, planned.world_size, d.attention)
+            updates[d.attention] = local_head_attrs(attn, d.num_heads, d.num_kv_heads, d.head_dim,
+                                                    len(lay.q_heads[planned.rank]), len(lay.kv_heads[planned.rank]))
+        return updates
+
+    def install(self, model: nn.Module, planned: Planned, checked: Checked | None, comm) -> None:
+        """Per-head norms see only this rank's heads: their gradient is the sum over the ranks."""
+        for name, s in planned.styles.items():
+            if s == REPLICATED_WITH_GRAD_ALLREDUCE:
+                for p in model.get_submodule(name).parameters(recurse=False):
+                    reduce_grad(p, comm)
+
+
+def _heads_blocker(pair: Pair, world: int) -> str | None:
+    try:
+        head_layout(pair.num_heads, pair.num_kv_heads, world, pair.attention)
+    except HeadLayoutError as exc:
+        return str(exc)
+    return None
+
+
+def local_head_attrs(attn: nn.Module, nh: int, nkv: int, hd: int, nh_l: int, nkv_l: int) -> dict:
+    """The attributes `attn` reads its head counts and widths from, set to this rank's."""
+    new = {}
+    for attr in NUM_HEADS_ATTRS:
+        if getattr(attn, attr, None) == nh:
+            new[attr] = nh_l
+    for attr in NUM_KV_ATTRS:
+        if getattr(attn, attr, None) == nkv:
+            new[attr] = nkv_l
+    if isinstance(getattr(attn, "num_key_value_groups", None), int):
+        new["num_key_value_groups"] = nh_l // nkv_l
+    for attr in WIDTH_ATTRS:
+        if getattr(attn, attr, None) == nh * hd and not isinstance(getattr(attn, attr), bool):
+            new[attr] = nh_l * hd
+    cfg = getattr(attn, "config", None)
+    if cfg is not None and _forward_reads_config_heads(type(attn)):
+        # Its forward reads head counts from the model-wide config (Phi-3: `config.num_attention_heads`):
+        # give this module its own copy with the local counts; the shared config stays global.
+        local = copy.copy(cfg)
+        if getattr(cfg, "num_attention_heads", None) == nh:
+            local.num_attention_heads = nh_l
+        if getattr(cfg, "num_key_value_heads", None) == nkv:
+            local.num_key_value_heads = nkv_l
+        new["config"] = local
+    return new
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_reads_config_heads(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "config.num_attention_heads" in source or "config.num_key_value_heads" in source

@@ -1,0 +1,94 @@
+"""The records passed between the steps of conversion, as frozen dataclasses (no string-keyed dicts).
+
+`Pair` is what the trace found: a column -> row pair (an MLP, a conv pair, an attention block), world-size free.
+`Role` is what a plan records per module beside its style (the plan's `details`): which pair the module belongs
+to and the facts its split needs (heads, packed pieces). A plan saved as JSON holds each Role as its `to_dict()`,
+which is the same mapping older plans and checkpoint manifests hold, so they replay unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+ATTENTION, MLP, CONV = "attention", "mlp", "conv"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """Layers whose outputs stay split from `columns` to `row`: an MLP or conv pair, or an attention block (with
+    its heads); `carried` are per-channel / per-head layers in between, `per_head` embeddings with one column per
+    head that reach the block's scores (T5's position bias)."""
+
+    kind: str
+    columns: tuple[str, ...]
+    row: str
+    carried: tuple[str, ...] = ()
+    attention: str | None = None
+    head_dim: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    per_head: tuple[str, ...] = ()
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Every module the pair splits or keeps whole together."""
+        return self.columns + (self.row,) + self.carried + self.per_head
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """A module's part in a pair (`pair`: attention / mlp / conv; `role`: q, k, v, qkv, qkv_heads, qkv_groups, o,
+    column, row, channel, head_local, per_head, ...) and what its layouts need to know."""
+
+    pair: str
+    role: str
+    row: str | None = None                    # a column's row-wise partner
+    columns: tuple[str, ...] = ()             # a row's column-wise partners
+    attention: str | None = None              # the module that states the heads
+    head_dim: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    pieces: tuple[int, ...] | None = None     # widths of the packed pieces of a fused projection
+    group: int | None = None                  # query heads per KV head of a grouped qkv ([kv, group + 2, hd])
+    head_args: tuple[tuple[int | str, str], ...] = ()  # per-head arguments: (position or keyword, "flat"/"dim1")
+    rows: tuple[str, ...] = ()                # a per-head tensor's attention output layers
+
+    @property
+    def is_attention(self) -> bool:
+        return self.pair == ATTENTION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: fields that are set, in the form plans have always stored them."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or value == ():
+                continue
+            if f.name == "head_args":
+                value = {str(k): v for k, v in value}
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: "Role | Mapping[str, Any]") -> "Role":
+        if isinstance(data, Role):
+            return data
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"plan details: unknown fields {unknown} (known: {sorted(known)})")
+        values = dict(data)
+        for name in ("columns", "rows"):
+            if name in values:
+                values[name] = tuple(values[name])
+        if values.get("pieces") is not None:
+            values["pieces"] = tuple(int(p) for p in values["pieces"])
+        if "head_args" in values:
+            values["head_args"] = tuple((int(k) if isinstance(k, str) and k.isdigit() else k, v)
+                                        for k, v in dict(values["head_args"]).items())
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Role":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,14 @@
+"""Step 1 of conversion: trace a model's forward once and read its structure (world-size free).
+
+    dataflow   the tracer: which layer's output reaches which layer's input, through which kind of ops
+    heads      what an attention module states of its heads, and its per-head arguments
+    pairs      column -> row pairs (MLP, conv) found in the dataflow; attention blocks (`attention`)
+    structure  `Analysis`: the traced dataflow, the pairs, the ties, remembered per model object
+"""
+from __future__ import annotations
+
+from .dataflow import Call, Tag, Trace, parameterised_leaves, trace
+from .structure import Analysis, analyze_structure, default_inputs, traceable_experts, untraced_structure
+
+__all__ = ["Analysis", "Call", "Tag", "Trace", "analyze_structure", "default_inputs", "parameterised_leaves", "trace",
+           "traceable_experts", "untraced_structure"]

@@ -1,0 +1,170 @@
+"""Attention blocks in the traced dataflow: q/k/v (or one packed projection) -> heads -> output layer.
+
+A row candidate is an attention output layer when its input comes from linear layers that read one shared input
+(or, for cross-attention, the query one input and key/value another), inside a module that states its head size
+or count, with that head size seen on a reshape on the way. Packed projections are proven by the pieces and
+reshapes the trace saw; anything unproven stays whole with the reason.
+"""
+from __future__ import annotations
+
+from ..modules import is_linear, is_per_head_source, linear_dims
+from ..roles import ATTENTION, Pair, Role
+from .dataflow import Tag
+from .heads import head_args, head_info
+from .pairing import Pairing
+
+
+def _lca(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _heads_module(a: Pairing, srcs: list[str], row: str):
+    """The module that states the heads: the nearest ancestor of q/k/v (up to the one holding the row) that
+    says its head size or count (BERT keeps them on `attention.self`, the output layer one level up)."""
+    top = _lca(srcs + [row])
+    attn_name = _lca(srcs) if len(srcs) > 1 else srcs[0].rpartition(".")[0]
+    while True:
+        attn = a.model.get_submodule(attn_name) if attn_name else a.model
+        info = head_info(attn)
+        if info[0] or info[1] or len(attn_name) <= len(top):
+            return attn_name, attn, info
+        attn_name = attn_name.rpartition(".")[0]
+
+
+def _packed(pieces, out: int, tag, hd, nh, nkv):
+    """How one projection holds q, k and v: (role, q width, kv width, head_dim, head block width, pieces,
+    extra details), or None when no layout is proven.
+    - "qkv": split into three pieces [q | k | v] (Phi-3's slices, GPT-2's split);
+    - "qkv_heads": [heads, 3, head_dim], each head's q, k, v side by side (GPT-NeoX views [heads, 3 x hd],
+      BLOOM and Falcon [heads, 3, hd]);
+    - "qkv_groups": [kv heads, group + 2, head_dim], each KV group's query heads then its key and value
+      (Falcon's grouped layout), seen as a reshape to exactly those sizes."""
+    per_head = hd or (out // (3 * nh) if nh and out % (3 * nh) == 0 else None)
+    if pieces and len(pieces) == 3 and pieces[1] == pieces[2]:
+        return "qkv", pieces[0], pieces[1], hd, hd, pieces, {}
+    if per_head and out % (3 * per_head) == 0:
+        heads = out // (3 * per_head)
+        # [heads, 3, hd] with heads == 3 reads the same as [3, heads, hd]: not proven.
+        if 3 * per_head in tag.reshaped_to:
+            return "qkv_heads", out // 3, out // 3, per_head, 3 * per_head, None, {}
+        if heads != 3 and (heads, 3, per_head) in tag.blocks:
+            return "qkv_heads", out // 3, out // 3, per_head, per_head, None, {}
+    if hd and nh and nkv and nh % nkv == 0 and out == (nh + 2 * nkv) * hd:
+        group = nh // nkv
+        if nkv != group + 2 and (nkv, group + 2, hd) in tag.blocks:
+            return "qkv_groups", nh * hd, nkv * hd, hd, hd, None, {"group": group}
+    return None
+
+
+def _unsplittable(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors) -> str | None:
+    """Why q/k/v -> row cannot be an attention block split by heads, before its heads are even looked at."""
+    if not srcs or not is_linear(a.leaves[row]) or not all(is_linear(a.leaves[s]) for s in srcs):
+        return f"ops between {srcs + list(head_tensors)} and {row} mix features ({tag.broken_by}) and they are not " \
+               f"linear layers of an attention block"
+    mixed = [s for s in srcs if s in tag.unproven]
+    if mixed:
+        return f"the output of {mixed} is rearranged across its features ({tag.broken_by}) before any reshape to " \
+               f"heads (an interleaved rotary or a packing the planner cannot prove), so a split by heads could " \
+               f"be wrong; left whole"
+    inputs = [a.trace.first(s).input_id for s in srcs]
+    if len(set(inputs)) != 1 and not _is_cross(srcs, inputs):
+        return f"{srcs} do not read one shared input, so they are not the q/k/v of one attention block " \
+               f"(ops between them and {row}: {tag.broken_by})"
+    return None
+
+
+def _is_cross(srcs: list[str], inputs: list) -> bool:
+    """Cross-attention: the query reads one input, key and value another (the encoder's output)."""
+    return len(srcs) == 3 and len(set(inputs)) == 2 and len(set(inputs[1:])) == 1
+
+
+def _own_parameters(a: Pairing, attn_name: str, names: list[str]) -> list[str]:
+    """Parameters held by the attention module itself or a container between it and its layers (a per-head
+    scale or sink, say): the forward uses them beside the heads, and nothing splits them with the heads."""
+    top, out = _lca(names), []
+    for name, m in a.model.named_modules():
+        if name not in a.leaves and (name == attn_name or (name.startswith(attn_name) and top.startswith(name))):
+            out += [f"{name}.{p}" if name else p for p, _ in m.named_parameters(recurse=False)]
+    return out
+
+
+def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors: list[str] = ()) -> str | None:
+    """Record `srcs -> row` as an attention block, or say why it is not one."""
+    t = a.trace
+    rm = a.leaves[row]
+    why = _unsplittable(a, row, srcs, tag, head_tensors)
+    if why:
+        return why
+    cross = _is_cross(srcs, [t.first(s).input_id for s in srcs])
+    attn_name, attn, (hd, nh_attr, nkv_attr) = _heads_module(a, srcs, row)
+    own = _own_parameters(a, attn_name, srcs + [row])
+    if own:
+        return f"{attn_name} holds {own} itself and uses them beside its heads (per-head scales?); they are not " \
+               f"split with the heads, so the attention stays whole"
+    widths = [linear_dims(a.leaves[s])[1] for s in srcs]
+    head_width = hd
+    extra: dict = {}
+    if len(srcs) == 1:
+        found = _packed(t.pieces.get(srcs[0]), widths[0], tag, hd, nh_attr, nkv_attr)
+        if found is None:
+            return f"{srcs[0]} feeds {row} through {tag.broken_by} but is not split into q, k, v pieces"
+        role, q_w, kv_w, hd, head_width, pieces, extra = found
+        roles = {srcs[0]: role}
+    elif len(srcs) == 3:
+        big = max(widths)
+        q = srcs[0] if cross else [s for s, w in zip(srcs, widths) if w == big][0]
+        kv = [s for s in srcs if s != q]
+        if len({linear_dims(a.leaves[s])[1] for s in kv}) != 1:
+            return f"k/v projections {kv} of {attn_name} have different widths"
+        q_w, kv_w = linear_dims(a.leaves[q])[1], linear_dims(a.leaves[kv[0]])[1]
+        roles = {q: "q", kv[0]: "k", kv[1]: "v"}
+        pieces = None
+    else:
+        return f"{len(srcs)} projections {srcs} feed {row}; only q/k/v (3) or packed qkv (1) are split by heads"
+    if hd is None and nh_attr:
+        hd = q_w // nh_attr
+    if hd is None:
+        return f"{attn_name} ({type(attn).__name__}) states no head size or head count, so heads cannot be " \
+               f"kept whole; replicated"
+    if (head_width or hd) not in tag.reshaped_to:
+        return f"no reshape to heads of size {hd} between {srcs} and {row} (saw {sorted(tag.reshaped_to)})"
+    if q_w % hd or kv_w % hd:
+        return f"projection widths {q_w}/{kv_w} of {attn_name} are not whole heads of {hd}"
+    nh, nkv = q_w // hd, kv_w // hd
+    if nh_attr and nh_attr != nh:
+        return f"{attn_name} says {nh_attr} heads but its query projection holds {nh} heads of {hd}"
+    if linear_dims(rm)[0] != q_w:
+        return f"{row} takes {linear_dims(rm)[0]} features but the heads give {q_w}"
+    common = Role(ATTENTION, "", attention=attn_name, head_dim=hd, num_heads=nh, num_kv_heads=nkv)
+    for s, role in roles.items():
+        a.structures[s] = common.replace(role=role, row=row, pieces=tuple(pieces) if role == "qkv" else None,
+                                         **extra)
+    head_local = sorted(c for c in tag.carried if c in t.head_local)
+    if any(c not in t.head_local for c in tag.carried) or any(
+            a.leaves[c].weight.shape[0] != hd for c in head_local if hasattr(a.leaves[c], "weight")):
+        return f"layers {sorted(tag.carried)} between {srcs} and {row} are not per-head layers of size {hd}"
+    odd = [p for p in head_tensors if not is_per_head_source(a.leaves[p], nh)]
+    if odd:
+        return f"{odd} reach the scores of {attn_name} but are not per-head tensors of its {nh} heads"
+    _record(a, row, srcs, common, t, head_local, head_tensors)
+    return None
+
+
+def _record(a: Pairing, row: str, srcs: list[str], common: Role, t, head_local: list[str], head_tensors) -> None:
+    read = {t.first(s).input_id for s in srcs}
+    plain = {at: shape for at, (shape, ident) in t.plain_args.get(common.attention, {}).items() if ident not in read}
+    sliced = head_args(plain, t.first(srcs[0]).input_shape[0], common.num_heads)
+    a.structures[row] = common.replace(role="o", columns=tuple(srcs), head_args=tuple(sliced.items()))
+    for c in head_local:
+        a.structures[c] = common.replace(role="head_local", row=row)
+    for p in head_tensors:
+        before = a.structures.get(p, common.replace(role="per_head"))
+        a.structures[p] = before.replace(rows=before.rows + (row,))
+    a.pairs.append(Pair(ATTENTION, tuple(srcs), row, tuple(head_local), common.attention, common.head_dim,
+                        common.num_heads, common.num_kv_heads, tuple(head_tensors)))
