@@ -4,7 +4,9 @@ the trip returns to a module it had already left (the house issue's measure of h
 A stop is a call of a function defined under src/tpkit that receives the model object as an argument, itself or
 in a record that carries it (`.model`, as the trace's analysis does);
 its module is the file the function is defined in. A return is a stop in a module seen before, other than the
-one the previous stop was in. Measured on a tiny Llama converted at 2 thread-ranks (rank 0's trip).
+one the previous stop was in. Measured on a tiny Llama converted at 2 thread-ranks (rank 0's trip). The grouped
+view counts the same trip by concern (the trace, the architecture families, each step), which is what tangling
+between steps looks like.
 
 Run: `PYTHONPATH=src python bench/convert_trip.py [--show]`.
 """
@@ -26,12 +28,12 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def _carries(value, model) -> bool:
-    """The model itself, or a record holding it (the trace's analysis carries `.model`)."""
-    return value is model or getattr(value, "model", None) is model
+def _carries(value, model, records: bool) -> bool:
+    """The model itself, or (with `records`) a record holding it (the trace's analysis carries `.model`)."""
+    return value is model or (records and getattr(value, "model", None) is model)
 
 
-def trip(model, world_size: int = 2) -> list[tuple[str, str]]:
+def trip(model, world_size: int = 2, records: bool = True) -> list[tuple[str, str]]:
     """(module, function) of every stop on rank 0, in call order."""
     import tpkit
 
@@ -46,7 +48,7 @@ def trip(model, world_size: int = 2) -> list[tuple[str, str]]:
             if event != "call" or comm.rank != 0 or not frame.f_code.co_filename.startswith(src):
                 return
             args = frame.f_code.co_varnames[:frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]
-            if any(_carries(frame.f_locals.get(a), m) for a in args):
+            if any(_carries(frame.f_locals.get(a), m, records) for a in args):
                 where = Path(frame.f_code.co_filename).resolve().relative_to(src).with_suffix("")
                 stops.append((".".join(where.parts), frame.f_code.co_name))
 
@@ -58,6 +60,19 @@ def trip(model, world_size: int = 2) -> list[tuple[str, str]]:
 
     tpkit.run_threads(run, world_size)
     return stops
+
+
+# Today's concerns, for the grouped view (a module of the tree before the house issue maps to its concern too).
+CONCERNS = {"trace": ("convert.trace", "convert.structure", "convert.pairs"),
+            "families": ("convert.family", "convert.families", "convert.fastpath", "convert.experts",
+                         "convert.expert_blocks", "convert.mha", "convert.per_head", "convert.sequence",
+                         "convert.losses", "convert.heads")}
+
+
+def concern(module: str) -> str:
+    """The step or concern a module belongs to: trace, families, or the module itself (a step)."""
+    return next((c for c, prefixes in CONCERNS.items() if any(module == p or module.startswith(p + ".")
+                                                             for p in prefixes)), module)
 
 
 def summarise(stops: list[tuple[str, str]]) -> dict:
@@ -74,11 +89,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--show", action="store_true", help="print every stop")
     args = parser.parse_args()
-    stops = trip(tiny_llama())
-    if args.show:
-        for module, func in stops:
-            print(f"{module}.{func}")
-    print(summarise(stops))
+    for records in (False, True):
+        stops = trip(tiny_llama(), records=records)
+        if args.show:
+            for module, func in stops:
+                print(f"{module}.{func}")
+        what = "model or records carrying it" if records else "the model object itself"
+        print(what, summarise(stops), "by concern:", summarise([(concern(m), f) for m, f in stops]))
 
 
 if __name__ == "__main__":

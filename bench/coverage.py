@@ -31,18 +31,12 @@ def sources() -> list[tuple[str, Mapping[str, Callable]]]:
     for p in (str(ROOT), str(ROOT / "src")):
         if p not in sys.path:
             sys.path.insert(0, p)
-    from tests.convert import models, moe_models
+    from tests.models import custom, hf, moe
+    from tests.models.zoo import ZOO
 
-    hf = {name: (lambda n=name: models.hf_model(n)) for name in models.MODELS + ("phi3", "neox")}
-    custom = {"custom MLP": models.mlp, "custom CNN": models.cnn, "custom block": models.block}
-    out = [("dense", hf), ("dense", custom)]
-    try:  # the dense zoo of issue 12 part A, when it is there
-        from tests.convert.zoo import ZOO
-        out.append(("dense", ZOO))
-    except ImportError:
-        pass
-    out.append(("MoE", moe_models.COVERAGE))
-    return out
+    models = {name: (lambda n=name: hf.hf_model(n)) for name in hf.MODELS + ("phi3", "neox")}
+    hand_written = {"custom MLP": custom.mlp, "custom CNN": custom.cnn, "custom block": custom.block}
+    return [("dense", models), ("dense", hand_written), ("dense", ZOO), ("MoE", moe.COVERAGE)]
 
 
 def _convert(model) -> list:

@@ -25,8 +25,8 @@ from .launch import LaunchError, launch
 from . import comm, nn
 from .nn import (ColumnParallelConv2d, ColumnParallelLinear, ParallelEmbedding, RowParallelConv2d, RowParallelLinear,
                  VocabParallelEmbedding, clip_grad_norm_, vocab_parallel_cross_entropy)
-from .convert import (AnalysisReport, DistributedModelWrapper, Plan, PlanError, VerifyReport, analyze, parallelize, plan,
-                      shard_layouts, verify)
+from .convert import (AnalysisReport, DistributedModelWrapper, Family, Plan, PlanError, VerifyReport, analyze, parallelize,
+                      plan, register_family, shard_layouts, unregister_family, verify)
 from .layout import ShardLayout
 from .estimate import (MemoryEstimate, SpeedEstimate, SpeedProfile, calibrate_profile, estimate_memory, estimate_speed,
                        load_profile, save_profile)
@@ -40,7 +40,8 @@ __all__ = [
     "AnalysisReport", "ColumnParallelConv2d", "ColumnParallelLinear", "DistributedModelWrapper", "MemoryEstimate",
     "ParallelEmbedding", "Plan", "PlanError", "RowParallelConv2d", "RowParallelLinear", "SpeedEstimate", "VerifyReport",
     "VocabParallelEmbedding", "analyze", "clip_grad_norm_", "comm", "estimate_memory", "estimate_speed", "nn",
-    "parallelize", "plan", "verify", "vocab_parallel_cross_entropy", "ShardLayout", "shard_layouts",
+    "parallelize", "plan", "verify", "vocab_parallel_cross_entropy", "ShardLayout", "shard_layouts", "Family",
+    "register_family", "unregister_family",
     "CommError", "Communicator", "LaunchError", "ReduceOp", "TPConfig", "__version__", "all_reduce_sum",
     "broadcast_tensor", "create_communicator", "get_communicator", "get_tensor_parallel_config", "init",
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from tests.convert.models import hf_model, inputs
+from tests.models.hf import hf_model, inputs
 
 # name -> (family, overrides, save_pretrained kwargs): GQA Llama, fused-qkv NeoX, fused qkv + gate_up Phi-3
 # (the last as an index + shards).

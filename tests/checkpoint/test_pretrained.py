@@ -10,7 +10,7 @@ import torch
 
 import tpkit
 from tests.checkpoint.fixtures import MODELS, hf_logits, logits_of, pretrained_and_save_body, rel, write_hf
-from tests.convert.models import inputs
+from tests.models.hf import inputs
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_from_pretrained_on_threads_world_3_equals_transformers_shards(hf_dirs, 
 
 
 def _load_body(directory, family, over, ref):
-    from tests.convert.models import hf_model
+    from tests.models.hf import hf_model
 
     model = tpkit.parallelize(hf_model(family, initializer_range=0.9, **over))
     meta = tpkit.load_sharded(model, directory)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import tpkit
 from tests.checkpoint.fixtures import killed_save_body, logits_of, rel
-from tests.convert.models import hf_model, inputs
+from tests.models.hf import hf_model, inputs
 
 LR = 1e-2
 

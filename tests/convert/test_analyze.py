@@ -13,7 +13,8 @@ import tpkit  # noqa: E402
 from tpkit.convert import analyze, parallelize  # noqa: E402
 from tpkit.convert.analyze import parse_bytes  # noqa: E402
 
-from .models import VOCAB, hf_model, mlp  # noqa: E402
+from tests.models.hf import VOCAB, hf_model  # noqa: E402
+from tests.models.custom import mlp  # noqa: E402
 from .rendered import check_summary, expected_rows  # noqa: E402
 
 H, I, L, NH, NKV = 64, 80, 2, 8, 4

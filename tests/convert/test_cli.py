@@ -60,11 +60,11 @@ def test_analyze_table_piped_and_at_80_columns(capsys, monkeypatch):
 
 
 def test_verify_module_factory_and_plan_file(capsys, tmp_path):
-    assert main(["verify", "tests.convert.models:block", "--world-size", "3", "--backward"]) == 0
+    assert main(["verify", "tests.models.custom:block", "--world-size", "3", "--backward"]) == 0
     assert "PASS at world size 3" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"entries": {"wq": "colwise"}}))
-    assert main(["verify", "tests.convert.models:block", "--world-size", "2", "--plan", str(bad)]) == 2
+    assert main(["verify", "tests.models.custom:block", "--world-size", "2", "--plan", str(bad)]) == 2
     assert "conflicting entries" in capsys.readouterr().err
 
 

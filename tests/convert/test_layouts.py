@@ -16,7 +16,7 @@ pytest.importorskip("safetensors")
 
 import tpkit  # noqa: E402
 
-from .models import hf_model  # noqa: E402
+from tests.models.hf import hf_model  # noqa: E402
 
 CASES = [("llama", {"num_key_value_heads": 2}), ("gpt2", {}), ("phi3", {}), ("neox", {}), ("bert", {})]
 DTYPES = {"F32": torch.float32, "F64": torch.float64, "I64": torch.int64}

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 import tpkit  # noqa: E402
 from tpkit.convert import DistributedModelWrapper, Plan, PlanError, parallelize, plan  # noqa: E402
 
-from .models import VOCAB, hf_model, inputs  # noqa: E402
+from tests.models.hf import VOCAB, hf_model, inputs  # noqa: E402
 
 
 def _snapshot(model):

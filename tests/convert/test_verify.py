@@ -93,7 +93,7 @@ def test_a_real_gradient_error_of_1e_3_fails(world):
 def test_rounding_noise_on_a_zero_gradient_passes_and_is_reported():
     """A conv bias before BatchNorm (training) has gradient 0 in theory: only rounding noise, judged against the
     layer's largest gradient (rtol x that), not against ~0. The report shows the error and what was allowed."""
-    from .models import cnn
+    from tests.models.custom import cnn
 
     torch.manual_seed(0)
     model = cnn().train(True)

@@ -17,7 +17,7 @@ import tpkit
 from tpkit.convert import parallelize
 from tpkit.nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-from ..convert.models import hf_model, inputs
+from tests.models.hf import hf_model, inputs
 
 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
 

@@ -45,11 +45,13 @@ STYLES: dict[str, Style] = {}
 
 
 def _add_styles(styles) -> None:
+    """Add every one of `styles`, or none (a clash leaves the registry as it was)."""
+    names = [s.name for s in styles]
     for s in styles:
-        if s.name in STYLES or s.name in ALIASES:
-            raise PlanError(f"style {s.name!r} is registered twice ({type(STYLES.get(s.name)).__name__} and "
+        if s.name in STYLES or s.name in ALIASES or names.count(s.name) > 1:
+            raise PlanError(f"style {s.name!r} is registered twice ({type(STYLES.get(s.name, s)).__name__} and "
                             f"{type(s).__name__}); give the new style another name")
-        STYLES[s.name] = s
+    STYLES.update({s.name: s for s in styles})
 
 
 _add_styles(CORE_STYLES + CONTAINER_NO_OPS + tuple(s for f in FAMILIES for s in f.styles))

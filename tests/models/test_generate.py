@@ -9,7 +9,7 @@ import torch
 import tpkit
 from tpkit.convert import parallelize
 
-from .models import hf_model, inputs
+from .hf import hf_model, inputs
 
 CASES = {
     "greedy": dict(do_sample=False),

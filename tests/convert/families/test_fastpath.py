@@ -11,7 +11,7 @@ from torch import nn
 
 from tpkit.convert import PlanError, conversion_of, plan, verify
 
-from .stepcheck import check
+from tests.models.stepcheck import check
 
 MODES = [(False, False), (False, True), (True, False), (True, True)]  # (train, grad)
 

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import tpkit  # noqa: E402
 from tpkit.convert import PlanError  # noqa: E402
 
-from .moe_models import BUILDERS, mixtral, qwen2_moe, rank_check, reference  # noqa: E402
+from .moe import BUILDERS, mixtral, qwen2_moe, rank_check  # noqa: E402
 
 TOL = 1e-6
 EP = {"model.layers.*.mlp.experts": "experts_ep"}
@@ -27,9 +27,9 @@ def _assert(name: str, results: list) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_experts_tp_threads(name, world):
+def test_experts_tp_threads(name, world, moe_reference):
     over = {"output_router_logits": True, "router_aux_loss_coef": 0.1}
-    ref = reference(name, **over)
+    ref = moe_reference(name, **over)
     results = tpkit.launch(rank_check, world, backend="threads", args=(name, ref, over))
     _assert(name, results)
     assert results[0]["styles"]["model.layers.0.mlp.experts"] == "experts_tp"
@@ -38,15 +38,15 @@ def test_experts_tp_threads(name, world):
 
 @pytest.mark.parametrize("world", [2, 3])  # Mixtral's 8 experts on 3 ranks: 3, 3, 2
 @pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_experts_ep_threads(name, world):
-    ref = reference(name)
+def test_experts_ep_threads(name, world, moe_reference):
+    ref = moe_reference(name)
     results = tpkit.launch(rank_check, world, backend="threads", args=(name, ref, None, EP))
     _assert(name, results)
     assert results[0]["styles"]["model.layers.0.mlp.experts"] == "experts_ep"
 
 
 def _gloo_body(refs: dict, custom_ref: dict) -> dict:
-    from .moe_models import custom_check
+    from .moe import custom_check
 
     out = {n: rank_check(n, refs[n]) for n in refs}
     out["ep"] = rank_check("mixtral", refs["mixtral"], None, EP)
@@ -55,19 +55,19 @@ def _gloo_body(refs: dict, custom_ref: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_gloo_world_size_2():
+def test_gloo_world_size_2(moe_reference):
     """Real processes: both fused models (experts_tp), Mixtral with experts_ep, the separate-Linear MoE."""
-    from .moe_models import custom_check
+    from .moe import custom_check
 
-    refs = {n: reference(n) for n in BUILDERS}
+    refs = {n: moe_reference(n) for n in BUILDERS}
     results = tpkit.launch(_gloo_body, 2, backend="gloo", args=(refs, custom_check(None)), timeout=240)
     for name in results[0]:
         _assert(name, [r[name] for r in results])
 
 
-def test_mixtral_share_at_tp2():
+def test_mixtral_share_at_tp2(moe_reference):
     """Per-rank parameter share (sum of local numel over the full numel of every state_dict tensor)."""
-    ref = reference("mixtral")
+    ref = moe_reference("mixtral")
     shares = [r["share"] for r in tpkit.launch(rank_check, 2, backend="threads", args=("mixtral", ref))]
     assert max(shares) <= 0.60, shares
 
@@ -139,7 +139,7 @@ def _world(n: int):
 def test_separate_linear_experts_one_region(world):
     """Experts as separate nn.Linear modules: the block is one region (moe_block), expert projections split
     without communication, the router whole; the router logits also feed an auxiliary loss."""
-    from .moe_models import custom_check
+    from .moe import custom_check
 
     ref = custom_check(None)
     results = tpkit.launch(custom_check, world, backend="threads", args=(ref,))
@@ -151,7 +151,7 @@ def test_separate_linear_experts_one_region(world):
 
 
 def test_block_with_a_residual_inside_is_left_whole_with_the_reason():
-    from .moe_models import custom_moe
+    from .moe import custom_moe
 
     p = tpkit.plan(custom_moe(residual_inside=True), 2)
     assert "moes.0" not in p.entries and p["moes.0.experts.0.w2"] != "expert_rowwise"
@@ -160,7 +160,7 @@ def test_block_with_a_residual_inside_is_left_whole_with_the_reason():
 
 def test_region_layers_refuse_to_run_outside_their_region():
     """A plan naming the experts' projections but not their block would return partial sums: it fails loudly."""
-    from .moe_models import custom_moe
+    from .moe import custom_moe
 
     def body():
         m = tpkit.parallelize(custom_moe(), plan={"entries": {"moes.*.experts.*.w1": "expert_colwise"}},
@@ -174,7 +174,7 @@ def test_region_layers_refuse_to_run_outside_their_region():
 
 def test_recorded_plan_replays_the_region():
     """model.tp_plan keeps the moe_block entry, so applying it to a fresh model converts the same way."""
-    from .moe_models import custom_check, custom_moe
+    from .moe import custom_check, custom_moe
 
     def record():
         return tpkit.parallelize(custom_moe(), comm=tpkit.get_communicator()).tp_plan
@@ -188,7 +188,7 @@ def test_recorded_plan_replays_the_region():
 def test_checkpoint_across_expert_layouts(tmp_path):
     """The experts' ShardLayouts are what checkpoints read: saved from TP2 (gate_up as two pieces), loaded
     into EP3 (whole experts, 3-3-2) and into a plain model, every tensor equals the original."""
-    from .moe_models import mixtral as build
+    from .moe import mixtral as build
 
     full = {k: v.clone() for k, v in build().state_dict().items()}
     zeros = build()
@@ -224,7 +224,7 @@ def test_transformers_expert_kernels_float32(impl):
     only on CPU) run on the shards too, TP and EP, at world size 3 (EP: Mixtral's 8 experts as 3, 3, 2)."""
     import copy
 
-    from .moe_models import inputs
+    from .moe import inputs
 
     ids = inputs()
     base = mixtral(experts=impl)

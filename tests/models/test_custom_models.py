@@ -7,7 +7,7 @@ import torch
 
 from tpkit.convert import plan, verify
 
-from .models import block, cnn, mlp
+from .custom import block, cnn, mlp
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -14,7 +14,7 @@ import tpkit  # noqa: E402
 from tpkit.convert import PlanError, conversion_of, parallelize  # noqa: E402
 from tpkit.nn import sync_sequence_parallel_grads  # noqa: E402
 
-from .models import hf_model  # noqa: E402
+from tests.models.hf import hf_model  # noqa: E402
 
 IDS = torch.randint(2, 103, (2, 8), generator=torch.Generator().manual_seed(0))
 

@@ -9,7 +9,7 @@ import pytest
 
 from tpkit.tables import Column, output_width, render_table
 
-from .rendered import assert_unbroken, rows, tables
+from tests.convert.rendered import assert_unbroken, rows, tables
 
 NAMES = ["model.layers.*.self_attn.q_proj (x32)", "model.layers.*.post_attention_layernorm (x32)", "lm_head"]
 REASON = "replicate: normalises over all features, so it needs the whole vector (0.4% of 1.5e9 parameters)"

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tpkit.convert import plan, verify
 
-from .models import Block
+from tests.models.custom import Block
 
 
 @settings(max_examples=6, deadline=None)

@@ -13,7 +13,7 @@ from torch import nn
 
 from tpkit.convert import plan
 
-from .stepcheck import check
+from tests.models.stepcheck import check
 
 DIM, HEADS, HD, SEQ = 48, 6, 8, 5
 

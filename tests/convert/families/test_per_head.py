@@ -9,7 +9,7 @@ from torch import nn
 
 from tpkit.convert import PlanError, plan, verify
 
-from .stepcheck import check
+from tests.models.stepcheck import check
 
 tr = pytest.importorskip("transformers")
 
@@ -69,7 +69,7 @@ def test_bloom_alibi_sliced_with_the_heads():
     """BLOOM packs qkv as [heads, 3, head_dim] and adds an ALiBi bias the model builds for all heads
     ([batch x heads, 1, keys]): the projection splits by head blocks, each rank's attention gets its heads' rows
     of the bias."""
-    from .zoo import ZOO, example_inputs
+    from tests.models.zoo import ZOO, example_inputs
 
     model, x = ZOO["bloom"](), example_inputs("bloom")
     p = plan(model, 2, example_inputs=x)
@@ -107,7 +107,7 @@ def test_saved_plans_replay_exactly():
     from tpkit import Plan
 
     from .test_fastpath import encoder_layer, x
-    from .zoo import ZOO, example_inputs
+    from tests.models.zoo import ZOO, example_inputs
 
     cases = [(t5(True), t5_inputs(True)), (ZOO["bloom"](), example_inputs("bloom")), (falcon(True), None),
              (encoder_layer(), (x(),))]
@@ -128,7 +128,7 @@ def test_checkpoint_resharded_from_2_to_3_ranks(tmp_path):
 
     import tpkit
 
-    from .stepcheck import call
+    from tests.models.stepcheck import call
     from .test_fastpath import encoder_stack, x
 
     ids = {"input_ids": torch.randint(2, 101, (2, 6), generator=torch.Generator().manual_seed(9))}

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 import tpkit  # noqa: E402
 
-from .models import DECODERS, MODELS, gloo_body, rank_check, reference  # noqa: E402
+from .hf import DECODERS, MODELS, gloo_body, rank_check  # noqa: E402
 
 TOL = 1e-4
 
@@ -21,32 +21,32 @@ def _assert_rank(name: str, result: dict, rank: int) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_threads_world_size_4(name):
-    ref = reference(name)
+def test_threads_world_size_4(name, hf_reference):
+    ref = hf_reference(name)
     for rank, result in enumerate(tpkit.launch(rank_check, 4, backend="threads", args=(name, ref))):
         _assert_rank(name, result, rank)
 
 
-def test_llama_two_kv_heads_world_size_4():
+def test_llama_two_kv_heads_world_size_4(hf_reference):
     """KV heads (2) < ranks (4): each KV head is replicated on two ranks, gradients summed across them."""
     over = {"num_key_value_heads": 2}
-    ref = reference("llama", **over)
+    ref = hf_reference("llama", **over)
     for rank, result in enumerate(tpkit.launch(rank_check, 4, backend="threads", args=("llama", ref, over))):
         _assert_rank("llama", result, rank)
 
 
-def test_llama_kv_heads_shared_by_some_ranks_only_world_size_3():
+def test_llama_kv_heads_shared_by_some_ranks_only_world_size_3(hf_reference):
     """4 heads, 2 KV heads on 3 ranks: ranks 1 and 2 share KV head 1, rank 0 holds head 0 alone; rank 0 must
     still join the KV gradient sum (it once skipped it, and backward failed with mismatched all-reduces)."""
     over = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
-    ref = reference("llama", **over)
+    ref = hf_reference("llama", **over)
     for rank, result in enumerate(tpkit.launch(rank_check, 3, backend="threads", args=("llama", ref, over))):
         _assert_rank("llama", result, rank)
 
 
 @pytest.mark.slow
-def test_gloo_world_size_2_all_models():
-    refs = {n: reference(n) for n in MODELS}
+def test_gloo_world_size_2_all_models(hf_reference):
+    refs = {n: hf_reference(n) for n in MODELS}
     results = tpkit.launch(gloo_body, 2, backend="gloo", args=(MODELS, refs), timeout=240)
     for rank, per_model in enumerate(results):
         for name in MODELS:

@@ -53,7 +53,7 @@ def test_models_with_their_own_loss_train_on_gathered_logits(world):
 
 
 def test_causal_lms_keep_vocab_parallel_logits_in_training():
-    from tests.convert.models import hf_model
+    from tests.models.hf import hf_model
 
     def body(m):
         return tpkit.parallelize(copy.deepcopy(m), mode="training").tp_plan.entries["lm_head"]

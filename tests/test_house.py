@@ -1,0 +1,93 @@
+"""The shape of the house (CONVENTIONS.md): small modules and functions, conversion steps that reach
+architecture families only through the registry, and frozen records between the steps."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+import sys
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tpkit"
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+STEPS = ("planner", "layouts", "validate", "swap", "parallelize")  # the conversion steps in convert/
+
+
+def _sources():
+    return sorted(SRC.rglob("*.py"))
+
+
+def test_no_module_over_400_lines_and_no_function_over_80():
+    problems = []
+    for path in _sources():
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            problems.append(f"{path.relative_to(SRC)}: {lines} lines (at most {MAX_MODULE_LINES}): split the concept")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    problems.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {n} lines "
+                                    f"(at most {MAX_FUNCTION_LINES})")
+    assert not problems, "\n".join(problems)
+
+
+def family_imports(source: str) -> list[str]:
+    """Imports of `convert/families/...` modules (or of the package itself) in `source`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            parts = (node.module or "").split(".")
+            if "families" in parts or (not node.module and any(a.name == "families" for a in node.names)):
+                out.append(f"line {node.lineno}: from {'.' * node.level}{node.module or ''} import ...")
+        elif isinstance(node, ast.Import):
+            out += [f"line {node.lineno}: import {a.name}" for a in node.names if "families" in a.name.split(".")]
+    return out
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_conversion_steps_reach_families_only_through_the_registry(step):
+    by_name = family_imports((SRC / "convert" / f"{step}.py").read_text())
+    assert not by_name, f"convert/{step}.py imports a family by name ({by_name}); loop over registry.families()"
+
+
+def test_a_step_importing_a_family_is_caught():
+    assert family_imports("from .families.experts import FusedExpertsFamily\n") == [
+        "line 1: from .families.experts import ..."]
+    assert family_imports("from .registry import families\n") == []
+
+
+def test_every_family_is_registered_and_every_style_is_a_style():
+    from tpkit.convert.family import Family
+    from tpkit.convert.registry import FAMILIES, STYLES
+    from tpkit.convert.styles import Style
+
+    modules = {p.stem for p in (SRC / "convert" / "families").glob("*.py")} - {"__init__"}
+    registered = {type(f).__module__.rsplit(".", 1)[-1] for f in FAMILIES}
+    assert modules <= registered, f"family modules not in registry.FAMILIES: {sorted(modules - registered)}"
+    assert all(isinstance(f, Family) for f in FAMILIES)
+    assert all(isinstance(s, Style) and s.name == name for name, s in STYLES.items())
+
+
+def test_records_between_steps_are_frozen():
+    from tpkit.convert.conversion import Conversion
+    from tpkit.convert.family import Checked, Choice, Planned, Proposal
+    from tpkit.convert.families.sequence import SequenceRegion
+    from tpkit.convert.roles import Pair, Role
+    from tpkit.convert.trace import Analysis, Call, Tag, Trace
+    from tpkit.layout import HeadLayout, Piece, ShardLayout
+
+    for cls in (Analysis, Call, Checked, Choice, Conversion, HeadLayout, Pair, Piece, Planned, Proposal, Role,
+                SequenceRegion, ShardLayout, Tag, Trace):
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, f"{cls.__name__} is not frozen"
+
+
+def test_the_size_check_fails_on_a_long_function(tmp_path, monkeypatch):
+    long = "def f():\n" + "    x = 1\n" * (MAX_FUNCTION_LINES + 1)
+    (tmp_path / "big.py").write_text(long)
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    with pytest.raises(AssertionError, match="big.py:1 f: 82 lines"):
+        test_no_module_over_400_lines_and_no_function_over_80()
