@@ -85,5 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(dataclasses.asdict(report), indent=2, default=str))
     else:
-        print(report.summary())
+        from tpkit.tables import output_width
+
+        print(report.summary(output_width()))
     return 0 if report.ok else 1

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from ..tables import Column, render_table
 from .layouts import shard_layouts
 
 
@@ -42,14 +43,16 @@ class VerifyReport:
     rtol: float
     plan: dict
 
-    def summary(self) -> str:
-        lines = [f"verify: {'PASS' if self.ok else 'FAIL'} at world size {self.world_size} "
-                 f"(relative tolerance {self.rtol:g}); max abs error {self.max_abs_error:.3g}"]
-        for kind, checks in (("output", self.outputs), ("grad", self.gradients)):
-            for c in checks:
-                lines.append(f"  {kind} {c.name} {list(c.shape)}: abs {c.max_abs_error:.3g} (allowed "
-                             f"{c.tolerance:.3g}) rel {c.max_rel_error:.3g} {'ok' if c.ok else 'FAIL'}")
-        return "\n".join(lines)
+    def summary(self, width: int | None = None) -> str:
+        """A table of every output and gradient checked (fitted to `width` columns; None: natural width)."""
+        columns = [Column("tensor", "left", wrap="names"), Column("shape", drop=1), Column("abs error"),
+                   Column("allowed"), Column("rel error", drop=2), Column("ok", "left")]
+        rows = [[f"{kind} {c.name}", "x".join(map(str, c.shape)), f"{c.max_abs_error:.3g}", f"{c.tolerance:.3g}",
+                 f"{c.max_rel_error:.3g}", "ok" if c.ok else "FAIL"]
+                for kind, checks in (("output", self.outputs), ("grad", self.gradients)) for c in checks]
+        title = (f"verify: {'PASS' if self.ok else 'FAIL'} at world size {self.world_size} (relative tolerance "
+                 f"{self.rtol:g}); max abs error {self.max_abs_error:.3g}")
+        return render_table(title, columns, rows, width)
 
     def __str__(self) -> str:
         return self.summary()

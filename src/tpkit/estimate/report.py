@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..tables import format_bytes
+from ..tables import Column, format_bytes, render_table, wrap_text
 
 MODES = ("inference", "training")  # what a MemoryEstimate describes; the speed estimate splits inference further
 
@@ -79,29 +79,21 @@ class MemoryEstimate:
                 "activations_per_layer": self.activations_per_layer,
                 "activations_formula": self.activations_formula, "notes": list(self.notes)}
 
-    def summary(self) -> str:
-        """A terminal table: each part on one device and per rank."""
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=f"memory: {self.mode}, {self.dtype}",
-                      caption=f"batch {self.batch_size}" + (f" x seq {self.seq_len}" if self.seq_len else "")
-                      + (", sequence parallel" if self.sequence_parallel else "")
-                      + (f", {self.recompute} recompute" if self.recompute != "none" else ""))
-        table.add_column("part")
-        table.add_column("1 device", justify="right")
-        table.add_column(f"per rank (t={self.world_size})", justify="right")
+    def summary(self, width: int | None = None) -> str:
+        """A table (fitted to `width` columns; None: natural width): each part on one device and per rank."""
+        caption = (f"batch {self.batch_size}" + (f" x seq {self.seq_len}" if self.seq_len else "")
+                   + (", sequence parallel" if self.sequence_parallel else "")
+                   + (f", {self.recompute} recompute" if self.recompute != "none" else ""))
+        rows = []
         for name in ("parameters", "gradients", "optimizer_states", "activations", "kv_cache",
                      "communication_buffers"):
             one, many = getattr(self.single, name), getattr(self.per_rank, name)
             if one or many:
-                table.add_row(name.replace("_", " "), format_bytes(one), format_bytes(many))
-        table.add_row("total", format_bytes(self.single.total), format_bytes(self.per_rank.total), style="bold")
-        console = Console(width=100, record=True, force_terminal=False, color_system=None)
-        with console.capture() as capture:
-            console.print(table)
-            console.print(f"saves {format_bytes(self.savings_bytes)} per rank ({self.savings_percent:.1f}%); "
-                          f"largest collective: {self.largest_collective}")
-            for note in self.notes:
-                console.print(f"note: {note}")
-        return capture.get()
+                rows.append([name.replace("_", " "), format_bytes(one), format_bytes(many)])
+        rows.append(["total", format_bytes(self.single.total), format_bytes(self.per_rank.total)])
+        columns = [Column("part", "left"), Column("1 device"), Column(f"per rank (t={self.world_size})")]
+        lines = [render_table(f"memory: {self.mode}, {self.dtype} ({caption})", columns, rows, width),
+                 wrap_text(f"saves {format_bytes(self.savings_bytes)} per rank ({self.savings_percent:.1f}%); largest "
+                           f"collective: {self.largest_collective}", width)]
+        lines += [wrap_text(f"note: {note}", width, "", "  ") for note in self.notes]
+        return "\n".join(lines) + "\n"

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..layout import split_sizes
-from ..tables import format_bytes
+from ..tables import Column, format_bytes, render_table, wrap_text
 from .activations import normalise_recompute, transformer_activation_bytes
 from .config import TransformerShape, attention_kind, own_dtype, resolve_target
 from .hardware import Hardware, get_hardware
@@ -89,25 +89,17 @@ class SpeedEstimate:
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "unit": self.unit,
                 "rows": [asdict(r) for r in self.rows], "notes": list(self.notes)}
 
-    def summary(self) -> str:
-        from rich.console import Console
-        from rich.table import Table
-
+    def summary(self, width: int | None = None) -> str:
+        """A table per world size (fitted to `width` columns; None: natural width), then the notes."""
         unit = "token" if self.mode == "decode" else "step"
         seq = f" x seq {self.seq_len}" if self.seq_len else ""
-        table = Table(title=f"speed: {self.mode}, {self.dtype}, batch {self.batch_size}{seq}, "
-                            f"{self.hardware} over {self.interconnect}")
-        for name in ("world size", "compute", "memory", "comm", f"time/{unit}", f"{self.unit}/s", "speedup", "bound"):
-            table.add_column(name, justify="right")
-        for r in self.rows:
-            table.add_row(str(r.world_size), _ms(r.compute_s), _ms(r.memory_s), _ms(r.communication_s),
-                          _ms(r.total_s), f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", r.bound)
-        console = Console(width=110, record=True, force_terminal=False, color_system=None)
-        with console.capture() as capture:
-            console.print(table)
-            for note in self.notes:
-                console.print(f"note: {note}")
-        return capture.get()
+        names = ("world size", "compute", "memory", "comm", f"time/{unit}", f"{self.unit}/s", "speedup", "bound")
+        rows = [[str(r.world_size), _ms(r.compute_s), _ms(r.memory_s), _ms(r.communication_s), _ms(r.total_s),
+                 f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", r.bound] for r in self.rows]
+        title = f"speed: {self.mode}, {self.dtype}, batch {self.batch_size}{seq}, {self.hardware} over {self.interconnect}"
+        lines = [render_table(title, [Column(n) for n in names], rows, width)]
+        lines += [wrap_text(f"note: {note}", width, "", "  ") for note in self.notes]
+        return "\n".join(lines) + "\n"
 
 
 def _ms(seconds: float) -> str:
