@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpkit.checkpoint", "tpkit.estimate"),
     ("tpkit.convert",),
     ("tpkit.nn",),
-    ("tpkit.distributed", "tpkit.launch"),
+    ("tpkit.distributed", "tpkit.launch", "tpkit.faults"),
     ("tpkit.comm",),
     ("tpkit.layout", "tpkit.tables"),
 ]

@@ -171,8 +171,16 @@ def _launch_processes(fn, world_size, backend, args, timeout, pass_comm) -> list
                 p.kill()
                 p.join()
         del store
-    raise_first_failure(errors)
+    raise_first_failure(_deaths_first(errors))
     return values
+
+
+def _deaths_first(errors: list[BaseException | None]) -> list[BaseException | None]:
+    """When the only other failures are CommErrors, a rank that died (killed, no report) caused them: keep just
+    the deaths, so the re-raised error names the dead rank rather than a peer that saw it go."""
+    died = [isinstance(e, LaunchError) and "died" in str(e) for e in errors]
+    knock_on = all(e is None or d or isinstance(e, CommError) for e, d in zip(errors, died))
+    return [e if d else None for e, d in zip(errors, died)] if any(died) and knock_on else errors
 
 
 def _rebuild_error(rank: int, payload: bytes | None, text: str) -> BaseException:
