@@ -32,7 +32,7 @@ from .convert.estimate import MemoryEstimate, estimate_memory
 from .convert.speed import SpeedEstimate, estimate_speed
 from .convert.profile import SpeedProfile, load_profile, save_profile
 from .convert.calibrate import calibrate_profile
-from .checkpoint import CheckpointError, consolidate, from_pretrained, load_sharded, save_sharded
+from .checkpoint import CheckpointError, Checkpointer, consolidate, from_pretrained, load_sharded, save_sharded
 from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh
 
 __version__ = "0.1.0"
@@ -47,7 +47,7 @@ __all__ = [
     "broadcast_tensor", "create_communicator", "get_communicator", "get_tensor_parallel_config", "init",
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",
     "use_communicator",
-    "CheckpointError", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
+    "CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
     "data_parallel", "data_parallel_manual_seed", "device_mesh",
     "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",
 ]
