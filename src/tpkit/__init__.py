@@ -33,7 +33,8 @@ from .convert.speed import SpeedEstimate, estimate_speed
 from .convert.profile import SpeedProfile, load_profile, save_profile
 from .convert.calibrate import calibrate_profile
 from .checkpoint import CheckpointError, Checkpointer, consolidate, from_pretrained, load_sharded, save_sharded
-from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh
+from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh, no_sync
+from .recompute import recompute
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,6 @@ __all__ = [
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",
     "use_communicator",
     "CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
-    "data_parallel", "data_parallel_manual_seed", "device_mesh",
+    "data_parallel", "data_parallel_manual_seed", "device_mesh", "no_sync", "recompute",
     "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",
 ]
