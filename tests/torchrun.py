@@ -42,3 +42,37 @@ def torchrun(script: str, *args: str, nproc: int = 2, max_restarts: int = 0, env
         output, _ = proc.communicate()
         code, output = -1, output + f"\n[torchrun killed after {timeout:g}s]"
     return code, output, time.perf_counter() - start
+
+
+def spawn_world(script: str, *args: str, nproc: int = 2, env: dict | None = None,
+                timeout: float = 120.0) -> list[tuple[int, str, float]]:
+    """Start `nproc` ranks of `script` as torchrun's agent would (RANK, WORLD_SIZE, ..., the store hosted here), but
+    with no agent to stop the survivors when one rank dies: `[(exit code, output, seconds until it exited)]` per
+    rank. What a rank on another node sees when a peer dies."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    base = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), TORCHELASTIC_USE_AGENT_STORE="True",
+                TORCHELASTIC_RESTART_COUNT="0",
+                PYTHONPATH=os.pathsep.join([SRC, ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    base.pop("TPKIT_FAULTS", None)
+    base.update(env or {})
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, script, *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(nproc)]
+    ended = [None] * nproc
+    while any(e is None for e in ended) and time.perf_counter() - start < timeout:
+        for r, p in enumerate(procs):
+            if ended[r] is None and p.poll() is not None:
+                ended[r] = time.perf_counter() - start
+        time.sleep(0.05)
+    out = []
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        text, _ = p.communicate()
+        out.append((p.returncode if ended[r] is not None else -1, text, ended[r] if ended[r] is not None else timeout))
+    del store
+    return out

@@ -107,3 +107,43 @@ def test_extra_must_be_json(tmp_path):
     with pytest.raises(ValueError, match="must be JSON"):
         tpkit.Checkpointer(str(tmp_path), every=1).save(1, model, None, extra={"x": object()})
     assert not os.path.exists(tmp_path / "latest")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real processes (gloo), a TP model: a damaged newest version falls back on every rank alike.
+
+def _tp_train(directory: str, steps: int):
+    """Resume, train to `steps` with a save every 2; this rank's parameters after step 2, the step resumed from and
+    the warnings."""
+    import warnings
+
+    from tests.convert.models import hf_model, inputs
+
+    model = tpkit.parallelize(hf_model("llama"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = tpkit.Checkpointer(directory, every=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = ckpt.resume(model, opt)
+    at_two = {n: p.detach().clone() for n, p in model.named_parameters()} if start == 2 else None
+    for step in range(start, steps):
+        y = model(input_ids=inputs()).logits
+        torch.nn.functional.cross_entropy(y.flatten(0, 1), inputs().flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.maybe_save(step + 1, model, opt)
+        if step + 1 == 2:
+            at_two = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return at_two, start, [str(w.message) for w in caught]
+
+
+def test_a_damaged_newest_version_falls_back_on_every_gloo_rank(tmp_path):
+    first = tpkit.launch(_tp_train, 2, backend="gloo", args=(str(tmp_path), 4), timeout=60)
+    f = tmp_path / "v000001-step-000000004" / "rank-00001.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 5] ^= 0x10
+    f.write_bytes(bytes(data))
+    second = tpkit.launch(_tp_train, 2, backend="gloo", args=(str(tmp_path), 2), timeout=60)
+    for rank, (at_two, start, caught) in enumerate(second):
+        assert start == 2 and all(torch.equal(at_two[n], first[rank][0][n]) for n in at_two)
+    assert any("v000001-step-000000004 does not load" in w and "rank-00001" in w for w in second[0][2]), second[0][2]
