@@ -117,6 +117,9 @@ def _reference(base, autocast: bool = False) -> dict:
         return {"loss": loss.item(), "norm": norm.item(), "logits": model(input_ids=ids[:2]).logits}
 
 
+pytestmark = pytest.mark.slow  # one launch of 4 gloo processes
+
+
 @pytest.fixture(scope="module")
 def runs():
     torch.manual_seed(0)

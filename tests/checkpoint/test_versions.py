@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tpkit
-from tests.checkpoint.fixtures import logits_of, rel
+from tests.checkpoint.fixtures import mlp
 from tests.convert.models import hf_model
 from tpkit.checkpoint.manifest import versions
 
@@ -49,7 +49,7 @@ def test_the_next_save_removes_what_killed_saves_left(tmp_path):
 
 def _save_twice(root: str):
     """Save step 1, change the weights, save step 2 (where the fault strikes); the error each rank saw."""
-    model = tpkit.parallelize(hf_model("llama"))
+    model = tpkit.parallelize(mlp())
     tpkit.save_sharded(model, root, step=1)
     with torch.no_grad():
         for p in model.parameters():
@@ -62,10 +62,12 @@ def _save_twice(root: str):
 
 
 def _step_one_loads(root) -> bool:
-    model = hf_model("llama", initializer_range=0.7)
-    return tpkit.load_sharded(model, str(root))["step"] == 1 and rel(logits_of(model), logits_of(hf_model("llama"))) < 1e-6
+    model = mlp(seed=1)
+    ok = tpkit.load_sharded(model, str(root))["step"] == 1
+    return ok and all(torch.equal(v, mlp().state_dict()[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_the_save_on_every_rank_and_removes_it(tmp_path, monkeypatch):
     monkeypatch.setenv("TPKIT_FAULTS", "write:rank=1:step=2:do=enospc")
     messages = tpkit.launch(_save_twice, 2, backend="gloo", args=(str(tmp_path),), timeout=60)
@@ -76,6 +78,7 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_removes_it(tmp_path, monke
     assert _step_one_loads(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point, rank, complete", [("save-start", 1, False), ("save-files", 0, False),
                                                     ("save-latest", 0, True)])
 def test_a_rank_killed_mid_save_leaves_the_previous_version_latest(tmp_path, monkeypatch, point, rank, complete):
@@ -89,5 +92,5 @@ def test_a_rank_killed_mid_save_leaves_the_previous_version_latest(tmp_path, mon
     assert [(name, ok) for _, name, ok in versions(str(tmp_path))] == [("v000000-step-000000001", True),
                                                                        ("v000001-step-000000002", complete)]
     assert _step_one_loads(tmp_path)
-    tpkit.save_sharded(hf_model("llama"), str(tmp_path), step=3, keep=1)
+    tpkit.save_sharded(mlp(), str(tmp_path), step=3, keep=1)
     assert _names(tmp_path) == ["latest", "v000002-step-000000003"]
