@@ -1,6 +1,6 @@
 """Training that survives, with real processes: a peer that dies inside a collective makes every surviving rank
 raise CommError within the timeout and exit; `examples/train_2d.py` under `torchrun --max-restarts` gets through
-a rank killed mid-step and a full disk during a save, and ends with the parameters and losses of an
+a rank killed mid-step (inside the forward, its peer waiting in a collective) and a full disk during a save, and ends with the parameters and losses of an
 uninterrupted run, bit for bit. (Kills at each moment of a save: tests/checkpoint/test_versions.py; a damaged
 newest version: tests/checkpoint/test_checkpointer.py; the tp2 x dp2 soak with random faults: bench/soak.py.)"""
 from __future__ import annotations
@@ -82,7 +82,7 @@ ARGS = ("--tp", "2", "--mode", "ddp", "--steps", "8", "--every", "2", "--keep", 
 @pytest.mark.slow
 def test_torchrun_restarts_through_faults_and_ends_as_an_uninterrupted_run(tmp_path):
     runs = {}
-    for name, faults in (("clean", ""), ("faulty", "step:rank=1:step=3:generation=0; "
+    for name, faults in (("clean", ""), ("faulty", "forward:rank=1:step=3:generation=0; "
                                                     "write:rank=0:step=6:generation=1:do=enospc")):
         code, output, seconds = torchrun(EXAMPLE, *ARGS, "--save", str(tmp_path / name), "--history",
                                          str(tmp_path / f"{name}.jsonl"), nproc=2, max_restarts=2,
@@ -90,7 +90,7 @@ def test_torchrun_restarts_through_faults_and_ends_as_an_uninterrupted_run(tmp_p
         assert code == 0, output
         runs[name] = output
     faulty = runs["faulty"]
-    assert "killing rank 1 at step (step 3, generation 0)" in faulty
+    assert "killing rank 1 at forward (step 3, generation 0)" in faulty  # mid-step, its peer inside a collective
     assert "generation 1, starting at step 2" in faulty  # the last complete version before the kill
     assert "rank-00000.safetensors: could not write it (No space left on device)" in faulty
     assert "generation 2, starting at step 4" in faulty  # the full disk's save was removed; step 4 stayed latest
