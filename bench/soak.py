@@ -131,7 +131,8 @@ def main() -> None:
     for name, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {name}")
     redone = sum(f["step"] - f["resume"] for f in faults)
-    print(f"generations started at steps {starts}; steps run again: {redone}; wall: clean {results['clean']:.1f} s, faulty {results['faulty']:.1f} s "
+    print(f"generations started at steps {starts}; steps run again: {redone}; "
+          f"wall: clean {results['clean']:.1f} s, faulty {results['faulty']:.1f} s "
           f"({results['faulty'] / results['clean']:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:

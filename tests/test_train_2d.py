@@ -1,8 +1,9 @@
-"""Training that survives, with real processes: a peer that dies inside a collective makes every surviving rank
-raise CommError within the timeout and exit; `examples/train_2d.py` under `torchrun --max-restarts` gets through
-a rank killed mid-step (inside the forward, its peer waiting in a collective) and a full disk during a save, and ends with the parameters and losses of an
-uninterrupted run, bit for bit. (Kills at each moment of a save: tests/checkpoint/test_versions.py; a damaged
-newest version: tests/checkpoint/test_checkpointer.py; the tp2 x dp2 soak with random faults: bench/soak.py.)"""
+"""Training that survives, with real processes: a peer that dies inside a collective makes every surviving rank raise
+CommError within the timeout and exit; `examples/train_2d.py` under `torchrun --max-restarts` gets through a rank
+killed mid-step (inside the forward, its peer waiting in a collective) and a full disk during a save, and ends with
+the parameters and losses of an uninterrupted run, bit for bit. (Kills at each moment of a save:
+tests/checkpoint/test_versions.py; a damaged newest version: tests/checkpoint/test_checkpointer.py; the tp2 x dp2
+soak with random faults: bench/soak.py.)"""
 from __future__ import annotations
 
 import json

@@ -83,7 +83,8 @@ class Checkpointer:
         self.extra = {}
         return 0
 
-    def maybe_save(self, step: int, model: nn.Module, optimizer, scheduler=None, extra: dict | None = None) -> str | None:
+    def maybe_save(self, step: int, model: nn.Module, optimizer, scheduler=None,
+                   extra: dict | None = None) -> str | None:
         """`save` when `step` (steps done so far) is a multiple of `every`; returns the version directory or None."""
         if step <= 0 or step % self.every:
             return None

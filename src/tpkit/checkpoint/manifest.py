@@ -4,15 +4,15 @@
 DIR/latest                       "v000002-step-000000123" (replaced atomically by os.replace)
 DIR/v000002-step-000000123/      manifest.json + rank-00000.safetensors, rank-00001.safetensors, ...
 ```
-A save writes a new version directory and only then moves `latest`, so a save killed midway leaves the
-pointer (and the version it names) untouched. A version is complete once its manifest exists (rank 0 writes it
-after every rank's file is written and fsynced); one without is the remains of a save that died, and the next
-successful save removes it (`prune`), with the complete versions beyond the newest `keep` when asked to. A
-version is removed by renaming it out of the version namespace first (`.trash-*`), so a removal killed midway
-never leaves a half-deleted directory that still looks like a version. The manifest records, for every key, the full shape, dtype
-and the pieces (file, tensor name, offsets in the full tensor, sha256 of its bytes); plus the files with
-their sizes, step, extra, the model config and plan, optimizer hyperparameters, and RNG tracker states.
-Nothing is pickled. Manifests of format version 1 hashed whole files instead (`check_checksums`).
+A save writes a new version directory and only then moves `latest`, so a save killed midway leaves the pointer
+(and the version it names) untouched. A version is complete once its manifest exists (rank 0 writes it after every
+rank's file is written and fsynced); one without is the remains of a save that died, and the next successful save
+removes it (`prune`), with the complete versions beyond the newest `keep` when asked to. A version is removed by
+renaming it out of the version namespace first (`.trash-*`), so a removal killed midway never leaves a
+half-deleted directory that still looks like a version. The manifest records, for every key, the full shape, dtype and
+the pieces (file, tensor name, offsets in the full tensor, sha256 of its bytes); plus the files with their sizes,
+step, extra, the model config and plan, optimizer hyperparameters, and RNG tracker states. Nothing is pickled.
+Manifests of format version 1 hashed whole files instead (`check_checksums`).
 """
 from __future__ import annotations
 
