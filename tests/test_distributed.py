@@ -146,3 +146,76 @@ def test_init_wraps_in_profiler_and_algorithm_selection():
     with mp.get_context("spawn").Pool(1) as pool:
         name, out, ops = pool.apply(_init_with_profile_and_auto)
     assert name == "CommProfiler" and out == [1.0] * 4 and ops == ["all_reduce"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Under a launcher without init(): never a silent world of one.
+
+def test_a_torchrun_rank_without_init_is_refused_not_a_world_of_one(clean_env):
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 \(torchrun.*tpkit\.init\(\)"):
+        tpkit.get_communicator()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    with pytest.raises(RuntimeError, match="every rank would hold the whole model"):
+        tpkit.parallelize(model)
+    with pytest.raises(RuntimeError, match="tpkit.init"):
+        tpkit.nn.ColumnParallelLinear(8, 16)
+
+
+def test_a_world_of_one_under_torchrun_is_still_a_world_of_one(clean_env):
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "1")
+    assert tpkit.get_communicator().world_size == 1
+
+
+def _adopts_the_scripts_own_group():
+    """Run in a fresh process that looks like torchrun's rank 0 of 2 after the script made its own group."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK="0", WORLD_SIZE="2")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    comm = tpkit.get_communicator()
+    name = type(comm).__name__
+    dist.destroy_process_group()
+    return name
+
+
+def test_a_launched_rank_adopts_a_group_the_script_started():
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_adopts_the_scripts_own_group) == "TorchCommunicator"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torchrun --max-restarts: the next generation comes up after a worker is SIGKILLed.
+
+RESTART_SCRIPT = '''
+import os, signal, torch, tpkit
+comm = tpkit.init("gloo", timeout=60)
+generation = tpkit.distributed.restart_count()
+for i in range(3):
+    comm.all_reduce(torch.ones(1))
+    if generation == 0 and comm.rank == 1 and i == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+print(f"generation {generation} rank {comm.rank} done", flush=True)
+tpkit.shutdown()
+'''
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_generation(tmp_path):
+    """torch's env:// rendezvous reads the dead generation's addresses from torchrun's shared store and fails or
+    hangs connecting; init() meets in a store prefixed by the restart count and comes up."""
+    from tests.torchrun import torchrun
+
+    script = tmp_path / "restart.py"
+    script.write_text(RESTART_SCRIPT)
+    code, output, _ = torchrun(str(script), nproc=2, max_restarts=1, timeout=120)
+    assert code == 0, output
+    assert "generation 0 rank 1 done" not in output
+    for rank in (0, 1):
+        assert f"generation 1 rank {rank} done" in output, output

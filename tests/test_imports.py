@@ -23,11 +23,11 @@ ROOT = "tpkit"
 # Top to bottom. Modules of layers that do not exist yet are listed so that their first import is checked.
 LAYERS: list[tuple[str, ...]] = [
     ("tpkit.cli", "tpkit.commands"),
-    ("tpkit.data_parallel",),
+    ("tpkit.data_parallel", "tpkit.recompute"),
     ("tpkit.checkpoint", "tpkit.estimate"),
     ("tpkit.convert",),
     ("tpkit.nn",),
-    ("tpkit.distributed", "tpkit.launch"),
+    ("tpkit.distributed", "tpkit.launch", "tpkit.faults"),
     ("tpkit.comm",),
     ("tpkit.layout", "tpkit.tables"),
 ]

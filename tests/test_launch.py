@@ -40,3 +40,15 @@ def test_unknown_backend():
 def test_mpi_needs_mpirun():
     with pytest.raises(ValueError, match="mpirun -n 2"):
         tpkit.launch(lambda: None, 2, backend="mpi")
+
+
+def _rank_sum(comm, offset):
+    import torch
+
+    return comm.all_reduce(torch.tensor([comm.rank + offset])).item()
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_pass_comm_gives_fn_its_rank_communicator(backend):
+    """`launch(fn, pass_comm=True)` calls `fn(comm, *args)`, as `run_threads` does; the old form stays."""
+    assert tpkit.launch(_rank_sum, 2, backend=backend, args=(10,), pass_comm=True) == [21, 21]

@@ -30,8 +30,9 @@ from .convert import (AnalysisReport, DistributedModelWrapper, Family, Plan, Pla
 from .layout import ShardLayout
 from .estimate import (MemoryEstimate, SpeedEstimate, SpeedProfile, calibrate_profile, estimate_memory, estimate_speed,
                        load_profile, save_profile)
-from .checkpoint import CheckpointError, consolidate, from_pretrained, load_sharded, save_sharded
-from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh
+from .checkpoint import CheckpointError, Checkpointer, consolidate, from_pretrained, load_sharded, save_sharded
+from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh, no_sync
+from .recompute import recompute
 
 __version__ = "0.1.0"
 
@@ -46,7 +47,7 @@ __all__ = [
     "broadcast_tensor", "create_communicator", "get_communicator", "get_tensor_parallel_config", "init",
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",
     "use_communicator",
-    "CheckpointError", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
-    "data_parallel", "data_parallel_manual_seed", "device_mesh",
+    "CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
+    "data_parallel", "data_parallel_manual_seed", "device_mesh", "no_sync", "recompute",
     "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",
 ]

@@ -13,7 +13,9 @@ not know about:
 - the global gradient norm over both dimensions: TP-split parameters summed over every rank, TP-replicated ones
   once per TP group, dp shards (FSDP) summed over dp and dp replicas (DDP) counted once;
 - per-dimension RNG seeds (`data_parallel_manual_seed`): dropout differs across dp ranks and follows the TP
-  rules across tp ranks.
+  rules across tp ranks;
+- gradient accumulation (`no_sync`): DDP's `no_sync` or FSDP2's `set_requires_gradient_sync(False)`, whichever
+  engine the model is under, so one loop accumulates micro-batches on either.
 
 Parameters replicated across TP ranks (norms, a row layer's bias) already get the same gradient on every TP rank
 under plain TP (their activations are replicated and the column layers' backward all-reduces the input
@@ -21,10 +23,11 @@ gradient); averaging over dp keeps them equal, so no extra synchronisation is ne
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -116,7 +119,7 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
                              "partial gradients would be reduce-scattered before the TP sum); use mode='ddp' and "
                              "tpkit.nn.sync_sequence_parallel_grads, or convert without sequence_parallel")
         mesh = DeviceMesh.from_group(dp_comm.process_group, _device_type(dp_comm))
-        for block in _blocks(model, blocks):
+        for block in list(blocks) if blocks is not None else repeated_blocks(model):
             fully_shard(block, mesh=mesh, **torch_kwargs)
         wrapped = fully_shard(model, mesh=mesh, **torch_kwargs)
     else:
@@ -135,6 +138,33 @@ def data_parallel_manual_seed(seed: int, tp_comm: Communicator, dp_comm: Communi
     samples differ) and the TP tracker on top of that (`tpkit.nn.model_parallel_manual_seed`: sharded-activation
     dropout differs on every rank). Returns the tracker of `tp_comm`."""
     return model_parallel_manual_seed(int(seed) + dp_comm.rank * DP_SEED_OFFSET, tp_comm)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Gradient accumulation over micro-batches: inside, `backward` accumulates this rank's gradients without the
+    data-parallel reduction (DDP's `no_sync`; FSDP2's `set_requires_gradient_sync(False)`: unsharded gradients
+    accumulate, reduce-scattered by the first backward outside); the last micro-batch runs outside, and its
+    backward reduces the sum. TP collectives are part of each backward's math and always run. A model not under
+    `data_parallel` needs nothing. `enabled=False` is a no-op, for loops:
+    `with tpkit.no_sync(model, enabled=i < n - 1): (loss(mb) / n).backward()`."""
+    record = getattr(model, "_tp_data_parallel", None)
+    if not enabled or record is None:
+        yield
+    elif record.mode == "ddp":
+        with model.no_sync():
+            yield
+    else:
+        from torch.distributed.fsdp import FSDPModule
+
+        roots = [m for m in (model, record.module) if isinstance(m, FSDPModule)][:1]
+        for m in roots:
+            m.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for m in roots:
+                m.set_requires_gradient_sync(True)
 
 
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -188,11 +218,9 @@ def _tp_comm(model: nn.Module) -> Communicator | None:
     return comm if comm is not None and comm.world_size > 1 else None
 
 
-def _blocks(model: nn.Module, blocks: Iterable[nn.Module] | None) -> list[nn.Module]:
-    """The units FSDP2 gathers one at a time: `blocks`, else the modules of HF's `_no_split_modules` classes,
-    else the children of the model's longest ModuleList."""
-    if blocks is not None:
-        return list(blocks)
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks, the units FSDP2 gathers one at a time (and `recompute` checkpoints): the
+    modules of HF's `_no_split_modules` classes, else the children of the model's longest ModuleList."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     if found:

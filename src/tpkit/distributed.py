@@ -2,7 +2,18 @@
 
 `init()` is what a script under `torchrun` or `mpirun` calls first. `get_communicator()` is what layers call
 when no communicator is passed: the one `init()` made, the current thread-rank's under the `threads`
-backend, or a world of one.
+backend, or a world of one - but never a world of one in a process that a launcher started as one rank of
+several (every rank would silently hold the whole model): there it adopts a process group the script started
+itself, or raises with the fix.
+
+Restarts under torchrun. Since torch 2.5 torchrun's agent hosts one TCPStore for the whole job and every
+generation of workers (`--max-restarts`) meets in it; torch's `env://` rendezvous adds no per-generation
+prefix (it assumes a fresh store per restart), so the keys of the killed generation are still there and the
+new one's gloo reads them: it connects to the dead processes' ports and fails or hangs inside
+`init_process_group` (pytorch/pytorch#135712). `init()` therefore connects to the agent's store itself and
+meets in `PrefixStore("tpkit/generation-<TORCHELASTIC_RESTART_COUNT>")`. The count is per agent: consistent on
+one node (`--standalone`); a multi-node job whose agents restart unevenly should also export
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` to each torchrun (a fresh store per rendezvous round).
 """
 from __future__ import annotations
 
@@ -117,14 +128,38 @@ def init(backend: str | None = None, timeout: float | None = None, profile: bool
             _check_rendezvous_address(env)
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
-            dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                                    **kwargs)
+            store = generation_store(env, timeout)
+            if store is None:
+                dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                        **kwargs)
+            else:
+                dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, **kwargs)
         _started_process_group = True
     _default = instrument(TorchCommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
     return _default
 
 
 set_torch_init(init)  # create_communicator("torch") starts torch.distributed through init (comm cannot import it)
+
+
+def generation_store(env: LaunchEnv, timeout: float | None = None):
+    """Under a launcher that hosts the store for every generation of workers (torchrun's agent, `tpkit.launch`;
+    `TORCHELASTIC_USE_AGENT_STORE=True`): a client of it, prefixed by this generation
+    (`TORCHELASTIC_RESTART_COUNT`), so a restarted generation never reads the keys of the one that died. None
+    otherwise (`env://` then starts a fresh store on rank 0)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    wait = datetime.timedelta(seconds=timeout if timeout is not None else 300.0)
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                           is_master=False, timeout=wait)
+    return dist.PrefixStore(f"tpkit/generation-{restart_count()}", client)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (0 in the first generation, and without torchrun)."""
+    return _int_env("TORCHELASTIC_RESTART_COUNT") or 0
 
 
 def _check_rendezvous_address(env: LaunchEnv) -> None:
@@ -152,15 +187,42 @@ def shutdown() -> None:
 
 
 def get_communicator() -> Communicator:
-    """The communicator layers use by default: this thread-rank's, the one `init` made, or a world of one."""
+    """The communicator layers use by default: this thread-rank's, the one `init` made, or a world of one.
+
+    In a process a launcher started as one rank of several (torchrun's RANK / WORLD_SIZE, mpirun's) and with no
+    communicator yet, a world of one would give every rank the whole model: a torch.distributed group the script
+    started itself is adopted (as `init()` would), otherwise this raises RuntimeError saying to call `init()`.
+    """
     global _single
     comm = current_thread_communicator() or _default
     if comm is not None:
         return comm
+    launched = _launched_world()
+    if launched is not None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return init()
+        raise RuntimeError(
+            f"tpkit: this process is rank {launched.rank} of {launched.world_size} ({launched.launcher}: "
+            f"{'RANK / WORLD_SIZE' if launched.launcher == 'torchrun' else 'its rank and size variables'}) but no "
+            f"communicator was set up, so tpkit would run it as a world of one and every rank would hold the whole "
+            f"model. Call `comm = tpkit.init()` at the start of the script (or pass comm=...; "
+            f"tpkit.set_communicator(comm) to choose one)")
     if _single is None:
         from .comm.threads import create_communicators
         _single = create_communicators(1)[0]
     return _single
+
+
+def _launched_world() -> LaunchEnv | None:
+    """The launch environment when it names a world of several ranks; None otherwise (or when it is malformed:
+    `init()` reports that)."""
+    try:
+        env = read_launch_env()
+    except ValueError:
+        return None
+    return env if env.world_size > 1 else None
 
 
 def set_communicator(comm: Communicator | None) -> None:

@@ -40,8 +40,12 @@ def free_port() -> int:
 
 
 def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args: Sequence[Any] = (),
-           timeout: float | None = None) -> list:
+           timeout: float | None = None, pass_comm: bool = False) -> list:
     """Run `fn(*args)` on `world_size` local ranks; return their results in rank order.
+
+    `pass_comm=True` calls `fn(comm, *args)` instead, `comm` being the rank's communicator (what
+    `tpkit.comm.run_threads` passes). An explicit flag rather than a look at `fn`'s signature: a parameter
+    named `comm` may be the caller's own argument, and partials and builtins have no reliable signature.
 
     `backend`: "gloo" or "nccl" (one process per rank; `fn` must be picklable, i.e. defined at module
     level; each process runs with `torch.set_num_threads(1)` so N ranks do not fight over the cores) or
@@ -54,16 +58,16 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
     if backend == "threads":
         comms = create_communicators(world_size, timeout)
 
-        return run_on_threads(lambda comm: fn(*args), comms)
+        return run_on_threads(lambda comm: fn(comm, *args) if pass_comm else fn(*args), comms)
     if backend == "mpi":
         raise ValueError("launch: backend 'mpi' needs processes started by mpirun; run "
                          f"`mpirun -n {world_size} python your_script.py` and call tpkit.init('mpi') there")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"launch: unknown backend {backend!r}; valid: gloo, nccl, threads")
-    return _launch_processes(fn, world_size, backend, args, timeout)
+    return _launch_processes(fn, world_size, backend, args, timeout, pass_comm)
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeout, results) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeout, pass_comm, results) -> None:
     # The parent hosts the rendezvous store, as torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE): its port
     # stays bound for the whole run, so a concurrent launch can never pick the same one.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -73,8 +77,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeo
     from . import distributed
 
     try:
-        distributed.init(backend, timeout)
-        value = fn(*args)
+        comm = distributed.init(backend, timeout)
+        value = fn(comm, *args) if pass_comm else fn(*args)
         buffer = io.BytesIO()
         torch.save(value, buffer)
         results.put((rank, "ok", buffer.getvalue()))
@@ -110,7 +114,7 @@ def _exit_quickly(results) -> None:
     os._exit(0)
 
 
-def _launch_processes(fn, world_size, backend, args, timeout) -> list:
+def _launch_processes(fn, world_size, backend, args, timeout, pass_comm) -> list:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -118,8 +122,9 @@ def _launch_processes(fn, world_size, backend, args, timeout) -> list:
     results = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     port = store.port
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, timeout, results),
-                         daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, world_size, port, backend, fn, args, timeout, pass_comm, results))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     values: list[Any] = [None] * world_size
@@ -166,8 +171,16 @@ def _launch_processes(fn, world_size, backend, args, timeout) -> list:
                 p.kill()
                 p.join()
         del store
-    raise_first_failure(errors)
+    raise_first_failure(_deaths_first(errors))
     return values
+
+
+def _deaths_first(errors: list[BaseException | None]) -> list[BaseException | None]:
+    """When the only other failures are CommErrors, a rank that died (killed, no report) caused them: keep just
+    the deaths, so the re-raised error names the dead rank rather than a peer that saw it go."""
+    died = [isinstance(e, LaunchError) and "died" in str(e) for e in errors]
+    knock_on = all(e is None or d or isinstance(e, CommError) for e, d in zip(errors, died))
+    return [e if d else None for e, d in zip(errors, died)] if any(died) and knock_on else errors
 
 
 def _rebuild_error(rank: int, payload: bytes | None, text: str) -> BaseException:

@@ -18,6 +18,13 @@ MODELS = {
 }
 
 
+def mlp(seed: int = 0) -> torch.nn.Module:
+    """A small MLP (column -> relu -> row at TP 2): the model of process tests that need no transformers, whose
+    import is most of a spawned rank's start on a busy box."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+
+
 def write_hf(root: str, name: str) -> str:
     family, over, kw = MODELS[name]
     path = os.path.join(root, name)

@@ -2,7 +2,8 @@
 
 `from_pretrained` (pretrained.py) builds a model for this rank from a Hugging Face directory or a tpkit
 checkpoint; `save_sharded` (save.py) and `load_sharded` (load.py) write and read tpkit checkpoints whose
-layout does not depend on the TP size; `consolidate` (consolidate.py) turns one back into a Hugging Face
+layout does not depend on the TP size; `Checkpointer` (checkpointer.py) saves a training run every N steps and
+resumes it after a restart; `consolidate` (consolidate.py) turns one back into a Hugging Face
 directory. Underneath: the safetensors format (safetensors_file.py), where each full tensor's pieces live
 (sources.py), reading a rank's region (reader.py), the directory and manifest (manifest.py), optimizer state
 (optimizer.py), cross-rank agreement on errors (agree.py) and progress bars (progress.py). Which slice a rank
@@ -10,10 +11,11 @@ holds always comes from `ShardLayout`s.
 """
 from __future__ import annotations
 
+from .checkpointer import Checkpointer
 from .consolidate import consolidate
 from .errors import CheckpointError
 from .load import load_sharded
 from .pretrained import from_pretrained
 from .save import save_sharded
 
-__all__ = ["CheckpointError", "consolidate", "from_pretrained", "load_sharded", "save_sharded"]
+__all__ = ["CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded"]

@@ -3,18 +3,30 @@
 One process, one full tensor in memory at a time: the output header is known from the manifest alone, so each
 tensor is assembled from its pieces (the same reader the loaders use, with a world-size-1 layout) and
 streamed into the file in order. Tied keys (saved as aliases) are written once, as `save_pretrained` does;
-above `max_shard_bytes` the output is split into shards with a `model.safetensors.index.json`.
+above `max_shard_bytes` the output is split into shards with a `model.safetensors.index.json`. `config.json` and
+`generation_config.json` are written as the model held them (`hf_config.py`: transformers' own form).
+
+The output is always one complete model: a non-empty `out_dir` is refused (writing beside an existing index and
+shards would leave transformers and tpkit loading different weights from one directory) unless
+`overwrite=True`; either way the files are written into a temporary sibling directory, which then takes
+`out_dir`'s place (an atomic exchange where the system has one, `renameat2(RENAME_EXCHANGE)`), so a run killed
+midway leaves the old directory as it was.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import shutil
+import uuid
 
 import torch
 
 from ..layout import ShardLayout
 from .errors import CheckpointError
+from .hf_config import CONFIG, GENERATION_CONFIG, text
 from .load import open_source
+from .manifest import fsync_dir
 from .optimizer import PREFIX
 from .progress import Progress
 from .reader import read_region
@@ -22,13 +34,41 @@ from .safetensors_file import write_stream
 
 
 def consolidate(directory: str | os.PathLike, out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 2**30,
-                progress: bool | None = None) -> str:
-    """Write `out_dir/config.json` and `model.safetensors` (or shards + index); returns `out_dir`."""
-    source = open_source(os.fspath(directory))
+                progress: bool | None = None, overwrite: bool = False) -> str:
+    """Write `out_dir/config.json`, `generation_config.json` (models that generate) and `model.safetensors` (or
+    shards + index); returns `out_dir`. A non-empty `out_dir` is refused unless `overwrite=True`, which replaces
+    it as a whole."""
+    directory, out_dir = os.fspath(directory), os.path.normpath(os.fspath(out_dir))
+    source = open_source(directory)
     if source.manifest is None:
         raise CheckpointError(f"{directory}: not a tpkit checkpoint (no manifest)")
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    _check_out_dir(directory, out_dir, overwrite)
+    tmp = f"{out_dir}.tmp-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
+    try:
+        _write(source, tmp, max_shard_bytes, progress)
+        _swap_in(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the new files on failure; the old directory after a swap
+    return out_dir
+
+
+def _check_out_dir(directory: str, out_dir: str, overwrite: bool) -> None:
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"{out_dir}: exists and is not a directory; choose a directory to write the model into")
+    real, source = os.path.realpath(out_dir), os.path.realpath(directory)
+    if source == real or source.startswith(real + os.sep):
+        raise CheckpointError(f"{out_dir}: holds the checkpoint {directory} being consolidated; choose another "
+                              f"output directory")
+    entries = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if entries and not overwrite:
+        raise CheckpointError(f"{out_dir}: not empty ({len(entries)} entries: {', '.join(entries[:4])}"
+                              f"{', ...' if len(entries) > 4 else ''}); consolidate writes a whole model "
+                              f"directory: choose a new or empty one, or replace this one with overwrite=True "
+                              f"(tpkit consolidate --overwrite)")
+
+
+def _write(source, out_dir: str, max_shard_bytes: int, progress: bool | None) -> None:
     keys = [k for k, d in source.manifest["tensors"].items() if not k.startswith(PREFIX) and "alias_of" not in d]
     shards, size = [[]], 0
     for k in keys:
@@ -51,11 +91,44 @@ def consolidate(directory: str | os.PathLike, out_dir: str | os.PathLike, max_sh
         for name, group in zip(names, shards):
             specs = [(k, source.entries[k].dtype, source.entries[k].shape) for k in group]
             write_stream(os.path.join(out_dir, name), specs, full, {"format": "pt"}, bar.advance)
+    files = {}
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, g in zip(names, shards) for k in g}}
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=1)
+        files["model.safetensors.index.json"] = json.dumps(index, indent=1)
     if source.config is not None:
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(source.config, f, indent=1)
-    return out_dir
+        files[CONFIG] = text(source.config)
+    if source.manifest.get("generation_config"):
+        files[GENERATION_CONFIG] = text(source.manifest["generation_config"])
+    for name, body in files.items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_dir(out_dir)
+
+
+def _swap_in(new: str, out_dir: str) -> None:
+    """Put directory `new` at `out_dir`. Absent or empty `out_dir`: a rename. Otherwise the two are exchanged
+    atomically (Linux `renameat2(RENAME_EXCHANGE)`) or, where that is missing, by two renames; `new` then holds the
+    old directory, which the caller removes."""
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        os.replace(new, out_dir)
+    elif not _exchange(new, out_dir):
+        old = f"{out_dir}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out_dir, old)
+        os.replace(new, out_dir)
+        os.replace(old, new)
+    fsync_dir(os.path.dirname(os.path.abspath(out_dir)))
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically with renameat2(RENAME_EXCHANGE); False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    return False

@@ -4,17 +4,23 @@
 DIR/latest                       "v000002-step-000000123" (replaced atomically by os.replace)
 DIR/v000002-step-000000123/      manifest.json + rank-00000.safetensors, rank-00001.safetensors, ...
 ```
-A save writes a new version directory and only then moves `latest`, so a save killed midway leaves the
-pointer (and the version it names) untouched. The manifest records, for every key, the full shape, dtype
-and the pieces (file, tensor name, offsets in the full tensor, sha256 of its bytes); plus the files with
-their sizes, step, extra, the model config and plan, optimizer hyperparameters, and RNG tracker states.
-Nothing is pickled. Manifests of format version 1 hashed whole files instead (`check_checksums`).
+A save writes a new version directory and only then moves `latest`, so a save killed midway leaves the pointer
+(and the version it names) untouched. A version is complete once its manifest exists (rank 0 writes it after every
+rank's file is written and fsynced); one without is the remains of a save that died, and the next successful save
+removes it (`prune`), with the complete versions beyond the newest `keep` when asked to. A version is removed by
+renaming it out of the version namespace first (`.trash-*`), so a removal killed midway never leaves a
+half-deleted directory that still looks like a version. The manifest records, for every key, the full shape, dtype and
+the pieces (file, tensor name, offsets in the full tensor, sha256 of its bytes); plus the files with their sizes,
+step, extra, the model config and plan, optimizer hyperparameters, and RNG tracker states. Nothing is pickled.
+Manifests of format version 1 hashed whole files instead (`check_checksums`).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
+import uuid
 
 from .errors import CheckpointError
 
@@ -22,6 +28,7 @@ FORMAT = "tpkit-checkpoint"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _VERSION = re.compile(r"^v(\d{6})")
+TRASH = ".trash-"
 
 
 def rank_file(rank: int) -> str:
@@ -64,6 +71,56 @@ def point_latest(directory: str, version: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(directory, LATEST))
     fsync_dir(directory)
+
+
+def versions(directory: str) -> list[tuple[int, str, bool]]:
+    """`(number, name, complete)` of every version directory under `directory`, oldest first; complete means it
+    has its manifest."""
+    out = []
+    for name in (os.listdir(directory) if os.path.isdir(directory) else []):
+        m = _VERSION.match(name)
+        if m and os.path.isdir(os.path.join(directory, name)):
+            out.append((int(m.group(1)), name, os.path.exists(os.path.join(directory, name, MANIFEST))))
+    return sorted(out)
+
+
+def read_latest(directory: str) -> str | None:
+    """The version name `latest` holds, or None."""
+    try:
+        with open(os.path.join(directory, LATEST)) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def remove_version(directory: str, name: str) -> None:
+    """Remove version `name`: renamed out of the version namespace (atomic), then deleted."""
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        return
+    trash = os.path.join(directory, f"{TRASH}{name}-{uuid.uuid4().hex[:8]}")
+    os.replace(path, trash)
+    fsync_dir(directory)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def prune(directory: str, keep: int | None, current: str) -> list[str]:
+    """After version `current` was saved: remove partial versions older than it, the complete ones beyond the
+    newest `keep` (all kept when None; never `current` or what `latest` names), and leftovers of removals that
+    were killed. Returns the names removed."""
+    latest = read_latest(directory)
+    found = versions(directory)
+    number = next((n for n, name, _ in found if name == current), None)
+    complete = [name for _, name, ok in found if ok]
+    doomed = [name for n, name, ok in found if not ok and number is not None and n < number]
+    if keep is not None:
+        doomed += [name for name in complete[:-keep] if name not in (current, latest)]
+    for name in doomed:
+        remove_version(directory, name)
+    for name in os.listdir(directory):
+        if name.startswith(TRASH):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    return doomed
 
 
 def find_version(path: str) -> str | None:

@@ -22,6 +22,7 @@ from ..nn._layer import resolve_comm
 from .agree import agree
 from .conversions import transformers_keys
 from .errors import CheckpointError
+from .hf_config import load_generation_config
 from .load import Source, model_targets, open_source, read_targets
 from .memory import empty_for_load
 from .progress import Progress
@@ -156,6 +157,9 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     agree(comm, error)
     target_dtype = resolve_dtype(dtype, config)
     model = build(config, model_cls, target_dtype)
+    generation = load_generation_config(path, source.manifest)  # as transformers does: generation_config.json
+    if generation is not None and getattr(model, "generation_config", None) is not None:
+        model.generation_config = generation
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
     parallelize(model, plan, comm, mode=mode, recorded=recorded)
     materialize(model)

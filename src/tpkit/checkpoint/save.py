@@ -5,7 +5,11 @@ For each tensor, rank r writes the positions of its segments that no lower rank 
 tensor, or a KV head several ranks share, is written once: by the first holder), each as one piece with its
 offsets in the full tensor. Every rank can work out every other rank's pieces from the layouts
 (`layout.for_rank`), so rank 0 writes the whole manifest after gathering only the pieces' sha256 and RNG
-states. Then a barrier, then `latest` moves: a save killed before that leaves the previous one in place. A
+states, then moves `latest`: a save killed before that leaves the previous one in place. A failure on any rank
+(a full disk) is agreed on by all (`agree`), the partial version removed and the same CheckpointError raised
+everywhere; a rank that dies leaves its peers a CommError and the partial version to the next save's `prune`.
+Fault points (`tpkit.faults`: save-start, write, save-files, save-latest) let tests kill or fail a save at
+each of these moments in real processes. A
 model under `tpkit.data_parallel` is saved with the world communicator: its TP layouts are spread over the
 world ranks (`mesh.py`), so dp replicas are written once and the files look like any TP checkpoint's.
 """
@@ -13,19 +17,24 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Callable
 
 import torch
 from torch import nn
 
+from .. import faults
 from ..convert.layouts import shard_layouts
 from ..nn._layer import resolve_comm
 from ..layout import ShardLayout
 from ..nn.random import get_rng_tracker
 from . import optimizer as optim_state
-from .agree import gather_bytes
+from .agree import agree, gather_bytes
+from .errors import CheckpointError
+from .hf_config import config_dict, generation_dict
 from .mesh import spread, unwrap, whole_local
-from .manifest import FORMAT, MANIFEST, fsync_dir, next_version, point_latest, rank_file, write_json
+from .manifest import (FORMAT, LATEST, MANIFEST, fsync_dir, next_version, point_latest, prune, rank_file, read_latest,
+                       remove_version, write_json)
 from .progress import Progress
 from .safetensors_file import NAMES, write_file
 
@@ -93,10 +102,17 @@ def collect(model: nn.Module, optimizer) -> tuple[dict[str, tuple[torch.Tensor, 
 
 
 def save_sharded(model: nn.Module, directory: str, optimizer=None, step: int | None = None, comm=None,
-                 extra: dict | None = None, progress: bool | None = None) -> str:
+                 extra: dict | None = None, progress: bool | None = None, keep: int | None = None) -> str:
     """Save `model` (and `optimizer`) under `directory` as a new version; collective. Returns the version
-    directory. `extra` must be JSON-serialisable."""
+    directory. `extra` must be JSON-serialisable.
+
+    `keep=N` keeps the newest N complete versions (the new one included) and removes older ones; with or without
+    it, versions a killed save left without a manifest, older than the new one, are removed. A save that fails
+    on any rank (a full disk, ...) raises `CheckpointError` on every rank naming the file, after the partial
+    version is removed: `latest` still names the previous one."""
     comm = resolve_comm(comm)
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"save_sharded: keep must be a positive int (versions to keep) or None, got {keep!r}")
     model, record = unwrap(model, comm)
     tensors, aliases, section = collect(model, optimizer)
     if record is not None:  # FSDP2 shards gathered to TP-local tensors (collective, same order on every rank)
@@ -104,37 +120,80 @@ def save_sharded(model: nn.Module, directory: str, optimizer=None, step: int | N
                    for k, (t, lay) in tensors.items()}
     json.dumps(extra)  # fail before writing anything
     version = _agree_version(comm, directory, step)
-    os.makedirs(version, exist_ok=True)
-    mine = {}
-    for key, (t, lay) in tensors.items():
-        mine.update(local_pieces(key, t, lay))
-    total = sum(v.numel() * v.element_size() for v in mine.values())
-    with Progress(f"saving {os.path.basename(version)}", total, progress, comm.rank) as bar:
-        def hook(n: int) -> None:
-            bar.advance(n - bar.done)
-            if WRITE_HOOK is not None:
-                WRITE_HOOK(n)
-        digest = write_file(os.path.join(version, rank_file(comm.rank)), mine, {"format": "pt"}, hook)
+    name, rank = os.path.basename(version), comm.rank
+    faults.at("save-start", rank, step)
+    path = os.path.join(version, rank_file(rank))
+    error, digest = None, {}
+    try:
+        os.makedirs(version, exist_ok=True)
+        mine = {}
+        for key, (t, lay) in tensors.items():
+            mine.update(local_pieces(key, t, lay))
+        total = sum(v.numel() * v.element_size() for v in mine.values())
+        with Progress(f"saving {name}", total, progress, rank) as bar:
+            def hook(n: int) -> None:
+                bar.advance(n - bar.done)
+                faults.at("write", rank, step, path)
+                if WRITE_HOOK is not None:
+                    WRITE_HOOK(n)
+            digest = write_file(path, mine, {"format": "pt"}, hook)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach _settle, whatever failed
+        error = CheckpointError(_failed(path, exc, directory))
+    _settle(comm, directory, name, error)
+    faults.at("save-files", rank, step)
     digests = [json.loads(d) for d in gather_bytes(comm, json.dumps(digest).encode())]
     rng_comm = record.tp_comm if record is not None and record.tp_comm is not None else comm
     rng = [json.loads(r) for r in gather_bytes(comm, json.dumps(_rng_states(rng_comm)).encode())]
-    if comm.rank == 0:
-        manifest = _manifest(model, tensors, aliases, section, comm.world_size, step, extra, digests, rng, version)
-        write_json(os.path.join(version, MANIFEST), manifest)
-        fsync_dir(version)
-    comm.barrier()
-    if comm.rank == 0:
-        point_latest(directory, os.path.basename(version))
+    if rank == 0:
+        target = os.path.join(version, MANIFEST)
+        try:
+            manifest = _manifest(model, tensors, aliases, section, comm.world_size, step, extra, digests, rng, version)
+            write_json(target, manifest)
+            fsync_dir(version)
+            faults.at("save-latest", rank, step)
+            target = os.path.join(directory, LATEST)
+            point_latest(directory, name)
+        except Exception as exc:  # noqa: BLE001 - every rank must reach _settle, whatever failed
+            if read_latest(directory) != name:  # else `latest` moved: the save is complete, whatever failed after
+                error = CheckpointError(_failed(target, exc, directory))
+    _settle(comm, directory, name, error)
+    if rank == 0:
+        try:
+            prune(directory, keep, name)
+        except OSError as exc:
+            warnings.warn(f"save_sharded: saved {version}, but removing old versions failed: {exc}", stacklevel=2)
     comm.barrier()
     return version
 
 
+def _failed(path: str, exc: Exception, directory: str) -> str:
+    latest = read_latest(directory)
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return (f"{path}: could not write it ({why}); the partial version was removed and "
+            f"{'latest still names ' + latest if latest else 'no version was saved before'}")
+
+
+def _settle(comm, directory: str, name: str, error: CheckpointError | None) -> None:
+    """Every rank learns whether any rank failed; if one did, rank 0 removes the partial version and every rank
+    raises (the failing rank's message)."""
+    try:
+        agree(comm, error)
+    except CheckpointError:
+        if comm.rank == 0:
+            remove_version(directory, name)
+        raise
+
+
 def _agree_version(comm, directory: str, step: int | None) -> str:
-    """Rank 0 picks the next version name; every rank gets it."""
-    name = b""
+    """Rank 0 picks the next version name; every rank gets it (or the same CheckpointError)."""
+    name, error = b"", None
     if comm.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        name = next_version(directory, step).encode()
+        try:
+            os.makedirs(directory, exist_ok=True)
+            name = next_version(directory, step).encode()
+        except OSError as exc:
+            error = CheckpointError(f"{directory}: cannot create the checkpoint directory ({exc.strerror or exc})")
+    agree(comm, error)
     return os.path.join(directory, gather_bytes(comm, name)[0].decode())
 
 
@@ -151,10 +210,9 @@ def _manifest(model, tensors, aliases, section, world, step, extra, digests, rng
         entries[key] = {"shape": list(lay.full_shape), "dtype": NAMES[t.dtype], "pieces": pieces}
     for alias, key in aliases.items():
         entries[alias] = dict(entries[key], alias_of=key)
-    config = getattr(model, "config", None)
     plan = getattr(model, "tp_plan", None)
     return {"format": FORMAT, "version": 2, "tpkit_version": _tpkit_version(), "world_size": world, "step": step,
-            "extra": extra, "config": json.loads(config.to_json_string(use_diff=False)) if hasattr(config, "to_json_string") else None,
+            "extra": extra, "config": config_dict(model), "generation_config": generation_dict(model),
             "plan": plan.to_dict() if hasattr(plan, "to_dict") else None,
             "files": {rank_file(r): {"bytes": os.path.getsize(os.path.join(version, rank_file(r)))}
                       for r in range(world)},

@@ -1,0 +1,48 @@
+"""A model's `config.json` and `generation_config.json` as transformers writes them, kept through a tpkit checkpoint.
+
+`save_pretrained` writes each config as its difference from the defaults (`to_json_string(use_diff=True)`:
+sorted keys, two-space indent, a final newline). The manifest keeps exactly that dict, and `consolidate` writes
+it back the same way, so a model loaded from a Hugging Face directory comes out of save -> consolidate with the
+same two files, byte for byte (the defaults transformers fills in on load are not written out as if they had
+been chosen). Without transformers' objects (a custom model) there is nothing to keep.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+
+
+def config_dict(model) -> dict | None:
+    """The model's config as `save_pretrained` writes it, or None."""
+    config = getattr(model, "config", None)
+    return json.loads(config.to_json_string(use_diff=True)) if hasattr(config, "to_json_string") else None
+
+
+def generation_dict(model) -> dict | None:
+    """The model's generation config as `save_pretrained` writes it (models that generate), or None."""
+    generation = getattr(model, "generation_config", None)
+    can = getattr(model, "can_generate", None)
+    if generation is None or not hasattr(generation, "to_json_string") or (callable(can) and not can()):
+        return None
+    return json.loads(generation.to_json_string(use_diff=True))
+
+
+def text(d: dict) -> str:
+    """`d` as transformers serialises a config."""
+    return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+
+def load_generation_config(path: str, manifest: dict | None):
+    """The generation config a Hugging Face directory (`generation_config.json`) or a tpkit checkpoint (its manifest)
+    holds, as a transformers `GenerationConfig`; None when there is none."""
+    from transformers import GenerationConfig
+
+    if manifest is not None:
+        saved = manifest.get("generation_config")
+        return GenerationConfig.from_dict(saved) if saved else None
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, GENERATION_CONFIG)):
+        return GenerationConfig.from_pretrained(path)
+    return None
