@@ -33,6 +33,9 @@ from .estimate import (MemoryEstimate, SpeedEstimate, SpeedProfile, calibrate_pr
 from .checkpoint import CheckpointError, Checkpointer, consolidate, from_pretrained, load_sharded, save_sharded
 from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh, no_sync
 from .recompute import recompute
+from .estimate.predict import Setup
+from .estimate.search import SearchResult
+from .setups import search
 
 __version__ = "0.1.0"
 
@@ -49,5 +52,6 @@ __all__ = [
     "use_communicator",
     "CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
     "data_parallel", "data_parallel_manual_seed", "device_mesh", "no_sync", "recompute",
+    "SearchResult", "Setup", "search",
     "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",
 ]

@@ -1,4 +1,4 @@
-"""The `tpkit` command: `tpkit demo | analyze | estimate | verify | bench | env | consolidate`.
+"""The `tpkit` command: `tpkit demo | analyze | estimate | search | verify | bench | env | consolidate`.
 
 Each subcommand lives in its own module under `tpkit.commands` with two functions, `add_arguments(parser)`
 and `run(args) -> int`; this file only wires them up, so a subcommand is found by its name.
@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "demo": "run a short tensor-parallel demo on 2 local ranks",
     "analyze": "which layers of a model split and how, memory per rank, suggested world size",
     "estimate": "memory and speed estimates per world size",
+    "search": "the best setup (TP, DP, sequence parallel, recompute, ...) for N devices and a goal",
     "verify": "run a plan on N thread-ranks and compare with the original model",
     "bench": "collective benchmarks in the style of nccl-tests",
     "env": "devices, interconnect and NCCL settings, with advice",

@@ -78,7 +78,8 @@ class Proposal:
 class Draft:
     """The plan being made for one world size: what families decided so far, and every proposal made.
 
-    `choose` maps a proposal key to the alternative to take instead of the default (the setup search)."""
+    `choose` maps a proposal key, or a family's name (every proposal of that family that has the alternative),
+    to the alternative to take instead of the default (the setup search); a key wins over its family."""
 
     def __init__(self, analysis: "Analysis", world_size: int, mode: str, choose: Mapping[str, str] | None = None):
         self.analysis, self.world_size, self.mode = analysis, world_size, mode
@@ -106,7 +107,11 @@ class Draft:
     def apply(self, proposal: Proposal) -> Choice:
         """Take the proposal's chosen alternative: its entries and details in, reasons of modules it splits out,
         its own reasons in."""
-        choice = proposal.choice(self.choose.get(proposal.key))
+        label = self.choose.get(proposal.key)
+        if label is None and proposal.family in self.choose:
+            wanted = self.choose[proposal.family]
+            label = wanted if any(c.label == wanted for c in proposal.choices) else None
+        choice = proposal.choice(label)
         self.proposals.append(proposal)
         self.chosen[proposal.key] = choice.label
         for name, s in choice.entries.items():

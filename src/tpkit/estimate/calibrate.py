@@ -9,9 +9,16 @@ bandwidth, as the alpha-beta model of `speed.py` reads them: time(n) = alpha + 2
 
 With one world size the latency is booked as ring hops (2(t-1) of them); with several (`world_sizes`) it is
 split by least squares into a fixed cost per collective and a per-hop latency.
+
+The op-level rates (`machine.MachineRates`, what `predict.py` reads) are measured for 1 up to the largest world
+size of ranks running at once, `threads` threads each (default: the cores shared out over the largest world
+size, one device per rank): each rank measures its matmul and memory rates and a reference model's per-op cost
+while the others do the same, then the collectives through tpkit's communicator; the slowest rank's figures
+are kept (a step ends when its slowest rank does).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
@@ -19,7 +26,10 @@ import time
 import torch
 
 from .hardware import Hardware, Interconnect
+from .machine import (MachineRates, measure_collectives, measure_copy_bandwidth, measure_gemm,
+                      measure_stream_bandwidth)
 from .profile import LinkProfile, SpeedProfile
+from .reference import op_overheads
 
 _SIZES = {True: dict(matmul=256, copy=8 * 2**20, small=8, large=2**20, repeats=3),
           False: dict(matmul=1024, copy=256 * 2**20, small=8, large=32 * 2**20, repeats=10)}
@@ -90,9 +100,54 @@ def _split_latency(latencies: dict[int, float]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
-def calibrate_profile(backend: str = "gloo", world_sizes=(2,), quick: bool = False) -> SpeedProfile:
+def _rank_rates(threads: int, quick: bool, model=None) -> MachineRates:
+    """On one launched rank: this rank's rates while every rank measures at once (barriers keep them in step)."""
+    from ..distributed import get_communicator
+
+    torch.set_num_threads(threads)
+    comm = get_communicator()
+    repeats = 3 if quick else 7
+    comm.barrier()
+    gemm = measure_gemm(repeats=repeats)
+    comm.barrier()
+    stream = measure_stream_bandwidth(total=(32 << 20) if quick else (128 << 20), repeats=repeats)
+    copy_bw = measure_copy_bandwidth(repeats=repeats)
+    rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw)
+    comm.barrier()
+    forward, train = op_overheads(rates, model, repeats)
+    collectives = {}
+    if comm.world_size > 1:
+        sizes = (2 ** 10, 2 ** 16, 2 ** 20) if quick else (2 ** 10, 2 ** 14, 2 ** 18, 2 ** 21, 2 ** 23)
+        collectives = {k: {str(comm.world_size): c} for k, c in measure_collectives(comm, sizes, repeats).items()}
+    return dataclasses.replace(rates, op_overhead_s=forward, train_op_overhead_s=train, collectives=collectives)
+
+
+def _slowest(per_rank: list[MachineRates]) -> MachineRates:
+    """The rates a step sees: each figure from the rank that is slowest at it."""
+    first = per_rank[0]
+    gemm = tuple((m, min(dict(r.gemm)[m] for r in per_rank)) for m, _ in first.gemm)
+    return dataclasses.replace(first, op_overhead_s=max(r.op_overhead_s for r in per_rank),
+                               train_op_overhead_s=max(r.train_op_overhead_s for r in per_rank), gemm=gemm,
+                               stream_bandwidth=min(r.stream_bandwidth for r in per_rank),
+                               copy_bandwidth=min(r.copy_bandwidth for r in per_rank))
+
+
+def calibrate_machine(backend: str = "gloo", max_ranks: int = 2, threads: int | None = None, quick: bool = False,
+                      model=None) -> dict[str, MachineRates]:
+    """`MachineRates` for 1 .. `max_ranks` ranks sharing this machine (see the module doc); `model`: measure the
+    per-op cost on this model (small!) instead of the reference Llama."""
+    from ..launch import launch
+
+    threads = threads or max(1, (os.cpu_count() or 1) // max_ranks)
+    return {str(n): _slowest(launch(_rank_rates, n, backend=backend, args=(threads, quick, model)))
+            for n in range(1, max_ranks + 1)}
+
+
+def calibrate_profile(backend: str = "gloo", world_sizes=(2,), quick: bool = False, threads: int | None = None,
+                      model=None) -> SpeedProfile:
     """Measure this machine (see the module doc) and return its profile: the machine as a `Hardware` whose
-    peaks are the measured figures (efficiencies 1), and the backend's link figures keyed by `backend`."""
+    peaks are the measured figures (efficiencies 1), the backend's link figures keyed by `backend`, and the
+    op-level rates for 1 .. max(world_sizes) ranks sharing the machine."""
     sizes = [int(t) for t in world_sizes]
     if not sizes or min(sizes) < 2:
         raise ValueError(f"calibrate_profile: world sizes must be >= 2 (an all-reduce needs two ranks), got {world_sizes!r}")
@@ -114,7 +169,11 @@ def calibrate_profile(backend: str = "gloo", world_sizes=(2,), quick: bool = Fal
     name = f"measured: {platform.machine()} {os.cpu_count()} cores" + (", quick" if quick else "")
     hw = Hardware(name, bf16, fp32, memory, int(ram), link)
     when = time.strftime("%Y-%m-%d %H:%M:%S")
+    machine = calibrate_machine(backend, max(sizes), threads, quick, model)
     return SpeedProfile(name, 1.0, 1.0, {backend: LinkProfile(fixed, hop, 1.0)}, hw,
                         {"measured": f"tpkit estimate --calibrate on {platform.node() or 'this host'} at {when}; "
                                      f"all-reduce over {backend} with world sizes {sizes}",
-                         "torch": torch.__version__, "threads": str(torch.get_num_threads())})
+                         "torch": torch.__version__, "threads": str(torch.get_num_threads()),
+                         "op overhead": "per-op cost measured on " + (type(model).__name__ if model is not None
+                                                                     else "the reference Llama (reference.py)")},
+                        machine)

@@ -1,4 +1,5 @@
-"""How the estimator calls a model it measures: an example as `(args, kwargs)`, and a weightless copy to run.
+"""How the estimator calls a model it measures: an example as `(args, kwargs)`, a weightless copy to run, and a
+weightless model of a config with a given number of layers (estimates trace 1 and 2 layers and extrapolate).
 
 Shared by the measured step (`step`, `measure`) and the traced activations (`traced`), so both call a model
 the same way and never touch the user's weights.
@@ -10,6 +11,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .presets import build_model
 
 
 def as_call(example) -> tuple[tuple, dict]:
@@ -29,3 +32,27 @@ def meta_copy(model: nn.Module) -> nn.Module:
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
+
+
+def config_with_layers(config, layers: int):
+    """A copy of an HF config with `layers` transformer layers (per-layer type lists cut to match)."""
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = layers
+    for name in ("layer_types", "block_types"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, (list, tuple)) and len(value) >= layers:
+            setattr(cfg, name, type(value)(value[:layers]))
+    return cfg
+
+
+def with_layers(config, model_cls, layers: int, dtype: torch.dtype, attention: str | None = None) -> nn.Module:
+    """A weightless (meta) model of `config` with `layers` transformer layers, of `model_cls` or built from the
+    config's own class; `attention` "eager" or anything else (sdpa) sets the attention kernel."""
+    cfg = config_with_layers(config, layers)
+    if attention is not None:
+        cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
+    if model_cls is None:
+        return build_model(cfg, device="meta", dtype=dtype)
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    return model.to(dtype)

@@ -1,6 +1,7 @@
 """The speed profile: what kernels and collectives achieve, as opposed to the datasheet peaks of `hardware.py`.
 
-A few physical parameters, not one factor per TP size:
+Two levels. For a GPU (or any machine known by its datasheet) a few physical parameters, not one factor per TP
+size:
 
 * `memory_efficiency`: achieved fraction of HBM bandwidth when streaming weights (decode is bound by it);
 * `flops_efficiency`: achieved fraction of peak matmul FLOP/s (prefill, training);
@@ -10,7 +11,9 @@ A few physical parameters, not one factor per TP size:
 
 `DEFAULT_PROFILE` is calibrated against published measurements (sources next to each figure). A measured
 profile (`tpkit estimate --calibrate`, `calibrate.py`) also carries the machine itself as a `Hardware` whose
-peaks are the measured figures (so its efficiencies are 1). Profiles are JSON files, written atomically,
+peaks are the measured figures (so its efficiencies are 1), and (format version 2) the op-level rates one rank
+achieves when 1, 2, ... ranks share the machine (`machine`: `MachineRates` keyed by the number of ranks), which
+the op-level predictions (`predict.py`) read. Profiles are JSON files, written atomically,
 read with `json` only; `load_profile()` looks at `$TPKIT_PROFILE`, then `~/.cache/tpkit/profile.json`
 (`$XDG_CACHE_HOME/tpkit/profile.json`), then falls back to the default.
 """
@@ -22,6 +25,9 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 
 from .hardware import Hardware, Interconnect
+from .machine import MachineRates
+
+VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,20 @@ class SpeedProfile:
     links: dict[str, LinkProfile] = field(default_factory=dict)
     hardware: Hardware | None = None
     sources: dict[str, str] = field(default_factory=dict)
+    machine: dict[str, MachineRates] = field(default_factory=dict)  # ranks sharing the machine -> one rank's rates
+
+    def rates(self, ranks: int, hardware: Hardware | None = None, bytes_per_element: int = 2) -> MachineRates:
+        """One rank's rates when `ranks` ranks share the machine: measured (the nearest measured count above, else
+        the largest), or, for a profile not measured op by op, from `hardware`'s datasheet (default the
+        profile's, else H100-SXM) scaled by the profile's fractions."""
+        if self.machine:
+            counts = sorted(int(k) for k in self.machine)
+            return self.machine[str(min((c for c in counts if c >= ranks), default=counts[-1]))]
+        from .hardware import get_hardware
+
+        hw = hardware or self.hardware or get_hardware("H100-SXM")
+        return MachineRates.from_hardware(hw, self.flops_efficiency, self.memory_efficiency,
+                                          self.link(hw.interconnect), ranks, bytes_per_element)
 
     def link(self, interconnect: Interconnect) -> LinkProfile:
         """The calibrated figures for `interconnect`'s kind; the interconnect's own per-hop latency, no fixed
@@ -50,9 +70,10 @@ class SpeedProfile:
         return self.links.get(interconnect.kind, LinkProfile(0.0, interconnect.latency_s, 1.0))
 
     def to_dict(self) -> dict:
-        out = {"format": "tpkit-speed-profile", "version": 1, "name": self.name,
+        out = {"format": "tpkit-speed-profile", "version": VERSION, "name": self.name,
                "memory_efficiency": self.memory_efficiency, "flops_efficiency": self.flops_efficiency,
-               "links": {k: asdict(v) for k, v in self.links.items()}, "sources": dict(self.sources)}
+               "links": {k: asdict(v) for k, v in self.links.items()}, "sources": dict(self.sources),
+               "machine": {k: v.to_dict() for k, v in self.machine.items()}}
         if self.hardware is not None:
             out["hardware"] = {**asdict(self.hardware), "interconnect": asdict(self.hardware.interconnect)}
         return out
@@ -66,8 +87,11 @@ class SpeedProfile:
             links = {k: LinkProfile(**v) for k, v in data.get("links", {}).items()}
             hw = data.get("hardware")
             hardware = Hardware(**{**hw, "interconnect": Interconnect(**hw["interconnect"])}) if hw else None
+            if int(data.get("version", 1)) > VERSION:
+                raise ValueError(f"format version {data['version']} is newer than this tpkit reads ({VERSION})")
+            machine = {str(k): MachineRates.from_dict(v) for k, v in dict(data.get("machine", {})).items()}
             profile = cls(str(data["name"]), float(data["memory_efficiency"]), float(data["flops_efficiency"]),
-                          links, hardware, dict(data.get("sources", {})))
+                          links, hardware, dict(data.get("sources", {})), machine)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: malformed speed profile ({type(exc).__name__}: {exc})") from None
         for what, value in (("memory_efficiency", profile.memory_efficiency),

@@ -36,8 +36,7 @@ import torch
 from torch import nn
 
 from ..convert import parallelize
-from .calls import as_call, meta_copy
-from .presets import build_model
+from .calls import as_call, meta_copy, with_layers
 from .shape_comm import ShapeOnlyCommunicator
 
 
@@ -83,28 +82,6 @@ def _fsdp_rows(rows: int, dp_size: int) -> int:
     return -(-rows // dp_size)
 
 
-def _with_layers(config, layers: int):
-    """A copy of an HF config with `layers` transformer layers (per-layer type lists cut to match)."""
-    cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = layers
-    for name in ("layer_types", "block_types"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, (list, tuple)) and len(value) >= layers:
-            setattr(cfg, name, type(value)(value[:layers]))
-    return cfg
-
-
-def _build(config, model_cls, layers: int, dtype: torch.dtype, attention: str | None) -> nn.Module:
-    cfg = _with_layers(config, layers)
-    if attention is not None:
-        cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
-    if model_cls is None:
-        return build_model(cfg, device="meta", dtype=dtype)
-    with torch.device("meta"):
-        model = model_cls(cfg)
-    return model.to(dtype)
-
-
 def _fake_inputs(model: nn.Module, batch: int, seq: int, example) -> tuple[tuple, dict]:
     """The forward's arguments as fake tensors (call inside the fake mode): the example's shapes and dtypes,
     else token ids (and labels when the forward takes them, so the loss counts)."""
@@ -131,8 +108,9 @@ def _meta_example(example):
     return {k: meta(v) for k, v in kwargs.items()} if kwargs else tuple(meta(a) for a in args)
 
 
-def saved_bytes(model: nn.Module, args=(), kwargs=None) -> int:
-    """Bytes `model(*args, **kwargs)` saves for backward: distinct storages, parameters and buffers excluded.
+def saved_bytes(model: nn.Module, args=(), kwargs=None, outputs: list | None = None) -> int:
+    """Bytes `model(*args, **kwargs)` saves for backward: distinct storages, parameters and buffers excluded
+    (the forward's output is appended to `outputs` when given, for a backward after).
 
     The measurement itself (the tests run it on real tensors, the estimate on fake ones)."""
     skip = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -148,7 +126,9 @@ def saved_bytes(model: nn.Module, args=(), kwargs=None) -> int:
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model(*args, **(kwargs or {}))
+        out = model(*args, **(kwargs or {}))
+    if outputs is not None:
+        outputs.append(out)
     return sum(seen.values())
 
 
@@ -185,7 +165,7 @@ def trace_rank(model_or_config, world_size: int, rank: int, dtype: torch.dtype, 
     if isinstance(layers, int) and layers >= 2 and hasattr(config, "model_type") and not whole:
         model_cls = type(model_or_config) if isinstance(model_or_config, nn.Module) else None
         for n in (1, 2):
-            model = _build(config, model_cls, n, dtype, attention)
+            model = with_layers(config, model_cls, n, dtype, attention)
             results.append(_trace_one(model, rank, world_size, sequence_parallel, batch_size, seq_len,
                                       example_input))
         counted = (1, 2)
@@ -194,7 +174,7 @@ def trace_rank(model_or_config, world_size: int, rank: int, dtype: torch.dtype, 
             raise TypeError(f"trace_rank needs an nn.Module or a Hugging Face config with num_hidden_layers >= 2, "
                             f"got {type(model_or_config).__name__}")
         model = (meta_copy(model_or_config) if isinstance(model_or_config, nn.Module)
-                 else _build(config, None, layers, dtype, attention))
+                 else with_layers(config, None, layers, dtype, attention))
         model = model.to(dtype) if dtype is not None else model
         results = [_trace_one(model, rank, world_size, sequence_parallel, batch_size, seq_len, example_input)] * 2
         counted, layers = (0, 0), 0

@@ -1,0 +1,190 @@
+"""What one rank achieves on the machine at hand, measured with as many ranks running at once as the setup will
+have (they share cores, caches and memory bandwidth), as the op-level cost model (`predict.py`) reads it:
+
+* `op_overhead_s` / `train_op_overhead_s`: the fixed cost of one aten op as a real model pays it (dispatch and
+  the framework's Python around it). Measured on a small reference model whose kernels cost next to nothing:
+  its measured step time, less its kernels' time, divided by the ops its traced step counts (forward-only
+  steps, and training steps whose backward and optimizer ops cost less Python each);
+* `gemm`: matmul FLOP/s by the number of rows `m` (m x 1024 x 1024; a decode's m is the batch, a training
+  step's the batch x sequence);
+* `stream_bandwidth`: bytes/s reading weights that do not fit the caches (matrix-vector products over a set of
+  matrices larger than the last-level cache: what a decode step does); `copy_bandwidth`: bytes/s of
+  elementwise work (read + write);
+* `collectives`: for each kind (all_reduce, all_gather, reduce_scatter) and group size, a latency and a
+  bandwidth fitted to calls through tpkit's own communicator (its checks, its transport) at several sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Mapping
+
+import torch
+
+GEMM_ROWS = (1, 4, 16, 64, 256, 1024)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+    """time(n) = latency + n / bandwidth, n the bytes of one rank's input."""
+
+    latency_s: float
+    bandwidth: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineRates:
+    """One rank's rates when `ranks` ranks run on this machine at once, `threads` threads each (see the module
+    docstring); `collectives` keyed by kind, then by group size (as a string, for JSON)."""
+
+    ranks: int
+    threads: int
+    op_overhead_s: float
+    train_op_overhead_s: float
+    gemm: tuple[tuple[int, float], ...]
+    stream_bandwidth: float
+    copy_bandwidth: float
+    collectives: Mapping[str, Mapping[str, CollectiveCost]] = dataclasses.field(default_factory=dict)
+
+    def flops_rate(self, m: int) -> float:
+        """Matmul FLOP/s with `m` rows (log-linear between the measured rows, flat beyond them)."""
+        pts = sorted(self.gemm)
+        if m <= pts[0][0]:
+            return pts[0][1]
+        for (m0, f0), (m1, f1) in zip(pts, pts[1:]):
+            if m <= m1:
+                w = (math.log(m) - math.log(m0)) / (math.log(m1) - math.log(m0))
+                return math.exp((1 - w) * math.log(f0) + w * math.log(f1))
+        return pts[-1][1]
+
+    def collective(self, kind: str, group: int) -> CollectiveCost:
+        """The measured cost of `kind` over `group` ranks (the largest measured group when `group` is larger)."""
+        if group <= 1:
+            return CollectiveCost(0.0, math.inf)
+        per = self.collectives.get(kind) or self.collectives.get("all_reduce") or {}
+        if not per:
+            raise ValueError(f"the machine profile for {self.ranks} ranks has no collective figures; calibrate with "
+                             f"world sizes >= 2")
+        sizes = sorted(int(g) for g in per)
+        return per[str(min((g for g in sizes if g >= group), default=sizes[-1]))]
+
+    @classmethod
+    def from_hardware(cls, hw, flops_efficiency: float, memory_efficiency: float, link, ranks: int,
+                      bytes_per_element: int = 2) -> "MachineRates":
+        """Rates from a datasheet (`hardware.Hardware`) and a profile's achieved fractions (`profile.LinkProfile`
+        for its link), for a machine measured nowhere: matmuls at the fraction of peak, weights and elementwise
+        work at the fraction of HBM bandwidth, no fixed cost per op (a GPU queues its kernels ahead; captured or
+        compiled decoding pays none), ring collectives with the link's fixed cost, hop latency and bandwidth."""
+        peak = hw.peak_flops(bytes_per_element) * flops_efficiency
+        hbm = hw.memory_bandwidth * memory_efficiency
+        link_bw = hw.interconnect.bandwidth * link.bandwidth_efficiency
+        collectives: dict[str, dict[str, CollectiveCost]] = {k: {} for k in COLLECTIVES}
+        for g in range(2, max(ranks, 2) + 1):
+            hops = g - 1
+            collectives["all_reduce"][str(g)] = CollectiveCost(link.collective_latency_s + 2 * hops * link.hop_latency_s,
+                                                               link_bw * g / (2 * hops))
+            collectives["all_gather"][str(g)] = CollectiveCost(link.collective_latency_s + hops * link.hop_latency_s,
+                                                               link_bw / hops)
+            collectives["reduce_scatter"][str(g)] = CollectiveCost(
+                link.collective_latency_s + hops * link.hop_latency_s, link_bw * g / hops)
+        return cls(ranks, 0, 0.0, 0.0, ((1, peak), (1024, peak)), hbm, hbm, collectives)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["gemm"] = [list(p) for p in self.gemm]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "MachineRates":
+        collectives = {k: {g: CollectiveCost(**c) for g, c in per.items()}
+                       for k, per in dict(data.get("collectives", {})).items()}
+        return cls(int(data["ranks"]), int(data["threads"]), float(data["op_overhead_s"]),
+                   float(data["train_op_overhead_s"]), tuple((int(m), float(f)) for m, f in data["gemm"]),
+                   float(data["stream_bandwidth"]), float(data["copy_bandwidth"]), collectives)
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _median(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5) -> tuple[tuple[int, float], ...]:
+    """(m, FLOP/s) of fp32 `m x n` by `n x n` matmuls; the weights rotate through a set larger than the caches
+    for small m (each product streams its matrix, as in a model), so memory-bound rows read as what they are."""
+    out = []
+    for m in rows:
+        count = max(1, min(16, (64 << 20) // (n * n * 4))) if m < 64 else 1
+        ws = [torch.randn(n, n) for _ in range(count)]
+        x = torch.randn(m, n)
+        seconds = _best(lambda: [torch.mm(x, w) for w in ws], repeats) / count
+        out.append((m, 2.0 * m * n * n / seconds))
+    return tuple(out)
+
+
+def measure_stream_bandwidth(n: int = 1024, total: int = 128 << 20, repeats: int = 5) -> float:
+    """Bytes/s of weights read by matrix-vector products over a set of matrices larger than the caches."""
+    ws = [torch.randn(n, n) for _ in range(max(1, total // (n * n * 4)))]
+    x = torch.randn(1, n)
+    return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w.t()) for w in ws], repeats)
+
+
+def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Bytes/s of an elementwise op over a large tensor (read + write counted, as the op trace counts them)."""
+    a = torch.ones(nbytes // 4)
+    b = torch.empty_like(a)
+    return 2 * nbytes / _best(lambda: torch.mul(a, 1.0, out=b), repeats)
+
+
+def fit_collective(points: list[tuple[int, float]]) -> CollectiveCost:
+    """time = latency + bytes / bandwidth fitted to (bytes, seconds) points by least squares of the relative error
+    (weights 1 / seconds^2), so the small messages a decode step sends count as much as the large ones."""
+    w = [1.0 / max(s, 1e-12) ** 2 for _, s in points]
+    x = [float(b) for b, _ in points]
+    y = [s for _, s in points]
+    sw, sx, sy = sum(w), sum(wi * xi for wi, xi in zip(w, x)), sum(wi * yi for wi, yi in zip(w, y))
+    sxx = sum(wi * xi * xi for wi, xi in zip(w, x))
+    sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    slope = max(slope, 1e-15)
+    latency = max((sy - slope * sx) / sw, 0.0)
+    return CollectiveCost(latency, 1.0 / slope)
+
+
+def measure_collectives(comm, sizes=(2 ** 10, 2 ** 14, 2 ** 18, 2 ** 21, 2 ** 23),
+                        repeats: int = 7) -> dict[str, CollectiveCost]:
+    """On every rank of `comm` (call on all): each collective kind fitted over `sizes` bytes of fp32 input,
+    timed through the communicator's own methods, a barrier before each size; the slowest rank's medians."""
+    out = {}
+    for kind in COLLECTIVES:
+        points = []
+        for nbytes in sizes:
+            x = torch.ones(max(comm.world_size, nbytes // 4 // comm.world_size * comm.world_size))
+            call = {"all_reduce": lambda: comm.all_reduce(x), "all_gather": lambda: comm.all_gather(x),
+                    "reduce_scatter": lambda: comm.reduce_scatter(x)}[kind]
+            comm.barrier()
+            seconds = _median(call, repeats)
+            worst = comm.all_reduce(torch.tensor([seconds], dtype=torch.float64), "max")
+            points.append((x.numel() * 4, float(worst[0])))
+        out[kind] = fit_collective(points)
+    return out

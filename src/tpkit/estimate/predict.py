@@ -1,0 +1,257 @@
+"""Time and memory of one setup on the machine at hand, from the plan the converter makes for it.
+
+A `Setup` is how a model runs on `tp x dp` devices: the tensor-parallel size, data parallelism (DDP or FSDP2)
+over the rest, sequence parallelism, recompute, and the architecture families' alternatives (attention split by
+heads or whole, the LM head vocab-parallel or replicated, experts TP or EP). `predict` converts a weightless copy
+of the model for rank 0 with that setup's plan (`convert.planner.propose` with the setup's choices), traces one
+step op by op (`ops.trace_step`) and prices it with the measured rates of `tp x dp` ranks sharing the machine
+(`machine.MachineRates`):
+
+    step = sum over ops (fixed cost per op + max(FLOPs / matmul rate at its rows, bytes / bandwidth))
+         + every tensor-parallel collective (measured latency + bytes / bandwidth at its group size)
+         + data parallelism's collectives (DDP: gradients all-reduced in 25 MB buckets; FSDP2: each block's
+           parameters all-gathered in the forward and again in the backward, its gradients reduce-scattered)
+
+Nothing overlaps: an eager step on a CPU does its ops one after another. Recompute adds the forward ops again
+(full) or the attention's (selective). A config with more than two layers is traced with one and two layers
+and extrapolated linearly (the layers are identical).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..convert.planner import propose
+from ..convert.trace import analyze_structure
+from .calls import meta_copy, with_layers
+from .config import own_dtype
+from .machine import MachineRates
+from .ops import GOALS, StepTrace, trace_step
+from .profile import SpeedProfile, load_profile
+
+DP_MODES = ("ddp", "fsdp", "replicas")  # replicas: inference copies that each take a share of the batch
+RECOMPUTE = ("none", "selective", "full")
+DDP_BUCKET = 25 * 2 ** 20
+ATTENTION_CORE = ("_scaled_dot_product", "softmax", "_softmax", "bmm", "baddbmm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """How a model runs on `tp x dp` devices (see the module docstring). `choices`: (family, alternative) taken
+    for every proposal of that family that offers it, e.g. ("attention", "whole")."""
+
+    tp: int
+    dp: int = 1
+    dp_mode: str | None = None
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    choices: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"Setup: tp and dp must be >= 1, got tp={self.tp}, dp={self.dp}")
+        if self.dp > 1 and self.dp_mode not in DP_MODES:
+            raise ValueError(f"Setup: dp={self.dp} needs dp_mode in {DP_MODES}, got {self.dp_mode!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Setup: recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.dp
+
+    def choose(self) -> dict[str, str]:
+        return dict(self.choices)
+
+    def label(self) -> str:
+        parts = [f"tp{self.tp}"] + ([f"dp{self.dp} {self.dp_mode}"] if self.dp > 1 else [])
+        parts += ["sp"] if self.sequence_parallel else []
+        parts += [f"recompute {self.recompute}"] if self.recompute != "none" else []
+        parts += [f"{family} {label}" for family, label in self.choices]
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "choices": dict(self.choices)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """One setup's predicted time per step (train, prefill) or per token (decode), its parts, and the memory
+    one device holds."""
+
+    setup: Setup
+    goal: str
+    seconds: float
+    kernels_s: float
+    overhead_s: float
+    tp_communication_s: float
+    dp_communication_s: float
+    memory_bytes: float
+    ops: int
+    collectives: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "setup": self.setup.to_dict()}
+
+
+def kernel_seconds(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...] | None = None,
+                   names: tuple[str, ...] | None = None) -> float:
+    """What the step's kernels take at `rates` (matmuls: FLOPs or streamed bytes, whichever is slower; other ops:
+    their bytes), with no fixed cost; only ops of `phases` / whose name starts with one of `names` when given."""
+    total = 0.0
+    for op in _ops(trace, phases, names):
+        if op.view:
+            continue
+        if op.mnk is not None or op.flops:
+            m = op.mnk[0] if op.mnk is not None else 1024
+            total += max(op.flops / rates.flops_rate(m), op.nbytes / rates.stream_bandwidth)
+        else:
+            total += op.nbytes / rates.copy_bandwidth
+    return total
+
+
+def _ops(trace: StepTrace, phases, names):
+    return [o for o in trace.ops if (phases is None or o.phase in phases)
+            and (names is None or o.name.startswith(names))]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Priced:
+    kernels: float
+    overhead: float
+    comm: float
+    ops: int
+    collectives: int
+
+
+def price(trace: StepTrace, rates: MachineRates, recompute: str = "none") -> _Priced:
+    """The step's kernels, fixed costs and tensor-parallel collectives at `rates` (recompute re-runs forward
+    ops in the backward)."""
+    per_op = rates.train_op_overhead_s if trace.goal == "train" else rates.op_overhead_s
+    kernels, n = kernel_seconds(trace, rates), len(trace.ops)
+    if trace.goal == "train" and recompute != "none":
+        names = None if recompute == "full" else ATTENTION_CORE
+        again = _ops(trace, ("forward",), names)
+        kernels += kernel_seconds(trace, rates, ("forward",), names)
+        n += len(again)
+    comm = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) for c in trace.collectives)
+    return _Priced(kernels, n * per_op, comm, n, len(trace.collectives))
+
+
+def _models(model_or_config, dtype: torch.dtype | None = None) -> tuple[list[tuple[int, nn.Module]], int]:
+    """Weightless models to trace, with their layer counts, and the layer count to extrapolate to (a config in
+    `dtype`, default bfloat16 as the other estimates; a module keeps its own unless `dtype` says otherwise)."""
+    config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config, "config",
+                                                                                        None)
+    layers = getattr(config, "num_hidden_layers", None) if config is not None else None
+    cls = type(model_or_config) if isinstance(model_or_config, nn.Module) else None
+    dtype = dtype or own_dtype(model_or_config)
+    if isinstance(layers, int) and layers > 2 and hasattr(config, "model_type"):
+        return [(n, with_layers(config, cls, n, dtype)) for n in (1, 2)], layers
+    if isinstance(model_or_config, nn.Module):
+        return [(0, meta_copy(model_or_config).to(dtype))], 0
+    if config is not None and hasattr(config, "model_type"):
+        return [(layers or 0, with_layers(config, None, layers, dtype))], layers or 0
+    raise TypeError(f"predict needs an nn.Module or a Hugging Face config, got {type(model_or_config).__name__}")
+
+
+def plan_for(model: nn.Module, setup: Setup, goal: str, example=None):
+    """The plan the converter makes for `model` (weightless) under `setup` (its families' choices)."""
+    mode = "training" if goal == "train" else "inference"
+    return propose(analyze_structure(model, example), setup.tp, mode, setup.choose())[0]
+
+
+def _trace(model: nn.Module, setup: Setup, goal: str, batch: int, seq: int, example) -> StepTrace:
+    plan = plan_for(model, setup, goal, example) if setup.tp > 1 else "auto"
+    return trace_step(model, goal, setup.tp, 0, batch, seq, plan=plan,
+                      sequence_parallel=setup.sequence_parallel, meta_example=example)
+
+
+def _extrapolate(values: list[tuple[int, float]], layers: int) -> float:
+    if len(values) == 1:
+        return values[0][1]
+    (l0, a), (l1, b) = values
+    return a + (layers - l0) * (b - a) / (l1 - l0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """The traced steps of one conversion (one or two layer counts), reusable by setups that differ only in
+    DP mode or recompute."""
+
+    rows: tuple[tuple[int, StepTrace], ...]
+    layers: int
+    model: nn.Module
+
+
+def trace_setup(model_or_config, setup: Setup, goal: str, batch_size: int, seq_len: int, example=None,
+                dtype: torch.dtype | None = None) -> Traced:
+    """Trace rank 0's step under `setup` (its local batch: the batch shared out over dp)."""
+    if goal not in GOALS:
+        raise ValueError(f"predict: goal must be one of {GOALS}, got {goal!r}")
+    local = -(-batch_size // setup.dp)
+    models, layers = _models(model_or_config, dtype)
+    rows = tuple((n, _trace(model, setup, goal, local, seq_len, example)) for n, model in models)
+    return Traced(rows, layers, models[0][1])
+
+
+def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int = 1, seq_len: int = 128,
+            profile: SpeedProfile | str | None = None, ranks: int | None = None, example=None,
+            traced: Traced | None = None, dtype: torch.dtype | None = None) -> Prediction:
+    """Time and memory of `setup` for `goal` on this machine (see the module docstring). `profile`: a measured
+    profile (`tpkit estimate --calibrate`); `ranks`: how many ranks share the machine (default: the setup's
+    devices); `example`: a meta-device example input for a module without a config; `traced`: the step traced
+    for an equivalent setup (`trace_setup`); `dtype`: the weights' (default: a config's bfloat16, a module's
+    own)."""
+    profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
+    traced = traced or trace_setup(model_or_config, setup, goal, batch_size, seq_len, example, dtype)
+    item = next((p.element_size() for p in traced.model.parameters()), 2)
+    rates = profile.rates(ranks or setup.devices, bytes_per_element=item)
+    rows = [(n, t, price(t, rates, setup.recompute)) for n, t in traced.rows]
+    layers = traced.layers
+
+    def ex(f) -> float:
+        return _extrapolate([(n, f(t, p)) for n, t, p in rows], layers)
+    kernels, overhead = ex(lambda t, p: p.kernels), ex(lambda t, p: p.overhead)
+    tp_comm, params = ex(lambda t, p: p.comm), ex(lambda t, p: t.parameter_bytes)
+    dp_comm = _dp_seconds(setup, goal, params, layers or 1, rates)
+    memory = _memory(setup, goal, params, ex(lambda t, p: t.saved_bytes), ex(lambda t, p: t.cache_bytes),
+                     traced.model, layers or 1, -(-batch_size // setup.dp), seq_len)
+    return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm, kernels, overhead, tp_comm, dp_comm,
+                      memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))))
+
+
+def _dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:
+    """Data parallelism's collectives per training step (none for inference: replicas work alone)."""
+    if setup.dp == 1 or goal != "train":
+        return 0.0
+    if setup.dp_mode == "ddp":
+        buckets = max(1, math.ceil(param_bytes / DDP_BUCKET))
+        return buckets * rates.collective("all_reduce", setup.dp).seconds(param_bytes / buckets)
+    blocks = layers + 1  # every block, then the root
+    shard = param_bytes / setup.dp / blocks
+    gather = rates.collective("all_gather", setup.dp).seconds(shard)
+    scatter = rates.collective("reduce_scatter", setup.dp).seconds(param_bytes / blocks)
+    return blocks * (2 * gather + scatter)
+
+
+def _memory(setup: Setup, goal: str, params: float, saved: float, cache: float, model: nn.Module, layers: int,
+            batch: int, seq: int) -> float:
+    """Bytes one device holds: weights; training adds gradients, AdamW's two fp32 states per parameter and
+    the activations (recompute keeps a block's input instead); decode the KV cache."""
+    if goal != "train":
+        return params + cache
+    item = next((p.element_size() for p in model.parameters()), 4)
+    states = params + params + params / item * 8
+    if setup.dp_mode == "fsdp" and setup.dp > 1:
+        states = states / setup.dp + 2 * params / max(layers, 1)  # a block's full parameters and gradients
+    elif setup.dp > 1:
+        states += 2 * min(params, DDP_BUCKET)
+    if setup.recompute == "full":
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None) or 0
+        tokens = batch * seq // (setup.tp if setup.sequence_parallel else 1)
+        saved = min(saved, layers * tokens * hidden * item + saved / max(layers, 1))
+    return states + saved

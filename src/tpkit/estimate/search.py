@@ -1,0 +1,241 @@
+"""The setup search: for a model, a device count and a goal, every way to run it that tpkit can build, priced on
+the machine at hand, the ones that do not fit memory dropped, the rest ranked by predicted time.
+
+Candidates (`candidates`): every tensor-parallel size dividing the devices, data parallelism over the rest
+(DDP or FSDP2 for training; independent replicas for inference, each taking its share of the batch), sequence
+parallelism and recompute (training), and each architecture family's alternatives as its proposals offer them
+(attention split by heads or whole, MLP pairs split or whole, the LM head vocab-parallel or replicated, experts
+TP, EP or whole): one family's alternative at a time over the defaults, so the count stays linear in the
+alternatives. Each is predicted by `predict.predict` (one traced step per distinct conversion, reused for the
+setups that only differ in DP mode or recompute). With `measure=K` the top K run for a few steps on real ranks
+(the runner `tpkit.search` passes in) and the measured best is picked, as DeepSpeed's autotuner does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..convert.errors import PlanError
+from ..convert.planner import propose
+from ..convert.trace import analyze_structure
+from ..tables import Column, format_bytes, render_table, wrap_text
+from .calls import meta_copy, with_layers
+from .predict import Prediction, Setup, predict, trace_setup
+from .profile import SpeedProfile, load_profile
+
+GOALS = ("decode", "prefill", "train")
+Runner = Callable[[Any, Setup, str, int, int], float]  # (model, setup, goal, batch, seq) -> measured seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One setup: its prediction, whether it fits the memory cap, and its measured time when it was run."""
+
+    prediction: Prediction
+    fits: bool
+    measured_s: float | None = None
+
+    @property
+    def setup(self) -> Setup:
+        return self.prediction.setup
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """Every candidate, best first (fitting ones by measured time when measured, else predicted)."""
+
+    goal: str
+    devices: int
+    batch_size: int
+    seq_len: int
+    memory_per_device: float | None
+    candidates: tuple[Candidate, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    @property
+    def fitting(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.fits]
+
+    @property
+    def table(self) -> str:
+        return self.summary()
+
+    def summary(self, width: int | None = None) -> str:
+        """The candidates as a table (fitted to `width` columns; None: natural width)."""
+        unit = "ms/token" if self.goal == "decode" else "ms/step"
+        measured = any(c.measured_s is not None for c in self.candidates)
+        columns = [Column("#"), Column("setup", "left", wrap="words"), Column(f"predicted {unit}"),
+                   *([Column(f"measured {unit}")] if measured else []), Column("memory/device"),
+                   Column("kernels", drop=3), Column("op overhead", drop=2), Column("comm", drop=1),
+                   Column("fits", "left")]
+        rows = []
+        for i, c in enumerate(self.candidates, 1):
+            p = c.prediction
+            rows.append([str(i), c.setup.label(), f"{p.seconds * 1e3:.2f}",
+                         *([f"{c.measured_s * 1e3:.2f}" if c.measured_s is not None else ""] if measured else []),
+                         format_bytes(p.memory_bytes), f"{p.kernels_s * 1e3:.2f}", f"{p.overhead_s * 1e3:.2f}",
+                         f"{(p.tp_communication_s + p.dp_communication_s) * 1e3:.2f}", "yes" if c.fits else "no"])
+        cap = format_bytes(self.memory_per_device) if self.memory_per_device else "no cap"
+        title = (f"setups for {self.goal} on {self.devices} devices (batch {self.batch_size}, seq {self.seq_len}, "
+                 f"memory {cap})")
+        return render_table(title, columns, rows, width)
+
+    def explain(self, width: int | None = None) -> str:
+        """Why the best setup won: its time's parts, what the runner-up and the dropped setups cost."""
+        b = self.best
+        p = b.prediction
+        lines = [f"best: {b.setup.label()}: {p.seconds * 1e3:.2f} ms predicted"
+                 + (f", {b.measured_s * 1e3:.2f} ms measured" if b.measured_s is not None else "")
+                 + f" ({p.kernels_s * 1e3:.2f} ms kernels, {p.overhead_s * 1e3:.2f} ms fixed cost of {p.ops} ops, "
+                   f"{(p.tp_communication_s + p.dp_communication_s) * 1e3:.2f} ms in {p.collectives} tensor-parallel "
+                   f"collectives and data parallelism); {format_bytes(p.memory_bytes)} per device"]
+        if len(self.fitting) > 1:
+            r = self.fitting[1]
+            lines.append(f"runner-up: {r.setup.label()}: {r.prediction.seconds * 1e3:.2f} ms "
+                         f"({r.prediction.seconds / max(p.seconds, 1e-12):.2f}x)")
+        dropped = [c for c in self.candidates if not c.fits]
+        if dropped:
+            lines.append(f"{len(dropped)} setups do not fit {format_bytes(self.memory_per_device)} per device; the "
+                         f"smallest of them needs {format_bytes(min(c.prediction.memory_bytes for c in dropped))}")
+        lines += list(self.notes)
+        return "\n".join(wrap_text(line, width, "", "  ") for line in lines)
+
+    def plan(self, model, candidate: Candidate | None = None):
+        """The plan to pass `parallelize` / `from_pretrained` for `candidate` (default the best) on `model`."""
+        c = candidate or self.best
+        mode = "training" if self.goal == "train" else "inference"
+        return propose(analyze_structure(model), c.setup.tp, mode, c.setup.choose())[0]
+
+    def plot(self, path: str) -> str:
+        """A picture of the candidates: predicted time against memory per device (matplotlib); returns `path`."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for c in self.candidates:
+            ax.scatter(c.prediction.memory_bytes / 2 ** 20, c.prediction.seconds * 1e3,
+                       color="tab:blue" if c.fits else "tab:gray", marker="o" if c.fits else "x")
+        best = self.best.prediction
+        ax.scatter(best.memory_bytes / 2 ** 20, best.seconds * 1e3, s=160, facecolors="none", edgecolors="tab:red",
+                   label=f"best: {self.best.setup.label()}")
+        if self.memory_per_device:
+            ax.axvline(self.memory_per_device / 2 ** 20, color="tab:red", linestyle="--", label="memory cap")
+        ax.set_xlabel("memory per device (MiB)")
+        ax.set_ylabel("predicted " + ("ms/token" if self.goal == "decode" else "ms/step"))
+        ax.set_title(f"{self.goal} on {self.devices} devices")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"goal": self.goal, "devices": self.devices, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                "memory_per_device": self.memory_per_device, "notes": list(self.notes),
+                "candidates": [{**c.prediction.to_dict(), "fits": c.fits, "measured_s": c.measured_s}
+                               for c in self.candidates]}
+
+
+def family_alternatives(model, tp: int, goal: str) -> list[tuple[str, str]]:
+    """(family, alternative) pairs a plan at `tp` offers besides the defaults (one entry per pair)."""
+    mode = "training" if goal == "train" else "inference"
+    _, proposals = propose(analyze_structure(model), tp, mode)
+    out: list[tuple[str, str]] = []
+    for p in proposals:
+        if p.family == "sequence_parallel":
+            continue  # a setup option of its own
+        for c in p.choices[1:]:
+            if (p.family, c.label) not in out:
+                out.append((p.family, c.label))
+    return out
+
+
+def candidates(model, devices: int, goal: str) -> list[Setup]:
+    """Every setup tpkit can build for `goal` on `devices` devices (see the module docstring)."""
+    out = []
+    for tp in [t for t in range(1, devices + 1) if devices % t == 0]:
+        dp = devices // tp
+        modes = ([None] if dp == 1 else ["ddp", "fsdp"] if goal == "train" else ["replicas"])
+        alternatives = [()] + [((f, label),) for f, label in (family_alternatives(model, tp, goal) if tp > 1 else [])]
+        for mode in modes:
+            for sp in ([False, True] if goal == "train" and tp > 1 and mode != "fsdp" else [False]):
+                for recompute in (("none", "selective", "full") if goal == "train" else ("none",)):
+                    out += [Setup(tp, dp, mode, sp, recompute, choice) for choice in alternatives]
+    return out
+
+
+def _check(devices: int, goal: str, batch_size: int, seq_len: int) -> None:
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"search: devices must be a positive int, got {devices!r}")
+    if goal not in GOALS:
+        raise ValueError(f"search: goal must be one of {GOALS}, got {goal!r}")
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"search: batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+
+
+def search(model_or_config, devices: int, goal: str = "decode", memory_per_device: float | None = None,
+           batch_size: int = 1, seq_len: int = 128, profile: SpeedProfile | str | None = None, measure: int = 0,
+           runner: Runner | None = None, dtype: torch.dtype | None = None) -> SearchResult:
+    """Rank every setup of `model_or_config` on `devices` devices for `goal` (see the module docstring).
+
+    `memory_per_device`: bytes (drops setups that need more; ValueError naming the smallest need when none
+    fits); `profile`: a measured speed profile (`tpkit estimate --calibrate`); `measure=K` with a `runner`: run
+    the top K and rank them by measured time."""
+    _check(devices, goal, batch_size, seq_len)
+    profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
+    model = _weightless(model_or_config)
+    traces: dict[tuple, Any] = {}
+    preds, unbuildable = [], {}
+    for s in candidates(model, devices, goal):
+        key = (s.tp, s.dp, s.sequence_parallel, s.choices)  # DP mode and recompute price the same trace
+        if key not in traces:
+            try:
+                traces[key] = trace_setup(model_or_config, s, goal, batch_size, seq_len, dtype=dtype)
+            except PlanError as exc:  # e.g. sequence parallelism around attention kept whole
+                traces[key] = None
+                unbuildable[s.label()] = str(exc)
+        if traces[key] is not None:
+            preds.append(predict(model_or_config, s, goal, batch_size, seq_len, profile, traced=traces[key]))
+    fits = [memory_per_device is None or p.memory_bytes <= memory_per_device for p in preds]
+    if not any(fits):
+        smallest = min(preds, key=lambda p: p.memory_bytes)
+        raise ValueError(f"search: no setup fits {format_bytes(memory_per_device)} per device; the smallest, "
+                         f"{smallest.setup.label()}, needs {format_bytes(smallest.memory_bytes)} for {goal} at batch "
+                         f"{batch_size} x seq {seq_len}: raise the cap, add devices or shrink the batch")
+    ranked = sorted((Candidate(p, f) for p, f in zip(preds, fits)), key=lambda c: (not c.fits, c.prediction.seconds))
+    notes = [f"predicted with profile {profile.name!r} ("
+             + (f"measured op by op, {devices} ranks sharing the machine)" if profile.machine else
+                "no op-level calibration: datasheet peaks scaled by the profile; `tpkit estimate --calibrate` on the "
+                "machine that will run it measures it)")]
+    notes += [f"cannot be built: {label}: {why}" for label, why in unbuildable.items()]
+    if measure:
+        if runner is None:
+            raise ValueError("search: measure=K runs setups on real ranks; call tpkit.search, which provides them")
+        ranked = _measured(ranked, measure, runner, model_or_config, goal, batch_size, seq_len)
+        notes.append(f"the top {measure} were run on {devices} ranks and ranked by their measured time")
+    return SearchResult(goal, devices, batch_size, seq_len, memory_per_device, tuple(ranked), tuple(notes))
+
+
+def _measured(ranked: list[Candidate], k: int, runner: Runner, model, goal: str, batch: int,
+              seq: int) -> list[Candidate]:
+    top = [dataclasses.replace(c, measured_s=runner(model, c.setup, goal, batch, seq)) for c in ranked if c.fits][:k]
+    top.sort(key=lambda c: c.measured_s)
+    chosen = {id(c.prediction) for c in top}
+    return top + [c for c in ranked if id(c.prediction) not in chosen]
+
+
+def _weightless(model_or_config) -> nn.Module:
+    """A model to read the families' alternatives from (a config is built on the meta device, two layers)."""
+    if isinstance(model_or_config, nn.Module):
+        return meta_copy(model_or_config)
+    layers = min(2, getattr(model_or_config, "num_hidden_layers", 2) or 2)
+    return with_layers(model_or_config, None, layers, torch.float32)

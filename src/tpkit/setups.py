@@ -1,0 +1,131 @@
+"""Setups run for real: `run_setup` times a few steps of one setup on local ranks, and `search` is the setup
+search with that runner, so `measure=K` ranks the top K by what they really take.
+
+This module sits above `tpkit.estimate` (with `data_parallel` and `recompute`) because a real run builds what
+the estimate only prices: the converted model, recompute, DDP or FSDP2 over the data-parallel group.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm.groups import split
+from .convert import parallelize
+from .convert.analyze import parse_bytes
+from .convert.planner import propose
+from .convert.trace import analyze_structure
+from .data_parallel import data_parallel
+from .distributed import get_communicator
+from .estimate.predict import Setup
+from .estimate.search import SearchResult
+from .estimate.search import search as rank_setups
+from .launch import launch
+from .nn import sync_sequence_parallel_grads
+from .recompute import recompute
+
+
+def _build(model_or_config, dtype: torch.dtype | None) -> nn.Module:
+    """A model to run: a copy of the module, or the config's model with weights from a fixed seed (float32
+    unless `dtype` says otherwise: the CPU's own type)."""
+    if isinstance(model_or_config, nn.Module):
+        model = copy.deepcopy(model_or_config)
+        return model.to(dtype) if dtype is not None else model
+    import transformers as tr
+
+    torch.manual_seed(0)
+    return tr.AutoModelForCausalLM.from_config(model_or_config).to(dtype or torch.float32)
+
+
+def _convert(model: nn.Module, setup: Setup, goal: str, comm):
+    """`model` converted, recomputed and wrapped for this rank under `setup`; (model, tp communicator)."""
+    tp, dp = split(comm, setup.tp) if setup.dp > 1 else (comm, None)
+    mode = "training" if goal == "train" else "inference"
+    if setup.tp > 1:
+        plan = propose(analyze_structure(model), setup.tp, mode, setup.choose())[0]
+        model = parallelize(model, plan, tp, mode=mode, sequence_parallel=setup.sequence_parallel)
+    if goal == "train" and setup.recompute != "none":
+        recompute(model, setup.recompute)
+    if goal == "train" and dp is not None and setup.dp_mode in ("ddp", "fsdp"):
+        model = data_parallel(model, dp, mode=setup.dp_mode)
+    return model, tp
+
+
+def _median_seconds(step, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _rank(model_or_config, setup: Setup, goal: str, batch: int, seq: int, steps: int, threads: int,
+          dtype: torch.dtype | None) -> float:
+    torch.set_num_threads(threads)
+    comm = get_communicator()
+    model, tp = _convert(_build(model_or_config, dtype), setup, goal, comm)
+    local = -(-batch // setup.dp)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 100)
+    ids = torch.randint(3, vocab, (local, seq), generator=torch.Generator().manual_seed(comm.rank // setup.tp))
+    if goal == "train":
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            if setup.sequence_parallel:
+                sync_sequence_parallel_grads(model, tp)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    elif goal == "prefill":
+        model.eval()
+
+        def step():
+            with torch.no_grad():
+                model(input_ids=ids)
+    else:
+        model.eval()
+        with torch.no_grad():
+            cache = model(input_ids=ids, use_cache=True).past_key_values
+
+        def step():
+            with torch.no_grad():
+                model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+            cache.crop(-1)  # back to the context: every step decodes the same position
+    comm.barrier()
+    seconds = _median_seconds(step, 2, steps)
+    return seconds
+
+
+def run_setup(model_or_config, setup: Setup, goal: str, batch_size: int, seq_len: int, steps: int = 5,
+              backend: str = "gloo", threads: int | None = None, dtype: torch.dtype | None = None) -> float:
+    """Median seconds per step (train, prefill) or per token (decode) of `setup`, the slowest rank's, on
+    `setup.devices` local ranks (`threads` each; default the cores shared out over the ranks)."""
+    threads = threads or max(1, (os.cpu_count() or 1) // setup.devices)
+    return max(launch(_rank, setup.devices, backend=backend,
+                      args=(model_or_config, setup, goal, batch_size, seq_len, steps, threads, dtype)))
+
+
+def search(model_or_config, devices: int, goal: str = "decode", memory_per_device: Any = None, batch_size: int = 1,
+           seq_len: int = 128, profile=None, measure: int = 0, steps: int = 5, backend: str = "gloo",
+           dtype: torch.dtype | None = None) -> SearchResult:
+    """The best setup to run `model_or_config` on `devices` devices for `goal` ("decode", "prefill", "train"):
+    every setup tpkit can build (TP size, DDP / FSDP2 / replicas over the rest, sequence parallelism, recompute,
+    each architecture family's alternatives), priced on this machine by a measured profile (`tpkit estimate
+    --calibrate`), those that need more than `memory_per_device` ("80GB", bytes) dropped, the rest ranked; with
+    `measure=K` the top K run `steps` steps on local ranks and the measured best wins. `dtype`: the weights'
+    (default: a config's bfloat16, a module's own). See `SearchResult`."""
+    memory = parse_bytes(memory_per_device) if memory_per_device is not None else None
+
+    def runner(model, setup: Setup, goal_: str, batch: int, seq: int) -> float:
+        return run_setup(model, setup, goal_, batch, seq, steps, backend, dtype=dtype)
+    return rank_setups(model_or_config, devices, goal, memory, batch_size, seq_len, profile, measure,
+                       runner if measure else None, dtype)

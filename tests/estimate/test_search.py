@@ -1,0 +1,159 @@
+"""The setup search: op-level traces of converted models, predictions from measured rates, candidates covering
+every family's alternatives, memory caps, measuring the top K, and bad input."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers as tr  # noqa: E402
+
+import tpkit  # noqa: E402
+from tpkit.estimate.machine import CollectiveCost, MachineRates, fit_collective  # noqa: E402
+from tpkit.estimate.ops import trace_step  # noqa: E402
+from tpkit.estimate.predict import Setup, predict  # noqa: E402
+from tpkit.estimate.profile import SpeedProfile, load_profile, save_profile  # noqa: E402
+from tpkit.estimate.search import candidates, search  # noqa: E402
+
+GEMM = ((1, 9e9), (16, 30e9), (256, 80e9), (1024, 70e9))
+COLL = {k: {"2": CollectiveCost(40e-6, 4e9), "3": CollectiveCost(50e-6, 3e9)}
+        for k in ("all_reduce", "all_gather", "reduce_scatter")}
+PROFILE = SpeedProfile("synthetic", 1.0, 1.0, machine={
+    str(n): MachineRates(n, 1, 4e-6, 3e-6, GEMM, 9e9, 20e9, COLL if n > 1 else {}) for n in (1, 2, 3)})
+
+
+def llama(layers: int = 2, **over) -> tr.LlamaConfig:
+    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=4, max_position_embeddings=128)
+    return tr.LlamaConfig(**{**kw, **over})
+
+
+def tiny_model(layers: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tr.LlamaForCausalLM(llama(layers)).float()
+
+
+def test_the_op_trace_counts_what_the_plan_adds():
+    """Decode at TP2: two all-reduces per layer, the embedding's, the logits' gather; half the matmul FLOPs."""
+    model = tiny_model()
+    one = trace_step(model, "decode", 1, 0, batch=1, seq=16)
+    two = trace_step(model, "decode", 2, 0, batch=1, seq=16)
+    kinds = [c.kind for c in two.collectives]
+    assert one.collectives == () and kinds.count("all_reduce") == 2 * 2 + 1 and kinds.count("all_gather") == 1
+    flops = [sum(o.flops for o in t.ops) for t in (one, two)]
+    assert flops[1] == pytest.approx(flops[0] / 2, rel=0.05)
+    assert two.parameter_bytes < one.parameter_bytes and two.cache_bytes == one.cache_bytes // 2
+    train = trace_step(model, "train", 2, 0, batch=2, seq=8)
+    assert {o.phase for o in train.ops} == {"forward", "backward", "optimizer"} and train.saved_bytes > 0
+    assert any(c.phase == "backward" for c in train.collectives)
+
+
+def test_layers_extrapolate_to_the_full_trace():
+    """A 5-layer config is traced with 1 and 2 layers; the prediction equals pricing all 5 traced whole."""
+    cfg = llama(5)
+    got = predict(cfg, Setup(2), "decode", 1, 32, PROFILE, dtype=torch.float32)
+    whole = predict(tr.LlamaForCausalLM(cfg).float(), Setup(2), "decode", 1, 32, PROFILE)
+    assert got.ops == whole.ops and got.collectives == whole.collectives
+    assert got.seconds == pytest.approx(whole.seconds, rel=1e-6)
+    assert got.memory_bytes == pytest.approx(whole.memory_bytes, rel=1e-6)
+
+
+def test_predictions_follow_the_rates():
+    """Twice the fixed cost per op adds exactly ops x that cost; collectives cost what the fit says."""
+    model = tiny_model()
+    base = predict(model, Setup(2), "decode", 1, 16, PROFILE)
+    slow = SpeedProfile("slow", 1.0, 1.0, machine={
+        k: MachineRates(v.ranks, 1, 2 * v.op_overhead_s, v.train_op_overhead_s, v.gemm, v.stream_bandwidth,
+                        v.copy_bandwidth, v.collectives) for k, v in PROFILE.machine.items()})
+    assert predict(model, Setup(2), "decode", 1, 16, slow).seconds - base.seconds == pytest.approx(
+        base.ops * 4e-6, rel=1e-9)
+    fit = fit_collective([(n, 40e-6 + n / 4e9) for n in (1024, 65536, 2 ** 20)])
+    assert fit.latency_s == pytest.approx(40e-6, rel=1e-6) and fit.bandwidth == pytest.approx(4e9, rel=1e-6)
+
+
+def test_candidates_cover_the_families_alternatives():
+    model = tiny_model()
+    train = candidates(model, 2, "train")
+    labels = {s.label() for s in train}
+    assert {"tp2", "tp1, dp2 ddp", "tp1, dp2 fsdp", "tp2, sp", "tp2, recompute full", "tp2, attention whole",
+            "tp2, mlp whole", "tp2, vocab whole"} <= labels
+    assert not any(s.dp_mode == "fsdp" and s.sequence_parallel for s in train)  # data_parallel refuses it
+    decode = candidates(model, 3, "decode")
+    assert {s.label() for s in decode} >= {"tp3", "tp1, dp3 replicas", "tp3, attention whole"}
+    from tests.models.moe import mixtral
+
+    moe = {s.label() for s in candidates(mixtral(), 2, "decode")}
+    assert {"tp2, fused_experts experts EP", "tp2, fused_experts whole"} <= moe
+
+
+def test_search_ranks_and_a_memory_cap_drops_what_does_not_fit():
+    cfg = llama(4)
+    free = search(cfg, 2, "train", batch_size=4, seq_len=16, profile=PROFILE, dtype=torch.float32)
+    times = [c.prediction.seconds for c in free.candidates]
+    assert times == sorted(times) and all(c.fits for c in free.candidates)
+    mems = sorted(c.prediction.memory_bytes for c in free.candidates)
+    cap = (mems[0] + mems[-1]) / 2
+    capped = search(cfg, 2, "train", cap, 4, 16, PROFILE, dtype=torch.float32)
+    assert capped.best.fits and capped.best.prediction.memory_bytes <= cap
+    dropped = [c for c in capped.candidates if not c.fits]
+    assert dropped and all(c.prediction.memory_bytes > cap for c in dropped)
+    assert "do not fit" in capped.explain() and capped.table.count("\n") > len(capped.candidates)
+
+
+def test_predicted_memory_matches_what_a_training_step_holds():
+    """Weights, gradients, AdamW states and the activations one step keeps: predicted against counted on a real
+    step of the tiny model at TP1 (every tensor's bytes, and the saved tensors of the forward)."""
+    from tpkit.estimate.traced import saved_bytes
+
+    model = tiny_model()
+    pred = predict(model, Setup(1), "train", 2, 16, PROFILE)
+    work = copy.deepcopy(model).train()
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    out: list = []
+    saved = saved_bytes(work, (), {"input_ids": ids, "labels": ids}, out)
+    out[0].loss.backward()
+    opt = torch.optim.AdamW(work.parameters(), lr=1e-3)
+    opt.step()
+    states = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
+    params = sum(p.numel() * p.element_size() for p in work.parameters())
+    measured = 2 * params + states + saved
+    assert pred.memory_bytes == pytest.approx(measured, rel=0.05), (pred.memory_bytes, measured)
+
+
+def test_bad_input_is_refused_with_the_fix():
+    cfg = llama()
+    with pytest.raises(ValueError, match="devices must be a positive int"):
+        search(cfg, 0, "decode", profile=PROFILE)
+    with pytest.raises(ValueError, match="goal must be one of"):
+        search(cfg, 2, "serve", profile=PROFILE)
+    with pytest.raises(ValueError, match=r"no setup fits 1\.00 KiB per device; the smallest, .* needs"):
+        search(cfg, 2, "decode", 1024, profile=PROFILE, dtype=torch.float32)
+    with pytest.raises(ValueError, match="measure=K runs setups on real ranks"):
+        search(cfg, 2, "decode", profile=PROFILE, measure=1)
+    with pytest.raises(ValueError, match="needs dp_mode"):
+        Setup(1, 2)
+
+
+def test_profile_v2_round_trips_and_a_datasheet_profile_still_prices(tmp_path):
+    path = save_profile(PROFILE, str(tmp_path / "p.json"))
+    again = load_profile(path)
+    assert again.rates(2) == PROFILE.rates(2) and again.rates(5).ranks == 3  # the largest measured count
+    gpu = SpeedProfile("datasheet", 0.5, 0.7)
+    rates = gpu.rates(8)
+    assert rates.op_overhead_s == 0 and rates.collective("all_reduce", 8).latency_s > 0
+    assert math.isinf(rates.collective("all_reduce", 1).bandwidth)
+
+
+@pytest.mark.slow
+def test_measure_runs_the_top_k_and_ranks_them_by_what_they_took():
+    cfg = llama()
+    result = tpkit.search(cfg, 2, "decode", batch_size=2, seq_len=16, profile=PROFILE, measure=2, steps=2,
+                          dtype=torch.float32)
+    top = result.candidates[:2]
+    assert all(c.measured_s is not None and c.measured_s > 0 for c in top)
+    assert top[0].measured_s <= top[1].measured_s and all(c.measured_s is None for c in result.candidates[2:])
+    assert "measured" in result.table and "were run on 2 ranks" in result.explain()
