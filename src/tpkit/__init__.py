@@ -25,7 +25,7 @@ from .launch import LaunchError, launch
 from . import comm, nn
 from .nn import (ColumnParallelConv2d, ColumnParallelLinear, ParallelEmbedding, RowParallelConv2d, RowParallelLinear,
                  VocabParallelEmbedding, clip_grad_norm_, vocab_parallel_cross_entropy)
-from .convert import (AnalysisReport, DistributedModelWrapper, Family, Plan, PlanError, VerifyReport, analyze, parallelize,
+from .convert import (AnalysisReport, DistributedModelWrapper, Family, Plan, PlanError, VerifyReport, parallelize,
                       plan, register_family, shard_layouts, unregister_family, verify)
 from .layout import ShardLayout
 from .estimate import (MemoryEstimate, SpeedEstimate, SpeedProfile, calibrate_profile, estimate_memory, estimate_speed,
@@ -35,7 +35,7 @@ from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh
 from .recompute import recompute
 from .estimate.predict import Setup
 from .estimate.search import SearchResult
-from .setups import search
+from .setups import analyze, search
 
 __version__ = "0.1.0"
 

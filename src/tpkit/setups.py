@@ -1,5 +1,6 @@
 """Setups run for real: `run_setup` times a few steps of one setup on local ranks, and `search` is the setup
-search with that runner, so `measure=K` ranks the top K by what they really take.
+search with that runner, so `measure=K` ranks the top K by what they really take; `analyze` is
+`tpkit.convert.analyze` whose suggested world size comes from the search.
 
 This module sits above `tpkit.estimate` (with `data_parallel` and `recompute`) because a real run builds what
 the estimate only prices: the converted model, recompute, DDP or FSDP2 over the data-parallel group.
@@ -17,12 +18,15 @@ from torch import nn
 
 from .comm.groups import split
 from .convert import parallelize
-from .convert.analyze import parse_bytes
+from .convert.analyze import AnalysisReport, parse_bytes
+from .convert.analyze import analyze as analyze_plan
 from .convert.planner import propose
 from .convert.trace import analyze_structure
 from .data_parallel import data_parallel
 from .distributed import get_communicator
+from .estimate.hardware import HARDWARE
 from .estimate.predict import Setup
+from .estimate.profile import SpeedProfile, load_profile
 from .estimate.search import SearchResult
 from .estimate.search import search as rank_setups
 from .launch import launch
@@ -129,3 +133,50 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
         return run_setup(model, setup, goal_, batch, seq, steps, backend, dtype=dtype)
     return rank_setups(model_or_config, devices, goal, memory, batch_size, seq_len, profile, measure,
                        runner if measure else None, dtype)
+
+
+def detected_hardware():
+    """The hardware preset of the first CUDA device, when its name says which (A100, H100, H200); else None."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0).upper()
+    return next((hw for key, hw in HARDWARE.items() if key.split("-")[0] in name), None)
+
+
+def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128):
+    """An `analyze` advisor: the world size whose best setup is predicted fastest (the fewest devices within 5% of
+    it), among those that fit; None (the memory rule) when nothing prices this machine: no op-level profile
+    and no GPU of a known kind."""
+    def advise(model: nn.Module, sizes: list[int], mode: str, memory: int | None):
+        prof = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
+        hardware = detected_hardware()
+        if not prof.machine and hardware is None:
+            return None
+        goal = "decode" if mode == "inference" else "train"
+        best = {}
+        for w in sizes:
+            try:
+                best[w] = rank_setups(model, w, goal, memory, batch_size, seq_len, prof, alternatives=False,
+                                      hardware=hardware).best
+            except ValueError:  # nothing fits at this size
+                continue
+        if not best:
+            return None
+        fastest = min(c.prediction.seconds for c in best.values())
+        w = min(n for n, c in best.items() if c.prediction.seconds <= 1.05 * fastest)
+        unit = "ms/token" if goal == "decode" else "ms/step"
+        others = "; ".join(f"{n}: {c.prediction.seconds * 1e3:.2f}" for n, c in sorted(best.items()) if n != w)
+        return w, (f"suggested world size: {w} (setup search, batch {batch_size} x seq {seq_len}: "
+                   f"{best[w].setup.label()} predicted {best[w].prediction.seconds * 1e3:.2f} {unit}"
+                   + (f"; other sizes {others} {unit}" if others else "") + "; `tpkit search` shows every setup)")
+    return advise
+
+
+def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int = 8, device_memory: Any = None,
+            mode: str = "inference", example_inputs: Any = None, profile=None, batch_size: int = 1,
+            seq_len: int = 128) -> AnalysisReport:
+    """`tpkit.convert.analyze` (which layers split, memory per rank, recommendations) with the world size
+    suggested by the setup search where this machine can be priced (a measured profile, or a GPU of a known
+    kind), else by memory alone."""
+    return analyze_plan(model, world_size, max_world_size, device_memory, mode, example_inputs,
+                        advisor=search_advisor(profile, batch_size, seq_len))

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -68,7 +69,7 @@ def test_verify_module_factory_and_plan_file(capsys, tmp_path):
     assert "conflicting entries" in capsys.readouterr().err
 
 
-def test_demo_on_threads(capsys, monkeypatch):
+def test_demo_on_threads(capsys, monkeypatch, tmp_path):
     """The `make demo` body (on thread-ranks here; `make demo` runs it on 2 gloo processes), in an 80-column
     terminal. Its "converted in N ms" is the parallelize() call alone: building the model (made 0.3 s slower
     here) is not in it."""
@@ -91,6 +92,7 @@ def test_demo_on_threads(capsys, monkeypatch):
     monkeypatch.setattr(demo, "_model", slow_model)
     monkeypatch.setattr(tpkit.convert, "parallelize", timed_parallelize)
     monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("TPKIT_PROFILE", str(tmp_path / "none.json"))  # no measured profile: the memory rule
     began = time.perf_counter()
     assert main(["demo", "--backend", "threads", "--steps", "2"]) == 0
     total = time.perf_counter() - began
@@ -98,6 +100,9 @@ def test_demo_on_threads(capsys, monkeypatch):
     assert max(len(line) for line in out.splitlines()) <= 80
     text = " ".join(out.split())
     assert "PASS" in text and "rowwise" in text and "vocab_parallel_cross_entropy" in text and "rank 1" in text
+    assert "fits the given" not in text  # the demo gives no budget (issue 20 item 10)
+    if not torch.cuda.is_available():
+        assert "host memory" in text and "suggested world size: 1" in text
     reported = float(re.search(r"converted in (\d+) ms \(the parallelize\(\) call alone, slowest of 2 ranks",
                                text).group(1)) / 1e3
     inference = [seconds for mode, seconds in timed if mode == "inference"]

@@ -157,3 +157,13 @@ def test_measure_runs_the_top_k_and_ranks_them_by_what_they_took():
     assert all(c.measured_s is not None and c.measured_s > 0 for c in top)
     assert top[0].measured_s <= top[1].measured_s and all(c.measured_s is None for c in result.candidates[2:])
     assert "measured" in result.table and "were run on 2 ranks" in result.explain()
+
+
+def test_analyze_suggests_the_world_size_the_search_finds_fastest():
+    model = tiny_model()
+    report = tpkit.analyze(model, max_world_size=2, profile=PROFILE)
+    assert "setup search" in report.suggestion and report.suggested_world_size in (1, 2)
+    ms = {w: float(x) for w, x in __import__("re").findall(r"(?:other sizes )?(\d): ([\d.]+)", report.suggestion)}
+    assert f"suggested world size: {report.suggested_world_size}" in report.suggestion
+    plain = tpkit.convert.analyze(model, max_world_size=2)  # the memory rule, without the search
+    assert "setup search" not in plain.suggestion and ms is not None

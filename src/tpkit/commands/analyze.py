@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tpkit.convert import analyze
+    from tpkit.setups import analyze
     from tpkit.estimate.presets import load_target
 
     try:

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import tpkit
-    from tpkit.convert import analyze
+    from tpkit.setups import analyze
     from tpkit.tables import format_bytes as human
     from tpkit.tables import Column, output_width, render_table
 
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]tpkit {tpkit.__version__}: tensor-parallel demo[/bold] - a small Llama (4 layers, hidden "
                   f"128, 8 query / 4 KV heads, vocab 1000) on {w} {args.backend} ranks\n")
     model = _model()
-    report = analyze(model, world_size=w, max_world_size=4, device_memory="16MB")
+    report = analyze(model, world_size=w, max_world_size=4)  # the budget: a GPU's, else this host's, said so
     show(report.summary(width=width).rstrip("\n"))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():

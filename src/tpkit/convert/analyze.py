@@ -8,8 +8,9 @@ the KV cache are not counted here (see `tpkit.estimate.estimate_memory`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -191,10 +192,18 @@ def _training_bytes(a: Analysis, param_bytes: int) -> int:
     return param_bytes * 2 + (param_bytes // elem) * 8
 
 
+Advisor = Callable[[nn.Module, list[int], str, "int | None"], "tuple[int, str] | None"]
+
+
 def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int = 8, device_memory: Any = None,
-            mode: str = "inference", example_inputs: Any = None) -> AnalysisReport:
+            mode: str = "inference", example_inputs: Any = None, advisor: Advisor | None = None) -> AnalysisReport:
     """Analyse `model` for tensor parallelism (see the module doc); `world_size` picks the plan shown in the
-    table (default: the suggested one, else 2); per-rank memory is given for 1, 2, 4, ... `max_world_size`."""
+    table (default: the suggested one, else 2); per-rank memory is given for 1, 2, 4, ... `max_world_size`.
+
+    The suggested world size is the smallest whose weights (and, training, gradients and AdamW states) fit the
+    device memory: given, else the detected GPU's, else this host's memory (said so). `advisor(model, sizes,
+    mode, device memory)` may suggest instead (`tpkit.analyze` passes the setup search's, which ranks the sizes
+    by predicted time); it returns (world size, why) or None to keep the memory rule."""
     if mode not in ("inference", "training"):
         raise ValueError(f"analyze: mode must be 'inference' or 'training', got {mode!r}")
     a = analyze_structure(model, example_inputs)
@@ -203,8 +212,11 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     plans = {w: auto_plan(a, w, mode) for w in sizes}
     per_rank = {w: _rank_bytes(a, plans[w], w) for w in sizes}
     memory = {w: per_rank[w] if mode == "inference" else _training_bytes(a, per_rank[w]) for w in sizes}
-    dev = parse_bytes(device_memory) if device_memory is not None else detected_device_memory()
-    suggested, suggestion = _suggest(memory, dev, device_memory is not None, mode)
+    dev, source = _budget(device_memory)
+    suggested, suggestion = _suggest(memory, dev, source, mode)
+    advice = advisor(model, sizes, mode, dev) if advisor is not None else None
+    if advice is not None:
+        suggested, suggestion = advice
     shown = world_size or suggested or (2 if 2 in plans else sizes[-1])
     plan = plans.get(shown) or auto_plan(a, shown, mode)
     rows, seen = [], set()
@@ -232,18 +244,37 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     return report
 
 
-def _suggest(memory: dict, dev: int | None, given: bool, mode: str) -> tuple[int | None, str]:
+def host_memory() -> int | None:
+    """This host's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _budget(device_memory: Any) -> tuple[int | None, str]:
+    """(bytes per device, where that figure comes from): given, the detected GPU's, else this host's memory."""
+    if device_memory is not None:
+        return parse_bytes(device_memory), "given"
+    gpu = detected_device_memory()
+    if gpu is not None:
+        return gpu, "detected GPU's"
+    return host_memory(), "host memory (no GPU detected and no device_memory given; assumed as one device's budget:"
+
+
+def _suggest(memory: dict, dev: int | None, source: str, mode: str) -> tuple[int | None, str]:
     if dev is None:
-        return None, ("no GPU detected and no device_memory given, so no world size is suggested; pass "
-                      "device_memory='80GB' (CLI: --device-memory 80GB)")
-    source = "given" if given else "detected"
+        return None, ("no GPU detected, no device_memory given and this host's memory is unknown, so no world size is "
+                      "suggested; pass device_memory='80GB' (CLI: --device-memory 80GB)")
+    budget = (f"the {source} {human(dev)} per device" if not source.startswith("host")
+              else f"{human(dev)} of {source} pass device_memory='80GB' for GPUs)")
     for w in sorted(memory):
         if memory[w] <= dev:
-            return w, (f"suggested world size: {w} ({human(memory[w])} of {mode} memory per rank fits the {source} "
-                       f"{human(dev)} per device; activations not included)")
+            return w, (f"suggested world size: {w} ({human(memory[w])} of {mode} memory per rank fits {budget}; "
+                       f"activations not included)")
     w = max(memory)
-    return None, (f"no world size up to {w} fits: {human(memory[w])} per rank at {w} ranks exceeds the {source} "
-                  f"{human(dev)}; raise max_world_size or add pipeline/data parallelism")
+    return None, (f"no world size up to {w} fits: {human(memory[w])} per rank at {w} ranks exceeds {budget}; raise "
+                  f"max_world_size or add pipeline/data parallelism")
 
 
 def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisReport) -> list[str]:

@@ -200,16 +200,16 @@ def trace_setup(model_or_config, setup: Setup, goal: str, batch_size: int, seq_l
 
 def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int = 1, seq_len: int = 128,
             profile: SpeedProfile | str | None = None, ranks: int | None = None, example=None,
-            traced: Traced | None = None, dtype: torch.dtype | None = None) -> Prediction:
+            traced: Traced | None = None, dtype: torch.dtype | None = None, hardware=None) -> Prediction:
     """Time and memory of `setup` for `goal` on this machine (see the module docstring). `profile`: a measured
     profile (`tpkit estimate --calibrate`); `ranks`: how many ranks share the machine (default: the setup's
     devices); `example`: a meta-device example input for a module without a config; `traced`: the step traced
     for an equivalent setup (`trace_setup`); `dtype`: the weights' (default: a config's bfloat16, a module's
-    own)."""
+    own); `hardware`: the `Hardware` to price on when the profile was not measured op by op."""
     profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
     traced = traced or trace_setup(model_or_config, setup, goal, batch_size, seq_len, example, dtype)
     item = next((p.element_size() for p in traced.model.parameters()), 2)
-    rates = profile.rates(ranks or setup.devices, bytes_per_element=item)
+    rates = profile.rates(ranks or setup.devices, hardware, item)
     rows = [(n, t, price(t, rates, setup.recompute)) for n, t in traced.rows]
     layers = traced.layers
 

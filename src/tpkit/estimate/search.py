@@ -159,17 +159,21 @@ def family_alternatives(model, tp: int, goal: str) -> list[tuple[str, str]]:
     return out
 
 
-def candidates(model, devices: int, goal: str) -> list[Setup]:
-    """Every setup tpkit can build for `goal` on `devices` devices (see the module docstring)."""
+def candidates(model, devices: int, goal: str, alternatives: bool = True) -> list[Setup]:
+    """Every setup tpkit can build for `goal` on `devices` devices (see the module docstring); without
+    `alternatives`, only the TP / DP layouts with the families' defaults, no sequence parallel, no recompute."""
     out = []
     for tp in [t for t in range(1, devices + 1) if devices % t == 0]:
         dp = devices // tp
         modes = ([None] if dp == 1 else ["ddp", "fsdp"] if goal == "train" else ["replicas"])
-        alternatives = [()] + [((f, label),) for f, label in (family_alternatives(model, tp, goal) if tp > 1 else [])]
+        if not alternatives:
+            out += [Setup(tp, dp, mode) for mode in modes]
+            continue
+        choices = [()] + [((f, label),) for f, label in (family_alternatives(model, tp, goal) if tp > 1 else [])]
         for mode in modes:
             for sp in ([False, True] if goal == "train" and tp > 1 and mode != "fsdp" else [False]):
                 for recompute in (("none", "selective", "full") if goal == "train" else ("none",)):
-                    out += [Setup(tp, dp, mode, sp, recompute, choice) for choice in alternatives]
+                    out += [Setup(tp, dp, mode, sp, recompute, choice) for choice in choices]
     return out
 
 
@@ -184,18 +188,20 @@ def _check(devices: int, goal: str, batch_size: int, seq_len: int) -> None:
 
 def search(model_or_config, devices: int, goal: str = "decode", memory_per_device: float | None = None,
            batch_size: int = 1, seq_len: int = 128, profile: SpeedProfile | str | None = None, measure: int = 0,
-           runner: Runner | None = None, dtype: torch.dtype | None = None) -> SearchResult:
+           runner: Runner | None = None, dtype: torch.dtype | None = None, alternatives: bool = True,
+           hardware=None) -> SearchResult:
     """Rank every setup of `model_or_config` on `devices` devices for `goal` (see the module docstring).
 
     `memory_per_device`: bytes (drops setups that need more; ValueError naming the smallest need when none
     fits); `profile`: a measured speed profile (`tpkit estimate --calibrate`); `measure=K` with a `runner`: run
-    the top K and rank them by measured time."""
+    the top K and rank them by measured time; `alternatives=False`: the TP / DP layouts only (see `candidates`);
+    `hardware`: a `Hardware` to price on when the profile was not measured op by op."""
     _check(devices, goal, batch_size, seq_len)
     profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
     model = _weightless(model_or_config)
     traces: dict[tuple, Any] = {}
     preds, unbuildable = [], {}
-    for s in candidates(model, devices, goal):
+    for s in candidates(model, devices, goal, alternatives):
         key = (s.tp, s.dp, s.sequence_parallel, s.choices)  # DP mode and recompute price the same trace
         if key not in traces:
             try:
@@ -204,7 +210,8 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
                 traces[key] = None
                 unbuildable[s.label()] = str(exc)
         if traces[key] is not None:
-            preds.append(predict(model_or_config, s, goal, batch_size, seq_len, profile, traced=traces[key]))
+            preds.append(predict(model_or_config, s, goal, batch_size, seq_len, profile, traced=traces[key],
+                                 hardware=hardware))
     fits = [memory_per_device is None or p.memory_bytes <= memory_per_device for p in preds]
     if not any(fits):
         smallest = min(preds, key=lambda p: p.memory_bytes)
