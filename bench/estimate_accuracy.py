@@ -1,11 +1,18 @@
-"""How close `estimate_speed` comes to published decode figures, and what `--calibrate` measures here.
+"""How close the speed estimates come to what runs: published GPU decode figures, and measured runs here.
 
 Published figures: github.com/pytorch-labs/gpt-fast README ("Tensor Parallelism"), Llama-2-7B and Llama-2-70B,
 bf16, batch 1, torch.compile, 8xA100-80GB NVLink (330 W). The default profile was fitted on the 7B rows only;
 the 70B rows are held out. Both layouts are shown: gpt-fast's (embedding and output replicated,
 `vocab_parallel=False`) and tpkit's (vocab-parallel).
 
+`--measured`: the op-level predictions (`tpkit.estimate.predict`) against runs on this machine: decode ms/token
+and training step time (forward, backward, AdamW) of converted Llama and GPT-2 models (hidden 256-2048, 2-8
+layers, batch 1 and 8) at TP 1 (one process) and TP 2 (two gloo processes), one thread per rank (a device = a
+core). The profile is measured first (`--profile FILE` to reuse one); every run is a fresh set of processes
+(`tpkit.setups.run_setup`: warm-up, then the median of `--steps`, the slowest rank's).
+
     PYTHONPATH=src python bench/estimate_accuracy.py [--calibrate] [--quick]
+    PYTHONPATH=src python bench/estimate_accuracy.py --measured [--profile FILE] [--steps 5] [--only decode|train]
 """
 from __future__ import annotations
 
@@ -21,11 +28,73 @@ PUBLISHED = {"llama-2-7b": {1: 104.9, 2: 168.84, 4: 254.02, 8: 328.43},
              "llama-2-70b": {2: 21.32, 4: 38.01, 8: 62.50}}
 
 
+# (architecture, hidden, layers, goal, batch, vocab): the grid of the issue, kept to what a 2-core box runs in minutes.
+CASES = [("llama", 256, 2, "decode", 1, 8000), ("llama", 512, 4, "decode", 1, 32000), ("llama", 1024, 4, "decode", 8, 8000),
+         ("llama", 2048, 8, "decode", 1, 8000), ("gpt2", 256, 2, "decode", 8, 8000), ("gpt2", 768, 4, "decode", 1, 8000),
+         ("gpt2", 1024, 8, "decode", 1, 8000), ("llama", 256, 2, "train", 8, 8000), ("llama", 512, 4, "train", 1, 8000),
+         ("llama", 1024, 2, "train", 8, 8000), ("gpt2", 256, 4, "train", 1, 8000), ("gpt2", 512, 2, "train", 8, 8000),
+         ("gpt2", 1024, 4, "train", 1, 8000)]
+SEQ = 64
+
+
+def config(arch: str, hidden: int, layers: int, vocab: int):
+    import transformers as tr
+
+    if arch == "llama":
+        heads = max(hidden // 128, 2)
+        return tr.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
+                              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                              max_position_embeddings=256, tie_word_embeddings=False)
+    return tr.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=max(hidden // 64, 2), n_positions=256,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def measured(args) -> None:
+    import statistics
+
+    from tpkit.estimate.calibrate import calibrate_profile
+    from tpkit.estimate.predict import Setup, predict
+    from tpkit.estimate.profile import load_profile, save_profile
+    from tpkit.setups import run_setup
+
+    if args.profile and __import__("os").path.exists(args.profile):
+        prof = load_profile(args.profile)
+    else:
+        prof = calibrate_profile("gloo", (2,), threads=1)
+        if args.profile:
+            save_profile(prof, args.profile)
+    print("| model | hidden | layers | goal | batch | TP | measured ms | predicted ms | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    errors = {"decode": [], "train": []}
+    for arch, hidden, layers, goal, batch, vocab in CASES:
+        if args.only and goal != args.only:
+            continue
+        cfg = config(arch, hidden, layers, vocab)
+        for tp in (1, 2):
+            setup = Setup(tp)
+            got = run_setup(cfg, setup, goal, batch, SEQ, steps=args.steps, threads=1, dtype=torch.float32)
+            pred = predict(cfg, setup, goal, batch, SEQ, prof, dtype=torch.float32).seconds
+            err = pred / got - 1
+            errors[goal].append(abs(err))
+            print(f"| {arch} | {hidden} | {layers} | {goal} | {batch} | {tp} | {got * 1e3:.2f} | {pred * 1e3:.2f} | "
+                  f"{err:+.1%} |", flush=True)
+    for goal, errs in errors.items():
+        if errs:
+            print(f"\n{goal}: median |error| {statistics.median(errs):.1%}, worst {max(errs):.1%} over {len(errs)} runs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calibrate", action="store_true", help="also measure this machine (gloo, 2 ranks)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--measured", action="store_true", help="op-level predictions against runs on this machine")
+    parser.add_argument("--profile", default=None, help="with --measured: profile to read (or write, when absent)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--only", choices=["decode", "train"], default=None)
     args = parser.parse_args()
+    if args.measured:
+        measured(args)
+        return
     print("| model | TP | gpt-fast tok/s | estimate, gpt-fast layout | estimate, tpkit layout |")
     print("|---|---|---|---|---|")
     for name, rows in PUBLISHED.items():

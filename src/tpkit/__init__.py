@@ -35,7 +35,7 @@ from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh
 from .recompute import recompute
 from .estimate.predict import Setup
 from .estimate.search import SearchResult
-from .setups import analyze, search
+from .setups import analyze, apply_setup, search
 
 __version__ = "0.1.0"
 
@@ -52,6 +52,6 @@ __all__ = [
     "use_communicator",
     "CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
     "data_parallel", "data_parallel_manual_seed", "device_mesh", "no_sync", "recompute",
-    "SearchResult", "Setup", "search",
+    "SearchResult", "Setup", "apply_setup", "search",
     "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",
 ]

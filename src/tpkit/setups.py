@@ -46,18 +46,28 @@ def _build(model_or_config, dtype: torch.dtype | None) -> nn.Module:
     return tr.AutoModelForCausalLM.from_config(model_or_config).to(dtype or torch.float32)
 
 
-def _convert(model: nn.Module, setup: Setup, goal: str, comm):
-    """`model` converted, recomputed and wrapped for this rank under `setup`; (model, tp communicator)."""
+def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None, plan: Any = None) -> nn.Module:
+    """Run `model` under a setup (the search's `result.best`, or a `Setup`) on `comm`'s ranks (default the world):
+    split them into tp x dp groups, convert with the setup's plan, recompute, wrap in DDP / FSDP2. `goal` (a
+    candidate knows its own; default "train") decides training or inference mode. Returns the model to use."""
+    comm = comm or get_communicator()
+    if hasattr(setup, "prediction"):  # a search candidate
+        goal, plan = goal or setup.prediction.goal, plan if plan is not None else setup.plan
+        setup = setup.setup
+    goal = goal or "train"
+    if setup.devices != comm.world_size:
+        raise ValueError(f"apply_setup: {setup.label()} needs {setup.devices} ranks, the communicator has "
+                         f"{comm.world_size}")
     tp, dp = split(comm, setup.tp) if setup.dp > 1 else (comm, None)
     mode = "training" if goal == "train" else "inference"
     if setup.tp > 1:
-        plan = propose(analyze_structure(model), setup.tp, mode, setup.choose())[0]
+        plan = plan if plan is not None else propose(analyze_structure(model), setup.tp, mode, setup.choose())[0]
         model = parallelize(model, plan, tp, mode=mode, sequence_parallel=setup.sequence_parallel)
     if goal == "train" and setup.recompute != "none":
         recompute(model, setup.recompute)
     if goal == "train" and dp is not None and setup.dp_mode in ("ddp", "fsdp"):
         model = data_parallel(model, dp, mode=setup.dp_mode)
-    return model, tp
+    return model
 
 
 def _median_seconds(step, warmup: int, steps: int) -> float:
@@ -75,7 +85,8 @@ def _rank(model_or_config, setup: Setup, goal: str, batch: int, seq: int, steps:
           dtype: torch.dtype | None) -> float:
     torch.set_num_threads(threads)
     comm = get_communicator()
-    model, tp = _convert(_build(model_or_config, dtype), setup, goal, comm)
+    model = apply_setup(_build(model_or_config, dtype), setup, comm, goal)
+    tp = split(comm, setup.tp)[0] if setup.dp > 1 else comm
     local = -(-batch // setup.dp)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 100)
     ids = torch.randint(3, vocab, (local, seq), generator=torch.Generator().manual_seed(comm.rank // setup.tp))

@@ -167,3 +167,25 @@ def test_analyze_suggests_the_world_size_the_search_finds_fastest():
     assert f"suggested world size: {report.suggested_world_size}" in report.suggestion
     plain = tpkit.convert.analyze(model, max_world_size=2)  # the memory rule, without the search
     assert "setup search" not in plain.suggestion and ms is not None
+
+
+def test_the_best_reads_as_a_setup_and_applies():
+    model = tiny_model()
+    result = search(model, 2, "train", batch_size=2, seq_len=8, profile=PROFILE)
+    best = result.best
+    assert (best.tp, best.dp) == (best.setup.tp, best.setup.dp) and best.devices == 2
+    kwargs = best.parallelize_kwargs()
+    assert kwargs["mode"] == "training" and (best.tp == 1 or kwargs["plan"].world_size == best.tp)
+    ids = torch.randint(3, 512, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = copy.deepcopy(model).eval()(input_ids=ids).logits
+    tp2 = next(c for c in result.candidates if c.setup.label() == "tp2")
+    copies = [copy.deepcopy(model) for _ in range(2)]
+
+    def body(comm):
+        m = tpkit.apply_setup(copies[comm.rank], tp2.setup, comm, goal="decode")
+        with torch.no_grad():
+            return (m.eval()(input_ids=ids).logits - ref).abs().max().item()
+    assert max(tpkit.run_threads(body, 2)) < 1e-4
+    with pytest.raises(ValueError, match="needs 2 ranks, the communicator has 1"):
+        tpkit.apply_setup(copy.deepcopy(model), tp2.setup, tpkit.get_communicator())

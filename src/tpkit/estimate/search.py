@@ -32,15 +32,33 @@ Runner = Callable[[Any, Setup, str, int, int], float]  # (model, setup, goal, ba
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One setup: its prediction, whether it fits the memory cap, and its measured time when it was run."""
+    """One setup: its prediction, whether it fits the memory cap, its measured time when it was run, and (for
+    the best) the plan to convert with. Reads as its setup: `.tp`, `.dp`, `.dp_mode`, `.sequence_parallel`,
+    `.recompute`."""
 
     prediction: Prediction
     fits: bool
     measured_s: float | None = None
+    plan: Any = None
 
     @property
     def setup(self) -> Setup:
         return self.prediction.setup
+
+    def __getattr__(self, name: str):
+        if name in ("tp", "dp", "dp_mode", "sequence_parallel", "recompute", "devices", "choices"):
+            return getattr(self.prediction.setup, name)
+        raise AttributeError(name)
+
+    def parallelize_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `tpkit.parallelize` (or `from_pretrained`) for this setup, on its tp communicator."""
+        mode = "training" if self.prediction.goal == "train" else "inference"
+        return {"plan": self.plan if self.plan is not None else "auto", "mode": mode,
+                "sequence_parallel": self.setup.sequence_parallel}
+
+    def data_parallel_kwargs(self) -> dict[str, Any] | None:
+        """Keyword arguments of `tpkit.data_parallel` (None: no data parallel wrapper; replicas run alone)."""
+        return {"mode": self.setup.dp_mode} if self.setup.dp_mode in ("ddp", "fsdp") else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +125,7 @@ class SearchResult:
         lines += list(self.notes)
         return "\n".join(wrap_text(line, width, "", "  ") for line in lines)
 
-    def plan(self, model, candidate: Candidate | None = None):
+    def plan_for(self, model, candidate: Candidate | None = None):
         """The plan to pass `parallelize` / `from_pretrained` for `candidate` (default the best) on `model`."""
         c = candidate or self.best
         mode = "training" if self.goal == "train" else "inference"
@@ -229,7 +247,19 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
             raise ValueError("search: measure=K runs setups on real ranks; call tpkit.search, which provides them")
         ranked = _measured(ranked, measure, runner, model_or_config, goal, batch_size, seq_len)
         notes.append(f"the top {measure} were run on {devices} ranks and ranked by their measured time")
+    ranked[0] = dataclasses.replace(ranked[0], plan=_plan(model_or_config, ranked[0].setup, goal, dtype))
     return SearchResult(goal, devices, batch_size, seq_len, memory_per_device, tuple(ranked), tuple(notes))
+
+
+def _plan(model_or_config, setup: Setup, goal: str, dtype):
+    """The plan of `setup` for the whole model (a config is built on the meta device at full depth)."""
+    if isinstance(model_or_config, nn.Module):
+        model = meta_copy(model_or_config)
+    else:
+        layers = getattr(model_or_config, "num_hidden_layers", None)
+        model = with_layers(model_or_config, None, layers, dtype or torch.bfloat16)
+    mode = "training" if goal == "train" else "inference"
+    return propose(analyze_structure(model), setup.tp, mode, setup.choose())[0]
 
 
 def _measured(ranked: list[Candidate], k: int, runner: Runner, model, goal: str, batch: int,
