@@ -49,7 +49,7 @@ def config(arch: str, hidden: int, layers: int, vocab: int):
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def measured(args) -> None:
+def run_measured(args) -> None:
     import statistics
 
     from tpkit.estimate.calibrate import calibrate_profile
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["decode", "train"], default=None)
     args = parser.parse_args()
     if args.measured:
-        measured(args)
+        run_measured(args)
         return
     print("| model | TP | gpt-fast tok/s | estimate, gpt-fast layout | estimate, tpkit layout |")
     print("|---|---|---|---|---|")

@@ -110,9 +110,11 @@ def _rank_rates(threads: int, quick: bool, model=None) -> MachineRates:
     comm.barrier()
     gemm = measure_gemm(repeats=repeats)
     comm.barrier()
-    stream = measure_stream_bandwidth(total=(32 << 20) if quick else (128 << 20), repeats=repeats)
+    total = (32 << 20) if quick else (128 << 20)
+    stream = measure_stream_bandwidth(total=total, repeats=repeats)
+    stored = measure_stream_bandwidth(total=total, repeats=repeats, stored=True)
     copy_bw = measure_copy_bandwidth(repeats=repeats)
-    rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw)
+    rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored)
     comm.barrier()
     forward, train = op_overheads(rates, model, repeats)
     collectives = {}
@@ -129,6 +131,7 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
     return dataclasses.replace(first, op_overhead_s=max(r.op_overhead_s for r in per_rank),
                                train_op_overhead_s=max(r.train_op_overhead_s for r in per_rank), gemm=gemm,
                                stream_bandwidth=min(r.stream_bandwidth for r in per_rank),
+                               stored_bandwidth=min(r.stored_bandwidth for r in per_rank),
                                copy_bandwidth=min(r.copy_bandwidth for r in per_rank))
 
 

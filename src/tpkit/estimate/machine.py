@@ -8,8 +8,9 @@ have (they share cores, caches and memory bandwidth), as the op-level cost model
 * `gemm`: matmul FLOP/s by the number of rows `m` (m x 1024 x 1024; a decode's m is the batch, a training
   step's the batch x sequence);
 * `stream_bandwidth`: bytes/s reading weights that do not fit the caches (matrix-vector products over a set of
-  matrices larger than the last-level cache: what a decode step does); `copy_bandwidth`: bytes/s of
-  elementwise work (read + write);
+  matrices larger than the last-level cache: what a decode step does), the weight read transposed as
+  `nn.Linear` reads it; `stored_bandwidth` the same with the weight read as stored (GPT-2's `Conv1D`, `x @ W`),
+  which BLAS streams differently; `copy_bandwidth`: bytes/s of elementwise work (read + write);
 * `collectives`: for each kind (all_reduce, all_gather, reduce_scatter) and group size, a latency and a
   bandwidth fitted to calls through tpkit's own communicator (its checks, its transport) at several sizes.
 """
@@ -50,6 +51,11 @@ class MachineRates:
     stream_bandwidth: float
     copy_bandwidth: float
     collectives: Mapping[str, Mapping[str, CollectiveCost]] = dataclasses.field(default_factory=dict)
+    stored_bandwidth: float = 0.0  # 0: as `stream_bandwidth` (profiles measured before it was)
+
+    def weight_bandwidth(self, stored: bool) -> float:
+        """Bytes/s streaming a matmul's weight, read transposed (nn.Linear) or as stored (Conv1D)."""
+        return self.stored_bandwidth if stored and self.stored_bandwidth else self.stream_bandwidth
 
     def flops_rate(self, m: int) -> float:
         """Matmul FLOP/s with `m` rows (log-linear between the measured rows, flat beyond them)."""
@@ -105,7 +111,8 @@ class MachineRates:
                        for k, per in dict(data.get("collectives", {})).items()}
         return cls(int(data["ranks"]), int(data["threads"]), float(data["op_overhead_s"]),
                    float(data["train_op_overhead_s"]), tuple((int(m), float(f)) for m, f in data["gemm"]),
-                   float(data["stream_bandwidth"]), float(data["copy_bandwidth"]), collectives)
+                   float(data["stream_bandwidth"]), float(data["copy_bandwidth"]), collectives,
+                   float(data.get("stored_bandwidth", 0.0)))
 
 
 def _best(fn, repeats: int) -> float:
@@ -141,10 +148,14 @@ def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5) -> tuple[tuple
     return tuple(out)
 
 
-def measure_stream_bandwidth(n: int = 1024, total: int = 128 << 20, repeats: int = 5) -> float:
-    """Bytes/s of weights read by matrix-vector products over a set of matrices larger than the caches."""
+def measure_stream_bandwidth(n: int = 1024, total: int = 128 << 20, repeats: int = 5,
+                             stored: bool = False) -> float:
+    """Bytes/s of weights read by matrix-vector products over a set of matrices larger than the caches, each
+    read transposed (`x @ W.T`, nn.Linear) or, with `stored`, as stored (`x @ W`, Conv1D)."""
     ws = [torch.randn(n, n) for _ in range(max(1, total // (n * n * 4)))]
     x = torch.randn(1, n)
+    if stored:
+        return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w) for w in ws], repeats)
     return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w.t()) for w in ws], repeats)
 
 

@@ -46,6 +46,7 @@ class Op:
     nbytes: float
     mnk: tuple[int, int, int] | None = None
     view: bool = False
+    stored: bool = False  # a matmul reading its second operand as stored, rows of k (GPT-2's Conv1D), not transposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,21 +113,25 @@ def _nbytes(x: Any) -> int:
     return 0
 
 
-def _matmul(name: str, args: tuple, out: Any) -> tuple[float, tuple[int, int, int] | None]:
-    """(FLOPs, (m, n, k)) of a matmul-like op from its shapes; (0, None) for anything else."""
+def _matmul(name: str, args: tuple, out: Any) -> tuple[float, tuple[int, int, int] | None, bool]:
+    """(FLOPs, (m, n, k), whether the second operand is read as stored) of a matmul-like op from its shapes;
+    (0, None, False) for anything else. `linear` reads its weight transposed (nn.Linear's [n, k]); `mm` and
+    `addmm` read theirs as stored when it is contiguous [k, n] (a Conv1D), transposed when it is a view of one."""
     if name in ("mm", "addmm", "linear", "bmm", "baddbmm", "matmul"):
         a = args[1] if name in ("addmm", "baddbmm") else args[0]
+        b = args[2] if name in ("addmm", "baddbmm") else args[1] if len(args) > 1 else None
         if not isinstance(out, torch.Tensor) or not isinstance(a, torch.Tensor) or a.dim() == 0:
-            return 0.0, None
+            return 0.0, None, False
         k = a.shape[-1]
         n = out.shape[-1]
         m = out.numel() // max(n, 1)
-        return 2.0 * m * n * k, (int(m), int(n), int(k))
+        stored = name != "linear" and isinstance(b, torch.Tensor) and b.dim() >= 2 and b.stride(-1) == 1 and n > 1
+        return 2.0 * m * n * k, (int(m), int(n), int(k)), bool(stored)
     if "scaled_dot_product" in name and isinstance(args[0], torch.Tensor):
         q, key = args[0], args[1]
         flops = 4.0 * math.prod(q.shape[:-1]) * key.shape[-2] * q.shape[-1]
-        return (2.5 * flops if "backward" in name else flops), None
-    return 0.0, None
+        return (2.5 * flops if "backward" in name else flops), None, False
+    return 0.0, None, False
 
 
 class OpRecorder(TorchDispatchMode):
@@ -140,7 +145,7 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        flops, mnk = _matmul(name, args, out)
+        flops, mnk, stored = _matmul(name, args, out)
         view = name in VIEWS or func.namespace == "prim"  # prim ops read metadata (a tensor's device)
         if view:
             nbytes = 0
@@ -148,7 +153,7 @@ class OpRecorder(TorchDispatchMode):
             nbytes = 2 * _nbytes(out)
         else:
             nbytes = _nbytes(list(args) + list((kwargs or {}).values())) + _nbytes(out)
-        self.ops.append(Op(name, self.phase or _phase(), flops, float(nbytes), mnk, view))
+        self.ops.append(Op(name, self.phase or _phase(), flops, float(nbytes), mnk, view, stored))
         return out
 
 

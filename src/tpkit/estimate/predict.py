@@ -107,7 +107,7 @@ def kernel_seconds(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...
             continue
         if op.mnk is not None or op.flops:
             m = op.mnk[0] if op.mnk is not None else 1024
-            total += max(op.flops / rates.flops_rate(m), op.nbytes / rates.stream_bandwidth)
+            total += max(op.flops / rates.flops_rate(m), op.nbytes / rates.weight_bandwidth(op.stored))
         else:
             total += op.nbytes / rates.copy_bandwidth
     return total

@@ -20,7 +20,8 @@ from torch import nn
 
 from .calls import meta_copy
 from .machine import MachineRates
-from .ops import StepTrace, trace_step
+from .ops import trace_step
+from .predict import kernel_seconds
 
 
 def reference_model(config=None) -> nn.Module:
@@ -61,21 +62,6 @@ def _time_train(model: nn.Module, seq: int, repeats: int) -> float:
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])
-
-
-def kernel_seconds(trace: StepTrace, rates: MachineRates) -> float:
-    """What the step's kernels take at `rates` (matmuls: FLOPs or streamed bytes, whichever is slower; other
-    ops: their bytes), with no fixed cost."""
-    total = 0.0
-    for op in trace.ops:
-        if op.view:
-            continue
-        if op.mnk is not None or op.flops:
-            m = op.mnk[0] if op.mnk is not None else 1024
-            total += max(op.flops / rates.flops_rate(m), op.nbytes / rates.stream_bandwidth)
-        else:
-            total += op.nbytes / rates.copy_bandwidth
-    return total
 
 
 def op_overheads(rates: MachineRates, model: nn.Module | None = None, repeats: int = 7) -> tuple[float, float]:
