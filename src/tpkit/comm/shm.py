@@ -36,11 +36,12 @@ from .errors import CommError
 from .ops import ReduceOp, reduce_tensors
 
 SLOT_BYTES = 1 << 20
-# A waiting rank gives its core away (sched_yield) every 16 spins (~1.5 us of Python). When the scheduler puts
+# A waiting rank gives its core away (sched_yield) every 4 spins (~0.4 us of Python). When the scheduler puts
 # two ranks on one core, which a busy machine does, the rank that waits must let the other one run before
 # anything can happen: yielding every 256 spins cost ~20 us per wait there (a 4 KiB all-reduce took ~46 us
-# instead of ~7), every 16 costs ~2 us; with a core each, the peer usually arrives within those spins anyway.
-_YIELD_MASK = 15
+# instead of ~7). With a core each, a yield with nothing else to run returns at once, so frequent yields
+# cost nothing measurable there (bench/shm_allreduce.py --placement split / shared, BENCHMARKS.md).
+_YIELD_MASK = 3
 _LINE = 64                      # bytes of flags per rank (one cache line)
 _FLAGS_BYTES = 64 * _LINE       # room for 64 ranks
 _Q = _LINE // 8                 # int64 words per line
