@@ -174,7 +174,7 @@ class SharedMemoryChannel:
                 spins += 1
                 if spins & _YIELD_MASK == 0:
                     os.sched_yield()
-                    if spins & 16383 == 0:
+                    if spins & 255 == 0:  # every 64 yields: a yield can take a time slice on a busy machine
                         now = time.monotonic()
                         if deadline is None:
                             deadline = now + self.timeout
