@@ -249,7 +249,7 @@ class Communicator(abc.ABC):
         with self._guard("broadcast"):
             return self._finish(self._broadcast(tensor.contiguous(), src, async_op), async_op, "broadcast")
 
-    def barrier(self, async_op: bool = False):
+    def barrier(self, async_op: bool = False) -> Handle | None:
         """Return once every rank of the group has called `barrier`.
 
         With `async_op=True`, return at once with a `Handle` whose `wait()` returns None once every rank has

@@ -66,7 +66,7 @@ class WrappedCommunicator(Communicator):
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         return self.inner.broadcast(tensor, src=src, async_op=async_op)
 
-    def barrier(self, async_op: bool = False):
+    def barrier(self, async_op: bool = False) -> Handle | None:
         return self.inner.barrier(async_op=async_op)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
