@@ -13,7 +13,7 @@ MPI_STAMP := $(VENV)/.tpkit-mpi
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[hf,dev,plot]"
+	$(PY) -m pip install -q -e ".[hf,dev,plot,lightning]" "$(TORCH_SPEC)"  # torch named again: extras never replace it
 	touch $@
 
 venv: $(STAMP)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 import tpkit
-from tpkit.comm import CommError, ReduceOp, split, split_range, split_sizes
+from tpkit.comm import CommError, Handle, ReduceOp, split, split_range, split_sizes
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
 
@@ -249,6 +249,35 @@ def check_groups(comm, c: Checker) -> None:
     c.true("barrier waits for the last rank", left >= latest, f"left at {left}, last arrival {latest}")
 
 
+def check_lifetime(comm, c: Checker) -> None:
+    """barrier(async_op=True) returns a Handle that waits for every rank; close() and `with` release a group,
+    after which each operation raises CommError naming it; closing twice is fine; the parent keeps working."""
+    n, r = comm.world_size, comm.rank
+    time.sleep(0.01 * r)
+    arrived = time.time()
+    handle = comm.barrier(async_op=True)
+    c.true("barrier(async_op=True) returns a Handle", isinstance(handle, Handle), f"got {type(handle).__name__}")
+    c.true("the barrier's wait() returns None", handle.wait() is None)
+    left = time.time()
+    latest = comm.all_reduce(torch.tensor([arrived], dtype=torch.float64), op="max").item()
+    c.true("an async barrier's wait() waits for the last rank", left >= latest, f"left at {left}, last {latest}")
+    c.true("a completed barrier handle says so", handle.is_completed())
+    with comm.new_group(list(range(n))) as group:
+        c.same("a group in a with block works", group.all_reduce(torch.tensor([r + 1.0])),
+               torch.tensor([n * (n + 1) / 2]))
+        c.true("open until the block ends", not group.closed)
+    c.true("closed when the block ends", group.closed)
+    calls = {"all_reduce": lambda: group.all_reduce(torch.ones(2)), "all_gather": lambda: group.all_gather(torch.ones(2)),
+             "reduce_scatter": lambda: group.reduce_scatter(torch.ones(n)), "broadcast": lambda: group.broadcast(torch.ones(2)),
+             "barrier": lambda: group.barrier(async_op=True), "new_group": lambda: group.new_group([0]),
+             "all_reduce_": lambda: group.all_reduce_(torch.ones(2))}
+    for op, call in calls.items():
+        with c.raises(f"{op} on a closed communicator", CommError, f"{op}: ", "is closed", "group='world'"):
+            call()
+    group.close()  # again: nothing happens
+    c.same("the parent works after a group closed", comm.all_reduce(torch.ones(1)), torch.full((1,), float(n)))
+
+
 def check_bad_arguments(comm, c: Checker) -> None:
     """ValueError naming the value, raised before any peer is involved (so ranks may differ here)."""
     n, r = comm.world_size, comm.rank
@@ -350,7 +379,7 @@ def run_matrix(comm, label: str, mismatches: bool = True) -> tuple[list[str], in
     checks (under TP_DEBUG when the backend is not `threads`)."""
     c = Checker(f"{label} rank {comm.rank}/{comm.world_size}")
     for check in (check_reductions, check_gather_broadcast, check_async, check_point_to_point, check_groups,
-                  check_bad_arguments):
+                  check_lifetime, check_bad_arguments):
         try:
             check(comm, c)
         except Exception as exc:  # noqa: BLE001 - a crash is a failure, reported with the others

@@ -145,3 +145,85 @@ def test_profiling_overhead_on_gloo_1mib_all_reduce_is_small():
         if profiled <= plain * 1.25:
             return
     raise AssertionError(f"profiled all_reduce slower than 1.25x plain in every try (plain, profiled): {tries}")
+
+
+def test_profile_times_any_callable_beside_the_collectives():
+    import time
+
+    def body(comm):
+        prof = CommProfiler(comm)
+        x = torch.ones(256)
+        prof.all_reduce(x)
+        got = prof.profile(lambda a, b=0: (time.sleep(0.02), a + b)[1], 2, b=3, name="step")
+        handle = prof.profile(comm.all_reduce, x, async_op=True, name="overlapped")  # an async collective
+        waited_before = [r.op for r in prof.records]
+        time.sleep(0.01)
+        out = handle.wait()
+        handle.wait()  # a second wait records nothing more
+        named = prof.profile(torch.add, x, x)  # the function's own name by default
+        with pytest.raises(TypeError, match="expected a callable, got Tensor"):
+            prof.profile(x)
+        return got, waited_before, out, prof.records, named
+
+    for got, waited_before, out, records, named in run_threads(body, 2):
+        assert got == 5 and torch.equal(out, torch.full((256,), 2.0)) and torch.equal(named, torch.full((256,), 2.0))
+        assert waited_before == ["all_reduce", "step"]  # the async one is recorded when it has been waited for
+        assert [(r.op, r.kind) for r in records] == [("all_reduce", "collective"), ("step", "call"),
+                                                     ("overlapped", "call"), ("add", "call")]
+        step, overlapped = records[1], records[2]
+        assert step.duration >= 0.02 and overlapped.duration >= 0.01
+        assert step.bytes == 0 and step.busbw == 0.0 and step.algorithm == ""
+        assert step.start >= records[0].start + records[0].duration
+
+
+def test_stats_totals_reset_and_summary():
+    def body(comm):
+        prof = CommProfiler(comm)
+        small, big = torch.ones(256), torch.ones(1 << 14)  # 1 KiB and 64 KiB: two size buckets
+        for t in (small, small, big):
+            prof.all_reduce(t)
+        prof.all_gather(small)
+        prof.profile(lambda: None, name="compute")
+        stats = prof.stats()
+        text = prof.summary()
+        records = prof.records
+        prof.reset()
+        return stats, text, records, prof.records, prof.stats(), prof.summary()
+
+    for stats, text, records, after, empty, empty_text in run_threads(body, 2):
+        assert [(s["op"], s["size_bucket"]) for s in stats] == [("all_gather", 2048), ("all_reduce", 1024),
+                                                                ("all_reduce", 65536), ("compute", 0)]
+        totals = {t["op"]: t for t in stats.totals}
+        ar = [r for r in records if r.op == "all_reduce"]
+        assert totals["all_reduce"]["count"] == 3 and totals["all_reduce"]["bytes"] == 2 * 1024 + 65536
+        assert totals["all_reduce"]["total_time"] == pytest.approx(sum(r.duration for r in ar))
+        assert totals["all_reduce"]["busbw_mean"] == pytest.approx(sum(r.busbw for r in ar) / 3)
+        bus_bytes = sum(r.bytes * bus_factor("all_reduce", 2) for r in ar)
+        assert totals["all_reduce"]["busbw_overall"] == pytest.approx(bus_bytes / sum(r.duration for r in ar) / 1e9)
+        assert totals["compute"]["kind"] == "call" and totals["compute"]["bytes"] == 0
+        assert stats.total == {"count": 5, "bytes": 2 * 1024 + 65536 + 2048,
+                               "total_time": pytest.approx(sum(r.duration for r in records))}
+        assert "communication on rank" in text and "totals on rank" in text
+        for fragment in ("all_reduce", "compute", "1.00 KiB", "64.00 KiB", "66.00 KiB"):
+            assert fragment in text, fragment
+        assert after == [] and list(empty) == [] and empty.totals == [] and empty.total["count"] == 0
+        assert "all_reduce" not in empty_text and "totals on rank" in empty_text
+
+
+def test_files_are_written_atomically(tmp_path, monkeypatch):
+    prof = create_communicator("threads", profile=True)
+    prof.all_reduce(torch.ones(4))
+    for name in ("to_json", "export_chrome_trace"):
+        write = getattr(prof, name)
+        target = tmp_path / f"{name}.json"
+        target.write_text("previous")
+        monkeypatch.setattr("os.fsync", lambda fd: (_ for _ in ()).throw(OSError("disk full")))
+        with pytest.raises(OSError, match="disk full"):
+            write(target)
+        assert target.read_text() == "previous"  # a failed write leaves the old file whole
+        monkeypatch.undo()
+        write(target)
+        data = json.loads(target.read_text())
+        ops = [r["op"] for r in data["records"]] if name == "to_json" else [e["name"] for e in data["traceEvents"][1:]]
+        assert ops == ["all_reduce"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export_chrome_trace.json", "to_json.json"]  # no temp files

@@ -15,9 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import checks
-from .debug import OFF as _OFF
 from .debug import debug_enabled, log_call
-from .debug import getenv as _getenv
 from .errors import CommError
 from .handle import Handle
 from .ops import ReduceOp
@@ -28,6 +26,10 @@ from .ids import register
 # Names that lived here before their modules were split out, still importable from here.
 from .debug import logger  # noqa: E402,F401
 from .signatures import SIGNATURE_LENGTH, describe_signature, dtype_of_code, sent_shape  # noqa: E402,F401
+
+
+# Errors a collective raises as they are: argument errors (before any peer is involved) and CommError itself.
+_PASS_THROUGH = (CommError, ValueError, TypeError)
 
 
 def group_name(global_ranks: Sequence[int], world_size: int) -> str:
@@ -44,6 +46,8 @@ class Communicator(abc.ABC):
     the buffer it is given, as its name says. Results are detached: a collective is not differentiable by
     itself (the autograd-aware pairs live in `tpkit.nn.mappings`), on every backend and every world size.
     With `async_op=True` the input must stay unchanged until `wait()` returns, as with torch.distributed.
+
+    `close()` (or leaving a `with` block) releases what the communicator holds; see `close`.
     """
 
     backend: str = "abstract"
@@ -56,6 +60,7 @@ class Communicator(abc.ABC):
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list = []
         self._debug = False
+        self._closed = False
         register(self)  # the integer id compiled graphs name this communicator by (traceable.py)
 
     # -- identity ---------------------------------------------------------------------------------
@@ -80,9 +85,53 @@ class Communicator(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group={self._name!r}, rank={self._rank}, world_size={self._world_size})"
 
+    # -- lifetime ---------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called; every operation of a closed communicator raises `CommError`."""
+        return self._closed
+
+    def close(self) -> None:
+        """Release what this communicator holds (the seed's IDisposable): its async worker thread (after
+        pending operations finish), and the backend's resources (`_close`): a process group or MPI
+        communicator it made, its shared-memory mapping; wrappers close what they wrap and drop their staging
+        buffers. Idempotent. Call it on every rank of the group, like a collective (MPI frees communicators
+        collectively). Afterwards every operation raises `CommError` naming the call; results already
+        returned, and a profiler's records, stay valid.
+
+        The world process group is left to `tpkit.shutdown()`, which knows whether tpkit started it.
+        """
+        if self._closed:
+            return
+        try:
+            self._drain()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            self._close()
+        finally:
+            self._closed = True
+            # Replacing the operations on the instance keeps the check off the per-call path.
+            what = repr(self)
+            for name in _OPERATIONS:
+                setattr(self, name, _refusal(name, what))
+
+    def _close(self) -> None:
+        """Backend hook for `close()`: release the backend's own resources."""
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        self.close()
+        return False
+
     # -- public collectives -----------------------------------------------------------------------
     # The collectives run on every layer's forward and backward, so their common path is kept to a few
-    # inline checks (a type test, a dim range, one environment lookup); everything else is on slow paths.
+    # inline checks (a type test, a dim range, one dictionary lookup for TP_DEBUG) and no object beyond the
+    # result: failures are turned into CommError by `except` clauses (free until something raises) rather
+    # than a context object, and synchronous calls return the tensor without a Handle. Everything else
+    # (TP_DEBUG logging and the ranks' signature checks, argument errors) is on slow paths.
     def _reduce_start(self, name: str, tensor: torch.Tensor, op: ReduceOp | str) -> ReduceOp:
         """The inline checks both all-reduce forms make before any communication; returns the parsed op."""
         if op.__class__ is not ReduceOp:
@@ -91,7 +140,7 @@ class Communicator(abc.ABC):
             self._check_tensor(name, tensor)
         if op is ReduceOp.AVG and tensor.dtype is torch.bool:
             raise checks.average_of_bool(name)
-        self._debug = _getenv("TP_DEBUG", "") not in _OFF
+        self._debug = debug_enabled()
         if self._debug:
             self._log(name, tensor, op=op.name)
         return op
@@ -101,9 +150,14 @@ class Communicator(abc.ABC):
         op = self._reduce_start("all_reduce", tensor, op)
         if self._world_size == 1:
             return self._finish(Handle.completed(tensor.detach().clone()), async_op)
-        with _Guard(self, "all_reduce"):
-            handle = self._all_reduce(tensor.contiguous(), op, async_op)
-            return self._finish(handle, True, "all_reduce") if async_op else handle.wait()
+        try:
+            if async_op:
+                return self._finish(self._all_reduce(tensor.contiguous(), op, True), True, "all_reduce")
+            return self._all_reduce_now(tensor.contiguous(), op)
+        except _PASS_THROUGH:
+            raise
+        except Exception as exc:
+            raise self._error("all_reduce", exc) from exc
 
     def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
         """`all_reduce` IN PLACE: `tensor` becomes the result and is returned. The one collective that modifies
@@ -111,10 +165,15 @@ class Communicator(abc.ABC):
         op = self._reduce_start("all_reduce_", tensor, op)
         if self._world_size == 1:
             return tensor
-        with _Guard(self, "all_reduce_"):
-            self._drain()
+        try:
+            if self._pending:
+                self._drain()
             self._all_reduce_(tensor, op)
             return tensor
+        except _PASS_THROUGH:
+            raise
+        except Exception as exc:
+            raise self._error("all_reduce_", exc) from exc
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None,
                    async_op: bool = False):
@@ -132,14 +191,18 @@ class Communicator(abc.ABC):
             dim = self._check_dim("all_gather", tensor, dim)
         if sizes is not None:
             sizes = self._check_gather_sizes(tensor, dim, sizes)
-        self._debug = _getenv("TP_DEBUG", "") not in _OFF
+        self._debug = debug_enabled()
         if self._debug:
             self._log("all_gather", tensor, dim=dim)
         if self._world_size == 1:
             return self._finish(Handle.completed(tensor.detach().clone()), async_op)
-        with _Guard(self, "all_gather"):
+        try:
             handle = self._all_gather(tensor.contiguous(), dim, sizes, async_op)
             return self._finish(handle, True, "all_gather") if async_op else handle.wait()
+        except _PASS_THROUGH:
+            raise
+        except Exception as exc:
+            raise self._error("all_gather", exc) from exc
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, dim: int = 0,
                        sizes: Sequence[int] | None = None, async_op: bool = False):
@@ -163,14 +226,18 @@ class Communicator(abc.ABC):
             sizes = split_sizes(tensor.shape[dim], self._world_size)
         else:
             sizes = self._check_scatter_sizes(tensor, dim, sizes)
-        self._debug = _getenv("TP_DEBUG", "") not in _OFF
+        self._debug = debug_enabled()
         if self._debug:
             self._log("reduce_scatter", tensor, op=op.name, dim=dim)
         if self._world_size == 1:
             return self._finish(Handle.completed(tensor.detach().clone()), async_op)
-        with _Guard(self, "reduce_scatter"):
+        try:
             handle = self._reduce_scatter(tensor.contiguous(), op, dim, sizes, async_op)
             return self._finish(handle, True, "reduce_scatter") if async_op else handle.wait()
+        except _PASS_THROUGH:
+            raise
+        except Exception as exc:
+            raise self._error("reduce_scatter", exc) from exc
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Every rank gets `src`'s tensor; other ranks' `tensor` only gives the shape and dtype."""
@@ -182,14 +249,20 @@ class Communicator(abc.ABC):
         with self._guard("broadcast"):
             return self._finish(self._broadcast(tensor.contiguous(), src, async_op), async_op, "broadcast")
 
-    def barrier(self) -> None:
-        """Return once every rank of the group has called `barrier`."""
+    def barrier(self, async_op: bool = False) -> Handle | None:
+        """Return once every rank of the group has called `barrier`.
+
+        With `async_op=True`, return at once with a `Handle` whose `wait()` returns None once every rank has
+        arrived (the seed's BarrierAsync), ordered with this communicator's other async operations."""
         self._log("barrier", None)
         if self._world_size == 1:
-            return
+            return Handle.completed(None) if async_op else None
         with self._guard("barrier"):
+            if async_op:
+                return self._finish(self._barrier_async(), True, "barrier")
             self._drain()
             self._barrier()
+        return None
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send `tensor` to rank `dst` of this group (matched by a `recv` there)."""
@@ -225,6 +298,11 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Handle: ...
 
+    def _all_reduce_now(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """Synchronous all-reduce returning the tensor; backends with a faster synchronous path (no Handle,
+        no closure) override this."""
+        return self._all_reduce(tensor, op, False).wait()
+
     def _all_reduce_(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         """In-place all-reduce; backends with a native in-place path override this copy-back default."""
         result = self._all_reduce(tensor.contiguous(), op, False).wait()
@@ -243,6 +321,13 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def _barrier(self) -> None: ...
+
+    def _barrier_async(self) -> Handle:
+        """A barrier that returns at once; by default the blocking one on this communicator's worker thread
+        (which keeps it in order with the other async operations). Backends with a native one override."""
+        def run() -> None:
+            self._barrier()
+        return self._in_background(run, True)
 
     @abc.abstractmethod
     def _send(self, tensor: torch.Tensor, dst: int) -> None: ...
@@ -281,6 +366,8 @@ class Communicator(abc.ABC):
 
     def _drain(self) -> None:
         """Wait for async operations issued earlier on this communicator; their errors surface in `wait`."""
+        if not self._pending:
+            return
         pending, self._pending = self._pending, []
         for future in pending:
             try:
@@ -304,10 +391,16 @@ class Communicator(abc.ABC):
         """A context that turns any backend failure into `CommError` naming the operation and the group."""
         return _Guard(self, op)
 
+    def _error(self, op: str, exc: BaseException) -> CommError:
+        """The `CommError` a backend failure `exc` in `op` becomes (the hot collectives raise it from their
+        `except` clause; the others through `_guard`)."""
+        return CommError(f"{op} failed on rank {self._rank} of group {self._name} "
+                         f"(world size {self._world_size}): {exc}")
+
     def _log(self, opname: str, tensor: torch.Tensor | None, **details) -> None:
         """Log the call under TP_DEBUG, and note in `self._debug` whether TP_DEBUG is on for this call (the
         backends' mismatch checks look there). Every public operation reads TP_DEBUG exactly once: the hot
-        collectives inline the lookup and call this only when it is on; the others call this first."""
+        collectives read it themselves and call this only when it is on; the others call this first."""
         self._debug = debug_enabled()
         if self._debug:
             log_call(opname, tensor, details, self._name, self._rank, self._world_size, self.backend)
@@ -332,6 +425,19 @@ class Communicator(abc.ABC):
         return checks.check_group_ranks(ranks, self._name, self._world_size)
 
 
+_OPERATIONS = ("all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast", "barrier", "send", "recv",
+               "new_group")
+
+
+def _refusal(op: str, what: str) -> Callable[..., None]:
+    """What `op` becomes on a closed communicator (`what` describes it)."""
+    def closed(*args, **kwargs) -> None:
+        raise CommError(f"{op}: {what} is closed; make a new communicator (tpkit.comm.create_communicator, "
+                        f"tpkit.init) to communicate again")
+    closed.__name__ = op
+    return closed
+
+
 class _Guard:
     """`with comm._guard(op):` -- a plain class rather than a generator context manager: it runs on every
     call, and this costs a third as much."""
@@ -345,8 +451,6 @@ class _Guard:
         return None
 
     def __exit__(self, kind, exc, traceback) -> bool:
-        if exc is None or not isinstance(exc, Exception) or isinstance(exc, (CommError, ValueError, TypeError)):
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, _PASS_THROUGH):
             return False
-        comm = self.comm
-        raise CommError(f"{self.op} failed on rank {comm._rank} of group {comm._name} "
-                        f"(world size {comm._world_size}): {exc}") from exc
+        raise self.comm._error(self.op, exc) from exc

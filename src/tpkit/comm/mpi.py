@@ -50,7 +50,8 @@ class MPICommunicator(Communicator):
 
     backend = "mpi"
 
-    def __init__(self, comm: Any = None, timeout: float | None = None, name: str | None = None):
+    def __init__(self, comm: Any = None, timeout: float | None = None, name: str | None = None,
+                 owns_comm: bool = False):
         MPI = _import_mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         if comm == MPI.COMM_NULL:
@@ -64,6 +65,7 @@ class MPICommunicator(Communicator):
         self._MPI = MPI
         self._comm = comm
         self._abandoned: list[tuple[Any, tuple]] = []
+        self._owns_comm = owns_comm  # made by new_group: freed on close (COMM_WORLD and the caller's are not)
 
     @property
     def mpi_comm(self):
@@ -183,6 +185,9 @@ class MPICommunicator(Communicator):
     def _barrier(self):
         self._wait(self._comm.Ibarrier(), "barrier", ())
 
+    def _barrier_async(self):
+        return self._handle(self._comm.Ibarrier(), "barrier", (), lambda: None)
+
     def _send(self, tensor, dst):
         self._cpu("send", tensor)
         data = tensor.detach()
@@ -222,4 +227,9 @@ class MPICommunicator(Communicator):
         sub = self._comm.Split(color, key=self._rank)  # collective and blocking: MPI has no deadline for it
         if sub == self._MPI.COMM_NULL:
             return None
-        return MPICommunicator(sub, self._timeout)
+        return MPICommunicator(sub, self._timeout, owns_comm=True)
+
+    def _close(self):
+        self._reap()
+        if self._owns_comm:
+            self._comm.Free()  # collective in MPI: every member closes its communicator

@@ -7,6 +7,12 @@ size, under a byte cap, evicting the least recently used free buffer first.
 
 Without CUDA there is nothing to pin: the pool hands out ordinary buffers with `is_pinned` False (and
 `pool.pinned` False with `pool.reason`), so code written for GPUs runs unchanged on a CPU box.
+
+When a request does not fit (every pooled byte is in use, or the request alone exceeds the capacity),
+`on_full` decides. `"unpooled"` (the default) serves it from a buffer outside the pool, freed on release and
+counted in `stats.overflows`: a training step should not fail because its staging buffers are momentarily
+all in use, and an extra buffer costs one allocation (and a pin), not a crash. `"raise"` (the seed's
+behaviour) raises instead, for code that must keep pinned memory strictly bounded.
 """
 from __future__ import annotations
 
@@ -69,15 +75,23 @@ class PinnedBuffer:
         self.release()
 
 
+ON_FULL = ("unpooled", "raise")
+
+
 class PinnedBufferPool:
     """Host staging buffers up to `capacity_bytes` in total, reused by (rounded) size, LRU-evicted.
 
-    `pin=None` pins when CUDA is available; `pin=True` without CUDA is refused with a clear error.
+    `pin=None` pins when CUDA is available; `pin=True` without CUDA is refused with a clear error. `on_full`
+    says what a request that does not fit gets (module docstring): `"unpooled"` or `"raise"`.
     """
 
-    def __init__(self, capacity_bytes: int = 256 << 20, pin: bool | None = None):
+    def __init__(self, capacity_bytes: int = 256 << 20, pin: bool | None = None, on_full: str = "unpooled"):
         if capacity_bytes <= 0:
             raise ValueError(f"PinnedBufferPool: capacity_bytes must be > 0, got {capacity_bytes}")
+        if on_full not in ON_FULL:
+            raise ValueError(f"PinnedBufferPool: on_full must be one of {', '.join(map(repr, ON_FULL))}, "
+                             f"got {on_full!r}")
+        self.on_full = on_full
         cuda = torch.cuda.is_available()
         if pin and not cuda:
             raise ValueError("PinnedBufferPool: pin=True needs CUDA (torch.cuda.is_available() is False); "
@@ -105,9 +119,10 @@ class PinnedBufferPool:
         if nbytes < 0:
             raise ValueError(f"PinnedBufferPool.acquire: nbytes must be >= 0, got {nbytes}")
         size = max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN)
-        if size > self.capacity_bytes:
+        if size > self.capacity_bytes and self.on_full == "raise":
             raise ValueError(f"PinnedBufferPool.acquire: {nbytes} bytes exceed the pool's capacity of "
-                             f"{self.capacity_bytes} bytes; create the pool with a larger capacity_bytes")
+                             f"{self.capacity_bytes} bytes; create the pool with a larger capacity_bytes, or "
+                             f"with on_full='unpooled' to serve such requests outside the pool")
         with self._lock:
             for key, (s, storage) in self._free_order.items():
                 if s == size:
@@ -115,11 +130,17 @@ class PinnedBufferPool:
                     self.stats.hits += 1
                     self._in_use_bytes += size
                     return PinnedBuffer(self, storage, True)
+            pooled = self._in_use_bytes + size <= self.capacity_bytes
+            if not pooled and self.on_full == "raise":
+                raise RuntimeError(
+                    f"PinnedBufferPool.acquire: the pool is full: {self._in_use_bytes} of {self.capacity_bytes} "
+                    f"bytes are in use and {nbytes} more were asked for; release buffers when done (`with "
+                    f"pool.acquire(n) as buf:`), give the pool a larger capacity_bytes, or make it with "
+                    f"on_full='unpooled'")
             self.stats.misses += 1
             while self._free_order and self._in_use_bytes + self.free_bytes + size > self.capacity_bytes:
                 self._free_order.popitem(last=False)
                 self.stats.evictions += 1
-            pooled = self._in_use_bytes + size <= self.capacity_bytes
             if not pooled:
                 self.stats.overflows += 1
             else:

@@ -13,6 +13,13 @@ x 1 for broadcast — the rate each link must sustain, comparable across world s
 
 Durations: wall clock on CPU; CUDA events on GPU tensors, read lazily (no synchronisation on the hot
 path; events are resolved when records are read).
+
+Beside the collectives, `profile(fn, *args, name=...)` times any callable (the seed's Profile(func); a
+callable that returns a `Handle` is timed until the handle is waited for, its ProfileAsync) into the same
+records, so a step's compute and its communication read as one timeline. `stats()` groups records by op and
+size and also totals each op over the whole run (`.totals`, `.total`; the seed's GetStatistics); `reset()`
+clears them (Clear). Files are written atomically (a temporary file renamed over the target), so a reader
+never sees half a trace.
 """
 from __future__ import annotations
 
@@ -22,12 +29,14 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .communicator import Communicator
+from .handle import Handle
 from .ops import ReduceOp
 from .wrapper import WrappedCommunicator
 
@@ -60,7 +69,10 @@ def size_bucket(nbytes: int) -> int:
 
 @dataclasses.dataclass
 class CommRecord:
-    """One profiled call. `duration` is seconds; bandwidths are GB/s (1e9 bytes/s) as in nccl-tests."""
+    """One profiled call. `duration` is seconds; bandwidths are GB/s (1e9 bytes/s) as in nccl-tests.
+
+    `kind` is "collective" for the communicator's own operations and "call" for `CommProfiler.profile`
+    (which moves no bytes of its own: bytes 0, bandwidths 0)."""
 
     op: str
     bytes: int
@@ -72,6 +84,7 @@ class CommRecord:
     rank: int
     note: str = ""
     shape: tuple = ()
+    kind: str = "collective"
 
     @property
     def algbw(self) -> float:
@@ -79,6 +92,8 @@ class CommRecord:
 
     @property
     def busbw(self) -> float:
+        if self.kind != "collective":
+            return self.algbw
         return self.algbw * bus_factor(self.op, self.world_size)
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,7 +147,13 @@ class CommProfiler(WrappedCommunicator):
     def _profiled(self, op: str, tensor: torch.Tensor, nbytes: int, async_op: bool, call):
         if not self.enabled or not isinstance(tensor, torch.Tensor):
             return call()
-        cuda = tensor.is_cuda
+        return self._timed(op, "collective", int(nbytes), str(tensor.dtype).replace("torch.", ""),
+                           tuple(tensor.shape), tensor.is_cuda, call, async_op)
+
+    def _timed(self, op: str, kind: str, nbytes: int, dtype: str, shape: tuple, cuda: bool, call: Callable[[], Any],
+               async_op: bool | None):
+        """Run `call()` and record it; `async_op=None`: asynchronous when the call returns a `Handle`, whose
+        record then ends when it is waited for."""
         # The range only when a torch profiler listens: an idle record_function still makes c10d carry
         # profiler state to its worker thread, which cost ~0.1 ms per gloo call on the CPU box.
         scope = torch.profiler.record_function(f"tpkit::{op}") if _torch_profiler_on() else contextlib.nullcontext()
@@ -144,11 +165,14 @@ class CommProfiler(WrappedCommunicator):
             start = time.perf_counter()
             result = call()
         root = self._root
+        if async_op is None:
+            async_op = isinstance(result, Handle)
+        algorithm = getattr(self.inner, "last_algorithm", "builtin") if kind == "collective" else ""
+        note = getattr(self.inner, "last_note", "") if kind == "collective" else ""
 
         def record(end: float) -> None:
-            rec = CommRecord(op, int(nbytes), str(tensor.dtype).replace("torch.", ""), self.world_size,
-                             getattr(self.inner, "last_algorithm", "builtin"), start - root._t0, end - start,
-                             self.rank, getattr(self.inner, "last_note", ""), tuple(tensor.shape))
+            rec = CommRecord(op, nbytes, dtype, self.world_size, algorithm, start - root._t0, end - start,
+                             self.rank, note, shape, kind)
             if cuda:
                 end_ev.record()
                 root._records.append(_PendingCuda(rec, start_ev, end_ev))
@@ -168,6 +192,21 @@ class CommProfiler(WrappedCommunicator):
             return result
         record(time.perf_counter())
         return result
+
+    def profile(self, fn: Callable[..., Any], *args: Any, name: str | None = None, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`, timed and recorded beside the collectives as op `name` (default: the
+        function's name), kind "call"; returns what `fn` returns. CUDA events time it when a tensor argument is
+        on a GPU or the backend is nccl (read lazily, like the collectives'), `perf_counter` otherwise. If `fn`
+        returns a `Handle` (an async collective), the record ends when the handle is waited for."""
+        if not callable(fn):
+            raise TypeError(f"CommProfiler.profile: expected a callable, got {type(fn).__name__}; "
+                            f"pass the function and its arguments: prof.profile(fn, x, name='step')")
+        if not self.enabled:
+            return fn(*args, **kwargs)
+        label = name or getattr(fn, "__name__", None) or type(fn).__name__
+        cuda = getattr(self.base, "torch_backend", None) == "nccl" or any(
+            isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+        return self._timed(label, "call", 0, "", (), cuda, lambda: fn(*args, **kwargs), None)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False):
         nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
@@ -206,16 +245,20 @@ class CommProfiler(WrappedCommunicator):
         return out
 
     def reset(self) -> None:
+        """Forget every record (the seed's Clear); times start again from zero."""
         self._root._records.clear()
         self._root._t0 = time.perf_counter()
 
-    def stats(self) -> list[dict[str, Any]]:
-        """Per (op, size bucket): count, bytes, total_time (s), and busbw mean/min/max/p50/p99 (GB/s),
-        plus the mean algbw. Sorted by op, then size."""
+    def stats(self) -> "CommStats":
+        """Per (op, size bucket): count, bytes, total_time (s), and busbw mean/min/max/p50/p99 (GB/s), plus the
+        mean algbw; sorted by op, then size. The list also carries whole-run totals: `.totals`, one dict per op
+        (kind, count, bytes, total_time, busbw_mean over calls, busbw_overall = bus bytes / total time), and
+        `.total` over everything (count, bytes, total_time)."""
+        records = self.records
         groups: dict[tuple[str, int], list[CommRecord]] = {}
-        for rec in self.records:
+        for rec in records:
             groups.setdefault((rec.op, size_bucket(rec.bytes)), []).append(rec)
-        rows = []
+        rows = CommStats()
         for (op, bucket), recs in sorted(groups.items()):
             bw = sorted(r.busbw for r in recs)
             total_time = sum(r.duration for r in recs)
@@ -227,25 +270,49 @@ class CommProfiler(WrappedCommunicator):
                 "busbw_p50": _percentile(bw, 50), "busbw_p99": _percentile(bw, 99),
                 "algbw_mean": sum(r.algbw for r in recs) / len(recs),
             })
+        by_op: dict[str, list[CommRecord]] = {}
+        for rec in records:
+            by_op.setdefault(rec.op, []).append(rec)
+        for op, recs in sorted(by_op.items()):
+            total_time = sum(r.duration for r in recs)
+            bus_bytes = sum(r.busbw * r.duration for r in recs) * 1e9
+            rows.totals.append({
+                "op": op, "kind": recs[0].kind, "count": len(recs), "bytes": sum(r.bytes for r in recs),
+                "total_time": total_time, "busbw_mean": sum(r.busbw for r in recs) / len(recs),
+                "busbw_overall": bus_bytes / total_time / 1e9 if total_time > 0 else 0.0,
+            })
+        rows.total = {"count": len(records), "bytes": sum(r.bytes for r in records),
+                      "total_time": sum(r.duration for r in records)}
         return rows
 
     def summary(self, width: int | None = None) -> str:
-        """`stats()` as a table (fitted to `width` columns; None: natural width)."""
+        """`stats()` as two tables, per op and size, then per op over the whole run (fitted to `width`
+        columns; None: natural width)."""
         from ..tables import Column, format_bytes, render_table
 
+        stats = self.stats()
         columns = [Column("op", "left"), Column("bucket"), Column("count"), Column("total ms"),
                    Column("busbw GB/s p50"), Column("p99", drop=2), Column("algorithms", "left", drop=1, wrap="words")]
         rows = [[s["op"], format_bytes(s["size_bucket"]), str(s["count"]), f"{s['total_time'] * 1e3:.2f}",
-                 f"{s['busbw_p50']:.3f}", f"{s['busbw_p99']:.3f}", ", ".join(s["algorithms"])] for s in self.stats()]
-        return render_table(f"communication on rank {self.rank} of {self.world_size}", columns, rows, width)
+                 f"{s['busbw_p50']:.3f}", f"{s['busbw_p99']:.3f}", ", ".join(s["algorithms"])] for s in stats]
+        title = f"communication on rank {self.rank} of {self.world_size}"
+        columns_total = [Column("op", "left"), Column("kind", "left", drop=1), Column("calls"), Column("bytes"),
+                         Column("total ms"), Column("busbw GB/s mean")]
+        totals = [[t["op"], t["kind"], str(t["count"]), format_bytes(t["bytes"]), f"{t['total_time'] * 1e3:.2f}",
+                   f"{t['busbw_mean']:.3f}"] for t in stats.totals]
+        totals.append(["all", "", str(stats.total["count"]), format_bytes(stats.total["bytes"]),
+                       f"{stats.total['total_time'] * 1e3:.2f}", ""])
+        return (render_table(title, columns, rows, width) + "\n"
+                + render_table(f"totals on rank {self.rank} of {self.world_size}", columns_total, totals, width))
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
-        """Records and stats as JSON; written to `path` if given."""
+        """Records, stats and totals as JSON; written atomically to `path` if given."""
+        stats = self.stats()
         text = json.dumps({"rank": self.rank, "world_size": self.world_size, "backend": self.backend,
-                           "records": [r.to_dict() for r in self.records], "stats": self.stats()}, indent=1)
+                           "records": [r.to_dict() for r in self.records], "stats": list(stats),
+                           "totals": stats.totals, "total": stats.total}, indent=1)
         if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
+            write_atomically(path, text)
         return text
 
     def export_chrome_trace(self, path: str | os.PathLike) -> dict:
@@ -254,12 +321,41 @@ class CommProfiler(WrappedCommunicator):
         events = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
                    "args": {"name": f"tpkit rank {self.rank}"}}]
         for r in self.records:
-            events.append({"name": r.op, "cat": "comm", "ph": "X", "pid": r.rank, "tid": 0,
+            events.append({"name": r.op, "cat": "comm" if r.kind == "collective" else "call", "ph": "X",
+                           "pid": r.rank, "tid": 0,
                            "ts": r.start * 1e6, "dur": r.duration * 1e6,
-                           "args": {"bytes": r.bytes, "dtype": r.dtype, "world_size": r.world_size,
+                           "args": {"kind": r.kind, "bytes": r.bytes, "dtype": r.dtype, "world_size": r.world_size,
                                     "algorithm": r.algorithm, "algbw_GBps": r.algbw, "busbw_GBps": r.busbw,
                                     "note": r.note}})
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
-        with open(path, "w") as f:
-            json.dump(trace, f)
+        write_atomically(path, json.dumps(trace))
         return trace
+
+
+class CommStats(list):
+    """`CommProfiler.stats()`: the per (op, size bucket) rows, plus `totals` (one dict per op over the whole
+    run) and `total` (count, bytes and time of every record)."""
+
+    def __init__(self, rows=()):
+        super().__init__(rows)
+        self.totals: list[dict[str, Any]] = []
+        self.total: dict[str, Any] = {"count": 0, "bytes": 0, "total_time": 0.0}
+
+
+def write_atomically(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same directory and a rename: a reader (or a
+    crash) sees the old file or the new one, never a torn one."""
+    directory = os.path.dirname(os.fspath(path)) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(os.fspath(path))}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

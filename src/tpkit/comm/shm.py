@@ -17,7 +17,7 @@ stores in order, so data written before the flag is visible once the flag is.
 segment is created by rank 0, mapped by all, and unlinked right after every rank has attached, so a crash
 leaves nothing behind; `atexit` unlinks too if setup dies half-way). `TorchCommunicator` uses it for
 synchronous CPU all_reduce / all_gather of at most `SLOT_BYTES` when every rank of its group is on this host;
-`TPKIT_SHM=0` turns it off. A rank that never arrives raises `CommError` after the communicator's timeout,
+`TPKIT_SHM=0` turns it off; its barrier goes through the segment too. A rank that never arrives raises `CommError` after the communicator's timeout,
 and a peer process that died raises it within a second.
 """
 from __future__ import annotations
@@ -36,6 +36,12 @@ from .errors import CommError
 from .ops import ReduceOp, reduce_tensors
 
 SLOT_BYTES = 1 << 20
+# A waiting rank gives its core away (sched_yield) every 4 spins (~0.4 us of Python). When the scheduler puts
+# two ranks on one core, which a busy machine does, the rank that waits must let the other one run before
+# anything can happen: yielding every 256 spins cost ~20 us per wait there (a 4 KiB all-reduce took ~46 us
+# instead of ~7). With a core each, a yield with nothing else to run returns at once, so frequent yields
+# cost nothing measurable there (bench/shm_allreduce.py --placement split / shared, BENCHMARKS.md).
+_YIELD_MASK = 3
 _LINE = 64                      # bytes of flags per rank (one cache line)
 _FLAGS_BYTES = 64 * _LINE       # room for 64 ranks
 _Q = _LINE // 8                 # int64 words per line
@@ -127,12 +133,18 @@ class SharedMemoryChannel:
         self._views: dict = {}  # (dtype, shape) -> [bank][rank] views of the slots
 
     def close(self) -> None:
+        """Unmap the segment (the file was unlinked at setup). Peers keep their own mappings."""
+        self._views.clear()
+        self._bytes = None
         try:
             self._flags.release()
-            self._bytes = None
             self._map.close()
         except (BufferError, ValueError):
             pass  # tensors still view it; the mapping goes with the process
+
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
 
     # -- protocol ---------------------------------------------------------------------------------
     def _slots(self, tensor: torch.Tensor) -> list[list[torch.Tensor]]:
@@ -160,9 +172,9 @@ class SharedMemoryChannel:
             spins, deadline = 0, None
             while flags[index] < seq:
                 spins += 1
-                if spins & 255 == 0:
+                if spins & _YIELD_MASK == 0:
                     os.sched_yield()
-                    if spins & 16383 == 0:
+                    if spins & 255 == 0:  # every 64 yields: a yield can take a time slice on a busy machine
                         now = time.monotonic()
                         if deadline is None:
                             deadline = now + self.timeout
@@ -185,6 +197,8 @@ class SharedMemoryChannel:
 
     def _publish(self, tensor: torch.Tensor, op: str) -> tuple[int, list[torch.Tensor]]:
         """Write `tensor` into this rank's slot and wait for every rank's; (call number, every rank's slot)."""
+        if tensor.requires_grad:  # copying it into the slot must not enter autograd
+            tensor = tensor.detach()
         seq = self._seq = self._seq + 1
         parts = self._slots(tensor)[seq & 1]
         if seq > 2:
@@ -197,6 +211,8 @@ class SharedMemoryChannel:
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, out: torch.Tensor | None = None) -> torch.Tensor:
         """The reduction of every rank's `tensor` (contiguous CPU, at most SLOT_BYTES) into `out` or a new tensor."""
         seq, parts = self._publish(tensor, "all_reduce")
+        if out is not None and out.requires_grad:
+            out = out.detach()
         if op is ReduceOp.SUM:
             result = torch.add(parts[0], parts[1], out=out) if out is not None else torch.add(parts[0], parts[1])
             for part in parts[2:]:
@@ -207,6 +223,15 @@ class SharedMemoryChannel:
                 result = out.copy_(result)
         self._flags[self.rank * _Q + 1] = seq
         return result
+
+    def barrier(self) -> None:
+        """Return once every rank has reached its barrier: a call without data in the same numbering."""
+        seq = self._seq = self._seq + 1
+        if seq > 2:
+            self._wait(1, seq - 2, "barrier")
+        self._flags[self.rank * _Q] = seq
+        self._wait(0, seq, "barrier")
+        self._flags[self.rank * _Q + 1] = seq
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's `tensor` (same shape on all) concatenated along `dim`."""

@@ -117,7 +117,11 @@ class ThreadCommunicator(Communicator):
 
     def __init__(self, state: _GroupState, rank: int, timeout: float = DEFAULT_TIMEOUT):
         super().__init__(rank, state.size, state.name, timeout)
-        self._state = state
+        self._state: _GroupState | None = state
+        self._world = state.world
+
+    def _close(self) -> None:
+        self._state = None  # the group's rendezvous goes once every rank has closed
 
     def _exchange(self, op: str, payload: Any) -> list[Any]:
         return self._state.exchange(self._rank, op, payload, self._timeout)
@@ -220,7 +224,7 @@ def create_communicators(world_size: int, timeout: float | None = None) -> list[
 def abort(comms: list[ThreadCommunicator], reason: str) -> None:
     """Wake every rank of the run waiting in a collective with `CommError(reason)`."""
     if comms:
-        comms[0]._state.world.abort(reason)
+        comms[0]._world.abort(reason)
 
 
 def run_threads(fn: Callable[[ThreadCommunicator], Any], world_size: int, timeout: float | None = None) -> list:

@@ -2,11 +2,14 @@
 
 Why: on a loaded box one call can take 10x another of the same kind. Timing A for a while and then B
 compares two different loads. Here the candidates alternate call by call (each call starts after a
-barrier, so every rank starts together), the starting candidate rotates, and the number of rounds comes
-from a pilot round and a time budget, agreed by all ranks (a MAX all-reduce), so no rank stops early.
+barrier, so every rank starts together), in an order shuffled every round (the same on every rank: seeded
+by the round), so no candidate always runs right after the same other one (a gloo call leaves threads
+behind that slow the next call down), and the number of rounds comes from a pilot round and a time budget,
+agreed by all ranks (a MAX all-reduce), so no rank stops early.
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Callable, Sequence
@@ -39,9 +42,10 @@ def interleaved_times(comm: Communicator, calls: Sequence[Callable[[], object]],
     per_round = max(sum(pilot), 1e-6)
     rounds = int(min(max_rounds, max(min_rounds, budget_s / per_round)))
     samples: list[list[float]] = [[] for _ in calls]
+    order = list(range(len(calls)))
     for r in range(rounds):
-        shift = r % len(calls)
-        for j in list(range(shift, len(calls))) + list(range(shift)):
+        random.Random(r).shuffle(order)
+        for j in order:
             samples[j].append(timed(calls[j]))
     return samples
 

@@ -2,8 +2,8 @@
 
 Why: a TP group that crosses PCIe instead of NVLink, or an InfiniBand card that NCCL was told not to use,
 costs more than any algorithm choice wins back. This gathers the facts (devices, CUDA peer access, NVLink
-links from `nvidia-smi topo -m`, InfiniBand devices from /sys/class/infiniband, the NCCL_* variables in
-effect) and turns the common mistakes into advice lines. Every probe is optional: a machine without a
+links from `nvidia-smi topo -m`, InfiniBand devices from /sys/class/infiniband, GPUDirect RDMA support
+(`gpudirect.py`), the NCCL_* variables in effect) and turns the common mistakes into advice lines. Every probe is optional: a machine without a
 GPU, nvidia-smi or InfiniBand gets a report saying so, never an exception.
 """
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .gpudirect import probe_gpudirect
+
 
 @dataclasses.dataclass
 class Topology:
@@ -27,6 +29,7 @@ class Topology:
     nccl_env: dict[str, str]
     advice: list[str]
     notes: list[str]  # what could not be probed, and why
+    gpudirect: dict[str, Any] = dataclasses.field(default_factory=dict)  # GPUDirect.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -50,6 +53,9 @@ class Topology:
                 lines.append(f"  GPU{i} <-> GPU{j}: {v}")
         ib = ", ".join(f"{d['name']} ({d.get('state', '?')}, {d.get('rate', '?')})" for d in self.infiniband)
         lines.append(f"infiniband: {ib or 'none'}")
+        if self.gpudirect:
+            state = "supported" if self.gpudirect["supported"] else "not available"
+            lines.append(f"GPUDirect RDMA: {state} ({self.gpudirect['reason']})")
         lines.append("NCCL environment: " + (", ".join(f"{k}={v}" for k, v in sorted(self.nccl_env.items()))
                                              or "no NCCL_* variables set"))
         lines += [f"note: {n}" for n in self.notes]
@@ -116,8 +122,11 @@ def _advice(devices, peer, nvlink, ib, env) -> list[str]:
     return advice
 
 
-def topology(infiniband_root: str | os.PathLike = "/sys/class/infiniband", run_nvidia_smi: bool = True) -> Topology:
-    """Probe this machine (see module docstring); never raises for a missing GPU, tool or file."""
+def topology(infiniband_root: str | os.PathLike = "/sys/class/infiniband", run_nvidia_smi: bool = True,
+             pci_root: str | os.PathLike = "/sys/bus/pci/devices",
+             proc_modules: str | os.PathLike = "/proc/modules") -> Topology:
+    """Probe this machine (see module docstring); never raises for a missing GPU, tool or file. The roots are
+    parameters so recorded samples of /sys and /proc can stand in for the machine's."""
     notes: list[str] = []
     devices: list[dict[str, Any]] = []
     peer: list[list[bool]] = []
@@ -142,4 +151,6 @@ def topology(infiniband_root: str | os.PathLike = "/sys/class/infiniband", run_n
         notes.append("nvidia-smi not found: NVLink unknown")
     ib = _infiniband(Path(infiniband_root))
     env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
-    return Topology(devices, peer, nvlink, ib, env, _advice(devices, peer, nvlink, ib, env), notes)
+    gdr = probe_gpudirect(infiniband_root, pci_root, proc_modules, env)
+    return Topology(devices, peer, nvlink, ib, env, _advice(devices, peer, nvlink, ib, env) + gdr.advice, notes,
+                    gdr.to_dict())

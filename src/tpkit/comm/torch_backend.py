@@ -36,8 +36,9 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 PIPELINE_MIN_BYTES = 8 << 20
 PIPELINE_PIECE_BYTES = 4 << 20
 # Subgroups made by members only (use_local_synchronization) are named by their ranks in torch; asking for
-# the same ranks twice must reuse the group rather than collide.
-_LOCAL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# the same ranks twice must reuse the group rather than collide. Each entry counts the open communicators on
+# it, and the last one to close destroys it.
+_LOCAL_GROUPS: dict[tuple[int, ...], list] = {}  # global ranks -> [group, open communicators]
 
 
 class TorchCommunicator(Communicator):
@@ -45,7 +46,8 @@ class TorchCommunicator(Communicator):
 
     backend = "torch"
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout: float | None = None, name: str | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout: float | None = None, name: str | None = None,
+                 owns_group: bool = False):
         if not dist.is_initialized():
             raise CommError("torch.distributed is not initialised; call tpkit.init() (or "
                             "torch.distributed.init_process_group) first")
@@ -65,6 +67,9 @@ class TorchCommunicator(Communicator):
         # known; False: not possible. Compiled graphs use functional collectives only when it cannot be on.
         self._shm = None if (shm.enabled() and self._pg_backend == "gloo" and self._world_size > 1) else False
         self.__dict__["_functional_group"] = self._group.group_name if self._shm is False else None
+        # Groups made by new_group belong to their communicators (destroyed on close); the world and groups
+        # the caller passed in belong to whoever made them.
+        self._owns_group = owns_group and self._group is not dist.group.WORLD
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -119,14 +124,18 @@ class TorchCommunicator(Communicator):
         _all_gather_single(every, sig, group=self._group)
         return every.view(self._world_size, -1).tolist()
 
-    def _shm_channel(self, tensor: torch.Tensor, async_op: bool):
-        """The shared-memory channel when this call may use it (small, synchronous, CPU, not TP_DEBUG)."""
-        if self._shm is False or async_op or self._debug or tensor.device.type != "cpu" \
-                or tensor.numel() * tensor.element_size() > shm.SLOT_BYTES:
-            return None
+    def _channel(self):
+        """The shared-memory channel, connected by the first call that may use it (a collective, so every rank
+        gets there together); None when it cannot be on."""
         if self._shm is None:
             self._shm = shm.connect(self._group, self._rank, self._world_size, self._timeout, self._name) or False
         return self._shm or None
+
+    def _shm_channel(self, tensor: torch.Tensor, async_op: bool):
+        """The shared-memory channel when this call may use it (small, synchronous, CPU, not TP_DEBUG)."""
+        if self._shm is False or async_op or self._debug or not tensor.is_cpu or tensor.nbytes > shm.SLOT_BYTES:
+            return None
+        return self._channel()
 
     @property
     def shared_memory(self) -> bool:
@@ -139,7 +148,7 @@ class TorchCommunicator(Communicator):
             self._check_peers("all_reduce", tensor, reduce_op=op)
         channel = self._shm_channel(tensor, False)
         if channel is not None and tensor.is_contiguous():
-            return channel.all_reduce(tensor.detach(), op, out=tensor.detach())
+            return channel.all_reduce(tensor, op, out=tensor)
         native = op is not ReduceOp.AVG or (self._native_avg and tensor.is_floating_point())
         if not tensor.is_contiguous() or not native:
             return super()._all_reduce_(tensor, op)
@@ -147,12 +156,19 @@ class TorchCommunicator(Communicator):
         dist.all_reduce(tensor.detach(), torch_op, group=self._group)
         return tensor
 
+    def _all_reduce_now(self, tensor, op):
+        # The small synchronous all-reduce of decoding: straight to shared memory once it is connected.
+        channel = self._shm
+        if channel and not self._debug and tensor.is_cpu and tensor.nbytes <= shm.SLOT_BYTES:
+            return channel.all_reduce(tensor, op)
+        return self._all_reduce(tensor, op, False).wait()
+
     def _all_reduce(self, tensor, op, async_op):
         if self._debug:
             self._check_peers("all_reduce", tensor, reduce_op=op)
         channel = self._shm_channel(tensor, async_op)
         if channel is not None:
-            return Handle.completed(channel.all_reduce(tensor.detach(), op))
+            return Handle.completed(channel.all_reduce(tensor, op))
         src = tensor.detach()
         native = op is not ReduceOp.AVG or (self._native_avg and src.is_floating_point())
         torch_op = dist.ReduceOp.AVG if op is ReduceOp.AVG and native else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
@@ -221,8 +237,16 @@ class TorchCommunicator(Communicator):
         return self._handle(work, lambda: out)
 
     def _barrier(self):
+        channel = None if self._shm is False or self._debug else self._channel()
+        if channel is not None:  # microseconds instead of a gloo round trip
+            channel.barrier()
+            return
         token = torch.zeros(1, device=self._scratch_device())
         dist.all_reduce(token, group=self._group)
+
+    def _barrier_async(self):
+        token = torch.zeros(1, device=self._scratch_device())
+        return self._handle(dist.all_reduce(token, group=self._group, async_op=True), lambda: None)
 
     def _send(self, tensor, dst):
         peer = self._global_ranks[dst]
@@ -262,14 +286,30 @@ class TorchCommunicator(Communicator):
             group = dist.new_group(global_members, timeout=timeout, backend=self._pg_backend)
             if self._rank not in members:
                 return None
-        else:
-            # Only this subgroup's processes call this; the rest of the world must not be waited for.
-            if self._rank not in members:
-                return None
-            key = tuple(global_members)
-            group = _LOCAL_GROUPS.get(key)
-            if group is None:
-                group = dist.new_group(global_members, timeout=timeout, backend=self._pg_backend,
-                                       use_local_synchronization=True)
-                _LOCAL_GROUPS[key] = group
-        return TorchCommunicator(group, self._timeout)
+            return TorchCommunicator(group, self._timeout, owns_group=True)
+        # Only this subgroup's processes call this; the rest of the world must not be waited for.
+        if self._rank not in members:
+            return None
+        key = tuple(global_members)
+        entry = _LOCAL_GROUPS.get(key)
+        if entry is None:
+            entry = _LOCAL_GROUPS[key] = [dist.new_group(global_members, timeout=timeout, backend=self._pg_backend,
+                                                         use_local_synchronization=True), 0]
+        comm = TorchCommunicator(entry[0], self._timeout)
+        comm._local_key = key
+        entry[1] += 1
+        return comm
+
+    def _close(self):
+        if self._shm:
+            self._shm.close()
+        self._shm = False
+        key = self.__dict__.pop("_local_key", None)
+        if key is not None:  # a shared member-made subgroup: the last communicator on it destroys it
+            entry = _LOCAL_GROUPS[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _LOCAL_GROUPS[key]
+                dist.destroy_process_group(entry[0])
+        elif self._owns_group:
+            dist.destroy_process_group(self._group)

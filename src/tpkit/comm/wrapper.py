@@ -66,8 +66,8 @@ class WrappedCommunicator(Communicator):
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         return self.inner.broadcast(tensor, src=src, async_op=async_op)
 
-    def barrier(self) -> None:
-        self.inner.barrier()
+    def barrier(self, async_op: bool = False) -> Handle | None:
+        return self.inner.barrier(async_op=async_op)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.inner.send(tensor, dst)
@@ -82,6 +82,11 @@ class WrappedCommunicator(Communicator):
     def _rewrap(self, group: Communicator) -> Communicator:
         """The same kind of wrapper around a subgroup; subclasses with settings override this."""
         return type(self)(group)
+
+    def _close(self) -> None:
+        # A wrapper owns what it wraps: `with create_communicator(..., profile=True) as comm` must release the
+        # backend's group, not just the profiler.
+        self.inner.close()
 
     # -- primitives: never reached, the public methods above forward first -------------------------
     def _all_reduce(self, tensor, op, async_op) -> Handle:
