@@ -9,8 +9,7 @@ arguments and returns a `Handle`; backends that compare the ranks' calls under T
 from __future__ import annotations
 
 import abc
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -18,6 +17,7 @@ from . import checks
 from .debug import debug_enabled, log_call
 from .errors import CommError
 from .handle import Handle
+from .lifetime import Lifetime
 from .ops import ReduceOp
 from ..layout import split_sizes
 from .signatures import check_signatures, signature
@@ -39,7 +39,7 @@ def group_name(global_ranks: Sequence[int], world_size: int) -> str:
     return "world" if ranks == list(range(world_size)) else f"world{ranks}"
 
 
-class Communicator(abc.ABC):
+class Communicator(Lifetime, abc.ABC):
     """A group of `world_size` ranks that run collectives together; this object is one of them.
 
     Collectives return a new tensor and never modify their input. `recv` is the one exception: it fills
@@ -57,7 +57,7 @@ class Communicator(abc.ABC):
         self._world_size = world_size
         self._name = name
         self._timeout = float(timeout)
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor = None
         self._pending: list = []
         self._debug = False
         self._closed = False
@@ -84,47 +84,6 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group={self._name!r}, rank={self._rank}, world_size={self._world_size})"
-
-    # -- lifetime ---------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        """Whether `close()` was called; every operation of a closed communicator raises `CommError`."""
-        return self._closed
-
-    def close(self) -> None:
-        """Release what this communicator holds (the seed's IDisposable): its async worker thread (after
-        pending operations finish), and the backend's resources (`_close`): a process group or MPI
-        communicator it made, its shared-memory mapping; wrappers close what they wrap and drop their staging
-        buffers. Idempotent. Call it on every rank of the group, like a collective (MPI frees communicators
-        collectively). Afterwards every operation raises `CommError` naming the call; results already
-        returned, and a profiler's records, stay valid.
-
-        The world process group is left to `tpkit.shutdown()`, which knows whether tpkit started it.
-        """
-        if self._closed:
-            return
-        try:
-            self._drain()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            self._close()
-        finally:
-            self._closed = True
-            # Replacing the operations on the instance keeps the check off the per-call path.
-            what = repr(self)
-            for name in _OPERATIONS:
-                setattr(self, name, _refusal(name, what))
-
-    def _close(self) -> None:
-        """Backend hook for `close()`: release the backend's own resources."""
-
-    def __enter__(self) -> "Communicator":
-        return self
-
-    def __exit__(self, kind, exc, traceback) -> bool:
-        self.close()
-        return False
 
     # -- public collectives -----------------------------------------------------------------------
     # The collectives run on every layer's forward and backward, so their common path is kept to a few
@@ -349,32 +308,6 @@ class Communicator(abc.ABC):
         if self._debug:
             check_signatures(op, self._name, self._gather_signatures(signature(op, tensor, **details)))
 
-    def _in_background(self, fn: Callable[[], torch.Tensor], async_op: bool) -> Handle:
-        """Run `fn` now, or on this communicator's one worker thread when `async_op` is set.
-
-        One worker keeps operations in the order they were issued, which collectives require. Synchronous
-        calls first wait for pending async ones (`_drain`) for the same reason.
-        """
-        if not async_op:
-            self._drain()
-            return Handle.completed(fn())
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tpkit-{self._name}")
-        future = self._executor.submit(fn)
-        self._pending.append(future)
-        return Handle(future.result, future.done)
-
-    def _drain(self) -> None:
-        """Wait for async operations issued earlier on this communicator; their errors surface in `wait`."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        for future in pending:
-            try:
-                future.result()
-            except BaseException:  # noqa: BLE001 - reported by the handle's own wait()
-                pass
-
     def _finish(self, handle: Handle, async_op: bool, op: str = ""):
         if async_op:
             raw_wait = handle._wait
@@ -423,19 +356,6 @@ class Communicator(abc.ABC):
 
     def _check_group_ranks(self, ranks: Sequence[int]) -> list[int]:
         return checks.check_group_ranks(ranks, self._name, self._world_size)
-
-
-_OPERATIONS = ("all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast", "barrier", "send", "recv",
-               "new_group")
-
-
-def _refusal(op: str, what: str) -> Callable[..., None]:
-    """What `op` becomes on a closed communicator (`what` describes it)."""
-    def closed(*args, **kwargs) -> None:
-        raise CommError(f"{op}: {what} is closed; make a new communicator (tpkit.comm.create_communicator, "
-                        f"tpkit.init) to communicate again")
-    closed.__name__ = op
-    return closed
 
 
 class _Guard:
