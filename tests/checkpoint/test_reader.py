@@ -44,3 +44,26 @@ def test_progress_is_off_without_a_tty():
     with Progress("x", 10) as bar:
         bar.advance(5)
         assert not bar.enabled
+
+
+def test_progress_true_without_a_terminal_writes_a_line_per_tenth(tmp_path, capsys):
+    """Forced on into a log file (captured stderr is no terminal): plain lines, the last at 100%, no blank ones."""
+    import tpkit
+    from tests.convert.models import hf_model
+
+    hf_model("llama").save_pretrained(tmp_path)
+    capsys.readouterr()
+    tpkit.from_pretrained(str(tmp_path), progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    ours = [line for line in lines if line.startswith(f"loading {tmp_path.name}: ")]
+    assert 1 <= len(ours) <= 10 and "100%" in ours[-1], lines
+    assert all(line.strip() for line in lines), lines
+
+
+def test_progress_lines_step_by_tenths(tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        with Progress("saving", 1000, True, stream=log) as bar:
+            for _ in range(40):
+                bar.advance(25)
+    lines = (tmp_path / "log").read_text().splitlines()
+    assert [line.split(":")[1].split("%")[0].strip() for line in lines] == [str(10 * i) for i in range(1, 11)]
