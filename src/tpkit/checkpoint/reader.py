@@ -1,27 +1,36 @@
 """Read the region of a full tensor one rank holds, from the pieces that overlap it, touching only their bytes.
 
 The region comes from the rank's `ShardLayout`: its segments along `dim` (the whole tensor when replicated),
-concatenated in local order, in the stored orientation (`stored_local_shape`). A whole-tensor source (Hugging
-Face files) is read with `layout.byte_ranges` straight into the destination; a tpkit checkpoint's pieces are
-intersected with each segment's box and each intersection read as the byte runs of that sub-box.
+concatenated in local order, in the stored orientation (`stored_local_shape`). `plan_copies` says which bytes
+of which file fill which sub-box of the region: for a whole-tensor source (Hugging Face files) one Copy, the
+layout's `byte_ranges`; for a tpkit checkpoint one per piece overlapping a segment, the byte runs of that
+intersection. `fill` performs one Copy: straight into the destination's memory when the sub-box is contiguous
+there (a piece read at the world size it was saved with always is), else through a temporary; or through
+the staging buffers (`staging.py`) when the destination is on a device. Copies are independent, so a caller
+may run several at once (`fill.py`).
 
 Pieces carry a sha256 (tpkit checkpoints). `check_pieces` verifies, from disk, every piece a rank is about
-to read (before anything changes: `load_sharded` into a live model); `read_region(..., verify=True)` instead
+to read (before anything changes: `load_sharded` into a live model); `fill(..., verify=True)` instead
 hashes a piece read whole from the bytes just read, with no second pass over the file (`from_pretrained`,
-whose model is new and thrown away on error). Either way a rank verifies exactly the bytes it uses.
+whose model is new and thrown away on error), and a piece read in part from disk. Either way a rank verifies
+exactly the pieces it uses.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import itertools
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from ..layout import ShardLayout
 from .errors import CheckpointError
-from .safetensors_file import Header, TensorInfo, read_ranges, sha256_bytes, sha256_range
+from .safetensors_file import Header, TensorInfo, byte_view, pread_runs, sha256_range
 from .sources import Entry, Piece
+from .staging import Staging
 
 Box = tuple[tuple[int, int], ...]
 
@@ -86,12 +95,12 @@ def needed_pieces(entry: Entry, layout: ShardLayout) -> list[Piece]:
     return [p for p in entry.pieces if any(intersect(box, p) is not None for box in boxes)]
 
 
-def check_piece(piece: Piece, info: TensorInfo, read: torch.Tensor | None = None) -> None:
-    """Compare the piece's sha256 (if recorded) with `read` (the piece's bytes, just read whole) or with the
-    file's bytes; raise CheckpointError naming the file and tensor."""
+def check_piece(piece: Piece, info: TensorInfo, digest: str | None = None) -> None:
+    """Compare the piece's sha256 (if recorded) with `digest` (taken from the piece's bytes as they were read
+    whole) or, without one, with the file's bytes; raise CheckpointError naming the file and tensor."""
     if piece.sha256 is None:
         return
-    got = sha256_bytes(read) if read is not None else sha256_range(piece.path, info.start, info.stop)
+    got = digest if digest is not None else sha256_range(piece.path, info.start, info.stop)
     if got != piece.sha256:
         raise CheckpointError(f"{piece.path}: tensor {piece.name!r}: sha256 differs from the manifest's (the file "
                               f"changed or is damaged)")
@@ -102,34 +111,108 @@ def check_pieces(entry: Entry, layout: ShardLayout, headers: dict[str, Header]) 
         check_piece(piece, headers[piece.path].tensors[piece.name])
 
 
-def read_region(entry: Entry, layout: ShardLayout, headers: dict[str, Header], out: torch.Tensor,
-                verify: bool = False) -> torch.Tensor:
-    """Fill `out` (contiguous, `layout.stored_local_shape`, the entry's dtype) with the rank's region; with
-    `verify`, check the sha256 of each piece used (from the bytes read when the piece was read whole)."""
-    if entry.is_whole:
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """The part of a rank's region one piece holds: the file's byte `runs` (absolute offsets, in order) are,
+    back to back, the row-major elements of the region's sub-box at offsets `at` with `shape`. `whole`: the
+    runs are all of the piece's bytes, so its sha256 can be taken from the bytes as they are read."""
+
+    piece: Piece
+    info: TensorInfo
+    runs: tuple[tuple[int, int], ...]
+    at: tuple[int, ...]
+    shape: tuple[int, ...]
+    whole: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b - a for a, b in self.runs)
+
+
+def plan_copies(entry: Entry, layout: ShardLayout, headers: dict[str, Header]) -> list[Copy]:
+    """The Copies that fill the rank's region (`layout.stored_local_shape`, the entry's dtype) of `entry`."""
+    size = entry.dtype.itemsize
+    if entry.is_whole:  # a Hugging Face tensor: the layout's byte ranges, in local order, are the region
         piece = entry.pieces[0]
         info = headers[piece.path].tensors[piece.name]
-        read_ranges(piece.path, info, layout.byte_ranges(entry.dtype.itemsize), out)
-        if verify:
-            check_piece(piece, info, out if out.numel() == math.prod(entry.shape) else None)
-        return out
+        shape = tuple(layout.stored_local_shape)
+        runs = tuple((info.start + a, info.start + b) for a, b in layout.byte_ranges(size))
+        return [Copy(piece, info, runs, (0,) * len(shape), shape, math.prod(shape) == math.prod(entry.shape))]
+    out = []
     for at, box in segment_boxes(layout):
-        dest = out if layout.dim is None else out.narrow(layout.dim, at, box[layout.dim][1] - box[layout.dim][0])
         for piece in entry.pieces:
             inter = intersect(box, piece)
             if inter is None:
                 continue
             local = tuple((a - o, b - o) for (a, b), o in zip(inter, piece.offsets))
-            view = dest
-            for d, ((a, b), (ba, _)) in enumerate(zip(inter, box)):
-                view = view.narrow(d, a - ba, b - a)
-            # Straight into the destination when the intersection is one contiguous block of it (a piece read
-            # at the world size it was saved with always is); else through a buffer.
-            tmp = view if view.is_contiguous() else torch.empty(view.shape, dtype=entry.dtype)
+            pos = tuple(a - ba + (at if d == layout.dim else 0) for d, ((a, _), (ba, _)) in enumerate(zip(inter, box)))
             info = headers[piece.path].tensors[piece.name]
-            read_ranges(piece.path, info, box_ranges(piece.shape, local, entry.dtype.itemsize), tmp)
-            if verify:
-                check_piece(piece, info, tmp if tmp.numel() == math.prod(piece.shape) else None)
-            if tmp is not view:
-                view.copy_(tmp)
+            runs = tuple((info.start + a, info.start + b) for a, b in box_ranges(piece.shape, local, size))
+            out.append(Copy(piece, info, runs, pos, tuple(b - a for a, b in inter),
+                            volume(inter) == math.prod(piece.shape)))
+    return out
+
+
+def chunks(runs: Sequence[tuple[int, int]], limit: int) -> Iterator[tuple[list[tuple[int, int]], int]]:
+    """`runs` cut into consecutive groups of at most `limit` bytes: `(runs, bytes)` each."""
+    group, size = [], 0
+    for a, b in runs:
+        while a < b:
+            n = min(b - a, limit - size)
+            group.append((a, a + n))
+            size, a = size + n, a + n
+            if size == limit:
+                yield group, size
+                group, size = [], 0
+    if group:
+        yield group, size
+
+
+def fill(copy: Copy, region: torch.Tensor, staging: Staging | None = None, verify: bool = False) -> None:
+    """Read `copy` into its sub-box of `region` (contiguous; the entry's dtype). Without `staging` the region is
+    host memory, read straight into when the sub-box is contiguous (else through a temporary); with it, the
+    bytes go through the staging buffers and are copied to the region's device. `verify`: check the piece's
+    sha256, from the bytes as read when the copy is the whole piece, else from disk."""
+    view = region
+    for d, (a, s) in enumerate(zip(copy.at, copy.shape)):
+        view = view.narrow(d, a, s)
+    with torch.no_grad():
+        if view.is_contiguous():
+            into = view
+        else:
+            with staging.on_stream() if staging is not None else contextlib.nullcontext():
+                into = torch.empty(copy.shape, dtype=region.dtype, device=region.device)
+        digest = hashlib.sha256() if verify and copy.whole and copy.piece.sha256 is not None else None
+        if staging is None:
+            data = byte_view(into)
+            pread_runs(copy.piece.path, copy.info.name, copy.runs, data)
+            if digest is not None:
+                digest.update(data)
+        elif into.numel():
+            dst, at = into.view(-1).view(torch.uint8), 0
+            for group, n in chunks(copy.runs, staging.chunk_bytes):
+                buf = staging.buffer()
+                try:
+                    data = byte_view(buf.view((n,), torch.uint8))
+                    pread_runs(copy.piece.path, copy.info.name, group, data)
+                    if digest is not None:
+                        digest.update(data)
+                except BaseException:
+                    staging.give_back(buf)
+                    raise
+                staging.send(buf, n, dst[at:at + n])
+                at += n
+        if into is not view:
+            with staging.on_stream() if staging is not None else contextlib.nullcontext():
+                view.copy_(into)
+    if verify:
+        check_piece(copy.piece, copy.info, digest.hexdigest() if digest is not None else None)
+
+
+def read_region(entry: Entry, layout: ShardLayout, headers: dict[str, Header], out: torch.Tensor,
+                verify: bool = False) -> torch.Tensor:
+    """Fill `out` (contiguous host memory, `layout.stored_local_shape`, the entry's dtype) with the rank's
+    region, one piece after another; with `verify`, check the sha256 of each piece used."""
+    for copy in plan_copies(entry, layout, headers):
+        fill(copy, out, None, verify)
     return out

@@ -2,7 +2,7 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header `{name: {dtype, shape,
 data_offsets}}` (plus an optional `__metadata__`), then the raw row-major bytes. Nothing here unpickles
-anything: reading a rank's slice is `os.pread` of the byte ranges its `ShardLayout` names, straight into the
+anything: reading a rank's slice is `os.preadv` of the byte ranges its `ShardLayout` names, straight into the
 destination tensor's memory, so a rank never holds more of the file than it needs.
 """
 from __future__ import annotations
@@ -97,23 +97,30 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 def read_ranges(path: str, info: TensorInfo, ranges: Iterable[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
     """Fill the contiguous tensor `out` with the tensor's byte ranges `[a, b)` (relative to its data), in order."""
-    buf, at = byte_view(out), 0
+    pread_runs(path, info.name, [(info.start + a, info.start + b) for a, b in ranges], byte_view(out))
+    return out
+
+
+def pread_runs(path: str, name: str, runs: Iterable[tuple[int, int]], buf: memoryview) -> None:
+    """Fill `buf` with the file's byte runs `[a, b)` (absolute offsets), back to back, by positional reads
+    (`os.preadv`: no shared file position, and the GIL is released while the kernel copies, so several
+    threads can read one file at once). `name` is the tensor, for the error of a truncated file."""
+    at = 0
     fd = os.open(path, os.O_RDONLY)
     try:
-        for a, b in ranges:
+        for a, b in runs:
             view = buf[at:at + b - a]
             got = 0
             while got < b - a:
-                n = os.preadv(fd, [view[got:]], info.start + a + got)
+                n = os.preadv(fd, [view[got:]], a + got)
                 if n <= 0:
-                    raise CheckpointError(f"{path}: truncated file while reading tensor {info.name!r}")
+                    raise CheckpointError(f"{path}: truncated file while reading tensor {name!r}")
                 got += n
             at += b - a
     finally:
         os.close(fd)
     if at != len(buf):
-        raise CheckpointError(f"{path}: tensor {info.name!r}: read {at} bytes for a {len(buf)}-byte destination")
-    return out
+        raise CheckpointError(f"{path}: tensor {name!r}: read {at} bytes for a {len(buf)}-byte destination")
 
 
 def write_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
