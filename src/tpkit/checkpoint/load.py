@@ -20,6 +20,7 @@ from ..nn._layer import resolve_comm
 from ..nn.random import get_rng_tracker
 from . import optimizer as optim_state
 from .agree import agree
+from .allocate import computed_buffers, materialize
 from .errors import CheckpointError
 from .fill import Target, check_targets, read_targets
 from .manifest import check_checksums, find_version, read_manifest
@@ -27,7 +28,7 @@ from .mesh import like, unwrap
 from .progress import Progress
 from .reader import uncovered
 from .sources import Source, hf_files, manifest_source, whole_files
-from .staging import staging_for
+from .staging import load_device, staging_for
 
 
 def open_source(path: str, rank: int = 0, world: int = 1) -> Source:
@@ -98,14 +99,17 @@ def check_target(source: Source, t: Target, convert: bool) -> None:
 
 
 def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, strict: bool = True,
-                 progress: bool | None = None) -> dict:
+                 progress: bool | None = None, device: torch.device | str | int | None = None) -> dict:
     """Load a tpkit checkpoint (any saved world size), a plain safetensors file or a directory of them into
     the converted (or plain) `model`, each rank reading only its slices; optimizer state too. Collective.
-    Tensors are filled where they are (a device destination through pinned staging buffers). Returns the
-    manifest metadata: {"step", "extra", "config", "plan", "world_size"}."""
+    Tensors are filled where they are (a device destination through pinned staging buffers); a model
+    converted on the meta device is first given memory on `device` (default: the rank's device), with its
+    non-persistent buffers computed as its class computes them (`allocate.py`), or refused when they cannot
+    be. Returns the manifest metadata: {"step", "extra", "config", "plan", "world_size"}."""
     comm = resolve_comm(comm)
     model, record = unwrap(model, comm)
-    error, source, targets, section, fills = None, None, [], {}, None
+    device = load_device(device, comm)
+    error, source, targets, section, computed, fills = None, None, [], {}, {}, None
     try:
         source = open_source(directory, comm.rank, comm.world_size)
         targets = model_targets(model, source, lambda k: k if k in source.entries else None, strict, convert=False)
@@ -114,11 +118,17 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
             if not section and strict:
                 raise CheckpointError(f"{source.root}: the checkpoint holds no optimizer state")
             targets += optimizer_targets(model, source, section)
-        fills = target_device(targets)
+        computed = computed_buffers(model, source.root)
+        fills = target_device(targets, device)
         check_targets(source, targets)  # before anything changes: the model is the caller's
     except Exception as exc:  # every rank must reach agree(), whatever went wrong
         error = exc
     agree(comm, error)
+    if any(t.is_meta for t in model.state_dict(keep_vars=True).values()) or computed:
+        materialize(model, device, computed, optimizer)
+        current = model.state_dict(keep_vars=True)
+        for t in targets:
+            t.dest = current[t.name] if t.dest is not None else None
     place_state(model, section, targets)
     total = sum(t.layout.local_numel * source.entries[t.key].dtype.itemsize for t in targets)
     with Progress(f"loading {os.path.basename(directory.rstrip('/'))}", total, progress, comm.rank) as bar:
@@ -131,9 +141,10 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
             "plan": manifest.get("plan"), "world_size": manifest.get("world_size")}
 
 
-def target_device(targets: list[Target]) -> torch.device:
-    """The one device the targets' tensors live on besides the CPU (the CPU when none)."""
-    devices = {t.dest.device for t in targets if t.dest is not None}
+def target_device(targets: list[Target], meta_to: torch.device) -> torch.device:
+    """The one device the targets' tensors live on besides the CPU (the CPU when none); a meta tensor will
+    live on `meta_to`."""
+    devices = {meta_to if t.dest.is_meta else t.dest.device for t in targets if t.dest is not None}
     devices = {d for d in devices if d.type != "cpu"}
     if len(devices) > 1:
         raise CheckpointError(f"the model's tensors are on several devices ({sorted(map(str, devices))}); "
