@@ -67,3 +67,25 @@ def test_progress_lines_step_by_tenths(tmp_path):
                 bar.advance(25)
     lines = (tmp_path / "log").read_text().splitlines()
     assert [line.split(":")[1].split("%")[0].strip() for line in lines] == [str(10 * i) for i in range(1, 11)]
+
+
+def test_from_pretrained_imports_only_the_models_own_transformers_modules(tmp_path):
+    """In a fresh process, the first from_pretrained imports from transformers.models only the auto mappings
+    and the model's own family (no other architecture), and nothing beyond what importing its class does."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.convert.models import hf_model
+
+    hf_model("llama").save_pretrained(tmp_path)
+    code = ("import json, sys, tpkit; tpkit.from_pretrained(sys.argv[1]); "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('transformers'))))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    families = {".".join(m.split(".")[:3]) for m in loaded if m.startswith("transformers.models.")}
+    assert families == {"transformers.models.auto", "transformers.models.llama"}, families
+    code = ("import json, sys, torch, transformers; from transformers.models.llama import modeling_llama; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('transformers'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert not loaded - set(json.loads(out.stdout.strip().splitlines()[-1]))
