@@ -64,6 +64,8 @@ class Staging:
         cuda = self.device.type == "cuda"
         self.pool = PinnedBufferPool(self.chunk_bytes * slots, pin=True if cuda else False)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:  # memory just allocated may still be in use by work queued on the current stream: go after it
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self._free = slots
         self._sent: collections.deque[tuple[object, PinnedBuffer]] = collections.deque()
         self._cond = threading.Condition()
