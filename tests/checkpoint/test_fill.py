@@ -38,7 +38,7 @@ def tied_dir(tmp_path_factory):
 def test_several_reads_are_in_flight(llama_dir, monkeypatch):
     """Each read is slowed down; with the reader threads several overlap (one thread at a time before)."""
     path, ref = llama_dir
-    real, lock, state = reader.pread_runs, threading.Lock(), {"now": 0, "most": 0}
+    real, lock, state = reader.pread_scatter, threading.Lock(), {"now": 0, "most": 0}
 
     def slow(*args):
         with lock:
@@ -51,7 +51,7 @@ def test_several_reads_are_in_flight(llama_dir, monkeypatch):
             with lock:
                 state["now"] -= 1
 
-    monkeypatch.setattr(reader, "pread_runs", slow)
+    monkeypatch.setattr(reader, "pread_scatter", slow)
     monkeypatch.setenv(fill.THREADS_ENV, "4")
     assert rel(logits_of(tpkit.from_pretrained(path)), ref) < 1e-6
     assert state["most"] >= 3, state
@@ -60,15 +60,15 @@ def test_several_reads_are_in_flight(llama_dir, monkeypatch):
 def test_a_failing_read_stops_every_thread_and_raises(llama_dir, monkeypatch):
     """One read fails: the error comes out of from_pretrained, and no reader thread is left running."""
     path, _ = llama_dir
-    real, calls = reader.pread_runs, []
+    real, calls = reader.pread_scatter, []
 
-    def failing(path_, name, runs, buf):
+    def failing(path_, name, reads):
         calls.append(name)
         if len(calls) == 5:
             raise tpkit.CheckpointError(f"{path_}: truncated file while reading tensor {name!r}")
-        return real(path_, name, runs, buf)
+        return real(path_, name, reads)
 
-    monkeypatch.setattr(reader, "pread_runs", failing)
+    monkeypatch.setattr(reader, "pread_scatter", failing)
     with pytest.raises(tpkit.CheckpointError, match="truncated"):
         tpkit.from_pretrained(path)
     assert not [t for t in threading.enumerate() if t.name.startswith("tpkit-read")]
@@ -252,3 +252,19 @@ def test_staging_waits_for_the_oldest_copy_when_every_buffer_is_taken():
     assert staging.early == 0 and staging.pool.stats.overflows == 0 and staging.pool.stats.misses <= 2
     assert all(bool((dst[r] == r % 251).all()) for r in range(64))
     assert os.environ.get("TPKIT_LOAD_STAGING", "0") == "0"
+
+
+def test_the_default_device_is_the_ranks(monkeypatch):
+    """nccl: cuda:LOCAL_RANK modulo the devices (as tpkit.init binds it); gloo and threads: the CPU."""
+    from tpkit.checkpoint.staging import load_device
+
+    class Nccl:
+        torch_backend = "nccl"
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert load_device(None, Nccl()) == torch.device("cuda", 1)
+    assert load_device("cpu", Nccl()) == torch.device("cpu")
+    assert load_device(None, tpkit.get_communicator()) == torch.device("cpu")

@@ -89,3 +89,29 @@ def test_from_pretrained_imports_only_the_models_own_transformers_modules(tmp_pa
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('transformers'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert not loaded - set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_scatter_reads_a_column_block_into_its_rows_with_one_positional_read(tmp_path):
+    """A piece saved at TP 2 by columns, read into a TP 1 region (and a block of it into a TP 3 one): one read
+    per file run, scattered over the region's rows, no temporary; every region matches the full tensor."""
+    from tpkit.checkpoint.reader import Copy, fill, scatter
+    from tpkit.checkpoint.sources import Piece as StoredPiece
+
+    full = torch.arange(6 * 10, dtype=torch.float32).reshape(6, 10)
+    write_file(str(tmp_path / "f.safetensors"), {"a": full[:, :5].contiguous(), "b": full[:, 5:].contiguous()})
+    header = read_header(str(tmp_path / "f.safetensors"))
+    for name, col in (("a", 0), ("b", 5)):
+        info = header.tensors[name]
+        piece = StoredPiece(str(tmp_path / "f.safetensors"), name, (0, col), (6, 5))
+        copy = Copy(piece, info, ((info.start, info.stop),), (0, col), (6, 5), True)
+        plan = scatter(copy, (6, 10), 4)
+        assert len(plan) == 1 and len(plan[0][1]) == 6  # one read, six rows
+        region = torch.zeros(6, 10)
+        fill(copy, region)
+        assert torch.equal(region[:, col:col + 5], full[:, col:col + 5])
+    info = header.tensors["b"]  # columns 6..8 of the full tensor: 1..3 of piece b, into a (6, 3) region
+    runs = tuple((info.start + a, info.start + b) for a, b in box_ranges((6, 5), ((0, 6), (1, 4)), 4))
+    region = torch.zeros(6, 3)
+    fill(Copy(StoredPiece(str(tmp_path / "f.safetensors"), "b", (0, 5), (6, 5)), info, runs, (0, 0), (6, 3), False),
+         region)
+    assert torch.equal(region, full[:, 6:9])

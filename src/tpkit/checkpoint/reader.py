@@ -4,10 +4,10 @@ The region comes from the rank's `ShardLayout`: its segments along `dim` (the wh
 concatenated in local order, in the stored orientation (`stored_local_shape`). `plan_copies` says which bytes
 of which file fill which sub-box of the region: for a whole-tensor source (Hugging Face files) one Copy, the
 layout's `byte_ranges`; for a tpkit checkpoint one per piece overlapping a segment, the byte runs of that
-intersection. `fill` performs one Copy: straight into the destination's memory when the sub-box is contiguous
-there (a piece read at the world size it was saved with always is), else through a temporary; or through
-the staging buffers (`staging.py`) when the destination is on a device. Copies are independent, so a caller
-may run several at once (`fill.py`).
+intersection. `fill` performs one Copy: straight into the destination's memory, a sub-box that is not
+contiguous there (a piece of a row-split tensor read at another world size) by one positional read scattered
+over its rows (`scatter`), never through a temporary; or through the staging buffers (`staging.py`) when
+the destination is on a device. Copies are independent, so a caller may run several at once (`fill.py`).
 
 Pieces carry a sha256 (tpkit checkpoints). `check_pieces` verifies, from disk, every piece a rank is about
 to read (before anything changes: `load_sharded` into a live model); `fill(..., verify=True)` instead
@@ -17,7 +17,6 @@ exactly the pieces it uses.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -28,7 +27,7 @@ import torch
 
 from ..layout import ShardLayout
 from .errors import CheckpointError
-from .safetensors_file import Header, TensorInfo, byte_view, pread_runs, sha256_range
+from .safetensors_file import Header, TensorInfo, byte_view, pread_runs, pread_scatter, sha256_range
 from .sources import Entry, Piece
 from .staging import Staging
 
@@ -168,45 +167,86 @@ def chunks(runs: Sequence[tuple[int, int]], limit: int) -> Iterator[tuple[list[t
         yield group, size
 
 
+def scatter(copy: Copy, region_shape: Sequence[int], itemsize: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """How to read `copy` straight into a contiguous region of `region_shape`: for each of its file runs, the
+    region byte ranges `(start, stop)` that run's bytes fill, in order. A sub-box that is not contiguous in
+    the region (a column block of a row-split piece) is many ranges filled by one positional read."""
+    shape = copy.shape
+    strides = [math.prod(region_shape[d + 1:]) for d in range(len(region_shape))]
+    j = len(shape) - 1  # the outermost dim from which on the sub-box is one contiguous run of the region
+    while j > 0 and shape[j] == region_shape[j]:
+        j -= 1
+    run = math.prod(shape[j:]) * itemsize if shape else itemsize
+    base = sum(a * s for a, s in zip(copy.at, strides))
+    starts = [(base + sum(i * s for i, s in zip(idx, strides))) * itemsize
+              for idx in itertools.product(*(range(n) for n in shape[:j]))]
+    out, k, used = [], 0, 0  # the region run being filled, and how much of it is
+    for a, b in copy.runs:
+        pieces, left = [], b - a
+        while left:
+            take = min(left, run - used)
+            start = starts[k] + used
+            if pieces and pieces[-1][1] == start:
+                pieces[-1] = (pieces[-1][0], start + take)
+            else:
+                pieces.append((start, start + take))
+            used, left = used + take, left - take
+            if used == run:
+                k, used = k + 1, 0
+        out.append((a, pieces))
+    return out
+
+
 def fill(copy: Copy, region: torch.Tensor, staging: Staging | None = None, verify: bool = False) -> None:
     """Read `copy` into its sub-box of `region` (contiguous; the entry's dtype). Without `staging` the region is
-    host memory, read straight into when the sub-box is contiguous (else through a temporary); with it, the
-    bytes go through the staging buffers and are copied to the region's device. `verify`: check the piece's
-    sha256, from the bytes as read when the copy is the whole piece, else from disk."""
+    host memory and the bytes go straight into it (`scatter`); with it, they go through the staging buffers
+    and are copied to the region's device. `verify`: check the piece's sha256, from the bytes as read when
+    the copy is the whole piece, else from disk."""
+    digest = hashlib.sha256() if verify and copy.whole and copy.piece.sha256 is not None else None
+    with torch.no_grad():
+        if staging is None:
+            data = byte_view(region)
+            reads = [(a, [data[x:y] for x, y in pieces])
+                     for a, pieces in scatter(copy, region.shape, region.element_size())]
+            pread_scatter(copy.piece.path, copy.info.name, reads)
+            if digest is not None:
+                for _, views in reads:
+                    for view in views:
+                        digest.update(view)
+        else:
+            staged(copy, region, staging, digest)
+    if verify:
+        check_piece(copy.piece, copy.info, digest.hexdigest() if digest is not None else None)
+
+
+def staged(copy: Copy, region: torch.Tensor, staging: Staging, digest) -> None:
+    """`fill` through the staging buffers: chunks of the file runs, in order, each copied to the device as
+    the next is read; a sub-box not contiguous in the region is gathered in a device temporary first."""
     view = region
     for d, (a, s) in enumerate(zip(copy.at, copy.shape)):
         view = view.narrow(d, a, s)
-    with torch.no_grad():
-        if view.is_contiguous():
-            into = view
-        else:
-            with staging.on_stream() if staging is not None else contextlib.nullcontext():
-                into = torch.empty(copy.shape, dtype=region.dtype, device=region.device)
-        digest = hashlib.sha256() if verify and copy.whole and copy.piece.sha256 is not None else None
-        if staging is None:
-            data = byte_view(into)
-            pread_runs(copy.piece.path, copy.info.name, copy.runs, data)
-            if digest is not None:
-                digest.update(data)
-        elif into.numel():
-            dst, at = into.view(-1).view(torch.uint8), 0
-            for group, n in chunks(copy.runs, staging.chunk_bytes):
-                buf = staging.buffer()
-                try:
-                    data = byte_view(buf.view((n,), torch.uint8))
-                    pread_runs(copy.piece.path, copy.info.name, group, data)
-                    if digest is not None:
-                        digest.update(data)
-                except BaseException:
-                    staging.give_back(buf)
-                    raise
-                staging.send(buf, n, dst[at:at + n])
-                at += n
-        if into is not view:
-            with staging.on_stream() if staging is not None else contextlib.nullcontext():
-                view.copy_(into)
-    if verify:
-        check_piece(copy.piece, copy.info, digest.hexdigest() if digest is not None else None)
+    if view.is_contiguous():
+        into = view
+    else:
+        with staging.on_stream():
+            into = torch.empty(copy.shape, dtype=region.dtype, device=region.device)
+    if into.numel():
+        dst, at = into.view(-1).view(torch.uint8), 0
+        for group, n in chunks(copy.runs, staging.chunk_bytes):
+            buf = staging.buffer()
+            try:
+                data = byte_view(buf.view((n,), torch.uint8))
+                pread_runs(copy.piece.path, copy.info.name, group, data)
+                if digest is not None:
+                    digest.update(data)
+            except BaseException:
+                staging.give_back(buf)
+                raise
+            staging.send(buf, n, dst[at:at + n])
+            at += n
+    if into is not view:
+        with staging.on_stream():
+            view.copy_(into)
 
 
 def read_region(entry: Entry, layout: ShardLayout, headers: dict[str, Header], out: torch.Tensor,

@@ -102,25 +102,41 @@ def read_ranges(path: str, info: TensorInfo, ranges: Iterable[tuple[int, int]], 
 
 
 def pread_runs(path: str, name: str, runs: Iterable[tuple[int, int]], buf: memoryview) -> None:
-    """Fill `buf` with the file's byte runs `[a, b)` (absolute offsets), back to back, by positional reads
-    (`os.preadv`: no shared file position, and the GIL is released while the kernel copies, so several
-    threads can read one file at once). `name` is the tensor, for the error of a truncated file."""
-    at = 0
+    """Fill `buf` with the file's byte runs `[a, b)` (absolute offsets), back to back. `name` is the tensor,
+    for the error of a truncated file."""
+    reads, at = [], 0
+    for a, b in runs:
+        reads.append((a, [buf[at:at + b - a]]))
+        at += b - a
+    if at != len(buf):
+        raise CheckpointError(f"{path}: tensor {name!r}: {at} bytes to read for a {len(buf)}-byte destination")
+    pread_scatter(path, name, reads)
+
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def pread_scatter(path: str, name: str, reads: Iterable[tuple[int, list[memoryview]]]) -> None:
+    """For each `(offset, views)`: fill the views, in order, with the file's bytes from `offset` on. One
+    positional read (`os.preadv`) fills many views: a slice that is one run in the file but many in memory
+    (a row-split piece) costs one system call, not one per row. `os.preadv` has no shared file position and
+    releases the GIL while the kernel copies, so several threads can read one file at once."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        for a, b in runs:
-            view = buf[at:at + b - a]
-            got = 0
-            while got < b - a:
-                n = os.preadv(fd, [view[got:]], a + got)
+        for offset, views in reads:
+            views, i = [v for v in views if len(v)], 0
+            while i < len(views):
+                n = os.preadv(fd, views[i:i + IOV_MAX], offset)
                 if n <= 0:
                     raise CheckpointError(f"{path}: truncated file while reading tensor {name!r}")
-                got += n
-            at += b - a
+                offset += n
+                while i < len(views) and n >= len(views[i]):
+                    n -= len(views[i])
+                    i += 1
+                if n:
+                    views[i] = views[i][n:]
     finally:
         os.close(fd)
-    if at != len(buf):
-        raise CheckpointError(f"{path}: tensor {name!r}: read {at} bytes for a {len(buf)}-byte destination")
 
 
 def write_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,

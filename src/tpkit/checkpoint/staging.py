@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from ..comm.pinned import PinnedBuffer, PinnedBufferPool
+from ..distributed import read_launch_env
 
 CHUNK_BYTES = 16 << 20  # one staging buffer: large enough that a copy's fixed cost is noise
 SLOTS = 4  # buffers in the pool: reads and copies in flight at once (64 MiB of host memory in all)
@@ -29,12 +30,15 @@ FORCE_ENV = "TPKIT_LOAD_STAGING"
 
 
 def load_device(device: torch.device | str | int | None, comm) -> torch.device:
-    """The device a load fills: `device` if given, else the rank's device (the current CUDA device, which
-    `tpkit.init` binds from LOCAL_RANK, under nccl; the CPU otherwise)."""
+    """The device a load fills: `device` if given, else the rank's device: under nccl `cuda:LOCAL_RANK` (modulo
+    the devices there are, as `tpkit.init` binds it; the current CUDA device without a launcher), the CPU
+    otherwise."""
     if device is not None:
         return torch.device(device)
     if getattr(comm, "torch_backend", None) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        env = read_launch_env()
+        index = env.local_rank % torch.cuda.device_count() if env.launcher != "none" else torch.cuda.current_device()
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
