@@ -1,13 +1,22 @@
 """Checkpoint loading benchmark: tpkit.from_pretrained vs transformers' tp_plan="auto" at TP 2 on gloo.
 
-A ~0.7 GB fp32 Llama (hidden 1024, 8 layers, vocab 32000) is written once as a Hugging Face directory. Each
-trial is a fresh `tpkit.launch` of 2 gloo processes (the launcher sets RANK / WORLD_SIZE / MASTER_ADDR /
+A ~0.64 GB fp32 Llama (hidden 1024, 8 layers, vocab 32000) is written once as a Hugging Face directory, and once
+as a tpkit checkpoint saved at the same TP. Each trial is a fresh Python process (this script with --trial) that
+starts a fresh `tpkit.launch` of 2 gloo processes (the launcher sets RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT as torchrun does, which transformers' tp_plan reads). In each rank a background thread samples
-/proc/self/statm RSS every 2 ms during the call; we report the peak above the RSS just before the call
-(VmHWM cannot be reset; imports both loaders need are done before), as a fraction of the checkpoint size, and the wall time. Loaders alternate; medians
-over --reps. Also: reloading a tpkit checkpoint (save_sharded at the same TP) vs the HF directory.
+/proc/self/statm RSS every 2 ms during the call; we report the peak above the RSS just before the call (VmHWM
+cannot be reset), as a fraction of the checkpoint size, the wall time, and for tpkit the read phase alone (the
+time inside `read_targets`, after the model is built and planned). The clock stops once every weight the rank
+holds has been read once (`touch`: a lazily mapped loader pays its reads there). Kinds alternate (the order
+reversed every other rep); medians over --reps; each figure is the slower rank's.
 
-    PYTHONPATH=src python bench/checkpoint.py [--reps 3] [--dir /tmp/tpkit-bench-ckpt]
+Kinds: `tpkit` (HF directory), `transformers`, `tpkit-ckpt` (the tpkit checkpoint), and their `-cold`
+variants: the first load in a fresh process, with nothing but torch and tpkit imported before (the imports
+the loader needs are in the figure; peak is not comparable there). `--before REF` adds `tpkit@before` and
+`tpkit-ckpt@before`: the same trials run on `git archive REF src` (the code before a change), alternating with
+the current code in the same run.
+
+    PYTHONPATH=src python bench/checkpoint.py [--reps 9] [--before HEAD~3] [--kinds tpkit,transformers]
 """
 from __future__ import annotations
 
@@ -15,13 +24,17 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import torch
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(HERE), "src")
 
 
 def rss() -> int:
@@ -58,19 +71,30 @@ def make_checkpoint(path: str) -> None:
     tr.LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-def rank_body(kind: str, path: str) -> dict:
+def rank_body(loader: str, path: str, cold: bool) -> dict:
     import tpkit
+    from tpkit.checkpoint import pretrained
 
-    import torch.distributed.tensor  # noqa: F401  (imports both loaders need, paid before the clock starts)
-    import transformers as tr
-    import transformers.models.llama.modeling_llama  # noqa: F401
-    from tpkit.checkpoint import pretrained  # noqa: F401
+    if not cold:  # imports both loaders need, paid before the clock starts
+        import torch.distributed.tensor  # noqa: F401
+        import transformers  # noqa: F401
+        import transformers.models.llama.modeling_llama  # noqa: F401
+    read = []
+    real = pretrained.read_targets
 
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            read.append(time.perf_counter() - t)
+
+    pretrained.read_targets = timed
     comm = tpkit.get_communicator()
     comm.barrier()
     with PeakRSS() as m:
         t0 = time.perf_counter()
-        if kind == "transformers":
+        if loader == "transformers":
             import transformers as tr
 
             model = tr.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
@@ -80,7 +104,7 @@ def rank_body(kind: str, path: str) -> dict:
         wall = time.perf_counter() - t0
     local = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
-    return {"peak": m.peak - m.base, "wall": wall, "local_param_bytes": local}
+    return {"peak": m.peak - m.base, "wall": wall, "read": sum(read) if read else None, "local_param_bytes": local}
 
 
 def touch(model) -> None:
@@ -98,15 +122,45 @@ def save_tpkit(path: str, out: str) -> None:
     tpkit.save_sharded(tpkit.from_pretrained(path, progress=False), out, progress=False)
 
 
-def main() -> int:
+def trial(kind: str, path: str, tp: int) -> dict:
+    """One trial, in this (fresh) process: `kind` without its @ suffix, on the tpkit this process imports."""
     import tpkit
 
+    base = kind.split("@")[0]
+    cold = base.endswith("-cold")
+    loader = "transformers" if base.startswith("transformers") else "tpkit"
+    res = tpkit.launch(rank_body, tp, backend="gloo", args=(loader, path, cold), timeout=600)
+    out = {"peak": max(r["peak"] for r in res), "wall": max(r["wall"] for r in res)}
+    if res[0]["read"] is not None:
+        out["read"] = max(r["read"] for r in res)
+    return out
+
+
+def run_trial(kind: str, path: str, tp: int, src: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=src)
+    cmd = [sys.executable, os.path.abspath(__file__), "--trial", kind, "--path", path, "--tp", str(tp)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"trial {kind} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/tpkit-bench-ckpt")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--kinds", default="tpkit,transformers,tpkit-ckpt")
+    ap.add_argument("--before", default=None, help="git ref: also run tpkit kinds on that ref's src, alternating")
+    ap.add_argument("--trial", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args()
+    if args.trial:
+        print(json.dumps(trial(args.trial, args.path, args.tp)))
+        return 0
+    import tpkit
+
     hf, ck = os.path.join(args.dir, "hf"), os.path.join(args.dir, "tpkit")
     make_checkpoint(hf)
     if not os.path.exists(os.path.join(ck, "latest")):
@@ -117,20 +171,33 @@ def main() -> int:
     with safe_open(os.path.join(hf, "model.safetensors"), "pt") as f:
         largest = max(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[-1] for k in f.keys()) * 4
     kinds = args.kinds.split(",")
+    srcs = {k: SRC for k in kinds}
+    tmp = None
+    if args.before:
+        tmp = tempfile.TemporaryDirectory(prefix="tpkit-before-")
+        archive = subprocess.run(["git", "-C", os.path.dirname(HERE), "archive", args.before, "src"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp.name], input=archive, check=True)
+        for k in [k for k in kinds if k.startswith("tpkit")]:
+            kinds.append(f"{k}@before")
+            srcs[f"{k}@before"] = os.path.join(tmp.name, "src")
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     for rep in range(args.reps):
         for kind in (kinds if rep % 2 == 0 else kinds[::-1]):
-            path = ck if kind == "tpkit-ckpt" else hf
-            res = tpkit.launch(rank_body, args.tp, backend="gloo", args=("transformers" if kind == "transformers"
-                                                                         else "tpkit", path), timeout=600)
-            runs[kind].append({"peak": max(r["peak"] for r in res), "wall": max(r["wall"] for r in res)})
-            print(kind, rep, runs[kind][-1], file=sys.stderr, flush=True)
-    out = {"checkpoint_bytes": size, "largest_tensor_fraction": largest / size, "tp": args.tp,
-           "target_peak_fraction": 1 / args.tp + largest / size + 0.15}
+            path = ck if kind.split("@")[0].startswith("tpkit-ckpt") else hf
+            runs[kind].append(run_trial(kind, path, args.tp, srcs[kind]))
+            print(kind, rep, {k: round(v, 3) for k, v in runs[kind][-1].items()}, file=sys.stderr, flush=True)
+    out = {"checkpoint_bytes": size, "largest_tensor_fraction": largest / size, "tp": args.tp, "reps": args.reps,
+           "before": args.before, "target_peak_fraction": 1 / args.tp + largest / size + 0.15}
     for kind, rs in runs.items():
         out[kind] = {"peak_fraction": statistics.median(r["peak"] for r in rs) / size,
                      "wall_s": statistics.median(r["wall"] for r in rs)}
+        if all("read" in r for r in rs):
+            out[kind]["read_s"] = statistics.median(r["read"] for r in rs)
     print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
     return 0
 
 

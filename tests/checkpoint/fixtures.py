@@ -79,3 +79,24 @@ def killed_save_body(root: str) -> None:
 
     save.WRITE_HOOK = die
     tpkit.save_sharded(model, root, step=2)
+
+
+def meta_model(family: str, **over):
+    """The tiny model `family`, built entirely on the meta device (buffers included), as
+    `with torch.device("meta")` builds it."""
+    from tests.models.hf import hf_model
+
+    config = hf_model(family, **over).config
+    with torch.device("meta"):
+        return type(hf_model(family, **over))._from_config(config)
+
+
+def meta_load_body(directory: str, family: str, over: dict, ref: torch.Tensor) -> tuple[float, bool]:
+    """On each rank: convert a model built on the meta device, load_sharded into it, compare logits; and
+    whether tied weights stayed one tensor."""
+    import tpkit
+
+    model = tpkit.parallelize(meta_model(family, **over))
+    tpkit.load_sharded(model, directory)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return rel(logits_of(model), ref), tied

@@ -5,9 +5,11 @@ checkpoint; `save_sharded` (save.py) and `load_sharded` (load.py) write and read
 layout does not depend on the TP size; `Checkpointer` (checkpointer.py) saves a training run every N steps and
 resumes it after a restart; `consolidate` (consolidate.py) turns one back into a Hugging Face
 directory. Underneath: the safetensors format (safetensors_file.py), where each full tensor's pieces live
-(sources.py), reading a rank's region (reader.py), the directory and manifest (manifest.py), optimizer state
-(optimizer.py), cross-rank agreement on errors (agree.py) and progress bars (progress.py). Which slice a rank
-holds always comes from `ShardLayout`s.
+(sources.py), which bytes fill which part of a rank's region (reader.py), several reads in flight and each
+target finished in order (fill.py), host -> device staging through reused pinned buffers (staging.py), memory
+for a model built on the meta device (allocate.py), the directory and manifest (manifest.py), optimizer state
+(optimizer.py), cross-rank agreement on errors (agree.py) and progress (progress.py). Which slice a rank holds
+always comes from `ShardLayout`s.
 """
 from __future__ import annotations
 

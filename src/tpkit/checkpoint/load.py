@@ -8,7 +8,6 @@ fails at (2) with the model untouched.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Callable
@@ -18,28 +17,18 @@ from torch import nn
 
 from ..convert.layouts import shard_layouts
 from ..nn._layer import resolve_comm
-from ..layout import ShardLayout
 from ..nn.random import get_rng_tracker
 from . import optimizer as optim_state
 from .agree import agree
+from .allocate import computed_buffers, materialize
 from .errors import CheckpointError
+from .fill import Target, check_targets, read_targets
 from .manifest import check_checksums, find_version, read_manifest
-from .mesh import is_sharded, like, put, unwrap
+from .mesh import like, unwrap
 from .progress import Progress
-from .reader import check_pieces, read_region, uncovered
+from .reader import uncovered
 from .sources import Source, hf_files, manifest_source, whole_files
-
-
-@dataclasses.dataclass
-class Target:
-    """One tensor to read: source entry `key`, this rank's `layout`, wanted `dtype`, and the tensor to fill in
-    place (`dest`, a model tensor) or None (a new tensor: optimizer state). `name` is the model's key."""
-
-    key: str
-    name: str
-    layout: ShardLayout
-    dtype: torch.dtype
-    dest: torch.Tensor | None = None
+from .staging import load_device, staging_for
 
 
 def open_source(path: str, rank: int = 0, world: int = 1) -> Source:
@@ -109,41 +98,18 @@ def check_target(source: Source, t: Target, convert: bool) -> None:
                               f"{t.layout.rank} needs")
 
 
-def read_targets(source: Source, targets: list[Target], progress: Progress,
-                 verify: bool = False) -> dict[str, torch.Tensor]:
-    """Read every target (after validation and agreement). Model tensors are filled in place (straight from
-    the file when dtype and orientation allow); new tensors are returned by key. `verify`: check each piece's
-    sha256 as it is read (for a new model; a live one is checked before with `check_pieces`)."""
-    out = {}
-    with torch.no_grad():
-        for t in targets:
-            e = source.entries[t.key]
-            d = t.dest.data if t.dest is not None else None
-            sharded = is_sharded(t.dest)  # an FSDP2 shard: read the TP-local region, keep this rank's dp part
-            if not sharded and d is not None and e.dtype == d.dtype and not t.layout.transposed and d.is_contiguous():
-                read_region(e, t.layout, source.headers, d, verify)
-            else:
-                buf = read_region(e, t.layout, source.headers, torch.empty(t.layout.stored_local_shape, dtype=e.dtype),
-                                  verify)
-                value = (buf.t() if t.layout.transposed else buf).to(t.dtype)
-                if sharded:
-                    put(t.dest, value)
-                elif d is not None:
-                    d.copy_(value)
-                else:
-                    out[t.key] = value.contiguous()
-            progress.advance(t.layout.local_numel * e.dtype.itemsize)
-    return out
-
-
 def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, strict: bool = True,
-                 progress: bool | None = None) -> dict:
+                 progress: bool | None = None, device: torch.device | str | int | None = None) -> dict:
     """Load a tpkit checkpoint (any saved world size), a plain safetensors file or a directory of them into
     the converted (or plain) `model`, each rank reading only its slices; optimizer state too. Collective.
-    Returns the manifest metadata: {"step", "extra", "config", "plan", "world_size"}."""
+    Tensors are filled where they are (a device destination through pinned staging buffers); a model
+    converted on the meta device is first given memory on `device` (default: the rank's device), with its
+    non-persistent buffers computed as its class computes them (`allocate.py`), or refused when they cannot
+    be. Returns the manifest metadata: {"step", "extra", "config", "plan", "world_size"}."""
     comm = resolve_comm(comm)
     model, record = unwrap(model, comm)
-    error, source, targets, section = None, None, [], {}
+    device = load_device(device, comm)
+    error, source, targets, section, computed, fills = None, None, [], {}, {}, None
     try:
         source = open_source(directory, comm.rank, comm.world_size)
         targets = model_targets(model, source, lambda k: k if k in source.entries else None, strict, convert=False)
@@ -152,20 +118,38 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
             if not section and strict:
                 raise CheckpointError(f"{source.root}: the checkpoint holds no optimizer state")
             targets += optimizer_targets(model, source, section)
-        for t in targets:  # before anything changes: the model is the caller's
-            check_pieces(source.entries[t.key], t.layout, source.headers)
+        computed = computed_buffers(model, source.root)
+        fills = target_device(targets, device)
+        check_targets(source, targets)  # before anything changes: the model is the caller's
     except Exception as exc:  # every rank must reach agree(), whatever went wrong
         error = exc
     agree(comm, error)
+    if any(t.is_meta for t in model.state_dict(keep_vars=True).values()) or computed:
+        materialize(model, device, computed, optimizer)
+        current = model.state_dict(keep_vars=True)
+        for t in targets:
+            t.dest = current[t.name] if t.dest is not None else None
+    place_state(model, section, targets)
     total = sum(t.layout.local_numel * source.entries[t.key].dtype.itemsize for t in targets)
     with Progress(f"loading {os.path.basename(directory.rstrip('/'))}", total, progress, comm.rank) as bar:
-        values = read_targets(source, targets, bar)
+        values = read_targets(source, targets, bar, staging=staging_for(fills))
     if optimizer is not None and section:
         optim_state.restore(model, optimizer, section, values, place=like)
     manifest = source.manifest or {}
     restore_rng(manifest, comm, record.tp_comm if record is not None else None)
     return {"step": manifest.get("step"), "extra": manifest.get("extra"), "config": manifest.get("config"),
             "plan": manifest.get("plan"), "world_size": manifest.get("world_size")}
+
+
+def target_device(targets: list[Target], meta_to: torch.device) -> torch.device:
+    """The one device the targets' tensors live on besides the CPU (the CPU when none); a meta tensor will
+    live on `meta_to`."""
+    devices = {meta_to if t.dest.is_meta else t.dest.device for t in targets if t.dest is not None}
+    devices = {d for d in devices if d.type != "cpu"}
+    if len(devices) > 1:
+        raise CheckpointError(f"the model's tensors are on several devices ({sorted(map(str, devices))}); "
+                              f"load_sharded fills one device per rank")
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def optimizer_targets(model: nn.Module, source: Source, section: dict) -> list[Target]:
@@ -176,6 +160,18 @@ def optimizer_targets(model: nn.Module, source: Source, section: dict) -> list[T
         check_target(source, t, convert=False)
         out.append(t)
     return out
+
+
+def place_state(model: nn.Module, section: dict, targets: list[Target]) -> None:
+    """Optimizer state shaped like its parameter is made on the parameter's device; scalars (AdamW's `step`)
+    on the CPU, where torch's optimizers keep them."""
+    params = dict(model.named_parameters())
+    owner = {d["tensor"]: name for name, rec in (section or {}).get("state", {}).items() for d in rec.values()
+             if isinstance(d, dict) and "tensor" in d}
+    for t in targets:
+        p = params.get(owner.get(t.key, ""))
+        if t.dest is None and p is not None and tuple(t.layout.local_shape) == tuple(p.shape):
+            t.device = p.device
 
 
 def restore_rng(manifest: dict, comm, tracker_comm=None) -> None:

@@ -3,15 +3,14 @@
 The model is built from its config with parameters on the meta device but buffers real, so everything the
 model's own init computes (rotary `inv_freq`, which is non-persistent and never in a file; persistent buffers
 a file may lack) has exactly the value a normal load gives. `parallelize` works on meta parameters; each is
-then allocated at its local shape (tied parameters stay one tensor) and filled from the files through the
-shared loader (`load.py`), which validates everything and agrees across ranks before reading.
+then allocated at its local shape on the load's device (tied parameters stay one tensor; `allocate.py`), the
+buffers are moved there, and everything is filled from the files through the shared loader (`load.py`, which
+validates everything and agrees across ranks before reading; `fill.py`, which keeps several reads in flight
+and, for a device, goes through pinned staging buffers).
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -20,55 +19,16 @@ from ..convert.parallelize import parallelize
 from ..convert.plan import Plan
 from ..nn._layer import resolve_comm
 from .agree import agree
+from .allocate import materialize, meta_parameters, place_buffers
 from .conversions import transformers_keys
 from .errors import CheckpointError
+from .fill import read_targets
 from .hf_config import load_generation_config
-from .load import Source, model_targets, open_source, read_targets
-from .memory import empty_for_load
+from .load import Source, model_targets, open_source
 from .progress import Progress
+from .staging import load_device, staging_for
 
-# Building patches nn.Module.register_parameter and the default dtype process-wide: one build at a time.
-_BUILD_LOCK = threading.Lock()
 _LEGACY = {"gamma": "weight", "beta": "bias"}
-
-
-@contextlib.contextmanager
-def meta_parameters(dtype: torch.dtype | None) -> Iterator[None]:
-    """Parameters registered inside go to the meta device; buffers stay real (computed by the module's init).
-    Floating defaults are `dtype` inside, as transformers builds its models. Only the building thread's
-    parameters go to meta (thread-ranks may be building other models meanwhile)."""
-    with _BUILD_LOCK:  # read the original inside the lock, or a waiting build would restore our patch
-        original, builder = nn.Module.register_parameter, threading.get_ident()
-
-        def register(self, name, param):
-            if param is not None and param.device.type != "meta" and threading.get_ident() == builder:
-                param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-            original(self, name, param)
-
-        saved_dtype = torch.get_default_dtype()
-        nn.Module.register_parameter = register
-        try:
-            if dtype is not None and dtype.is_floating_point:
-                torch.set_default_dtype(dtype)
-            yield
-        finally:
-            nn.Module.register_parameter = original
-            torch.set_default_dtype(saved_dtype)
-
-
-def materialize(model: nn.Module) -> None:
-    """Replace every meta parameter with an uninitialised CPU one of the same (local) shape; a parameter
-    shared by several modules (tied weights) stays shared."""
-    made: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or p.device.type != "meta":
-                continue
-            if id(p) not in made:
-                new = nn.Parameter(empty_for_load(p.shape, p.dtype), requires_grad=p.requires_grad)
-                new.__dict__.update(p.__dict__)  # tensor-parallel attributes set by the layers
-                made[id(p)] = new
-            module._parameters[name] = made[id(p)]
 
 
 def resolve_dtype(dtype, config) -> torch.dtype:
@@ -143,11 +103,15 @@ def recorded_plan(source: Source, plan, world: int, mode: str):
 
 
 def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str = "inference", dtype=None,
-                    model_cls=None, progress: bool | None = None) -> nn.Module:
+                    model_cls=None, progress: bool | None = None,
+                    device: torch.device | str | int | None = None) -> nn.Module:
     """A Hugging Face directory (single file or index + shards) or a tpkit checkpoint, built and converted
     for this rank, each rank reading only its slices. Equals `transformers...from_pretrained(path)` followed
-    by `tpkit.parallelize(model, plan, comm, mode=mode)`. Collective; returns the model in eval mode."""
+    by `tpkit.parallelize(model, plan, comm, mode=mode)`, with every parameter and buffer on `device` (default:
+    the rank's device: the current CUDA device under nccl, else the CPU). Collective; returns the model in
+    eval mode."""
     path, comm = os.fspath(path), resolve_comm(comm)
+    device = load_device(device, comm)
     error, source, config = None, None, None
     try:
         source = open_source(path, comm.rank, comm.world_size)
@@ -162,7 +126,8 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
         model.generation_config = generation
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
     parallelize(model, plan, comm, mode=mode, recorded=recorded)
-    materialize(model)
+    materialize(model, device)
+    place_buffers(model, device)
     buffers = {n for n, _ in model.named_buffers()}
     error, targets, notes = None, [], []
     try:
@@ -178,7 +143,7 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     error = None
     with Progress(f"loading {os.path.basename(path.rstrip('/'))}", total, progress, comm.rank) as bar:
         try:  # the model is new: pieces are checked from the bytes as read, and on error it is dropped
-            read_targets(source, targets, bar, verify=True)
+            read_targets(source, targets, bar, verify=True, staging=staging_for(device))
         except Exception as exc:
             error = exc
     agree(comm, error)

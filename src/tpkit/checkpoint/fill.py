@@ -1,0 +1,164 @@
+"""Filling a model's tensors from an opened source: several reads in flight, each target finished in order.
+
+Why threads: a load is a few hundred independent byte ranges. One thread reading them one after another
+leaves the disk (or, from the page cache, the other cores) idle between calls; `os.preadv` and hashlib
+release the GIL, so a few threads keep several ranges in flight. Each Copy (reader.py) is one task; the
+main thread waits for a target's copies, then finishes it (dtype conversion, transpose, an FSDP2 shard,
+progress), while later targets are still being read.
+
+Memory: a target whose destination takes the file's bytes as they are (same dtype and orientation,
+contiguous) is read straight into it and costs nothing extra. Any other is read into a region tensor first;
+the regions alive at once are bounded by `WINDOW_BYTES` (a larger one waits for the window to drain), so a
+load never holds more than the model plus the window. With a `Staging` (staging.py) every byte goes through
+its few reused buffers to the device, and host memory is the pool's whatever the model.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+from typing import Iterable
+
+import torch
+
+from ..layout import ShardLayout
+from .memory import empty_for_load
+from .mesh import is_sharded, put
+from .progress import Progress
+from .reader import check_piece, fill, needed_pieces, plan_copies
+from .sources import Entry, Source
+from .staging import Staging
+
+THREADS_ENV = "TPKIT_READ_THREADS"
+WINDOW_BYTES = 64 << 20  # region tensors (dtype conversion, transposes) alive at once; at least one
+
+
+def read_threads() -> int:
+    """Reader threads: `TPKIT_READ_THREADS`, else 4 (ranges in flight from one rank; more buys nothing from the
+    page cache on few cores, and an NVMe drive is already busy at this queue depth with several ranks)."""
+    return max(1, int(os.environ.get(THREADS_ENV, "4")))
+
+
+@dataclasses.dataclass
+class Target:
+    """One tensor to read: source entry `key`, this rank's `layout`, wanted `dtype`, and the tensor to fill in
+    place (`dest`, a model tensor) or None (a new tensor, made on `device`: optimizer state). `name` is the
+    model's key."""
+
+    key: str
+    name: str
+    layout: ShardLayout
+    dtype: torch.dtype
+    dest: torch.Tensor | None = None
+    device: torch.device | None = None
+
+
+@dataclasses.dataclass
+class _Job:
+    target: Target
+    entry: Entry
+    region: torch.Tensor  # the destination itself (direct) or a region tensor to finish from
+    direct: bool
+    futures: list[concurrent.futures.Future]
+    held: int  # bytes of the region tensor (0 when direct)
+
+
+def takes_bytes(t: Target, e: Entry) -> bool:
+    """Whether the file's bytes can go straight into `t.dest`: same dtype, stored orientation, contiguous."""
+    d = t.dest
+    return (d is not None and not is_sharded(d) and e.dtype == d.dtype and not t.layout.transposed
+            and d.is_contiguous())
+
+
+def read_targets(source: Source, targets: list[Target], progress: Progress, verify: bool = False,
+                 staging: Staging | None = None, threads: int | None = None) -> dict[str, torch.Tensor]:
+    """Read every target (after validation and agreement). Model tensors are filled in place; new tensors are
+    returned by key. `verify`: check each piece's sha256 as it is read (a new model; a live one is checked
+    before with `check_targets`). `staging`: read through its buffers (a device destination); it is finished
+    (every copy complete) before this returns, error or not."""
+    out: dict[str, torch.Tensor] = {}
+    jobs: collections.deque[_Job] = collections.deque()
+    held = 0
+    pool = concurrent.futures.ThreadPoolExecutor(threads or read_threads(), thread_name_prefix="tpkit-read")
+    try:
+        with torch.no_grad():
+            for t in sorted(targets, key=lambda t: first_byte(source, source.entries[t.key])):
+                e = source.entries[t.key]
+                need = 0 if takes_bytes(t, e) else t.layout.local_numel * e.dtype.itemsize
+                while jobs and held + need > WINDOW_BYTES:
+                    held -= finish(jobs.popleft(), staging, out, progress)
+                jobs.append(start(source, t, e, pool, staging, verify))
+                held += jobs[-1].held
+            while jobs:
+                held -= finish(jobs.popleft(), staging, out, progress)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # on error: no thread may still write once we return
+        if staging is not None:
+            staging.finish()
+    return out
+
+
+def first_byte(source: Source, e: Entry) -> tuple[str, int]:
+    """Where an entry's first piece starts: targets are read in file order (sequential for a cold disk)."""
+    if not e.pieces:
+        return "", 0
+    p = e.pieces[0]
+    return p.path, source.headers[p.path].tensors[p.name].start
+
+
+def start(source: Source, t: Target, e: Entry, pool, staging: Staging | None, verify: bool) -> _Job:
+    """Allocate the target's region (unless direct) and submit its copies."""
+    direct = takes_bytes(t, e)
+    if direct:
+        region = t.dest.data
+    else:
+        device = t.dest.device if t.dest is not None else (t.device or torch.device("cpu"))
+        if device.type == "cpu":
+            region = empty_for_load(t.layout.stored_local_shape, e.dtype)
+        else:
+            with staging.on_stream():
+                region = torch.empty(t.layout.stored_local_shape, dtype=e.dtype, device=device)
+    if staging is None and region.device.type != "cpu":
+        raise RuntimeError(f"read_targets: {t.name} is on {region.device}; a device destination needs a Staging")
+    futures = [pool.submit(fill, c, region, staging, verify) for c in plan_copies(e, t.layout, source.headers)]
+    return _Job(t, e, region, direct, futures, 0 if direct else region.numel() * region.element_size())
+
+
+def finish(job: _Job, staging: Staging | None, out: dict, progress: Progress) -> int:
+    """Wait for the job's copies (raising the first failure), then put its region where it goes."""
+    for f in job.futures:
+        f.result()
+    t = job.target
+    if not job.direct:
+        value_shape = job.region.t().shape if t.layout.transposed else job.region.shape
+        new = None  # a new device tensor is made on the default stream (it outlives the staging stream)
+        if t.dest is None and job.region.device.type != "cpu":
+            new = torch.empty(value_shape, dtype=t.dtype, device=job.region.device)
+        with staging.on_stream() if staging is not None else contextlib.nullcontext():
+            value = (job.region.t() if t.layout.transposed else job.region).to(t.dtype)
+            if is_sharded(t.dest):
+                put(t.dest, value)
+            elif t.dest is not None:
+                t.dest.data.copy_(value)
+            elif new is not None:
+                out[t.key] = new.copy_(value)
+            else:
+                out[t.key] = value.contiguous()
+    progress.advance(t.layout.local_numel * job.entry.dtype.itemsize)
+    return job.held
+
+
+def check_targets(source: Source, targets: Iterable[Target], threads: int | None = None) -> None:
+    """Check, from disk, the sha256 of every piece the targets will read (each piece once, several at a
+    time); raise the first failure in target order. Run before anything changes."""
+    pieces = {}
+    for t in targets:
+        for p in needed_pieces(source.entries[t.key], t.layout):
+            pieces.setdefault((p.path, p.name), p)
+    with concurrent.futures.ThreadPoolExecutor(threads or read_threads(), thread_name_prefix="tpkit-check") as pool:
+        futures = [pool.submit(check_piece, p, source.headers[p.path].tensors[p.name]) for p in pieces.values()
+                   if p.sha256 is not None]
+        for f in futures:
+            f.result()
