@@ -267,4 +267,11 @@ def test_the_default_device_is_the_ranks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert load_device(None, Nccl()) == torch.device("cuda", 1)
     assert load_device("cpu", Nccl()) == torch.device("cpu")
-    assert load_device(None, tpkit.get_communicator()) == torch.device("cpu")
+
+    class Gloo:
+        torch_backend = "gloo"
+
+    assert load_device(None, Gloo()) == torch.device("cpu")
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert load_device(None, tpkit.get_communicator()) == torch.device("cpu")  # threads / a world of one
