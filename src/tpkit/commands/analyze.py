@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (default: the "
                         "detected GPU's); units are binary as GPU memory is sold: GB and GiB both mean 2**30 bytes "
                         "(likewise MB/MiB, TB/TiB); a plain number is bytes")
+    parser.add_argument("--devices-per-node", type=int, default=None, help="devices of one machine (default: "
+                        "this machine's GPU count); a suggestion beyond it is advised as a multi-node setup")
     parser.add_argument("--mode", default="inference", choices=["inference", "training"])
     parser.add_argument("--plan-out", default=None, help="also write the plan as JSON to this file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         report = analyze(model, world_size=args.world_size, max_world_size=args.max_world_size,
-                         device_memory=args.device_memory, mode=args.mode)
+                         device_memory=args.device_memory, mode=args.mode,
+                         devices_per_node=args.devices_per_node)
     except ValueError as exc:
         print(f"tpkit analyze: {exc}", file=sys.stderr)
         return 2
