@@ -7,6 +7,7 @@ stays replicated (`reasons`), so a saved plan replays exactly and a reader sees 
 """
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import json
 from pathlib import Path
@@ -17,11 +18,35 @@ from .registry import STYLES, canonical_style
 from .roles import Role
 from .styles import ALIASES
 
-__all__ = ["Plan", "PlanError", "canonical_style", "is_glob", "STYLES", "ALIASES"]
+__all__ = ["Plan", "PlanError", "canonical_style", "check_plan_argument", "is_glob", "PLAN_WORDS", "STYLES",
+           "ALIASES"]
+
+#: The words `parallelize(model, plan=...)` takes for a plan it makes itself.
+PLAN_WORDS = ("auto",)
+ACCEPTED = (f"a word ({', '.join(repr(w) for w in PLAN_WORDS)}: the planner's plan), a path to an existing plan JSON "
+            f"file (`Plan.save`, `tpkit analyze --plan-out`), a mapping {{module name or glob: style}} such as "
+            f"{{'*.q_proj': 'colwise'}}, or a Plan")
 
 
 def is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
+
+
+def check_plan_argument(plan: Any, where: str = "parallelize") -> None:
+    """Raise `PlanError` (listing what is accepted) for a `plan=` string or path that is neither one of
+    `PLAN_WORDS` nor an existing file; anything else is left to the caller."""
+    if isinstance(plan, Path) and not plan.is_file():
+        raise PlanError(f"{where}: no plan file at {str(plan)!r}. plan= takes {ACCEPTED}")
+    if not isinstance(plan, str) or plan in PLAN_WORDS or Path(plan).is_file():
+        return
+    if plan in STYLES or plan in ALIASES:
+        raise PlanError(f"{where}: plan={plan!r} is a style, and a style is given per module: pass a mapping such "
+                        f"as {{'*.q_proj': {plan!r}}} (module name or glob -> style), or plan='auto' for the "
+                        f"planner's. plan= takes {ACCEPTED}")
+    close = difflib.get_close_matches(plan, PLAN_WORDS, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise PlanError(f"{where}: plan={plan!r} is neither a known word nor an existing file; {hint}"
+                    f"plan= takes {ACCEPTED}")
 
 
 class Plan(Mapping[str, str]):
