@@ -26,6 +26,7 @@ from .conversion import Conversion, attach
 from .errors import PlanError
 from .family import Planned
 from .layouts import key_layouts, plan_layouts
+from .notices import log_kept_whole
 from .plan import PLAN_WORDS, Plan, check_plan_argument
 from .planner import auto_plan
 from .registry import STYLES, for_module, style
@@ -108,6 +109,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
     attach(model, Conversion(record, key_layouts(model, modules, per_module, world, rank), updates, checked, world,
                              rank))
+    log_kept_whole(record, isinstance(plan, str) and plan in PLAN_WORDS, rank)
     return model
 
 
