@@ -284,7 +284,7 @@ def test_bad_arguments(kwargs, match):
 
 def test_module_without_input_says_what_to_pass():
     with pytest.raises(ValueError, match="example_input"):
-        estimate_memory(nn.Sequential(nn.Linear(4, 4)), 2)
+        estimate_memory(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)), 2)  # no input follows from a norm
     with pytest.raises(TypeError, match="config or an nn.Module"):
         estimate_memory({"hidden_size": 3}, 2)
 

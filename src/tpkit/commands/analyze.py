@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from tpkit.tables import WIDE_HELP
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="preset name, config.json / model directory, or module:factory")
@@ -24,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="inference", choices=["inference", "training"])
     parser.add_argument("--plan-out", default=None, help="also write the plan as JSON to this file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--wide", action="store_true", help=WIDE_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from tpkit.tables import output_width
 
-        print(report.summary(width=output_width()), end="")
+        print(report.summary(width=output_width(wide=args.wide)), end="")
         if args.plan_out:
             print(f"plan written to {args.plan_out}")
     return 0

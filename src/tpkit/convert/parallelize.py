@@ -26,7 +26,8 @@ from .conversion import Conversion, attach
 from .errors import PlanError
 from .family import Planned
 from .layouts import key_layouts, plan_layouts
-from .plan import Plan
+from .notices import log_kept_whole
+from .plan import PLAN_WORDS, Plan, check_plan_argument
 from .planner import auto_plan
 from .registry import STYLES, for_module, style
 from .styles import COLWISE, ROWWISE, SEQUENCE_PARALLEL
@@ -38,7 +39,8 @@ from .validate import validate
 def resolve_plan(model: nn.Module, plan: Any, world_size: int, analysis: Analysis, mode: str) -> Plan:
     """`plan` as a Plan: "auto", a Plan (used as is), a JSON path, or a mapping of user entries (which
     override the automatic plan)."""
-    if isinstance(plan, str) and plan == "auto":
+    check_plan_argument(plan)
+    if isinstance(plan, str) and plan in PLAN_WORDS:
         return auto_plan(analysis, world_size, mode)
     if isinstance(plan, (str, Path)):
         return Plan.load(plan)
@@ -76,6 +78,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     checkpoint records it); it is applied without tracing the model or re-checking the dataflow, which was
     done when it was made (reloads skip the trace). Ignored with sequence parallelism, which needs the trace.
     """
+    check_plan_argument(plan)
     comm = resolve_comm(comm)
     world, rank = comm.world_size, comm.rank
     done = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)]
@@ -106,6 +109,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
     attach(model, Conversion(record, key_layouts(model, modules, per_module, world, rank), updates, checked, world,
                              rank))
+    log_kept_whole(record, isinstance(plan, str) and plan in PLAN_WORDS, rank)
     return model
 
 

@@ -32,6 +32,9 @@ EMBEDDING_ROWWISE = "embedding_rowwise"
 EMBEDDING_COLWISE = "embedding_colwise"
 CHANNELWISE = "channelwise"
 REPLICATE = "replicate"
+#: Ends the reason of a layer replicated because it is small (norms, position tables, small heads): by design, not
+#: a limit hit, so `Plan.kept_whole()` leaves it out.
+SMALL = " (small; replicated)"
 SEQUENCE_PARALLEL = "sequence_parallel"  # also a conversion option: parallelize(..., sequence_parallel=True)
 
 Layouts = dict[str, ShardLayout]

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..family import Choice, Draft, Family, Proposal, whole_choice
 from ..modules import is_embedding, is_linear, linear_dims
-from ..styles import COLWISE_REP, EMBEDDING_ROWWISE, REPLICATE, VOCAB_PARALLEL, VOCAB_STYLES
+from ..styles import COLWISE_REP, EMBEDDING_ROWWISE, REPLICATE, SMALL, VOCAB_PARALLEL, VOCAB_STYLES
 
 
 def lm_heads(a, world_size: int) -> list[str]:
@@ -68,7 +68,7 @@ class Vocabulary(Family):
                                               whole_choice([name], "kept whole by the chosen setup")))
         else:
             why = (f"not the vocabulary ({share:.1%} of parameters, {m.num_embeddings} rows): splitting it would "
-                   f"add an all-reduce per forward for little memory")
+                   f"add an all-reduce per forward for little memory{SMALL}")
         return Proposal(self.name, name, (Choice("whole", reasons={name: why}),))
 
     def _ties(self, draft: Draft) -> Iterator[Proposal]:

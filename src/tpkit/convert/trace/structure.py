@@ -37,18 +37,23 @@ class Analysis:
 
 
 def default_inputs(model: nn.Module) -> list:
-    """Tiny inputs to try for the trace: HF models get token ids (or pixels); others a batch shaped for
-    their first layer, as [batch, features] and then [batch, seq, features]."""
+    """Tiny inputs to try for the trace, in order: HF models get token ids (an encoder-decoder its decoder's
+    too) or pixels, then the model's own `dummy_inputs`; others a batch shaped for their first layer, as
+    [batch, features] and then [batch, seq, features]."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     cfg = getattr(model, "config", None)
     main = getattr(model, "main_input_name", None)
     if cfg is not None and main == "input_ids":
-        return [{"input_ids": torch.zeros(1, 4, dtype=torch.long, device=device)}]
+        if getattr(cfg, "is_encoder_decoder", False):
+            ids = torch.zeros(2, 4, dtype=torch.long, device=device)
+            return [{"input_ids": ids, "decoder_input_ids": ids}, *_own_dummy_inputs(model, device)]
+        return [{"input_ids": torch.zeros(1, 4, dtype=torch.long, device=device)}, *_own_dummy_inputs(model, device)]
     if cfg is not None and main == "pixel_values":
         size = getattr(cfg, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
-        return [{"pixel_values": torch.zeros(1, getattr(cfg, "num_channels", 3), size, size, device=device)}]
+        return [{"pixel_values": torch.zeros(1, getattr(cfg, "num_channels", 3), size, size, device=device)},
+                *_own_dummy_inputs(model, device)]
     for m in model.modules():
         dtype = next(m.parameters(), torch.empty(0)).dtype
         if is_linear(m) or isinstance(m, nn.LayerNorm):
@@ -60,6 +65,17 @@ def default_inputs(model: nn.Module) -> list:
         if is_embedding(m):
             return [(torch.zeros(2, 4, dtype=torch.long, device=device),)]
     raise ValueError(f"cannot guess an input for {type(model).__name__}; pass example_inputs")
+
+
+def _own_dummy_inputs(model: nn.Module, device: torch.device) -> list:
+    """[the model's `dummy_inputs` (transformers' models have them) on `device`], or [] where it has none."""
+    try:
+        dummy = getattr(model, "dummy_inputs", None)
+    except Exception:  # noqa: BLE001 - a property that fails is no input to try
+        return []
+    if not isinstance(dummy, Mapping) or not dummy or not all(isinstance(v, torch.Tensor) for v in dummy.values()):
+        return []
+    return [{k: v.to(device) for k, v in dummy.items()}]
 
 
 def _ties(leaves: dict[str, nn.Module]) -> dict[str, list[str]]:
