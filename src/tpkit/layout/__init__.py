@@ -8,9 +8,9 @@ data_parallel all read shards from here, so every shard in tpkit is cut by the s
 from __future__ import annotations
 
 from .heads import (HeadLayout, HeadLayoutError, group_pieces, head_columns, head_layout, head_spans,
-                    valid_world_sizes)
+                    heads_of, valid_world_sizes)
 from .shard import Piece, ShardLayout
 from .split import split_range, split_sizes
 
 __all__ = ["HeadLayout", "HeadLayoutError", "Piece", "ShardLayout", "group_pieces", "head_columns", "head_layout",
-           "head_spans", "split_range", "split_sizes", "valid_world_sizes"]
+           "head_spans", "heads_of", "split_range", "split_sizes", "valid_world_sizes"]
