@@ -2,7 +2,7 @@
 
 The bottom of the house: the split rule (`split_sizes`, `split_range`: how a size that does not divide is
 cut), `ShardLayout` / `Piece` (one full tensor, one rank's part of it), and head layouts (whole attention heads
-and GQA groups per rank, and the pieces they make of a projection). comm, nn, convert, checkpoint, estimate and
+per rank with the KV heads they read, and the pieces they make of a projection). comm, nn, convert, checkpoint, estimate and
 data_parallel all read shards from here, so every shard in tpkit is cut by the same rule.
 """
 from __future__ import annotations
