@@ -30,26 +30,46 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-@pytest.mark.parametrize("world", [2, 3, 5])
-def test_logits_and_every_gradient_equal_the_unconverted_model(world):
+def _reference():
     model, ids = _llama(), inputs()
     ref_logits = model(input_ids=ids).logits
     _loss(ref_logits, ids).backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
+    return model, ref_logits.detach(), ref_grads
+
+
+def _rank_errors(model, ref_logits, ref_grads, comm=None):
+    """(logits error, worst gradient error, (query heads, KV heads, num_key_value_groups) held) on one rank."""
+    ids = inputs()
+    m = tpkit.parallelize(model, "auto", comm)
+    logits = m(input_ids=ids).logits
+    _loss(logits, ids).backward()
+    layouts = tpkit.shard_layouts(m)
+    worst = max(_rel(p.grad, layouts[n].shard(ref_grads[n])) for n, p in m.named_parameters())
+    attn = m.model.layers[0].self_attn
+    held = (attn.q_proj.weight.shape[0] // HD, attn.k_proj.weight.shape[0] // HD, attn.num_key_value_groups)
+    return _rel(logits, ref_logits), worst, held
+
+
+def _gloo_body():
+    model, ref_logits, ref_grads = _reference()
+    return _rank_errors(model, ref_logits, ref_grads)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_logits_and_every_gradient_equal_the_unconverted_model(world):
+    model, ref_logits, ref_grads = _reference()
     copies = [copy.deepcopy(model) for _ in range(world)]
+    out = tpkit.comm.run_threads(lambda comm: _rank_errors(copies[comm.rank], ref_logits, ref_grads, comm), world)
+    _check(out, world)
 
-    def body(comm):
-        m = tpkit.parallelize(copies[comm.rank], "auto", comm)
-        logits = m(input_ids=ids).logits
-        _loss(logits, ids).backward()
-        layouts = tpkit.shard_layouts(m)
-        worst = max(_rel(p.grad, layouts[n].shard(ref_grads[n])) for n, p in m.named_parameters())
-        attn = m.model.layers[0].self_attn
-        held = (attn.q_proj.weight.shape[0] // HD, attn.k_proj.weight.shape[0] // HD, attn.num_key_value_groups)
-        return _rel(logits, ref_logits), worst, held
 
-    out = tpkit.comm.run_threads(body, world)
+def test_logits_and_every_gradient_on_gloo_processes():
+    _check(tpkit.launch(_gloo_body, 3, backend="gloo", timeout=240), 3)
+
+
+def _check(out, world):
     assert max(o[0] for o in out) < 1e-9 and max(o[1] for o in out) < 1e-9, out
     lay = head_layout(HEADS, KV, world, spread=True)
     for r, (_, _, (q, kv, groups)) in enumerate(out):
