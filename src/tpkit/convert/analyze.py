@@ -319,6 +319,23 @@ def _suggest(memory: dict, dev: int | None, source: str, mode: str) -> tuple[int
                   f"max_world_size or add pipeline/data parallelism")
 
 
+def _heads_text(pair, n: int) -> str:
+    """The attention heads each of `n` ranks holds, as the converter lays them out (`Pair.heads`)."""
+    lay = pair.heads(n)
+    q = [len(h) for h in lay.q_heads]
+    out = f"attention heads at {n} ranks: {lay.counts()}"
+    if lay.kv_replicated:
+        why = (f"{pair.num_kv_heads} KV heads < world size {n}" if pair.num_kv_heads < n
+               else "some KV heads are read by query heads of two ranks")
+        out += (f"; {why}: such KV heads are replicated on the ranks that read them (k/v projections hold "
+                f"{sum(len(k) for k in lay.kv_heads)} KV heads in all for {pair.num_kv_heads}; their gradients are "
+                f"summed across those ranks; the KV cache grows with them)")
+    if len(set(q)) > 1:
+        out += f"; the ranks with {max(q)} query heads set the step time; world sizes dividing {pair.num_heads} " \
+               f"balance the work"
+    return out
+
+
 def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisReport) -> list[str]:
     recs: list[str] = []
     if a.trace is None:
@@ -333,14 +350,9 @@ def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisRepor
         if blocked:
             recs.append(f"attention ({nh} query / {nkv} KV heads) stays replicated at world sizes {blocked}: "
                         f"{plans[blocked[0]].reasons.get(p0.row, '')}; world sizes that split it: "
-                        f"{valid_world_sizes(nh, nkv, 64)}")
-        if nkv < shown and nkv < nh and plan.entries.get(p0.row) == "rowwise":
-            recs.append(f"{nkv} KV heads < world size {shown}: each KV head is replicated on {shown // nkv} ranks "
-                        f"(k/v projections hold {shown // nkv}x their even share; their gradients are summed "
-                        f"across those ranks)")
-        elif nh % shown and plan.entries.get(p0.row) == "rowwise":
-            recs.append(f"{nh} heads do not divide by {shown}: the first {nh % shown} ranks hold one head more, so "
-                        f"they set the step time; world sizes dividing {nh} balance the work")
+                        f"{valid_world_sizes(nh, nkv, 64, spread=bool(p0.kv_expand))}")
+        if shown > 1 and plan.entries.get(p0.row) == "rowwise":
+            recs.append(_heads_text(p0, shown))
         recs.append(f"{len(attn)} attention blocks and {len(a.pairs) - len(attn)} MLP pairs split as column -> "
                     f"row: one all-reduce per block in the forward (one more in the backward)")
     elif a.pairs:
