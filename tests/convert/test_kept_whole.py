@@ -16,7 +16,7 @@ from tpkit.convert import parallelize, plan, quiet_conversions  # noqa: E402
 
 from tests.models.hf import hf_model  # noqa: E402
 
-HEADS = "model.layers.*.self_attn: 8 query heads in 2 KV groups cannot be split over 3 ranks"
+HEADS = "model.layers.*.self_attn: 2 query heads cannot be split over 3 ranks"
 
 
 def _convert(model, world, plan_arg="auto"):
@@ -30,7 +30,7 @@ def _records(caplog):
 
 @pytest.fixture(scope="module")
 def llama():
-    return hf_model("llama", num_key_value_heads=2)  # 8 query heads in 2 KV groups: not over 3 ranks
+    return hf_model("llama", num_attention_heads=2, num_key_value_heads=2)  # 2 heads: not over 3 ranks
 
 
 def test_auto_plan_with_heads_that_do_not_divide_warns_once_with_counted_reasons(llama, caplog):
