@@ -18,6 +18,7 @@ from torch import nn
 from ..tables import format_bytes as human
 from ..layout import valid_world_sizes
 from .modules import kind
+from .multinode import local_device_count, multi_node_advice
 from .plan import Plan
 from .planner import auto_plan, propose
 from .registry import module_layouts
@@ -207,7 +208,7 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     by predicted time); it returns (world size, why) or None to keep the memory rule.
 
     `devices_per_node` (default: this machine's GPU count, unknown without a GPU) is what one machine holds:
-    where the suggestion needs more, the recommendations name the multi-node setup (`multi_node_advice`)."""
+    where the suggestion needs more, the recommendations name the multi-node setup (`convert/multinode.py`)."""
     if mode not in ("inference", "training"):
         raise ValueError(f"analyze: mode must be 'inference' or 'training', got {mode!r}")
     if devices_per_node is not None and (not isinstance(devices_per_node, int) or devices_per_node < 1):
@@ -253,37 +254,6 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     if advice:
         report.recommendations.append(advice)
     return report
-
-
-def local_device_count() -> int | None:
-    """The GPUs of this machine (None without one: a CPU host's process count is the user's choice)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else None
-
-
-def multi_node_advice(suggested: int | None, memory: dict, dev: int | None, node: int | None,
-                      max_world_size: int) -> str | None:
-    """The multi-node recommendation when the suggested world size (or, when nothing up to `max_world_size`
-    fits, the need) exceeds the `node` devices of one machine, else None.
-
-    Tensor parallelism stays inside a node: its all-reduce per block wants the node's fast links (NVLink), and
-    across nodes it would run on the network. Beyond one node the model is data parallel: FSDP2 shards what
-    one node's tensor parallel ranks still hold over the nodes, which is how the memory need is met."""
-    if not node or dev is None or (suggested is not None and suggested <= node):
-        return None
-    if suggested is None and (node not in memory or memory[node] <= dev):
-        return None
-    if suggested is not None:
-        nodes = -(-suggested // node)
-        need = f"the suggested world size {suggested} exceeds the {node} devices of one machine"
-    else:
-        nodes = max(2, -(-memory[node] // dev))
-        need = (f"nothing up to {max_world_size} ranks fits, and at {node} ranks (one machine) each holds "
-                f"{human(memory[node])} against {human(dev)}")
-    return (f"{need}: run on {nodes} nodes with tensor parallelism inside each node (tp={node}) and data parallel "
-            f"across them (dp={nodes}; tpkit.data_parallel(model, dp_comm, mode='fsdp') shards each rank's "
-            f"weights and optimizer states {nodes} ways); launch on every node `torchrun --nnodes {nodes} "
-            f"--nproc-per-node {node} --node-rank <i> --rdzv-backend c10d --rdzv-endpoint <first node>:29500 "
-            f"train.py`; a tensor parallel group spanning nodes would put its all-reduce per block on the network")
 
 
 def host_memory() -> int | None:
