@@ -92,6 +92,7 @@ class Trace:
     # every module -> {position or keyword: (shape, id)} of the float tensor arguments of its first call that no
     # parameterised layer made (masks, ALiBi biases built from the mask)
     plain_args: dict = dataclasses.field(default_factory=dict)
+    inputs: Any = None  # the example inputs the trace ran (the dry run runs them again)
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -325,7 +326,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
         if tag is not None:
             escaped |= tag.sources | tag.carried
     return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
-                 tracer.read_directly, tracer.readers, plain_args)
+                 tracer.read_directly, tracer.readers, plain_args, example_inputs)
 
 
 def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:
