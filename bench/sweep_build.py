@@ -131,6 +131,8 @@ def config_for(model_type: str):
                 c._attn_implementation = "eager"
             except Exception:  # noqa: BLE001 - configs that refuse eager keep their own
                 pass
+        if hasattr(c, "_experts_implementation"):
+            c._experts_implementation = "eager"  # grouped_mm takes no float64
         if hasattr(c, "use_cache"):
             c.use_cache = False
     return config

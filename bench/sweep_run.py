@@ -1,6 +1,6 @@
 """One architecture of the zoo sweep: build it shrunk (`sweep_build`), run it once unconverted, convert it with
-plan="auto" on 2 and 3 thread-ranks in float64, compare every output tensor, every gradient and the weights after
-one AdamW step with the unconverted model's (`tests/models/stepcheck.py`, the coverage tests' own check).
+plan="auto" on 2 and 3 thread-ranks in float64, compare every output tensor and every gradient with the unconverted
+model's (`tests/models/stepcheck.py`, the coverage tests' own check).
 
 Outcomes: `exact` (converted, something split, equal), `whole` (converted, equal, nothing split: the reasons
 say why), `refused` (a PlanError before any change), `crashed` (any other error in conversion or the converted
@@ -68,7 +68,11 @@ def _reference(model, x):
     mode = _LowPrecision()
     with torch.no_grad(), mode:
         stepcheck.call(copy.deepcopy(model), x)
-    return stepcheck.reference(model, x), mode.found
+    ref = stepcheck.reference(model, x)
+    bad = [k for k, v in {**ref["outputs"], **ref["grads"]}.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise ValueError(f"the unconverted model's output or gradient {bad[0]!r} is not finite at this size")
+    return ref, mode.found
 
 
 def _convert(model, x, ref, world: int):
@@ -77,7 +81,10 @@ def _convert(model, x, ref, world: int):
 
     copies = [copy.deepcopy(model) for _ in range(world)]
     results = tpkit.launch(stepcheck.rank_errors, world, backend="threads", args=(copies, x, ref))
-    err = max((max(r["errors"].values(), default=0.0) for r in results), default=0.0)
+    # outputs and gradients; not the weights after the AdamW step, which turns the rounding noise of a gradient
+    # that is zero in theory (a key bias) into a step of about lr * noise / eps
+    err = max((max((v for k, v in r["errors"].items() if not k.startswith("step ")), default=0.0)
+               for r in results), default=0.0)
     return err, max(r["share"] for r in results), results[0]["plan"]
 
 

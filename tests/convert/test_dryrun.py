@@ -99,3 +99,66 @@ def test_the_shape_communicator_returns_this_ranks_shapes():
     assert comm.all_gather(t, dim=1).shape == (7, 12)
     assert comm.all_gather(t, dim=0, sizes=[8, 8, 7]).shape == (23, 4)
     assert comm.reduce_scatter(t, dim=0).shape == (2, 4)
+
+
+class NeedsValues(nn.Module):
+    """Longformer's pattern: the forward reads a value (`.item()`, so it cannot run on meta tensors) and checks
+    the hidden size against an attribute the converter sets to the local size."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.out = nn.Linear(32, 32)
+        self.num_heads, self.head_dim, self.embed_dim = 4, 8, 32
+
+    def forward(self, x):
+        b, t, d = x.shape
+        assert d == self.embed_dim, f"hidden_states should have embed_dim = {self.embed_dim}, but has {d}"
+        pad = int((x.abs().sum() > -1).item())  # a value the forward needs: always 1
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.query, self.key, self.value))
+        a = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+        return self.out(a.transpose(1, 2).reshape(b, t, -1)) * pad
+
+
+def test_a_forward_that_needs_values_is_dry_run_on_a_real_copy():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(NeedsValues(), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).double(), \
+        torch.randn(2, 5, 32, dtype=torch.double)
+    ref = model(x)
+
+    def body(comm):
+        m = tpkit.parallelize(copy.deepcopy(model), comm=comm, example_inputs=(x,))
+        return m(x), m.tp_plan
+
+    for out, plan in run_threads(body, 2):
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        assert plan["0.query"] == plan["0.out"] == "replicate"  # the pair stays whole together
+        assert "embed_dim" in plan.reasons["0.out"]
+        assert plan["1"] == "colwise"
+
+
+class CachesInEval(nn.Module):
+    """Levit's pattern: in eval mode the forward caches a tensor computed from a parameter, in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.bias = nn.Parameter(torch.randn(8))
+        self.cache = {}
+
+    def forward(self, x):
+        if self.training:
+            b = self.bias * 2
+        else:
+            b = self.cache.setdefault("b", self.bias * 2)
+        return self.down(torch.relu(self.up(x))) + b
+
+
+def test_the_trace_leaves_no_cache_behind():
+    from tpkit.convert.trace import analyze_structure
+
+    model = CachesInEval().double().eval()
+    analyze_structure(model, (torch.randn(3, 8, dtype=torch.double),))
+    assert model.cache == {}
+    model(torch.randn(3, 8, dtype=torch.double)).sum().backward()
+    assert model.bias.grad is not None

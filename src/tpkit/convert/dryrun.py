@@ -3,7 +3,7 @@
 A model's own forward may assume what a split breaks, a packed projection reshaped with a hard-coded group
 count (`qkv.view(b, s, 4, -1, d)` with a quarter of the features on each rank) being the common case. The
 trace cannot see that; running the converted structure can. `dry_run` deep-copies the model onto the meta
-device (no values, no memory), applies the plan there with a `ShapeCommunicator` (collectives return the
+device (no values, no memory; a small model whose forward needs values, a real copy), applies the plan there with a `ShapeCommunicator` (collectives return the
 shapes this rank would get), and runs the example inputs through it. When the forward fails, the module that
 owns the failing op (the innermost running module holding split layers), and every module of the same class
 at the same place in the other repeated blocks, is kept whole with the error as the reason, and the run is
@@ -27,6 +27,7 @@ from .styles import REPLICATE
 from .trace import Analysis, traceable_experts
 
 MAX_ROUNDS = 8
+REAL_COPY_BYTES = 1 << 30  # a model whose forward needs values (`.item()`) is dry-run on a real copy up to this
 Failure = tuple  # (names of the running modules, outermost first; "Type: message")
 
 
@@ -38,14 +39,15 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
     if inputs is None or comm.world_size == 1 or not _splits(the_plan):
         return the_plan
     try:
-        if _run(_meta_copy(model, analysis)[0], inputs) is not None:
-            return the_plan  # the original forward does not run on meta tensors: nothing to learn here
+        on_meta = _run(_copy(model, analysis, True)[0], inputs, True) is None
     except Exception:  # noqa: BLE001 - a model that cannot be copied is converted without a dry run
         return the_plan
+    if not on_meta and not _small(model):
+        return the_plan  # its forward does not run on meta tensors, and a real copy would cost too much
     first = the_plan
     for _ in range(MAX_ROUNDS):
         try:
-            failure = _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs)
+            failure = _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, on_meta)
         except PlanError:
             if the_plan is first:
                 raise
@@ -66,28 +68,32 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
                       _names(model))
 
 
-def _try(model, the_plan, analysis, world, sequence_parallel, inputs) -> Failure | None:
+def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool) -> Failure | None:
     """The first failure of the converted forward over every rank in order (every rank runs all of them, so
     all ranks reach the same plan without communicating)."""
     for rank in range(world):
-        copy, meta_analysis = _meta_copy(model, analysis)
-        prepared = prepare(copy, the_plan, meta_analysis, world, rank, sequence_parallel, False)
+        copy, copy_analysis = _copy(model, analysis, on_meta)
+        prepared = prepare(copy, the_plan, copy_analysis, world, rank, sequence_parallel, False)
         try:
             apply(copy, prepared, ShapeCommunicator(rank, world))
         except Exception:  # noqa: BLE001 - a layer that cannot be built on meta: the dry run cannot tell
             return None
-        failure = _run(copy, inputs)
+        failure = _run(copy, inputs, on_meta)
         if failure is not None:
             return failure
     return None
 
 
 def keep_whole(the_plan: Plan, blocks: Iterable[str], reason: str, analysis: Analysis, names: list[str]) -> Plan:
-    """`the_plan` with every layer inside `blocks` (and whatever shares a weight with one) replicated, with
-    `reason`; entries of containers inside them (regions) dropped."""
+    """`the_plan` with every layer inside `blocks` (and whatever shares a weight or a column -> row pair with one)
+    replicated, with `reason`; entries of containers inside them (regions) dropped."""
     entries = the_plan.resolve(names)
     whole = {n for n in _names_under(blocks, entries)}
     whole |= {t for n in whole for t in analysis.ties.get(n, ())}
+    for pair in analysis.pairs:  # a column -> row pair is split whole or not at all
+        members = {*pair.columns, pair.row, *pair.carried, *pair.per_head}
+        if members & whole:
+            whole |= members
     reasons = dict(the_plan.reasons)
     for n in sorted(whole):
         if n in analysis.leaves:
@@ -132,15 +138,21 @@ def _blocks(model: nn.Module, owner: str) -> list[str]:
     return [n for n, m in model.named_modules() if n and pattern.match(n) and type(m) is kind]
 
 
-def _meta_copy(model: nn.Module, analysis: Analysis) -> tuple[nn.Module, Analysis]:
-    """A deep copy of `model` whose parameters and buffers are on the meta device, and `analysis` for it."""
+def _small(model: nn.Module) -> bool:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return all(t.device.type != "meta" for t in tensors) and sum(t.nbytes for t in tensors) <= REAL_COPY_BYTES
+
+
+def _copy(model: nn.Module, analysis: Analysis, on_meta: bool) -> tuple[nn.Module, Analysis]:
+    """A deep copy of `model`, its parameters and buffers on the meta device when `on_meta`, and `analysis` for
+    it."""
     memo: dict[int, Any] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
+    for t in list(model.parameters()) + list(model.buffers()) if on_meta else ():
         if id(t) not in memo:
             meta = t.detach().to("meta")
             memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
     copy = copying.deepcopy(model, memo)
-    for m in copy.modules():
+    for m in copy.modules() if on_meta else ():
         for k, v in list(vars(m).items()):
             if isinstance(v, torch.Tensor) and v.device.type != "meta" and v.dim() > 0:
                 setattr(m, k, v.to("meta"))
@@ -159,15 +171,16 @@ def _to_meta(x: Any) -> Any:
     return x
 
 
-def _run(model: nn.Module, inputs: Any) -> Failure | None:
-    """One eval forward of `model` on meta copies of `inputs`; None, or where it failed and why."""
+def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
+    """One eval forward of `model` on `inputs` (meta copies of them when `on_meta`); None, or where it failed
+    and why."""
     running: list[str] = []
     handles = []
     for name, m in model.named_modules():
         handles.append(m.register_forward_pre_hook(lambda *_, n=name: running.append(n)))
         handles.append(m.register_forward_hook(lambda *_: running.pop() and None))
     model.eval()
-    args = _to_meta(inputs)
+    args = _to_meta(inputs) if on_meta else inputs
     try:
         with torch.no_grad(), traceable_experts(model):
             if isinstance(args, Mapping):
