@@ -4,7 +4,7 @@ image classification, each built from its own config class shrunk GENERICALLY.
 No config is written per architecture: `shrink` walks the default config's attributes and sets each by its role,
 found from its name (through the config's own `attribute_map`, so GPT-2's `n_embd` is a hidden size): hidden 96,
 12 heads of 8, 6 KV heads, 2 layers, MLP 192, 4 experts (2 per token), vocabulary 211 (odd), 64 positions,
-32-pixel images, no dropout. Nested configs (`text_config`, `vision_config`, ...) are shrunk the same way; lists
+32-pixel images in patches of at most 4, no dropout. Nested configs (`text_config`, `vision_config`, ...) are shrunk the same way; lists
 as long as the layer count are cut to it. `build` makes the model in float64 with eager attention from a fixed
 seed; `inputs` gives its keyword inputs from its main input name.
 """
@@ -52,6 +52,7 @@ _ROLES: dict[str, tuple[tuple[str, ...], Any]] = {
     "rotary": (("rotary_dim", "rotary_emb_base_dim", "qk_rope_head_dim", "qk_nope_head_dim"), 4),
     "lora": (("kv_lora_rank", "q_lora_rank"), 24),
     "first_k_dense": (("first_k_dense_replace",), 1),
+    "patch": (("patch_size",), 4),
 }
 _BY_NAME = {name: role for role, (names, _) in _ROLES.items() for name in names}
 
@@ -78,7 +79,7 @@ def _value(role: str, old: Any) -> Any:
     if isinstance(old, bool) or old is None:
         return old
     if isinstance(old, int):
-        return min(old, new) if role in ("topk", "first_k_dense") else new
+        return min(old, new) if role in ("topk", "first_k_dense", "patch") else new
     if isinstance(old, list) and old and all(isinstance(v, int) and not isinstance(v, bool) for v in old):
         return [new] * len(old) if role != "layers" else [1] * len(old)
     return old

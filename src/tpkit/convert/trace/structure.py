@@ -17,6 +17,7 @@ from torch import nn
 from ..modules import is_conv2d, is_embedding, is_linear, linear_dims
 from ..roles import Pair, Role
 from .dataflow import Trace, parameterised_leaves, trace
+from .analogy import twins
 from .pairs import find_pairs
 
 
@@ -146,6 +147,7 @@ def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis
             error = error or f"{type(exc).__name__}: {exc}"
             continue
         pairing = find_pairs(model, dict(analysis.leaves), found)
-        return dataclasses.replace(analysis, trace=found, structures=pairing.structures, pairs=tuple(pairing.pairs),
-                                   notes=pairing.notes)
+        pairs, roles = twins(model, analysis.leaves, found.calls, pairing.pairs, pairing.structures)
+        return dataclasses.replace(analysis, trace=found, structures={**pairing.structures, **roles},
+                                   pairs=tuple(pairing.pairs) + tuple(pairs), notes=pairing.notes)
     return dataclasses.replace(analysis, trace_error=error)
