@@ -53,6 +53,7 @@ _ROLES: dict[str, tuple[tuple[str, ...], Any]] = {
     "lora": (("kv_lora_rank", "q_lora_rank"), 24),
     "first_k_dense": (("first_k_dense_replace",), 1),
     "patch": (("patch_size",), 4),
+    "expert_groups": (("n_group", "topk_group", "num_expert_group", "topk_groups"), 1),
 }
 _BY_NAME = {name: role for role, (names, _) in _ROLES.items() for name in names}
 
@@ -169,7 +170,11 @@ def inputs(model: torch.nn.Module, task: str) -> dict:
         raise ValueError(f"main input {main!r}: the sweep makes token ids and pixels only")
     vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", VOCAB)
     ids = torch.randint(3, vocab, (BATCH, SEQ), generator=g)
+    eos = getattr(cfg, "eos_token_id", None)
+    if task == "sequence" and isinstance(eos, int) and 0 <= eos < vocab:
+        ids[ids == eos] = 3 if eos != 3 else 4
+        ids[:, -1] = eos  # one end-of-sequence token per row (BART-style heads read the hidden state there)
     out = {"input_ids": ids}
-    if task == "seq2seq" or getattr(cfg, "is_encoder_decoder", False):
+    if task == "seq2seq":
         out["decoder_input_ids"] = torch.randint(3, vocab, (BATCH, SEQ // 2), generator=g)
     return out
