@@ -177,4 +177,6 @@ def inputs(model: torch.nn.Module, task: str) -> dict:
     out = {"input_ids": ids}
     if task == "seq2seq":
         out["decoder_input_ids"] = torch.randint(3, vocab, (BATCH, SEQ // 2), generator=g)
+    elif getattr(cfg, "is_encoder_decoder", False):  # a classifier over an encoder-decoder: the same tokens
+        out["decoder_input_ids"] = ids.clone()
     return out
