@@ -53,3 +53,47 @@ def test_an_untraced_twin_is_split_like_the_traced_one_and_runs_right():
     for out, plan in run_threads(body, 2):
         assert plan["cross_attn.q_proj"] == "colwise" and plan["cross_attn.out_proj"] == "rowwise"
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+class Tower(nn.Module):
+    """A model of its own (a config and a main input name), as a Hugging Face vision tower is."""
+
+    main_input_name = "pixel_values"
+
+    def __init__(self):
+        super().__init__()
+        import types
+
+        self.config = types.SimpleNamespace(image_size=4, num_channels=2)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, pixel_values):
+        x = pixel_values.flatten(1)
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class TwoTowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision = Tower()
+        self.text_up, self.text_down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x, pixel_values=None):
+        if pixel_values is not None:
+            x = x + self.vision(pixel_values)
+        return x + self.text_down(torch.relu(self.text_up(x)))
+
+
+def test_an_untraced_tower_is_traced_alone_and_runs_right():
+    torch.manual_seed(0)
+    model = TwoTowers().double()
+    x, pixels = torch.randn(3, 32, dtype=torch.double), torch.randn(3, 2, 4, 4, dtype=torch.double)
+    ref = model(x, pixels)
+
+    def body(comm):
+        m = tpkit.parallelize(copy.deepcopy(model), comm=comm, example_inputs=(x,))  # no image: no tower
+        return m(x, pixels), m.tp_plan
+
+    for out, plan in run_threads(body, 2):
+        assert plan["vision.up"] == "colwise" and plan["vision.down"] == "rowwise"
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

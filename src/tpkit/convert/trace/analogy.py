@@ -4,7 +4,9 @@ A decoder's cross-attention (BART's `encoder_attn`) does not run without encoder
 run for the inputs given. When such a module is of the same class as a module that did run, with the same
 layers of the same shapes (`self_attn`), it runs the same code: its pairs are that module's pairs under its own
 name, with the same roles. Only pairs wholly inside the traced module are carried over. A module with no such
-twin stays whole ("not run in the traced forward").
+twin stays whole ("not run in the traced forward"), unless it is a model of its own (a Hugging Face vision or
+text tower: a `config` and a `main_input_name`): then `towers` traces it alone, with its own default inputs, and
+takes its pairs under its name.
 """
 from __future__ import annotations
 
@@ -63,4 +65,33 @@ def twins(model: nn.Module, leaves, ran, pairs: list[Pair], structures: dict[str
         for leaf, role in structures.items():
             if leaf.startswith(twin + "."):
                 new_roles[_rename(leaf, twin, name)] = _moved(role, twin, name)
+    return new_pairs, new_roles
+
+
+def _prefixed(record, prefix: str):
+    def move(v):
+        if isinstance(v, str):
+            return f"{prefix}.{v}" if v else prefix
+        return tuple(move(x) for x in v) if isinstance(v, tuple) else v
+    return dataclasses.replace(record, **{f.name: move(getattr(record, f.name))
+                                          for f in dataclasses.fields(record) if f.name != "head_args"})
+
+
+def towers(model: nn.Module, leaves, ran, analyze) -> tuple[list, dict]:
+    """Pairs and roles of the sub-models none of whose layers ran (a vision tower given no image), each traced
+    alone by `analyze(module)` with its own default inputs."""
+    new_pairs, new_roles, done = [], {}, []
+    for name, m in model.named_modules():
+        if not name or any(name.startswith(d + ".") for d in done) or getattr(m, "config", None) is None \
+                or not isinstance(getattr(m, "main_input_name", None), str):
+            continue
+        inner = [n for n in leaves if n.startswith(name + ".")]
+        if not inner or any(n in ran for n in inner):
+            continue
+        done.append(name)
+        sub = analyze(m)
+        if sub.trace is None:
+            continue
+        new_pairs += [_prefixed(p, name) for p in sub.pairs]
+        new_roles.update({f"{name}.{leaf}": _prefixed(r, name) for leaf, r in sub.structures.items()})
     return new_pairs, new_roles

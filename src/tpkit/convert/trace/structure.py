@@ -17,7 +17,7 @@ from torch import nn
 from ..modules import is_conv2d, is_embedding, is_linear, linear_dims
 from ..roles import Pair, Role
 from .dataflow import Trace, parameterised_leaves, trace
-from .analogy import twins
+from .analogy import towers, twins
 from .pairs import find_pairs
 
 
@@ -49,7 +49,9 @@ def default_inputs(model: nn.Module) -> list:
     if cfg is not None and main == "pixel_values":
         size = getattr(cfg, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
-        return [{"pixel_values": torch.zeros(1, getattr(cfg, "num_channels", 3), size, size, device=device)}]
+        dtype = params[0].dtype if params and params[0].is_floating_point() else None
+        return [{"pixel_values": torch.zeros(1, getattr(cfg, "num_channels", 3), size, size, device=device,
+                                             dtype=dtype)}]
     for m in model.modules():
         dtype = next(m.parameters(), torch.empty(0)).dtype
         if is_linear(m) or isinstance(m, nn.LayerNorm):
@@ -148,6 +150,8 @@ def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis
             continue
         pairing = find_pairs(model, dict(analysis.leaves), found)
         pairs, roles = twins(model, analysis.leaves, found.calls, pairing.pairs, pairing.structures)
+        more_pairs, more_roles = towers(model, analysis.leaves, found.calls, _analyze_structure)
+        pairs, roles = pairs + more_pairs, {**roles, **more_roles}
         return dataclasses.replace(analysis, trace=found, structures={**pairing.structures, **roles},
                                    pairs=tuple(pairing.pairs) + tuple(pairs), notes=pairing.notes)
     return dataclasses.replace(analysis, trace_error=error)
