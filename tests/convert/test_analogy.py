@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -84,9 +85,11 @@ class TwoTowers(nn.Module):
         return x + self.text_down(torch.relu(self.text_up(x)))
 
 
-def test_an_untraced_tower_is_traced_alone_and_runs_right():
+@pytest.mark.parametrize("main_input_name", ["pixel_values", "input_ids"])  # input_ids: inherited, and wrong
+def test_an_untraced_tower_is_traced_alone_and_runs_right(main_input_name):
     torch.manual_seed(0)
     model = TwoTowers().double()
+    model.vision.main_input_name = main_input_name
     x, pixels = torch.randn(3, 32, dtype=torch.double), torch.randn(3, 2, 4, 4, dtype=torch.double)
     ref = model(x, pixels)
 

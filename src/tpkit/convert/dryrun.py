@@ -58,8 +58,8 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
         blocks = _blocks(model, _owner(running, the_plan, model))
         named = [n for n in _names_under(blocks, the_plan.resolve(_names(model))) if fixed(n)]
         if named:
-            raise PlanError(f"the converted forward fails in {blocks[0] or 'the model'!r} on a dry run on meta "
-                            f"tensors ({error}); the plan splits {named[:3]} there: keep them 'replicate'")
+            raise PlanError(f"the converted forward fails in {blocks[0] or 'the model'!r} on a dry run before any "
+                            f"change ({error}); the plan splits {named[:3]} there: keep them 'replicate'")
         the_plan = keep_whole(the_plan, blocks, f"kept whole: the converted forward fails here ({error})",
                               analysis, _names(model))
         if "" in blocks:

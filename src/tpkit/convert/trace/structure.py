@@ -7,6 +7,7 @@ model object so `analyze`, `plan` and `parallelize` in a row trace a large model
 from __future__ import annotations
 
 import contextlib
+import inspect
 import dataclasses
 import weakref
 from typing import Any, Mapping
@@ -38,20 +39,23 @@ class Analysis:
 
 
 def default_inputs(model: nn.Module) -> list:
-    """Tiny inputs to try for the trace: HF models get token ids (or pixels); others a batch shaped for
-    their first layer, as [batch, features] and then [batch, seq, features]."""
+    """Tiny inputs to try for the trace: HF models get token ids (or pixels, or audio features); others a batch
+    shaped for their first layer, as [batch, features] and then [batch, seq, features]."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
+    dtype = params[0].dtype if params and params[0].is_floating_point() else None
     cfg = getattr(model, "config", None)
-    main = getattr(model, "main_input_name", None)
+    main = _main_input(model)
     if cfg is not None and main == "input_ids":
         return [{"input_ids": torch.zeros(1, 4, dtype=torch.long, device=device)}]
     if cfg is not None and main == "pixel_values":
         size = getattr(cfg, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
-        dtype = params[0].dtype if params and params[0].is_floating_point() else None
         return [{"pixel_values": torch.zeros(1, getattr(cfg, "num_channels", 3), size, size, device=device,
                                              dtype=dtype)}]
+    if cfg is not None and main == "input_features" and hasattr(cfg, "num_mel_bins"):
+        frames = 2 * getattr(cfg, "max_source_positions", 8)  # Whisper-style encoders take exactly this many
+        return [{"input_features": torch.zeros(1, cfg.num_mel_bins, frames, device=device, dtype=dtype)}]
     for m in model.modules():
         dtype = next(m.parameters(), torch.empty(0)).dtype
         if is_linear(m) or isinstance(m, nn.LayerNorm):
@@ -63,6 +67,17 @@ def default_inputs(model: nn.Module) -> list:
         if is_embedding(m):
             return [(torch.zeros(2, 4, dtype=torch.long, device=device),)]
     raise ValueError(f"cannot guess an input for {type(model).__name__}; pass example_inputs")
+
+
+def _main_input(model: nn.Module) -> str | None:
+    """The model's main input: its `main_input_name`, unless its forward's first argument is another input
+    kind (a vision encoder that inherits `input_ids` but reads `pixel_values`)."""
+    main = getattr(model, "main_input_name", None)
+    try:
+        first = next(iter(inspect.signature(model.forward).parameters), None)
+    except (TypeError, ValueError):
+        return main
+    return first if first in ("pixel_values", "input_features") and first != main else main
 
 
 def _ties(leaves: dict[str, nn.Module]) -> dict[str, list[str]]:
