@@ -1,8 +1,8 @@
 """A fixed sample of the zoo sweep (issue 24), run by the sweep's own code (`bench/sweep_run.py`): each
 architecture's outcome and per-rank share at 2 ranks are what `bench/results/zoo_sweep.csv` records, and no
 sampled architecture crashes or computes a wrong result. The sample spreads over the outcomes and the patterns
-the sweep found (a cache filled in eval mode, a forward that needs values, an untraced cross-attention, an
-embedding scaled by a number, experts, images, a non-finite reference)."""
+the sweep found (an untraced cross-attention, a layer shared across depth, a vision tower given no image, an
+embedding scaled by a number, a large position table, experts, images, references that are not finite)."""
 from __future__ import annotations
 
 import sys
@@ -17,11 +17,12 @@ SAMPLE = (  # (model_type, class)
     ("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel"), ("bert", "BertForMaskedLM"),
     ("t5", "T5ForConditionalGeneration"), ("bart", "BartForCausalLM"), ("bart", "BartForConditionalGeneration"),
     ("bart", "BartForSequenceClassification"), ("vit", "ViTForImageClassification"),
-    ("beit", "BeitForImageClassification"), ("levit", "LevitForImageClassification"),
+    ("beit", "BeitForImageClassification"), ("albert", "AlbertForMaskedLM"),
     ("mixtral", "MixtralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"), ("codegen", "CodeGenForCausalLM"),
     ("falcon", "FalconForCausalLM"), ("opt", "OPTForCausalLM"), ("distilbert", "DistilBertForSequenceClassification"),
     ("mobilenet_v1", "MobileNetV1ForImageClassification"), ("longformer", "LongformerForMaskedLM"),
     ("canine", "CanineForSequenceClassification"), ("layoutlm", "LayoutLMForMaskedLM"),
+    ("gemma3", "Gemma3ForConditionalGeneration"),
 )
 
 

@@ -68,7 +68,10 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     entries `{module name or glob: style}` that override the automatic plan. `comm`: the tensor-parallel
     communicator (default `tpkit.get_communicator()`). `mode="training"` keeps LM-head logits split over
     the vocabulary (use `tpkit.nn.vocab_parallel_cross_entropy`). Works on meta-device models (shards
-    stay meta, to be loaded later). Raises before changing anything when the plan cannot be applied.
+    stay meta, to be loaded later). Raises before changing anything when the plan cannot be applied. Before any
+    weight changes, the converted structure runs once on meta tensors (a real copy for a small model whose forward
+    needs values) with the example inputs: a block that fails there stays whole, with the error as its reason in
+    `model.tp_plan`; a plan the user wrote that fails there is a PlanError.
 
     `sequence_parallel=True` (or plan entries styled "sequence_parallel") also splits the residual stream
     along the sequence between row- and column-wise layers (see `sequence.py`; training mode, sequence length
