@@ -22,7 +22,8 @@ from torch import nn
 from ..comm.shapes import ShapeCommunicator
 from .errors import PlanError
 from .plan import Plan
-from .steps import apply, prepare
+from .layouts import plan_layouts
+from .steps import apply, plan_styles, prepare
 from .styles import REPLICATE
 from .trace import Analysis, traceable_experts
 
@@ -69,9 +70,15 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
 
 
 def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool) -> Failure | None:
-    """The first failure of the converted forward over every rank in order (every rank runs all of them, so
-    all ranks reach the same plan without communicating)."""
+    """The first failure of the converted forward over the ranks in order (every rank runs them all, so all
+    ranks reach the same plan without communicating); a rank whose local shapes are all those of a rank before
+    it is not run again."""
+    seen = set()
     for rank in range(world):
+        shapes = _local_shapes(model, the_plan, analysis, world, rank)
+        if shapes in seen:
+            continue
+        seen.add(shapes)
         copy, copy_analysis = _copy(model, analysis, on_meta)
         prepared = prepare(copy, the_plan, copy_analysis, world, rank, sequence_parallel, False)
         try:
@@ -82,6 +89,13 @@ def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: b
         if failure is not None:
             return failure
     return None
+
+
+def _local_shapes(model, the_plan, analysis, world: int, rank: int) -> tuple:
+    modules = dict(model.named_modules())
+    styles = plan_styles(the_plan, analysis, modules)
+    layouts = plan_layouts(modules, analysis.leaves, styles, the_plan.details, world, rank)
+    return tuple(sorted((n, k, tuple(lay.local_shape)) for n, per in layouts.items() for k, lay in per.items()))
 
 
 def keep_whole(the_plan: Plan, blocks: Iterable[str], reason: str, analysis: Analysis, names: list[str]) -> Plan:
