@@ -1,0 +1,89 @@
+"""Plan reuse: the plan of a model whose blocks repeat, from the plan of its distinct blocks.
+
+`trace.analyze_blocks` traces a deep model cut to its distinct leading blocks; the planner plans that, and
+`expand` gives every later block the entries, details and reasons of the traced block with its signature, module
+names renamed (`model.layers.1.mlp.up_proj` -> `model.layers.37.mlp.up_proj`). Whatever it cannot rename for sure
+(a block's facts naming another block, a model-level fact naming a block) gives None, and the caller plans from the
+whole trace. `enabled` reads the switch: `plan(..., reuse=False)` or the environment's `TPKIT_PLAN_REUSE=0`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Callable, Iterable
+
+from .plan import Plan
+from .roles import Role
+from .trace.blocks import Blocks
+
+
+class _Unsure(Exception):
+    """A name the renaming cannot vouch for."""
+
+
+def enabled(reuse: bool | None) -> bool:
+    """The `reuse` argument, or when None the environment (`TPKIT_PLAN_REUSE=0` turns reuse off)."""
+    if reuse is not None:
+        return bool(reuse)
+    return os.environ.get("TPKIT_PLAN_REUSE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _renamer(blocks: list[Blocks]) -> tuple[re.Pattern, dict[str, Blocks]]:
+    names = sorted((b.name for b in blocks), key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(n) for n in names) + r")\.(\d+)(?!\w)")
+    return pattern, {b.name: b for b in blocks}
+
+
+def _rename(text: str, pattern: re.Pattern, where: tuple[str, int] | None, to: int) -> str:
+    """`text` with block `where` (list, index) renamed to index `to`; any other block named is unsure."""
+    def sub(m: re.Match) -> str:
+        if where is None or (m.group(1), int(m.group(2))) != where:
+            raise _Unsure(text)
+        return f"{m.group(1)}.{to}"
+
+    return pattern.sub(sub, text)
+
+
+def _role(role: Role, f: Callable[[str], str]) -> Role:
+    changes = {}
+    for fld in dataclasses.fields(role):
+        v = getattr(role, fld.name)
+        if isinstance(v, str):
+            changes[fld.name] = f(v)
+        elif isinstance(v, tuple) and v and all(isinstance(x, str) for x in v):
+            changes[fld.name] = tuple(f(x) for x in v)
+    return dataclasses.replace(role, **changes)
+
+
+def _copies(name: str, pattern: re.Pattern, lists: dict[str, Blocks]):
+    """(new name, renaming function) for every module that takes `name`'s facts: its block's copies, or itself."""
+    m = pattern.match(name)
+    if m is None or m.start() != 0:
+        return [(name, lambda s: _rename(s, pattern, None, 0))]
+    b, j = lists[m.group(1)], int(m.group(2))
+    out = []
+    for i, src in enumerate(b.source):
+        if src == j:
+            out.append((f"{b.name}.{i}{name[m.end():]}", lambda s, i=i: _rename(s, pattern, (b.name, j), i)))
+    return out
+
+
+def expand(plan: Plan, blocks: list[Blocks], modules: Iterable[str], leaves: Iterable[str]) -> Plan | None:
+    """`plan` (of the model cut to its distinct blocks) for the whole model, or None when unsure."""
+    pattern, lists = _renamer(blocks)
+    entries: dict[str, str] = {}
+    details: dict[str, Role] = {}
+    reasons: dict[str, str] = {}
+    try:
+        for source, out in ((plan.entries, entries), (plan.details, details), (plan.reasons, reasons)):
+            for name, value in source.items():
+                for new, f in _copies(name, pattern, lists):
+                    out[new] = _role(value, f) if isinstance(value, Role) else value if out is entries else f(value)
+    except _Unsure:
+        return None
+    known = set(modules)
+    if not set(leaves) <= entries.keys() or not entries.keys() <= known or not details.keys() <= known:
+        return None
+    return Plan(entries, world_size=plan.world_size, mode=plan.mode, details=details, reasons=reasons,
+                prefix=plan.prefix)
