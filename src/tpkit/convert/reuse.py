@@ -35,12 +35,19 @@ def _renamer(blocks: list[Blocks]) -> tuple[re.Pattern, dict[str, Blocks]]:
     return pattern, {b.name: b for b in blocks}
 
 
-def _rename(text: str, pattern: re.Pattern, where: tuple[str, int] | None, to: int) -> str:
-    """`text` with block `where` (list, index) renamed to index `to`; any other block named is unsure."""
+def _rename(text: str, pattern: re.Pattern, lists: dict[str, Blocks], where: tuple[str, int] | None, to: int) -> str:
+    """`text` of traced block `where` (list, index) as block `to`: that block renamed, any other block named is
+    unsure. A model-level `text` (`where` None) names the last traced block as the last block; the blocks before
+    it are themselves."""
     def sub(m: re.Match) -> str:
-        if where is None or (m.group(1), int(m.group(2))) != where:
-            raise _Unsure(text)
-        return f"{m.group(1)}.{to}"
+        b, d = lists[m.group(1)], int(m.group(2))
+        if where is not None and (b.name, d) == where:
+            return f"{b.name}.{to}"
+        if where is None and d < b.keep - 1:
+            return m.group(0)
+        if where is None and d == b.keep - 1:
+            return f"{b.name}.{b.length - 1}"
+        raise _Unsure(text)
 
     return pattern.sub(sub, text)
 
@@ -60,12 +67,12 @@ def _copies(name: str, pattern: re.Pattern, lists: dict[str, Blocks]):
     """(new name, renaming function) for every module that takes `name`'s facts: its block's copies, or itself."""
     m = pattern.match(name)
     if m is None or m.start() != 0:
-        return [(name, lambda s: _rename(s, pattern, None, 0))]
+        return [(name, lambda s: _rename(s, pattern, lists, None, 0))]
     b, j = lists[m.group(1)], int(m.group(2))
     out = []
     for i, src in enumerate(b.source):
         if src == j:
-            out.append((f"{b.name}.{i}{name[m.end():]}", lambda s, i=i: _rename(s, pattern, (b.name, j), i)))
+            out.append((f"{b.name}.{i}{name[m.end():]}", lambda s, i=i: _rename(s, pattern, lists, (b.name, j), i)))
     return out
 
 

@@ -31,7 +31,7 @@ _PLAIN = (int, float, bool, str, type(None))
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """One list of blocks: its module name, its length, how many leading blocks the shortened trace keeps, and
-    for every block the index of the traced block whose plan it takes (itself for the kept ones)."""
+    for every block the index of the traced block whose plan it takes (see `cut`)."""
 
     name: str
     length: int
@@ -106,20 +106,35 @@ def _lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return out
 
 
+def cut(sigs: list) -> tuple[int, tuple[int, ...]] | None:
+    """Where to cut a list of blocks with signatures `sigs`, and which traced block each block copies; None when
+    no cut saves a block.
+
+    The first block (fed by the embeddings) and the last (feeding the head) sit apart from the rest, so the cut
+    keeps the shortest prefix whose last block has the last block's signature and whose inner blocks (neither
+    first nor last) hold every signature of the blocks in between: the first `keep - 1` traced blocks are
+    themselves, the last traced one stands for the last block, and every block in between copies the nearest
+    inner traced block with its signature."""
+    n = len(sigs)
+    for keep in range(3, n):
+        if sigs[keep - 1] != sigs[-1]:
+            continue
+        inner = {sigs[j]: j for j in range(1, keep - 1)}  # the latest inner block per signature
+        if all(sigs[i] in inner for i in range(keep - 1, n - 1)):
+            middle = tuple(inner[sigs[i]] for i in range(keep - 1, n - 1))
+            return keep, tuple(range(keep - 1)) + middle + (keep - 1,)
+    return None
+
+
 def repeated_blocks(model: nn.Module) -> list[Blocks]:
     """Every list of blocks in `model` whose later blocks repeat earlier ones (cut shorter than it is)."""
     config = getattr(model, "config", None)
     found = []
     for name, lst in _lists(model):
         n = len(lst)
-        first: dict[tuple, int] = {}
-        source = []
-        for i, b in enumerate(lst):
-            sig = block_signature(b, i, n, config)
-            source.append(first.setdefault(sig, i))
-        keep = max(first.values()) + 1
-        if keep < n:
-            found.append(Blocks(name, n, keep, tuple(source)))
+        found_cut = cut([block_signature(b, i, n, config) for i, b in enumerate(lst)])
+        if found_cut is not None:
+            found.append(Blocks(name, n, *found_cut))
     return found
 
 
@@ -142,7 +157,7 @@ def shortened(model: nn.Module, blocks: list[Blocks]):
 
 
 def _dropped(blocks: list[Blocks]) -> list[str]:
-    return [f"{b.name}.{i}" for b in blocks for i in range(b.keep, b.length)]
+    return [f"{b.name}.{i}" for b in blocks for i in range(b.keep - 1, b.length)]
 
 
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -172,8 +187,9 @@ def _analyze_blocks(model: nn.Module, example_inputs: Any) -> tuple[Analysis, An
             return None
     with shortened(model, blocks):
         short = _analyze_structure(model, example_inputs)
-    if short.trace is None:
-        return None
+    inside = tuple(b.name + "." for b in blocks)
+    if short.trace is None or any(n.startswith(inside) and n not in short.trace.calls for n in short.leaves):
+        return None  # a layer the trace did not run (an expert no token chose): a fact of values, not of blocks
     short = dataclasses.replace(short, model=None, total_params=whole.total_params)
     return short, dataclasses.replace(whole, model=None), blocks
 
