@@ -17,7 +17,7 @@ from .plan import Plan
 from .registry import families
 from .styles import REPLICATE
 from .reuse import enabled, expand
-from .trace import Analysis, analyze_structure
+from .trace import Analysis, analyze_structure, parameterised_leaves
 from .trace.blocks import analyze_blocks, shortened
 
 MODES = ("inference", "training")
@@ -94,20 +94,22 @@ def plan(model: nn.Module, world_size: int, *, mode: str = "inference", example_
     if overrides:
         over = overrides if isinstance(overrides, Plan) else Plan.from_dict(overrides)
         over.prefix = over.prefix or a.prefix
-        over.resolve(a.leaves)  # entries naming no module raise here
+        over.resolve(a.leaves if reused is None else parameterised_leaves(model))  # naming no module raises
         result = result.updated(over)
     return result
 
 
 def _reused_plan(model: nn.Module, world_size: int, mode: str, example_inputs: Any) -> tuple[Plan, Analysis] | None:
-    """(the plan from the model's distinct blocks, the whole model's untraced structure), or None: no repeated
-    blocks, or a fact the renaming cannot vouch for (then the whole model is traced)."""
+    """(the plan from the model's distinct blocks, the model cut to them), or None: no repeated blocks, or a
+    fact the renaming cannot vouch for (then the whole model is traced)."""
     found = analyze_blocks(model, example_inputs)
     if found is None:
         return None
-    short, whole, blocks = found
+    short, blocks = found
+    inside = tuple(b.name for b in blocks)
     with shortened(model, blocks) as cut:
         small = auto_plan(dataclasses.replace(short, model=cut), world_size, mode)
-    names = [n for n, _ in model.named_modules()]
-    result = expand(small, blocks, names, whole.leaves)
-    return None if result is None else (result, dataclasses.replace(whole, model=model))
+        outside = [n for n, _ in cut.named_modules() if n and not n.startswith(inside)
+                   and not any(b.startswith(n + ".") for b in inside)]
+    result = expand(small, blocks, outside)
+    return None if result is None else (result, short)

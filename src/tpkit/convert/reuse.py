@@ -35,10 +35,19 @@ def _renamer(blocks: list[Blocks]) -> tuple[re.Pattern, dict[str, Blocks]]:
     return pattern, {b.name: b for b in blocks}
 
 
-def _rename(text: str, pattern: re.Pattern, lists: dict[str, Blocks], where: tuple[str, int] | None, to: int) -> str:
+def _outside(names: Iterable[str]) -> re.Pattern | None:
+    """A pattern for the modules outside the blocks (a copied block's fact naming one is unsure)."""
+    names = sorted(set(names), key=len, reverse=True)
+    if not names:
+        return None
+    return re.compile(r"(?<![\w.\-])(" + "|".join(re.escape(n) for n in names) + r")(?![\w.\-])")
+
+
+def _rename(text: str, pattern: re.Pattern, lists: dict[str, Blocks], where: tuple[str, int] | None, to: int,
+            outside: re.Pattern | None = None) -> str:
     """`text` of traced block `where` (list, index) as block `to`: that block renamed, any other block named is
-    unsure. A model-level `text` (`where` None) names the last traced block as the last block; the blocks before
-    it are themselves."""
+    unsure, and so is a module outside the blocks when `outside` is given (a copy to another block). A model-level
+    `text` (`where` None) names the last traced block as the last block; the blocks before it are themselves."""
     def sub(m: re.Match) -> str:
         b, d = lists[m.group(1)], int(m.group(2))
         if where is not None and (b.name, d) == where:
@@ -49,6 +58,8 @@ def _rename(text: str, pattern: re.Pattern, lists: dict[str, Blocks], where: tup
             return f"{b.name}.{b.length - 1}"
         raise _Unsure(text)
 
+    if outside is not None and outside.search(text):
+        raise _Unsure(text)
     return pattern.sub(sub, text)
 
 
@@ -63,7 +74,7 @@ def _role(role: Role, f: Callable[[str], str]) -> Role:
     return dataclasses.replace(role, **changes)
 
 
-def _copies(name: str, pattern: re.Pattern, lists: dict[str, Blocks]):
+def _copies(name: str, pattern: re.Pattern, lists: dict[str, Blocks], outside: re.Pattern | None):
     """(new name, renaming function) for every module that takes `name`'s facts: its block's copies, or itself."""
     m = pattern.match(name)
     if m is None or m.start() != 0:
@@ -72,25 +83,27 @@ def _copies(name: str, pattern: re.Pattern, lists: dict[str, Blocks]):
     out = []
     for i, src in enumerate(b.source):
         if src == j:
-            out.append((f"{b.name}.{i}{name[m.end():]}", lambda s, i=i: _rename(s, pattern, lists, (b.name, j), i)))
+            moved = i != j and not (j == b.keep - 1 and i == b.length - 1)  # a copy to another place in the stack
+            out.append((f"{b.name}.{i}{name[m.end():]}",
+                        lambda s, i=i, o=outside if moved else None: _rename(s, pattern, lists, (b.name, j), i, o)))
     return out
 
 
-def expand(plan: Plan, blocks: list[Blocks], modules: Iterable[str], leaves: Iterable[str]) -> Plan | None:
-    """`plan` (of the model cut to its distinct blocks) for the whole model, or None when unsure."""
+def expand(plan: Plan, blocks: list[Blocks], outside: Iterable[str]) -> Plan | None:
+    """`plan` (of the model cut to its distinct blocks) for the whole model, or None when unsure. `outside`: the
+    names of the modules outside the blocks."""
     pattern, lists = _renamer(blocks)
+    around = _outside(outside)
     entries: dict[str, str] = {}
     details: dict[str, Role] = {}
     reasons: dict[str, str] = {}
     try:
         for source, out in ((plan.entries, entries), (plan.details, details), (plan.reasons, reasons)):
             for name, value in source.items():
-                for new, f in _copies(name, pattern, lists):
+                for new, f in _copies(name, pattern, lists, around):
                     out[new] = _role(value, f) if isinstance(value, Role) else value if out is entries else f(value)
     except _Unsure:
         return None
-    known = set(modules)
-    if not set(leaves) <= entries.keys() or not entries.keys() <= known or not details.keys() <= known:
-        return None
-    return Plan(entries, world_size=plan.world_size, mode=plan.mode, details=details, reasons=reasons,
-                prefix=plan.prefix)
+    result = Plan(world_size=plan.world_size, mode=plan.mode, reasons=reasons, prefix=plan.prefix)
+    result.entries, result.details = entries, details  # already canonical styles and Role records
+    return result

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from typing import Any
 
 from torch import nn
 
-from .structure import Analysis, _analyze_structure, _signature, untraced_structure
+from .structure import Analysis, trace_structure
 
 # Attributes that number a block rather than describe it.
 _INDEX_NAMES = frozenset("layer_idx layer_id layer_index layer_number layer_num block_idx block_id block_index "
@@ -50,43 +49,57 @@ def _plain(v: Any) -> Any:
     return None
 
 
-def _config_bits(config: Any, i: int, n: int, seen: set | None = None) -> tuple:
-    """What the config says of layer i of n: per-layer lists, index lists, periodic settings (and those of its
-    sub-configs)."""
+def _config_rules(config: Any, n: int, seen: set | None = None) -> list:
+    """The settings of `config` (and its sub-configs) that can tell layer i of n from another: per-layer lists,
+    lists of layer indices, periodic integers. Read once per list of blocks; `_config_bits` applies them."""
     seen = seen if seen is not None else set()
     if config is None or id(config) in seen or not hasattr(config, "__dict__"):
-        return ()
+        return []
     seen.add(id(config))
-    bits = []
+    rules = []
     for k, v in sorted(vars(config).items()):
         if isinstance(v, (list, tuple)) and len(v) == n:
-            bits.append((k, repr(v[i])))
+            rules.append((k, "each", v))
         elif isinstance(v, (list, tuple, set, frozenset)) and v and all(isinstance(x, int) for x in v):
-            bits.append((k, i in v))
+            rules.append((k, "in", frozenset(v)))
         elif isinstance(v, int) and not isinstance(v, bool) and any(p in k.lower() for p in _PERIODIC):
-            bits.append((k, i % v if v > 0 else v, i < v, (i + 1) % v if v > 0 else v))
+            rules.append((k, "period", v))
         elif hasattr(v, "to_dict") and hasattr(v, "__dict__"):  # a sub-config (text_config, ...)
-            bits.append((k, _config_bits(v, i, n, seen)))
+            rules.extend(((f"{k}.{r[0]}",) + r[1:]) for r in _config_rules(v, n, seen))
+    return rules
+
+
+def _config_bits(rules: list, i: int) -> tuple:
+    """What the config's `rules` say of layer i."""
+    bits = []
+    for k, how, v in rules:
+        if how == "each":
+            bits.append((k, repr(v[i])))
+        elif how == "in":
+            bits.append((k, i in v))
+        else:
+            bits.append((k, i % v if v > 0 else v, i < v, (i + 1) % v if v > 0 else v))
     return tuple(bits)
 
 
-def block_signature(block: nn.Module, i: int, n: int, config: Any) -> tuple:
-    """What the plan of block `i` (of `n`) can depend on, without its index."""
-    parts = []
-    for name, m in block.named_modules():
-        params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in m.named_parameters(recurse=False))
-        bufs = tuple((k, tuple(b.shape), b.dtype) for k, b in m.named_buffers(recurse=False))
-        attrs = []
-        for k, v in vars(m).items():
-            if k.startswith("_") or k in _INDEX_NAMES or k == "training":
-                continue
-            p = _plain(v)
-            if p is not None:
-                attrs.append((k, p))
-            elif k == "config" or hasattr(v, "to_dict"):
-                attrs.append((k, id(v)))  # the same config object (its per-layer bits come below)
-        parts.append((name, type(m), params, bufs, tuple(sorted(attrs))))
-    return tuple(parts), _config_bits(config, i, n)
+def _module_signature(m: nn.Module) -> tuple:
+    params = tuple((k, p.shape, p.dtype, p.requires_grad) for k, p in m._parameters.items() if p is not None)
+    bufs = tuple((k, b.shape, b.dtype) for k, b in m._buffers.items() if b is not None)
+    attrs = []
+    for k, v in vars(m).items():
+        if k[0] == "_" or k in _INDEX_NAMES or k == "training":
+            continue
+        p = _plain(v)
+        if p is not None:
+            attrs.append((k, p))
+        elif k == "config" or hasattr(v, "to_dict"):
+            attrs.append((k, id(v)))  # the same config object (its per-layer bits are the block's)
+    return type(m), params, bufs, tuple(sorted(attrs))
+
+
+def block_signature(block: nn.Module, i: int, rules: list) -> tuple:
+    """What the plan of block `i` can depend on, without its index (`rules`: the config's, `_config_rules`)."""
+    return tuple((name, _module_signature(m)) for name, m in block.named_modules()), _config_bits(rules, i)
 
 
 def _lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
@@ -110,16 +123,16 @@ def cut(sigs: list) -> tuple[int, tuple[int, ...]] | None:
     """Where to cut a list of blocks with signatures `sigs`, and which traced block each block copies; None when
     no cut saves a block.
 
-    The first block (fed by the embeddings) and the last (feeding the head) sit apart from the rest, so the cut
-    keeps the shortest prefix whose last block has the last block's signature and whose inner blocks (neither
-    first nor last) hold every signature of the blocks in between: the first `keep - 1` traced blocks are
-    themselves, the last traced one stands for the last block, and every block in between copies the nearest
-    inner traced block with its signature."""
+    The last block (feeding the head) sits apart from the rest, so the cut keeps the shortest prefix whose last
+    block has the last block's signature and whose other blocks hold every signature of the blocks in between:
+    the first `keep - 1` traced blocks are themselves, the last traced one stands for the last block, and every
+    block in between copies the nearest traced block with its signature (a fact of a copied block that names a
+    module outside its block, such as the embeddings that feed the first, makes `reuse.expand` unsure)."""
     n = len(sigs)
-    for keep in range(3, n):
+    for keep in range(2, n):
         if sigs[keep - 1] != sigs[-1]:
             continue
-        inner = {sigs[j]: j for j in range(1, keep - 1)}  # the latest inner block per signature
+        inner = {sigs[j]: j for j in range(keep - 1)}  # the latest traced block per signature, but the last
         if all(sigs[i] in inner for i in range(keep - 1, n - 1)):
             middle = tuple(inner[sigs[i]] for i in range(keep - 1, n - 1))
             return keep, tuple(range(keep - 1)) + middle + (keep - 1,)
@@ -131,10 +144,10 @@ def repeated_blocks(model: nn.Module) -> list[Blocks]:
     config = getattr(model, "config", None)
     found = []
     for name, lst in _lists(model):
-        n = len(lst)
-        found_cut = cut([block_signature(b, i, n, config) for i, b in enumerate(lst)])
+        rules = _config_rules(config, len(lst))
+        found_cut = cut([block_signature(b, i, rules) for i, b in enumerate(lst)])
         if found_cut is not None:
-            found.append(Blocks(name, n, *found_cut))
+            found.append(Blocks(name, len(lst), *found_cut))
     return found
 
 
@@ -160,36 +173,40 @@ def _dropped(blocks: list[Blocks]) -> list[str]:
     return [f"{b.name}.{i}" for b in blocks for i in range(b.keep - 1, b.length)]
 
 
-_CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+def _census(model: nn.Module, blocks: list[Blocks]) -> tuple[int, bool]:
+    """(the model's parameter count, whether a block the trace leaves out shares a parameter)."""
+    total, seen, shared = 0, set(), False
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is None:
+                continue
+            if id(p) in seen:
+                shared = True
+            else:
+                seen.add(id(p))
+                total += p.numel()
+    if shared:
+        dropped = tuple(d + "." for d in _dropped(blocks))
+        owners: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(p), []).append(name)
+        shared = any(len(names) > 1 and any(n.startswith(dropped) for n in names) for names in owners.values())
+    return total, shared
 
 
-def analyze_blocks(model: nn.Module, example_inputs: Any = None) -> tuple[Analysis, Analysis, list[Blocks]] | None:
-    """(the shortened model's analysis, the whole model's untraced structure, its repeated blocks), or None when
-    the model has no repeated blocks or the shortened trace cannot stand in for the whole one."""
-    sig = _signature(model) if example_inputs is None else None
-    hit = _CACHE.get(model) if sig is not None else None
-    if hit is not None and hit[0] == sig:
-        return hit[1]
-    result = _analyze_blocks(model, example_inputs)
-    if sig is not None:
-        _CACHE[model] = (sig, result)
-    return result
-
-
-def _analyze_blocks(model: nn.Module, example_inputs: Any) -> tuple[Analysis, Analysis, list[Blocks]] | None:
+def analyze_blocks(model: nn.Module, example_inputs: Any = None) -> tuple[Analysis, list[Blocks]] | None:
+    """(the analysis of the model cut to its distinct blocks, its repeated blocks), or None when the model has no
+    repeated blocks or the shortened trace cannot stand in for the whole one (weights shared with a block it
+    leaves out, a failed trace, a block layer the trace did not run)."""
     blocks = repeated_blocks(model)
     if not blocks:
         return None
-    whole = untraced_structure(model)
-    dropped = tuple(d + "." for d in _dropped(blocks))
-    for name, others in whole.ties.items():  # weights shared across blocks: the trace must see every holder
-        if any(n.startswith(dropped) for n in [name, *others]):
-            return None
+    total, shared = _census(model, blocks)
+    if shared:
+        return None
     with shortened(model, blocks):
-        short = _analyze_structure(model, example_inputs)
+        short = trace_structure(model, example_inputs)
     inside = tuple(b.name + "." for b in blocks)
     if short.trace is None or any(n.startswith(inside) and n not in short.trace.calls for n in short.leaves):
         return None  # a layer the trace did not run (an expert no token chose): a fact of values, not of blocks
-    short = dataclasses.replace(short, model=None, total_params=whole.total_params)
-    return short, dataclasses.replace(whole, model=None), blocks
-
+    return dataclasses.replace(short, total_params=total), blocks
