@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Callable, Iterable
+from typing import Iterable
 
 from .plan import Plan
 from .roles import Role
@@ -43,67 +43,93 @@ def _outside(names: Iterable[str]) -> re.Pattern | None:
     return re.compile(r"(?<![\w.\-])(" + "|".join(re.escape(n) for n in names) + r")(?![\w.\-])")
 
 
-def _rename(text: str, pattern: re.Pattern, lists: dict[str, Blocks], where: tuple[str, int] | None, to: int,
-            outside: re.Pattern | None = None) -> str:
-    """`text` of traced block `where` (list, index) as block `to`: that block renamed, any other block named is
-    unsure, and so is a module outside the blocks when `outside` is given (a copy to another block). A model-level
-    `text` (`where` None) names the last traced block as the last block; the blocks before it are themselves."""
+def _model_text(text: str, pattern: re.Pattern, lists: dict[str, Blocks]) -> str:
+    """A model-level fact (of a module outside the blocks): it names the last traced block as the last block, the
+    blocks before it as themselves; naming any other is unsure."""
     def sub(m: re.Match) -> str:
         b, d = lists[m.group(1)], int(m.group(2))
-        if where is not None and (b.name, d) == where:
-            return f"{b.name}.{to}"
-        if where is None and d < b.keep - 1:
+        if d < b.keep - 1:
             return m.group(0)
-        if where is None and d == b.keep - 1:
+        if d == b.keep - 1:
             return f"{b.name}.{b.length - 1}"
         raise _Unsure(text)
 
-    if outside is not None and outside.search(text):
-        raise _Unsure(text)
     return pattern.sub(sub, text)
 
 
-def _role(role: Role, f: Callable[[str], str]) -> Role:
-    changes = {}
-    for fld in dataclasses.fields(role):
-        v = getattr(role, fld.name)
-        if isinstance(v, str):
-            changes[fld.name] = f(v)
-        elif isinstance(v, tuple) and v and all(isinstance(x, str) for x in v):
-            changes[fld.name] = tuple(f(x) for x in v)
-    return dataclasses.replace(role, **changes)
+def _pieces(text: str, pattern: re.Pattern, where: str, outside: re.Pattern | None) -> tuple[list[str], bool]:
+    """A block fact cut where it names its block (`where`: "list.j"; to be joined with the new name), and whether
+    it names a module outside the blocks. Naming any other block is unsure."""
+    parts = pattern.split(text)  # [text, list, index, text, list, index, ..., text]
+    if any(f"{parts[k]}.{parts[k + 1]}" != where for k in range(1, len(parts), 3)):
+        raise _Unsure(text)
+    return parts[0::3], outside is not None and outside.search(text) is not None
 
 
-def _copies(name: str, pattern: re.Pattern, lists: dict[str, Blocks], outside: re.Pattern | None):
-    """(new name, renaming function) for every module that takes `name`'s facts: its block's copies, or itself."""
-    m = pattern.match(name)
-    if m is None or m.start() != 0:
-        return [(name, lambda s: _rename(s, pattern, lists, None, 0))]
-    b, j = lists[m.group(1)], int(m.group(2))
+def _names_in(value: str | Role) -> list[tuple[str, str | tuple]]:
+    """The fields of a fact that hold module names: ("", text) for a reason, (field, value) for a Role."""
+    if isinstance(value, str):
+        return [("", value)]
     out = []
-    for i, src in enumerate(b.source):
-        if src == j:
-            moved = i != j and not (j == b.keep - 1 and i == b.length - 1)  # a copy to another place in the stack
-            out.append((f"{b.name}.{i}{name[m.end():]}",
-                        lambda s, i=i, o=outside if moved else None: _rename(s, pattern, lists, (b.name, j), i, o)))
+    for fld in dataclasses.fields(value):
+        v = getattr(value, fld.name)
+        if isinstance(v, str) or (isinstance(v, tuple) and v and all(isinstance(x, str) for x in v)):
+            out.append((fld.name, v))
+    return out
+
+
+def _block_copies(value: str | Role, pattern: re.Pattern, where: str, outside: re.Pattern | None,
+                  targets: list[tuple[str, bool]]) -> list[str | Role]:
+    """`value` (a fact of block `where`) for every target (its new name "list.i", moved): the name replaced."""
+    cut = {}
+    near = False
+    for field, v in _names_in(value):
+        texts = (v,) if isinstance(v, str) else v
+        cuts = [_pieces(t, pattern, where, outside) for t in texts]
+        near = near or any(c[1] for c in cuts)
+        if any(len(c[0]) > 1 for c in cuts):
+            cut[field] = (isinstance(v, str), [c[0] for c in cuts])
+    if near and any(moved for _, moved in targets):
+        raise _Unsure(str(value))
+    out = []
+    for new, _ in targets:
+        made = {f: (lambda ps: ps[0] if one else tuple(ps))([new.join(p) for p in parts])
+                for f, (one, parts) in cut.items()}
+        if not made:
+            out.append(value)
+        elif isinstance(value, str):
+            out.append(made[""])
+        else:
+            out.append(dataclasses.replace(value, **made))
     return out
 
 
 def expand(plan: Plan, blocks: list[Blocks], outside: Iterable[str]) -> Plan | None:
     """`plan` (of the model cut to its distinct blocks) for the whole model, or None when unsure. `outside`: the
-    names of the modules outside the blocks."""
+    names of the modules outside the blocks (a fact of a block copied elsewhere in the stack that names one, such
+    as the embeddings feeding the first block, is unsure)."""
     pattern, lists = _renamer(blocks)
     around = _outside(outside)
-    entries: dict[str, str] = {}
-    details: dict[str, Role] = {}
-    reasons: dict[str, str] = {}
+    out: tuple[dict, dict, dict] = ({}, {}, {})
     try:
-        for source, out in ((plan.entries, entries), (plan.details, details), (plan.reasons, reasons)):
+        for k, source in enumerate((plan.entries, plan.details, plan.reasons)):
             for name, value in source.items():
-                for new, f in _copies(name, pattern, lists, around):
-                    out[new] = _role(value, f) if isinstance(value, Role) else value if out is entries else f(value)
+                m = pattern.match(name)
+                if m is None:
+                    out[k][name] = value if k == 0 else _model_text(value, pattern, lists) if k == 2 \
+                        else dataclasses.replace(value, **{f: _model_text(v, pattern, lists) if isinstance(v, str)
+                                                           else tuple(_model_text(x, pattern, lists) for x in v)
+                                                           for f, v in _names_in(value)})
+                    continue
+                b, j = lists[m.group(1)], int(m.group(2))
+                targets = [(f"{b.name}.{i}", i != j and not (j == b.keep - 1 and i == b.length - 1))
+                           for i, src in enumerate(b.source) if src == j]  # moved: copied elsewhere in the stack
+                values = [value] * len(targets) if k == 0 else _block_copies(value, pattern, m.group(0), around,
+                                                                              targets)
+                for (new, _), v in zip(targets, values):
+                    out[k][new + name[m.end():]] = v
     except _Unsure:
         return None
-    result = Plan(world_size=plan.world_size, mode=plan.mode, reasons=reasons, prefix=plan.prefix)
-    result.entries, result.details = entries, details  # already canonical styles and Role records
+    result = Plan(world_size=plan.world_size, mode=plan.mode, reasons=out[2], prefix=plan.prefix)
+    result.entries, result.details = out[0], out[1]  # already canonical styles and Role records
     return result

@@ -97,25 +97,35 @@ def _module_signature(m: nn.Module) -> tuple:
     return type(m), params, bufs, tuple(sorted(attrs))
 
 
+def _tree_signature(m: nn.Module) -> tuple:
+    return _module_signature(m), tuple((k, _tree_signature(c)) for k, c in m._modules.items() if c is not None)
+
+
 def block_signature(block: nn.Module, i: int, rules: list) -> tuple:
-    """What the plan of block `i` can depend on, without its index (`rules`: the config's, `_config_rules`)."""
-    return tuple((name, _module_signature(m)) for name, m in block.named_modules()), _config_bits(rules, i)
+    """What the plan of block `i` can depend on, without its index (`rules`: the config's, `_config_rules`):
+    every module inside, by name, and the config's settings for layer i."""
+    return _tree_signature(block), _config_bits(rules, i)
+
+
+def _is_block(b: nn.Module) -> bool:
+    """A container: some child owns parameters or has children of its own (not a layer)."""
+    return any(c is not None and (c._modules or any(p is not None for p in c._parameters.values()))
+               for c in b._modules.values())
 
 
 def _lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """The outermost ModuleLists of containers (blocks), not of experts."""
+    """The outermost ModuleLists of containers (blocks), not of experts; the walk does not enter those."""
     out: list[tuple[str, nn.ModuleList]] = []
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.ModuleList) or len(m) < 3 or any(name.startswith(o + ".") for o, _ in out):
-            continue
-        if "expert" in name.rsplit(".", 1)[-1].lower():
-            continue
-        blocks = list(m)
-        if len({id(b) for b in blocks}) != len(blocks):
-            continue  # one block object repeated (shared weights)
-        if not all(any(True for c in b.children() for _ in c.parameters()) for b in blocks):
-            continue  # a list of leaves (layers, not blocks)
-        out.append((name, m))
+    stack = [("", model)]
+    while stack:
+        name, m = stack.pop()
+        if isinstance(m, nn.ModuleList):
+            blocks = [b for b in m._modules.values() if b is not None]
+            if len(blocks) >= 3 and "expert" not in name.rsplit(".", 1)[-1].lower() \
+                    and len({id(b) for b in blocks}) == len(blocks) and all(_is_block(b) for b in blocks):
+                out.append((name, m))  # (one block object repeated shares its weights: not a list of blocks)
+                continue  # lists inside its blocks are not blocks of the model
+        stack.extend((f"{name}.{k}" if name else k, c) for k, c in reversed(m._modules.items()) if c is not None)
     return out
 
 
@@ -128,6 +138,8 @@ def cut(sigs: list) -> tuple[int, tuple[int, ...]] | None:
     the first `keep - 1` traced blocks are themselves, the last traced one stands for the last block, and every
     block in between copies the nearest traced block with its signature (a fact of a copied block that names a
     module outside its block, such as the embeddings that feed the first, makes `reuse.expand` unsure)."""
+    codes: dict = {}
+    sigs = [codes.setdefault(sig, len(codes)) for sig in sigs]  # hash each signature once
     n = len(sigs)
     for keep in range(2, n):
         if sigs[keep - 1] != sigs[-1]:
