@@ -225,4 +225,6 @@ def test_the_model_is_restored_and_deep_copies_plan_alike():
     layers = model.model.layers
     tpkit.plan(model, 2)
     assert model.model.layers is layers and len(layers) == DEPTH
+    short, _ = analyze_blocks(model)
+    assert short.total_params == sum(p.numel() for p in model.parameters())  # the vocabulary's share reads it
     assert tpkit.plan(copy.deepcopy(model), 2).to_dict() == tpkit.plan(model, 2).to_dict()

@@ -24,7 +24,8 @@ _INDEX_NAMES = frozenset("layer_idx layer_id layer_index layer_number layer_num 
                          "idx index i".split())
 # Integer config settings that can make layer i differ from layer j (a period, a step, the first k dense layers).
 _PERIODIC = ("step", "freq", "pattern", "interval", "every", "period", "replace", "dense", "sparse", "first_k")
-_PLAIN = (int, float, bool, str, type(None))
+_PLAIN = (int, float, str)  # and None
+_SKIP = _INDEX_NAMES | {"training"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,14 +37,15 @@ class Blocks:
     length: int
     keep: int
     source: tuple[int, ...]
+    extra_params: int = 0  # parameters of the blocks past the cut (each has its source's count)
 
 
 def _plain(v: Any) -> Any:
     """A hashable stand-in for an attribute value that can steer a forward, or None to ignore it."""
-    if isinstance(v, _PLAIN):
-        return repr(v)
-    if isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v):
-        return repr(tuple(v))
+    if v is None or isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, (tuple, list)) and all(x is None or isinstance(x, _PLAIN) for x in v):
+        return tuple(v)
     if callable(v) and not isinstance(v, nn.Module):
         return getattr(v, "__qualname__", type(v).__name__)
     return None
@@ -82,29 +84,36 @@ def _config_bits(rules: list, i: int) -> tuple:
     return tuple(bits)
 
 
-def _module_signature(m: nn.Module) -> tuple:
-    params = tuple((k, p.shape, p.dtype, p.requires_grad) for k, p in m._parameters.items() if p is not None)
-    bufs = tuple((k, b.shape, b.dtype) for k, b in m._buffers.items() if b is not None)
+def _module_signature(m: nn.Module, ids: list) -> tuple:
+    """Class, parameter and buffer shapes, plain settings of one module; the ids of its parameters go to `ids`."""
+    d = m.__dict__
+    params = ()
+    if d["_parameters"]:
+        params = tuple((k, p.shape, p.dtype, p.requires_grad) for k, p in d["_parameters"].items() if p is not None)
+        ids.extend(id(p) for p in d["_parameters"].values() if p is not None)
+    bufs = tuple((k, b.shape, b.dtype) for k, b in d["_buffers"].items() if b is not None) if d["_buffers"] else ()
     attrs = []
-    for k, v in vars(m).items():
-        if k[0] == "_" or k in _INDEX_NAMES or k == "training":
+    for k, v in d.items():
+        if k[0] == "_" or k in _SKIP:
             continue
         p = _plain(v)
         if p is not None:
             attrs.append((k, p))
         elif k == "config" or hasattr(v, "to_dict"):
             attrs.append((k, id(v)))  # the same config object (its per-layer bits are the block's)
-    return type(m), params, bufs, tuple(sorted(attrs))
+    attrs.sort()
+    return type(m), params, bufs, tuple(attrs)
 
 
-def _tree_signature(m: nn.Module) -> tuple:
-    return _module_signature(m), tuple((k, _tree_signature(c)) for k, c in m._modules.items() if c is not None)
+def _tree_signature(m: nn.Module, ids: list) -> tuple:
+    return _module_signature(m, ids), tuple((k, _tree_signature(c, ids)) for k, c in m._modules.items()
+                                            if c is not None)
 
 
-def block_signature(block: nn.Module, i: int, rules: list) -> tuple:
+def block_signature(block: nn.Module, i: int, rules: list, ids: list | None = None) -> tuple:
     """What the plan of block `i` can depend on, without its index (`rules`: the config's, `_config_rules`):
-    every module inside, by name, and the config's settings for layer i."""
-    return _tree_signature(block), _config_bits(rules, i)
+    every module inside, by name, and the config's settings for layer i. The ids of its parameters go to `ids`."""
+    return _tree_signature(block, [] if ids is None else ids), _config_bits(rules, i)
 
 
 def _is_block(b: nn.Module) -> bool:
@@ -113,12 +122,14 @@ def _is_block(b: nn.Module) -> bool:
                for c in b._modules.values())
 
 
-def _lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """The outermost ModuleLists of containers (blocks), not of experts; the walk does not enter those."""
+def _lists(model: nn.Module, ids: list) -> list[tuple[str, nn.ModuleList]]:
+    """The outermost ModuleLists of containers (blocks), not of experts; the walk does not enter those. The ids of
+    the parameters of every module it walks go to `ids`."""
     out: list[tuple[str, nn.ModuleList]] = []
     stack = [("", model)]
     while stack:
         name, m = stack.pop()
+        ids.extend(id(p) for p in m._parameters.values() if p is not None)
         if isinstance(m, nn.ModuleList):
             blocks = [b for b in m._modules.values() if b is not None]
             if len(blocks) >= 3 and "expert" not in name.rsplit(".", 1)[-1].lower() \
@@ -153,14 +164,29 @@ def cut(sigs: list) -> tuple[int, tuple[int, ...]] | None:
 
 def repeated_blocks(model: nn.Module) -> list[Blocks]:
     """Every list of blocks in `model` whose later blocks repeat earlier ones (cut shorter than it is)."""
+    return _survey(model)[0]
+
+
+def _survey(model: nn.Module) -> tuple[list[Blocks], bool]:
+    """(the repeated blocks, whether a block past a cut shares a parameter with any other module)."""
     config = getattr(model, "config", None)
-    found = []
-    for name, lst in _lists(model):
+    found, traced, dropped = [], [], []
+    for name, lst in _lists(model, traced):
         rules = _config_rules(config, len(lst))
-        found_cut = cut([block_signature(b, i, rules) for i, b in enumerate(lst)])
-        if found_cut is not None:
-            found.append(Blocks(name, len(lst), *found_cut))
-    return found
+        per_block: list[list] = [[] for _ in lst]
+        found_cut = cut([block_signature(b, i, rules, per_block[i]) for i, b in enumerate(lst)])
+        if found_cut is None:
+            traced.extend(i for ids in per_block for i in ids)
+            continue
+        keep, source = found_cut
+        for i, ids in enumerate(per_block):
+            (traced if i < keep - 1 else dropped).extend(ids)
+        counts = {j: sum(p.numel() for p in lst[j].parameters()) for j in set(source[keep:])}
+        found.append(Blocks(name, len(lst), keep, source, sum(counts[source[i]] for i in range(keep, len(lst)))))
+    seen: dict[int, int] = {}
+    for i in traced + dropped:
+        seen[i] = seen.get(i, 0) + 1
+    return found, any(seen[i] > 1 for i in dropped)
 
 
 @contextlib.contextmanager
@@ -181,44 +207,16 @@ def shortened(model: nn.Module, blocks: list[Blocks]):
             parent._modules[attr] = full
 
 
-def _dropped(blocks: list[Blocks]) -> list[str]:
-    return [f"{b.name}.{i}" for b in blocks for i in range(b.keep - 1, b.length)]
-
-
-def _census(model: nn.Module, blocks: list[Blocks]) -> tuple[int, bool]:
-    """(the model's parameter count, whether a block the trace leaves out shares a parameter)."""
-    total, seen, shared = 0, set(), False
-    for m in model.modules():
-        for p in m._parameters.values():
-            if p is None:
-                continue
-            if id(p) in seen:
-                shared = True
-            else:
-                seen.add(id(p))
-                total += p.numel()
-    if shared:
-        dropped = tuple(d + "." for d in _dropped(blocks))
-        owners: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            owners.setdefault(id(p), []).append(name)
-        shared = any(len(names) > 1 and any(n.startswith(dropped) for n in names) for names in owners.values())
-    return total, shared
-
-
 def analyze_blocks(model: nn.Module, example_inputs: Any = None) -> tuple[Analysis, list[Blocks]] | None:
     """(the analysis of the model cut to its distinct blocks, its repeated blocks), or None when the model has no
     repeated blocks or the shortened trace cannot stand in for the whole one (weights shared with a block it
     leaves out, a failed trace, a block layer the trace did not run)."""
-    blocks = repeated_blocks(model)
-    if not blocks:
-        return None
-    total, shared = _census(model, blocks)
-    if shared:
+    blocks, shared = _survey(model)
+    if not blocks or shared:
         return None
     with shortened(model, blocks):
         short = trace_structure(model, example_inputs)
     inside = tuple(b.name + "." for b in blocks)
     if short.trace is None or any(n.startswith(inside) and n not in short.trace.calls for n in short.leaves):
         return None  # a layer the trace did not run (an expert no token chose): a fact of values, not of blocks
-    return dataclasses.replace(short, total_params=total), blocks
+    return dataclasses.replace(short, total_params=short.total_params + sum(b.extra_params for b in blocks)), blocks
