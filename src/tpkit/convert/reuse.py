@@ -8,6 +8,7 @@ whole trace. `enabled` reads the switch: `plan(..., reuse=False)` or the environ
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -91,16 +92,16 @@ def _block_copies(value: str | Role, pattern: re.Pattern, where: str, outside: r
             cut[field] = (isinstance(v, str), [c[0] for c in cuts])
     if near and any(moved for _, moved in targets):
         raise _Unsure(str(value))
+    if not cut:
+        return [value] * len(targets)
+    if isinstance(value, str):
+        return [new.join(cut[""][1][0]) for new, _ in targets]
     out = []
     for new, _ in targets:
-        made = {f: (lambda ps: ps[0] if one else tuple(ps))([new.join(p) for p in parts])
-                for f, (one, parts) in cut.items()}
-        if not made:
-            out.append(value)
-        elif isinstance(value, str):
-            out.append(made[""])
-        else:
-            out.append(dataclasses.replace(value, **made))
+        role = copy.copy(value)  # a frozen record: fill the copy's fields directly (dataclasses.replace is slow)
+        for f, (one, parts) in cut.items():
+            object.__setattr__(role, f, new.join(parts[0]) if one else tuple(new.join(p) for p in parts))
+        out.append(role)
     return out
 
 

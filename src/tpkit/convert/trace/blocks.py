@@ -25,7 +25,7 @@ _INDEX_NAMES = frozenset("layer_idx layer_id layer_index layer_number layer_num 
 # Integer config settings that can make layer i differ from layer j (a period, a step, the first k dense layers).
 _PERIODIC = ("step", "freq", "pattern", "interval", "every", "period", "replace", "dense", "sparse", "first_k")
 _PLAIN = (int, float, str)  # and None
-_SKIP = _INDEX_NAMES | {"training"}
+_SKIP = _INDEX_NAMES | set(vars(nn.Module()))  # the index names and nn.Module's own bookkeeping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +93,10 @@ def _module_signature(m: nn.Module, ids: list) -> tuple:
         ids.extend(id(p) for p in d["_parameters"].values() if p is not None)
     bufs = tuple((k, b.shape, b.dtype) for k, b in d["_buffers"].items() if b is not None) if d["_buffers"] else ()
     attrs = []
-    for k, v in d.items():
-        if k[0] == "_" or k in _SKIP:
+    for k in d.keys() - _SKIP:  # a set difference in C: most of a module's __dict__ is nn.Module's own
+        if k[0] == "_":
             continue
+        v = d[k]
         p = _plain(v)
         if p is not None:
             attrs.append((k, p))
