@@ -127,6 +127,32 @@ def test_a_dense_block_before_moe_blocks():
     assert all(f"model.layers.{i}.mlp.shared_expert.gate_proj" in p for i in (1, 2, 3))
 
 
+def test_deepseek_v3_first_k_dense_blocks():
+    """DeepSeek-V3's first `first_k_dense_replace` blocks are dense, the rest MoE (multi-head latent attention)."""
+    tr = pytest.importorskip("transformers")
+    cfg = tr.DeepseekV3Config(vocab_size=101, hidden_size=48, intermediate_size=96, moe_intermediate_size=24,
+                              num_hidden_layers=5, num_attention_heads=6, num_key_value_heads=6, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                              max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tr.DeepseekV3ForCausalLM(cfg).eval()
+    (blocks,) = repeated_blocks(model)
+    assert blocks.source == (0, 1, 1, 1, 2)
+    _same(model)
+    p = tpkit.plan(model, 2)
+    assert "model.layers.0.mlp.down_proj" in p and all(f"model.layers.{i}.mlp.experts" in p for i in range(1, 5))
+
+
+def test_overrides_name_blocks_the_trace_left_out():
+    from ..models import hf
+
+    model = _deeper(hf.hf_model("llama"))
+    over = {"model.layers.4.mlp.down_proj": "replicate", "model.layers.*.mlp.up_proj": "replicate"}
+    assert tpkit.plan(model, 2, overrides=over).to_dict() == tpkit.plan(model, 2, overrides=over, reuse=False).to_dict()
+
+
 class _Stack(nn.Module):
     """Embedding -> blocks -> norm -> head, where a block is a `Block`, a post-norm `Block`, or a dense MLP /
     separate-experts MoE."""
