@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any
 
+import torch
 from torch import nn
 
 from .structure import Analysis, trace_structure
@@ -41,14 +43,23 @@ class Blocks:
 
 
 def _plain(v: Any) -> Any:
-    """A hashable stand-in for an attribute value that can steer a forward, or None to ignore it."""
+    """A hashable stand-in for an attribute value that can steer a forward: plain values as they are, tensors by
+    shape, functions by name, settings dicts by their items, any other object by its identity (blocks that hold
+    distinct ones are not taken for alike)."""
     if v is None or isinstance(v, _PLAIN):
         return v
     if isinstance(v, (tuple, list)) and all(x is None or isinstance(x, _PLAIN) for x in v):
         return tuple(v)
-    if callable(v) and not isinstance(v, nn.Module):
-        return getattr(v, "__qualname__", type(v).__name__)
-    return None
+    if isinstance(v, torch.Tensor):
+        return "tensor", tuple(v.shape), v.dtype
+    if isinstance(v, dict) and all(isinstance(k, str) and (x is None or isinstance(x, _PLAIN)) for k, x in v.items()):
+        return tuple(sorted(v.items()))
+    if isinstance(v, functools.partial):
+        return "partial", _plain(v.func), tuple(_plain(a) for a in v.args), \
+            tuple(sorted((k, _plain(x)) for k, x in v.keywords.items()))
+    if callable(v) and not isinstance(v, nn.Module) and hasattr(v, "__qualname__"):
+        return v.__qualname__
+    return type(v).__qualname__, id(v)
 
 
 def _config_rules(config: Any, n: int, seen: set | None = None) -> list:
@@ -97,11 +108,7 @@ def _module_signature(m: nn.Module, ids: list) -> tuple:
         if k[0] == "_":
             continue
         v = d[k]
-        p = _plain(v)
-        if p is not None:
-            attrs.append((k, p))
-        elif k == "config" or hasattr(v, "to_dict"):
-            attrs.append((k, id(v)))  # the same config object (its per-layer bits are the block's)
+        attrs.append((k, _plain(v)))  # a config object by identity: its per-layer settings are the block's
     attrs.sort()
     return type(m), params, bufs, tuple(attrs)
 
