@@ -104,6 +104,36 @@ def test_alternating_sliding_and_full_attention():
     _same(model)
 
 
+def test_gemma3_five_sliding_to_one_full():
+    """Gemma 3: every sixth layer full attention (a periodic config setting and layer_types)."""
+    tr = pytest.importorskip("transformers")
+    cfg = tr.Gemma3TextConfig(vocab_size=101, hidden_size=48, intermediate_size=96, num_hidden_layers=14,
+                              num_attention_heads=6, num_key_value_heads=3, head_dim=8, sliding_window=4,
+                              max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tr.Gemma3ForCausalLM(cfg).eval()
+    (blocks,) = repeated_blocks(model)
+    assert blocks.keep == 8 and blocks.source[11] == 5  # layer 11 is full attention, as layer 5
+    _same(model)
+
+
+def test_encoder_decoder_lists_and_a_block_that_reads_another():
+    """BART: two lists, each cut. T5: later blocks read the first block's relative position bias, a fact naming
+    another block, so the whole trace plans (and reuse equals it)."""
+    tr = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    bart = tr.BartForConditionalGeneration(tr.BartConfig(
+        vocab_size=101, d_model=48, encoder_layers=5, decoder_layers=5, encoder_attention_heads=6,
+        decoder_attention_heads=6, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64)).eval()
+    assert len(repeated_blocks(bart)) == 2
+    _same(bart)
+    t5 = tr.T5ForConditionalGeneration(tr.T5Config(vocab_size=101, d_model=48, d_kv=8, d_ff=96, num_layers=5,
+                                                   num_heads=6, decoder_start_token_id=0)).eval()
+    assert len(repeated_blocks(t5)) == 2 and _reused_plan(t5, 2, "inference", None) is None
+    assert tpkit.plan(t5, 2).to_dict() == tpkit.plan(t5, 2, reuse=False).to_dict()
+
+
 def test_layer_types_in_the_config_alone_split_the_blocks():
     """A per-layer setting only the config holds (read at forward time) still makes two kinds of block."""
     from ..models import hf

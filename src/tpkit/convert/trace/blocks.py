@@ -25,7 +25,8 @@ from .structure import Analysis, trace_structure
 _INDEX_NAMES = frozenset("layer_idx layer_id layer_index layer_number layer_num block_idx block_id block_index "
                          "idx index i".split())
 # Integer config settings that can make layer i differ from layer j (a period, a step, the first k dense layers).
-_PERIODIC = ("step", "freq", "pattern", "interval", "every", "period", "replace", "dense", "sparse", "first_k")
+_PERIODIC = ("step", "freq", "pattern", "interval", "every", "period")  # layer i by i % v == 0, (i + 1) % v == 0
+_THRESHOLD = ("first", "replace", "dense", "_layers")  # layer i by i < v (first_k_dense_replace, max_window_layers)
 _PLAIN = (int, float, str)  # and None
 _SKIP = _INDEX_NAMES | set(vars(nn.Module()))  # the index names and nn.Module's own bookkeeping
 
@@ -75,8 +76,11 @@ def _config_rules(config: Any, n: int, seen: set | None = None) -> list:
             rules.append((k, "each", v))
         elif isinstance(v, (list, tuple, set, frozenset)) and v and all(isinstance(x, int) for x in v):
             rules.append((k, "in", frozenset(v)))
-        elif isinstance(v, int) and not isinstance(v, bool) and any(p in k.lower() for p in _PERIODIC):
-            rules.append((k, "period", v))
+        elif isinstance(v, int) and not isinstance(v, bool):
+            if any(p in k.lower() for p in _PERIODIC):
+                rules.append((k, "period", v))
+            if any(p in k.lower() for p in _THRESHOLD):
+                rules.append((k, "below", v))
         elif hasattr(v, "to_dict") and hasattr(v, "__dict__"):  # a sub-config (text_config, ...)
             rules.extend(((f"{k}.{r[0]}",) + r[1:]) for r in _config_rules(v, n, seen))
     return rules
@@ -90,8 +94,10 @@ def _config_bits(rules: list, i: int) -> tuple:
             bits.append((k, repr(v[i])))
         elif how == "in":
             bits.append((k, i in v))
+        elif how == "below":
+            bits.append((k, i < v))
         else:
-            bits.append((k, i % v if v > 0 else v, i < v, (i + 1) % v if v > 0 else v))
+            bits.append((k, v > 0 and i % v == 0, v > 0 and (i + 1) % v == 0))  # both conventions of "every v-th"
     return tuple(bits)
 
 
