@@ -2,9 +2,10 @@
 
 `trace.analyze_blocks` traces a deep model cut to its distinct leading blocks; the planner plans that, and
 `expand` gives every later block the entries, details and reasons of the traced block with its signature, module
-names renamed (`model.layers.1.mlp.up_proj` -> `model.layers.37.mlp.up_proj`). Whatever it cannot rename for sure
-(a block's facts naming another block, a model-level fact naming a block) gives None, and the caller plans from the
-whole trace. `enabled` reads the switch: `plan(..., reuse=False)` or the environment's `TPKIT_PLAN_REUSE=0`.
+names renamed (`model.layers.1.mlp.up_proj` -> `model.layers.37.mlp.up_proj`); a model-level fact naming the last
+traced block names the last block. Whatever it cannot rename for sure (a block's fact naming another block, or
+naming a module outside the blocks when copied elsewhere in the stack; a model-level fact naming an inner block)
+gives None, and the caller plans from the whole trace. `enabled` reads the switch: `plan(..., reuse=False)` or the environment's `TPKIT_PLAN_REUSE=0`.
 """
 from __future__ import annotations
 

@@ -1,13 +1,15 @@
 """Repeated blocks: trace a deep model as deep as its distinct blocks, not as deep as it is.
 
 A transformer is an `nn.ModuleList` of blocks that are alike: same module classes, parameter shapes, settings.
-`repeated_blocks` finds such lists and gives every block a structural signature (classes, parameter and buffer
-shapes, plain attributes of every module inside but its layer index, and the model config's per-layer settings:
-`layer_types[i]`, `i in mlp_only_layers`, `i % decoder_sparse_step`, ...). `analyze_blocks` then traces the model
-with each list cut after the last block whose signature is new (a prefix, so every traced block keeps its own
-index and its neighbours); a later block takes the plan of the first block with its signature (`convert/reuse.py`).
-Anything it cannot vouch for (weights shared with a dropped block, a trace that fails when shortened) gives None:
-the caller traces the whole model.
+`repeated_blocks` finds the outermost such lists (not experts) and gives every block a structural signature: per
+module inside it, its class, parameter and buffer shapes and every attribute but its layer index (plain values as
+they are, other objects by identity), plus the model config's settings for that layer (`layer_types[i]`, `i in
+mlp_only_layers`, every v-th layer for periodic settings, `i < first_k_dense_replace`). `cut` picks the shortest
+prefix to trace whose blocks stand for all the others (the last traced block for the last block, an earlier one
+with the same signature for each block in between); `analyze_blocks` traces the model with each list cut there
+(a prefix, so every traced block keeps its index), and `convert/reuse.py` copies the traced blocks' plan entries.
+Anything it cannot vouch for (weights shared with a block past the cut, a trace that fails when shortened, a block
+layer the trace did not run) gives None: the caller traces the whole model.
 """
 from __future__ import annotations
 
