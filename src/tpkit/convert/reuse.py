@@ -9,7 +9,6 @@ gives None, and the caller plans from the whole trace. `enabled` reads the switc
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import re
@@ -99,9 +98,10 @@ def _block_copies(value: str | Role, pattern: re.Pattern, where: str, outside: r
         return [new.join(cut[""][1][0]) for new, _ in targets]
     out = []
     for new, _ in targets:
-        role = copy.copy(value)  # a frozen record: fill the copy's fields directly (dataclasses.replace is slow)
-        for f, (one, parts) in cut.items():
-            object.__setattr__(role, f, new.join(parts[0]) if one else tuple(new.join(p) for p in parts))
+        role = object.__new__(Role)  # a frozen record: fill the copy's fields directly (dataclasses.replace is slow)
+        role.__dict__.update(value.__dict__)
+        role.__dict__.update({f: new.join(parts[0]) if one else tuple(new.join(p) for p in parts)
+                              for f, (one, parts) in cut.items()})
         out.append(role)
     return out
 

@@ -31,6 +31,7 @@ _PERIODIC = ("step", "freq", "pattern", "interval", "every", "period")  # layer 
 _THRESHOLD = ("first", "replace", "dense", "_layers")  # layer i by i < v (first_k_dense_replace, max_window_layers)
 _PLAIN = (int, float, str)  # and None
 _SKIP = _INDEX_NAMES | set(vars(nn.Module()))  # the index names and nn.Module's own bookkeeping
+_KEYS: dict[tuple, tuple] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +49,23 @@ class Blocks:
 def _plain(v: Any) -> Any:
     """A hashable stand-in for an attribute value that can steer a forward: plain values as they are, tensors by
     shape, functions by name, settings dicts by their items, any other object by its identity (blocks that hold
-    distinct ones are not taken for alike)."""
-    if v is None or isinstance(v, _PLAIN):
+    distinct ones are not taken for alike). Checks go by `type(v)`: `isinstance` would ask a config object for its
+    `__class__`, which transformers' configs answer slowly."""
+    t = type(v)
+    if v is None or issubclass(t, _PLAIN):
         return v
-    if isinstance(v, (tuple, list)) and all(x is None or isinstance(x, _PLAIN) for x in v):
+    if (t is tuple or t is list) and all(x is None or isinstance(x, _PLAIN) for x in v):
         return tuple(v)
-    if isinstance(v, torch.Tensor):
+    if issubclass(t, torch.Tensor):
         return "tensor", tuple(v.shape), v.dtype
-    if isinstance(v, dict) and all(isinstance(k, str) and (x is None or isinstance(x, _PLAIN)) for k, x in v.items()):
+    if t is dict and all(isinstance(k, str) and (x is None or isinstance(x, _PLAIN)) for k, x in v.items()):
         return tuple(sorted(v.items()))
-    if isinstance(v, functools.partial):
+    if t is functools.partial:
         return "partial", _plain(v.func), tuple(_plain(a) for a in v.args), \
             tuple(sorted((k, _plain(x)) for k, x in v.keywords.items()))
-    if callable(v) and not isinstance(v, nn.Module) and hasattr(v, "__qualname__"):
+    if callable(v) and not issubclass(t, nn.Module) and hasattr(v, "__qualname__"):
         return v.__qualname__
-    return type(v).__qualname__, id(v)
+    return t.__qualname__, id(v)
 
 
 def _config_rules(config: Any, n: int, seen: set | None = None) -> list:
@@ -111,14 +114,14 @@ def _module_signature(m: nn.Module, ids: list) -> tuple:
         params = tuple((k, p.shape, p.dtype, p.requires_grad) for k, p in d["_parameters"].items() if p is not None)
         ids.extend(id(p) for p in d["_parameters"].values() if p is not None)
     bufs = tuple((k, b.shape, b.dtype) for k, b in d["_buffers"].items() if b is not None) if d["_buffers"] else ()
-    attrs = []
-    for k in d.keys() - _SKIP:  # a set difference in C: most of a module's __dict__ is nn.Module's own
-        if k[0] == "_":
-            continue
-        v = d[k]
-        attrs.append((k, _plain(v)))  # a config object by identity: its per-layer settings are the block's
-    attrs.sort()
-    return type(m), params, bufs, tuple(attrs)
+    order = tuple(d)
+    keys = _KEYS.get(order)
+    if keys is None:  # the attributes that describe the module, sorted (once per layout of a module's __dict__)
+        if len(_KEYS) > 4096:
+            _KEYS.clear()
+        keys = _KEYS[order] = tuple(sorted(k for k in order if k[0] != "_" and k not in _SKIP))
+    # a config object goes by identity: its per-layer settings are the block's (`_config_bits`)
+    return type(m), params, bufs, keys, tuple([_plain(d[k]) for k in keys])
 
 
 def _tree_signature(m: nn.Module, ids: list) -> tuple:
