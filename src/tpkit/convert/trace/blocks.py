@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 from typing import Any
 
 import torch
@@ -208,22 +209,25 @@ def _survey(model: nn.Module) -> tuple[list[Blocks], bool]:
     return found, any(seen[i] > 1 for i in dropped)
 
 
+_CUTTING = threading.RLock()
+
+
 @contextlib.contextmanager
 def shortened(model: nn.Module, blocks: list[Blocks]):
     """The model with each list of `blocks` cut to its first `keep` blocks (the same block objects), restored
-    after."""
+    after. One cut at a time in a process (thread-ranks planning at once wait for each other)."""
     saved = []
-    try:
-        for b in blocks:
-            parent_name, _, attr = b.name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            full = parent._modules[attr]
-            saved.append((parent, attr, full))
-            parent._modules[attr] = nn.ModuleList(list(full)[:b.keep])
-        yield model
-    finally:
-        for parent, attr, full in reversed(saved):
-            parent._modules[attr] = full
+    with _CUTTING:
+        try:
+            for b in blocks:
+                parent_name, _, attr = b.name.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                saved.append((parent, attr, parent._modules[attr]))
+                parent._modules[attr] = nn.ModuleList(list(saved[-1][2])[:b.keep])
+            yield model
+        finally:
+            for parent, attr, full in reversed(saved):
+                parent._modules[attr] = full
 
 
 def analyze_blocks(model: nn.Module, example_inputs: Any = None) -> tuple[Analysis, list[Blocks]] | None:
