@@ -10,10 +10,10 @@ MPI_STAMP := $(VENV)/.tpkit-mpi
 
 .PHONY: venv mpi demo test test-fast bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[hf,dev,plot,lightning]" "$(TORCH_SPEC)"  # torch named again: extras never replace it
+	$(PY) -m pip install -q -e ".[hf,dev,plot,lightning]" "$(TORCH_SPEC)" -c constraints.txt  # torch named again: extras never replace it
 	touch $@
 
 venv: $(STAMP)

@@ -12,7 +12,7 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tpkit"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
-STEPS = ("planner", "layouts", "validate", "swap", "parallelize")  # the conversion steps in convert/
+STEPS = ("planner", "layouts", "validate", "swap", "parallelize", "steps", "dryrun")  # the conversion steps in convert/
 
 
 def _sources():

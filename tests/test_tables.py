@@ -7,7 +7,7 @@ import pty
 
 import pytest
 
-from tpkit.tables import Column, output_width, render_table
+from tpkit.tables import PIPE_WIDTH, Column, output_width, render_table
 
 from tests.convert.rendered import assert_unbroken, rows, tables
 
@@ -59,19 +59,20 @@ def test_narrower_widths_break_names_after_dots_and_prose_between_words(width):
     _check(text, width, kept)
 
 
-def test_output_width_comes_from_columns_then_the_terminal_and_is_none_when_piped(monkeypatch, tmp_path):
+def test_output_width_comes_from_columns_then_the_terminal_and_is_100_when_piped(monkeypatch, tmp_path):
+    """$COLUMNS, else the terminal's width, else PIPE_WIDTH (100) for a file or a pipe; `wide` (--wide): None."""
     import fcntl
     import struct
     import termios
 
     monkeypatch.setenv("COLUMNS", "93")
-    assert output_width() == 93
+    assert output_width() == 93 and output_width(wide=True) is None
     monkeypatch.delenv("COLUMNS")
     with open(tmp_path / "out.txt", "w") as f:
-        assert output_width(f) is None
+        assert output_width(f) == PIPE_WIDTH == 100 and output_width(f, wide=True) is None
     read_fd, write_fd = os.pipe()
     with os.fdopen(read_fd), os.fdopen(write_fd, "w") as w:
-        assert output_width(w) is None
+        assert output_width(w) == 100
     controller, terminal = pty.openpty()
     try:
         fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 71, 0, 0))

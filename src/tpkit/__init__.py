@@ -26,7 +26,7 @@ from . import comm, nn
 from .nn import (ColumnParallelConv2d, ColumnParallelLinear, ParallelEmbedding, RowParallelConv2d, RowParallelLinear,
                  VocabParallelEmbedding, clip_grad_norm_, vocab_parallel_cross_entropy)
 from .convert import (AnalysisReport, DistributedModelWrapper, Family, Plan, PlanError, VerifyReport, parallelize,
-                      plan, register_family, shard_layouts, unregister_family, verify)
+                      plan, quiet_conversions, register_family, shard_layouts, unregister_family, verify)
 from .layout import ShardLayout
 from .estimate import (MemoryEstimate, SpeedEstimate, SpeedProfile, calibrate_profile, estimate_memory, estimate_speed,
                        load_profile, save_profile)
@@ -45,7 +45,7 @@ __all__ = [
     "ParallelEmbedding", "Plan", "PlanError", "RowParallelConv2d", "RowParallelLinear", "SpeedEstimate", "VerifyReport",
     "VocabParallelEmbedding", "analyze", "clip_grad_norm_", "comm", "estimate_memory", "estimate_speed", "nn",
     "parallelize", "plan", "verify", "vocab_parallel_cross_entropy", "ShardLayout", "shard_layouts", "Family",
-    "register_family", "unregister_family",
+    "register_family", "unregister_family", "quiet_conversions",
     "CommError", "Communicator", "LaunchError", "ReduceOp", "TPConfig", "__version__", "all_reduce_sum",
     "broadcast_tensor", "create_communicator", "get_communicator", "get_tensor_parallel_config", "init",
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",

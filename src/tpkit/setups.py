@@ -185,9 +185,9 @@ def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128):
 
 def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int = 8, device_memory: Any = None,
             mode: str = "inference", example_inputs: Any = None, profile=None, batch_size: int = 1,
-            seq_len: int = 128) -> AnalysisReport:
+            seq_len: int = 128, devices_per_node: int | None = None) -> AnalysisReport:
     """`tpkit.convert.analyze` (which layers split, memory per rank, recommendations) with the world size
     suggested by the setup search where this machine can be priced (a measured profile, or a GPU of a known
     kind), else by memory alone."""
     return analyze_plan(model, world_size, max_world_size, device_memory, mode, example_inputs,
-                        advisor=search_advisor(profile, batch_size, seq_len))
+                        advisor=search_advisor(profile, batch_size, seq_len), devices_per_node=devices_per_node)

@@ -3,10 +3,10 @@
 
 Tables stay readable at any width: `render_table(title, columns, rows, width)`.
 
-`width=None` (output piped to a file or another program) renders every column at its natural width and never
-wraps a cell. A given width (a terminal's) is met by, in order: leaving out the least important columns (each
-`Column.drop` says how soon; 0 = always shown), wrapping prose columns between words, and breaking module names
-after a dot. A cell is never cut inside a word or a number. `output_width()` says which of the two applies.
+`width=None` (the CLI's `--wide`) renders every column at its natural width and never wraps a cell. A given width
+(a terminal's, `$COLUMNS`, or `PIPE_WIDTH` for a pipe or a file) is met by, in order: leaving out the least
+important columns (each `Column.drop` says how soon; 0 = always shown), wrapping prose columns between words, and
+breaking module names after a dot. A cell is never cut inside a word or a number. `output_width()` says which applies.
 """
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ import sys
 import textwrap
 
 WORDS_MIN = 20  # a prose column is not squeezed below this (or its longest word, if longer)
+PIPE_WIDTH = 100  # tables written to a pipe or a file (no terminal, no $COLUMNS) fit this many columns
+WIDE_HELP = (f"print tables at their natural width (default: fit the terminal, $COLUMNS, or {PIPE_WIDTH} columns "
+             f"when piped)")
 
 
 def format_bytes(n: float) -> str:
@@ -39,9 +42,12 @@ class Column:
     wrap: str = ""
 
 
-def output_width(stream=None) -> int | None:
-    """The width to fit tables to: `$COLUMNS` when set, the terminal's width when `stream` (default stdout) is a
-    terminal, else None (a pipe or a file: no limit, nothing wraps)."""
+def output_width(stream=None, wide: bool = False) -> int | None:
+    """The width to fit tables to: None with `wide` (the CLI's `--wide`: no limit, nothing wraps), else `$COLUMNS`
+    when set, the terminal's width when `stream` (default stdout) is a terminal, else `PIPE_WIDTH` (a pipe or a
+    file: a table at its natural width can be hundreds of characters wide)."""
+    if wide:
+        return None
     columns = os.environ.get("COLUMNS", "")
     if columns.isdigit() and int(columns) > 0:
         return int(columns)
@@ -51,7 +57,7 @@ def output_width(stream=None) -> int | None:
             return os.get_terminal_size(stream.fileno()).columns
     except (AttributeError, OSError, ValueError):
         pass
-    return None
+    return PIPE_WIDTH
 
 
 def wrap_text(text: str, width: int | None, indent: str = "", hanging: str = "") -> str:

@@ -38,15 +38,13 @@ def _logits_on_threads(model, world, plan_arg="auto", mode="inference"):
 
 
 BAD_PLANS = {
-    "heads that do not divide": ({"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
-                                  "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"},
-                                 "cannot be split over 3 ranks"),
     "entry naming no module": ({"model.layers.*.attn.query": "colwise"}, "names no module"),
     "conflicting globs": ({"model.layers.0.mlp.*": "colwise", "model.layers.0.mlp.*_proj": "rowwise"}, "conflicting"),
     "split output into a replicated layer": ({"model.layers.0.mlp.down_proj": "replicate"}, "conflicting"),
     "tied weights split differently": ({"lm_head": "replicate"}, "share one weight"),
     "unknown style": ({"lm_head": "diagonal"}, "unknown style"),
-    "sequence parallelism with attention left whole": ({"model.norm": "sequence_parallel"}, "stay whole"),
+    "sequence parallelism with attention left whole": ({"model.layers.*.self_attn.*_proj": "replicate",
+                                                        "model.norm": "sequence_parallel"}, "stay whole"),
     "container style on a layer": ({"model.norm": "gather"}, "container"),
 }
 
@@ -67,14 +65,26 @@ def test_bad_plans_raise_and_leave_model_unchanged(case):
 
 
 def test_auto_plan_falls_back_to_replicate_with_reason():
-    """The same heads at 3 ranks: the planner keeps attention whole and says why; the MLP still splits."""
-    model = hf_model("llama", num_key_value_heads=2)
+    """Fewer heads than ranks: the planner keeps attention whole and says why; the MLP still splits."""
+    model = hf_model("llama", num_attention_heads=2, num_key_value_heads=2)
     p = plan(model, 3)
     assert p["model.layers.0.self_attn.q_proj"] == "replicate"
-    assert "8 query heads in 2 KV groups cannot be split over 3 ranks" in p.reasons["model.layers.0.self_attn.q_proj"]
+    assert "2 query heads cannot be split over 3 ranks" in p.reasons["model.layers.0.self_attn.q_proj"]
     assert p["model.layers.0.mlp.down_proj"] == "rowwise"
     ref = model(input_ids=inputs()).logits
     for out in _logits_on_threads(model, 3):
+        assert ((out - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_user_plan_splits_heads_that_do_not_divide():
+    """8 query / 2 KV heads over 3 ranks, split by a user plan: query heads 3/3/2, rank 1 reads KV heads 0 and 1
+    (replicated on two ranks, expanded to one per query head); the logits are exact (issue 20 item 9: this plan
+    used to be refused)."""
+    model = hf_model("qwen2", num_key_value_heads=2)
+    entries = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+               "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
+    ref = model(input_ids=inputs()).logits
+    for out in _logits_on_threads(model, 3, entries):
         assert ((out - ref).abs().max() / ref.abs().max()) < 1e-4
 
 

@@ -284,7 +284,7 @@ def test_bad_arguments(kwargs, match):
 
 def test_module_without_input_says_what_to_pass():
     with pytest.raises(ValueError, match="example_input"):
-        estimate_memory(nn.Sequential(nn.Linear(4, 4)), 2)
+        estimate_memory(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)), 2)  # no input follows from a norm
     with pytest.raises(TypeError, match="config or an nn.Module"):
         estimate_memory({"hidden_size": 3}, 2)
 
@@ -294,3 +294,14 @@ def test_dtype_defaults_to_the_models_own():
     est = estimate_memory(mlp, 2, input_shape=(2, 8))
     assert est.dtype == "float64" and est.single.parameters == 8 * sum(p.numel() for p in mlp.parameters())
     assert estimate_memory(tiny_configs()["llama"], 1).dtype == "bfloat16"
+
+
+def test_rank_heads_follow_the_spread_layout():
+    """16 query / 4 KV heads at 3 ranks as the converter lays them out (issue 20 item 9): 6/5/5 query heads, 2 KV
+    heads each; every rank's groups are unequal, so its attention (and KV cache) sees one KV head per query head."""
+    from tpkit.estimate import rank_heads
+    from tpkit.estimate.ranks import rank_cache_heads
+
+    assert [rank_heads(16, 4, 3, r) for r in range(3)] == [(6, 2, True), (5, 2, True), (5, 2, True)]
+    assert [rank_cache_heads(16, 4, 3, r) for r in range(3)] == [6, 5, 5]
+    assert [rank_cache_heads(16, 4, 4, r) for r in range(4)] == [1, 1, 1, 1]  # even: today's layout and cache

@@ -47,13 +47,14 @@ def test_tables(capsys):
 
 @pytest.mark.parametrize("columns", [None, "80"])
 def test_tables_piped_and_at_80_columns(capsys, monkeypatch, columns):
-    """Piped, every column at full width; at 80 columns every line fits, world size / total / fits stay, the
+    """With --wide, every column at full width; at 80 columns every line fits, world size / total / fits stay, the
     columns left out are named, and each figure is whole on its row."""
     argv = ["estimate", "llama-2-70b", "--world-size", "1,2,4,8", "--mode", "training"]
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     if columns is None:
         monkeypatch.delenv("COLUMNS", raising=False)
+        argv.append("--wide")
     else:
         monkeypatch.setenv("COLUMNS", columns)
     assert main(argv) == 0

@@ -111,8 +111,8 @@ def test_measured_module_by_hand():
 
 
 def test_module_needs_an_input_and_cannot_decode():
-    with pytest.raises(ValueError, match="example_input"):
-        estimate_speed(nn.Linear(4, 4), 2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="example_input"):  # a norm first: no input can be inferred
+        estimate_speed(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)), 2, dtype=torch.float32)
     with pytest.raises(ValueError, match="decode"):
         estimate_speed(nn.Linear(4, 4), 2, mode="decode", input_shape=(2, 4))
     with pytest.raises(TypeError, match="config or an nn.Module"):

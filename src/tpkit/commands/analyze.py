@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from tpkit.tables import WIDE_HELP
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="preset name, config.json / model directory, or module:factory")
@@ -19,9 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (default: the "
                         "detected GPU's); units are binary as GPU memory is sold: GB and GiB both mean 2**30 bytes "
                         "(likewise MB/MiB, TB/TiB); a plain number is bytes")
+    parser.add_argument("--devices-per-node", type=int, default=None, help="devices of one machine (default: "
+                        "this machine's GPU count); a suggestion beyond it is advised as a multi-node setup")
     parser.add_argument("--mode", default="inference", choices=["inference", "training"])
     parser.add_argument("--plan-out", default=None, help="also write the plan as JSON to this file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--wide", action="store_true", help=WIDE_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         report = analyze(model, world_size=args.world_size, max_world_size=args.max_world_size,
-                         device_memory=args.device_memory, mode=args.mode)
+                         device_memory=args.device_memory, mode=args.mode,
+                         devices_per_node=args.devices_per_node)
     except ValueError as exc:
         print(f"tpkit analyze: {exc}", file=sys.stderr)
         return 2
@@ -50,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from tpkit.tables import output_width
 
-        print(report.summary(width=output_width()), end="")
+        print(report.summary(width=output_width(wide=args.wide)), end="")
         if args.plan_out:
             print(f"plan written to {args.plan_out}")
     return 0

@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+from tpkit.tables import WIDE_HELP
+
 COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 REDUCING = ("all_reduce", "reduce_scatter")
 
@@ -63,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
     parser.add_argument("--plot", metavar="PNG", help="busbw against size, one line per algorithm (matplotlib)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--wide", action="store_true", help=WIDE_HELP + "; nccl-tests' fixed columns")
     parser.add_argument("--timeout", type=float, default=600.0)
 
 
@@ -243,8 +246,9 @@ _COLUMNS = (
 def format_table(result: dict[str, Any], backend: str, width: int | None = None) -> str:
     """nccl-tests-like text: one block per collective, one row per (size, algorithm), with time vs builtin.
 
-    `width=None` (a pipe or a file) gives nccl-tests' fixed columns; a terminal's width gives columns as wide as
-    their contents, leaving out count, type, redop, algbw and "vs builtin" (in that order) until a row fits."""
+    `width=None` (`--wide`) gives nccl-tests' fixed columns; a width (a terminal's, or 100 when piped) gives columns
+    as wide as their contents, leaving out count, type, redop, algbw and "vs builtin" (in that order) until a row
+    fits."""
     from tpkit.tables import wrap_text
 
     n = result["world_size"]
@@ -377,11 +381,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         from tpkit.tables import output_width
 
-        print(format_table(result, backend_name, output_width()))
+        print(format_table(result, backend_name, output_width(wide=args.wide)))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
     if args.plot:
         plot_busbw(result, args.plot, f"tpkit bench: {result['world_size']} {backend_name} ranks")
+        print(f"plot written to {os.path.abspath(args.plot)}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 1 if any(r["wrong"] for r in result["rows"]) else 0
 

@@ -12,6 +12,8 @@ import argparse
 import sys
 import time
 
+from tpkit.tables import WIDE_HELP
+
 HF_EXTRA_HINT = "install the hf extra: pip install 'tpkit[hf]'"
 
 
@@ -19,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="number of local ranks (default 2)")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "threads"])
     parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    parser.add_argument("--wide", action="store_true", help=WIDE_HELP)
 
 
 def _config():
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from tpkit.tables import format_bytes as human
     from tpkit.tables import Column, output_width, render_table
 
-    width = output_width()  # None when piped: nothing wraps; a terminal's width: tables leave out columns to fit
+    width = output_width(wide=args.wide)  # a terminal's (or 100 piped): tables leave out columns to fit; --wide: none
     console = Console(width=width, soft_wrap=width is None)
 
     def show(text: str) -> None:  # text already fitted to `width`

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from tpkit.tables import WIDE_HELP
+
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
            "fp32": "float32", "float32": "float32", "float": "float32"}
 
@@ -58,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-shape", default=None,
                         help="for modules without a transformer config: input shape, batch first, e.g. 8,3,32,32")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--wide", action="store_true", help=WIDE_HELP)
 
 
 def _memory_table(target: str, estimates, device_bytes: int, device_name: str, width: int | None) -> str:
@@ -180,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from tpkit.tables import output_width
 
-    width = output_width()
+    width = output_width(wide=args.wide)
     print(_memory_table(args.target, estimates, hardware.memory_bytes, hardware.name, width))
     if speed is not None:
         print(_speed_table(speed, width))

@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 
+from tpkit.tables import WIDE_HELP
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="preset name, config.json / model directory, or module:factory")
@@ -25,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "~/.cache/tpkit/profile.json)")
     parser.add_argument("--plot", metavar="PNG", help="predicted time against memory per device")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--wide", action="store_true", help="do not fit tables to the terminal")
+    parser.add_argument("--wide", action="store_true", help=WIDE_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
-    width = None if args.wide else output_width()
+    width = output_width(wide=args.wide)
     print(result.summary(width))
     print(result.explain(width))
     if args.plot:

@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 
+from tpkit.tables import WIDE_HELP
+
 MAX_PARAMS = 400_000_000
 
 
@@ -24,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--force", action="store_true", help=f"build even above {MAX_PARAMS:,} parameters")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--wide", action="store_true", help=WIDE_HELP)
 
 
 def _build(args):
@@ -87,5 +90,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         from tpkit.tables import output_width
 
-        print(report.summary(output_width()))
+        print(report.summary(output_width(wide=args.wide)))
     return 0 if report.ok else 1

@@ -10,6 +10,7 @@ from .analyze import AnalysisReport, LayerReport, analyze
 from .conversion import Conversion, conversion_of
 from .family import Checked, Choice, Draft, Family, Planned, Proposal
 from .layouts import shard_layouts
+from .notices import quiet_conversions
 from .parallelize import parallelize
 from .plan import Plan, PlanError
 from .planner import plan, propose
@@ -22,6 +23,6 @@ from .wrapper import DistributedModelWrapper
 __all__ = [
     "AnalysisReport", "Checked", "Choice", "Conversion", "DistributedModelWrapper", "Draft", "FAMILIES", "Family",
     "LayerReport", "Plan", "PlanError", "Planned", "Proposal", "Role", "STYLES", "Style", "VerifyReport", "analyze",
-    "conversion_of", "parallelize", "plan", "propose", "register_family", "shard_layouts", "unregister_family",
-    "verify",
+    "conversion_of", "parallelize", "plan", "propose", "quiet_conversions", "register_family", "shard_layouts",
+    "unregister_family", "verify",
 ]

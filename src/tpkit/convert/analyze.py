@@ -18,6 +18,7 @@ from torch import nn
 from ..tables import format_bytes as human
 from ..layout import valid_world_sizes
 from .modules import kind
+from .multinode import local_device_count, multi_node_advice
 from .plan import Plan
 from .planner import auto_plan, propose
 from .registry import module_layouts
@@ -196,16 +197,23 @@ Advisor = Callable[[nn.Module, list[int], str, "int | None"], "tuple[int, str] |
 
 
 def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int = 8, device_memory: Any = None,
-            mode: str = "inference", example_inputs: Any = None, advisor: Advisor | None = None) -> AnalysisReport:
+            mode: str = "inference", example_inputs: Any = None, advisor: Advisor | None = None,
+            devices_per_node: int | None = None) -> AnalysisReport:
     """Analyse `model` for tensor parallelism (see the module doc); `world_size` picks the plan shown in the
     table (default: the suggested one, else 2); per-rank memory is given for 1, 2, 4, ... `max_world_size`.
 
     The suggested world size is the smallest whose weights (and, training, gradients and AdamW states) fit the
     device memory: given, else the detected GPU's, else this host's memory (said so). `advisor(model, sizes,
     mode, device memory)` may suggest instead (`tpkit.analyze` passes the setup search's, which ranks the sizes
-    by predicted time); it returns (world size, why) or None to keep the memory rule."""
+    by predicted time); it returns (world size, why) or None to keep the memory rule.
+
+    `devices_per_node` (default: this machine's GPU count, unknown without a GPU) is what one machine holds:
+    where the suggestion needs more, the recommendations name the multi-node setup (`convert/multinode.py`)."""
     if mode not in ("inference", "training"):
         raise ValueError(f"analyze: mode must be 'inference' or 'training', got {mode!r}")
+    if devices_per_node is not None and (not isinstance(devices_per_node, int) or devices_per_node < 1):
+        raise ValueError(f"analyze: devices_per_node must be a positive int (the devices of one machine), got "
+                         f"{devices_per_node!r}")
     a = analyze_structure(model, example_inputs)
     sizes = sorted({w for w in [1, 2, 4, 8, 16, 32, 64, 128, 256] if w <= max_world_size} | {max_world_size}
                    | ({world_size} if world_size else set()))
@@ -241,6 +249,10 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     report = AnalysisReport(type(model).__name__, rows, shown, mode, total_params, total_bytes, parallel_bytes,
                             per_rank, memory, dev, suggested, suggestion, [], plan, a.trace_error)
     report.recommendations = _recommend(a, plans, plan, shown, report)
+    node = devices_per_node if devices_per_node is not None else local_device_count()
+    advice = multi_node_advice(suggested, memory, dev, node, max_world_size)
+    if advice:
+        report.recommendations.append(advice)
     return report
 
 
@@ -277,6 +289,23 @@ def _suggest(memory: dict, dev: int | None, source: str, mode: str) -> tuple[int
                   f"max_world_size or add pipeline/data parallelism")
 
 
+def _heads_text(pair, n: int) -> str:
+    """The attention heads each of `n` ranks holds, as the converter lays them out (`Pair.heads`)."""
+    lay = pair.heads(n)
+    q = [len(h) for h in lay.q_heads]
+    out = f"attention heads at {n} ranks: {lay.counts()}"
+    if lay.kv_replicated:
+        why = (f"{pair.num_kv_heads} KV heads < world size {n}" if pair.num_kv_heads < n
+               else "some KV heads are read by query heads of two ranks")
+        out += (f"; {why}: such KV heads are replicated on the ranks that read them (k/v projections hold "
+                f"{sum(len(k) for k in lay.kv_heads)} KV heads in all for {pair.num_kv_heads}; their gradients are "
+                f"summed across those ranks; the KV cache grows with them)")
+    if len(set(q)) > 1:
+        out += f"; the ranks with {max(q)} query heads set the step time; world sizes dividing {pair.num_heads} " \
+               f"balance the work"
+    return out
+
+
 def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisReport) -> list[str]:
     recs: list[str] = []
     if a.trace is None:
@@ -291,14 +320,9 @@ def _recommend(a: Analysis, plans: dict, plan, shown: int, report: AnalysisRepor
         if blocked:
             recs.append(f"attention ({nh} query / {nkv} KV heads) stays replicated at world sizes {blocked}: "
                         f"{plans[blocked[0]].reasons.get(p0.row, '')}; world sizes that split it: "
-                        f"{valid_world_sizes(nh, nkv, 64)}")
-        if nkv < shown and nkv < nh and plan.entries.get(p0.row) == "rowwise":
-            recs.append(f"{nkv} KV heads < world size {shown}: each KV head is replicated on {shown // nkv} ranks "
-                        f"(k/v projections hold {shown // nkv}x their even share; their gradients are summed "
-                        f"across those ranks)")
-        elif nh % shown and plan.entries.get(p0.row) == "rowwise":
-            recs.append(f"{nh} heads do not divide by {shown}: the first {nh % shown} ranks hold one head more, so "
-                        f"they set the step time; world sizes dividing {nh} balance the work")
+                        f"{valid_world_sizes(nh, nkv, 64, spread=bool(p0.kv_expand))}")
+        if shown > 1 and plan.entries.get(p0.row) == "rowwise":
+            recs.append(_heads_text(p0, shown))
         recs.append(f"{len(attn)} attention blocks and {len(a.pairs) - len(attn)} MLP pairs split as column -> "
                     f"row: one all-reduce per block in the forward (one more in the backward)")
     elif a.pairs:

@@ -77,11 +77,16 @@ def is_embedding(m: nn.Module) -> bool:
 def output_scale(m: nn.Module) -> torch.Tensor | None:
     """The scalar an embedding multiplies its output by, for the Hugging Face `*ScaledWordEmbedding` classes
     whose forward is exactly `super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)` (Gemma and
-    25 others); None for any other module."""
+    25 others) or `super().forward(input_ids) * self.embed_scale` with a number (BART and its kin); None for any
+    other module."""
     scale = getattr(m, "embed_scale", None)
-    if not (isinstance(m, nn.Embedding) and isinstance(scale, torch.Tensor) and scale.numel() == 1):
+    if not isinstance(m, nn.Embedding) or not _scales_output(type(m)):
         return None
-    return scale if _scales_output(type(m)) else None
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        return scale
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return torch.tensor(float(scale), dtype=torch.float64)
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,7 +97,8 @@ def _scales_output(cls: type) -> bool:
         body = "".join(inspect.getsource(cls.forward).split()[-6:])
     except (OSError, TypeError):
         return False
-    return body.endswith("returnsuper().forward(input_ids)*self.embed_scale.to(self.weight.dtype)")
+    return body.endswith(("returnsuper().forward(input_ids)*self.embed_scale.to(self.weight.dtype)",
+                          "returnsuper().forward(input_ids)*self.embed_scale"))
 
 
 def keep_output_scale(old: nn.Module, new: nn.Module) -> nn.Module:

@@ -8,7 +8,10 @@ Five named steps, each a function with a typed result:
 3. layouts  `layouts.plan_layouts` -> per module, one `ShardLayout` per tensor (type and size checks);
 4. validate `validate.validate` -> the plan as a whole (each style's dataflow, ties, every family's checks);
 5. swap     `swap.build` then `swap.swap`: new layers cut from those layouts, then put in, then every family
-            installs what its styles need.
+            installs what its styles need (`steps.prepare` / `steps.apply` hold steps 3 to 5).
+
+Between 2 and 3 the dry run (`dryrun.dry_run`) runs the converted structure once on the meta device and keeps
+whole what its forward fails in (a user's plan that fails there is a PlanError).
 
 Everything is checked and every new layer is built before the first module is swapped, so an error leaves
 the model exactly as it was. The result is one `Conversion` record: `model.tp_plan` is its plan, and
@@ -17,28 +20,29 @@ the model exactly as it was. The result is one `Conversion` record: `model.tp_pl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from torch import nn
 
 from ..nn._layer import resolve_comm
 from .conversion import Conversion, attach
 from .errors import PlanError
-from .family import Planned
-from .layouts import key_layouts, plan_layouts
-from .plan import Plan
+from .dryrun import dry_run
+from .layouts import key_layouts
+from .notices import log_kept_whole
+from .plan import PLAN_WORDS, Plan, check_plan_argument
 from .planner import auto_plan
-from .registry import STYLES, for_module, style
-from .styles import COLWISE, ROWWISE, SEQUENCE_PARALLEL
-from .swap import attribute_updates, build, swap
+from .registry import style
+from .steps import apply, prepare
+from .styles import SEQUENCE_PARALLEL
 from .trace import Analysis, analyze_structure, untraced_structure
-from .validate import validate
 
 
 def resolve_plan(model: nn.Module, plan: Any, world_size: int, analysis: Analysis, mode: str) -> Plan:
     """`plan` as a Plan: "auto", a Plan (used as is), a JSON path, or a mapping of user entries (which
     override the automatic plan)."""
-    if isinstance(plan, str) and plan == "auto":
+    check_plan_argument(plan)
+    if isinstance(plan, str) and plan in PLAN_WORDS:
         return auto_plan(analysis, world_size, mode)
     if isinstance(plan, (str, Path)):
         return Plan.load(plan)
@@ -66,7 +70,10 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     entries `{module name or glob: style}` that override the automatic plan. `comm`: the tensor-parallel
     communicator (default `tpkit.get_communicator()`). `mode="training"` keeps LM-head logits split over
     the vocabulary (use `tpkit.nn.vocab_parallel_cross_entropy`). Works on meta-device models (shards
-    stay meta, to be loaded later). Raises before changing anything when the plan cannot be applied.
+    stay meta, to be loaded later). Raises before changing anything when the plan cannot be applied. Before any
+    weight changes, the converted structure runs once on meta tensors (a real copy for a small model whose forward
+    needs values) with the example inputs: a block that fails there stays whole, with the error as its reason in
+    `model.tp_plan`; a plan the user wrote that fails there is a PlanError.
 
     `sequence_parallel=True` (or plan entries styled "sequence_parallel") also splits the residual stream
     along the sequence between row- and column-wise layers (see `sequence.py`; training mode, sequence length
@@ -76,6 +83,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     checkpoint records it); it is applied without tracing the model or re-checking the dataflow, which was
     done when it was made (reloads skip the trace). Ignored with sequence parallelism, which needs the trace.
     """
+    check_plan_argument(plan)
     comm = resolve_comm(comm)
     world, rank = comm.world_size, comm.rank
     done = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)]
@@ -86,34 +94,31 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
         SEQUENCE_PARALLEL not in plan.entries.values()
     analysis = untraced_structure(model) if recorded else analyze_structure(model, example_inputs)  # 1. trace
     the_plan = resolve_plan(model, plan, world, analysis, mode)                           # 2. plan
-    modules = dict(model.named_modules())
-    styles = _styles(the_plan, analysis, modules)
-    per_module = plan_layouts(modules, analysis.leaves, styles, the_plan.details, world, rank)  # 3. layouts
-    planned = Planned(model, analysis, styles, the_plan.details, world, rank, STYLES, sequence_parallel)
-    checked = {} if recorded else validate(planned)                                      # 4. validate
-    for c in checked.values():
-        styles.update(c.styles)
-    options: dict[str, dict] = {}
-    for c in checked.values():
-        for name, kwargs in c.build.items():
-            options.setdefault(name, {}).update(kwargs)
-    built = build(modules, styles, per_module, comm, options)                             # 5. swap
-    updates = attribute_updates(planned)
-    swap(model, modules, planned, built, updates, checked, comm)
+    if not recorded:                                                                      # 2b. dry run
+        the_plan = dry_run(model, the_plan, analysis, comm, sequence_parallel, _user_named(model, plan, analysis))
+    prepared = prepare(model, the_plan, analysis, world, rank, sequence_parallel, recorded)  # 3., 4.
+    updates = apply(model, prepared, comm)                                                # 5. swap
+    styles, per_module, modules = prepared.styles, prepared.layouts, prepared.modules
     kept = {n: s for n, s in styles.items()  # leaves, modules with layouts, containers acting as regions
             if n in analysis.leaves or n in per_module or style(s).region}
     record = Plan(kept, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
-    attach(model, Conversion(record, key_layouts(model, modules, per_module, world, rank), updates, checked, world,
-                             rank))
+    attach(model, Conversion(record, key_layouts(model, modules, per_module, world, rank), updates,
+                             prepared.checked, world, rank))
+    log_kept_whole(record, isinstance(plan, str) and plan in PLAN_WORDS, rank)
     return model
 
 
-def _styles(the_plan: Plan, analysis: Analysis, modules: Mapping[str, nn.Module]) -> dict[str, str]:
-    """`{module: canonical style}` for every module the plan names. User-written entries carry no head /
-    packing facts: they are taken from the traced structure (into the plan's details)."""
-    styles = {n: for_module(s, modules[n]) for n, s in the_plan.resolve(list(modules)[1:]).items()}
-    for name, s in styles.items():
-        if s in (COLWISE, ROWWISE) and name not in the_plan.details and name in analysis.structures:
-            the_plan.details[name] = analysis.structures[name]
-    return styles
+def _user_named(model: nn.Module, plan: Any, analysis: Analysis) -> Callable[[str], bool]:
+    """Whether the user's `plan` named a module: every module for a whole plan, the entries' modules for a
+    mapping of overrides, none for "auto"."""
+    if isinstance(plan, str) and plan == "auto":
+        return lambda name: False
+    if isinstance(plan, Mapping) and "entries" not in plan:
+        user = Plan.from_dict(plan)
+        user.prefix = user.prefix or analysis.prefix
+        named = set(user.resolve(_names(model)))
+        return named.__contains__
+    return lambda name: True
+
+

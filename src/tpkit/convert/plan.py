@@ -7,21 +7,51 @@ stays replicated (`reasons`), so a saved plan replays exactly and a reader sees 
 """
 from __future__ import annotations
 
+import collections
+import difflib
 import fnmatch
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from .errors import PlanError
 from .registry import STYLES, canonical_style
 from .roles import Role
-from .styles import ALIASES
+from .styles import ALIASES, REPLICATE, SMALL
 
-__all__ = ["Plan", "PlanError", "canonical_style", "is_glob", "STYLES", "ALIASES"]
+__all__ = ["Plan", "PlanError", "canonical_style", "check_plan_argument", "is_glob", "PLAN_WORDS", "SMALL", "STYLES",
+           "ALIASES"]
+
+#: Reasons of layers kept whole by design (`SMALL` ones, or the setup's or the user's choice), not `kept_whole()`.
+_BY_DESIGN = (SMALL.strip(), "kept whole by the chosen setup", "user plan entry ")
+
+#: The words `parallelize(model, plan=...)` takes for a plan it makes itself.
+PLAN_WORDS = ("auto",)
+ACCEPTED = (f"a word ({', '.join(repr(w) for w in PLAN_WORDS)}: the planner's plan), a path to an existing plan JSON "
+            f"file (`Plan.save`, `tpkit analyze --plan-out`), a mapping {{module name or glob: style}} such as "
+            f"{{'*.q_proj': 'colwise'}}, or a Plan")
 
 
 def is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
+
+
+def check_plan_argument(plan: Any, where: str = "parallelize") -> None:
+    """Raise `PlanError` (listing what is accepted) for a `plan=` string or path that is neither one of
+    `PLAN_WORDS` nor an existing file; anything else is left to the caller."""
+    if isinstance(plan, Path) and not plan.is_file():
+        raise PlanError(f"{where}: no plan file at {str(plan)!r}. plan= takes {ACCEPTED}")
+    if not isinstance(plan, str) or plan in PLAN_WORDS or Path(plan).is_file():
+        return
+    if plan in STYLES or plan in ALIASES:
+        raise PlanError(f"{where}: plan={plan!r} is a style, and a style is given per module: pass a mapping such "
+                        f"as {{'*.q_proj': {plan!r}}} (module name or glob -> style), or plan='auto' for the "
+                        f"planner's. plan= takes {ACCEPTED}")
+    close = difflib.get_close_matches(plan, PLAN_WORDS, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise PlanError(f"{where}: plan={plan!r} is neither a known word nor an existing file; {hint}"
+                    f"plan= takes {ACCEPTED}")
 
 
 class Plan(Mapping[str, str]):
@@ -60,7 +90,24 @@ class Plan(Mapping[str, str]):
         return len(self.entries)
 
     def __repr__(self) -> str:
-        return f"Plan(world_size={self.world_size}, mode={self.mode!r}, entries={self.entries!r})"
+        kept = f", {self.kept_whole_summary()}" if self.kept_whole() else ""
+        return f"Plan(world_size={self.world_size}, mode={self.mode!r}, entries={self.entries!r}{kept})"
+
+    def kept_whole(self) -> dict[str, str]:
+        """`{module: reason}` for every module that stays whole because something stopped its split (heads
+        that do not divide, an untraceable forward, an unknown packing, ...); small layers kept whole by design
+        (norms, position tables) and whole layers the setup or the user chose are left out."""
+        return {n: r for n, r in self.reasons.items()
+                if self.entries.get(n, REPLICATE) == REPLICATE and not any(m in r for m in _BY_DESIGN)}
+
+    def kept_whole_summary(self, top: int = 3) -> str:
+        """"N modules kept whole: a x reason; b x reason" with the `top` commonest reasons (layer numbers
+        folded into `*`, so one reason per layer counts once per kind)."""
+        kept = self.kept_whole()
+        counts = collections.Counter(re.sub(r"\.\d+(?=[.:\s']|$)", ".*", r) for r in kept.values())
+        shown = "; ".join(f"{n} x {r}" for r, n in counts.most_common(top))
+        more = f"; {len(counts) - top} other reasons" if len(counts) > top else ""
+        return f"{len(kept)} module{'s' * (len(kept) != 1)} kept whole: {shown}{more}"
 
     def _matches(self, pattern: str, name: str) -> bool:
         if fnmatch.fnmatchcase(name, pattern):

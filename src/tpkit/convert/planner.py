@@ -15,8 +15,8 @@ from .family import Draft, Proposal
 from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, kind
 from .plan import Plan
 from .registry import families
-from .styles import REPLICATE
 from .reuse import enabled, expand
+from .styles import REPLICATE, SMALL
 from .trace import Analysis, analyze_structure, parameterised_leaves
 from .trace.blocks import analyze_blocks, shortened
 
@@ -57,13 +57,13 @@ def _replicate_reason(a: Analysis, name: str, m: nn.Module) -> str:
     if name in a.notes:
         return a.notes[name]
     if is_feature_norm(m):
-        return "normalises over all features, so it needs the whole vector (small; replicated)"
+        return "normalises over all features, so it needs the whole vector" + SMALL
     if is_per_channel(m):
-        return "per-channel layer not between a column and a row conv"
+        return "per-channel layer not between a column and a row conv" + SMALL
     if is_embedding(m):
         return "embedding not split"
     if is_linear(m) and name in a.trace.escaped:
-        return "its output leaves the model and it is small; replicating avoids a gather"
+        return "its output leaves the model; replicating avoids a gather" + SMALL
     if is_linear(m) or is_conv2d(m):
         return "no column -> row partner found in the dataflow"
     return f"{kind(m)}: no rule splits this layer type"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from ..layout import HeadLayout, head_layout
+
 ATTENTION, MLP, CONV = "attention", "mlp", "conv"
 
 
@@ -28,6 +30,12 @@ class Pair:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     per_head: tuple[str, ...] = ()
+    kv_expand: bool | None = None
+
+    def heads(self, world_size: int) -> HeadLayout:
+        """The block's heads per rank (raises `HeadLayoutError` when they cannot be shared out)."""
+        return head_layout(self.num_heads, self.num_kv_heads, world_size, self.attention or "attention",
+                           spread=bool(self.kv_expand))
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -52,6 +60,13 @@ class Role:
     group: int | None = None                  # query heads per KV head of a grouped qkv ([kv, group + 2, hd])
     head_args: tuple[tuple[int | str, str], ...] = ()  # per-head arguments: (position or keyword, "flat"/"dim1")
     rows: tuple[str, ...] = ()                # a per-head tensor's attention output layers
+    kv_expand: bool | None = None             # the attention can expand its local KV heads to one per query
+    #                                           head, so query heads are spread evenly (`tpkit.layout.heads`)
+
+    def heads(self, world_size: int) -> HeadLayout:
+        """The attention's heads per rank: the one fact its layouts, local head counts and hooks read."""
+        return head_layout(self.num_heads, self.num_kv_heads, world_size, self.attention or "attention",
+                           spread=bool(self.kv_expand))
 
     @property
     def is_attention(self) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..layout import HeadLayoutError, Piece, ShardLayout, group_pieces, head_layout, head_spans
+from ..layout import HeadLayoutError, Piece, ShardLayout, group_pieces, head_spans
 from ..nn.mappings import reduce_replicated_rows_grad
 from .errors import PlanError
 from .modules import (as_linear, is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d,
@@ -32,6 +32,9 @@ EMBEDDING_ROWWISE = "embedding_rowwise"
 EMBEDDING_COLWISE = "embedding_colwise"
 CHANNELWISE = "channelwise"
 REPLICATE = "replicate"
+#: Ends the reason of a layer replicated because it is small (norms, position tables, small heads): by design, not
+#: a limit hit, so `Plan.kept_whole()` leaves it out.
+SMALL = " (small; replicated)"
 SEQUENCE_PARALLEL = "sequence_parallel"  # also a conversion option: parallelize(..., sequence_parallel=True)
 
 Layouts = dict[str, ShardLayout]
@@ -89,9 +92,8 @@ def feature_pieces(details: Role | None, size: int, world: int, column: bool) ->
     attention projections (KV heads replicated when fewer than ranks), packed projections piece by piece, the
     split rule otherwise."""
     if details is not None and details.is_attention:
-        where = details.attention or "attention"
         try:
-            lay = head_layout(details.num_heads, details.num_kv_heads, world, where)
+            lay = details.heads(world)
         except HeadLayoutError as exc:
             raise PlanError(f"{exc}; mark this attention block 'replicate' instead") from None
         hd, role = details.head_dim, details.role

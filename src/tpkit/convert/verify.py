@@ -16,6 +16,7 @@ from torch import nn
 
 from ..tables import Column, render_table
 from .layouts import shard_layouts
+from .plan import check_plan_argument
 
 
 @dataclasses.dataclass
@@ -132,6 +133,7 @@ def verify(model_fn: Callable[[], nn.Module] | nn.Module, example_inputs: Any, w
     from ..distributed import use_communicator
     from .parallelize import parallelize
 
+    check_plan_argument(plan, "verify")
     model = model_fn if isinstance(model_fn, nn.Module) else model_fn()
     if not isinstance(model, nn.Module):
         raise TypeError(f"verify: model_fn must be an nn.Module or return one, got {type(model).__name__}")

@@ -43,7 +43,7 @@ Inference keeps nothing for backward: its figure is the live working set of one 
 from __future__ import annotations
 
 from .config import TransformerShape
-from .ranks import rank_widths
+from .ranks import rank_cache_heads, rank_widths
 
 _RECOMPUTE = ("none", "selective", "full")
 
@@ -150,5 +150,6 @@ def transformer_inference_bytes(shape: TransformerShape, batch_size: int, seq_le
     q, kv = q_heads * shape.head_dim, kv_heads * shape.head_dim
     scores = q_heads * seq_len * (4 if shape.softmax_fp32 else B) / B if attention == "eager" else 0
     live = 2 * h + max(2 * q + 2 * kv + scores, (3 if shape.gated_mlp else 2) * f)
-    kv_cache = 2 * shape.num_layers * kv * tokens * B if shape.is_decoder else 0
+    cached = rank_cache_heads(shape.num_heads, shape.num_kv_heads, t, rank) * shape.head_dim
+    kv_cache = 2 * shape.num_layers * cached * tokens * B if shape.is_decoder else 0
     return {"activations": tokens * B * (live + logits), "kv_cache": kv_cache}

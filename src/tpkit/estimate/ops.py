@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..convert import parallelize
+from ..convert import parallelize, quiet_conversions
 from .calls import as_call, meta_copy
 from .shape_comm import ShapeOnlyCommunicator
 from .traced import saved_bytes
@@ -188,8 +188,9 @@ def convert_for_rank(model: nn.Module, rank: int, world_size: int, plan: Any = "
     comm = RecordingCommunicator(rank, world_size)
     copy_ = meta_copy(model)
     if world_size > 1:
-        parallelize(copy_, plan, comm=comm, mode=mode, sequence_parallel=sequence_parallel,
-                    example_inputs=example_inputs)
+        with quiet_conversions():  # an estimate's own conversion: what stays whole is in its report
+            parallelize(copy_, plan, comm=comm, mode=mode, sequence_parallel=sequence_parallel,
+                        example_inputs=example_inputs)
     return copy_, comm
 
 

@@ -38,7 +38,7 @@ from .config import TransformerShape, attention_kind, own_dtype, resolve_target
 from .hardware import Hardware, get_hardware
 from .params import fullest_rank, parameter_counts
 from .profile import SpeedProfile, load_profile
-from .ranks import rank_heads
+from .ranks import rank_cache_heads, rank_heads
 
 MODES = ("training", "prefill", "decode")
 
@@ -165,6 +165,7 @@ def _step(shape: TransformerShape, t: int, mode: str, B: int, b: int, s: int, re
           sequence_parallel: bool, attention: str, rates: _Rates) -> SpeedRow:
     L, h, d = shape.num_layers, shape.hidden_size, shape.head_dim
     q_heads, kv_heads, _ = rank_heads(shape.num_heads, shape.num_kv_heads, t, fullest_rank(shape, t))
+    cached = rank_cache_heads(shape.num_heads, shape.num_kv_heads, t, fullest_rank(shape, t))
     causal = 0.5 if shape.is_decoder else 1.0
     if mode == "decode":
         tokens, s_q, s_kv = b, 1, s
@@ -181,7 +182,7 @@ def _step(shape: TransformerShape, t: int, mode: str, B: int, b: int, s: int, re
         nbytes = 3 * weight_bytes + 2 * acts
     elif mode == "decode":
         flops = forward
-        kv_cache = 2 * L * b * s * kv_heads * d * B
+        kv_cache = 2 * L * b * s * cached * d * B
         nbytes = weight_bytes + kv_cache
     else:
         flops = forward

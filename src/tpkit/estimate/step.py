@@ -5,6 +5,7 @@ Shared by the memory and the speed estimate, so both measure the very same step.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -53,9 +54,40 @@ def _example(model: nn.Module, dtype: torch.dtype, example_input, input_shape):
         if isinstance(first, nn.Embedding):
             return (torch.zeros(tuple(input_shape), dtype=torch.long),), {}
         return (torch.randn(tuple(input_shape), dtype=dtype),), {}
-    raise ValueError(f"estimate_memory: {type(model).__name__} is not a transformer with a Hugging Face config; "
-                     "pass example_input=... (a tensor, tuple or dict, batch first) or input_shape=(batch, ...) "
-                     "so its activations can be measured on one small step")
+    raise ValueError(f"estimate_memory: {type(model).__name__} is not a transformer with a Hugging Face config, and "
+                     "no input follows from its first layer (an Embedding, Linear or Conv2d taking the one input of "
+                     "its forward); pass example_input=... (a tensor, tuple or dict, batch first) or "
+                     "input_shape=(batch, ...) so its activations can be measured on one small step")
+
+
+def infer_input(model: nn.Module) -> torch.Tensor | None:
+    """The smallest input the model's first layer takes, where that is unambiguous: its forward has one required
+    argument, its first layer with parameters (registration order) is an Embedding (token ids (1, 8)), a Linear
+    ((1, in_features)) or a Conv2d ((1, in_channels, 32, 32)), and the model runs on it (weightless, on meta).
+    None otherwise."""
+    try:
+        required = [p for p in inspect.signature(model.forward).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return None
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if len(required) != 1 or first is None:
+        return None
+    own = next(first.parameters()).dtype
+    if isinstance(first, nn.Embedding):
+        x = torch.zeros(1, 8, dtype=torch.long)
+    elif isinstance(first, nn.Linear):
+        x = torch.zeros(1, first.in_features, dtype=own)
+    elif isinstance(first, nn.Conv2d):
+        x = torch.zeros(1, first.in_channels, 32, 32, dtype=own)
+    else:
+        return None
+    try:
+        with torch.no_grad():
+            meta_copy(model)(x.to("meta"))
+    except Exception:  # noqa: BLE001 - the guess does not fit this model: ask for an input
+        return None
+    return x
 
 
 def prepare_module_step(model: nn.Module, world_size: int, dtype: torch.dtype, mode: str, example_input=None,
@@ -64,9 +96,15 @@ def prepare_module_step(model: nn.Module, world_size: int, dtype: torch.dtype, m
     runnable copy of the model. Shared by the memory and the speed estimate of non-transformer modules."""
     if example_input is None and input_shape is None and getattr(model, "main_input_name", "") == "input_ids":
         example_input = {"input_ids": torch.zeros(1, seq_len or 128, dtype=torch.long)}
+    notes, styles, planned = [], None, ()
+    if example_input is None and input_shape is None:
+        guessed = infer_input(model)
+        if guessed is not None:
+            example_input = guessed
+            notes.append(f"input inferred from the first layer: {tuple(guessed.shape)} {str(guessed.dtype)[6:]} "
+                         f"(pass example_input= or input_shape= for the real one)")
     args, kwargs = _example(model, dtype, example_input, input_shape)
     first = _first_tensor(args) if args else _first_tensor(kwargs)
-    notes, styles, planned = [], None, ()
     if world_size > 1:
         first_param = next(model.parameters(), None)
         device = first_param.device if first_param is not None else torch.device("cpu")

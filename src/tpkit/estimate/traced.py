@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..convert import parallelize
+from ..convert import parallelize, quiet_conversions
 from .calls import as_call, meta_copy, with_layers
 from .shape_comm import ShapeOnlyCommunicator
 
@@ -138,8 +138,9 @@ def _trace_one(model: nn.Module, rank: int, world_size: int, sequence_parallel: 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if world_size > 1:
-        parallelize(model, comm=ShapeOnlyCommunicator(rank, world_size), mode="training",
-                    sequence_parallel=sequence_parallel, example_inputs=_meta_example(example))
+        with quiet_conversions():  # an estimate's own conversion: what stays whole is in its report
+            parallelize(model, comm=ShapeOnlyCommunicator(rank, world_size), mode="training",
+                        sequence_parallel=sequence_parallel, example_inputs=_meta_example(example))
     seen, shapes = set(), []
     for p in model.parameters():
         if id(p) not in seen:

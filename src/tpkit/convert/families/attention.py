@@ -5,6 +5,13 @@ The trace finds the blocks (`trace/attention.py`); here they are planned (split 
 cannot be shared out or a layer of the block must stay whole), checked, and given their local head counts: the
 attention module's forward reads its head counts from attributes (or its config), so after the split they must
 say this rank's heads.
+
+Query heads are spread as evenly as possible where the attention can take it (`Role.kv_expand`, see
+`tpkit.layout.heads`): a rank whose KV heads then serve unequal numbers of its query heads (16 heads, 4 KV heads
+at 3 ranks: rank 1 holds query heads 6..10, reading KV heads 1 (6, 7) and 2 (8..10)) gets a forward hook on its
+k/v projections (`ExpandKV`) that repeats each local KV head once per local query head reading it, and its
+attention is told it has as many KV heads as query heads (`num_key_value_groups` 1). Its KV cache then holds
+one KV head per local query head. Ranks whose groups are equal keep the model's own `repeat_kv` path.
 """
 from __future__ import annotations
 
@@ -13,9 +20,10 @@ import functools
 import inspect
 from typing import Any, Mapping
 
+import torch
 from torch import nn
 
-from ...layout import HeadLayoutError, head_layout
+from ...layout import HeadLayoutError
 from ...nn.mappings import reduce_grad
 from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal, whole_choice
@@ -93,22 +101,57 @@ class Attention(Family):
             if s != ROWWISE or d is None or not d.is_attention:
                 continue
             attn = planned.model.get_submodule(d.attention) if d.attention else planned.model
-            lay = head_layout(d.num_heads, d.num_kv_heads, planned.world_size, d.attention)
+            lay, r = d.heads(planned.world_size), planned.rank
             updates[d.attention] = local_head_attrs(attn, d.num_heads, d.num_kv_heads, d.head_dim,
-                                                    len(lay.q_heads[planned.rank]), len(lay.kv_heads[planned.rank]))
+                                                    len(lay.q_heads[r]), lay.cache_heads(r))
         return updates
 
     def install(self, model: nn.Module, planned: Planned, checked: Checked | None, comm) -> None:
-        """Per-head norms see only this rank's heads: their gradient is the sum over the ranks."""
+        """Per-head norms see only this rank's heads: their gradient is the sum over the ranks. K/V projections of
+        a rank with unequal groups expand their KV heads to one per query head."""
         for name, s in planned.styles.items():
             if s == REPLICATED_WITH_GRAD_ALLREDUCE:
                 for p in model.get_submodule(name).parameters(recurse=False):
                     reduce_grad(p, comm)
+        if planned.world_size > 1:
+            for name, s in planned.styles.items():
+                d = planned.details.get(name)
+                if s == ROWWISE and d is not None and d.is_attention and d.kv_expand:
+                    _expand_kv(model, planned, d)
+
+
+class ExpandKV:
+    """Forward hook of a k/v projection (or a packed qkv one: `keep` query features first, then k and v): repeats
+    each local KV head `repeats[i]` times, so the attention sees one KV head per local query head."""
+
+    def __init__(self, keep: int, repeats: tuple[int, ...], head_dim: int, blocks: int):
+        self.keep, self.repeats, self.head_dim, self.blocks = keep, tuple(repeats), head_dim, blocks
+
+    def __call__(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        hd, parts, at = self.head_dim, [out.narrow(-1, 0, self.keep)] if self.keep else [], self.keep
+        for _ in range(self.blocks):
+            for n in self.repeats:
+                head = out.narrow(-1, at, hd)
+                parts.append(head if n == 1 else head.unsqueeze(-2).expand(*head.shape[:-1], n, hd).flatten(-2))
+                at += hd
+        return torch.cat(parts, -1)
+
+
+def _expand_kv(model: nn.Module, planned: Planned, o: Any) -> None:
+    lay, r = o.heads(planned.world_size), planned.rank
+    if lay.even_groups(r):
+        return
+    for c in o.columns:
+        role = planned.details[c].role
+        if role in ("k", "v", "qkv"):
+            keep = len(lay.q_heads[r]) * o.head_dim if role == "qkv" else 0
+            model.get_submodule(c).register_forward_hook(
+                ExpandKV(keep, lay.kv_repeats(r), o.head_dim, 2 if role == "qkv" else 1))
 
 
 def _heads_blocker(pair: Pair, world: int) -> str | None:
     try:
-        head_layout(pair.num_heads, pair.num_kv_heads, world, pair.attention)
+        pair.heads(world)
     except HeadLayoutError as exc:
         return str(exc)
     return None

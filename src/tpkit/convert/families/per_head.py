@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 
 from torch import nn
 
-from ...layout import HeadLayoutError, Piece, ShardLayout, head_columns, head_layout
+from ...layout import HeadLayoutError, Piece, ShardLayout, head_columns
 from ...nn import mark_tensor_parallel
 from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal
@@ -32,7 +32,7 @@ PER_HEAD = "per_head"
 def head_piece(role: Role, world: int) -> Piece:
     """Each rank's span of a one-column-per-query-head tensor, from the attention's head counts."""
     try:
-        lay = head_layout(role.num_heads, role.num_kv_heads, world, role.attention or "")
+        lay = role.heads(world)
     except HeadLayoutError as exc:
         raise PlanError(f"{exc}; mark this attention block 'replicate' instead") from None
     return head_columns(lay)
@@ -149,6 +149,6 @@ class PerHeadTensors(Family):
         for name, s in planned.styles.items():
             d = planned.details.get(name)
             if s == ROWWISE and d is not None and d.head_args:
-                lay = head_layout(d.num_heads, d.num_kv_heads, comm.world_size, d.attention)
+                lay = d.heads(comm.world_size)
                 attn = model.get_submodule(d.attention) if d.attention else model
                 install_head_arg_slicers(attn, dict(d.head_args), d.num_heads, lay.q_heads[comm.rank])

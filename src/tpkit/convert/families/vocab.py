@@ -4,7 +4,8 @@ the same way or not at all.
 
 An LM head is a large linear layer whose output leaves the model (the vocabulary size when the model has a
 config, else a vocabulary-like fan-out that weighs something); an embedding that is not the vocabulary (a
-position table) stays whole: splitting it would add an all-reduce per forward for little memory.
+position table) stays whole unless it holds at least `LARGE_TABLE` of the parameters: a small one would add an
+all-reduce per forward for little memory.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from ..family import Choice, Draft, Family, Proposal, whole_choice
 from ..modules import is_embedding, is_linear, linear_dims
-from ..styles import COLWISE_REP, EMBEDDING_ROWWISE, REPLICATE, VOCAB_PARALLEL, VOCAB_STYLES
+from ..styles import COLWISE_REP, EMBEDDING_ROWWISE, REPLICATE, SMALL, VOCAB_PARALLEL, VOCAB_STYLES
 
 
 def lm_heads(a, world_size: int) -> list[str]:
@@ -35,6 +36,9 @@ def lm_heads(a, world_size: int) -> list[str]:
         if n_out >= max(world_size, 2) and big:
             out.append(name)
     return out
+
+
+LARGE_TABLE = 0.05  # an embedding holding this share of the parameters is split even when not the vocabulary
 
 
 class Vocabulary(Family):
@@ -63,12 +67,12 @@ class Vocabulary(Family):
         share = m.weight.numel() / max(a.total_params, 1)
         if m.num_embeddings < world:
             why = f"{m.num_embeddings} rows cannot be split over {world} ranks"
-        elif tied_to_head or m.num_embeddings == vocab or (vocab is None and share >= 0.05):
+        elif tied_to_head or m.num_embeddings == vocab or share >= LARGE_TABLE:  # a large table, vocabulary or not
             return Proposal(self.name, name, (Choice("vocab parallel", {name: EMBEDDING_ROWWISE}),
                                               whole_choice([name], "kept whole by the chosen setup")))
         else:
-            why = (f"not the vocabulary ({share:.1%} of parameters, {m.num_embeddings} rows): splitting it would "
-                   f"add an all-reduce per forward for little memory")
+            why = (f"not the vocabulary ({share:.1%} of parameters, under {LARGE_TABLE:.0%}; {m.num_embeddings} rows): "
+                   f"splitting it would add an all-reduce per forward for little memory{SMALL}")
         return Proposal(self.name, name, (Choice("whole", reasons={name: why}),))
 
     def _ties(self, draft: Draft) -> Iterator[Proposal]:

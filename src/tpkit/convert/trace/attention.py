@@ -141,7 +141,11 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
         return f"{attn_name} says {nh_attr} heads but its query projection holds {nh} heads of {hd}"
     if linear_dims(rm)[0] != q_w:
         return f"{row} takes {linear_dims(rm)[0]} features but the heads give {q_w}"
-    common = Role(ATTENTION, "", attention=attn_name, head_dim=hd, num_heads=nh, num_kv_heads=nkv)
+    # GQA whose attention reads `num_key_value_groups` can expand its local KV heads to one per query head, so
+    # its query heads may be spread evenly over the ranks (`tpkit.layout.heads`, `families/attention.py`).
+    expand = (nkv < nh and set(roles.values()) <= {"q", "k", "v", "qkv"}
+              and isinstance(getattr(attn, "num_key_value_groups", None), int)) or None
+    common = Role(ATTENTION, "", attention=attn_name, head_dim=hd, num_heads=nh, num_kv_heads=nkv, kv_expand=expand)
     for s, role in roles.items():
         a.structures[s] = common.replace(role=role, row=row, pieces=tuple(pieces) if role == "qkv" else None,
                                          **extra)
@@ -167,4 +171,4 @@ def _record(a: Pairing, row: str, srcs: list[str], common: Role, t, head_local: 
         before = a.structures.get(p, common.replace(role="per_head"))
         a.structures[p] = before.replace(rows=before.rows + (row,))
     a.pairs.append(Pair(ATTENTION, tuple(srcs), row, tuple(head_local), common.attention, common.head_dim,
-                        common.num_heads, common.num_kv_heads, tuple(head_tensors)))
+                        common.num_heads, common.num_kv_heads, tuple(head_tensors), common.kv_expand))

@@ -17,6 +17,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .state import module_state, restore
+
 from ..modules import is_conv2d, is_per_channel
 
 # Ops that act on every element alone (or with a scalar / per-row operand): shards pass straight through.
@@ -92,6 +94,7 @@ class Trace:
     # every module -> {position or keyword: (shape, id)} of the float tensor arguments of its first call that no
     # parameterised layer made (masks, ALiBi biases built from the mask)
     plain_args: dict = dataclasses.field(default_factory=dict)
+    inputs: Any = None  # the example inputs the trace ran (the dry run runs them again)
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -325,13 +328,14 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
         if tag is not None:
             escaped |= tag.sources | tag.carried
     return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
-                 tracer.read_directly, tracer.readers, plain_args)
+                 tracer.read_directly, tracer.readers, plain_args, example_inputs)
 
 
 def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:
     """One forward under the tracer, in eval mode (no dropout draws from the RNG and no BatchNorm statistics
     move; the dataflow is the same), restoring each module's training flag after."""
     was_training = {m: m.training for m in model.modules()}
+    state = module_state(model)
     model.eval()
     try:
         with torch.no_grad(), tracer:
@@ -343,6 +347,8 @@ def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:
     finally:
         for m, flag in was_training.items():
             m.training = flag
+        restore(state)
+
 
 
 def _packed_pieces(tracer: _Tracer, calls: dict[str, list[Call]]) -> tuple[dict, set]:

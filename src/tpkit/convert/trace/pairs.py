@@ -41,8 +41,9 @@ def find_pairs(model: nn.Module, leaves: dict[str, nn.Module], t: Trace) -> Pair
             a.notes.setdefault(row, "its input comes from a layer already paired with another row-wise layer "
                                     "(an odd chain of layers: the last one stays replicated)")
             continue
-        if len(t.calls[row]) > 1 or any(len(t.calls[s]) > 1 for s in srcs):
-            a.notes.setdefault(row, "called more than once per forward (shared module); replicated to stay safe")
+        if not _calls_alike(t, row, srcs, tag):
+            a.notes.setdefault(row, "called more than once per forward (shared module), not the same way each "
+                                    "time; replicated to stay safe")
             continue
         if any(s in t.broken for s in srcs):
             reason = f"the output of {[s for s in srcs if s in t.broken]} is sliced into pieces that do not " \
@@ -101,3 +102,13 @@ def _try_mlp(a: Pairing, row: str, srcs: list[str], tag: Tag) -> str | None:
         a.structures[c] = Role(CONV, "channel", row=row)
     a.pairs.append(Pair(kind_, tuple(srcs), row, tuple(sorted(tag.carried))))
     return None
+
+
+def _calls_alike(t, row: str, srcs: list[str], tag) -> bool:
+    """Whether a pair called more than once (a module shared across depth, ALBERT's layer) is called the same
+    way each time: its layers as often as each other, the row-wise layer reading the same layers every call."""
+    n = len(t.calls[row])
+    if n == 1 and all(len(t.calls[s]) == 1 for s in srcs):
+        return True
+    return all(len(t.calls[s]) == n for s in srcs) and all(
+        c.input_tag is not None and c.input_tag.sources == tag.sources for c in t.calls[row])

@@ -7,6 +7,7 @@ model object so `analyze`, `plan` and `parallelize` in a row trace a large model
 from __future__ import annotations
 
 import contextlib
+import inspect
 import dataclasses
 import weakref
 from typing import Any, Mapping
@@ -17,6 +18,7 @@ from torch import nn
 from ..modules import is_conv2d, is_embedding, is_linear, linear_dims
 from ..roles import Pair, Role
 from .dataflow import Trace, parameterised_leaves, trace
+from .analogy import towers, twins
 from .pairs import find_pairs
 
 
@@ -37,18 +39,28 @@ class Analysis:
 
 
 def default_inputs(model: nn.Module) -> list:
-    """Tiny inputs to try for the trace: HF models get token ids (or pixels); others a batch shaped for
-    their first layer, as [batch, features] and then [batch, seq, features]."""
+    """Tiny inputs to try for the trace, in order: HF models get token ids (an encoder-decoder its decoder's
+    too), pixels or audio features, then the model's own `dummy_inputs`; others a batch shaped for their first
+    layer, as [batch, features] and then [batch, seq, features]."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
+    dtype = params[0].dtype if params and params[0].is_floating_point() else None
     cfg = getattr(model, "config", None)
-    main = getattr(model, "main_input_name", None)
+    main = _main_input(model)
     if cfg is not None and main == "input_ids":
-        return [{"input_ids": torch.zeros(1, 4, dtype=torch.long, device=device)}]
+        if getattr(cfg, "is_encoder_decoder", False):
+            ids = torch.zeros(2, 4, dtype=torch.long, device=device)
+            return [{"input_ids": ids, "decoder_input_ids": ids}, *_own_dummy_inputs(model, device)]
+        return [{"input_ids": torch.zeros(1, 4, dtype=torch.long, device=device)}, *_own_dummy_inputs(model, device)]
     if cfg is not None and main == "pixel_values":
         size = getattr(cfg, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
-        return [{"pixel_values": torch.zeros(1, getattr(cfg, "num_channels", 3), size, size, device=device)}]
+        return [{"pixel_values": torch.zeros(1, getattr(cfg, "num_channels", 3), size, size, device=device,
+                                             dtype=dtype)}, *_own_dummy_inputs(model, device)]
+    if cfg is not None and main == "input_features" and hasattr(cfg, "num_mel_bins"):
+        frames = 2 * getattr(cfg, "max_source_positions", 8)  # Whisper-style encoders take exactly this many
+        return [{"input_features": torch.zeros(1, cfg.num_mel_bins, frames, device=device, dtype=dtype)},
+                *_own_dummy_inputs(model, device)]
     for m in model.modules():
         dtype = next(m.parameters(), torch.empty(0)).dtype
         if is_linear(m) or isinstance(m, nn.LayerNorm):
@@ -60,6 +72,28 @@ def default_inputs(model: nn.Module) -> list:
         if is_embedding(m):
             return [(torch.zeros(2, 4, dtype=torch.long, device=device),)]
     raise ValueError(f"cannot guess an input for {type(model).__name__}; pass example_inputs")
+
+
+def _own_dummy_inputs(model: nn.Module, device: torch.device) -> list:
+    """[the model's `dummy_inputs` (transformers' models have them) on `device`], or [] where it has none."""
+    try:
+        dummy = getattr(model, "dummy_inputs", None)
+    except Exception:  # noqa: BLE001 - a property that fails is no input to try
+        return []
+    if not isinstance(dummy, Mapping) or not dummy or not all(isinstance(v, torch.Tensor) for v in dummy.values()):
+        return []
+    return [{k: v.to(device) for k, v in dummy.items()}]
+
+
+def _main_input(model: nn.Module) -> str | None:
+    """The model's main input: its `main_input_name`, unless its forward's first argument is another input
+    kind (a vision encoder that inherits `input_ids` but reads `pixel_values`)."""
+    main = getattr(model, "main_input_name", None)
+    try:
+        first = next(iter(inspect.signature(model.forward).parameters), None)
+    except (TypeError, ValueError):
+        return main
+    return first if first in ("pixel_values", "input_features") and first != main else main
 
 
 def _ties(leaves: dict[str, nn.Module]) -> dict[str, list[str]]:
@@ -147,6 +181,9 @@ def trace_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
             error = error or f"{type(exc).__name__}: {exc}"
             continue
         pairing = find_pairs(model, dict(analysis.leaves), found)
-        return dataclasses.replace(analysis, trace=found, structures=pairing.structures, pairs=tuple(pairing.pairs),
-                                   notes=pairing.notes)
+        pairs, roles = twins(model, analysis.leaves, found.calls, pairing.pairs, pairing.structures)
+        more_pairs, more_roles = towers(model, analysis.leaves, found.calls, trace_structure)
+        pairs, roles = pairs + more_pairs, {**roles, **more_roles}
+        return dataclasses.replace(analysis, trace=found, structures={**pairing.structures, **roles},
+                                   pairs=tuple(pairing.pairs) + tuple(pairs), notes=pairing.notes)
     return dataclasses.replace(analysis, trace_error=error)

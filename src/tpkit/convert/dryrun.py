@@ -1,0 +1,211 @@
+"""The dry run between planning and the swap: the converted model's forward, once, on the meta device.
+
+A model's own forward may assume what a split breaks, a packed projection reshaped with a hard-coded group
+count (`qkv.view(b, s, 4, -1, d)` with a quarter of the features on each rank) being the common case. The
+trace cannot see that; running the converted structure can. `dry_run` deep-copies the model onto the meta
+device (no values, no memory; a small model whose forward needs values, a real copy), applies the plan there with a `ShapeCommunicator` (collectives return the
+shapes this rank would get), and runs the example inputs through it. When the forward fails, the module that
+owns the failing op (the innermost running module holding split layers), and every module of the same class
+at the same place in the other repeated blocks, is kept whole with the error as the reason, and the run is
+repeated. A plan the user wrote is not changed: its failure is a PlanError. Nothing here touches the model.
+"""
+from __future__ import annotations
+
+import copy as copying
+import dataclasses
+import re
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from ..comm.shapes import ShapeCommunicator
+from .errors import PlanError
+from .plan import Plan
+from .layouts import plan_layouts
+from .steps import apply, plan_styles, prepare
+from .styles import REPLICATE
+from .trace import Analysis, traceable_experts
+
+MAX_ROUNDS = 8
+REAL_COPY_BYTES = 1 << 30  # a model whose forward needs values (`.item()`) is dry-run on a real copy up to this
+Failure = tuple  # (names of the running modules, outermost first; "Type: message")
+
+
+def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence_parallel: bool = False,
+            fixed: Callable[[str], bool] = lambda name: False) -> Plan:
+    """`the_plan`, with what fails in the converted forward kept whole (see the module's doc). `fixed(name)`:
+    whether the user's plan named that module (a failure there raises PlanError instead)."""
+    inputs = getattr(analysis.trace, "inputs", None) if analysis.trace is not None else None
+    if inputs is None or comm.world_size == 1 or not _splits(the_plan):
+        return the_plan
+    try:
+        on_meta = _run(_copy(model, analysis, True)[0], inputs, True) is None
+    except Exception:  # noqa: BLE001 - a model that cannot be copied is converted without a dry run
+        return the_plan
+    if not on_meta and not _small(model):
+        return the_plan  # its forward does not run on meta tensors, and a real copy would cost too much
+    first = the_plan
+    for _ in range(MAX_ROUNDS):
+        try:
+            failure = _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, on_meta)
+        except PlanError:
+            if the_plan is first:
+                raise
+            failure = ("",), "PlanError: what is left split after keeping blocks whole does not validate"
+        if failure is None:
+            return the_plan
+        running, error = failure
+        blocks = _blocks(model, _owner(running, the_plan, model))
+        named = [n for n in _names_under(blocks, the_plan.resolve(_names(model))) if fixed(n)]
+        if named:
+            raise PlanError(f"the converted forward fails in {blocks[0] or 'the model'!r} on a dry run before any "
+                            f"change ({error}); the plan splits {named[:3]} there: keep them 'replicate'")
+        the_plan = keep_whole(the_plan, blocks, f"kept whole: the converted forward fails here ({error})",
+                              analysis, _names(model))
+        if "" in blocks:
+            return the_plan
+    return keep_whole(the_plan, [""], "kept whole: the converted forward kept failing on a dry run", analysis,
+                      _names(model))
+
+
+def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool) -> Failure | None:
+    """The first failure of the converted forward over the ranks in order (every rank runs them all, so all
+    ranks reach the same plan without communicating); a rank whose local shapes are all those of a rank before
+    it is not run again."""
+    seen = set()
+    for rank in range(world):
+        shapes = _local_shapes(model, the_plan, analysis, world, rank)
+        if shapes in seen:
+            continue
+        seen.add(shapes)
+        copy, copy_analysis = _copy(model, analysis, on_meta)
+        prepared = prepare(copy, the_plan, copy_analysis, world, rank, sequence_parallel, False)
+        try:
+            apply(copy, prepared, ShapeCommunicator(rank, world))
+        except Exception:  # noqa: BLE001 - a layer that cannot be built on meta: the dry run cannot tell
+            return None
+        failure = _run(copy, inputs, on_meta)
+        if failure is not None:
+            return failure
+    return None
+
+
+def _local_shapes(model, the_plan, analysis, world: int, rank: int) -> tuple:
+    modules = dict(model.named_modules())
+    styles = plan_styles(the_plan, analysis, modules)
+    layouts = plan_layouts(modules, analysis.leaves, styles, the_plan.details, world, rank)
+    return tuple(sorted((n, k, tuple(lay.local_shape)) for n, per in layouts.items() for k, lay in per.items()))
+
+
+def keep_whole(the_plan: Plan, blocks: Iterable[str], reason: str, analysis: Analysis, names: list[str]) -> Plan:
+    """`the_plan` with every layer inside `blocks` (and whatever shares a weight or a column -> row pair with one)
+    replicated, with `reason`; entries of containers inside them (regions) dropped."""
+    entries = the_plan.resolve(names)
+    whole = {n for n in _names_under(blocks, entries)}
+    whole |= {t for n in whole for t in analysis.ties.get(n, ())}
+    for pair in analysis.pairs:  # a column -> row pair is split whole or not at all
+        members = {*pair.columns, pair.row, *pair.carried, *pair.per_head}
+        if members & whole:
+            whole |= members
+    reasons = dict(the_plan.reasons)
+    for n in sorted(whole):
+        if n in analysis.leaves:
+            if entries.get(n) != REPLICATE:
+                reasons[n] = reason
+            entries[n] = REPLICATE
+        else:
+            entries.pop(n, None)
+    return Plan(entries, world_size=the_plan.world_size, mode=the_plan.mode, details=the_plan.details,
+                reasons=reasons, prefix=the_plan.prefix)
+
+
+def _splits(the_plan: Plan) -> bool:
+    return any(s != REPLICATE for s in the_plan.entries.values())
+
+
+def _names(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_modules() if n]
+
+
+def _names_under(blocks: Iterable[str], names: Iterable[str]) -> list[str]:
+    blocks = list(blocks)
+    return [n for n in names if any(b == "" or n == b or n.startswith(b + ".") for b in blocks)]
+
+
+def _owner(running: tuple, the_plan: Plan, model: nn.Module) -> str:
+    """The innermost running module that holds a split layer (the model itself when none does)."""
+    split = [n for n, s in the_plan.resolve(_names(model)).items() if s != REPLICATE]
+    for name in reversed(running):
+        if name and any(n.startswith(name + ".") for n in split):
+            return name
+    return ""
+
+
+def _blocks(model: nn.Module, owner: str) -> list[str]:
+    """`owner` and the modules of its class at the same place in the other repeated blocks (`layers.0.attn`:
+    every `layers.<i>.attn`)."""
+    if not owner:
+        return [""]
+    pattern = re.compile(r"\.".join(r"\d+" if p.isdigit() else re.escape(p) for p in owner.split(".")) + "$")
+    kind = type(model.get_submodule(owner))
+    return [n for n, m in model.named_modules() if n and pattern.match(n) and type(m) is kind]
+
+
+def _small(model: nn.Module) -> bool:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return all(t.device.type != "meta" for t in tensors) and sum(t.nbytes for t in tensors) <= REAL_COPY_BYTES
+
+
+def _copy(model: nn.Module, analysis: Analysis, on_meta: bool) -> tuple[nn.Module, Analysis]:
+    """A deep copy of `model`, its parameters and buffers on the meta device when `on_meta`, and `analysis` for
+    it."""
+    memo: dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()) if on_meta else ():
+        if id(t) not in memo:
+            meta = t.detach().to("meta")
+            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    copy = copying.deepcopy(model, memo)
+    for m in copy.modules() if on_meta else ():
+        for k, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and v.device.type != "meta" and v.dim() > 0:
+                setattr(m, k, v.to("meta"))
+    modules = dict(copy.named_modules())
+    leaves = {n: modules[n] for n in analysis.leaves}
+    return copy, dataclasses.replace(analysis, model=copy, leaves=leaves)
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    if isinstance(x, Mapping):
+        return {k: _to_meta(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    return x
+
+
+def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
+    """One eval forward of `model` on `inputs` (meta copies of them when `on_meta`); None, or where it failed
+    and why."""
+    running: list[str] = []
+    handles = []
+    for name, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(lambda *_, n=name: running.append(n)))
+        handles.append(m.register_forward_hook(lambda *_: running.pop() and None))
+    model.eval()
+    args = _to_meta(inputs) if on_meta else inputs
+    try:
+        with torch.no_grad(), traceable_experts(model):
+            if isinstance(args, Mapping):
+                model(**args)
+            elif isinstance(args, torch.Tensor):
+                model(args)
+            else:
+                model(*args)
+    except Exception as exc:  # noqa: BLE001 - any failure of the forward is the finding
+        return tuple(running), f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    finally:
+        for h in handles:
+            h.remove()
+    return None

@@ -1,0 +1,102 @@
+"""Modules the traced forward did not run are split like a traced module of the same class (a decoder's
+cross-attention, traced without encoder states), and run right when they do run."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tpkit
+from tpkit.comm import run_threads
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+        self.num_heads, self.head_dim = heads, d // heads
+
+    def forward(self, x, states=None):
+        kv = x if states is None else states
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(kv).view(b, kv.shape[1], -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(kv).view(b, kv.shape[1], -1, self.head_dim).transpose(1, 2)
+        a = torch.softmax(q @ k.transpose(-1, -2) / self.head_dim ** 0.5, -1) @ v
+        return self.out_proj(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn, self.cross_attn = Attention(), Attention()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x, states=None):
+        x = x + self.self_attn(x)
+        if states is not None:
+            x = x + self.cross_attn(x, states)
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_an_untraced_twin_is_split_like_the_traced_one_and_runs_right():
+    torch.manual_seed(0)
+    model = Decoder().double()
+    x, states = torch.randn(2, 5, 32, dtype=torch.double), torch.randn(2, 7, 32, dtype=torch.double)
+    ref = model(x, states)
+
+    def body(comm):
+        m = tpkit.parallelize(copy.deepcopy(model), comm=comm, example_inputs=(x,))  # cross_attn does not run
+        return m(x, states), m.tp_plan
+
+    for out, plan in run_threads(body, 2):
+        assert plan["cross_attn.q_proj"] == "colwise" and plan["cross_attn.out_proj"] == "rowwise"
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+class Tower(nn.Module):
+    """A model of its own (a config and a main input name), as a Hugging Face vision tower is."""
+
+    main_input_name = "pixel_values"
+
+    def __init__(self):
+        super().__init__()
+        import types
+
+        self.config = types.SimpleNamespace(image_size=4, num_channels=2)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, pixel_values):
+        x = pixel_values.flatten(1)
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class TwoTowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision = Tower()
+        self.text_up, self.text_down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x, pixel_values=None):
+        if pixel_values is not None:
+            x = x + self.vision(pixel_values)
+        return x + self.text_down(torch.relu(self.text_up(x)))
+
+
+@pytest.mark.parametrize("main_input_name", ["pixel_values", "input_ids"])  # input_ids: inherited, and wrong
+def test_an_untraced_tower_is_traced_alone_and_runs_right(main_input_name):
+    torch.manual_seed(0)
+    model = TwoTowers().double()
+    model.vision.main_input_name = main_input_name
+    x, pixels = torch.randn(3, 32, dtype=torch.double), torch.randn(3, 2, 4, 4, dtype=torch.double)
+    ref = model(x, pixels)
+
+    def body(comm):
+        m = tpkit.parallelize(copy.deepcopy(model), comm=comm, example_inputs=(x,))  # no image: no tower
+        return m(x, pixels), m.tp_plan
+
+    for out, plan in run_threads(body, 2):
+        assert plan["vision.up"] == "colwise" and plan["vision.down"] == "rowwise"
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,164 @@
+"""The dry run (issue 20 item 8): a model whose forward reshapes a packed projection with a hard-coded group
+count must not crash after conversion; the block stays whole with the reason, a user's plan is refused."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tpkit
+from tpkit.comm import run_threads
+from tpkit.comm.shapes import ShapeCommunicator
+from tpkit.convert.errors import PlanError
+
+
+class GroupedQKV(nn.Module):
+    """A packed qkv projection viewed as 4 groups of (q, v, k) by a constant computed at construction."""
+
+    def __init__(self, heads: int = 4, head_dim: int = 8):
+        super().__init__()
+        d = heads * head_dim
+        self.qkv_proj = nn.Linear(d, 3 * d, bias=False)
+        self.out_proj = nn.Linear(d, d, bias=False)
+        self.num_attention_heads, self.head_dim, self.group_dim = heads, head_dim, d // 4
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv_proj(x).reshape(b, t, 4, -1)  # 4: the hard-coded group count
+        q, v, k = torch.split(qkv, self.group_dim, dim=-1)
+        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        a = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+        return self.out_proj(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = GroupedQKV()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _model():
+    torch.manual_seed(0)
+    return Model().double(), torch.randn(2, 5, 32, dtype=torch.double)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_block_that_fails_on_the_dry_run_stays_whole_with_the_reason(world):
+    model, x = _model()
+    ref = model(x)
+
+    def body(comm):
+        m = tpkit.parallelize(copy.deepcopy(model), comm=comm, example_inputs=(x,))
+        return m(x), dict(m.tp_plan.entries), m.tp_plan.reasons
+
+    results = run_threads(body, world)
+    for out, entries, reasons in results:
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        for i in (0, 1):  # every repeated block: the attention whole, the MLP still split
+            assert entries[f"layers.{i}.attn.qkv_proj"] == "replicate"
+            assert "converted forward fails" in reasons[f"layers.{i}.attn.qkv_proj"]
+            assert entries[f"layers.{i}.up"] == "colwise"
+    assert len({tuple(sorted(e.items())) for _, e, _ in results}) == 1  # every rank the same plan
+
+
+def test_a_user_plan_that_fails_the_dry_run_is_refused_before_any_change():
+    model, x = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = tpkit.plan(model, 2, example_inputs=(x,))
+    assert plan["layers.0.attn.qkv_proj"] == "colwise"
+
+    for rank in (0, 1):  # no data moves before the refusal: a shapes-only communicator stands for the ranks
+        with pytest.raises(PlanError, match="dry run"):
+            tpkit.parallelize(model, plan, comm=ShapeCommunicator(rank, 2), example_inputs=(x,))
+    assert all(type(m) in (Model, Block, GroupedQKV, nn.Linear, nn.ModuleList) for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_shape_communicator_returns_this_ranks_shapes():
+    comm = ShapeCommunicator(2, 3)
+    t = torch.empty(7, 4, device="meta")
+    assert comm.all_reduce(t).shape == (7, 4)
+    assert comm.all_gather(t, dim=1).shape == (7, 12)
+    assert comm.all_gather(t, dim=0, sizes=[8, 8, 7]).shape == (23, 4)
+    assert comm.reduce_scatter(t, dim=0).shape == (2, 4)
+
+
+class NeedsValues(nn.Module):
+    """Longformer's pattern: the forward reads a value (`.item()`, so it cannot run on meta tensors) and checks
+    the hidden size against an attribute the converter sets to the local size."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.out = nn.Linear(32, 32)
+        self.num_heads, self.head_dim, self.embed_dim = 4, 8, 32
+
+    def forward(self, x):
+        b, t, d = x.shape
+        assert d == self.embed_dim, f"hidden_states should have embed_dim = {self.embed_dim}, but has {d}"
+        pad = int((x.abs().sum() > -1).item())  # a value the forward needs: always 1
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.query, self.key, self.value))
+        a = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+        return self.out(a.transpose(1, 2).reshape(b, t, -1)) * pad
+
+
+def test_a_forward_that_needs_values_is_dry_run_on_a_real_copy():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(NeedsValues(), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).double(), \
+        torch.randn(2, 5, 32, dtype=torch.double)
+    ref = model(x)
+
+    def body(comm):
+        m = tpkit.parallelize(copy.deepcopy(model), comm=comm, example_inputs=(x,))
+        return m(x), m.tp_plan
+
+    for out, plan in run_threads(body, 2):
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        assert plan["0.query"] == plan["0.out"] == "replicate"  # the pair stays whole together
+        assert "embed_dim" in plan.reasons["0.out"]
+        assert plan["1"] == "colwise"
+
+
+class CachesInEval(nn.Module):
+    """Levit's pattern: in eval mode the forward caches a tensor computed from a parameter, in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.bias = nn.Parameter(torch.randn(8))
+        self.cache = {}
+
+    def forward(self, x):
+        if self.training:
+            b = self.bias * 2
+        else:
+            b = self.cache.setdefault("b", self.bias * 2)
+        return self.down(torch.relu(self.up(x))) + b
+
+
+def test_the_trace_leaves_no_cache_behind():
+    from tpkit.convert.trace import analyze_structure
+
+    model = CachesInEval().double().eval()
+    analyze_structure(model, (torch.randn(3, 8, dtype=torch.double),))
+    assert model.cache == {}
+    model(torch.randn(3, 8, dtype=torch.double)).sum().backward()
+    assert model.bias.grad is not None
