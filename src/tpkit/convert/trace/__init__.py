@@ -4,6 +4,7 @@
     heads      what an attention module states of its heads, and its per-head arguments
     pairs      column -> row pairs (MLP, conv) found in the dataflow; attention blocks (`attention`)
     structure  `Analysis`: the traced dataflow, the pairs, the ties, remembered per model object
+    blocks     repeated blocks: their signatures, and the model cut to its distinct blocks for the trace
 """
 from __future__ import annotations
 

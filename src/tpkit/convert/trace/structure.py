@@ -113,7 +113,7 @@ def _ties(leaves: dict[str, nn.Module]) -> dict[str, list[str]]:
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def _signature(model: nn.Module) -> tuple:
+def structure_signature(model: nn.Module) -> tuple:
     """What the analysis depends on: every module's name, class and parameter shapes (and identities)."""
     return tuple((n, type(m), tuple((k, tuple(p.shape), id(p)) for k, p in m.named_parameters(recurse=False)))
                  for n, m in model.named_modules())
@@ -125,12 +125,12 @@ def analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
     With the default inputs the result is remembered per model object until its modules or parameter
     shapes change, so `analyze`, `plan` and `parallelize` in a row trace a large model once."""
     if example_inputs is not None:
-        return _analyze_structure(model, example_inputs)
-    sig = _signature(model)
+        return trace_structure(model, example_inputs)
+    sig = structure_signature(model)
     hit = _CACHE.get(model)
     if hit is not None and hit[0] == sig:
         return dataclasses.replace(hit[1], model=model)
-    a = _analyze_structure(model, None)
+    a = trace_structure(model, None)
     _CACHE[model] = (sig, dataclasses.replace(a, model=None))
     return a
 
@@ -165,7 +165,8 @@ def traceable_experts(model: nn.Module):
             c._experts_implementation = v
 
 
-def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
+def trace_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
+    """`analyze_structure` without the memory: trace the model as it is now."""
     analysis = untraced_structure(model)
     try:
         candidates = default_inputs(model) if example_inputs is None else [example_inputs]
@@ -181,7 +182,7 @@ def _analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis
             continue
         pairing = find_pairs(model, dict(analysis.leaves), found)
         pairs, roles = twins(model, analysis.leaves, found.calls, pairing.pairs, pairing.structures)
-        more_pairs, more_roles = towers(model, analysis.leaves, found.calls, _analyze_structure)
+        more_pairs, more_roles = towers(model, analysis.leaves, found.calls, trace_structure)
         pairs, roles = pairs + more_pairs, {**roles, **more_roles}
         return dataclasses.replace(analysis, trace=found, structures={**pairing.structures, **roles},
                                    pairs=tuple(pairing.pairs) + tuple(pairs), notes=pairing.notes)
