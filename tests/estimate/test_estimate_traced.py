@@ -17,7 +17,8 @@ from torch import nn
 import tpkit
 from tpkit.comm import run_threads
 from tpkit.estimate import estimate_memory, optimizer_bytes_per_parameter
-from tpkit.estimate.traced import ShapeOnlyCommunicator, saved_bytes, trace_rank
+from tpkit.comm.shapes import ShapeCommunicator
+from tpkit.estimate.traced import saved_bytes, trace_rank
 
 transformers = pytest.importorskip("transformers")
 V = 100
@@ -161,13 +162,13 @@ def test_fake_trace_does_not_touch_the_model():
 
 
 def test_shape_only_communicator_shapes():
-    comm = ShapeOnlyCommunicator(1, 4)
+    comm = ShapeCommunicator(1, 4)
     x = torch.zeros(3, 5)
     assert comm.all_reduce(x).shape == (3, 5)
     assert comm.all_gather(x, dim=1).shape == (3, 20)
     assert comm.reduce_scatter(torch.zeros(10, 2), dim=0).shape == (3, 2)  # split_sizes(10, 4)[1] == 3
     with pytest.raises(ValueError, match="rank 4 outside world size 4"):
-        ShapeOnlyCommunicator(4, 4)
+        ShapeCommunicator(4, 4)
 
 
 # ------------------------------------------------------------------------------------ 2-D (TP x DP)

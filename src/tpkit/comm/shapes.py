@@ -3,7 +3,10 @@
 It stands for rank `rank` of `world_size` ranks: every collective returns a tensor of the shape (and dtype and
 device) the real one would return on that rank, filled with zeros (on the meta device, no values at all).
 The converter's dry run (`tpkit.convert.dryrun`) runs a converted copy of a model through it, so shapes that
-depend on the world size (local head counts, split features, uneven splits) are the real ones.
+depend on the world size (local head counts, split features, uneven splits) are the real ones; the estimator's
+traced activations and op counts (`tpkit.estimate.traced`, `estimate.ops`) convert a weightless copy for one rank
+with it. Zeros rather than uninitialised memory: a dry run on a real copy computes on what comes back. Nothing
+else may use it: no other rank exists to talk to.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ class ShapeCommunicator(Communicator):
     backend = "shapes"
 
     def __init__(self, rank: int, world_size: int):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"ShapeCommunicator: rank {rank} outside world size {world_size}")
         super().__init__(rank, world_size, f"shapes{world_size}", timeout=1.0)
 
     def _all_reduce(self, tensor, op, async_op):

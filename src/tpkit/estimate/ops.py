@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..convert import parallelize, quiet_conversions
 from .calls import as_call, meta_copy
-from .shape_comm import ShapeOnlyCommunicator
+from ..comm.shapes import ShapeCommunicator
 from .traced import saved_bytes
 
 GOALS = ("decode", "prefill", "train")
@@ -74,7 +74,7 @@ class StepTrace:
     tokens: int              # tokens the step processes (decode: the batch)
 
 
-class RecordingCommunicator(ShapeOnlyCommunicator):
+class RecordingCommunicator(ShapeCommunicator):
     """A shape-only communicator that writes down every collective (kind, input bytes, phase)."""
 
     def __init__(self, rank: int, world_size: int):

@@ -7,7 +7,7 @@ the input dtype), and a formula per architecture is only as good as the last blo
 (on the test models: -15% to +56% for GPT-2, BERT, OPT and GPT-NeoX blocks). Here the model itself says:
 
 1. a copy with meta parameters (nothing allocated; a config is built on the meta device with 1 and 2 layers);
-2. for rank r of t, `parallelize` with a `ShapeOnlyCommunicator`: the very layers, head layout, sequence
+2. for rank r of t, `parallelize` with a `ShapeCommunicator`: the very layers, head layout, sequence
    parallel region and vocab-parallel loss a real rank gets, so per-rank shapes are exact, uneven splits
    included;
 3. under `FakeTensorMode` the copy is moved to fake CPU tensors and one training forward (with labels, so the
@@ -37,7 +37,7 @@ from torch import nn
 
 from ..convert import parallelize, quiet_conversions
 from .calls import as_call, meta_copy, with_layers
-from .shape_comm import ShapeOnlyCommunicator
+from ..comm.shapes import ShapeCommunicator
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def _trace_one(model: nn.Module, rank: int, world_size: int, sequence_parallel: 
 
     if world_size > 1:
         with quiet_conversions():  # an estimate's own conversion: what stays whole is in its report
-            parallelize(model, comm=ShapeOnlyCommunicator(rank, world_size), mode="training",
+            parallelize(model, comm=ShapeCommunicator(rank, world_size), mode="training",
                         sequence_parallel=sequence_parallel, example_inputs=_meta_example(example))
     seen, shapes = set(), []
     for p in model.parameters():
