@@ -100,3 +100,61 @@ def test_an_untraced_tower_is_traced_alone_and_runs_right(main_input_name):
     for out, plan in run_threads(body, 2):
         assert plan["vision.up"] == "colwise" and plan["vision.down"] == "rowwise"
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+class Projector(nn.Module):
+    """What sits between a tower and a language model: plain layers, no config."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear_1, self.linear_2 = nn.Linear(32, 48), nn.Linear(48, 32)
+
+    def forward(self, x):
+        return self.linear_2(torch.nn.functional.gelu(self.linear_1(x)))
+
+
+class TowerWithProjector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision = Tower()
+        self.vision.odd = nn.Conv1d(2, 2, 1)  # a layer the tower runs that no rule splits
+        self.projector = Projector()
+        self.text_up, self.text_down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x, pixel_values=None):
+        if pixel_values is not None:
+            x = x + self.projector(self.vision(pixel_values))
+        return x + self.text_down(torch.relu(self.text_up(x)))
+
+
+def _run_odd(self, pixel_values):
+    x = self.odd(pixel_values.flatten(2)).flatten(1)
+    return x + self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_untraced_projector_is_traced_alone_and_reasons_are_its_own(world, monkeypatch):
+    monkeypatch.setattr(Tower, "forward", _run_odd)
+    torch.manual_seed(0)
+    model = TowerWithProjector().double()
+    x, pixels = torch.randn(3, 32, dtype=torch.double), torch.randn(3, 2, 4, 4, dtype=torch.double)
+    ref = model(x, pixels)
+    ref.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    def body(comm):
+        m = tpkit.parallelize(copy.deepcopy(model), comm=comm, example_inputs=(x,))  # no image: no tower, projector
+        out = m(x, pixels)
+        out.sum().backward()
+        return out, m.tp_plan, {n: p.grad for n, p in m.named_parameters()}
+
+    for out, plan, got in run_threads(body, world):
+        assert plan["projector.linear_1"] == "colwise" and plan["projector.linear_2"] == "rowwise"
+        assert plan["vision.up"] == "colwise"
+        # the tower ran in its own trace: the conv's reason is the planner's, not "not run in the traced forward"
+        assert "not run" not in plan.kept_whole()["vision.odd"]
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        full = grads["projector.linear_2.weight"]
+        assert got["projector.linear_2.weight"].shape[1] < full.shape[1]  # really split
+        torch.testing.assert_close(got["vision.odd.weight"], grads["vision.odd.weight"], rtol=1e-10, atol=1e-12)

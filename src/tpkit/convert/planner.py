@@ -52,7 +52,7 @@ def auto_plan(a: Analysis, world_size: int, mode: str = "inference", choose: Map
 
 
 def _replicate_reason(a: Analysis, name: str, m: nn.Module) -> str:
-    if name not in a.trace.calls:
+    if name not in a.trace.calls and name not in a.traced_alone:
         return "not run in the traced forward"
     if name in a.notes:
         return a.notes[name]

@@ -4,9 +4,12 @@ A decoder's cross-attention (BART's `encoder_attn`) does not run without encoder
 run for the inputs given. When such a module is of the same class as a module that did run, with the same
 layers of the same shapes (`self_attn`), it runs the same code: its pairs are that module's pairs under its own
 name, with the same roles. Only pairs wholly inside the traced module are carried over. A module with no such
-twin stays whole ("not run in the traced forward"), unless it is a model of its own (a Hugging Face vision or
-text tower: a `config` and a `main_input_name`): then `towers` traces it alone, with its own default inputs, and
-takes its pairs under its name.
+twin stays whole ("not run in the traced forward"), unless `towers` can trace it alone: a model of its own (a
+Hugging Face vision or audio tower: a `config` and a `main_input_name`) with its own default inputs, or a plain
+module of several layers (the projector between a tower and the language model) with a batch shaped for its first
+layer. Its pairs and its notes (why a layer stays whole) are taken under its name. Such a module runs, in the full
+model, on what the tower or the model before it hands over: a whole (replicated) activation, as every module
+outside a pair receives, so the pairs found alone hold there.
 """
 from __future__ import annotations
 
@@ -77,21 +80,41 @@ def _prefixed(record, prefix: str):
                                           for f in dataclasses.fields(record) if f.name != "head_args"})
 
 
-def towers(model: nn.Module, leaves, ran, analyze) -> tuple[list, dict]:
-    """Pairs and roles of the sub-models none of whose layers ran (a vision tower given no image), each traced
-    alone by `analyze(module)` with its own default inputs."""
-    new_pairs, new_roles, done = [], {}, []
+def _alone(m: nn.Module, leaves, name: str) -> bool:
+    """Whether `m` can be traced on its own: a sub-model (a config and a main input name), or a plain module
+    holding two or more of the model's layers."""
+    if getattr(m, "config", None) is not None and isinstance(getattr(m, "main_input_name", None), str):
+        return True
+    return sum(1 for n in leaves if n.startswith(name + ".")) >= 2
+
+
+@dataclasses.dataclass
+class Alone:
+    """What the modules traced alone add, under their names in the model: pairs, roles, notes (why a layer stays
+    whole) and the layers their own traces ran."""
+
+    pairs: list = dataclasses.field(default_factory=list)
+    roles: dict = dataclasses.field(default_factory=dict)
+    notes: dict = dataclasses.field(default_factory=dict)
+    ran: set = dataclasses.field(default_factory=set)
+
+
+def towers(model: nn.Module, leaves, ran, analyze, covered=()) -> Alone:
+    """What the modules none of whose layers ran (a vision tower given no image, its projector) give when each is
+    traced alone by `analyze(module)` with its default inputs; `covered`: layers given roles by `twins` already."""
+    out, done = Alone(), []
     for name, m in model.named_modules():
-        if not name or any(name.startswith(d + ".") for d in done) or getattr(m, "config", None) is None \
-                or not isinstance(getattr(m, "main_input_name", None), str):
+        if not name or any(name.startswith(d + ".") for d in done) or not _alone(m, leaves, name):
             continue
         inner = [n for n in leaves if n.startswith(name + ".")]
-        if not inner or any(n in ran for n in inner):
+        if not inner or any(n in ran or n in covered for n in inner):
             continue
         done.append(name)
         sub = analyze(m)
         if sub.trace is None:
             continue
-        new_pairs += [_prefixed(p, name) for p in sub.pairs]
-        new_roles.update({f"{name}.{leaf}": _prefixed(r, name) for leaf, r in sub.structures.items()})
-    return new_pairs, new_roles
+        out.pairs += [_prefixed(p, name) for p in sub.pairs]
+        out.roles.update({f"{name}.{leaf}": _prefixed(r, name) for leaf, r in sub.structures.items()})
+        out.notes.update({f"{name}.{leaf}": why for leaf, why in sub.notes.items()})
+        out.ran.update(f"{name}.{leaf}" for leaf in [*sub.trace.calls, *sub.traced_alone])
+    return out

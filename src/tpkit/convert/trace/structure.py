@@ -36,6 +36,7 @@ class Analysis:
     ties: Mapping[str, list[str]]        # module -> other modules sharing its weight
     total_params: int
     prefix: str | None
+    traced_alone: frozenset[str] = frozenset()  # layers run only by a tower's own trace (analogy.towers)
 
 
 def default_inputs(model: nn.Module) -> list:
@@ -182,8 +183,9 @@ def trace_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
             continue
         pairing = find_pairs(model, dict(analysis.leaves), found)
         pairs, roles = twins(model, analysis.leaves, found.calls, pairing.pairs, pairing.structures)
-        more_pairs, more_roles = towers(model, analysis.leaves, found.calls, trace_structure)
-        pairs, roles = pairs + more_pairs, {**roles, **more_roles}
+        alone = towers(model, analysis.leaves, found.calls, trace_structure, roles)
+        pairs, roles = pairs + alone.pairs, {**roles, **alone.roles}
         return dataclasses.replace(analysis, trace=found, structures={**pairing.structures, **roles},
-                                   pairs=tuple(pairing.pairs) + tuple(pairs), notes=pairing.notes)
+                                   pairs=tuple(pairing.pairs) + tuple(pairs), notes={**pairing.notes, **alone.notes},
+                                   traced_alone=frozenset(alone.ran))
     return dataclasses.replace(analysis, trace_error=error)
