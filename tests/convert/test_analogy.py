@@ -158,3 +158,24 @@ def test_an_untraced_projector_is_traced_alone_and_reasons_are_its_own(world, mo
         full = grads["projector.linear_2.weight"]
         assert got["projector.linear_2.weight"].shape[1] < full.shape[1]  # really split
         torch.testing.assert_close(got["vision.odd.weight"], grads["vision.odd.weight"], rtol=1e-10, atol=1e-12)
+
+
+def test_a_tower_whose_forward_takes_no_main_input_gets_a_batch_for_its_first_layer():
+    """An audio encoder inheriting `main_input_name = "input_ids"` whose forward reads `hidden_states`."""
+    import types
+
+    from tpkit.convert.trace.structure import default_inputs
+
+    class Encoder(nn.Module):
+        main_input_name = "input_ids"
+
+        def __init__(self):
+            super().__init__()
+            self.config = types.SimpleNamespace()
+            self.input_linear, self.out = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, hidden_states):
+            return self.out(torch.relu(self.input_linear(hidden_states)))
+
+    first = default_inputs(Encoder())[0]
+    assert first[0].dtype.is_floating_point and first[0].shape[-1] == 8

@@ -88,13 +88,17 @@ def _own_dummy_inputs(model: nn.Module, device: torch.device) -> list:
 
 def _main_input(model: nn.Module) -> str | None:
     """The model's main input: its `main_input_name`, unless its forward's first argument is another input
-    kind (a vision encoder that inherits `input_ids` but reads `pixel_values`)."""
+    kind (a vision encoder that inherits `input_ids` but reads `pixel_values`) or its forward takes no argument of
+    that name (an audio encoder that inherits `input_ids` and reads `hidden_states`: its first argument then)."""
     main = getattr(model, "main_input_name", None)
     try:
-        first = next(iter(inspect.signature(model.forward).parameters), None)
+        names = list(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
         return main
-    return first if first in ("pixel_values", "input_features") and first != main else main
+    first = names[0] if names else None
+    if first in ("pixel_values", "input_features") and first != main:
+        return first
+    return first if main is not None and main not in names else main
 
 
 def _ties(leaves: dict[str, nn.Module]) -> dict[str, list[str]]:
