@@ -36,6 +36,9 @@ def test_calibrate_writes_a_profile_that_later_estimates_use(tmp_path, monkeypat
     hw = profile.hardware
     assert hw is not None and hw.interconnect.kind == "gloo" and profile.links["gloo"].hop_latency_s > 0
     assert hw.peak_flops_fp32 > 0 and hw.memory_bandwidth > 0 and hw.interconnect.bandwidth > 0
+    two = profile.machine["2"]  # the in-step cost of a collective, measured on the converted reference model
+    assert 0 <= two.collective_overhead_s < 0.1 and 0 <= two.train_collective_overhead_s < 0.1
+    assert profile.machine["1"].collective_overhead_s == 0
     # A later estimate (default location via $TPKIT_PROFILE) runs on the measured machine.
     assert main(["estimate", "gpt2", "--world-size", "1,2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

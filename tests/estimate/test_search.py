@@ -3,6 +3,8 @@ every family's alternatives, memory caps, measuring the top K, and bad input."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import math
 
 import pytest
@@ -71,6 +73,23 @@ def test_predictions_follow_the_rates():
                         v.copy_bandwidth, v.collectives) for k, v in PROFILE.machine.items()})
     assert predict(model, Setup(2), "decode", 1, 16, slow).seconds - base.seconds == pytest.approx(
         base.ops * 4e-6, rel=1e-9)
+    # A collective's in-step cost (measured on the converted reference model) adds exactly once per collective
+    # of the goal's kind, and round-trips through the profile's JSON.
+    in_step = SpeedProfile("in step", 1.0, 1.0, machine={
+        k: dataclasses.replace(v, collective_overhead_s=1e-3, train_collective_overhead_s=7e-3)
+        for k, v in PROFILE.machine.items()})
+    assert predict(model, Setup(2), "decode", 1, 16, in_step).seconds - base.seconds == pytest.approx(
+        base.collectives * 1e-3, rel=1e-9)
+    train = predict(model, Setup(2), "train", 1, 16, PROFILE)
+    assert predict(model, Setup(2), "train", 1, 16, in_step).seconds - train.seconds == pytest.approx(
+        train.collectives * 7e-3, rel=1e-9)
+    assert predict(model, Setup(1), "decode", 1, 16, in_step).seconds == pytest.approx(
+        predict(model, Setup(1), "decode", 1, 16, PROFILE).seconds, rel=1e-12)  # no collective, no cost
+    again = MachineRates.from_dict(json.loads(json.dumps(in_step.machine["2"].to_dict())))
+    assert again == in_step.machine["2"]
+    old = in_step.machine["2"].to_dict()
+    del old["collective_overhead_s"], old["train_collective_overhead_s"]  # a profile measured before them
+    assert MachineRates.from_dict(old).collective_overhead_s == 0.0
     fit = fit_collective([(n, 40e-6 + n / 4e9) for n in (1024, 65536, 2 ** 20)])
     assert fit.latency_s == pytest.approx(40e-6, rel=1e-6) and fit.bandwidth == pytest.approx(4e9, rel=1e-6)
 

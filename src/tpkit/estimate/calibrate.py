@@ -13,8 +13,9 @@ split by least squares into a fixed cost per collective and a per-hop latency.
 The op-level rates (`machine.MachineRates`, what `predict.py` reads) are measured for 1 up to the largest world
 size of ranks running at once, `threads` threads each (default: the cores shared out over the largest world
 size, one device per rank): each rank measures its matmul and memory rates and a reference model's per-op cost
-while the others do the same, then the collectives through tpkit's communicator; the slowest rank's figures
-are kept (a step ends when its slowest rank does).
+while the others do the same, then the collectives through tpkit's communicator, alone and inside the steps of
+the reference model converted over those ranks; the slowest rank's figures are kept (a step ends when its
+slowest rank does).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from .hardware import Hardware, Interconnect
 from .machine import (MachineRates, measure_collectives, measure_copy_bandwidth, measure_gemm,
                       measure_stream_bandwidth)
 from .profile import LinkProfile, SpeedProfile
-from .reference import op_overheads
+from .reference import collective_overheads, op_overheads
 
 _SIZES = {True: dict(matmul=256, copy=8 * 2**20, small=8, large=2**20, repeats=3),
           False: dict(matmul=1024, copy=256 * 2**20, small=8, large=32 * 2**20, repeats=10)}
@@ -117,11 +118,14 @@ def _rank_rates(threads: int, quick: bool, model=None) -> MachineRates:
     rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored)
     comm.barrier()
     forward, train = op_overheads(rates, model, repeats)
-    collectives = {}
-    if comm.world_size > 1:
-        sizes = (2 ** 10, 2 ** 16, 2 ** 20) if quick else (2 ** 10, 2 ** 14, 2 ** 18, 2 ** 21, 2 ** 23)
-        collectives = {k: {str(comm.world_size): c} for k, c in measure_collectives(comm, sizes, repeats).items()}
-    return dataclasses.replace(rates, op_overhead_s=forward, train_op_overhead_s=train, collectives=collectives)
+    rates = dataclasses.replace(rates, op_overhead_s=forward, train_op_overhead_s=train)
+    if comm.world_size == 1:
+        return rates
+    sizes = (2 ** 10, 2 ** 16, 2 ** 20) if quick else (2 ** 10, 2 ** 14, 2 ** 18, 2 ** 21, 2 ** 23)
+    collectives = {k: {str(comm.world_size): c} for k, c in measure_collectives(comm, sizes, repeats).items()}
+    rates = dataclasses.replace(rates, collectives=collectives)
+    in_step, train_in_step = collective_overheads(rates, comm, model, repeats)
+    return dataclasses.replace(rates, collective_overhead_s=in_step, train_collective_overhead_s=train_in_step)
 
 
 def _slowest(per_rank: list[MachineRates]) -> MachineRates:
@@ -130,6 +134,8 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
     gemm = tuple((m, min(dict(r.gemm)[m] for r in per_rank)) for m, _ in first.gemm)
     return dataclasses.replace(first, op_overhead_s=max(r.op_overhead_s for r in per_rank),
                                train_op_overhead_s=max(r.train_op_overhead_s for r in per_rank), gemm=gemm,
+                               collective_overhead_s=max(r.collective_overhead_s for r in per_rank),
+                               train_collective_overhead_s=max(r.train_collective_overhead_s for r in per_rank),
                                stream_bandwidth=min(r.stream_bandwidth for r in per_rank),
                                stored_bandwidth=min(r.stored_bandwidth for r in per_rank),
                                copy_bandwidth=min(r.copy_bandwidth for r in per_rank))

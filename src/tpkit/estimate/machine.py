@@ -12,7 +12,11 @@ have (they share cores, caches and memory bandwidth), as the op-level cost model
   `nn.Linear` reads it; `stored_bandwidth` the same with the weight read as stored (GPT-2's `Conv1D`, `x @ W`),
   which BLAS streams differently; `copy_bandwidth`: bytes/s of elementwise work (read + write);
 * `collectives`: for each kind (all_reduce, all_gather, reduce_scatter) and group size, a latency and a
-  bandwidth fitted to calls through tpkit's own communicator (its checks, its transport) at several sizes.
+  bandwidth fitted to calls through tpkit's own communicator (its checks, its transport) at several sizes;
+* `collective_overhead_s` / `train_collective_overhead_s`: what each tensor-parallel collective costs inside a
+  step beyond that isolated call: the Python of the parallel layer around it and the wait for the slower rank
+  (isolated calls start together after a barrier; in a step the ranks arrive apart). Measured on the reference
+  model converted at this many ranks (`reference.collective_overheads`).
 """
 from __future__ import annotations
 
@@ -52,6 +56,8 @@ class MachineRates:
     copy_bandwidth: float
     collectives: Mapping[str, Mapping[str, CollectiveCost]] = dataclasses.field(default_factory=dict)
     stored_bandwidth: float = 0.0  # 0: as `stream_bandwidth` (profiles measured before it was)
+    collective_overhead_s: float = 0.0  # 0 in profiles measured before it was, and on datasheet machines
+    train_collective_overhead_s: float = 0.0
 
     def weight_bandwidth(self, stored: bool) -> float:
         """Bytes/s streaming a matmul's weight, read transposed (nn.Linear) or as stored (Conv1D)."""
@@ -112,7 +118,8 @@ class MachineRates:
         return cls(int(data["ranks"]), int(data["threads"]), float(data["op_overhead_s"]),
                    float(data["train_op_overhead_s"]), tuple((int(m), float(f)) for m, f in data["gemm"]),
                    float(data["stream_bandwidth"]), float(data["copy_bandwidth"]), collectives,
-                   float(data.get("stored_bandwidth", 0.0)))
+                   float(data.get("stored_bandwidth", 0.0)), float(data.get("collective_overhead_s", 0.0)),
+                   float(data.get("train_collective_overhead_s", 0.0)))
 
 
 def _best(fn, repeats: int) -> float:

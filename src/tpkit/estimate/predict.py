@@ -8,7 +8,8 @@ step op by op (`ops.trace_step`) and prices it with the measured rates of `tp x 
 (`machine.MachineRates`):
 
     step = sum over ops (fixed cost per op + max(FLOPs / matmul rate at its rows, bytes / bandwidth))
-         + every tensor-parallel collective (measured latency + bytes / bandwidth at its group size)
+         + every tensor-parallel collective (measured latency + bytes / bandwidth at its group size, plus what a
+           collective costs inside a step beyond an isolated call: `MachineRates.collective_overhead_s`)
          + data parallelism's collectives (DDP: gradients all-reduced in 25 MB buckets; FSDP2: each block's
            parameters all-gathered in the forward and again in the backward, its gradients reduce-scattered)
 
@@ -137,7 +138,8 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none") -> _Pr
         again = _ops(trace, ("forward",), names)
         kernels += kernel_seconds(trace, rates, ("forward",), names)
         n += len(again)
-    comm = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) for c in trace.collectives)
+    in_step = rates.train_collective_overhead_s if trace.goal == "train" else rates.collective_overhead_s
+    comm = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) + in_step for c in trace.collectives)
     return _Priced(kernels, n * per_op, comm, n, len(trace.collectives))
 
 

@@ -80,6 +80,47 @@ def op_overheads(rates: MachineRates, model: nn.Module | None = None, repeats: i
     return out[0], out[1]
 
 
+def _time_train_converted(model: nn.Module, seq: int, repeats: int) -> float:
+    """`_time_train` on a model converted for tensor parallelism (no deep copy: it holds a communicator)."""
+    model.train()
+    ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times = []
+    for _ in range(repeats + 2):
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def collective_overheads(rates: MachineRates, comm, model: nn.Module | None = None,
+                         repeats: int = 7) -> tuple[float, float]:
+    """(seconds per tensor-parallel collective in a forward step, in a training step) beyond the isolated call:
+    the reference model converted over `comm` (call on every rank) is timed, and what its step's ops (at
+    `rates.op_overhead_s`), kernels and collectives (at `rates.collectives`, measured alone) do not explain,
+    divided by its collectives, is what each one costs in a step: the parallel layers' Python around it and the
+    wait for the slower rank."""
+    from ..convert.parallelize import parallelize
+
+    model = model or reference_model()
+    context, meta = 32, meta_copy(model)
+    out = []
+    for goal, mode in (("decode", "inference"), ("train", "training")):
+        trace = trace_step(meta, goal, comm.world_size, comm.rank, batch=1, seq=context)
+        converted = parallelize(copy.deepcopy(model), "auto", comm, mode=mode)
+        comm.barrier()
+        if goal == "decode":
+            measured, per_op = _time_decode(converted, context, repeats), rates.op_overhead_s
+        else:
+            measured, per_op = _time_train_converted(converted, context, repeats), rates.train_op_overhead_s
+        alone = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) for c in trace.collectives)
+        left = measured - kernel_seconds(trace, rates) - len(trace.ops) * per_op - alone
+        out.append(max(left, 0.0) / max(len(trace.collectives), 1))
+    return out[0], out[1]
+
+
 def describe(model: nn.Module | None) -> dict[str, Any]:
     """What the overheads were measured on, for the profile's sources."""
     m = model or reference_model()
