@@ -7,7 +7,8 @@ device (no values, no memory; a small model whose forward needs values, a real c
 shapes this rank would get), and runs the example inputs through it. When the forward fails, the module that
 owns the failing op (the innermost running module holding split layers), and every module of the same class
 at the same place in the other repeated blocks, is kept whole with the error as the reason, and the run is
-repeated. A plan the user wrote is not changed: its failure is a PlanError. Nothing here touches the model.
+repeated. A forward that runs but cuts a split attention block into heads of another size than the whole model
+does (a head size computed from a width the split made local) is a failure too (`head_reshapes.py`). A plan the user wrote is not changed: its failure is a PlanError. Nothing here touches the model.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..comm.shapes import ShapeCommunicator
 from .errors import PlanError
+from .head_reshapes import HeadReshapes, changed, watched
 from .plan import Plan
 from .layouts import plan_layouts
 from .steps import apply, plan_styles, prepare
@@ -39,8 +41,15 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
     inputs = getattr(analysis.trace, "inputs", None) if analysis.trace is not None else None
     if inputs is None or comm.world_size == 1 or not _splits(the_plan):
         return the_plan
+    attention = watched(analysis.pairs, {p.row for p in analysis.pairs})
     try:
-        on_meta = _run(_copy(model, analysis, True)[0], inputs, True) is None
+        copy = _copy(model, analysis, True)[0]
+        with HeadReshapes(copy, attention) as whole:
+            on_meta = _run(copy, inputs, True) is None
+        if not on_meta and _small(model):
+            copy = _copy(model, analysis, False)[0]
+            with HeadReshapes(copy, attention) as whole:
+                _run(copy, inputs, False)
     except Exception:  # noqa: BLE001 - a model that cannot be copied is converted without a dry run
         return the_plan
     if not on_meta and not _small(model):
@@ -48,7 +57,8 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
     first = the_plan
     for _ in range(MAX_ROUNDS):
         try:
-            failure = _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, on_meta)
+            failure = _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, on_meta,
+                           whole.seen)
         except PlanError:
             if the_plan is first:
                 raise
@@ -69,10 +79,13 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
                       _names(model))
 
 
-def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool) -> Failure | None:
+def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool,
+         whole: dict[str, list[int]]) -> Failure | None:
     """The first failure of the converted forward over the ranks in order (every rank runs them all, so all
-    ranks reach the same plan without communicating); a rank whose local shapes are all those of a rank before
-    it is not run again."""
+    ranks reach the same plan without communicating): an error, or a split attention block whose reshapes to
+    heads changed their size from the whole model's (`whole`; see `head_reshapes.py`). A rank whose local shapes
+    are all those of a rank before it is not run again."""
+    pairs = watched(analysis.pairs, {n for n, s in the_plan.resolve(_names(model)).items() if s != REPLICATE})
     seen = set()
     for rank in range(world):
         shapes = _local_shapes(model, the_plan, analysis, world, rank)
@@ -85,9 +98,13 @@ def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: b
             apply(copy, prepared, ShapeCommunicator(rank, world))
         except Exception:  # noqa: BLE001 - a layer that cannot be built on meta: the dry run cannot tell
             return None
-        failure = _run(copy, inputs, on_meta)
+        with HeadReshapes(copy, pairs) as local:
+            failure = _run(copy, inputs, on_meta)
         if failure is not None:
             return failure
+        wrong = changed(whole, local.seen, pairs)
+        if wrong is not None:
+            return (wrong[0],), f"wrong heads: {wrong[1]}"
     return None
 
 
