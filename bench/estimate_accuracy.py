@@ -9,10 +9,13 @@ the 70B rows are held out. Both layouts are shown: gpt-fast's (embedding and out
 and training step time (forward, backward, AdamW) of converted Llama and GPT-2 models (hidden 256-2048, 2-8
 layers, batch 1 and 8) at TP 1 (one process) and TP 2 (two gloo processes), one thread per rank (a device = a
 core). The profile is measured first (`--profile FILE` to reuse one); every run is a fresh set of processes
-(`tpkit.setups.run_setup`: warm-up, then the median of `--steps`, the slowest rank's).
+(`tpkit.setups.run_setup`: warm-up, then the median of `--steps`, the slowest rank's); with `--repeats R` each
+case runs R times at TP 1 and TP 2 alternating and the median run is kept (a set of processes on this box can
+land on a slow spell: the same step measured 1.6 ms in one and 3-4 ms in another).
 
     PYTHONPATH=src python bench/estimate_accuracy.py [--calibrate] [--quick]
-    PYTHONPATH=src python bench/estimate_accuracy.py --measured [--profile FILE] [--steps 5] [--only decode|train]
+    PYTHONPATH=src python bench/estimate_accuracy.py --measured [--profile FILE] [--steps 5] [--repeats 3]
+        [--only decode|train]
 """
 from __future__ import annotations
 
@@ -70,9 +73,14 @@ def run_measured(args) -> None:
         if args.only and goal != args.only:
             continue
         cfg = config(arch, hidden, layers, vocab)
+        runs: dict[int, list[float]] = {1: [], 2: []}
+        for _ in range(args.repeats):  # TP 1 and TP 2 alternating, each time in fresh processes
+            for tp in runs:
+                runs[tp].append(run_setup(cfg, Setup(tp), goal, batch, SEQ, steps=args.steps, threads=1,
+                                          dtype=torch.float32))
         for tp in (1, 2):
             setup = Setup(tp)
-            got = run_setup(cfg, setup, goal, batch, SEQ, steps=args.steps, threads=1, dtype=torch.float32)
+            got = statistics.median(runs[tp])
             pred = predict(cfg, setup, goal, batch, SEQ, prof, dtype=torch.float32).seconds
             err = pred / got - 1
             errors[goal].append(abs(err))
@@ -90,6 +98,8 @@ def main() -> None:
     parser.add_argument("--measured", action="store_true", help="op-level predictions against runs on this machine")
     parser.add_argument("--profile", default=None, help="with --measured: profile to read (or write, when absent)")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with --measured: fresh process sets per case and TP, alternating; the median is kept")
     parser.add_argument("--only", choices=["decode", "train"], default=None)
     args = parser.parse_args()
     if args.measured:
