@@ -36,6 +36,17 @@ def _dense_then_moe():  # a dense first block before MoE blocks
     return _deeper(moe.qwen2_moe(mlp_only_layers=[0]), 4).double()
 
 
+def _gemma3():  # every sixth layer full attention; per-head q/k norms (replicated_with_grad_allreduce)
+    import transformers as tr
+
+    cfg = tr.Gemma3TextConfig(vocab_size=101, hidden_size=48, intermediate_size=96, num_hidden_layers=14,
+                              num_attention_heads=6, num_key_value_heads=3, head_dim=8, sliding_window=4,
+                              max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return tr.Gemma3ForCausalLM(cfg).double().eval()
+
+
 def _post_norm_stack():  # pre- and post-norm blocks alternating
     torch.manual_seed(3)
     return _Stack("bpbpbpb").double()
@@ -48,7 +59,7 @@ def _grouped():  # the dry run keeps every attention whole
     return model.double()
 
 
-BUILDERS = {"llama": _llama, "gemma2": _gemma2, "dense_then_moe": _dense_then_moe, "post_norm": _post_norm_stack,
+BUILDERS = {"llama": _llama, "gemma2": _gemma2, "dense_then_moe": _dense_then_moe, "gemma3": _gemma3, "post_norm": _post_norm_stack,
             "grouped": _grouped}
 
 
@@ -165,3 +176,23 @@ def test_reuse_converts_as_the_whole_trace_on_gloo():
     for result in tpkit.launch(_gloo_body, 2, backend="gloo", args=(["llama", "gemma2", "dense_then_moe"],),
                                timeout=300):
         assert all(not bad for bad in result.values()), result
+
+
+BAD = ({"model.layers.*.mlp.down_proj": "replicate"},  # a split output into a whole layer (step 4 on the cut)
+       {"model.layers.0.mlp.*": "colwise", "model.layers.0.mlp.*_proj": "rowwise"},
+       {"model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"})
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_a_bad_override_raises_the_same_error_and_changes_nothing(bad):
+    model = _llama()
+    errors = []
+    for reuse in (True, False):
+        m = copy.deepcopy(model)
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        with pytest.raises(tpkit.convert.PlanError) as info:
+            tpkit.parallelize(m, bad, ShapeCommunicator(0, 2), reuse=reuse)
+        errors.append(str(info.value))
+        assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+        assert model.model.layers.__len__() == len(m.model.layers)
+    assert errors[0] == errors[1]

@@ -116,8 +116,8 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
         the_plan = resolve_plan(model, plan, world, analysis, mode)                       # 2. plan
         if not recorded:                                                                  # 2b. dry run
             the_plan = dry_run(model, the_plan, analysis, comm, sequence_parallel, _user_named(model, plan, analysis))
-    prepared = prepare(model, the_plan, analysis, world, rank, sequence_parallel, recorded)  # 3., 4.
-    # (after reuse, the analysis has no trace: step 4's dataflow checks ran on the cut, whose blocks stand for all)
+    # 3., 4. (after reuse step 4 ran on the cut, whose blocks stand for all; the analysis here has no trace)
+    prepared = prepare(model, the_plan, analysis, world, rank, sequence_parallel, recorded or reused is not None)
     updates = apply(model, prepared, comm)                                                # 5. swap
     styles, per_module, modules = prepared.styles, prepared.layouts, prepared.modules
     kept = {n: s for n, s in styles.items()  # leaves, modules with layouts, containers acting as regions
