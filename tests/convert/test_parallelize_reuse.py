@@ -17,7 +17,7 @@ import tpkit  # noqa: E402
 from tpkit.comm.shapes import ShapeCommunicator  # noqa: E402
 from tpkit.convert.parallelize import _reused  # noqa: E402
 
-from tests.convert.test_dryrun import Block as GroupedBlock, Model as GroupedModel  # noqa: E402
+from tests.convert.test_dryrun import Block as GroupedBlock, Model as GroupedModel, NeedsValues  # noqa: E402
 from tests.convert.test_plan_reuse import _deeper, _Stack  # noqa: E402
 from tests.models import hf, moe, zoo  # noqa: E402
 
@@ -196,3 +196,30 @@ def test_a_bad_override_raises_the_same_error_and_changes_nothing(bad):
         assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
         assert model.model.layers.__len__() == len(m.model.layers)
     assert errors[0] == errors[1]
+
+
+class _ValueStack(torch.nn.Module):
+    """Blocks whose forward reads a value (`.item()`: no dry run on meta tensors, a real copy or none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(NeedsValues() for _ in range(5))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_the_real_copy_rule_goes_by_the_whole_model(monkeypatch):
+    """A model too large for a real-copy dry run is not dry-run, though its cut would be small enough."""
+    torch.manual_seed(0)
+    model, x = _ValueStack().double(), torch.randn(2, 5, 32, dtype=torch.double)
+    dryrun = importlib.import_module("tpkit.convert.dryrun")
+    whole = sum(p.nbytes for p in model.parameters())
+    for limit, dry_run in ((dryrun.REAL_COPY_BYTES, True), (whole // 2, False)):
+        monkeypatch.setattr(dryrun, "REAL_COPY_BYTES", limit)
+        plans = [tpkit.parallelize(copy.deepcopy(model), comm=ShapeCommunicator(0, 2), example_inputs=(x,),
+                                   reuse=reuse).tp_plan.to_dict() for reuse in (True, False)]
+        assert plans[0] == plans[1]
+        assert (plans[0]["entries"]["layers.4.query"] == "replicate") == dry_run

@@ -33,9 +33,11 @@ Failure = tuple  # (names of the running modules, outermost first; "Type: messag
 
 
 def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence_parallel: bool = False,
-            fixed: Callable[[str], bool] = lambda name: False) -> Plan:
+            fixed: Callable[[str], bool] = lambda name: False, small: bool | None = None) -> Plan:
     """`the_plan`, with what fails in the converted forward kept whole (see the module's doc). `fixed(name)`:
-    whether the user's plan named that module (a failure there raises PlanError instead)."""
+    whether the user's plan named that module (a failure there raises PlanError instead). `small`: whether a
+    real copy is cheap enough (`fits_real_copy`; default: of `model`; a model cut to its distinct blocks passes
+    the whole model's answer, so the cut is dry-run exactly when the whole model would be)."""
     inputs = getattr(analysis.trace, "inputs", None) if analysis.trace is not None else None
     if inputs is None or comm.world_size == 1 or not _splits(the_plan):
         return the_plan
@@ -43,7 +45,7 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
         on_meta = _run(_copy(model, analysis, True)[0], inputs, True) is None
     except Exception:  # noqa: BLE001 - a model that cannot be copied is converted without a dry run
         return the_plan
-    if not on_meta and not _small(model):
+    if not on_meta and not (fits_real_copy(model) if small is None else small):
         return the_plan  # its forward does not run on meta tensors, and a real copy would cost too much
     first = the_plan
     for _ in range(MAX_ROUNDS):
@@ -152,7 +154,8 @@ def _blocks(model: nn.Module, owner: str) -> list[str]:
     return [n for n, m in model.named_modules() if n and pattern.match(n) and type(m) is kind]
 
 
-def _small(model: nn.Module) -> bool:
+def fits_real_copy(model: nn.Module) -> bool:
+    """Whether `model` holds real tensors and at most `REAL_COPY_BYTES` of them (a real copy is cheap enough)."""
     tensors = list(model.parameters()) + list(model.buffers())
     return all(t.device.type != "meta" for t in tensors) and sum(t.nbytes for t in tensors) <= REAL_COPY_BYTES
 

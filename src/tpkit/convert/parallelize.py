@@ -33,7 +33,7 @@ from torch import nn
 from ..nn._layer import resolve_comm
 from .conversion import Conversion, attach
 from .errors import PlanError
-from .dryrun import dry_run
+from .dryrun import dry_run, fits_real_copy
 from .layouts import key_layouts
 from .notices import log_kept_whole
 from .plan import PLAN_WORDS, Plan, check_plan_argument
@@ -180,7 +180,7 @@ def _reused(model: nn.Module, plan: Any, comm, mode: str, example_inputs: Any) -
         return None
     short, blocks = found
     inside = tuple(b.name for b in blocks)
-    world = comm.world_size
+    world, copyable = comm.world_size, fits_real_copy(model)  # (of the whole model: the cut is smaller)
     with shortened(model, blocks) as cut:
         names = _names(cut)
         outside = [n for n in names if not n.startswith(inside) and not any(b.startswith(n + ".") for b in inside)]
@@ -193,7 +193,7 @@ def _reused(model: nn.Module, plan: Any, comm, mode: str, example_inputs: Any) -
             if expanded is None or whole_auto is None or expanded.to_dict() != whole_auto.updated(user).to_dict():
                 return None  # the overrides single out a block the cut leaves out
         fixed = _user_named(cut, dict(cut_user.entries) if user else "auto", short)
-        small = dry_run(cut, small, short, comm, False, fixed)
+        small = dry_run(cut, small, short, comm, False, fixed, small=copyable)
         prepare(cut, small, short, world, comm.rank, False, False)  # step 4's dataflow checks (PlanError)
     result, roles = expand(small, blocks, outside), expand(Plan(details=short.structures), blocks, outside)
     if result is None or roles is None:
