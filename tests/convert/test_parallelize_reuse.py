@@ -47,6 +47,16 @@ def _gemma3():  # every sixth layer full attention; per-head q/k norms (replicat
     return tr.Gemma3ForCausalLM(cfg).double().eval()
 
 
+def _bart():  # two lists of blocks (encoder, decoder), each cut
+    import transformers as tr
+
+    torch.manual_seed(0)
+    return tr.BartForConditionalGeneration(tr.BartConfig(
+        vocab_size=101, d_model=48, encoder_layers=5, decoder_layers=5, encoder_attention_heads=6,
+        decoder_attention_heads=6, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)).double().eval()
+
+
 def _post_norm_stack():  # pre- and post-norm blocks alternating
     torch.manual_seed(3)
     return _Stack("bpbpbpb").double()
@@ -59,7 +69,7 @@ def _grouped():  # the dry run keeps every attention whole
     return model.double()
 
 
-BUILDERS = {"llama": _llama, "gemma2": _gemma2, "dense_then_moe": _dense_then_moe, "gemma3": _gemma3, "post_norm": _post_norm_stack,
+BUILDERS = {"llama": _llama, "gemma2": _gemma2, "dense_then_moe": _dense_then_moe, "gemma3": _gemma3, "bart": _bart, "post_norm": _post_norm_stack,
             "grouped": _grouped}
 
 
