@@ -69,8 +69,8 @@ def _grouped():  # the dry run keeps every attention whole
     return model.double()
 
 
-BUILDERS = {"llama": _llama, "gemma2": _gemma2, "dense_then_moe": _dense_then_moe, "gemma3": _gemma3, "bart": _bart, "post_norm": _post_norm_stack,
-            "grouped": _grouped}
+BUILDERS = {"llama": _llama, "gemma2": _gemma2, "dense_then_moe": _dense_then_moe, "gemma3": _gemma3, "bart": _bart,
+            "post_norm": _post_norm_stack, "grouped": _grouped}
 
 
 def _inputs(model):

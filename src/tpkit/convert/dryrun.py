@@ -41,20 +41,26 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
     inputs = getattr(analysis.trace, "inputs", None) if analysis.trace is not None else None
     if inputs is None or comm.world_size == 1 or not _splits(the_plan):
         return the_plan
-    try:
-        on_meta = _run(_copy(model, analysis, True)[0], inputs, True) is None
-    except Exception:  # noqa: BLE001 - a model that cannot be copied is converted without a dry run
-        return the_plan
-    if not on_meta and not (fits_real_copy(model) if small is None else small):
-        return the_plan  # its forward does not run on meta tensors, and a real copy would cost too much
-    first = the_plan
-    for _ in range(MAX_ROUNDS):
+    copyable = fits_real_copy(model) if small is None else small
+    on_meta: bool | None = None  # whether its own forward runs on meta tensors: asked once a converted one fails
+    first, rounds = the_plan, 0
+    while rounds < MAX_ROUNDS:
+        rounds += 1
         try:
-            failure = _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, on_meta)
+            failure = _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, on_meta is not False)
+        except _NoCopy:  # a model that cannot be copied is converted without a dry run
+            return the_plan
         except PlanError:
             if the_plan is first:
                 raise
             failure = ("",), "PlanError: what is left split after keeping blocks whole does not validate"
+        if failure is not None and on_meta is None:
+            on_meta = _runs_on_meta(model, analysis, inputs)
+            if not on_meta:
+                if not copyable:
+                    return the_plan  # its forward does not run on meta tensors, and a real copy would cost too much
+                rounds -= 1
+                continue  # the same plan again, on a real copy
         if failure is None:
             return the_plan
         running, error = failure
@@ -71,6 +77,20 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
                       _names(model))
 
 
+class _NoCopy(Exception):
+    """The model cannot be deep-copied onto the meta device (then there is no dry run)."""
+
+
+def _runs_on_meta(model: nn.Module, analysis: Analysis, inputs: Any) -> bool:
+    """Whether the model's own (unconverted) forward runs on a meta copy: when it does not, a failure of the
+    converted one says nothing of the plan (it is dry-run on a real copy, or not at all). Asked only after a
+    converted forward failed on meta: a converted forward that runs there needs no answer."""
+    try:
+        return _run(_copy(model, analysis, True)[0], inputs, True) is None
+    except Exception:  # noqa: BLE001 - a model that cannot be copied is not dry-run on meta
+        return False
+
+
 def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool) -> Failure | None:
     """The first failure of the converted forward over the ranks in order (every rank runs them all, so all
     ranks reach the same plan without communicating); a rank whose local shapes are all those of a rank before
@@ -81,7 +101,12 @@ def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: b
         if shapes in seen:
             continue
         seen.add(shapes)
-        copy, copy_analysis = _copy(model, analysis, on_meta)
+        try:
+            copy, copy_analysis = _copy(model, analysis, on_meta)
+        except Exception as exc:  # noqa: BLE001
+            if not on_meta:
+                raise
+            raise _NoCopy() from exc
         prepared = prepare(copy, the_plan, copy_analysis, world, rank, sequence_parallel, False)
         try:
             apply(copy, prepared, ShapeCommunicator(rank, world))
