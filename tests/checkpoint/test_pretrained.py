@@ -155,3 +155,44 @@ def test_nothing_written_is_pickle(gloo_saved):
             assert f.endswith((".safetensors", ".json")) or f == "latest", f
             with open(os.path.join(dirpath, f), "rb") as fh:
                 assert not fh.read(2).startswith(b"\x80"), f  # a pickle starts with PROTO (0x80)
+
+
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory):
+    """A float64 Llama of 5 blocks (they repeat: plan reuse cuts the trace to 2)."""
+    from tests.models.hf import hf_model
+
+    path = str(tmp_path_factory.mktemp("deep") / "llama")
+    hf_model("llama", num_hidden_layers=5, num_key_value_heads=2).double().save_pretrained(path)
+    return path
+
+
+def _reuse_body(path):
+    """from_pretrained with plan reuse on and off: (plans equal, states equal, output rel, gradient rel)."""
+    got = []
+    for reuse in (True, False):
+        model = tpkit.from_pretrained(path, dtype=torch.float64, reuse=reuse, progress=False)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        out = model(input_ids=inputs()).logits
+        out.pow(2).mean().backward()
+        got.append((model.tp_plan.to_dict(), state, out.detach(),
+                    {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (p1, s1, o1, g1), (p2, s2, o2, g2) = got
+    same_state = s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+    rel64 = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731 - in float64, unlike `rel`
+    return p1 == p2, same_state, rel64(o1, o2), max(rel64(g1[k], g2[k]) for k in g2)
+
+
+@pytest.mark.parametrize("world, backend", [(2, "gloo"), (3, "threads")])
+def test_from_pretrained_with_plan_reuse_equals_the_whole_trace(deep_llama, world, backend, monkeypatch):
+    import importlib
+
+    par = importlib.import_module("tpkit.convert.parallelize")
+    traced, real = [], par.analyze_structure
+    monkeypatch.setattr(par, "analyze_structure", lambda *a, **k: traced.append(1) or real(*a, **k))
+    for same_plan, same_state, out_err, grad_err in tpkit.launch(_reuse_body, world, backend=backend,
+                                                                 args=(deep_llama,), timeout=240):
+        assert same_plan and same_state and out_err < 1e-9 and grad_err < 1e-9, (same_plan, same_state, out_err,
+                                                                                 grad_err)
+    if backend == "threads":
+        assert len(traced) == world  # the whole model is traced with reuse off only

@@ -3,6 +3,7 @@ count must not crash after conversion; the block stays whole with the reason, a 
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -162,3 +163,28 @@ def test_the_trace_leaves_no_cache_behind():
     assert model.cache == {}
     model(torch.randn(3, 8, dtype=torch.double)).sum().backward()
     assert model.bias.grad is not None
+
+
+class Uncopyable(Model):
+    """A model that refuses a deep copy (a handle to something outside Python, say)."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot deep-copy this model")
+
+
+def test_a_model_that_cannot_be_copied_is_converted_without_a_dry_run():
+    torch.manual_seed(0)
+    model, x = Uncopyable().double(), torch.randn(2, 5, 32, dtype=torch.double)
+    plan = tpkit.parallelize(model, comm=ShapeCommunicator(0, 2), example_inputs=(x,)).tp_plan
+    assert plan["layers.0.attn.qkv_proj"] == "colwise"  # no dry run kept it whole
+
+
+def test_a_forward_that_needs_values_on_a_large_model_is_not_dry_run(monkeypatch):
+    """Its forward cannot run on meta tensors and a real copy would cost too much: converted as planned."""
+    dryrun = importlib.import_module("tpkit.convert.dryrun")
+    monkeypatch.setattr(dryrun, "REAL_COPY_BYTES", 1)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(NeedsValues(), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).double(), \
+        torch.randn(2, 5, 32, dtype=torch.double)
+    plan = tpkit.parallelize(model, comm=ShapeCommunicator(0, 2), example_inputs=(x,)).tp_plan
+    assert plan["0.query"] == "colwise" and "0.query" not in plan.reasons

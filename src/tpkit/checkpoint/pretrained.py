@@ -104,12 +104,13 @@ def recorded_plan(source: Source, plan, world: int, mode: str):
 
 def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str = "inference", dtype=None,
                     model_cls=None, progress: bool | None = None,
-                    device: torch.device | str | int | None = None) -> nn.Module:
+                    device: torch.device | str | int | None = None, reuse: bool | None = None) -> nn.Module:
     """A Hugging Face directory (single file or index + shards) or a tpkit checkpoint, built and converted
     for this rank, each rank reading only its slices. Equals `transformers...from_pretrained(path)` followed
     by `tpkit.parallelize(model, plan, comm, mode=mode)`, with every parameter and buffer on `device` (default:
     the rank's device: the current CUDA device under nccl, else the CPU). Collective; returns the model in
-    eval mode."""
+    eval mode. `reuse`: as for `parallelize` (default on; `TPKIT_PLAN_REUSE=0` turns it off): repeated blocks are
+    planned from the distinct ones without tracing them."""
     path, comm = os.fspath(path), resolve_comm(comm)
     device = load_device(device, comm)
     error, source, config = None, None, None
@@ -125,7 +126,7 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     if generation is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config = generation
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
-    parallelize(model, plan, comm, mode=mode, recorded=recorded)
+    parallelize(model, plan, comm, mode=mode, recorded=recorded, reuse=reuse)
     materialize(model, device)
     place_buffers(model, device)
     buffers = {n for n, _ in model.named_buffers()}

@@ -8,7 +8,8 @@ shapes this rank would get), and runs the example inputs through it. When the fo
 owns the failing op (the innermost running module holding split layers), and every module of the same class
 at the same place in the other repeated blocks, is kept whole with the error as the reason, and the run is
 repeated. A forward that runs but cuts a split attention block into heads of another size than the whole model
-does (a head size computed from a width the split made local) is a failure too (`head_reshapes.py`). A plan the user wrote is not changed: its failure is a PlanError. Nothing here touches the model.
+does (a head size computed from a width the split made local) is a failure too (`head_reshapes.py`). A plan the
+user wrote is not changed: its failure is a PlanError. Nothing here touches the model.
 """
 from __future__ import annotations
 
@@ -35,34 +36,36 @@ Failure = tuple  # (names of the running modules, outermost first; "Type: messag
 
 
 def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence_parallel: bool = False,
-            fixed: Callable[[str], bool] = lambda name: False) -> Plan:
+            fixed: Callable[[str], bool] = lambda name: False, small: bool | None = None) -> Plan:
     """`the_plan`, with what fails in the converted forward kept whole (see the module's doc). `fixed(name)`:
-    whether the user's plan named that module (a failure there raises PlanError instead)."""
+    whether the user's plan named that module (a failure there raises PlanError instead). `small`: whether a
+    real copy is cheap enough (`fits_real_copy`; default: of `model`; a model cut to its distinct blocks passes
+    the whole model's answer, so the cut is dry-run exactly when the whole model would be)."""
     inputs = getattr(analysis.trace, "inputs", None) if analysis.trace is not None else None
     if inputs is None or comm.world_size == 1 or not _splits(the_plan):
         return the_plan
-    attention = watched(analysis.pairs, {p.row for p in analysis.pairs})
-    try:
-        copy = _copy(model, analysis, True)[0]
-        with HeadReshapes(copy, attention) as whole:
-            on_meta = _run(copy, inputs, True) is None
-        if not on_meta and _small(model):
-            copy = _copy(model, analysis, False)[0]
-            with HeadReshapes(copy, attention) as whole:
-                _run(copy, inputs, False)
-    except Exception:  # noqa: BLE001 - a model that cannot be copied is converted without a dry run
-        return the_plan
-    if not on_meta and not _small(model):
-        return the_plan  # its forward does not run on meta tensors, and a real copy would cost too much
-    first = the_plan
-    for _ in range(MAX_ROUNDS):
+    copyable = fits_real_copy(model) if small is None else small
+    whole = _Whole(model, analysis, inputs)
+    on_meta: bool | None = None  # whether its own forward runs on meta tensors: asked once a converted one fails
+    first, rounds = the_plan, 0
+    while rounds < MAX_ROUNDS:
+        rounds += 1
         try:
-            failure = _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, on_meta,
-                           whole.seen)
+            failure = _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, on_meta is not False,
+                           whole)
+        except _NoCopy:  # a model that cannot be copied is converted without a dry run
+            return the_plan
         except PlanError:
             if the_plan is first:
                 raise
             failure = ("",), "PlanError: what is left split after keeping blocks whole does not validate"
+        if failure is not None and on_meta is None:
+            on_meta = whole.runs(True)
+            if not on_meta:
+                if not copyable:
+                    return the_plan  # its forward does not run on meta tensors, and a real copy would cost too much
+                rounds -= 1
+                continue  # the same plan again, on a real copy
         if failure is None:
             return the_plan
         running, error = failure
@@ -79,12 +82,47 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
                       _names(model))
 
 
-def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool,
-         whole: dict[str, list[int]]) -> Failure | None:
+class _NoCopy(Exception):
+    """The model cannot be deep-copied onto the meta device (then there is no dry run)."""
+
+
+class _Whole:
+    """The unconverted model's forward on a copy, run only when asked and once per kind of copy (meta or real):
+    whether it runs, and the sizes its attention blocks cut their features into heads (`head_reshapes.py`).
+    Asked whether it runs on meta only after a converted forward failed there (a converted forward that runs
+    there needs no answer), and for the head sizes only when a converted one cut a split block into heads."""
+
+    def __init__(self, model: nn.Module, analysis: Analysis, inputs: Any):
+        self.model, self.analysis, self.inputs = model, analysis, inputs
+        self.attention = watched(analysis.pairs, {p.row for p in analysis.pairs})
+        self._done: dict[bool, tuple[bool, dict[str, list[int]]]] = {}
+
+    def runs(self, on_meta: bool) -> bool:
+        return self._run(on_meta)[0]
+
+    def heads(self, on_meta: bool) -> dict[str, list[int]] | None:
+        """The head sizes of the whole model's forward, or None when it does not run on that kind of copy."""
+        ran, seen = self._run(on_meta)
+        return seen if ran else None
+
+    def _run(self, on_meta: bool) -> tuple[bool, dict[str, list[int]]]:
+        if on_meta not in self._done:
+            try:
+                copy = _copy(self.model, self.analysis, on_meta)[0]
+                with HeadReshapes(copy, self.attention) as recorded:
+                    ran = _run(copy, self.inputs, on_meta) is None
+                self._done[on_meta] = ran, recorded.seen
+            except Exception:  # noqa: BLE001 - a model that cannot be copied is not dry-run on that kind of copy
+                self._done[on_meta] = False, {}
+        return self._done[on_meta]
+
+
+def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool, whole: _Whole
+         ) -> Failure | None:
     """The first failure of the converted forward over the ranks in order (every rank runs them all, so all
     ranks reach the same plan without communicating): an error, or a split attention block whose reshapes to
-    heads changed their size from the whole model's (`whole`; see `head_reshapes.py`). A rank whose local shapes
-    are all those of a rank before it is not run again."""
+    heads changed their size from the whole model's (see `head_reshapes.py`). A rank whose local shapes are all
+    those of a rank before it is not run again."""
     pairs = watched(analysis.pairs, {n for n, s in the_plan.resolve(_names(model)).items() if s != REPLICATE})
     seen = set()
     for rank in range(world):
@@ -92,7 +130,12 @@ def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: b
         if shapes in seen:
             continue
         seen.add(shapes)
-        copy, copy_analysis = _copy(model, analysis, on_meta)
+        try:
+            copy, copy_analysis = _copy(model, analysis, on_meta)
+        except Exception as exc:  # noqa: BLE001
+            if not on_meta:
+                raise
+            raise _NoCopy() from exc
         prepared = prepare(copy, the_plan, copy_analysis, world, rank, sequence_parallel, False)
         try:
             apply(copy, prepared, ShapeCommunicator(rank, world))
@@ -102,7 +145,8 @@ def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: b
             failure = _run(copy, inputs, on_meta)
         if failure is not None:
             return failure
-        wrong = changed(whole, local.seen, pairs)
+        sizes = whole.heads(on_meta) if any(local.seen.values()) else None
+        wrong = changed(sizes, local.seen, pairs) if sizes is not None else None
         if wrong is not None:
             return (wrong[0],), f"wrong heads: {wrong[1]}"
     return None
@@ -169,7 +213,8 @@ def _blocks(model: nn.Module, owner: str) -> list[str]:
     return [n for n, m in model.named_modules() if n and pattern.match(n) and type(m) is kind]
 
 
-def _small(model: nn.Module) -> bool:
+def fits_real_copy(model: nn.Module) -> bool:
+    """Whether `model` holds real tensors and at most `REAL_COPY_BYTES` of them (a real copy is cheap enough)."""
     tensors = list(model.parameters()) + list(model.buffers())
     return all(t.device.type != "meta" for t in tensors) and sum(t.nbytes for t in tensors) <= REAL_COPY_BYTES
 

@@ -13,12 +13,18 @@ Five named steps, each a function with a typed result:
 Between 2 and 3 the dry run (`dryrun.dry_run`) runs the converted structure once on the meta device and keeps
 whole what its forward fails in (a user's plan that fails there is a PlanError).
 
+A model whose blocks repeat (`trace/blocks.py`) is traced, planned, dry-run and dataflow-checked cut to its distinct
+blocks, and that plan is expanded to every block (`reuse.py`; `_reused` below), as `plan()` does: the trace and the
+dry run then cost what two blocks cost, not what the whole stack costs. Wherever the renaming cannot vouch for the
+result it gives None and the whole model is traced.
+
 Everything is checked and every new layer is built before the first module is swapped, so an error leaves
 the model exactly as it was. The result is one `Conversion` record: `model.tp_plan` is its plan, and
 `tpkit.shard_layouts(model)` reads its layouts.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -27,15 +33,17 @@ from torch import nn
 from ..nn._layer import resolve_comm
 from .conversion import Conversion, attach
 from .errors import PlanError
-from .dryrun import dry_run
+from .dryrun import dry_run, fits_real_copy
 from .layouts import key_layouts
 from .notices import log_kept_whole
 from .plan import PLAN_WORDS, Plan, check_plan_argument
 from .planner import auto_plan
 from .registry import style
+from .reuse import enabled, expand
 from .steps import apply, prepare
 from .styles import SEQUENCE_PARALLEL
 from .trace import Analysis, analyze_structure, untraced_structure
+from .trace.blocks import analyze_blocks, shortened
 
 
 def resolve_plan(model: nn.Module, plan: Any, world_size: int, analysis: Analysis, mode: str) -> Plan:
@@ -63,7 +71,8 @@ def _names(model: nn.Module) -> list[str]:
 
 
 def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = "inference",
-                example_inputs: Any = None, sequence_parallel: bool = False, recorded: bool = False) -> nn.Module:
+                example_inputs: Any = None, sequence_parallel: bool = False, recorded: bool = False,
+                reuse: bool | None = None) -> nn.Module:
     """Convert `model` in place to this rank's tensor-parallel shard and return it.
 
     `plan`: "auto" (the planner's), a `Plan` (applied as is), a path to a plan JSON, or a mapping of user
@@ -82,6 +91,11 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     `recorded=True`: `plan` is the `Plan` this same model was converted with before at this world size (as a
     checkpoint records it); it is applied without tracing the model or re-checking the dataflow, which was
     done when it was made (reloads skip the trace). Ignored with sequence parallelism, which needs the trace.
+
+    `reuse` (default on; `TPKIT_PLAN_REUSE=0` turns it off), as for `tpkit.plan`: with "auto" or a mapping of
+    overrides, a model whose blocks repeat is traced and dry-run cut to its distinct blocks and the plan expanded
+    to the others; the result equals the whole trace's (which is made instead wherever that is unsure, and always
+    with sequence parallelism).
     """
     check_plan_argument(plan)
     comm = resolve_comm(comm)
@@ -92,11 +106,18 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
                         f"converted before (see its tp_plan). Convert the original model once per rank")
     recorded = recorded and isinstance(plan, Plan) and plan.world_size == world and not sequence_parallel and \
         SEQUENCE_PARALLEL not in plan.entries.values()
-    analysis = untraced_structure(model) if recorded else analyze_structure(model, example_inputs)  # 1. trace
-    the_plan = resolve_plan(model, plan, world, analysis, mode)                           # 2. plan
-    if not recorded:                                                                      # 2b. dry run
-        the_plan = dry_run(model, the_plan, analysis, comm, sequence_parallel, _user_named(model, plan, analysis))
-    prepared = prepare(model, the_plan, analysis, world, rank, sequence_parallel, recorded)  # 3., 4.
+    reused = None
+    if not recorded and not sequence_parallel and enabled(reuse):
+        reused = _reused(model, plan, comm, mode, example_inputs)                        # 1. - 2b. on the cut
+    if reused is not None:
+        the_plan, analysis = reused
+    else:
+        analysis = untraced_structure(model) if recorded else analyze_structure(model, example_inputs)  # 1. trace
+        the_plan = resolve_plan(model, plan, world, analysis, mode)                       # 2. plan
+        if not recorded:                                                                  # 2b. dry run
+            the_plan = dry_run(model, the_plan, analysis, comm, sequence_parallel, _user_named(model, plan, analysis))
+    # 3., 4. (after reuse step 4 ran on the cut, whose blocks stand for all; the analysis here has no trace)
+    prepared = prepare(model, the_plan, analysis, world, rank, sequence_parallel, recorded or reused is not None)
     updates = apply(model, prepared, comm)                                                # 5. swap
     styles, per_module, modules = prepared.styles, prepared.layouts, prepared.modules
     kept = {n: s for n, s in styles.items()  # leaves, modules with layouts, containers acting as regions
@@ -122,3 +143,59 @@ def _user_named(model: nn.Module, plan: Any, analysis: Analysis) -> Callable[[st
     return lambda name: True
 
 
+
+
+def _overrides(plan: Any) -> Plan | None:
+    """The user's entries when `plan` is "auto" plus overrides (an empty Plan for "auto"); None for a whole plan,
+    a path, or anything styled sequence parallel (which needs the whole trace)."""
+    if isinstance(plan, str) and plan in PLAN_WORDS:
+        return Plan()
+    if isinstance(plan, Mapping) and not isinstance(plan, Plan) and "entries" not in plan:
+        user = Plan.from_dict(plan)
+        return None if SEQUENCE_PARALLEL in user.entries.values() else user
+    return None
+
+
+def _reused(model: nn.Module, plan: Any, comm, mode: str, example_inputs: Any) -> tuple[Plan, Analysis] | None:
+    """Steps 1 to 2b on the model cut to its distinct blocks, the plan expanded to the whole model: (that plan, the
+    whole model's analysis without a trace, its roles carried over from the cut), or None where reuse cannot vouch
+    for the result (no repeated blocks, a fact the renaming is unsure of, overrides that single out a block the cut
+    leaves out); then the caller traces the whole model.
+
+    Sound because a block past the cut has the signature of the traced block it copies (its modules' classes,
+    shapes, settings, the config's settings for its layer): the trace, the dataflow checks and the dry run's
+    forward see in it what they see in that block, and the dry run keeps a failing module whole in every block
+    alike. The overrides are resolved on the whole model first (naming no module raises as it would there); the
+    cut gets those that name its modules, and its automatic plan with them, expanded, must equal the whole
+    model's automatic plan with all of them."""
+    user = _overrides(plan)
+    if user is None:
+        return None
+    whole = untraced_structure(model)
+    if user:
+        user.prefix = user.prefix or whole.prefix
+        user.resolve(_names(model))  # an entry naming no module raises, as on the whole trace
+    found = analyze_blocks(model, example_inputs)
+    if found is None:
+        return None
+    short, blocks = found
+    inside = tuple(b.name for b in blocks)
+    world, copyable = comm.world_size, fits_real_copy(model)  # (of the whole model: the cut is smaller)
+    with shortened(model, blocks) as cut:
+        names = _names(cut)
+        outside = [n for n in names if not n.startswith(inside) and not any(b.startswith(n + ".") for b in inside)]
+        short = dataclasses.replace(short, model=cut)
+        small = auto_plan(short, world, mode)
+        cut_user = Plan({p: s for p, s in user.entries.items() if user.matching(p, names)}, prefix=user.prefix)
+        if user:
+            auto, small = small, small.updated(cut_user)
+            expanded, whole_auto = expand(small, blocks, outside), expand(auto, blocks, outside)
+            if expanded is None or whole_auto is None or expanded.to_dict() != whole_auto.updated(user).to_dict():
+                return None  # the overrides single out a block the cut leaves out
+        fixed = _user_named(cut, dict(cut_user.entries) if user else "auto", short)
+        small = dry_run(cut, small, short, comm, False, fixed, small=copyable)
+        prepare(cut, small, short, world, comm.rank, False, False)  # step 4's dataflow checks (PlanError)
+    result, roles = expand(small, blocks, outside), expand(Plan(details=short.structures), blocks, outside)
+    if result is None or roles is None:
+        return None
+    return result, dataclasses.replace(whole, structures=roles.details)

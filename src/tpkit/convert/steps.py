@@ -35,7 +35,8 @@ class Prepared:
 
 def prepare(model: nn.Module, the_plan: Plan, analysis: Analysis, world: int, rank: int,
             sequence_parallel: bool, recorded: bool) -> Prepared:
-    """Steps 3 (layouts) and 4 (validate); changes nothing in the model."""
+    """Steps 3 (layouts) and 4 (validate); changes nothing in the model. `recorded`: skip step 4, whose checks need
+    the trace (a recorded plan was checked when it was made; a reused one on the model cut to its distinct blocks)."""
     modules = dict(model.named_modules())
     styles = plan_styles(the_plan, analysis, modules)
     per_module = plan_layouts(modules, analysis.leaves, styles, the_plan.details, world, rank)
