@@ -4,13 +4,14 @@ The trace proves how each one meets the heads (`trace/head_params.py`) and recor
 (`Role.params`): "heads" (attention sinks, a gate bias per head: one entry per query head) and "head_features"
 (DeBERTa's q/v biases: heads x head_dim, head-major) keep this rank's heads' entries; "shared" (DiffLlama's
 lambdas, used the same way by every head) stay whole on every rank, their gradient summed over the ranks (each
-rank's is that of its own heads only). The module keeps its forward: it reads the parameters as before, now
-holding its heads' part, beside the local head counts the attention family sets.
+rank's is that of its own heads only). The module is not replaced (it may be the model itself): it keeps its
+forward, which reads the parameters as before, now holding its heads' part, beside the local head counts the
+attention family sets. So the parameters are cut in place when the new layers are in (`install`), by the same
+layouts (`param_layout`) that `plan_layouts` and `shard_layouts` read.
 """
 from __future__ import annotations
 
-import copy
-from typing import Iterator, Mapping
+from typing import Iterator
 
 from torch import nn
 
@@ -74,19 +75,17 @@ class HeadParameters(Style):
             out[pname] = param_layout(tuple(getattr(m, pname).shape), kind, role, world, rank)
         return out
 
-    def build(self, m: nn.Module, layouts: Mapping[str, ShardLayout], comm,
-              sequence_parallel: bool = False) -> nn.Module:
-        """The same module holding its heads' part of each split parameter. A shallow copy: it shares its children
-        (so layers swapped into either are in both) and everything else; only its own parameter table is new."""
-        new = copy.copy(m)
-        new._parameters = dict(m._parameters)
-        for pname, lay in layouts.items():
-            p = m._parameters.get(pname)
-            if p is None or lay.is_replicated:
-                continue
-            w = nn.Parameter(lay.shard(p.detach()).clone(), requires_grad=p.requires_grad)
-            new._parameters[pname] = mark_tensor_parallel(w, 0, lay.sizes())
-        return new
+
+def _cut(owner: nn.Module, role: Role, comm) -> None:
+    """Give `owner` its heads' part of each split parameter; sum the gradients of the shared ones."""
+    for pname, kind in role.params:
+        p = getattr(owner, pname)
+        lay = param_layout(tuple(p.shape), kind, role, comm.world_size, comm.rank)
+        if lay.is_replicated:
+            reduce_grad(p, comm)
+            continue
+        w = nn.Parameter(lay.shard(p.detach()).clone(), requires_grad=p.requires_grad)
+        setattr(owner, pname, mark_tensor_parallel(w, 0, lay.sizes()))
 
 
 class HeadParameterFamily(Family):
@@ -108,13 +107,11 @@ class HeadParameterFamily(Family):
                                                      details=details),))
 
     def install(self, model: nn.Module, planned: Planned, checked: Checked | None, comm) -> None:
-        """Shared parameters see only this rank's heads' work: their gradient is the sum over the ranks."""
+        """Split parameters keep this rank's heads; shared ones see only this rank's heads' work, so their
+        gradient is the sum over the ranks."""
         if comm.world_size == 1:
             return
         for name, s in planned.styles.items():
             d = planned.details.get(name)
             if s == HEAD_PARAMETERS and d is not None:
-                owner = model.get_submodule(name) if name else model
-                for pname, kind in d.params:
-                    if kind == SHARED:
-                        reduce_grad(getattr(owner, pname), comm)
+                _cut(model.get_submodule(name) if name else model, d, comm)

@@ -163,6 +163,9 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
     owners: dict[str, list] = {}
     for q, kind in kinds.items():
         owners.setdefault(own[q][0], []).append((own[q][1], kind))
+    if "" in owners:
+        return f"the model itself holds {[n for n, _ in owners['']]} beside its heads and a plan names submodules " \
+               f"only, so they cannot be split with the heads; the attention stays whole"
     for owner, params in owners.items():
         a.structures[owner] = common.replace(role="head_params", row=row, params=tuple(params))
     _record(a, row, srcs, common, t, head_local, head_tensors, tuple(owners))
