@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import tpkit
-from tpkit.convert import plan
+from tpkit.convert import Plan, plan
 
 from tests.models.stepcheck import check
 
@@ -19,7 +19,8 @@ HD, HIDDEN = 4, 20
 
 class Attention(nn.Module):
     """Plain attention, `extra` picks what it holds itself: "sinks", "qv_bias", "gate", "lambda", "mixed" (a per-head
-    parameter softmaxed across heads) or "cut" (sinks, and heads combined in halves)."""
+    parameter softmaxed across heads), "cut" (sinks, and heads combined in halves) or "fed" (a parameter added to
+    the input of the projections)."""
 
     def __init__(self, extra: str, heads: int = 4, kv_heads: int | None = None):
         super().__init__()
@@ -30,7 +31,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(HIDDEN, self.num_key_value_heads * HD)
         self.v_proj = nn.Linear(HIDDEN, self.num_key_value_heads * HD)
         self.o_proj = nn.Linear(heads * HD, HIDDEN)
-        if extra in ("sinks", "cut", "mixed", "gate"):
+        if extra in ("sinks", "cut", "mixed", "gate", "fed"):
             self.sinks = nn.Parameter(torch.randn(heads))
         if extra == "qv_bias":
             self.q_bias = nn.Parameter(torch.randn(heads * HD))
@@ -50,6 +51,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
+        if self.extra == "fed":  # the parameter reaches the projections' input, not the heads
+            x = x + self.sinks.sum()
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if self.extra == "qv_bias":  # DeBERTa: per-head biases after the projection, viewed as the heads
             q = q + self._heads(self.q_bias[None, None, :])
@@ -103,6 +106,8 @@ def test_plan_splits_the_attention_and_says_how_each_parameter_follows_the_heads
     p = plan(model(extra), 2, example_inputs=X)
     assert p["attn.q_proj"] == "colwise" and p["attn.o_proj"] == "rowwise"
     assert p["attn"] == "head_parameters" and dict(p.details["attn"].params) == KINDS[extra]
+    again = Plan.from_json(p.to_json())  # a saved plan replays with the same facts
+    assert again["attn"] == "head_parameters" and again.details["attn"] == p.details["attn"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])  # 4 heads at 3 ranks: 2, 1, 1
@@ -145,6 +150,7 @@ def test_split_parameters_have_their_heads_layout():
 @pytest.mark.parametrize("extra, why", [
     ("mixed", "cannot line up with 4 heads"),
     ("cut", "cut or joined along an axis of the head count"),
+    ("fed", "reaches a layer's input"),
 ])
 def test_parameters_not_proven_to_follow_the_heads_keep_the_attention_whole(extra, why):
     p = plan(model(extra), 2, example_inputs=X)
@@ -152,3 +158,10 @@ def test_parameters_not_proven_to_follow_the_heads_keep_the_attention_whole(extr
         assert p[n] == "replicate" and why in p.reasons[n], p.reasons[n]
     assert "attn" not in p or p["attn"] == "replicate"
     check(model(extra), X, 2, tol=1e-9)
+
+
+def test_a_saved_plan_replays_and_gloo_processes_agree():
+    """The plan as JSON converts the same (threads), and the same check holds on real gloo processes."""
+    p = plan(model("qv_bias"), 2, example_inputs=X)
+    check(model("qv_bias"), X, 2, plan=Plan.from_json(p.to_json()), tol=1e-9)
+    check(model("sinks"), X, 2, tol=1e-9, backend="gloo")

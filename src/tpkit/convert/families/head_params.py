@@ -70,6 +70,9 @@ class HeadParameters(Style):
                                 f"dimension of {want} ({nh} heads of {hd}); plan it 'replicate'")
 
     def layouts(self, m: nn.Module, role: Role | None, world: int, rank: int) -> dict[str, ShardLayout]:
+        if role is None or not role.params:
+            raise PlanError(f"style {self.name!r} needs how each parameter of this {type(m).__name__} follows the "
+                            f"heads (the plan's details); the planner finds it in the dataflow (use plan='auto')")
         out = replicated_layouts(m, world, rank)
         for pname, kind in role.params:
             out[pname] = param_layout(tuple(getattr(m, pname).shape), kind, role, world, rank)

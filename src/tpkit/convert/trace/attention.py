@@ -97,6 +97,20 @@ def _own_parameters(a: Pairing, attn_name: str, names: list[str]) -> dict[str, t
     return out
 
 
+def _own_follow_heads(a: Pairing, own: dict, block: set, common: Role, tag: Tag) -> tuple[dict, str | None]:
+    """How the attention's own parameters follow its heads, per module holding them (`{module: ((name, kind),
+    ...)}`), or why the block stays whole."""
+    kinds, why = head_params(a.trace, {q: v for q, (_, _, v) in own.items()}, block, common.attention,
+                             common.num_heads, common.head_dim, common.num_kv_heads, tag.cut)
+    owners: dict[str, tuple] = {}
+    for q, kind in kinds.items():
+        owners[own[q][0]] = owners.get(own[q][0], ()) + ((own[q][1], kind),)
+    if not why and "" in owners:
+        why = f"the model itself holds {[n for n, _ in owners['']]} beside its heads and a plan names submodules " \
+              f"only, so they cannot be split with the heads; the attention stays whole"
+    return owners, why
+
+
 def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors: list[str] = ()) -> str | None:
     """Record `srcs -> row` as an attention block, or say why it is not one."""
     t = a.trace
@@ -156,18 +170,11 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
     odd = [p for p in head_tensors if not is_per_head_source(a.leaves[p], nh)]
     if odd:
         return f"{odd} reach the scores of {attn_name} but are not per-head tensors of its {nh} heads"
-    block = set(srcs) | set(head_local) | set(head_tensors)
-    kinds, why = head_params(t, {q: v for q, (_, _, v) in own.items()}, block, attn_name, nh, hd, nkv, tag.cut)
+    owners, why = _own_follow_heads(a, own, set(srcs) | set(head_local) | set(head_tensors), common, tag)
     if why:
         return why
-    owners: dict[str, list] = {}
-    for q, kind in kinds.items():
-        owners.setdefault(own[q][0], []).append((own[q][1], kind))
-    if "" in owners:
-        return f"the model itself holds {[n for n, _ in owners['']]} beside its heads and a plan names submodules " \
-               f"only, so they cannot be split with the heads; the attention stays whole"
     for owner, params in owners.items():
-        a.structures[owner] = common.replace(role="head_params", row=row, params=tuple(params))
+        a.structures[owner] = common.replace(role="head_params", row=row, params=params)
     _record(a, row, srcs, common, t, head_local, head_tensors, tuple(owners))
     return None
 

@@ -124,7 +124,7 @@ class Trace:
     plain_args: dict = dataclasses.field(default_factory=dict)
     inputs: Any = None  # the example inputs the trace ran (the dry run runs them again)
     meetings: tuple = ()  # every `Meeting` of a loose parameter with a tagged tensor, in op order
-    fed: frozenset = frozenset()  # loose parameters that reached a layer's input before meeting any tag
+    fed: frozenset = frozenset()  # loose parameters that reached a layer's input or the output untagged
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -430,6 +430,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
         tag = tracer.tag_of(t)
         if tag is not None:
             escaped |= tag.sources | tag.carried
+        tracer.fed |= tracer.loose_names(t) or frozenset()  # a loose parameter's values leave the model
     return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
                  tracer.read_directly, tracer.readers, plain_args, example_inputs, tuple(tracer.meetings),
                  frozenset(tracer.fed))

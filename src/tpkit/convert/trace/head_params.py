@@ -76,7 +76,7 @@ def head_params(t: Trace, params: dict[str, nn.Parameter], block: set, attn: str
         meets = [m for m in t.meetings if name in m.names]
         outside = sorted({s for m in meets for s in m.other.sources} - block)
         if name in t.fed or not meets or outside:
-            where = (f"reaches a layer's input" if name in t.fed else f"meets {outside}, outside the block"
+            where = (f"reaches a layer's input or the model's output" if name in t.fed else f"meets {outside}, outside the block"
                      if outside else "never meets its heads in the trace")
             return {}, _whole(attn, name, where)
         found = {_kind(m, p, nh, hd) for m in meets}
