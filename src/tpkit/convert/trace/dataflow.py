@@ -7,10 +7,8 @@ input) and watch it: forward hooks tag the output of every layer that owns param
 `TorchFunctionMode` carries the tags through every torch op in between, noting whether each op was
 elementwise, a split of the last dimension (packed projections), or something that mixes features.
 
-Parameters that no layer owns (an attention module's own sinks, per-head biases, scalars) are followed too, as
-"loose" tensors: every op where one meets a tagged tensor is kept as a `Meeting` (its shape, and which element of
-the parameter each of its elements is, when views and elementwise ops of it alone keep that known), so the planner can prove how such a parameter lines up with the heads
-(`head_params.py`).
+The ops the tracer tells apart are named in `ops.py`. Parameters that no layer owns (an attention module's own
+sinks, per-head biases) are followed beside the tags (`loose.py`).
 """
 from __future__ import annotations
 
@@ -22,30 +20,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .state import module_state, restore
-
 from ..modules import is_conv2d, is_per_channel
-
-# Ops that act on every element alone (or with a scalar / per-row operand): shards pass straight through.
-ELEMENTWISE = frozenset("""
-add sub mul div true_divide neg abs exp log sqrt rsqrt pow square sigmoid tanh relu relu_ relu6 gelu silu
-mish hardswish hardsigmoid hardtanh leaky_relu elu selu celu softplus softsign logsigmoid tanhshrink
-dropout dropout_ alpha_dropout feature_alpha_dropout erf erfc clamp clamp_ clip where
-to float half bfloat16 double type type_as contiguous clone detach masked_fill masked_fill_
-__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__
-__itruediv__ __neg__ __pow__ add_ mul_ sub_ div_ sigmoid_ tanh_ silu_ gelu_ cos sin
-""".split())
-# Ops that only read metadata: they neither carry nor break a tag.
-METADATA = frozenset("size dim shape numel __get__ __len__ is_floating_point get_device is_contiguous".split())
-SPLITS = frozenset(("split", "chunk", "tensor_split", "unbind"))
-# Ops that move or add leading axes: they keep every feature in place when the last axis keeps its size.
-LAYOUT = frozenset("unsqueeze squeeze expand expand_as transpose permute movedim repeat".split())
-RESHAPES = frozenset(("view", "reshape", "flatten", "unflatten"))
-# Ops that cut, join or reorder a tensor along an axis: on a headed tensor, along any axis but the last, they may
-# take heads apart or put them together (a differential attention's head halves).
-CUTS = SPLITS | frozenset("cat concat concatenate narrow __getitem__ index_select repeat repeat_interleave roll "
-                          "flip gather take_along_dim".split())
-JOINS = frozenset(("cat", "concat", "concatenate"))
+from .loose import LooseParams
+from .ops import CUTS, ELEMENTWISE, LAYOUT, METADATA, RESHAPES, SPLITS
+from .state import module_state, restore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +49,6 @@ class Tag:
                    self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to,
                    self.unproven | other.unproven, self.headed or other.headed, self.blocks | other.blocks,
                    self.cut | other.cut)
-
-
-@dataclasses.dataclass(frozen=True)
-class Meeting:
-    """One op where a tensor made from loose parameters (`names`, none of them a layer's) met a tagged tensor:
-    its shape, `view`: `(strides, offset)` when it is made of one contiguous parameter by views and elementwise
-    ops alone, element [i, j, ...] being the parameter's flat element offset + i * strides[0] + ... (else None), the
-    tagged operand's shape and tag; `dim` is the axis a join (`cat`) put them together along."""
-
-    names: frozenset
-    op: str
-    shape: tuple
-    view: tuple | None
-    other_shape: tuple
-    other: Tag
-    dim: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,21 +109,7 @@ class _Tracer(TorchFunctionMode):
         self.read_directly: dict[str, str] = {}
         self.readers: dict[str, str] = {}  # layer read directly -> the MultiheadAttention whose forward read it
         self.inside: list[str] = []  # the MultiheadAttention modules whose forward is running
-        self.loose: dict[int, tuple[torch.Tensor, str]] = {}  # id(parameter no layer owns) -> (it, its name)
-        self.derived: dict[int, tuple[torch.Tensor, frozenset]] = {}  # tensors made from loose ones only
-        self.maps: dict[int, tuple[torch.Tensor, tuple]] = {}  # elementwise results of one loose tensor: see _map
-        self.meetings: list[Meeting] = []
-        self.fed: set = set()
-
-    def loose_names(self, t: Any) -> frozenset | None:
-        """The loose parameters `t` is made of (None: it is no loose parameter nor made from them alone)."""
-        if not isinstance(t, torch.Tensor):
-            return None
-        for table in (self.loose, self.derived):
-            entry = table.get(id(t))
-            if entry is not None and entry[0] is t:
-                return frozenset((entry[1],)) if table is self.loose else entry[1]
-        return None
+        self.loose = LooseParams()  # parameters no layer owns, followed apart from the tags
 
     def tag_of(self, t: Any) -> Tag | None:
         if isinstance(t, torch.Tensor):
@@ -189,17 +137,13 @@ class _Tracer(TorchFunctionMode):
             return out
         tagged = [(a, self.tag_of(a)) for a in flat]
         tags = [tg for _, tg in tagged if tg is not None]
-        loose = [(a, n) for a in flat if (n := self.loose_names(a)) is not None]
+        loose = [(a, n) for a in flat if (n := self.loose.names(a)) is not None]
         if not tags:
             if loose:
-                names = frozenset().union(*(n for _, n in loose))
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        self.derived[id(t)] = (t, names)
-                self._keep_map(name, loose, flat, out)
+                self.loose.follow(name, loose, flat, out)
             return out
         if loose:
-            self._meet(name, loose, tagged, args, kwargs)
+            self.loose.meet(name, loose, tagged, args, kwargs)
         tag = tags[0]
         for other in tags[1:]:
             tag = tag.merge(other)
@@ -232,41 +176,6 @@ class _Tracer(TorchFunctionMode):
                 sizes |= {int(s) for i in range(ref.dim() - 1) if o.shape[i] != ref.shape[i]
                           for s in (ref.shape[i], o.shape[i])}
         return frozenset(sizes)
-
-    def _map(self, t: torch.Tensor) -> tuple | None:
-        """`(strides, offset)` placing each element of `t` in its one loose parameter (see `Meeting.view`)."""
-        entry = self.maps.get(id(t))
-        if entry is not None and entry[0] is t:
-            return entry[1]
-        p = self.loose.get(id(t))
-        if p is not None and p[0] is t:
-            return (tuple(t.stride()), 0) if t.is_contiguous() else None
-        base = getattr(t, "_base", None)
-        if base is None or not base.is_contiguous() or self._map(base) != (tuple(base.stride()), 0):
-            return None  # a view of something not laid out as its parameter
-        return tuple(t.stride()), int(t.storage_offset() - base.storage_offset())
-
-    def _keep_map(self, name: str, loose: list, flat: list, out: Any) -> None:
-        """An elementwise op of one loose tensor (and scalars) keeps each element where it was."""
-        (a, names), = loose if len(loose) == 1 else ((None, None),)
-        if a is None or len(names) != 1 or name not in ELEMENTWISE or not isinstance(out, torch.Tensor) \
-                or out.shape != a.shape or any(isinstance(x, torch.Tensor) and x is not a and x.numel() > 1
-                                               for x in flat):
-            return
-        m = self._map(a)
-        if m is not None:
-            self.maps[id(out)] = (out, m)
-
-    def _meet(self, name: str, loose: list, tagged: list, args, kwargs) -> None:
-        """Keep a `Meeting` for each loose operand of an op that also takes a tagged tensor."""
-        other, tag = next((a, tg) for a, tg in tagged if tg is not None)
-        dim = None
-        if name in JOINS:
-            d = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            dim = d if isinstance(d, int) else None
-        for a, names in loose:
-            view = self._map(a) if len(names) == 1 else None
-            self.meetings.append(Meeting(names, name, tuple(a.shape), view, tuple(other.shape), tag, dim))
 
     def _note_direct_reads(self, name: str, flat: list) -> None:
         """An op outside every layer's forward that takes a layer's parameter reads it directly."""
@@ -359,13 +268,12 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
     conv_layers = {n for n, m in leaves.items() if is_conv2d(m)}
     tracer = _Tracer(conv_layers)
     tracer.owners = {id(p): (p, n) for n, m in leaves.items() for p in m.parameters(recurse=False)}
-    tracer.loose = {id(p): (p, n) for n, p in model.named_parameters() if id(p) not in tracer.owners}
+    tracer.loose = LooseParams({id(p): (p, n) for n, p in model.named_parameters() if id(p) not in tracer.owners})
     calls: dict[str, list[Call]] = {}
     consumers: dict[str, set] = {}
     carried_by: dict[str, frozenset] = {}
     counter = [0]
     handles = []
-
     head_local: dict[str, frozenset] = {}
 
     for name, module in leaves.items():
@@ -373,8 +281,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
 
         def pre(mod, args, kwargs, name=name, per_channel=per_channel):
             x = first_tensor(args, kwargs)
-            for a in tree_flatten((args, kwargs))[0]:
-                tracer.fed |= tracer.loose_names(a) or frozenset()
+            tracer.loose.feed(tree_flatten((args, kwargs))[0])
             tag = tracer.tag_of(x)
             counter[0] += 1
             calls.setdefault(name, []).append(Call(name, counter[0], tag, id(x) if x is not None else None,
@@ -393,14 +300,13 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
                                                          output_shape=tuple(y.shape) if y is not None else None)
             if name in head_local and call.input_tag is not None and call.output_shape == call.input_shape:
                 t = call.input_tag  # per head: the heads' tags flow through, marked as carried
-                tracer.set_tag(out, Tag(t.sources, False, t.carried | {name}, t.broken_by or name, t.reshaped_to,
-                                        t.unproven, t.headed, t.blocks, t.cut))
+                tracer.set_tag(out, dataclasses.replace(t, clean=False, carried=t.carried | {name},
+                                                        broken_by=t.broken_by or name))
             elif per_channel and call.input_tag is not None:
                 # A per-channel layer passes its input's shards straight through; remember it rides along.
                 t = call.input_tag
                 carried_by[name] = t.sources
-                tracer.set_tag(out, Tag(t.sources, t.clean, t.carried | {name}, t.broken_by, t.reshaped_to,
-                                        t.unproven, t.headed, t.blocks, t.cut))
+                tracer.set_tag(out, dataclasses.replace(t, carried=t.carried | {name}))
             else:
                 tracer.set_tag(out, Tag(frozenset({name})))
 
@@ -430,10 +336,10 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
         tag = tracer.tag_of(t)
         if tag is not None:
             escaped |= tag.sources | tag.carried
-        tracer.fed |= tracer.loose_names(t) or frozenset()  # a loose parameter's values leave the model
+    tracer.loose.feed(_leaves_of(out))  # a loose parameter's values leave the model
     return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
-                 tracer.read_directly, tracer.readers, plain_args, example_inputs, tuple(tracer.meetings),
-                 frozenset(tracer.fed))
+                 tracer.read_directly, tracer.readers, plain_args, example_inputs, tuple(tracer.loose.meetings),
+                 frozenset(tracer.loose.fed))
 
 
 def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:

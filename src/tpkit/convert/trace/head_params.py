@@ -20,7 +20,9 @@ import math
 
 from torch import nn
 
-from .dataflow import ELEMENTWISE, JOINS, Meeting, Trace
+from .dataflow import Trace
+from .loose import Meeting
+from .ops import ELEMENTWISE, JOINS
 
 HEADS, HEAD_FEATURES, SHARED = "heads", "head_features", "shared"
 
