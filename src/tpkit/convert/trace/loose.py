@@ -10,15 +10,12 @@ or leave the model untagged are `fed`. The planner reads them to prove how a par
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from .ops import ELEMENTWISE, JOINS
-
-if TYPE_CHECKING:
-    from .dataflow import Tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +30,7 @@ class Meeting:
     shape: tuple
     view: tuple | None
     other_shape: tuple
-    other: "Tag"
+    other: Any  # the tagged operand's `dataflow.Tag`
     dim: int | None = None
 
 
