@@ -19,7 +19,8 @@ ATTENTION, MLP, CONV = "attention", "mlp", "conv"
 class Pair:
     """Layers whose outputs stay split from `columns` to `row`: an MLP or conv pair, or an attention block (with
     its heads); `carried` are per-channel / per-head layers in between, `per_head` embeddings with one column per
-    head that reach the block's scores (T5's position bias)."""
+    head that reach the block's scores (T5's position bias), `owners` the modules of the block that hold
+    parameters of their own which follow its heads (attention sinks, per-head biases; `Role.params`)."""
 
     kind: str
     columns: tuple[str, ...]
@@ -31,6 +32,7 @@ class Pair:
     num_kv_heads: int | None = None
     per_head: tuple[str, ...] = ()
     kv_expand: bool | None = None
+    owners: tuple[str, ...] = ()
 
     def heads(self, world_size: int) -> HeadLayout:
         """The block's heads per rank (raises `HeadLayoutError` when they cannot be shared out)."""
@@ -62,6 +64,8 @@ class Role:
     rows: tuple[str, ...] = ()                # a per-head tensor's attention output layers
     kv_expand: bool | None = None             # the attention can expand its local KV heads to one per query
     #                                           head, so query heads are spread evenly (`tpkit.layout.heads`)
+    params: tuple[tuple[str, str], ...] = ()  # a module's own parameters and how each follows the heads:
+    #                                           (name, "heads" | "head_features" | "shared"), `trace/head_params.py`
 
     def heads(self, world_size: int) -> HeadLayout:
         """The attention's heads per rank: the one fact its layouts, local head counts and hooks read."""
@@ -98,6 +102,8 @@ class Role:
         for name in ("columns", "rows"):
             if name in values:
                 values[name] = tuple(values[name])
+        if "params" in values:
+            values["params"] = tuple((str(n), str(k)) for n, k in values["params"])
         if values.get("pieces") is not None:
             values["pieces"] = tuple(int(p) for p in values["pieces"])
         if "head_args" in values:

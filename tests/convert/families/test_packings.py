@@ -123,7 +123,7 @@ class PerHeadScale(_Base):
         return x + self.down(F.gelu(self.up(x)))
 
 
-CASES = {"per_head_scale": (PerHeadScale, "holds ['head_scale'] itself"),"interleaved_rotary": (InterleavedRotary, "rearranged across its features"),
+CASES = {"per_head_scale": (PerHeadScale, "the model itself holds ['head_scale']"),"interleaved_rotary": (InterleavedRotary, "rearranged across its features"),
          "qkv_first_reshape": (QKVFirstReshape, "not split into q, k, v pieces"),
          "grouped_qkv": (GroupedQKV, "not split into q, k, v pieces"),
          "heads_last": (HeadsLast, "no reshape to heads of size 8"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..modules import is_linear, is_per_head_source, linear_dims
 from ..roles import ATTENTION, Pair, Role
 from .dataflow import Tag
+from .head_params import head_params
 from .heads import head_args, head_info
 from .pairing import Pairing
 
@@ -84,14 +85,30 @@ def _is_cross(srcs: list[str], inputs: list) -> bool:
     return len(srcs) == 3 and len(set(inputs)) == 2 and len(set(inputs[1:])) == 1
 
 
-def _own_parameters(a: Pairing, attn_name: str, names: list[str]) -> list[str]:
+def _own_parameters(a: Pairing, attn_name: str, names: list[str]) -> dict[str, tuple[str, str, object]]:
     """Parameters held by the attention module itself or a container between it and its layers (a per-head
-    scale or sink, say): the forward uses them beside the heads, and nothing splits them with the heads."""
-    top, out = _lca(names), []
+    scale or sink, say): the forward uses them beside the heads; `head_params.py` says whether they follow the
+    heads. `{qualified name: (owner module, name there, parameter)}`."""
+    top, out = _lca(names), {}
     for name, m in a.model.named_modules():
         if name not in a.leaves and (name == attn_name or (name.startswith(attn_name) and top.startswith(name))):
-            out += [f"{name}.{p}" if name else p for p, _ in m.named_parameters(recurse=False)]
+            for p, v in m.named_parameters(recurse=False):
+                out[f"{name}.{p}" if name else p] = (name, p, v)
     return out
+
+
+def _own_follow_heads(a: Pairing, own: dict, block: set, common: Role, tag: Tag) -> tuple[dict, str | None]:
+    """How the attention's own parameters follow its heads, per module holding them (`{module: ((name, kind),
+    ...)}`), or why the block stays whole."""
+    kinds, why = head_params(a.trace, {q: v for q, (_, _, v) in own.items()}, block, common.attention,
+                             common.num_heads, common.head_dim, common.num_kv_heads, tag.cut)
+    owners: dict[str, tuple] = {}
+    for q, kind in kinds.items():
+        owners[own[q][0]] = owners.get(own[q][0], ()) + ((own[q][1], kind),)
+    if not why and "" in owners:
+        why = f"the model itself holds {[n for n, _ in owners['']]} beside its heads and a plan names submodules " \
+              f"only, so they cannot be split with the heads; the attention stays whole"
+    return owners, why
 
 
 def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors: list[str] = ()) -> str | None:
@@ -104,9 +121,6 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
     cross = _is_cross(srcs, [t.first(s).input_id for s in srcs])
     attn_name, attn, (hd, nh_attr, nkv_attr) = _heads_module(a, srcs, row)
     own = _own_parameters(a, attn_name, srcs + [row])
-    if own:
-        return f"{attn_name} holds {own} itself and uses them beside its heads (per-head scales?); they are not " \
-               f"split with the heads, so the attention stays whole"
     widths = [linear_dims(a.leaves[s])[1] for s in srcs]
     head_width = hd
     extra: dict = {}
@@ -156,11 +170,17 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
     odd = [p for p in head_tensors if not is_per_head_source(a.leaves[p], nh)]
     if odd:
         return f"{odd} reach the scores of {attn_name} but are not per-head tensors of its {nh} heads"
-    _record(a, row, srcs, common, t, head_local, head_tensors)
+    owners, why = _own_follow_heads(a, own, set(srcs) | set(head_local) | set(head_tensors), common, tag)
+    if why:
+        return why
+    for owner, params in owners.items():
+        a.structures[owner] = common.replace(role="head_params", row=row, params=params)
+    _record(a, row, srcs, common, t, head_local, head_tensors, tuple(owners))
     return None
 
 
-def _record(a: Pairing, row: str, srcs: list[str], common: Role, t, head_local: list[str], head_tensors) -> None:
+def _record(a: Pairing, row: str, srcs: list[str], common: Role, t, head_local: list[str], head_tensors,
+            owners: tuple = ()) -> None:
     read = {t.first(s).input_id for s in srcs}
     plain = {at: shape for at, (shape, ident) in t.plain_args.get(common.attention, {}).items() if ident not in read}
     sliced = head_args(plain, t.first(srcs[0]).input_shape[0], common.num_heads)
@@ -171,4 +191,4 @@ def _record(a: Pairing, row: str, srcs: list[str], common: Role, t, head_local: 
         before = a.structures.get(p, common.replace(role="per_head"))
         a.structures[p] = before.replace(rows=before.rows + (row,))
     a.pairs.append(Pair(ATTENTION, tuple(srcs), row, tuple(head_local), common.attention, common.head_dim,
-                        common.num_heads, common.num_kv_heads, tuple(head_tensors), common.kv_expand))
+                        common.num_heads, common.num_kv_heads, tuple(head_tensors), common.kv_expand, owners))

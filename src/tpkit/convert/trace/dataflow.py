@@ -6,6 +6,9 @@ whole feature vector. Parameter names cannot tell that, so we run one forward (o
 input) and watch it: forward hooks tag the output of every layer that owns parameters, and a
 `TorchFunctionMode` carries the tags through every torch op in between, noting whether each op was
 elementwise, a split of the last dimension (packed projections), or something that mixes features.
+
+The ops the tracer tells apart are named in `ops.py`. Parameters that no layer owns (an attention module's own
+sinks, per-head biases) are followed beside the tags (`loose.py`).
 """
 from __future__ import annotations
 
@@ -17,25 +20,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .state import module_state, restore
-
 from ..modules import is_conv2d, is_per_channel
-
-# Ops that act on every element alone (or with a scalar / per-row operand): shards pass straight through.
-ELEMENTWISE = frozenset("""
-add sub mul div true_divide neg abs exp log sqrt rsqrt pow square sigmoid tanh relu relu_ relu6 gelu silu
-mish hardswish hardsigmoid hardtanh leaky_relu elu selu celu softplus softsign logsigmoid tanhshrink
-dropout dropout_ alpha_dropout feature_alpha_dropout erf erfc clamp clamp_ clip where
-to float half bfloat16 double type type_as contiguous clone detach masked_fill masked_fill_
-__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__
-__itruediv__ __neg__ __pow__ add_ mul_ sub_ div_ sigmoid_ tanh_ silu_ gelu_ cos sin
-""".split())
-# Ops that only read metadata: they neither carry nor break a tag.
-METADATA = frozenset("size dim shape numel __get__ __len__ is_floating_point get_device is_contiguous".split())
-SPLITS = frozenset(("split", "chunk", "tensor_split", "unbind"))
-# Ops that move or add leading axes: they keep every feature in place when the last axis keeps its size.
-LAYOUT = frozenset("unsqueeze squeeze expand expand_as transpose permute movedim repeat".split())
-RESHAPES = frozenset(("view", "reshape", "flatten", "unflatten"))
+from .loose import LooseParams
+from .ops import CUTS, ELEMENTWISE, LAYOUT, METADATA, RESHAPES, SPLITS
+from .state import module_state, restore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +42,13 @@ class Tag:
     unproven: frozenset = frozenset()
     headed: bool = False  # a reshape added axes (to heads; one head of the projection's width included)
     blocks: frozenset = frozenset()  # the last three sizes of reshapes that split the features ([heads, 3, hd])
+    cut: frozenset = frozenset()  # sizes of axes (not the last) a CUTS op changed once the tensor had heads
 
     def merge(self, other: "Tag") -> "Tag":
         return Tag(self.sources | other.sources, self.clean and other.clean, self.carried | other.carried,
                    self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to,
-                   self.unproven | other.unproven, self.headed or other.headed, self.blocks | other.blocks)
+                   self.unproven | other.unproven, self.headed or other.headed, self.blocks | other.blocks,
+                   self.cut | other.cut)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +85,8 @@ class Trace:
     # parameterised layer made (masks, ALiBi biases built from the mask)
     plain_args: dict = dataclasses.field(default_factory=dict)
     inputs: Any = None  # the example inputs the trace ran (the dry run runs them again)
+    meetings: tuple = ()  # every `Meeting` of a loose parameter with a tagged tensor, in op order
+    fed: frozenset = frozenset()  # loose parameters that reached a layer's input or the output untagged
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -117,6 +109,7 @@ class _Tracer(TorchFunctionMode):
         self.read_directly: dict[str, str] = {}
         self.readers: dict[str, str] = {}  # layer read directly -> the MultiheadAttention whose forward read it
         self.inside: list[str] = []  # the MultiheadAttention modules whose forward is running
+        self.loose = LooseParams()  # parameters no layer owns, followed apart from the tags
 
     def tag_of(self, t: Any) -> Tag | None:
         if isinstance(t, torch.Tensor):
@@ -144,8 +137,13 @@ class _Tracer(TorchFunctionMode):
             return out
         tagged = [(a, self.tag_of(a)) for a in flat]
         tags = [tg for _, tg in tagged if tg is not None]
+        loose = [(a, n) for a in flat if (n := self.loose.names(a)) is not None]
         if not tags:
+            if loose:
+                self.loose.follow(name, loose, flat, out)
             return out
+        if loose:
+            self.loose.meet(name, loose, tagged, args, kwargs)
         tag = tags[0]
         for other in tags[1:]:
             tag = tag.merge(other)
@@ -163,10 +161,21 @@ class _Tracer(TorchFunctionMode):
         headed = tag.headed or bool(reshaped) or (name in RESHAPES and isinstance(out, torch.Tensor)
                                                   and out.dim() > ref.dim())
         unproven = tag.unproven | (tag.sources if not clean and not headed and not keeps else frozenset())
+        cut = tag.cut | (self._cut(ref, out) if tag.headed and name in CUTS else frozenset())
         new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped, unproven,
-                  headed, blocks)
+                  headed, blocks, cut)
         self.set_tag(out, new)
         return out
+
+    @staticmethod
+    def _cut(ref: torch.Tensor, out: Any) -> frozenset:
+        """Sizes of the axes (all but the last) on which an output of a cut / join differs from its input."""
+        sizes = set()
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor) and o.dim() == ref.dim():
+                sizes |= {int(s) for i in range(ref.dim() - 1) if o.shape[i] != ref.shape[i]
+                          for s in (ref.shape[i], o.shape[i])}
+        return frozenset(sizes)
 
     def _note_direct_reads(self, name: str, flat: list) -> None:
         """An op outside every layer's forward that takes a layer's parameter reads it directly."""
@@ -259,12 +268,12 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
     conv_layers = {n for n, m in leaves.items() if is_conv2d(m)}
     tracer = _Tracer(conv_layers)
     tracer.owners = {id(p): (p, n) for n, m in leaves.items() for p in m.parameters(recurse=False)}
+    tracer.loose = LooseParams({id(p): (p, n) for n, p in model.named_parameters() if id(p) not in tracer.owners})
     calls: dict[str, list[Call]] = {}
     consumers: dict[str, set] = {}
     carried_by: dict[str, frozenset] = {}
     counter = [0]
     handles = []
-
     head_local: dict[str, frozenset] = {}
 
     for name, module in leaves.items():
@@ -272,6 +281,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
 
         def pre(mod, args, kwargs, name=name, per_channel=per_channel):
             x = first_tensor(args, kwargs)
+            tracer.loose.feed(tree_flatten((args, kwargs))[0])
             tag = tracer.tag_of(x)
             counter[0] += 1
             calls.setdefault(name, []).append(Call(name, counter[0], tag, id(x) if x is not None else None,
@@ -290,14 +300,13 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
                                                          output_shape=tuple(y.shape) if y is not None else None)
             if name in head_local and call.input_tag is not None and call.output_shape == call.input_shape:
                 t = call.input_tag  # per head: the heads' tags flow through, marked as carried
-                tracer.set_tag(out, Tag(t.sources, False, t.carried | {name}, t.broken_by or name, t.reshaped_to,
-                                        t.unproven, t.headed, t.blocks))
+                tracer.set_tag(out, dataclasses.replace(t, clean=False, carried=t.carried | {name},
+                                                        broken_by=t.broken_by or name))
             elif per_channel and call.input_tag is not None:
                 # A per-channel layer passes its input's shards straight through; remember it rides along.
                 t = call.input_tag
                 carried_by[name] = t.sources
-                tracer.set_tag(out, Tag(t.sources, t.clean, t.carried | {name}, t.broken_by, t.reshaped_to,
-                                        t.unproven, t.headed, t.blocks))
+                tracer.set_tag(out, dataclasses.replace(t, carried=t.carried | {name}))
             else:
                 tracer.set_tag(out, Tag(frozenset({name})))
 
@@ -327,8 +336,10 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
         tag = tracer.tag_of(t)
         if tag is not None:
             escaped |= tag.sources | tag.carried
+    tracer.loose.feed(_leaves_of(out))  # a loose parameter's values leave the model
     return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
-                 tracer.read_directly, tracer.readers, plain_args, example_inputs)
+                 tracer.read_directly, tracer.readers, plain_args, example_inputs, tuple(tracer.loose.meetings),
+                 frozenset(tracer.loose.fed))
 
 
 def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:
