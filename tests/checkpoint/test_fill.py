@@ -16,6 +16,13 @@ from tpkit.checkpoint import fill, load, pretrained, reader
 from tpkit.checkpoint.staging import Staging
 
 
+@pytest.fixture(autouse=True)
+def copied_reads(monkeypatch):
+    """These tests are about the reads and the staging: a CPU load copies every byte (no file-mapped views,
+    which `test_mapped_weights.py` covers)."""
+    monkeypatch.setenv(fill.MAP_ENV, "0")
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     path = write_hf(str(tmp_path_factory.mktemp("hf")), "llama")

@@ -11,6 +11,13 @@ contiguous) is read straight into it and costs nothing extra. Any other is read 
 the regions alive at once are bounded by `WINDOW_BYTES` (a larger one waits for the window to drain), so a
 load never holds more than the model plus the window. With a `Staging` (staging.py) every byte goes through
 its few reused buffers to the device, and host memory is the pool's whatever the model.
+
+Mapped (`mapped=True`, a new model on the CPU, `TPKIT_MAP_WEIGHTS` not 0): a direct target whose bytes are one
+aligned range of one file becomes a view of that file's private mapping instead of a copy (what safetensors
+and transformers do). Nothing is read until used, the pages are the page cache's (shared by the ranks and
+evictable), and a write (an optimizer step) copies the page it touches: the file never changes. Rows of a
+column split and replicated tensors qualify; a row split's column block, a dtype conversion or a transpose is
+read as above.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
+import mmap
 import os
 from typing import Iterable
 
@@ -27,11 +36,12 @@ from ..layout import ShardLayout
 from .memory import empty_for_load
 from .mesh import is_sharded, put
 from .progress import Progress
-from .reader import check_piece, fill, needed_pieces, plan_copies
+from .reader import Copy, check_piece, fill, needed_pieces, plan_copies
 from .sources import Entry, Source
 from .staging import Staging
 
 THREADS_ENV = "TPKIT_READ_THREADS"
+MAP_ENV = "TPKIT_MAP_WEIGHTS"
 WINDOW_BYTES = 64 << 20  # region tensors (dtype conversion, transposes) alive at once; at least one
 
 
@@ -39,6 +49,13 @@ def read_threads() -> int:
     """Reader threads: `TPKIT_READ_THREADS`, else 4 (ranges in flight from one rank; more buys nothing from the
     page cache on few cores, and an NVMe drive is already busy at this queue depth with several ranks)."""
     return max(1, int(os.environ.get(THREADS_ENV, "4")))
+
+
+def map_weights() -> bool:
+    """Whether a new model's CPU tensors may be views of the checkpoint's file mappings (`TPKIT_MAP_WEIGHTS`,
+    default on; 0 copies every byte into fresh memory, for a checkpoint that may be overwritten in place while
+    the model lives)."""
+    return os.environ.get(MAP_ENV, "1") != "0"
 
 
 @dataclasses.dataclass
@@ -73,12 +90,16 @@ def takes_bytes(t: Target, e: Entry) -> bool:
 
 
 def read_targets(source: Source, targets: list[Target], progress: Progress, verify: bool = False,
-                 staging: Staging | None = None, threads: int | None = None) -> dict[str, torch.Tensor]:
+                 staging: Staging | None = None, threads: int | None = None,
+                 mapped: bool = False) -> dict[str, torch.Tensor]:
     """Read every target (after validation and agreement). Model tensors are filled in place; new tensors are
     returned by key. `verify`: check each piece's sha256 as it is read (a new model; a live one is checked
     before with `check_targets`). `staging`: read through its buffers (a device destination); it is finished
-    (every copy complete) before this returns, error or not."""
+    (every copy complete) before this returns, error or not. `mapped`: a model tensor whose bytes are one range
+    of a file takes a view of the file's private mapping as its data (see the module's doc; a new model only:
+    its tensors change storage)."""
     out: dict[str, torch.Tensor] = {}
+    maps: dict[str, mmap.mmap] | None = {} if mapped and staging is None else None
     jobs: collections.deque[_Job] = collections.deque()
     held = 0
     pool = concurrent.futures.ThreadPoolExecutor(threads or read_threads(), thread_name_prefix="tpkit-read")
@@ -89,7 +110,7 @@ def read_targets(source: Source, targets: list[Target], progress: Progress, veri
                 need = 0 if takes_bytes(t, e) else t.layout.local_numel * e.dtype.itemsize
                 while jobs and held + need > WINDOW_BYTES:
                     held -= finish(jobs.popleft(), staging, out, progress)
-                jobs.append(start(source, t, e, pool, staging, verify))
+                jobs.append(start(source, t, e, pool, staging, verify, maps))
                 held += jobs[-1].held
             while jobs:
                 held -= finish(jobs.popleft(), staging, out, progress)
@@ -108,9 +129,18 @@ def first_byte(source: Source, e: Entry) -> tuple[str, int]:
     return p.path, source.headers[p.path].tensors[p.name].start
 
 
-def start(source: Source, t: Target, e: Entry, pool, staging: Staging | None, verify: bool) -> _Job:
-    """Allocate the target's region (unless direct) and submit its copies."""
+def start(source: Source, t: Target, e: Entry, pool, staging: Staging | None, verify: bool,
+          maps: dict[str, mmap.mmap] | None = None) -> _Job:
+    """Allocate the target's region (unless direct) and submit its copies; with `maps` (mapped reads), a direct
+    CPU target that is one range of a file takes a view of its mapping, its sha256 checked in the pool."""
     direct = takes_bytes(t, e)
+    if direct and maps is not None and t.dest.device.type == "cpu":
+        copies = plan_copies(e, t.layout, source.headers)
+        view = file_view(copies, t, e, maps)
+        if view is not None:
+            t.dest.data = view
+            futures = [pool.submit(check_view, copies[0], view)] if verify else []
+            return _Job(t, e, view, True, futures, 0)
     if direct:
         region = t.dest.data
     else:
@@ -124,6 +154,34 @@ def start(source: Source, t: Target, e: Entry, pool, staging: Staging | None, ve
         raise RuntimeError(f"read_targets: {t.name} is on {region.device}; a device destination needs a Staging")
     futures = [pool.submit(fill, c, region, staging, verify) for c in plan_copies(e, t.layout, source.headers)]
     return _Job(t, e, region, direct, futures, 0 if direct else region.numel() * region.element_size())
+
+
+def file_view(copies: list[Copy], t: Target, e: Entry, maps: dict[str, mmap.mmap]) -> torch.Tensor | None:
+    """The target's region as a view of its file's private mapping (opened once per file into `maps`), or
+    None where it is not one range of one file at a multiple of the element size."""
+    shape = tuple(t.layout.stored_local_shape)
+    if len(copies) != 1 or tuple(copies[0].shape) != shape or not copies[0].runs:
+        return None
+    runs, size = copies[0].runs, e.dtype.itemsize
+    if any(a[1] != b[0] for a, b in zip(runs, runs[1:])):
+        return None
+    first, last = runs[0][0], runs[-1][1]
+    count = (last - first) // size
+    if count == 0 or first % size or count != t.layout.local_numel:
+        return None
+    path = copies[0].piece.path
+    if path not in maps:
+        with open(path, "rb") as f:
+            maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(maps[path], dtype=e.dtype, count=count, offset=first).view(shape)
+
+
+def check_view(copy: Copy, view: torch.Tensor) -> None:
+    """A mapped target's piece sha256: from the mapped bytes when they are the whole piece, else from disk."""
+    digest = None
+    if copy.whole and copy.piece.sha256 is not None:
+        digest = hashlib.sha256(view.view(-1).view(torch.uint8).numpy()).hexdigest()
+    check_piece(copy.piece, copy.info, digest)
 
 
 def finish(job: _Job, staging: Staging | None, out: dict, progress: Progress) -> int:

@@ -22,7 +22,7 @@ from .agree import agree
 from .allocate import materialize, meta_parameters, place_buffers
 from .conversions import transformers_keys
 from .errors import CheckpointError
-from .fill import read_targets
+from .fill import map_weights, read_targets
 from .hf_config import load_generation_config
 from .load import Source, model_targets, open_source
 from .progress import Progress
@@ -144,7 +144,7 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     error = None
     with Progress(f"loading {os.path.basename(path.rstrip('/'))}", total, progress, comm.rank) as bar:
         try:  # the model is new: pieces are checked from the bytes as read, and on error it is dropped
-            read_targets(source, targets, bar, verify=True, staging=staging_for(device))
+            read_targets(source, targets, bar, verify=True, staging=staging_for(device), mapped=map_weights())
         except Exception as exc:
             error = exc
     agree(comm, error)
