@@ -104,3 +104,45 @@ def test_a_changed_byte_is_caught_in_a_mapped_piece(llama_dir, tmp_path):
 
     messages = tpkit.launch(load, 2, backend="threads")
     assert all(m is not None and "sha256" in m for m in messages), messages
+
+
+@pytest.fixture(scope="module")
+def other_dirs(tmp_path_factory):
+    """GPT-2 (Conv1D weights stored transposed), Qwen2 with tied embeddings, NeoX (packed qkv: a rank's
+    columns are several segments of the fused weight)."""
+    from tests.models.hf import hf_model
+
+    root = tmp_path_factory.mktemp("mapped2")
+    out = {}
+    for name in ("gpt2", "qwen2", "neox"):
+        model = hf_model(name)
+        model.save_pretrained(root / name)
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        out[name] = str(root / name), hf_logits(str(root / name)), model.state_dict(), tied
+    return out
+
+
+def _every_tensor_body(path, full, dtype):
+    model = tpkit.from_pretrained(path, dtype=dtype)
+    layouts = tpkit.shard_layouts(model)
+    differ = [k for k, v in model.state_dict().items()
+              if k in full and not torch.equal(v, layouts[k].shard(full[k]).to(v.dtype))]
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return logits_of(model), differ, tied
+
+
+@pytest.mark.parametrize("name, dtype", [("gpt2", torch.float64), ("qwen2", None), ("neox", torch.float64)])
+@pytest.mark.parametrize("world", [2, 3])
+def test_row_splits_conversions_and_transposes_are_copied_from_the_mapping(other_dirs, name, dtype, world,
+                                                                          monkeypatch):
+    """Every tensor equals its shard of transformers' state dict, and none was read by positional reads."""
+    from tpkit.checkpoint import reader
+
+    path, ref, full, hf_tied = other_dirs[name]
+    reads = []
+    monkeypatch.setattr(reader, "pread_scatter", lambda *a: reads.append(a[1]))
+    for logits, differ, tied in tpkit.launch(_every_tensor_body, world, backend="threads", args=(path, full, dtype)):
+        assert not differ, differ
+        assert rel(logits, ref) < 1e-6
+        assert tied == hf_tied
+    assert not reads, reads

@@ -12,12 +12,13 @@ the regions alive at once are bounded by `WINDOW_BYTES` (a larger one waits for 
 load never holds more than the model plus the window. With a `Staging` (staging.py) every byte goes through
 its few reused buffers to the device, and host memory is the pool's whatever the model.
 
-Mapped (`mapped=True`, a new model on the CPU, `TPKIT_MAP_WEIGHTS` not 0): a direct target whose bytes are one
-aligned range of one file becomes a view of that file's private mapping instead of a copy (what safetensors
-and transformers do). Nothing is read until used, the pages are the page cache's (shared by the ranks and
-evictable), and a write (an optimizer step) copies the page it touches: the file never changes. Rows of a
-column split and replicated tensors qualify; a row split's column block, a dtype conversion or a transpose is
-read as above.
+Mapped (`mapped=True`, a new model on the CPU, `TPKIT_MAP_WEIGHTS` not 0): the file is memory-mapped
+privately, as safetensors and transformers load. A direct target whose bytes are one aligned range (a
+replicated tensor, a column split's rows, a piece saved at this world size) becomes a view of the mapping:
+nothing is read until used, the pages are the page cache's (shared by the ranks, evictable), and a write (an
+optimizer step) copies the page it touches, never the file. Any other target of a whole tensor (a row split's
+column block, a dtype conversion, a transpose) is one strided torch copy from the mapping per segment, not a
+positional read per row.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
+import math
 import mmap
 import os
 from typing import Iterable
@@ -36,7 +38,7 @@ from ..layout import ShardLayout
 from .memory import empty_for_load
 from .mesh import is_sharded, put
 from .progress import Progress
-from .reader import Copy, check_piece, fill, needed_pieces, plan_copies
+from .reader import check_piece, fill, needed_pieces, plan_copies
 from .sources import Entry, Source
 from .staging import Staging
 
@@ -134,13 +136,15 @@ def start(source: Source, t: Target, e: Entry, pool, staging: Staging | None, ve
     """Allocate the target's region (unless direct) and submit its copies; with `maps` (mapped reads), a direct
     CPU target that is one range of a file takes a view of its mapping, its sha256 checked in the pool."""
     direct = takes_bytes(t, e)
-    if direct and maps is not None and t.dest.device.type == "cpu":
-        copies = plan_copies(e, t.layout, source.headers)
-        view = file_view(copies, t, e, maps)
-        if view is not None:
-            t.dest.data = view
-            futures = [pool.submit(check_view, copies[0], view)] if verify else []
-            return _Job(t, e, view, True, futures, 0)
+    if maps is not None and t.dest is not None and t.dest.device.type == "cpu" and not is_sharded(t.dest):
+        parts = mapped_parts(source, t, e, maps)
+        if parts is not None:
+            if direct and len(parts) == 1 and parts[0].is_contiguous():
+                t.dest.data = parts[0]
+                futures = [pool.submit(check_mapped, e, t.layout, source, parts[0])] if verify else []
+            else:
+                futures = [pool.submit(copy_parts, parts, t, e, source, verify)]
+            return _Job(t, e, t.dest, True, futures, 0)
     if direct:
         region = t.dest.data
     else:
@@ -156,32 +160,65 @@ def start(source: Source, t: Target, e: Entry, pool, staging: Staging | None, ve
     return _Job(t, e, region, direct, futures, 0 if direct else region.numel() * region.element_size())
 
 
-def file_view(copies: list[Copy], t: Target, e: Entry, maps: dict[str, mmap.mmap]) -> torch.Tensor | None:
-    """The target's region as a view of its file's private mapping (opened once per file into `maps`), or
-    None where it is not one range of one file at a multiple of the element size."""
+def mapped_parts(source: Source, t: Target, e: Entry, maps: dict[str, mmap.mmap]) -> list[torch.Tensor] | None:
+    """Views of the mapped file (each file mapped once into `maps`) that are, concatenated along the layout's
+    dim in order, the target's region in stored orientation: the layout's segments of a whole tensor (a Hugging
+    Face file), or one piece holding the whole region as one range (a tpkit checkpoint at its world size).
+    None when the bytes are not laid out so (pieces of other world sizes: positional reads) or misaligned."""
+    size = e.dtype.itemsize
+    if t.layout.local_numel == 0:
+        return None
+    if e.is_whole:
+        piece = e.pieces[0]
+        info = source.headers[piece.path].tensors[piece.name]
+        if info.start % size:
+            return None
+        full = _mapped(maps, piece.path, e.dtype, info.start, math.prod(e.shape)).view(e.shape)
+        if t.layout.dim is None:
+            return [full]
+        return [full.narrow(t.layout.dim, a, b - a) for a, b in t.layout.segments()]
+    copies = plan_copies(e, t.layout, source.headers)
     shape = tuple(t.layout.stored_local_shape)
     if len(copies) != 1 or tuple(copies[0].shape) != shape or not copies[0].runs:
         return None
-    runs, size = copies[0].runs, e.dtype.itemsize
-    if any(a[1] != b[0] for a, b in zip(runs, runs[1:])):
+    runs = copies[0].runs
+    if any(a[1] != b[0] for a, b in zip(runs, runs[1:])) or runs[0][0] % size:
         return None
-    first, last = runs[0][0], runs[-1][1]
-    count = (last - first) // size
-    if count == 0 or first % size or count != t.layout.local_numel:
-        return None
-    path = copies[0].piece.path
+    return [_mapped(maps, copies[0].piece.path, e.dtype, runs[0][0], t.layout.local_numel).view(shape)]
+
+
+def _mapped(maps: dict[str, mmap.mmap], path: str, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
     if path not in maps:
         with open(path, "rb") as f:
             maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return torch.frombuffer(maps[path], dtype=e.dtype, count=count, offset=first).view(shape)
+    return torch.frombuffer(maps[path], dtype=dtype, count=count, offset=offset)
 
 
-def check_view(copy: Copy, view: torch.Tensor) -> None:
-    """A mapped target's piece sha256: from the mapped bytes when they are the whole piece, else from disk."""
-    digest = None
-    if copy.whole and copy.piece.sha256 is not None:
-        digest = hashlib.sha256(view.view(-1).view(torch.uint8).numpy()).hexdigest()
-    check_piece(copy.piece, copy.info, digest)
+def copy_parts(parts: list[torch.Tensor], t: Target, e: Entry, source: Source, verify: bool) -> None:
+    """Copy mapped `parts` into the target's tensor (dtype converted, transposed back), each at its place
+    along the layout's dim; then, with `verify`, check the pieces' sha256 from disk."""
+    stored = t.dest.data.t() if t.layout.transposed else t.dest.data
+    dim, at = t.layout.dim, 0
+    with torch.no_grad():
+        if dim is None:
+            stored.copy_(parts[0])
+        for part in parts if dim is not None else ():
+            n = part.shape[dim]
+            stored.narrow(dim, at, n).copy_(part)
+            at += n
+    if verify:
+        for piece in needed_pieces(e, t.layout):
+            check_piece(piece, source.headers[piece.path].tensors[piece.name])
+
+
+def check_mapped(e: Entry, layout: ShardLayout, source: Source, view: torch.Tensor) -> None:
+    """A mapped view's piece sha256: from the mapped bytes when they are the whole piece, else from disk."""
+    for piece in needed_pieces(e, layout):
+        info = source.headers[piece.path].tensors[piece.name]
+        digest = None
+        if piece.sha256 is not None and view.numel() * view.element_size() == info.stop - info.start:
+            digest = hashlib.sha256(view.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+        check_piece(piece, info, digest)
 
 
 def finish(job: _Job, staging: Staging | None, out: dict, progress: Progress) -> int:

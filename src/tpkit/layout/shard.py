@@ -198,8 +198,9 @@ class ShardLayout:
             return [(0, math.prod(self.full_shape) * itemsize)] if math.prod(self.full_shape) else []
         row = self.full_shape[self.dim] * inner
         out: list[tuple[int, int]] = []
+        segments = self.segments()
         for outer in range(math.prod(self.full_shape[:self.dim])):
-            for a, b in self.segments():
+            for a, b in segments:
                 start, stop = (outer * row + a * inner) * itemsize, (outer * row + b * inner) * itemsize
                 if out and out[-1][1] == start:
                     out[-1] = (out[-1][0], stop)
