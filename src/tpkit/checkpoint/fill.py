@@ -143,7 +143,7 @@ def start(source: Source, t: Target, e: Entry, pool, staging: Staging | None, ve
                 t.dest.data = parts[0]
                 futures = [pool.submit(check_mapped, e, t.layout, source, parts[0])] if verify else []
             else:
-                futures = [pool.submit(copy_parts, parts, t, e, source, verify)]
+                futures = [pool.submit(copy_parts, parts, t, e, source, verify, maps)]
             return _Job(t, e, t.dest, True, futures, 0)
     if direct:
         region = t.dest.data
@@ -194,9 +194,12 @@ def _mapped(maps: dict[str, mmap.mmap], path: str, dtype: torch.dtype, offset: i
     return torch.frombuffer(maps[path], dtype=dtype, count=count, offset=offset)
 
 
-def copy_parts(parts: list[torch.Tensor], t: Target, e: Entry, source: Source, verify: bool) -> None:
+def copy_parts(parts: list[torch.Tensor], t: Target, e: Entry, source: Source, verify: bool,
+               maps: dict[str, mmap.mmap]) -> None:
     """Copy mapped `parts` into the target's tensor (dtype converted, transposed back), each at its place
-    along the layout's dim; then, with `verify`, check the pieces' sha256 from disk."""
+    along the layout's dim; then drop the source's pages from this process (a row split's copy faults in the
+    whole tensor: kept, the file's pages of every other rank's columns would count in this rank's memory until
+    the end of the load) and, with `verify`, check the pieces' sha256 from disk."""
     stored = t.dest.data.t() if t.layout.transposed else t.dest.data
     dim, at = t.layout.dim, 0
     with torch.no_grad():
@@ -206,9 +209,23 @@ def copy_parts(parts: list[torch.Tensor], t: Target, e: Entry, source: Source, v
             n = part.shape[dim]
             stored.narrow(dim, at, n).copy_(part)
             at += n
+    for piece in e.pieces:
+        info = source.headers[piece.path].tensors[piece.name]
+        if piece.path in maps:
+            release(maps[piece.path], info.start, info.stop)
     if verify:
         for piece in needed_pieces(e, t.layout):
             check_piece(piece, source.headers[piece.path].tensors[piece.name])
+
+
+def release(mapping: mmap.mmap, start: int, stop: int) -> None:
+    """Unmap the whole pages inside bytes [start, stop) from this process (they stay in the page cache; a later
+    touch maps them again). Safe during a load: no page of the mapping has been written, so none holds data of
+    its own (a page shared with a view is mapped back on its next use)."""
+    page = mmap.PAGESIZE
+    a, b = -(-start // page) * page, stop // page * page
+    if b > a:
+        mapping.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
 def check_mapped(e: Entry, layout: ShardLayout, source: Source, view: torch.Tensor) -> None:
