@@ -224,7 +224,7 @@ def release(mapping: mmap.mmap, start: int, stop: int) -> None:
     its own (a page shared with a view is mapped back on its next use)."""
     page = mmap.PAGESIZE
     a, b = -(-start // page) * page, stop // page * page
-    if b > a:
+    if b > a and hasattr(mmap, "MADV_DONTNEED"):  # not on every platform: there the pages stay until the end
         mapping.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
