@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..modules import is_conv2d, is_per_channel
 from .loose import LooseParams
-from .ops import CUTS, ELEMENTWISE, LAYOUT, METADATA, RESHAPES, SPLITS
+from .ops import CUTS, ELEMENTWISE, JOINS, LAYOUT, METADATA, RESHAPES, SPLITS
 from .state import module_state, restore
 
 
@@ -41,14 +41,22 @@ class Tag:
     reshaped_to: frozenset = frozenset()
     unproven: frozenset = frozenset()
     headed: bool = False  # a reshape added axes (to heads; one head of the projection's width included)
-    blocks: frozenset = frozenset()  # the last three sizes of reshapes that split the features ([heads, 3, hd])
+    # the last two and three sizes of reshapes that split the features ([heads, 3, hd], [3, heads, hd], [heads + 2,
+    # hd]), when they hold exactly the features: which layout a packed projection has
+    blocks: frozenset = frozenset()
     cut: frozenset = frozenset()  # sizes of axes (not the last) a CUTS op changed once the tensor had heads
+    # plain slices `[..., a:b, :]` taken once the tensor had heads, along the axis before the last: (that axis'
+    # size, a, b), as Falcon's query `[..., :-2, :]` of [heads + 2, hd] (which part of a packed block is the query)
+    head_slices: frozenset = frozenset()
+    # the feature widths of the tensors on which the ops that made `unproven` ran: one head's width (GPT-BigCode's
+    # single key head, a piece of hd features never reshaped) is mixed within that head only
+    mixed_at: frozenset = frozenset()
 
     def merge(self, other: "Tag") -> "Tag":
         return Tag(self.sources | other.sources, self.clean and other.clean, self.carried | other.carried,
                    self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to,
                    self.unproven | other.unproven, self.headed or other.headed, self.blocks | other.blocks,
-                   self.cut | other.cut)
+                   self.cut | other.cut, self.head_slices | other.head_slices, self.mixed_at | other.mixed_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +118,8 @@ class _Tracer(TorchFunctionMode):
         self.readers: dict[str, str] = {}  # layer read directly -> the MultiheadAttention whose forward read it
         self.inside: list[str] = []  # the MultiheadAttention modules whose forward is running
         self.loose = LooseParams()  # parameters no layer owns, followed apart from the tags
+        # id of a clean output reshaped to [k, width / k] -> (it, its tag before): `[..., i, :]` of it is piece i
+        self.stacked: dict[int, tuple[torch.Tensor, Tag]] = {}
 
     def tag_of(self, t: Any) -> Tag | None:
         if isinstance(t, torch.Tensor):
@@ -148,24 +158,65 @@ class _Tracer(TorchFunctionMode):
         for other in tags[1:]:
             tag = tag.merge(other)
         ref = next(a for a, tg in tagged if tg is not None)
+        piece = self._stacked_piece(name, ref, out)
+        if piece is not None:
+            self.set_tag(out, piece)
+            return out
         is_conv = bool(tag.sources & self.conv_layers)
         fdim = _feature_dim(ref, is_conv)
         clean = tag.clean and self._per_feature(name, ref, flat, out, fdim, tag)
-        reshaped, blocks = tag.reshaped_to, tag.blocks
+        reshaped, blocks, head_slices = tag.reshaped_to, tag.blocks, tag.head_slices
         if name in RESHAPES and isinstance(out, torch.Tensor) and out.dim() and ref.dim():
             if out.shape[-1] != ref.shape[-1]:
                 reshaped = reshaped | {int(out.shape[-1])}
-                if out.dim() >= 3 and out.shape[-3:].numel() == ref.shape[-1]:
-                    blocks = blocks | {tuple(int(d) for d in out.shape[-3:])}
-        keeps = name in LAYOUT and isinstance(out, torch.Tensor) and out.dim() and out.shape[-1] == ref.shape[-1]
+                blocks = blocks | {tuple(int(d) for d in out.shape[-n:]) for n in (2, 3)
+                                   if out.dim() >= n and out.shape[-n:].numel() == ref.shape[-1]}
+                self._note_stacked(ref, out, tag, fdim)
+        if name == "__getitem__" and tag.headed:
+            head_slices = head_slices | self._head_slice(ref)
+        keeps = (name in LAYOUT or (name in RESHAPES and fdim == ref.dim() - 1)) and isinstance(out, torch.Tensor) \
+            and out.dim() and out.shape[-1] == ref.shape[-1]
         headed = tag.headed or bool(reshaped) or (name in RESHAPES and isinstance(out, torch.Tensor)
                                                   and out.dim() > ref.dim())
-        unproven = tag.unproven | (tag.sources if not clean and not headed and not keeps else frozenset())
+        mixes = not clean and not headed and not keeps
+        unproven = tag.unproven | (tag.sources if mixes else frozenset())
+        mixed_at = tag.mixed_at | ({int(ref.shape[fdim])} if mixes and ref.dim() else frozenset())
         cut = tag.cut | (self._cut(ref, out) if tag.headed and name in CUTS else frozenset())
         new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped, unproven,
-                  headed, blocks, cut)
+                  headed, blocks, cut, head_slices, mixed_at)
         self.set_tag(out, new)
         return out
+
+    def _note_stacked(self, ref, out, tag: Tag, fdim: int) -> None:
+        """A clean output of one layer viewed as [k, width / k] (Moshi's gated MLP: `view(b, s, 2, -1)`): its
+        pieces are the rows of that view."""
+        if len(tag.sources) == 1 and tag.clean and fdim == ref.dim() - 1 and out.dim() == ref.dim() + 1 \
+                and out.shape[:-2] == ref.shape[:-1]:
+            self.stacked[id(out)] = (out, tag)
+
+    def _stacked_piece(self, name: str, ref, out) -> Tag | None:
+        """`x[..., i, :]` of a stacked view (see `_note_stacked`): piece i of the layer's features, in order, as a
+        split would give it; its tag is the one before the view, and the pieces are recorded."""
+        entry = self.stacked.get(id(ref))
+        if name != "__getitem__" or entry is None or entry[0] is not ref or not isinstance(out, torch.Tensor):
+            return None
+        key = _axes(getattr(self, "_last_key", None), ref.dim())
+        if key is None or not isinstance(key[-2], int) or any(k != slice(None) for k in key[:-2] + key[-1:]):
+            return None
+        (src,) = entry[1].sources
+        k, width = int(ref.shape[-2]), int(ref.shape[-1])
+        if self.pieces.setdefault(src, (width,) * k) != (width,) * k:
+            return None
+        return entry[1]
+
+    def _head_slice(self, ref) -> frozenset:
+        """A plain slice along the axis before the last of a tensor with heads: {(that axis' size, start, stop)}."""
+        key = _axes(getattr(self, "_last_key", None), ref.dim())
+        if key is None or ref.dim() < 2 or not isinstance(key[-2], slice) or key[-2].step not in (None, 1) \
+                or any(k != slice(None) for k in key[:-2] + key[-1:]):
+            return frozenset()
+        start, stop, _ = key[-2].indices(int(ref.shape[-2]))
+        return frozenset({(int(ref.shape[-2]), start, stop)})
 
     @staticmethod
     def _cut(ref: torch.Tensor, out: Any) -> frozenset:
@@ -195,6 +246,16 @@ class _Tracer(TorchFunctionMode):
             # Flattening leading dims keeps every feature in place.
             return isinstance(out, torch.Tensor) and out.dim() >= 1 and fdim == ref.dim() - 1 \
                 and out.shape[-1] == ref.shape[-1]
+        if name == "unsqueeze":  # a new leading axis (GPT-BigCode's `c_attn(x).unsqueeze(1)`) keeps them too
+            dims = [a for a in flat if isinstance(a, int) and not isinstance(a, bool)]
+            return isinstance(out, torch.Tensor) and len(dims) == 1 and fdim == ref.dim() - 1 \
+                and dims[0] % out.dim() < out.dim() - 1
+        if name in JOINS:  # along a leading axis (a KV cache's sequence), with nothing but tagged or empty
+            # tensors: every feature stays in place
+            dims = [a for a in flat if isinstance(a, int) and not isinstance(a, bool)]
+            return isinstance(out, torch.Tensor) and fdim == ref.dim() - 1 and out.shape[-1] == ref.shape[-1] \
+                and (dims[0] if dims else 0) % out.dim() < out.dim() - 1 and all(
+                    self.tag_of(a) is not None or a.numel() == 0 for a in flat if isinstance(a, torch.Tensor))
         if name not in ELEMENTWISE:
             return False
         for a in flat:
@@ -207,12 +268,15 @@ class _Tracer(TorchFunctionMode):
     def _feature_slice(self, flat, ref, out, fdim, tag) -> bool:
         """`x[..., a:b]` of one layer's clean output: a piece of a packed projection (Phi-3's qkv), kept if
         the pieces taken from it tile its features exactly (checked when the trace ends)."""
+        key = getattr(self, "_last_key", None)
+        parts = key if isinstance(key, tuple) else (key,)
+        if any(p is None for p in parts):  # only new leading axes (`repeat_kv`'s `x[:, :, None]`): features kept
+            return isinstance(out, torch.Tensor) and fdim == ref.dim() - 1 and parts[-1] is not None and all(
+                p is None or p is Ellipsis or (isinstance(p, slice) and p == slice(None)) for p in parts)
         if len(tag.sources) != 1 or not tag.clean or not isinstance(out, torch.Tensor) or fdim != ref.dim() - 1:
             return False
-        key = getattr(self, "_last_key", None)
         if key is None:
             return False
-        parts = key if isinstance(key, tuple) else (key,)
         if not parts or not isinstance(parts[-1], slice) or parts[-1].step not in (None, 1):
             return False
         lead = parts[:-1]
@@ -233,6 +297,23 @@ class _Tracer(TorchFunctionMode):
         (src,) = tag.sources
         self.pieces[src] = tuple(int(p.shape[fdim]) for p in pieces)
         return True
+
+
+def _axes(key: Any, dims: int) -> tuple | None:
+    """An indexing key as one entry per axis of a `dims`-axis tensor (Ellipsis expanded), or None when it is not
+    plain ints and slices."""
+    if key is None:
+        return None
+    parts = key if isinstance(key, tuple) else (key,)
+    if any(p is None or not isinstance(p, (int, slice, type(Ellipsis))) or isinstance(p, bool) for p in parts):
+        return None
+    if parts.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in parts:
+        at = parts.index(Ellipsis)
+        parts = parts[:at] + (slice(None),) * (dims - len(parts) + 1) + parts[at + 1:]
+    parts = parts + (slice(None),) * (dims - len(parts))
+    return parts if len(parts) == dims else None
 
 
 def parameterised_leaves(model: nn.Module) -> dict[str, nn.Module]:
