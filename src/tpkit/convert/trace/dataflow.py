@@ -8,7 +8,8 @@ input) and watch it: forward hooks tag the output of every layer that owns param
 elementwise, a split of the last dimension (packed projections), or something that mixes features.
 
 The ops the tracer tells apart are named in `ops.py`. Parameters that no layer owns (an attention module's own
-sinks, per-head biases) are followed beside the tags (`loose.py`).
+sinks, per-head biases) are followed beside the tags (`loose.py`), and the pieces of packed projections are
+gathered in `pieces.py`.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from ..modules import is_conv2d, is_per_channel
 from .loose import LooseParams
 from .ops import CUTS, ELEMENTWISE, JOINS, LAYOUT, METADATA, RESHAPES, SPLITS
+from .pieces import Pieces, axes
 from .state import module_state, restore
 
 
@@ -111,15 +113,13 @@ class _Tracer(TorchFunctionMode):
         self.tags: dict[int, tuple[torch.Tensor, Tag]] = {}
         self.depth = 0
         self.conv_layers = conv_layers
-        self.pieces: dict[str, tuple] = {}
-        self.slices: dict[str, set] = {}
+        self.packed = Pieces()  # packed projections: one layer's output cut into pieces (`pieces.py`)
+        self._last_key: Any = None  # the key of the op just run when it was `__getitem__`
         self.owners: dict[int, tuple[torch.Tensor, str]] = {}  # id(parameter) -> (it, the layer that owns it)
         self.read_directly: dict[str, str] = {}
         self.readers: dict[str, str] = {}  # layer read directly -> the MultiheadAttention whose forward read it
         self.inside: list[str] = []  # the MultiheadAttention modules whose forward is running
         self.loose = LooseParams()  # parameters no layer owns, followed apart from the tags
-        # id of a clean output reshaped to [k, width / k] -> (it, its tag before): `[..., i, :]` of it is piece i
-        self.stacked: dict[int, tuple[torch.Tensor, Tag]] = {}
 
     def tag_of(self, t: Any) -> Tag | None:
         if isinstance(t, torch.Tensor):
@@ -158,7 +158,7 @@ class _Tracer(TorchFunctionMode):
         for other in tags[1:]:
             tag = tag.merge(other)
         ref = next(a for a, tg in tagged if tg is not None)
-        piece = self._stacked_piece(name, ref, out)
+        piece = self.packed.stacked_piece(self._last_key, ref, out) if name == "__getitem__" else None
         if piece is not None:
             self.set_tag(out, piece)
             return out
@@ -171,7 +171,7 @@ class _Tracer(TorchFunctionMode):
                 reshaped = reshaped | {int(out.shape[-1])}
                 blocks = blocks | {tuple(int(d) for d in out.shape[-n:]) for n in (2, 3)
                                    if out.dim() >= n and out.shape[-n:].numel() == ref.shape[-1]}
-                self._note_stacked(ref, out, tag, fdim)
+                self.packed.note_stacked(ref, out, tag, fdim)
         if name == "__getitem__" and tag.headed:
             head_slices = head_slices | self._head_slice(ref)
         keeps = (name in LAYOUT or (name in RESHAPES and fdim == ref.dim() - 1)) and isinstance(out, torch.Tensor) \
@@ -187,31 +187,9 @@ class _Tracer(TorchFunctionMode):
         self.set_tag(out, new)
         return out
 
-    def _note_stacked(self, ref, out, tag: Tag, fdim: int) -> None:
-        """A clean output of one layer viewed as [k, width / k] (Moshi's gated MLP: `view(b, s, 2, -1)`): its
-        pieces are the rows of that view."""
-        if len(tag.sources) == 1 and tag.clean and fdim == ref.dim() - 1 and out.dim() == ref.dim() + 1 \
-                and out.shape[:-2] == ref.shape[:-1]:
-            self.stacked[id(out)] = (out, tag)
-
-    def _stacked_piece(self, name: str, ref, out) -> Tag | None:
-        """`x[..., i, :]` of a stacked view (see `_note_stacked`): piece i of the layer's features, in order, as a
-        split would give it; its tag is the one before the view, and the pieces are recorded."""
-        entry = self.stacked.get(id(ref))
-        if name != "__getitem__" or entry is None or entry[0] is not ref or not isinstance(out, torch.Tensor):
-            return None
-        key = _axes(getattr(self, "_last_key", None), ref.dim())
-        if key is None or not isinstance(key[-2], int) or any(k != slice(None) for k in key[:-2] + key[-1:]):
-            return None
-        (src,) = entry[1].sources
-        k, width = int(ref.shape[-2]), int(ref.shape[-1])
-        if self.pieces.setdefault(src, (width,) * k) != (width,) * k:
-            return None
-        return entry[1]
-
     def _head_slice(self, ref) -> frozenset:
         """A plain slice along the axis before the last of a tensor with heads: {(that axis' size, start, stop)}."""
-        key = _axes(getattr(self, "_last_key", None), ref.dim())
+        key = axes(self._last_key, ref.dim())
         if key is None or ref.dim() < 2 or not isinstance(key[-2], slice) or key[-2].step not in (None, 1) \
                 or any(k != slice(None) for k in key[:-2] + key[-1:]):
             return frozenset()
@@ -239,9 +217,13 @@ class _Tracer(TorchFunctionMode):
 
     def _per_feature(self, name, ref, flat, out, fdim, tag) -> bool:
         if name == "__getitem__":
-            return self._feature_slice(flat, ref, out, fdim, tag)
+            parts = self._last_key if isinstance(self._last_key, tuple) else (self._last_key,)
+            if any(p is None for p in parts):  # only new leading axes (`repeat_kv`'s `x[:, :, None]`): features kept
+                return isinstance(out, torch.Tensor) and fdim == ref.dim() - 1 and parts[-1] is not None and all(
+                    p is None or p is Ellipsis or (isinstance(p, slice) and p == slice(None)) for p in parts)
+            return self.packed.slice(self._last_key, ref, out, fdim, tag)
         if name in SPLITS:
-            return self._packed_split(name, ref, flat, out, fdim, tag)
+            return self.packed.split(ref, out, fdim, tag)
         if name in RESHAPES:
             # Flattening leading dims keeps every feature in place.
             return isinstance(out, torch.Tensor) and out.dim() >= 1 and fdim == ref.dim() - 1 \
@@ -264,57 +246,6 @@ class _Tracer(TorchFunctionMode):
                 if index >= 0 and a.shape[index] != 1:
                     return False  # an untagged operand varies along the features
         return True
-
-    def _feature_slice(self, flat, ref, out, fdim, tag) -> bool:
-        """`x[..., a:b]` of one layer's clean output: a piece of a packed projection (Phi-3's qkv), kept if
-        the pieces taken from it tile its features exactly (checked when the trace ends)."""
-        key = getattr(self, "_last_key", None)
-        parts = key if isinstance(key, tuple) else (key,)
-        if any(p is None for p in parts):  # only new leading axes (`repeat_kv`'s `x[:, :, None]`): features kept
-            return isinstance(out, torch.Tensor) and fdim == ref.dim() - 1 and parts[-1] is not None and all(
-                p is None or p is Ellipsis or (isinstance(p, slice) and p == slice(None)) for p in parts)
-        if len(tag.sources) != 1 or not tag.clean or not isinstance(out, torch.Tensor) or fdim != ref.dim() - 1:
-            return False
-        if key is None:
-            return False
-        if not parts or not isinstance(parts[-1], slice) or parts[-1].step not in (None, 1):
-            return False
-        lead = parts[:-1]
-        if not (lead == (Ellipsis,) or (len(lead) == ref.dim() - 1 and all(p == slice(None) for p in lead))):
-            return False
-        start, stop, _ = parts[-1].indices(ref.shape[-1])
-        (src,) = tag.sources
-        self.slices.setdefault(src, set()).add((start, stop))
-        return True
-
-    def _packed_split(self, name, ref, flat, out, fdim, tag) -> bool:
-        """A split of a single layer's clean output along its features marks a packed projection."""
-        pieces = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if not pieces or len(tag.sources) != 1 or not tag.clean:
-            return False
-        if any(p.dim() != ref.dim() for p in pieces) or sum(p.shape[fdim] for p in pieces) != ref.shape[fdim]:
-            return False
-        (src,) = tag.sources
-        self.pieces[src] = tuple(int(p.shape[fdim]) for p in pieces)
-        return True
-
-
-def _axes(key: Any, dims: int) -> tuple | None:
-    """An indexing key as one entry per axis of a `dims`-axis tensor (Ellipsis expanded), or None when it is not
-    plain ints and slices."""
-    if key is None:
-        return None
-    parts = key if isinstance(key, tuple) else (key,)
-    if any(p is None or not isinstance(p, (int, slice, type(Ellipsis))) or isinstance(p, bool) for p in parts):
-        return None
-    if parts.count(Ellipsis) > 1:
-        return None
-    if Ellipsis in parts:
-        at = parts.index(Ellipsis)
-        parts = parts[:at] + (slice(None),) * (dims - len(parts) + 1) + parts[at + 1:]
-    parts = parts + (slice(None),) * (dims - len(parts))
-    return parts if len(parts) == dims else None
-
 
 def parameterised_leaves(model: nn.Module) -> dict[str, nn.Module]:
     """Modules that own parameters directly and have no parameterised children: the layers we plan."""
@@ -411,7 +342,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
     finally:
         for h in handles:
             h.remove()
-    pieces, broken = _packed_pieces(tracer, calls)
+    pieces, broken = tracer.packed.result(calls)
     escaped: set = set()
     for t in _leaves_of(out):
         tag = tracer.tag_of(t)
@@ -441,22 +372,6 @@ def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:
             m.training = flag
         restore(state)
 
-
-
-def _packed_pieces(tracer: _Tracer, calls: dict[str, list[Call]]) -> tuple[dict, set]:
-    """Layers whose output was sliced along the features: pieces when the slices tile the output exactly
-    (a packed projection), `broken` when they do not."""
-    pieces = dict(tracer.pieces)
-    broken: set = set()
-    for src, spans in tracer.slices.items():
-        spans = sorted(spans)
-        width = calls[src][0].output_shape[-1] if calls.get(src) and calls[src][0].output_shape else None
-        tiles = spans[0][0] == 0 and spans[-1][1] == width and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-        if tiles and src not in pieces:
-            pieces[src] = tuple(b - a for a, b in spans)
-        else:
-            broken.add(src)
-    return pieces, broken
 
 
 def _leaves_of(out: Any):
