@@ -1,6 +1,7 @@
 """Step 1 of conversion: trace a model's forward once and read its structure (world-size free).
 
     dataflow   the tracer: which layer's output reaches which layer's input, through which kind of ops
+    pieces     packed projections: one layer's output cut into pieces (q | k | v) along its features
     heads      what an attention module states of its heads, and its per-head arguments
     pairs      column -> row pairs (MLP, conv) found in the dataflow; attention blocks (`attention`)
     structure  `Analysis`: the traced dataflow, the pairs, the ties, remembered per model object

@@ -41,11 +41,15 @@ def _heads_module(a: Pairing, srcs: list[str], row: str):
 def _packed(pieces, out: int, tag, hd, nh, nkv):
     """How one projection holds q, k and v: (role, q width, kv width, head_dim, head block width, pieces,
     extra details), or None when no layout is proven.
-    - "qkv": split into three pieces [q | k | v] (Phi-3's slices, GPT-2's split);
+    - "qkv": split into three pieces [q | k | v] (Phi-3's slices, GPT-2's split), or seen as a reshape to exactly
+      [3, heads, head_dim] (ModernBert), or as [heads + 2, head_dim] with the query cut as its first `heads`
+      rows (Falcon's multi-query: one key and one value head after the query heads);
     - "qkv_heads": [heads, 3, head_dim], each head's q, k, v side by side (GPT-NeoX views [heads, 3 x hd],
       BLOOM and Falcon [heads, 3, hd]);
     - "qkv_groups": [kv heads, group + 2, head_dim], each KV group's query heads then its key and value
-      (Falcon's grouped layout), seen as a reshape to exactly those sizes."""
+      (Falcon's grouped layout), seen as a reshape to exactly those sizes, the query cut as each group's first
+      `group` rows.
+    A layout whose head count is 3 reads the same as its [3, heads] twin and is not proven that way."""
     per_head = hd or (out // (3 * nh) if nh and out % (3 * nh) == 0 else None)
     if pieces and len(pieces) == 3 and pieces[1] == pieces[2]:
         return "qkv", pieces[0], pieces[1], hd, hd, pieces, {}
@@ -56,9 +60,14 @@ def _packed(pieces, out: int, tag, hd, nh, nkv):
             return "qkv_heads", out // 3, out // 3, per_head, 3 * per_head, None, {}
         if heads != 3 and (heads, 3, per_head) in tag.blocks:
             return "qkv_heads", out // 3, out // 3, per_head, per_head, None, {}
+        if heads != 3 and (3, heads, per_head) in tag.blocks and nkv in (None, nh or heads):
+            return "qkv", out // 3, out // 3, per_head, per_head, (out // 3,) * 3, {}
+    if hd and nh and nkv in (None, 1) and out == (nh + 2) * hd and (nh + 2, hd) in tag.blocks \
+            and (nh + 2, 0, nh) in tag.head_slices:
+        return "qkv", nh * hd, hd, hd, hd, (nh * hd, hd, hd), {}
     if hd and nh and nkv and nh % nkv == 0 and out == (nh + 2 * nkv) * hd:
         group = nh // nkv
-        if nkv != group + 2 and (nkv, group + 2, hd) in tag.blocks:
+        if nkv != group + 2 and (nkv, group + 2, hd) in tag.blocks and (group + 2, 0, group) in tag.head_slices:
             return "qkv_groups", nh * hd, nkv * hd, hd, hd, None, {"group": group}
     return None
 
@@ -69,7 +78,7 @@ def _unsplittable(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors)
         return f"ops between {srcs + list(head_tensors)} and {row} mix features ({tag.broken_by}) and they are not " \
                f"linear layers of an attention block"
     mixed = [s for s in srcs if s in tag.unproven]
-    if mixed:
+    if mixed and not _within_one_head(a, srcs, row, tag):
         return f"the output of {mixed} is rearranged across its features ({tag.broken_by}) before any reshape to " \
                f"heads (an interleaved rotary or a packing the planner cannot prove), so a split by heads could " \
                f"be wrong; left whole"
@@ -78,6 +87,14 @@ def _unsplittable(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors)
         return f"{srcs} do not read one shared input, so they are not the q/k/v of one attention block " \
                f"(ops between them and {row}: {tag.broken_by})"
     return None
+
+
+def _within_one_head(a: Pairing, srcs: list[str], row: str, tag: Tag) -> bool:
+    """Whether every op that mixed features before a reshape to heads ran on one head's width (GPT-BigCode's
+    multi-query key: a piece of head_dim features, transposed for the scores, never reshaped): it mixes nothing
+    across heads."""
+    hd = _heads_module(a, srcs, row)[2][0]
+    return bool(hd) and tag.mixed_at == {hd}
 
 
 def _is_cross(srcs: list[str], inputs: list) -> bool:

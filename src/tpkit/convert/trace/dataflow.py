@@ -8,7 +8,8 @@ input) and watch it: forward hooks tag the output of every layer that owns param
 elementwise, a split of the last dimension (packed projections), or something that mixes features.
 
 The ops the tracer tells apart are named in `ops.py`. Parameters that no layer owns (an attention module's own
-sinks, per-head biases) are followed beside the tags (`loose.py`).
+sinks, per-head biases) are followed beside the tags (`loose.py`), and the pieces of packed projections are
+gathered in `pieces.py`.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from torch.utils._pytree import tree_flatten
 
 from ..modules import is_conv2d, is_per_channel
 from .loose import LooseParams
-from .ops import CUTS, ELEMENTWISE, LAYOUT, METADATA, RESHAPES, SPLITS
+from .ops import CUTS, ELEMENTWISE, JOINS, LAYOUT, METADATA, RESHAPES, SPLITS
+from .pieces import Pieces, axes
 from .state import module_state, restore
 
 
@@ -41,14 +43,22 @@ class Tag:
     reshaped_to: frozenset = frozenset()
     unproven: frozenset = frozenset()
     headed: bool = False  # a reshape added axes (to heads; one head of the projection's width included)
-    blocks: frozenset = frozenset()  # the last three sizes of reshapes that split the features ([heads, 3, hd])
+    # the last two and three sizes of reshapes that split the features ([heads, 3, hd], [3, heads, hd], [heads + 2,
+    # hd]), when they hold exactly the features: which layout a packed projection has
+    blocks: frozenset = frozenset()
     cut: frozenset = frozenset()  # sizes of axes (not the last) a CUTS op changed once the tensor had heads
+    # plain slices `[..., a:b, :]` taken once the tensor had heads, along the axis before the last: (that axis'
+    # size, a, b), as Falcon's query `[..., :-2, :]` of [heads + 2, hd] (which part of a packed block is the query)
+    head_slices: frozenset = frozenset()
+    # the feature widths of the tensors on which the ops that made `unproven` ran: one head's width (GPT-BigCode's
+    # single key head, a piece of hd features never reshaped) is mixed within that head only
+    mixed_at: frozenset = frozenset()
 
     def merge(self, other: "Tag") -> "Tag":
         return Tag(self.sources | other.sources, self.clean and other.clean, self.carried | other.carried,
                    self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to,
                    self.unproven | other.unproven, self.headed or other.headed, self.blocks | other.blocks,
-                   self.cut | other.cut)
+                   self.cut | other.cut, self.head_slices | other.head_slices, self.mixed_at | other.mixed_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +113,8 @@ class _Tracer(TorchFunctionMode):
         self.tags: dict[int, tuple[torch.Tensor, Tag]] = {}
         self.depth = 0
         self.conv_layers = conv_layers
-        self.pieces: dict[str, tuple] = {}
-        self.slices: dict[str, set] = {}
+        self.packed = Pieces()  # packed projections: one layer's output cut into pieces (`pieces.py`)
+        self._last_key: Any = None  # the key of the op just run when it was `__getitem__`
         self.owners: dict[int, tuple[torch.Tensor, str]] = {}  # id(parameter) -> (it, the layer that owns it)
         self.read_directly: dict[str, str] = {}
         self.readers: dict[str, str] = {}  # layer read directly -> the MultiheadAttention whose forward read it
@@ -148,24 +158,43 @@ class _Tracer(TorchFunctionMode):
         for other in tags[1:]:
             tag = tag.merge(other)
         ref = next(a for a, tg in tagged if tg is not None)
+        piece = self.packed.stacked_piece(self._last_key, ref, out) if name == "__getitem__" else None
+        if piece is not None:
+            self.set_tag(out, piece)
+            return out
         is_conv = bool(tag.sources & self.conv_layers)
         fdim = _feature_dim(ref, is_conv)
         clean = tag.clean and self._per_feature(name, ref, flat, out, fdim, tag)
-        reshaped, blocks = tag.reshaped_to, tag.blocks
+        reshaped, blocks, head_slices = tag.reshaped_to, tag.blocks, tag.head_slices
         if name in RESHAPES and isinstance(out, torch.Tensor) and out.dim() and ref.dim():
             if out.shape[-1] != ref.shape[-1]:
                 reshaped = reshaped | {int(out.shape[-1])}
-                if out.dim() >= 3 and out.shape[-3:].numel() == ref.shape[-1]:
-                    blocks = blocks | {tuple(int(d) for d in out.shape[-3:])}
-        keeps = name in LAYOUT and isinstance(out, torch.Tensor) and out.dim() and out.shape[-1] == ref.shape[-1]
+                blocks = blocks | {tuple(int(d) for d in out.shape[-n:]) for n in (2, 3)
+                                   if out.dim() >= n and out.shape[-n:].numel() == ref.shape[-1]}
+                self.packed.note_stacked(ref, out, tag, fdim)
+        if name == "__getitem__" and tag.headed:
+            head_slices = head_slices | self._head_slice(ref)
+        keeps = (name in LAYOUT or (name in RESHAPES and fdim == ref.dim() - 1)) and isinstance(out, torch.Tensor) \
+            and out.dim() and out.shape[-1] == ref.shape[-1]
         headed = tag.headed or bool(reshaped) or (name in RESHAPES and isinstance(out, torch.Tensor)
                                                   and out.dim() > ref.dim())
-        unproven = tag.unproven | (tag.sources if not clean and not headed and not keeps else frozenset())
+        mixes = not clean and not headed and not keeps
+        unproven = tag.unproven | (tag.sources if mixes else frozenset())
+        mixed_at = tag.mixed_at | ({int(ref.shape[fdim])} if mixes and ref.dim() else frozenset())
         cut = tag.cut | (self._cut(ref, out) if tag.headed and name in CUTS else frozenset())
         new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped, unproven,
-                  headed, blocks, cut)
+                  headed, blocks, cut, head_slices, mixed_at)
         self.set_tag(out, new)
         return out
+
+    def _head_slice(self, ref) -> frozenset:
+        """A plain slice along the axis before the last of a tensor with heads: {(that axis' size, start, stop)}."""
+        key = axes(self._last_key, ref.dim())
+        if key is None or ref.dim() < 2 or not isinstance(key[-2], slice) or key[-2].step not in (None, 1) \
+                or any(k != slice(None) for k in key[:-2] + key[-1:]):
+            return frozenset()
+        start, stop, _ = key[-2].indices(int(ref.shape[-2]))
+        return frozenset({(int(ref.shape[-2]), start, stop)})
 
     @staticmethod
     def _cut(ref: torch.Tensor, out: Any) -> frozenset:
@@ -188,13 +217,27 @@ class _Tracer(TorchFunctionMode):
 
     def _per_feature(self, name, ref, flat, out, fdim, tag) -> bool:
         if name == "__getitem__":
-            return self._feature_slice(flat, ref, out, fdim, tag)
+            parts = self._last_key if isinstance(self._last_key, tuple) else (self._last_key,)
+            if any(p is None for p in parts):  # only new leading axes (`repeat_kv`'s `x[:, :, None]`): features kept
+                return isinstance(out, torch.Tensor) and fdim == ref.dim() - 1 and parts[-1] is not None and all(
+                    p is None or p is Ellipsis or (isinstance(p, slice) and p == slice(None)) for p in parts)
+            return self.packed.slice(self._last_key, ref, out, fdim, tag)
         if name in SPLITS:
-            return self._packed_split(name, ref, flat, out, fdim, tag)
+            return self.packed.split(ref, out, fdim, tag)
         if name in RESHAPES:
             # Flattening leading dims keeps every feature in place.
             return isinstance(out, torch.Tensor) and out.dim() >= 1 and fdim == ref.dim() - 1 \
                 and out.shape[-1] == ref.shape[-1]
+        if name == "unsqueeze":  # a new leading axis (GPT-BigCode's `c_attn(x).unsqueeze(1)`) keeps them too
+            dims = [a for a in flat if isinstance(a, int) and not isinstance(a, bool)]
+            return isinstance(out, torch.Tensor) and len(dims) == 1 and fdim == ref.dim() - 1 \
+                and dims[0] % out.dim() < out.dim() - 1
+        if name in JOINS:  # along a leading axis (a KV cache's sequence), with nothing but tagged or empty
+            # tensors: every feature stays in place
+            dims = [a for a in flat if isinstance(a, int) and not isinstance(a, bool)]
+            return isinstance(out, torch.Tensor) and fdim == ref.dim() - 1 and out.shape[-1] == ref.shape[-1] \
+                and (dims[0] if dims else 0) % out.dim() < out.dim() - 1 and all(
+                    self.tag_of(a) is not None or a.numel() == 0 for a in flat if isinstance(a, torch.Tensor))
         if name not in ELEMENTWISE:
             return False
         for a in flat:
@@ -203,37 +246,6 @@ class _Tracer(TorchFunctionMode):
                 if index >= 0 and a.shape[index] != 1:
                     return False  # an untagged operand varies along the features
         return True
-
-    def _feature_slice(self, flat, ref, out, fdim, tag) -> bool:
-        """`x[..., a:b]` of one layer's clean output: a piece of a packed projection (Phi-3's qkv), kept if
-        the pieces taken from it tile its features exactly (checked when the trace ends)."""
-        if len(tag.sources) != 1 or not tag.clean or not isinstance(out, torch.Tensor) or fdim != ref.dim() - 1:
-            return False
-        key = getattr(self, "_last_key", None)
-        if key is None:
-            return False
-        parts = key if isinstance(key, tuple) else (key,)
-        if not parts or not isinstance(parts[-1], slice) or parts[-1].step not in (None, 1):
-            return False
-        lead = parts[:-1]
-        if not (lead == (Ellipsis,) or (len(lead) == ref.dim() - 1 and all(p == slice(None) for p in lead))):
-            return False
-        start, stop, _ = parts[-1].indices(ref.shape[-1])
-        (src,) = tag.sources
-        self.slices.setdefault(src, set()).add((start, stop))
-        return True
-
-    def _packed_split(self, name, ref, flat, out, fdim, tag) -> bool:
-        """A split of a single layer's clean output along its features marks a packed projection."""
-        pieces = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if not pieces or len(tag.sources) != 1 or not tag.clean:
-            return False
-        if any(p.dim() != ref.dim() for p in pieces) or sum(p.shape[fdim] for p in pieces) != ref.shape[fdim]:
-            return False
-        (src,) = tag.sources
-        self.pieces[src] = tuple(int(p.shape[fdim]) for p in pieces)
-        return True
-
 
 def parameterised_leaves(model: nn.Module) -> dict[str, nn.Module]:
     """Modules that own parameters directly and have no parameterised children: the layers we plan."""
@@ -330,7 +342,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
     finally:
         for h in handles:
             h.remove()
-    pieces, broken = _packed_pieces(tracer, calls)
+    pieces, broken = tracer.packed.result(calls)
     escaped: set = set()
     for t in _leaves_of(out):
         tag = tracer.tag_of(t)
@@ -360,22 +372,6 @@ def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:
             m.training = flag
         restore(state)
 
-
-
-def _packed_pieces(tracer: _Tracer, calls: dict[str, list[Call]]) -> tuple[dict, set]:
-    """Layers whose output was sliced along the features: pieces when the slices tile the output exactly
-    (a packed projection), `broken` when they do not."""
-    pieces = dict(tracer.pieces)
-    broken: set = set()
-    for src, spans in tracer.slices.items():
-        spans = sorted(spans)
-        width = calls[src][0].output_shape[-1] if calls.get(src) and calls[src][0].output_shape else None
-        tiles = spans[0][0] == 0 and spans[-1][1] == width and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-        if tiles and src not in pieces:
-            pieces[src] = tuple(b - a for a, b in spans)
-        else:
-            broken.add(src)
-    return pieces, broken
 
 
 def _leaves_of(out: Any):
