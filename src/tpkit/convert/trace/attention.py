@@ -55,8 +55,9 @@ def _packed(pieces, out: int, tag, hd, nh, nkv):
         return "qkv", pieces[0], pieces[1], hd, hd, pieces, {}
     if per_head and out % (3 * per_head) == 0:
         heads = out // (3 * per_head)
-        # [heads, 3, hd] with heads == 3 reads the same as [3, heads, hd]: not proven.
-        if 3 * per_head in tag.reshaped_to:
+        # [heads, 3, hd] with heads == 3 reads the same as [3, heads, hd]: not proven. [heads, 3 x hd] is proven by
+        # a reshape to exactly those two sizes: a last axis of 3 x hd alone may be the output's flatten of 3 heads.
+        if (heads, 3 * per_head) in tag.blocks:
             return "qkv_heads", out // 3, out // 3, per_head, 3 * per_head, None, {}
         if heads != 3 and (heads, 3, per_head) in tag.blocks:
             return "qkv_heads", out // 3, out // 3, per_head, per_head, None, {}
