@@ -203,19 +203,17 @@ def copy_parts(parts: list[torch.Tensor], t: Target, e: Entry, source: Source, v
     stored = t.dest.data.t() if t.layout.transposed else t.dest.data
     dim, at = t.layout.dim, 0
     with torch.no_grad():
-        if dim is None:
+        if dim is None:  # replicated: one part, the whole tensor
             stored.copy_(parts[0])
-        for part in parts if dim is not None else ():
-            n = part.shape[dim]
-            stored.narrow(dim, at, n).copy_(part)
-            at += n
-    for piece in e.pieces:
+        else:
+            for part in parts:
+                stored.narrow(dim, at, part.shape[dim]).copy_(part)
+                at += part.shape[dim]
+    for piece in needed_pieces(e, t.layout):
         info = source.headers[piece.path].tensors[piece.name]
-        if piece.path in maps:
-            release(maps[piece.path], info.start, info.stop)
-    if verify:
-        for piece in needed_pieces(e, t.layout):
-            check_piece(piece, source.headers[piece.path].tensors[piece.name])
+        release(maps[piece.path], info.start, info.stop)
+        if verify:
+            check_piece(piece, info)
 
 
 def release(mapping: mmap.mmap, start: int, stop: int) -> None:

@@ -39,7 +39,7 @@ from .notices import log_kept_whole
 from .plan import PLAN_WORDS, Plan, check_plan_argument
 from .planner import auto_plan
 from .registry import style
-from .reuse import enabled, expand
+from .reuse import enabled, expand, outside_blocks
 from .steps import apply, prepare
 from .styles import SEQUENCE_PARALLEL
 from .trace import Analysis, analyze_structure, untraced_structure
@@ -143,8 +143,6 @@ def _user_named(model: nn.Module, plan: Any, analysis: Analysis) -> Callable[[st
     return lambda name: True
 
 
-
-
 def _overrides(plan: Any) -> Plan | None:
     """The user's entries when `plan` is "auto" plus overrides (an empty Plan for "auto"); None for a whole plan,
     a path, or anything styled sequence parallel (which needs the whole trace)."""
@@ -179,11 +177,10 @@ def _reused(model: nn.Module, plan: Any, comm, mode: str, example_inputs: Any) -
     if found is None:
         return None
     short, blocks = found
-    inside = tuple(b.name for b in blocks)
     world, copyable = comm.world_size, fits_real_copy(model)  # (of the whole model: the cut is smaller)
     with shortened(model, blocks) as cut:
         names = _names(cut)
-        outside = [n for n in names if not n.startswith(inside) and not any(b.startswith(n + ".") for b in inside)]
+        outside = outside_blocks(names, blocks)
         short = dataclasses.replace(short, model=cut)
         small = auto_plan(short, world, mode)
         cut_user = Plan({p: s for p, s in user.entries.items() if user.matching(p, names)}, prefix=user.prefix)

@@ -15,7 +15,7 @@ from .family import Draft, Proposal
 from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, kind
 from .plan import Plan
 from .registry import families
-from .reuse import enabled, expand
+from .reuse import enabled, expand, outside_blocks
 from .styles import REPLICATE, SMALL
 from .trace import Analysis, analyze_structure, parameterised_leaves
 from .trace.blocks import analyze_blocks, shortened
@@ -106,10 +106,8 @@ def _reused_plan(model: nn.Module, world_size: int, mode: str, example_inputs: A
     if found is None:
         return None
     short, blocks = found
-    inside = tuple(b.name for b in blocks)
     with shortened(model, blocks) as cut:
         small = auto_plan(dataclasses.replace(short, model=cut), world_size, mode)
-        outside = [n for n, _ in cut.named_modules() if n and not n.startswith(inside)
-                   and not any(b.startswith(n + ".") for b in inside)]
+        outside = outside_blocks((n for n, _ in cut.named_modules()), blocks)
     result = expand(small, blocks, outside)
     return None if result is None else (result, short)

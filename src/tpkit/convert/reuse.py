@@ -106,6 +106,12 @@ def _block_copies(value: str | Role, pattern: re.Pattern, where: str, outside: r
     return out
 
 
+def outside_blocks(names: Iterable[str], blocks: list[Blocks]) -> list[str]:
+    """The module names (of the cut model) in no block list and holding none: what `expand` calls `outside`."""
+    inside = tuple(b.name for b in blocks)
+    return [n for n in names if n and not n.startswith(inside) and not any(b.startswith(n + ".") for b in inside)]
+
+
 def expand(plan: Plan, blocks: list[Blocks], outside: Iterable[str]) -> Plan | None:
     """`plan` (of the model cut to its distinct blocks) for the whole model, or None when unsure. `outside`: the
     names of the modules outside the blocks (a fact of a block copied elsewhere in the stack that names one, such

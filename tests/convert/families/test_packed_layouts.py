@@ -70,20 +70,19 @@ class MultiQueryRows(_Block):
 
     def heads(self, x):
         b, s, _ = x.shape
-        g = self.qkv(x).view(b, s, self.num_heads + 2, self.head_dim)
-        q, k, v = g[..., :-2, :], g[..., [-2], :], g[..., [-1], :]
+        q, k, v = self.rows(self.qkv(x).view(b, s, self.num_heads + 2, self.head_dim))
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def rows(self, g):
+        return g[..., :-2, :], g[..., [-2], :], g[..., [-1], :]
 
 
 class MultiQueryRowsLast(MultiQueryRows):
     """The same projection with the query as the last `heads` rows: nothing says where the query is, as far as
     the planner reads it, so it stays whole."""
 
-    def heads(self, x):
-        b, s, _ = x.shape
-        g = self.qkv(x).view(b, s, self.num_heads + 2, self.head_dim)
-        q, k, v = g[..., 2:, :], g[..., [0], :], g[..., [1], :]
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    def rows(self, g):
+        return g[..., 2:, :], g[..., [0], :], g[..., [1], :]
 
 
 class MultiQueryPieces(_Block):
