@@ -17,6 +17,7 @@ from .families.attention import Attention
 from .families.expert_blocks import ExpertBlocks
 from .families.experts import FusedExpertsFamily
 from .families.fastpath import FastPaths
+from .families.gathered_norms import GatheredNorms
 from .families.head_params import HeadParameterFamily
 from .families.losses import ModelLosses
 from .families.mha import MultiheadAttentions
@@ -33,6 +34,7 @@ FAMILIES: list[Family] = [
     FastPaths(),            # layers other code reads directly stay whole: nothing later splits them
     Attention(),            # attention blocks split by heads
     FeaturePairs(),         # MLP and conv pairs
+    GatheredNorms(),        # norms over all split features, run on the features gathered from every rank
     PerHeadTensors(),       # per-head tensors (T5's bias) with their attention; ALiBi arguments sliced
     HeadParameterFamily(),  # an attention module's own parameters (sinks, per-head biases) with its heads
     MultiheadAttentions(),  # torch.nn.MultiheadAttention

@@ -20,7 +20,9 @@ class Pair:
     """Layers whose outputs stay split from `columns` to `row`: an MLP or conv pair, or an attention block (with
     its heads); `carried` are per-channel / per-head layers in between, `per_head` embeddings with one column per
     head that reach the block's scores (T5's position bias), `owners` the modules of the block that hold
-    parameters of their own which follow its heads (attention sinks, per-head biases; `Role.params`)."""
+    parameters of their own which follow its heads (attention sinks, per-head biases; `Role.params`), `norms` the
+    norms over all of the split features on the way (OLMo-2's q_norm, BitNet's sub-norms), which run whole on the
+    features gathered from every rank (`families/gathered_norms.py`)."""
 
     kind: str
     columns: tuple[str, ...]
@@ -33,6 +35,7 @@ class Pair:
     per_head: tuple[str, ...] = ()
     kv_expand: bool | None = None
     owners: tuple[str, ...] = ()
+    norms: tuple[str, ...] = ()
 
     def heads(self, world_size: int) -> HeadLayout:
         """The block's heads per rank (raises `HeadLayoutError` when they cannot be shared out)."""
@@ -42,13 +45,13 @@ class Pair:
     @property
     def members(self) -> tuple[str, ...]:
         """Every module the pair splits or keeps whole together."""
-        return self.columns + (self.row,) + self.carried + self.per_head
+        return self.columns + (self.row,) + self.carried + self.per_head + self.norms
 
 
 @dataclasses.dataclass(frozen=True)
 class Role:
     """A module's part in a pair (`pair`: attention / mlp / conv; `role`: q, k, v, qkv, qkv_heads, qkv_groups, o,
-    column, row, channel, head_local, per_head, ...) and what its layouts need to know."""
+    column, row, channel, head_local, per_head, gathered_norm, ...) and what its layouts need to know."""
 
     pair: str
     role: str

@@ -29,6 +29,7 @@ from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal, whole_choice
 from ..roles import ATTENTION, Pair
 from ..styles import COLWISE, REPLICATE, ROWWISE, Style
+from .gathered_norms import GATHERED_NORM, norms_blocker
 from ..trace.heads import NUM_HEADS_ATTRS, NUM_KV_ATTRS
 
 REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
@@ -63,14 +64,16 @@ class Attention(Family):
             whole = draft.whole(layers)
             if whole is None and draft.claimed(layers):
                 continue  # an earlier family planned this block
-            why = f"{whole[0]}: {whole[1]}" if whole else _heads_blocker(pair, draft.world_size)
+            why = f"{whole[0]}: {whole[1]}" if whole else (_heads_blocker(pair, draft.world_size)
+                                                            or norms_blocker(draft, pair))
             if why:
                 out.append(Proposal(self.name, pair.row, (whole_choice(pair.members, why),)))
                 continue
             a = draft.analysis
             split = Choice("split by heads", {**{n: COLWISE for n in pair.columns}, pair.row: ROWWISE,
-                                              **{n: REPLICATED_WITH_GRAD_ALLREDUCE for n in pair.carried}},
-                           details={n: a.structures[n] for n in pair.columns + (pair.row,) + pair.carried})
+                                              **{n: REPLICATED_WITH_GRAD_ALLREDUCE for n in pair.carried},
+                                              **{n: GATHERED_NORM for n in pair.norms}},
+                           details={n: a.structures[n] for n in pair.columns + (pair.row,) + pair.carried + pair.norms})
             kept = whole_choice(pair.members, f"attention {pair.attention or '<model>'} kept whole by the chosen setup "
                                       f"(it splits by heads at {draft.world_size} ranks)")
             out.append(Proposal(self.name, pair.row, (split, kept)))
@@ -85,7 +88,7 @@ class Attention(Family):
             if s != COLWISE or name not in t.calls:
                 continue
             for h, sources in t.head_local.items():
-                if name in sources and planned.style_of(h) != REPLICATED_WITH_GRAD_ALLREDUCE:
+                if name in sources and planned.style_of(h) not in (REPLICATED_WITH_GRAD_ALLREDUCE, GATHERED_NORM):
                     raise PlanError(f"conflicting entries: {name} is 'colwise' and its heads pass through the "
                                     f"per-head layer {h}, which must then be 'replicated_with_grad_allreduce' (its "
                                     f"gradient is a sum over the ranks' heads), not {planned.style_of(h)!r}")

@@ -10,6 +10,7 @@ from ..family import Choice, Draft, Family, Proposal, whole_choice
 from ..modules import is_conv2d, linear_dims
 from ..roles import ATTENTION, Pair
 from ..styles import CHANNELWISE, COLWISE, ROWWISE
+from .gathered_norms import GATHERED_NORM, norms_blocker
 
 
 class FeaturePairs(Family):
@@ -25,14 +26,14 @@ class FeaturePairs(Family):
             whole = draft.whole(layers)
             if whole is None and draft.claimed(layers):
                 continue  # an earlier family planned these layers
-            why = f"{whole[0]}: {whole[1]}" if whole else _width_blocker(draft, pair)
+            why = f"{whole[0]}: {whole[1]}" if whole else (_width_blocker(draft, pair) or norms_blocker(draft, pair))
             if why:
                 out.append(Proposal(self.name, pair.row, (whole_choice(pair.members, why),)))
                 continue
             a = draft.analysis
             split = Choice("split", {**{n: COLWISE for n in pair.columns}, pair.row: ROWWISE,
-                                     **{n: CHANNELWISE for n in pair.carried}},
-                           details={n: a.structures[n] for n in pair.columns + (pair.row,) + pair.carried})
+                                     **{n: CHANNELWISE for n in pair.carried}, **{n: GATHERED_NORM for n in pair.norms}},
+                           details={n: a.structures[n] for n in pair.columns + (pair.row,) + pair.carried + pair.norms})
             kept = whole_choice(pair.members, f"kept whole by the chosen setup (the pair splits at {draft.world_size} ranks)")
             out.append(Proposal(self.name, pair.row, (split, kept)))
         return out

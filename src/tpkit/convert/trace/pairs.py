@@ -9,9 +9,12 @@ Decisions come from module types and the traced dataflow, never from parameter n
 """
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
-from ..modules import is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d, kind, linear_dims
+from ..modules import (is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, is_plain_conv2d, kind,
+                       linear_dims)
 from ..roles import CONV, MLP, Pair, Role
 from .attention import try_attention
 from .dataflow import Tag, Trace
@@ -31,33 +34,51 @@ def find_pairs(model: nn.Module, leaves: dict[str, nn.Module], t: Trace) -> Pair
         tag = t.first(row).input_tag
         if tag is None or not tag.sources:
             continue
-        srcs = sorted(tag.sources, key=lambda s: t.first(s).order)
-        # Embeddings among an attention output's sources are per-head tensors (T5's position bias): one may
-        # serve several blocks, so they are not "taken" by the first (the planner splits all or none of them).
-        per_head = [s for s in srcs if not tag.clean and is_embedding(a.leaves[s])]
-        per_head = per_head if len(per_head) < len(srcs) else []  # only beside projections
-        srcs = [s for s in srcs if s not in per_head]
-        if row in taken or any(s in taken for s in srcs):
-            a.notes.setdefault(row, "its input comes from a layer already paired with another row-wise layer "
-                                    "(an odd chain of layers: the last one stays replicated)")
-            continue
-        if not _calls_alike(t, row, srcs, tag):
-            a.notes.setdefault(row, "called more than once per forward (shared module), not the same way each "
-                                    "time; replicated to stay safe")
-            continue
-        if any(s in t.broken for s in srcs):
-            reason = f"the output of {[s for s in srcs if s in t.broken]} is sliced into pieces that do not " \
-                     f"tile its features; replicated"
-        elif tag.clean:
-            reason = _try_mlp(a, row, srcs, tag)
-        else:
-            reason = try_attention(a, row, srcs, tag, per_head)
+        through, norms = _through_norms(a, row, tag)
+        reason = ""
+        if norms:
+            before = dict(a.structures), dict(a.notes)
+            reason, srcs, per_head = _try_row(a, row, through, norms, taken)
+            if reason is not None:  # the pair does not form through the norms: as the row reads its input
+                (a.structures, a.notes), norms = before, ()
+        if reason is not None:
+            reason, srcs, per_head = _try_row(a, row, tag, norms, taken)
         if reason is None:
             taken.add(row)
-            taken.update(srcs)
-        else:
+            taken.update(srcs + list(norms))
+            if norms:
+                _add_norms(a, row, norms)
+        elif reason:
             _note_unpaired(a, row, srcs, per_head, reason, as_row)
     return a
+
+
+def _try_row(a: Pairing, row: str, tag: Tag, norms: tuple[str, ...], taken: set) -> tuple[str | None, list, list]:
+    """Pair `row` with the layers its input `tag` comes from: (None, sources, per-head tensors) when it pairs,
+    else (the reason, ...); an empty reason when a note on the row already says it."""
+    t = a.trace
+    srcs = sorted(tag.sources, key=lambda s: t.first(s).order)
+    # Embeddings among an attention output's sources are per-head tensors (T5's position bias): one may
+    # serve several blocks, so they are not "taken" by the first (the planner splits all or none of them).
+    per_head = [s for s in srcs if not tag.clean and is_embedding(a.leaves[s])]
+    per_head = per_head if len(per_head) < len(srcs) else []  # only beside projections
+    srcs = [s for s in srcs if s not in per_head]
+    if row in taken or any(s in taken for s in srcs):
+        if not norms:
+            a.notes.setdefault(row, "its input comes from a layer already paired with another row-wise layer "
+                                    "(an odd chain of layers: the last one stays replicated)")
+        return "", srcs, per_head
+    if not _calls_alike(t, row, srcs, tag):
+        if not norms:
+            a.notes.setdefault(row, "called more than once per forward (shared module), not the same way each "
+                                    "time; replicated to stay safe")
+        return "", srcs, per_head
+    if any(s in t.broken for s in srcs):
+        return f"the output of {[s for s in srcs if s in t.broken]} is sliced into pieces that do not tile its " \
+               f"features; replicated", srcs, per_head
+    if tag.clean:
+        return _try_mlp(a, row, srcs, tag, norms), srcs, per_head
+    return try_attention(a, row, srcs, tag, per_head), srcs, per_head
 
 
 def _note_unpaired(a: Pairing, row: str, srcs: list[str], per_head: list[str], reason: str, as_row: set) -> None:
@@ -73,7 +94,58 @@ def _note_unpaired(a: Pairing, row: str, srcs: list[str], per_head: list[str], r
             as_row.discard(s)
 
 
-def _try_mlp(a: Pairing, row: str, srcs: list[str], tag: Tag) -> str | None:
+def _through_norms(a: Pairing, row: str, tag: Tag) -> tuple[Tag, tuple[str, ...]]:
+    """The row's input tag seen through the norms over all features that sit between it and its column layers
+    (OLMo-2's q_norm on the whole query projection, BitNet's sub-norm before o_proj and before down_proj), with
+    those norms (the tag as it is and no norms when there are none). Such a norm can run whole on each rank on the features gathered from
+    every rank (`families/gathered_norms.py`), so the layers before it stay split. Taken only when the norm is
+    called once, keeps its input's shape, feeds this row alone, and reads only linear layers that feed it alone."""
+    t = a.trace
+    new, norms = tag, []
+    weight = getattr(a.leaves[row], "weight", None)
+    if any(m is not a.leaves[row] and getattr(m, "weight", None) is weight for m in a.leaves.values()):
+        return tag, ()  # a tied LM head: the vocabulary family splits it with its embedding, not by its input
+    for n in sorted(tag.sources):
+        calls = t.calls.get(n, [])
+        if len(calls) != 1 or not is_feature_norm(a.leaves[n]) or n in t.escaped or t.consumers.get(n) != {row}:
+            continue
+        inner = calls[0].input_tag
+        if inner is None or not inner.sources or calls[0].input_shape != calls[0].output_shape:
+            continue
+        if not all(is_linear(a.leaves[s]) and len(t.calls[s]) == 1 and t.consumers.get(s) == {n}
+                   and s not in t.escaped for s in inner.sources):
+            continue
+        merged = new.merge(inner)
+        new = dataclasses.replace(merged, sources=merged.sources - {n})
+        norms.append(n)
+    # A norm on the attention output after its heads were joined back (BitNet's attn_sub_norm) reads a tensor
+    # that was reshaped on the way, so the trace carried it like a per-head norm; it spans the row's input.
+    width = _in_width(a.leaves[row])
+    for c in sorted(tag.carried):
+        calls = t.calls.get(c, [])
+        if c in t.head_local and len(calls) == 1 and calls[0].input_shape and calls[0].input_shape[-1] == width \
+                and is_feature_norm(a.leaves[c]):
+            new = dataclasses.replace(new, carried=new.carried - {c})
+            norms.append(c)
+    return new, tuple(norms)
+
+
+def _in_width(m: nn.Module) -> int:
+    return m.in_channels if is_conv2d(m) else linear_dims(m)[0]
+
+
+def _add_norms(a: Pairing, row: str, norms: tuple[str, ...]) -> None:
+    """Record the pair just found as passing through `norms`, each with the layer whose split its features
+    follow: the one column it normalises (a q_norm: the query's heads), else the row's input (a sub-norm on the
+    attention output or on the MLP's product)."""
+    pair = a.pairs[-1]
+    a.pairs[-1] = dataclasses.replace(pair, norms=norms)
+    for n in norms:
+        inner = sorted(a.trace.first(n).input_tag.sources)
+        a.structures[n] = Role(pair.kind, "gathered_norm", row=row, columns=tuple(inner) if len(inner) == 1 else ())
+
+
+def _try_mlp(a: Pairing, row: str, srcs: list[str], tag: Tag, norms: tuple[str, ...] = ()) -> str | None:
     t = a.trace
     rm = a.leaves[row]
     conv = is_conv2d(rm)
@@ -82,7 +154,7 @@ def _try_mlp(a: Pairing, row: str, srcs: list[str], tag: Tag) -> str | None:
         sm = a.leaves[s]
         if conv != is_plain_conv2d(sm) or (not conv and not is_linear(sm)):
             return f"input of {row} comes from {s} ({kind(sm)}), which is not a {kind(rm)} that can be split"
-        if t.consumers.get(s, set()) != {row} or s in t.escaped:
+        if not t.consumers.get(s) or t.consumers[s] - {row, *norms} or s in t.escaped:
             users = sorted(t.consumers.get(s, set()) | ({"<model output>"} if s in t.escaped else set()))
             return f"output of {s} also feeds {users}: splitting it would hand them a shard"
         out = sm.out_channels if conv else linear_dims(sm)[1]
