@@ -5,6 +5,8 @@ adds an offset, for example), so the checks below accept a subclass only when it
 """
 from __future__ import annotations
 
+import copy
+
 import functools
 
 import torch
@@ -117,6 +119,36 @@ def is_per_channel(m: nn.Module) -> bool:
     from torch.nn.modules.batchnorm import _BatchNorm
 
     return isinstance(m, _BatchNorm) and type(m).forward is _BatchNorm.forward
+
+
+def is_scalar_elementwise(m: nn.Module) -> bool:
+    """A leaf whose parameters are single numbers and which acts on each element alone (xIELU's alpha_p and
+    alpha_n, a PReLU with one slope): a shard of features passes through it as through a plain activation. Judged
+    by behaviour on a probe with its real parameters: the output keeps the input's shape, a change of one feature
+    changes that feature's output only, and permuting the features permutes the output alike."""
+    params = list(m.parameters(recurse=False))
+    if not params or any(p.numel() != 1 for p in params) or any(True for _ in m.children()):
+        return False
+    if params[0].is_meta:  # a model built on meta (to be loaded): probe a copy holding 0.5 everywhere
+        m = copy.deepcopy(m).to_empty(device="cpu")
+        with torch.no_grad():
+            for t in list(m.parameters()) + list(m.buffers()):
+                t.fill_(0.5)
+        params = list(m.parameters(recurse=False))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, generator=g, dtype=torch.float64).to(dtype=params[0].dtype, device=params[0].device)
+    moved = x.clone()
+    moved[..., 3] += 1
+    perm = torch.randperm(8, generator=g).to(x.device)
+    try:
+        with torch.no_grad():
+            y, y_moved, y_perm = m(x), m(moved), m(x[..., perm])
+    except Exception:  # noqa: BLE001 - a forward that needs more than a tensor is no activation
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.shape == x.shape for t in (y, y_moved, y_perm)):
+        return False
+    others = [i for i in range(8) if i != 3]
+    return bool(torch.equal(y[..., others], y_moved[..., others]) and torch.equal(y[..., perm], y_perm))
 
 
 def is_feature_norm(m: nn.Module) -> bool:

@@ -38,16 +38,17 @@ WIDTH_ATTRS = ("all_head_size", "embed_dim", "split_size", "inner_dim", "hidden_
 
 class ReplicatedGradAllReduce(Style):
     name = REPLICATED_WITH_GRAD_ALLREDUCE
-    description = ("every rank holds the whole module, applied to its own heads only (a per-head q/k norm): its "
-                   "gradient is summed over the ranks")
+    description = ("every rank holds the whole module, applied to its own heads or features only (a per-head q/k "
+                   "norm, an activation with scalar parameters): its gradient is summed over the ranks")
     collectives = ("all_reduce (backward)",)
 
     def check_dataflow(self, name: str, planned: Any, lookup) -> None:
         t = planned.analysis.trace
-        if t is None or name not in t.head_local:
+        if t is None or (name not in t.head_local and name not in t.carried_by):
             raise PlanError(f"{name}: style 'replicated_with_grad_allreduce' is for per-head layers (q/k norms) "
-                            f"between split q/k projections and their row-wise output layer; the trace does not "
-                            f"show {name} as one")
+                            f"between split q/k projections and their row-wise output layer, or activations with "
+                            f"scalar parameters between column- and row-wise layers; the trace does not show {name} "
+                            f"as one")
 
 
 class Attention(Family):

@@ -10,6 +10,7 @@ from ..family import Choice, Draft, Family, Proposal, whole_choice
 from ..modules import is_conv2d, linear_dims
 from ..roles import ATTENTION, Pair
 from ..styles import CHANNELWISE, COLWISE, ROWWISE
+from .attention import REPLICATED_WITH_GRAD_ALLREDUCE
 from .gathered_norms import GATHERED_NORM, norms_blocker
 
 
@@ -32,11 +33,18 @@ class FeaturePairs(Family):
                 continue
             a = draft.analysis
             split = Choice("split", {**{n: COLWISE for n in pair.columns}, pair.row: ROWWISE,
-                                     **{n: CHANNELWISE for n in pair.carried}, **{n: GATHERED_NORM for n in pair.norms}},
+                                     **{n: _carried_style(a.structures[n]) for n in pair.carried},
+                                     **{n: GATHERED_NORM for n in pair.norms}},
                            details={n: a.structures[n] for n in pair.columns + (pair.row,) + pair.carried + pair.norms})
             kept = whole_choice(pair.members, f"kept whole by the chosen setup (the pair splits at {draft.world_size} ranks)")
             out.append(Proposal(self.name, pair.row, (split, kept)))
         return out
+
+
+def _carried_style(role) -> str:
+    """A BatchNorm between the layers holds its rank's channels; an activation with scalar parameters stays whole,
+    its gradient summed (each rank's covers its own features)."""
+    return REPLICATED_WITH_GRAD_ALLREDUCE if role.role == "elementwise" else CHANNELWISE
 
 
 def _width_blocker(draft: Draft, pair: Pair) -> str | None:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..modules import is_conv2d, is_per_channel
+from ..modules import is_conv2d, is_per_channel, is_scalar_elementwise
 from .loose import LooseParams
 from .ops import CUTS, ELEMENTWISE, JOINS, LAYOUT, METADATA, RESHAPES, SPLITS
 from .pieces import Pieces, axes
@@ -289,7 +289,8 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
     head_local: dict[str, frozenset] = {}
 
     for name, module in leaves.items():
-        per_channel = is_per_channel(module)
+        # per-channel layers (BatchNorm) and activations with scalar parameters pass a shard through
+        per_channel = is_per_channel(module) or is_scalar_elementwise(module)
 
         def pre(mod, args, kwargs, name=name, per_channel=per_channel):
             x = first_tensor(args, kwargs)

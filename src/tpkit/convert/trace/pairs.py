@@ -13,8 +13,8 @@ import dataclasses
 
 from torch import nn
 
-from ..modules import (is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, is_plain_conv2d, kind,
-                       linear_dims)
+from ..modules import (is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, is_plain_conv2d,
+                       is_scalar_elementwise, kind, linear_dims)
 from ..roles import CONV, MLP, Pair, Role
 from .attention import try_attention
 from .dataflow import Tag, Trace
@@ -164,14 +164,16 @@ def _try_mlp(a: Pairing, row: str, srcs: list[str], tag: Tag, norms: tuple[str, 
         if not pieces and out != width_in:
             return f"{s} gives {out} features but {row} takes {width_in}"
     for c in tag.carried:
-        if not is_per_channel(a.leaves[c]) or a.leaves[c].num_features != width_in:
+        if not is_scalar_elementwise(a.leaves[c]) and (
+                not is_per_channel(a.leaves[c]) or a.leaves[c].num_features != width_in):
             return f"{c} between {srcs} and {row} is not a per-channel layer of {width_in} channels"
     kind_ = CONV if conv else MLP
     for s in srcs:
         a.structures[s] = Role(kind_, "column", row=row, pieces=tuple(t.pieces[s]) if t.pieces.get(s) else None)
     a.structures[row] = Role(kind_, "row", columns=tuple(srcs))
     for c in tag.carried:
-        a.structures[c] = Role(CONV, "channel", row=row)
+        a.structures[c] = Role(kind_, "elementwise", row=row) if is_scalar_elementwise(a.leaves[c]) \
+            else Role(CONV, "channel", row=row)
     a.pairs.append(Pair(kind_, tuple(srcs), row, tuple(sorted(tag.carried))))
     return None
 
