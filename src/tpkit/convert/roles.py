@@ -48,7 +48,7 @@ class Pair:
 @dataclasses.dataclass(frozen=True)
 class Role:
     """A module's part in a pair (`pair`: attention / mlp / conv; `role`: q, k, v, qkv, qkv_heads, qkv_groups, o,
-    column, row, channel, head_local, per_head, ...) and what its layouts need to know."""
+    gate, head_gate, column, row, channel, head_local, per_head, ...) and what its layouts need to know."""
 
     pair: str
     role: str
