@@ -9,8 +9,8 @@ the query heads. Each variant converts exactly at 2 and 3 ranks (forward and one
 - Laguna's per-head gate: one value per head, `out.view(b, s, -1, hd) * gate.unsqueeze(-1)`;
 - GQA, its query heads spread over the ranks (with a KV head expanded per query head where groups are unequal):
   the gate follows the query heads, never the KV heads.
-A gate-like projection whose features are rearranged, of another width, or reading another input keeps the block
-whole with the reason, and the converted model is still exact.
+A gate-like projection whose features or heads are rearranged, of another width, or reading another input keeps
+the block whole with the reason, and the converted model is still exact.
 """
 from __future__ import annotations
 
@@ -116,6 +116,13 @@ class FlippedGate(_Attention):
         return out.flatten(2) * torch.sigmoid(self.g(x).flip(-1))
 
 
+class FlippedHeadsGate(_Attention):
+    """A gate viewed as heads, then its heads reversed: each would gate another head's output."""
+
+    def gated(self, x, out):
+        return out * torch.sigmoid(self.g(x).view(*x.shape[:-1], -1, self.head_dim).flip(-2))
+
+
 class SharedGate(_Attention):
     """One gate vector of head_dim for every head: neither heads x hd nor one value per head."""
 
@@ -160,6 +167,7 @@ SPLIT = {"flat": (FlatGate, (), "gate"), "headed": (HeadedGate, (), "gate"), "bi
          "head_scalar": (HeadScalarGate, (), "head_gate"), "packed": (PackedGate, (), "gate"),
          "gqa": (HeadedGate, (HEADS, 2), "gate")}  # 4 query heads, 2 KV heads: 2/1/1 at 3 ranks, KV head 1 on two
 WHOLE = {"rolled": (RolledGate, "rearranged across its features"), "flipped": (FlippedGate, "rearranged"),
+         "flipped_heads": (FlippedHeadsGate, "cut along its heads"),
          "shared": (SharedGate, f"gives {HD} features"), "token": (TokenGate, "gives 1 features"),
          "other_input": (OtherInputGate, "reads another input")}
 

@@ -140,7 +140,7 @@ def _gates(srcs: list[str], tag: Tag) -> list[str]:
     return [s for s in srcs if s not in tag.attended] if tag.attended & set(srcs) else []
 
 
-def _gate_roles(a: Pairing, gates: list[str], q: str, attn: str, hd: int, nh: int,
+def _gate_roles(a: Pairing, gates: list[str], q: str, attn: str, row: str, hd: int, nh: int,
                 tag: Tag) -> tuple[dict[str, str], str | None]:
     """Each gate's role, or why the block stays whole: a gate reads the query's input and holds its heads, either
     head_dim features per head ("gate", laid out as q) or one value per head ("head_gate")."""
@@ -150,9 +150,9 @@ def _gate_roles(a: Pairing, gates: list[str], q: str, attn: str, hd: int, nh: in
         if not is_linear(m):
             return {}, f"{g} ({kind(m)}) meets the heads of {attn} elementwise (a gate) but is not a linear layer"
         width = linear_dims(m)[1]
-        if g in tag.unproven:
-            return {}, f"the gate {g} (width {width}) of {attn} is rearranged across its features before it meets " \
-                       f"the heads, so it cannot be proven to follow the query heads; left whole"
+        if g in tag.unproven or g in tag.headed_cuts:
+            return {}, f"the gate {g} (width {width}) of {attn} is rearranged across its features (or cut along its " \
+                       f"heads) on the way to {row}, so it cannot be proven to follow the query heads; left whole"
         if a.trace.first(g).input_id != a.trace.first(q).input_id:
             return {}, f"the gate {g} of {attn} reads another input than its query projection {q}; left whole"
         if width not in (nh * hd, nh):
@@ -209,7 +209,7 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
         return f"{attn_name} says {nh_attr} heads but its query projection holds {nh} heads of {hd}"
     if linear_dims(rm)[0] != q_w:
         return f"{row} takes {linear_dims(rm)[0]} features but the heads give {q_w}"
-    gate_roles, why = _gate_roles(a, gates, q, attn_name, hd, nh, tag)
+    gate_roles, why = _gate_roles(a, gates, q, attn_name, row, hd, nh, tag)
     if why:
         return why
     # GQA whose attention reads `num_key_value_groups` can expand its local KV heads to one per query head, so

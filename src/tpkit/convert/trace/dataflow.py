@@ -56,13 +56,16 @@ class Tag:
     # the sources that met another tagged tensor in an op that is neither elementwise nor a join: q, k and v meet
     # in the scores and in probs @ v; a gate (`trace/attention.py`) meets the heads by elementwise ops only
     attended: frozenset = frozenset()
+    # the sources of tensors a CUTS op ran on once they had heads (`cut` only sees the ops that change a size; a flip
+    # or roll of the heads changes none): a gate among them no longer provably lines up with the query heads
+    headed_cuts: frozenset = frozenset()
 
     def merge(self, other: "Tag") -> "Tag":
         return Tag(self.sources | other.sources, self.clean and other.clean, self.carried | other.carried,
                    self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to,
                    self.unproven | other.unproven, self.headed or other.headed, self.blocks | other.blocks,
                    self.cut | other.cut, self.head_slices | other.head_slices, self.mixed_at | other.mixed_at,
-                   self.attended | other.attended)
+                   self.attended | other.attended, self.headed_cuts | other.headed_cuts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +192,12 @@ class _Tracer(TorchFunctionMode):
         mixes = not clean and not headed and not keeps
         unproven = tag.unproven | (tag.sources if mixes else frozenset())
         mixed_at = tag.mixed_at | ({int(ref.shape[fdim])} if mixes and ref.dim() else frozenset())
-        cut = tag.cut | (self._cut(ref, out) if tag.headed and name in CUTS else frozenset())
+        cuts = tag.headed and name in CUTS
+        cut = tag.cut | (self._cut(ref, out) if cuts else frozenset())
         attends = len(tags) > 1 and name not in ELEMENTWISE and name not in JOINS
         new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped, unproven,
-                  headed, blocks, cut, head_slices, mixed_at, tag.attended | (tag.sources if attends else frozenset()))
+                  headed, blocks, cut, head_slices, mixed_at, tag.attended | (tag.sources if attends else frozenset()),
+                  tag.headed_cuts | (tag.sources if cuts else frozenset()))
         self.set_tag(out, new)
         return out
 
