@@ -51,7 +51,8 @@ class Pair:
 @dataclasses.dataclass(frozen=True)
 class Role:
     """A module's part in a pair (`pair`: attention / mlp / conv; `role`: q, k, v, qkv, qkv_heads, qkv_groups, o,
-    column, row, channel, head_local, per_head, gathered_norm, ...) and what its layouts need to know."""
+    gate, head_gate, column, row, channel, head_local, per_head, gathered_norm, elementwise, ...) and what its layouts
+    need to know."""
 
     pair: str
     role: str

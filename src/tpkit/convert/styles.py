@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..layout import HeadLayoutError, Piece, ShardLayout, group_pieces, head_spans
+from ..layout import HeadLayoutError, Piece, ShardLayout, group_pieces, head_columns, head_spans
 from ..nn.mappings import reduce_replicated_rows_grad
 from .errors import PlanError
 from .modules import (as_linear, is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d,
@@ -89,8 +89,9 @@ class ContainerNoOp(Style):
 # ---------------------------------------------------------------------------------------------- split features
 def feature_pieces(details: Role | None, size: int, world: int, column: bool) -> tuple[Piece, ...]:
     """How the split feature dimension (`size` features) is cut, from the module's role: whole heads for
-    attention projections (KV heads replicated when fewer than ranks), packed projections piece by piece, the
-    split rule otherwise."""
+    attention projections (KV heads replicated when fewer than ranks; a gate on the attention output follows the
+    query heads, one value per head for a per-head gate), packed projections piece by piece, the split rule
+    otherwise."""
     if details is not None and details.is_attention:
         try:
             lay = details.heads(world)
@@ -101,8 +102,10 @@ def feature_pieces(details: Role | None, size: int, world: int, column: bool) ->
         if not column:
             return (q,)
         kv_size = lay.num_kv_heads * hd
-        if role == "q":
+        if role in ("q", "gate"):
             return (q,)
+        if role == "head_gate":
+            return (head_columns(lay),)
         if role in ("k", "v"):
             return (Piece(0, kv_size, head_spans(lay.kv_heads, hd)),)
         if role == "qkv":

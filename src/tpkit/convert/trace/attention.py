@@ -4,10 +4,15 @@ A row candidate is an attention output layer when its input comes from linear la
 (or, for cross-attention, the query one input and key/value another), inside a module that states its head size
 or count, with that head size seen on a reshape on the way. Packed projections are proven by the pieces and
 reshapes the trace saw; anything unproven stays whole with the reason.
+
+A gate (Afmoe's `output * sigmoid(gate_proj(x))`, a per-head scalar `gate.unsqueeze(-1)`) is a projection that
+reaches the output layer through elementwise ops only, where q, k and v met each other in the scores
+(`Tag.attended`): it is split with the query heads, or the block stays whole when its width or layout is not
+one of theirs.
 """
 from __future__ import annotations
 
-from ..modules import is_linear, is_per_head_source, linear_dims
+from ..modules import is_linear, is_per_head_source, kind, linear_dims
 from ..roles import ATTENTION, Pair, Role
 from .dataflow import Tag
 from .head_params import head_params
@@ -129,16 +134,46 @@ def _own_follow_heads(a: Pairing, own: dict, block: set, common: Role, tag: Tag)
     return owners, why
 
 
+def _gates(srcs: list[str], tag: Tag) -> list[str]:
+    """The sources that met the others in elementwise ops only (gates on the attention output), when some met in
+    another op (q, k and v in the scores); none when no source did (no attention op was seen)."""
+    return [s for s in srcs if s not in tag.attended] if tag.attended & set(srcs) else []
+
+
+def _gate_roles(a: Pairing, gates: list[str], q: str, attn: str, row: str, hd: int, nh: int,
+                tag: Tag) -> tuple[dict[str, str], str | None]:
+    """Each gate's role, or why the block stays whole: a gate reads the query's input and holds its heads, either
+    head_dim features per head ("gate", laid out as q) or one value per head ("head_gate")."""
+    roles = {}
+    for g in gates:
+        m = a.leaves[g]
+        if not is_linear(m):
+            return {}, f"{g} ({kind(m)}) meets the heads of {attn} elementwise (a gate) but is not a linear layer"
+        width = linear_dims(m)[1]
+        if g in tag.unproven or g in tag.headed_cuts:
+            return {}, f"the gate {g} (width {width}) of {attn} is rearranged across its features (or cut along its " \
+                       f"heads) on the way to {row}, so it cannot be proven to follow the query heads; left whole"
+        if a.trace.first(g).input_id != a.trace.first(q).input_id:
+            return {}, f"the gate {g} of {attn} reads another input than its query projection {q}; left whole"
+        if width not in (nh * hd, nh):
+            return {}, f"the gate {g} of {attn} gives {width} features; a gate split with the {nh} query heads of " \
+                       f"{hd} must give {nh * hd} (one per feature) or {nh} (one per head); left whole"
+        roles[g] = "gate" if width == nh * hd else "head_gate"
+    return roles, None
+
+
 def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors: list[str] = ()) -> str | None:
     """Record `srcs -> row` as an attention block, or say why it is not one."""
     t = a.trace
     rm = a.leaves[row]
+    gates = _gates(srcs, tag)
+    srcs, columns = [s for s in srcs if s not in gates], srcs
     why = _unsplittable(a, row, srcs, tag, head_tensors)
     if why:
         return why
     cross = _is_cross(srcs, [t.first(s).input_id for s in srcs])
     attn_name, attn, (hd, nh_attr, nkv_attr) = _heads_module(a, srcs, row)
-    own = _own_parameters(a, attn_name, srcs + [row])
+    own = _own_parameters(a, attn_name, columns + [row])
     widths = [linear_dims(a.leaves[s])[1] for s in srcs]
     head_width = hd
     extra: dict = {}
@@ -147,7 +182,7 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
         if found is None:
             return f"{srcs[0]} feeds {row} through {tag.broken_by} but is not split into q, k, v pieces"
         role, q_w, kv_w, hd, head_width, pieces, extra = found
-        roles = {srcs[0]: role}
+        roles, q = {srcs[0]: role}, srcs[0]
     elif len(srcs) == 3:
         big = max(widths)
         q = srcs[0] if cross else [s for s, w in zip(srcs, widths) if w == big][0]
@@ -158,7 +193,8 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
         roles = {q: "q", kv[0]: "k", kv[1]: "v"}
         pieces = None
     else:
-        return f"{len(srcs)} projections {srcs} feed {row}; only q/k/v (3) or packed qkv (1) are split by heads"
+        return f"{len(srcs)} projections {srcs} feed {row}{f' beside the gates {gates}' if gates else ''}; only " \
+               f"q/k/v (3) or packed qkv (1) are split by heads"
     if hd is None and nh_attr:
         hd = q_w // nh_attr
     if hd is None:
@@ -173,6 +209,9 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
         return f"{attn_name} says {nh_attr} heads but its query projection holds {nh} heads of {hd}"
     if linear_dims(rm)[0] != q_w:
         return f"{row} takes {linear_dims(rm)[0]} features but the heads give {q_w}"
+    gate_roles, why = _gate_roles(a, gates, q, attn_name, row, hd, nh, tag)
+    if why:
+        return why
     # GQA whose attention reads `num_key_value_groups` can expand its local KV heads to one per query head, so
     # its query heads may be spread evenly over the ranks (`tpkit.layout.heads`, `families/attention.py`).
     expand = (nkv < nh and set(roles.values()) <= {"q", "k", "v", "qkv"}
@@ -181,6 +220,8 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
     for s, role in roles.items():
         a.structures[s] = common.replace(role=role, row=row, pieces=tuple(pieces) if role == "qkv" else None,
                                          **extra)
+    for g, role in gate_roles.items():  # the query's heads, never expanded as KV heads are (`ExpandKV`)
+        a.structures[g] = common.replace(role=role, row=row)
     head_local = sorted(c for c in tag.carried if c in t.head_local)
     if any(c not in t.head_local for c in tag.carried) or any(
             a.leaves[c].weight.shape[0] != hd for c in head_local if hasattr(a.leaves[c], "weight")):
@@ -188,12 +229,12 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
     odd = [p for p in head_tensors if not is_per_head_source(a.leaves[p], nh)]
     if odd:
         return f"{odd} reach the scores of {attn_name} but are not per-head tensors of its {nh} heads"
-    owners, why = _own_follow_heads(a, own, set(srcs) | set(head_local) | set(head_tensors), common, tag)
+    owners, why = _own_follow_heads(a, own, set(columns) | set(head_local) | set(head_tensors), common, tag)
     if why:
         return why
     for owner, params in owners.items():
         a.structures[owner] = common.replace(role="head_params", row=row, params=params)
-    _record(a, row, srcs, common, t, head_local, head_tensors, tuple(owners))
+    _record(a, row, columns, common, t, head_local, head_tensors, tuple(owners))
     return None
 
 

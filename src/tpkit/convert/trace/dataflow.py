@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..modules import is_conv2d, is_per_channel, is_scalar_elementwise
 from .loose import LooseParams
-from .ops import CUTS, ELEMENTWISE, JOINS, LAYOUT, METADATA, RESHAPES, SPLITS
+from .ops import CUTS, ELEMENTWISE, JOINS, LAYOUT, METADATA, RESHAPES, SHAPE_OF, SPLITS
 from .pieces import Pieces, axes
 from .state import module_state, restore
 
@@ -53,12 +53,19 @@ class Tag:
     # the feature widths of the tensors on which the ops that made `unproven` ran: one head's width (GPT-BigCode's
     # single key head, a piece of hd features never reshaped) is mixed within that head only
     mixed_at: frozenset = frozenset()
+    # the sources that met another tagged tensor in an op that is neither elementwise nor a join: q, k and v meet
+    # in the scores and in probs @ v; a gate (`trace/attention.py`) meets the heads by elementwise ops only
+    attended: frozenset = frozenset()
+    # the sources of tensors a CUTS op ran on once they had heads (`cut` only sees the ops that change a size; a flip
+    # or roll of the heads changes none): a gate among them no longer provably lines up with the query heads
+    headed_cuts: frozenset = frozenset()
 
     def merge(self, other: "Tag") -> "Tag":
         return Tag(self.sources | other.sources, self.clean and other.clean, self.carried | other.carried,
                    self.broken_by or other.broken_by, self.reshaped_to | other.reshaped_to,
                    self.unproven | other.unproven, self.headed or other.headed, self.blocks | other.blocks,
-                   self.cut | other.cut, self.head_slices | other.head_slices, self.mixed_at | other.mixed_at)
+                   self.cut | other.cut, self.head_slices | other.head_slices, self.mixed_at | other.mixed_at,
+                   self.attended | other.attended, self.headed_cuts | other.headed_cuts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +152,8 @@ class _Tracer(TorchFunctionMode):
             self._note_direct_reads(name, flat)
         if name in METADATA:
             return out
+        if name in SHAPE_OF:  # `x.view_as(y)`: y gives a shape, none of its values
+            flat = flat[:1]
         tagged = [(a, self.tag_of(a)) for a in flat]
         tags = [tg for _, tg in tagged if tg is not None]
         loose = [(a, n) for a in flat if (n := self.loose.names(a)) is not None]
@@ -176,14 +185,19 @@ class _Tracer(TorchFunctionMode):
             head_slices = head_slices | self._head_slice(ref)
         keeps = (name in LAYOUT or (name in RESHAPES and fdim == ref.dim() - 1)) and isinstance(out, torch.Tensor) \
             and out.dim() and out.shape[-1] == ref.shape[-1]
-        headed = tag.headed or bool(reshaped) or (name in RESHAPES and isinstance(out, torch.Tensor)
-                                                  and out.dim() > ref.dim())
+        grows = isinstance(out, torch.Tensor) and out.dim() > ref.dim()
+        # `unsqueeze(-1)` is the view to [..., features, 1]: heads of one feature (a per-head scalar gate)
+        headed = tag.headed or bool(reshaped) or (name in RESHAPES and grows) or (
+            name == "unsqueeze" and grows and out.shape[:-1] == ref.shape and out.shape[-1] == 1)
         mixes = not clean and not headed and not keeps
         unproven = tag.unproven | (tag.sources if mixes else frozenset())
         mixed_at = tag.mixed_at | ({int(ref.shape[fdim])} if mixes and ref.dim() else frozenset())
-        cut = tag.cut | (self._cut(ref, out) if tag.headed and name in CUTS else frozenset())
+        cuts = tag.headed and name in CUTS
+        cut = tag.cut | (self._cut(ref, out) if cuts else frozenset())
+        attends = len(tags) > 1 and name not in ELEMENTWISE and name not in JOINS
         new = Tag(tag.sources, clean, tag.carried, tag.broken_by or (None if clean else name), reshaped, unproven,
-                  headed, blocks, cut, head_slices, mixed_at)
+                  headed, blocks, cut, head_slices, mixed_at, tag.attended | (tag.sources if attends else frozenset()),
+                  tag.headed_cuts | (tag.sources if cuts else frozenset()))
         self.set_tag(out, new)
         return out
 

@@ -16,7 +16,9 @@ METADATA = frozenset("size dim shape numel __get__ __len__ is_floating_point get
 SPLITS = frozenset(("split", "chunk", "tensor_split", "unbind"))
 # Ops that move or add leading axes: they keep every feature in place when the last axis keeps its size.
 LAYOUT = frozenset("unsqueeze squeeze expand expand_as transpose permute movedim repeat".split())
-RESHAPES = frozenset(("view", "reshape", "flatten", "unflatten"))
+RESHAPES = frozenset(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"))
+# Ops whose tensor arguments after the first give only a shape or a dtype, none of their values.
+SHAPE_OF = frozenset(("view_as", "reshape_as", "expand_as", "type_as"))
 # Ops that cut, join or reorder a tensor along an axis: on a headed tensor, along any axis but the last, they may
 # take heads apart or put them together (a differential attention's head halves).
 CUTS = SPLITS | frozenset("cat concat concatenate narrow __getitem__ index_select repeat repeat_interleave roll "
