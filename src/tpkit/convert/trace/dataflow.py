@@ -14,7 +14,7 @@ gathered in `pieces.py`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from ..modules import is_conv2d, is_per_channel, is_scalar_elementwise
 from .loose import LooseParams
 from .ops import CUTS, ELEMENTWISE, JOINS, LAYOUT, METADATA, RESHAPES, SHAPE_OF, SPLITS
 from .pieces import Pieces, axes
-from .state import module_state, restore
+from .state import output_tensors, run_once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,50 +353,17 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
                                     and v.is_floating_point() and tracer.tag_of(v) is None}
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
     try:
-        out = _run(model, example_inputs, tracer)
+        out = run_once(model, example_inputs, tracer)
     finally:
         for h in handles:
             h.remove()
     pieces, broken = tracer.packed.result(calls)
     escaped: set = set()
-    for t in _leaves_of(out):
+    for t in output_tensors(out):
         tag = tracer.tag_of(t)
         if tag is not None:
             escaped |= tag.sources | tag.carried
-    tracer.loose.feed(_leaves_of(out))  # a loose parameter's values leave the model
+    tracer.loose.feed(output_tensors(out))  # a loose parameter's values leave the model
     return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
                  tracer.read_directly, tracer.readers, plain_args, example_inputs, tuple(tracer.loose.meetings),
                  frozenset(tracer.loose.fed))
-
-
-def _run(model: nn.Module, example_inputs: Any, tracer: _Tracer) -> Any:
-    """One forward under the tracer, in eval mode (no dropout draws from the RNG and no BatchNorm statistics
-    move; the dataflow is the same), restoring each module's training flag after."""
-    was_training = {m: m.training for m in model.modules()}
-    state = module_state(model)
-    model.eval()
-    try:
-        with torch.no_grad(), tracer:
-            if isinstance(example_inputs, Mapping):
-                return model(**example_inputs)
-            if isinstance(example_inputs, torch.Tensor):  # one input, as verify() calls it; not its rows
-                return model(example_inputs)
-            return model(*example_inputs)
-    finally:
-        for m, flag in was_training.items():
-            m.training = flag
-        restore(state)
-
-
-
-def _leaves_of(out: Any):
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, Mapping):
-        for v in out.values():
-            yield from _leaves_of(v)
-    elif isinstance(out, (list, tuple)):
-        for v in out:
-            yield from _leaves_of(v)
-    elif hasattr(out, "to_tuple"):
-        yield from _leaves_of(out.to_tuple())

@@ -94,6 +94,17 @@ def _note_unpaired(a: Pairing, row: str, srcs: list[str], per_head: list[str], r
             as_row.discard(s)
 
 
+def _seen_through(tag: Tag, norm: str, inner: frozenset) -> Tag:
+    """`tag` with `norm` taken out of its sources: what the trace says of the norm's output (it met the other
+    projections in the scores, it was mixed or cut) it says of the layers the norm reads."""
+    changes = {"sources": tag.sources - {norm}}
+    for field in ("unproven", "attended", "headed_cuts"):
+        names = getattr(tag, field)
+        if norm in names:
+            changes[field] = (names - {norm}) | inner
+    return dataclasses.replace(tag, **changes)
+
+
 def _through_norms(a: Pairing, row: str, tag: Tag) -> tuple[Tag, tuple[str, ...]]:
     """The row's input tag seen through the norms over all features that sit between it and its column layers
     (OLMo-2's q_norm on the whole query projection, BitNet's sub-norm before o_proj and before down_proj), with
@@ -115,8 +126,7 @@ def _through_norms(a: Pairing, row: str, tag: Tag) -> tuple[Tag, tuple[str, ...]
         if not all(is_linear(a.leaves[s]) and len(t.calls[s]) == 1 and t.consumers.get(s) == {n}
                    and s not in t.escaped for s in inner.sources):
             continue
-        merged = new.merge(inner)
-        new = dataclasses.replace(merged, sources=merged.sources - {n})
+        new = _seen_through(new.merge(inner), n, inner.sources)
         norms.append(n)
     # A norm on the attention output after its heads were joined back (BitNet's attn_sub_norm) reads a tensor
     # that was reshaped on the way, so the trace carried it like a per-head norm; it spans the row's input.
