@@ -284,3 +284,30 @@ def test_the_model_is_restored_and_deep_copies_plan_alike():
     short, _ = analyze_blocks(model)
     assert short.total_params == sum(p.numel() for p in model.parameters())  # the vocabulary's share reads it
     assert tpkit.plan(copy.deepcopy(model), 2).to_dict() == tpkit.plan(model, 2).to_dict()
+
+
+def _tiny(config_cls, **extra) -> nn.Module:
+    """A 6-layer transformers model of `config_cls`'s architecture, tiny."""
+    import transformers
+
+    cfg = getattr(transformers, config_cls)(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+                                            num_attention_heads=4, num_key_value_heads=2, **extra)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+NAMING = {"Olmo2Config": ("model.layers.3.self_attn.q_norm", "gathered_norm"),
+          "BitNetConfig": ("model.layers.3.mlp.ffn_sub_norm", "gathered_norm"),
+          "ApertusConfig": ("model.layers.3.mlp.act_fn", "replicated_with_grad_allreduce"),
+          "LagunaConfig": ("model.layers.3.self_attn.g_proj", "colwise")}
+
+
+@pytest.mark.parametrize("config_cls", sorted(NAMING))
+def test_gathered_norms_scalar_activations_and_gates_reuse(config_cls):
+    """OLMo-2's q/k norms and BitNet's sub-norms (gathered), Apertus' xIELU (passed through) and Laguna's attention
+    gate name other layers in their plan details: renamed block by block, the plan equals the whole trace's."""
+    model = _tiny(config_cls)
+    name, style = NAMING[config_cls]
+    assert tpkit.plan(model, 2)[name] == style
+    _same(model)
