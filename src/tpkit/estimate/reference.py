@@ -51,7 +51,9 @@ def _time_decode(model: nn.Module, context: int, repeats: int) -> float:
 
 
 def _time_train(model: nn.Module, seq: int, repeats: int) -> float:
-    model = copy.deepcopy(model).train()
+    """Median seconds of a training step (forward, backward, AdamW) on `model` itself: a converted model holds a
+    communicator and is not deep-copied; callers pass a copy of a plain one."""
+    model.train()
     ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
@@ -72,27 +74,13 @@ def op_overheads(rates: MachineRates, model: nn.Module | None = None, repeats: i
     meta = meta_copy(model)
     decode = trace_step(meta, "decode", 1, 0, batch=1, seq=context)
     train = trace_step(meta, "train", 1, 0, batch=1, seq=context)
-    measured = {"decode": _time_decode(model, context, repeats), "train": _time_train(model, context, repeats)}
+    measured = {"decode": _time_decode(model, context, repeats),
+                "train": _time_train(copy.deepcopy(model), context, repeats)}
     out = []
     for goal, trace in (("decode", decode), ("train", train)):
         left = measured[goal] - kernel_seconds(trace, rates)
         out.append(max(left, 0.0) / max(len(trace.ops), 1))
     return out[0], out[1]
-
-
-def _time_train_converted(model: nn.Module, seq: int, repeats: int) -> float:
-    """`_time_train` on a model converted for tensor parallelism (no deep copy: it holds a communicator)."""
-    model.train()
-    ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
-    for _ in range(repeats + 2):
-        start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
 
 
 def collective_overheads(rates: MachineRates, comm, model: nn.Module | None = None,
@@ -114,7 +102,7 @@ def collective_overheads(rates: MachineRates, comm, model: nn.Module | None = No
         if goal == "decode":
             measured, per_op = _time_decode(converted, context, repeats), rates.op_overhead_s
         else:
-            measured, per_op = _time_train_converted(converted, context, repeats), rates.train_op_overhead_s
+            measured, per_op = _time_train(converted, context, repeats), rates.train_op_overhead_s
         alone = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) for c in trace.collectives)
         left = measured - kernel_seconds(trace, rates) - len(trace.ops) * per_op - alone
         out.append(max(left, 0.0) / max(len(trace.collectives), 1))

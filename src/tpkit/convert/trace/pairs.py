@@ -14,7 +14,7 @@ import dataclasses
 from torch import nn
 
 from ..modules import (is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, is_plain_conv2d,
-                       is_scalar_elementwise, kind, linear_dims)
+                       kind, linear_dims)
 from ..roles import CONV, MLP, Pair, Role
 from .attention import try_attention
 from .dataflow import Tag, Trace
@@ -108,14 +108,11 @@ def _seen_through(tag: Tag, norm: str, inner: frozenset) -> Tag:
 def _through_norms(a: Pairing, row: str, tag: Tag) -> tuple[Tag, tuple[str, ...]]:
     """The row's input tag seen through the norms over all features that sit between it and its column layers
     (OLMo-2's q_norm on the whole query projection, BitNet's sub-norm before o_proj and before down_proj), with
-    those norms (the tag as it is and no norms when there are none). Such a norm can run whole on each rank on the features gathered from
-    every rank (`families/gathered_norms.py`), so the layers before it stay split. Taken only when the norm is
+    those norms (the tag as it is and no norms when there are none). Such a norm can run whole on each rank on the
+    features gathered from every rank (`families/gathered_norms.py`), so the layers before it stay split. Taken only when the norm is
     called once, keeps its input's shape, feeds this row alone, and reads only linear layers that feed it alone."""
     t = a.trace
     new, norms = tag, []
-    weight = getattr(a.leaves[row], "weight", None)
-    if any(m is not a.leaves[row] and getattr(m, "weight", None) is weight for m in a.leaves.values()):
-        return tag, ()  # a tied LM head: the vocabulary family splits it with its embedding, not by its input
     for n in sorted(tag.sources):
         calls = t.calls.get(n, [])
         if len(calls) != 1 or not is_feature_norm(a.leaves[n]) or n in t.escaped or t.consumers.get(n) != {row}:
@@ -137,6 +134,9 @@ def _through_norms(a: Pairing, row: str, tag: Tag) -> tuple[Tag, tuple[str, ...]
                 and is_feature_norm(a.leaves[c]):
             new = dataclasses.replace(new, carried=new.carried - {c})
             norms.append(c)
+    weight = getattr(a.leaves[row], "weight", None)
+    if norms and any(m is not a.leaves[row] and getattr(m, "weight", None) is weight for m in a.leaves.values()):
+        return tag, ()  # a tied LM head: the vocabulary family splits it with its embedding, not by its input
     return new, tuple(norms)
 
 
@@ -159,7 +159,7 @@ def _try_mlp(a: Pairing, row: str, srcs: list[str], tag: Tag, norms: tuple[str, 
     t = a.trace
     rm = a.leaves[row]
     conv = is_conv2d(rm)
-    width_in = rm.in_channels if conv else linear_dims(rm)[0]
+    width_in = _in_width(rm)
     for s in srcs:
         sm = a.leaves[s]
         if conv != is_plain_conv2d(sm) or (not conv and not is_linear(sm)):
@@ -174,16 +174,16 @@ def _try_mlp(a: Pairing, row: str, srcs: list[str], tag: Tag, norms: tuple[str, 
         if not pieces and out != width_in:
             return f"{s} gives {out} features but {row} takes {width_in}"
     for c in tag.carried:
-        if not is_scalar_elementwise(a.leaves[c]) and (
-                not is_per_channel(a.leaves[c]) or a.leaves[c].num_features != width_in):
+        # the trace carries per-channel layers and scalar-parameter activations (`is_scalar_elementwise`) alone
+        if is_per_channel(a.leaves[c]) and a.leaves[c].num_features != width_in:
             return f"{c} between {srcs} and {row} is not a per-channel layer of {width_in} channels"
     kind_ = CONV if conv else MLP
     for s in srcs:
         a.structures[s] = Role(kind_, "column", row=row, pieces=tuple(t.pieces[s]) if t.pieces.get(s) else None)
     a.structures[row] = Role(kind_, "row", columns=tuple(srcs))
     for c in tag.carried:
-        a.structures[c] = Role(kind_, "elementwise", row=row) if is_scalar_elementwise(a.leaves[c]) \
-            else Role(CONV, "channel", row=row)
+        a.structures[c] = Role(CONV, "channel", row=row) if is_per_channel(a.leaves[c]) \
+            else Role(kind_, "elementwise", row=row)
     a.pairs.append(Pair(kind_, tuple(srcs), row, tuple(sorted(tag.carried))))
     return None
 
