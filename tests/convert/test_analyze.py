@@ -112,7 +112,9 @@ def test_parse_bytes_and_plain_mlp():
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes("lots")
     report = analyze(mlp(), world_size=2, device_memory="1MB")
-    assert [r.style for r in report.layers] == ["colwise", "rowwise", "replicate"]
+    # the last layer has no partner: split alone, its output gathered (it holds over 1/8 of the largest layer)
+    assert [r.style for r in report.layers] == ["colwise", "rowwise", "colwise_rep"]
+    assert "split alone" in report.layers[2].reason
 
 
 def test_summary_at_80_columns_and_unlimited():

@@ -40,11 +40,12 @@ def test_auto_plan_with_heads_that_do_not_divide_warns_once_with_counted_reasons
     assert len(records) == 1, [r.getMessage() for r in records]  # once per conversion, not once per rank
     rec = records[0]
     assert rec.levelno == logging.WARNING and rec.name == "tpkit.convert"
-    assert "8 modules kept whole: 8 x " + HEADS in rec.getMessage()
-    kept = plans[0].kept_whole()
-    assert sorted(kept) == sorted(f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qkvo")
-    assert "model.norm" not in kept and "model.norm" in plans[0].reasons  # norms stay whole by design
-    assert "8 modules kept whole" in repr(plans[0])
+    # the projections cannot be split by heads: each is split alone, its output gathered (an all-gather per call)
+    assert "8 modules split alone (output all-gathered): 8 x " + HEADS in rec.getMessage()
+    alone = plans[0].split_alone()
+    assert sorted(alone) == sorted(f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qkvo")
+    assert not plans[0].kept_whole()  # norms stay whole by design, and are not counted
+    assert "model.norm" in plans[0].reasons and "8 modules split alone" in repr(plans[0])
 
 
 def test_a_given_plan_logs_at_info_and_quiet_conversions_silences(llama, caplog):

@@ -65,11 +65,12 @@ def test_bad_plans_raise_and_leave_model_unchanged(case):
 
 
 def test_auto_plan_falls_back_to_replicate_with_reason():
-    """Fewer heads than ranks: the planner keeps attention whole and says why; the MLP still splits."""
+    """Fewer heads than ranks: the planner does not split attention by heads and says why (its projections are
+    split alone, their outputs gathered); the MLP still splits."""
     model = hf_model("llama", num_attention_heads=2, num_key_value_heads=2)
     p = plan(model, 3)
-    assert p["model.layers.0.self_attn.q_proj"] == "replicate"
-    assert "2 query heads cannot be split over 3 ranks" in p.reasons["model.layers.0.self_attn.q_proj"]
+    assert p["model.layers.0.self_attn.q_proj"] == "colwise_rep"
+    assert "2 query heads cannot be split over 3 ranks" in p.split_alone()["model.layers.0.self_attn.q_proj"]
     assert p["model.layers.0.mlp.down_proj"] == "rowwise"
     ref = model(input_ids=inputs()).logits
     for out in _logits_on_threads(model, 3):

@@ -169,7 +169,7 @@ def test_the_switches_and_one_kept_whole_notice(monkeypatch, caplog):
     on = tpkit.comm.run_threads(lambda comm: tpkit.parallelize(copy.deepcopy(model), comm=comm).tp_plan.to_dict(), 3)
     assert not calls  # the whole model was not traced
     notices = [r.getMessage() for r in caplog.records if r.name.startswith("tpkit")]
-    assert len(notices) == 1 and "16 modules kept whole" in notices[0]
+    assert len(notices) == 1 and "16 modules split alone" in notices[0]
     monkeypatch.setenv("TPKIT_PLAN_REUSE", "0")
     caplog.clear()
     off = tpkit.comm.run_threads(lambda comm: tpkit.parallelize(copy.deepcopy(model), comm=comm).tp_plan.to_dict(), 3)

@@ -108,10 +108,11 @@ def test_per_rank_parameters_by_hand():
     # t=3 (uneven): query heads [2, 1, 1], rank 0 reads KV head 0 only; MLP [59, 59, 58]; vocab [34, 33, 33].
     per_layer = 64 * (32 + 32) + 32 * 64 + 3 * 64 * 59 + 128
     assert sum(parameter_counts(shape, 3).values()) == 2 * per_layer + 2 * 34 * 64 + 64
-    # t=5: fewer query heads than ranks: no head layout, the attention is counted replicated, and said so.
-    per_layer = 64 * (64 + 64) + 64 * 64 + 3 * 64 * 36 + 128
+    # t=5: fewer query heads than ranks: no head layout; each projection is split alone by its output rows (q and o
+    # 64 -> 13 on rank 0, k and v 32 -> 7), as the planner does, and said so.
+    per_layer = 64 * (13 + 7 + 7) + 64 * 13 + 3 * 64 * 36 + 128
     assert sum(parameter_counts(shape, 5).values()) == 2 * per_layer + 2 * 20 * 64 + 64
-    assert any("replicated" in n for n in estimate_memory(cfg, 5, dtype=torch.float32).notes)
+    assert any("split alone" in n for n in estimate_memory(cfg, 5, dtype=torch.float32).notes)
 
 
 def test_fullest_rank_is_not_always_rank_0():

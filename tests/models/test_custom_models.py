@@ -14,8 +14,10 @@ from .custom import block, cnn, mlp
 def test_sequential_mlp(world_size):
     model = mlp()
     p = plan(model, world_size)
-    # Linear 0 -> ReLU -> Linear 2 pair up; Linear 4 reads Linear 2's (already reduced) output: replicated.
-    assert p["0"] == "colwise" and p["2"] == "rowwise" and p["4"] == "replicate", p.entries
+    # Linear 0 -> ReLU -> Linear 2 pair up; Linear 4 reads Linear 2's (already reduced) output: no partner, so it
+    # is split alone with its output gathered (7 outputs: at 4 ranks too; at 1 rank nothing splits).
+    assert p["0"] == "colwise" and p["2"] == "rowwise", p.entries
+    assert p["4"] == ("colwise_rep" if world_size > 1 else "replicate"), p.entries
     assert "already paired" in p.reasons["4"]
     x = torch.randn(5, 12, generator=torch.Generator().manual_seed(0))
     report = verify(model, (x,), world_size=world_size, backward=True, rtol=1e-5)

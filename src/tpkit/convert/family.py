@@ -28,8 +28,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, kind
 from .roles import Role
-from .styles import REPLICATE, Style
+from .styles import REPLICATE, SMALL, Style
 
 if TYPE_CHECKING:
     from torch import nn
@@ -47,12 +48,15 @@ class Choice:
     details: Mapping[str, Role] = dataclasses.field(default_factory=dict)
     reasons: Mapping[str, str] = dataclasses.field(default_factory=dict)
     note: str = ""  # what taking it does, in words (for reports and the setup search)
+    # its whole entries say only that no column -> row pairing keeps the layers' outputs split: a later family may
+    # still split such a layer with a whole output (`families/lone_layers.py`)
+    unpaired: bool = False
 
 
-def whole_choice(names: Iterable[str], why: str, label: str = "whole") -> Choice:
-    """Every one of `names` kept whole, each with the reason."""
+def whole_choice(names: Iterable[str], why: str, label: str = "whole", unpaired: bool = False) -> Choice:
+    """Every one of `names` kept whole, each with the reason (`unpaired`: see `Choice`)."""
     names = tuple(names)
-    return Choice(label, {n: REPLICATE for n in names}, reasons={n: why for n in names})
+    return Choice(label, {n: REPLICATE for n in names}, reasons={n: why for n in names}, unpaired=unpaired)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,17 +85,24 @@ class Draft:
     `choose` maps a proposal key, or a family's name (every proposal of that family that has the alternative),
     to the alternative to take instead of the default (the setup search); a key wins over its family."""
 
-    def __init__(self, analysis: "Analysis", world_size: int, mode: str, choose: Mapping[str, str] | None = None):
+    def __init__(self, analysis: "Analysis", world_size: int, mode: str, choose: Mapping[str, str] | None = None,
+                 registry: Mapping[str, Style] | None = None):
         self.analysis, self.world_size, self.mode = analysis, world_size, mode
+        self.registry = dict(registry or {})  # every style by name (`registry.STYLES`), as `Planned` has it
         self.entries: dict[str, str] = {}
         self.details: dict[str, Role] = {}
         self.reasons: dict[str, str] = {}
         self.proposals: list[Proposal] = []
         self.chosen: dict[str, str] = {}
         self.choose = dict(choose or {})
+        self.unpaired: set[str] = set()  # kept whole only for want of a column -> row partner (see `Choice`)
 
     def style(self, name: str) -> str | None:
         return self.entries.get(name)
+
+    def style_object(self, name: str) -> Style:
+        """The `Style` module `name` is planned with so far (replicate when no family planned it)."""
+        return self.registry.get(self.entries.get(name, REPLICATE), Style())
 
     def whole(self, names: Iterable[str]) -> tuple[str, str] | None:
         """(module, why) for the first of `names` an earlier family keeps whole, else None."""
@@ -99,6 +110,31 @@ class Draft:
             if self.entries.get(n) == REPLICATE:
                 return n, self.reasons.get(n, "kept whole")
         return None
+
+    def pairless(self, name: str) -> bool:
+        """Whether no family planned `name`, or one kept it whole only for want of a column -> row partner."""
+        return name not in self.entries or name in self.unpaired
+
+    def reason(self, name: str) -> str:
+        """Why layer `name` is not split: the reason a family gave, else what the trace says about it."""
+        if name in self.reasons:
+            return self.reasons[name]
+        a, m = self.analysis, self.analysis.leaves[name]
+        if name not in a.trace.calls and name not in a.traced_alone:
+            return "not run in the traced forward"
+        if name in a.notes:
+            return a.notes[name]
+        if is_feature_norm(m):
+            return "normalises over all features, so it needs the whole vector" + SMALL
+        if is_per_channel(m):
+            return "per-channel layer not between a column and a row conv" + SMALL
+        if is_embedding(m):
+            return "embedding not split"
+        if is_linear(m) and name in a.trace.escaped:
+            return "its output leaves the model; replicating avoids a gather" + SMALL
+        if is_linear(m) or is_conv2d(m):
+            return "no column -> row partner found in the dataflow"
+        return f"{kind(m)}: no rule splits this layer type"
 
     def claimed(self, names: Iterable[str]) -> list[str]:
         """The modules of `names` an earlier family already planned (split or whole)."""
@@ -115,7 +151,12 @@ class Draft:
         self.proposals.append(proposal)
         self.chosen[proposal.key] = choice.label
         for name, s in choice.entries.items():
+            held = name in self.entries and name not in self.unpaired  # whole for a reason of its own: stays so
             self.entries[name] = s
+            if s == REPLICATE and choice.unpaired and not held:
+                self.unpaired.add(name)
+            else:
+                self.unpaired.discard(name)
             if s != REPLICATE:
                 self.reasons.pop(name, None)
         self.details.update(choice.details)

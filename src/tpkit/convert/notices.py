@@ -1,7 +1,8 @@
 """What a conversion tells its user: one line on the `tpkit.convert` logger when layers stayed whole.
 
 `parallelize` logs, once per conversion (on rank 0), "N modules kept whole: ..." with the commonest reasons
-(`Plan.kept_whole()` has them all, per module). It is a WARNING when the plan was the planner's (`plan="auto"`):
+(`Plan.kept_whole()` has them all, per module), and "N modules split alone (output all-gathered): ..." for
+layers that found no partner and pay an all-gather per call instead (`Plan.split_alone()`). It is a WARNING when the plan was the planner's (`plan="auto"`):
 the user asked tpkit to split what it can, and these it could not; an INFO line for a plan the user gave.
 Silence it with `quiet_conversions()` for a block, or for good with the standard logging level:
 `logging.getLogger("tpkit.convert").setLevel(logging.ERROR)`.
@@ -30,11 +31,14 @@ logger.addFilter(_Quiet())
 
 def log_kept_whole(plan: Plan, planned_automatically: bool, rank: int = 0) -> None:
     """Log the modules `plan` keeps whole (nothing when none is, or on ranks other than 0)."""
-    if rank != 0 or not plan.kept_whole():
+    kept, alone = plan.kept_whole(), plan.split_alone()
+    if rank != 0 or not (kept or alone):
         return
+    parts = ([f"{plan.kept_whole_summary()} (all of them: model.tp_plan.kept_whole())"] if kept else []) + (
+        [f"{plan.split_alone_summary()} (all of them: model.tp_plan.split_alone())"] if alone else [])
     level = logging.WARNING if planned_automatically else logging.INFO
-    logger.log(level, "tpkit.parallelize at %s ranks: %s (all of them: model.tp_plan.kept_whole(); silence: "
-               "tpkit.convert.quiet_conversions())", plan.world_size, plan.kept_whole_summary())
+    logger.log(level, "tpkit.parallelize at %s ranks: %s (silence: tpkit.convert.quiet_conversions())",
+               plan.world_size, "; ".join(parts))
 
 
 @contextlib.contextmanager

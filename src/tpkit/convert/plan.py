@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from .errors import PlanError
 from .registry import STYLES, canonical_style
 from .roles import Role
-from .styles import ALIASES, REPLICATE, SMALL
+from .styles import ALIASES, ALONE, COLWISE_REP, REPLICATE, SMALL
 
 __all__ = ["Plan", "PlanError", "canonical_style", "check_plan_argument", "is_glob", "PLAN_WORDS", "SMALL", "STYLES",
            "ALIASES"]
@@ -91,7 +91,8 @@ class Plan(Mapping[str, str]):
 
     def __repr__(self) -> str:
         kept = f", {self.kept_whole_summary()}" if self.kept_whole() else ""
-        return f"Plan(world_size={self.world_size}, mode={self.mode!r}, entries={self.entries!r}{kept})"
+        alone = f", {self.split_alone_summary()}" if self.split_alone() else ""
+        return f"Plan(world_size={self.world_size}, mode={self.mode!r}, entries={self.entries!r}{kept}{alone})"
 
     def kept_whole(self) -> dict[str, str]:
         """`{module: reason}` for every module that stays whole because something stopped its split (heads
@@ -100,14 +101,20 @@ class Plan(Mapping[str, str]):
         return {n: r for n, r in self.reasons.items()
                 if self.entries.get(n, REPLICATE) == REPLICATE and not any(m in r for m in _BY_DESIGN)}
 
+    def split_alone(self) -> dict[str, str]:
+        """`{module: reason}` for every layer the planner could not pair and split on its own instead, its output
+        all-gathered on every call (`colwise_rep`; the reason says what stopped the pairing)."""
+        return {n: r[:-len(ALONE)] for n, r in self.reasons.items()
+                if self.entries.get(n) == COLWISE_REP and r.endswith(ALONE)}
+
     def kept_whole_summary(self, top: int = 3) -> str:
         """"N modules kept whole: a x reason; b x reason" with the `top` commonest reasons (layer numbers
         folded into `*`, so one reason per layer counts once per kind)."""
-        kept = self.kept_whole()
-        counts = collections.Counter(re.sub(r"\.\d+(?=[.:\s']|$)", ".*", r) for r in kept.values())
-        shown = "; ".join(f"{n} x {r}" for r, n in counts.most_common(top))
-        more = f"; {len(counts) - top} other reasons" if len(counts) > top else ""
-        return f"{len(kept)} module{'s' * (len(kept) != 1)} kept whole: {shown}{more}"
+        return _summary(self.kept_whole(), "kept whole", top)
+
+    def split_alone_summary(self, top: int = 3) -> str:
+        """"N modules split alone (output all-gathered): a x reason; ..." as `kept_whole_summary`."""
+        return _summary(self.split_alone(), "split alone (output all-gathered)", top)
 
     def _matches(self, pattern: str, name: str) -> bool:
         if fnmatch.fnmatchcase(name, pattern):
@@ -215,3 +222,11 @@ class Plan(Mapping[str, str]):
             key = re.sub(r"\.\d+\.", ".*.", name)
             out[key if len(groups[key]) == 1 else name] = style
         return out
+
+
+def _summary(by_module: Mapping[str, str], what: str, top: int) -> str:
+    """"N modules <what>: a x reason; b x reason" with the `top` commonest reasons (layer numbers folded into `*`)."""
+    counts = collections.Counter(re.sub(r"\.\d+(?=[.:\s']|$)", ".*", r) for r in by_module.values())
+    shown = "; ".join(f"{n} x {r}" for r, n in counts.most_common(top))
+    more = f"; {len(counts) - top} other reasons" if len(counts) > top else ""
+    return f"{len(by_module)} module{'s' * (len(by_module) != 1)} {what}: {shown}{more}"

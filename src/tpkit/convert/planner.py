@@ -12,11 +12,10 @@ from typing import Any, Mapping
 from torch import nn
 
 from .family import Draft, Proposal
-from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per_channel, kind
 from .plan import Plan
-from .registry import families
+from .registry import STYLES, families
 from .reuse import enabled, expand, outside_blocks
-from .styles import REPLICATE, SMALL
+from .styles import REPLICATE
 from .trace import Analysis, analyze_structure, parameterised_leaves
 from .trace.blocks import analyze_blocks, shortened
 
@@ -29,7 +28,7 @@ def propose(a: Analysis, world_size: int, mode: str = "inference",
     maps a proposal's key to the alternative to take instead of its family's default."""
     if mode not in MODES:
         raise ValueError(f"plan: mode must be 'inference' or 'training', got {mode!r}")
-    draft = Draft(a, world_size, mode, choose)
+    draft = Draft(a, world_size, mode, choose, STYLES)
     if a.trace is None:
         why = f"the model's forward could not be traced ({a.trace_error}); pass example_inputs"
         return Plan({n: REPLICATE for n in a.leaves}, world_size=world_size, mode=mode,
@@ -37,10 +36,10 @@ def propose(a: Analysis, world_size: int, mode: str = "inference",
     for family in families():
         for proposal in family.propose(draft, family.detect(a)):
             draft.apply(proposal)
-    for name, m in a.leaves.items():
+    for name in a.leaves:
         if name not in draft.entries:
             draft.entries[name] = REPLICATE
-            draft.reasons.setdefault(name, _replicate_reason(a, name, m))
+            draft.reasons[name] = draft.reason(name)
     plan = Plan(draft.entries, world_size=world_size, mode=mode, details=draft.details, reasons=draft.reasons,
                 prefix=a.prefix)
     return plan, draft.proposals
@@ -49,24 +48,6 @@ def propose(a: Analysis, world_size: int, mode: str = "inference",
 def auto_plan(a: Analysis, world_size: int, mode: str = "inference", choose: Mapping[str, str] | None = None) -> Plan:
     """The automatic plan for `world_size` ranks from a structure analysis."""
     return propose(a, world_size, mode, choose)[0]
-
-
-def _replicate_reason(a: Analysis, name: str, m: nn.Module) -> str:
-    if name not in a.trace.calls and name not in a.traced_alone:
-        return "not run in the traced forward"
-    if name in a.notes:
-        return a.notes[name]
-    if is_feature_norm(m):
-        return "normalises over all features, so it needs the whole vector" + SMALL
-    if is_per_channel(m):
-        return "per-channel layer not between a column and a row conv" + SMALL
-    if is_embedding(m):
-        return "embedding not split"
-    if is_linear(m) and name in a.trace.escaped:
-        return "its output leaves the model; replicating avoids a gather" + SMALL
-    if is_linear(m) or is_conv2d(m):
-        return "no column -> row partner found in the dataflow"
-    return f"{kind(m)}: no rule splits this layer type"
 
 
 def plan(model: nn.Module, world_size: int, *, mode: str = "inference", example_inputs: Any = None,

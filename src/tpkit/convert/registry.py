@@ -19,6 +19,7 @@ from .families.experts import FusedExpertsFamily
 from .families.fastpath import FastPaths
 from .families.gathered_norms import GatheredNorms
 from .families.head_params import HeadParameterFamily
+from .families.lone_layers import LoneLayers
 from .families.losses import ModelLosses
 from .families.mha import MultiheadAttentions
 from .families.mlp import FeaturePairs
@@ -42,6 +43,7 @@ FAMILIES: list[Family] = [
     ModelLosses(),          # losses models compute themselves
     ExpertBlocks(),         # MoE blocks of separate experts, as one region
     FusedExpertsFamily(),   # fused 3-D experts: TP inside each expert, or EP
+    LoneLayers(),           # large layers no family paired: split by output features, output all-gathered
     SequenceParallel(),     # the residual stream split along the sequence
 ]
 

@@ -35,6 +35,9 @@ REPLICATE = "replicate"
 #: Ends the reason of a layer replicated because it is small (norms, position tables, small heads): by design, not
 #: a limit hit, so `Plan.kept_whole()` leaves it out.
 SMALL = " (small; replicated)"
+#: Ends the reason of a layer no family could pair, split on its own with a whole output (`families/lone_layers.py`):
+#: `Plan.split_alone()` lists them, as it costs an all-gather per call that a paired split would not.
+ALONE = "; split alone by its output features, the output all-gathered on every call"
 SEQUENCE_PARALLEL = "sequence_parallel"  # also a conversion option: parallelize(..., sequence_parallel=True)
 
 Layouts = dict[str, ShardLayout]

@@ -37,6 +37,7 @@ class TransformerShape:
     embedding_norm: bool = False      # BERT: LayerNorm after the embeddings
     final_norm: bool = True
     mlm_head: bool = False            # BERT: dense h*h + LayerNorm before the decoder, decoder bias
+    packed_qkv: bool = False          # GPT-2: q, k, v in one layer (c_attn, h x 3h)
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     embedding_dropout: float = 0.0
@@ -59,7 +60,7 @@ def _gpt2_shape(config, kind: str) -> TransformerShape:
     return TransformerShape(
         kind, config.vocab_size, h, config.n_layer, config.n_head, config.n_head, h // config.n_head,
         config.n_inner or 4 * h, gated_mlp=False, activation=config.activation_function, norm="layer",
-        norm_bias=True, qkv_bias=True, out_bias=True, mlp_bias=True,
+        norm_bias=True, qkv_bias=True, out_bias=True, mlp_bias=True, packed_qkv=True,
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
         position_embeddings=config.n_positions, attention_dropout=config.attn_pdrop,
         hidden_dropout=config.resid_pdrop, embedding_dropout=config.embd_pdrop)

@@ -198,7 +198,8 @@ def _layout_notes(shape, world_size) -> list[str]:
     notes = []
     if not rank_heads(shape.num_heads, shape.num_kv_heads, world_size)[2]:
         notes.append(f"{shape.num_heads} query heads in {shape.num_kv_heads} KV groups have no layout over "
-                     f"{world_size} ranks: attention is counted replicated")
+                     f"{world_size} ranks: attention is not split by heads; its projections are counted split "
+                     f"alone (output all-gathered), as the planner splits them")
     elif shape.num_kv_heads < world_size:
         notes.append(f"{shape.num_kv_heads} KV heads < world size {world_size}: each rank holds a replica of the "
                      f"KV heads its query heads use")

@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..comm import split_sizes
+from ..convert.families.lone_layers import GATHER_FRACTION
 from .config import TransformerShape
-from .ranks import rank_widths
+from .ranks import rank_heads, rank_widths
 
 OPTIMIZERS = ("adamw", "sgd", "none")
 
@@ -40,17 +42,49 @@ def parameter_counts(shape: TransformerShape, world_size: int = 1, rank: int | N
     if shape.vocab_size < t:  # too few rows to split: whole on every rank
         vocab = shape.vocab_size
 
-    attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if shape.qkv_bias else 0) + (h if shape.out_bias else 0)
+    alone = split_alone(shape, t)
+    if "attention" in alone:  # no head layout: each projection whole, or split alone by its output rows
+        attention = sum(i * o + (o if bias else 0) for i, o, bias in _attention_layers(shape))
+        attention -= sum(i * (o - split_sizes(o, t)[rank]) + (o - split_sizes(o, t)[rank] if bias else 0)
+                         for i, o, bias in alone["attention"])
+    else:
+        attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if shape.qkv_bias else 0) + (h if shape.out_bias else 0)
     mlp_in = 2 if shape.gated_mlp else 1
     mlp = mlp_in * h * f + f * h + (mlp_in * f + h if shape.mlp_bias else 0)
     embeddings = vocab * h  # position and token-type tables stay whole, as the planner decides
     embeddings += (shape.position_embeddings + shape.position_offset + shape.token_type_embeddings) * h
     lm_head = 0 if shape.tied_embeddings else vocab * h
-    if shape.mlm_head:  # BERT: transform dense + LayerNorm (replicated), decoder bias (vocab-split)
-        lm_head += h * h + h + 2 * h + vocab
+    if shape.mlm_head:  # BERT: transform dense (split alone, or whole) + LayerNorm (whole), decoder bias (vocab-split)
+        dense = split_sizes(h, t)[rank] if "mlm_head" in alone else h
+        lm_head += h * dense + dense + 2 * h + vocab
     norms = shape.num_layers * 2 * norm + (norm if shape.final_norm else 0) + (norm if shape.embedding_norm else 0)
     return {"embeddings": embeddings, "attention": shape.num_layers * attention, "mlp": shape.num_layers * mlp,
             "norms": norms, "lm_head": lm_head}
+
+
+def _attention_layers(shape: TransformerShape) -> list[tuple[int, int, bool]]:
+    """(in, out, bias) of one block's attention projections: q, k, v (or GPT-2's packed c_attn) and o."""
+    h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    ins = [(h, q + 2 * kv, shape.qkv_bias)] if shape.packed_qkv else [(h, q, shape.qkv_bias), (h, kv, shape.qkv_bias),
+                                                                      (h, kv, shape.qkv_bias)]
+    return ins + [(q, h, shape.out_bias)]
+
+
+def split_alone(shape: TransformerShape, world_size: int) -> dict[str, list[tuple[int, int, bool]]]:
+    """The layers the planner splits alone at TP `world_size` (`convert/families/lone_layers.py`: no partner, at
+    least 1 / GATHER_FRACTION of the largest layer, at least one output row per rank), by part: `attention` (its
+    projections, when its heads have no layout over the ranks) and `mlm_head` (BERT's transform dense), each
+    `(in, out, bias)`. Each costs an all-gather of its output per call."""
+    if world_size == 1:
+        return {}
+    h, f = shape.hidden_size, shape.intermediate_size
+    layers = _attention_layers(shape) + [(h, f, False), (f, h, False)]
+    floor = max(i * o for i, o, _ in layers) / GATHER_FRACTION
+    parts = {"attention": _attention_layers(shape) if not rank_heads(shape.num_heads, shape.num_kv_heads,
+                                                                     world_size)[2] else [],
+             "mlm_head": [(h, h, True)] if shape.mlm_head else []}
+    out = {part: [(i, o, b) for i, o, b in found if i * o >= floor and o >= world_size] for part, found in parts.items()}
+    return {part: found for part, found in out.items() if found}
 
 
 def optimizer_bytes_per_parameter(optimizer: str, dtype: torch.dtype, master_weights: bool | None = None) -> int:

@@ -36,7 +36,7 @@ from ..tables import Column, format_bytes, render_table, wrap_text
 from .activations import normalise_recompute, transformer_activation_bytes
 from .config import TransformerShape, attention_kind, own_dtype, resolve_target
 from .hardware import Hardware, get_hardware
-from .params import fullest_rank, parameter_counts
+from .params import fullest_rank, parameter_counts, split_alone
 from .profile import SpeedProfile, load_profile
 from .ranks import rank_cache_heads, rank_heads
 
@@ -189,12 +189,20 @@ def _step(shape: TransformerShape, t: int, mode: str, B: int, b: int, s: int, re
         nbytes = weight_bytes + 2 * L * tokens * (h + 2 * kv_heads * d) * B
 
     message = tokens * h * B
-    per_layer = 2 if mode != "training" else 4
+    passes = 1 if mode != "training" else 2  # training: each forward collective once more in the backward
+    alone = split_alone(shape, t)
+    per_layer = (1 if "attention" in alone else 2) * passes  # attention split alone: gathers below, no all-reduce
     vocab = 1 if rates.vocab_parallel else 0
     all_reduces = L * per_layer + vocab * (1 + (1 if mode == "training" else 0))  # + embedding (+ LM-head input)
     comm_s = all_reduces * rates.all_reduce(message, t)
     comm_bytes = all_reduces * (2 * (t - 1) / t * message if t > 1 else 0)
     collectives = all_reduces if t > 1 else 0
+    for part, layers in alone.items():  # layers split alone all-gather their outputs on every call
+        for _, out, _ in layers:
+            calls, gathered = (L if part == "attention" else 1) * passes, tokens * out * B
+            comm_s += calls * rates.all_gather(gathered, t)
+            comm_bytes += calls * (t - 1) / t * gathered
+            collectives += calls
     if mode == "training" and vocab:   # vocab-parallel cross entropy: max, sum-exp and target logit, fp32
         comm_s += 3 * rates.all_reduce(tokens * 4, t)
         comm_bytes += 3 * (2 * (t - 1) / t * tokens * 4 if t > 1 else 0)

@@ -17,8 +17,8 @@ def test_random_blocks_verify(n_heads, head_dim, hidden, world):
     torch.manual_seed(0)
     model = Block(dim=n_heads * head_dim, n_heads=n_heads, hidden=hidden)
     p = plan(model, world)
-    split = p["wq"] != "replicate"
-    assert split == (n_heads >= world), (p.entries, p.reasons.get("wq"))
+    by_heads = p["wq"] == "colwise"  # otherwise whole, or split alone with a gathered output
+    assert by_heads == (n_heads >= world), (p.entries, p.reasons.get("wq"))
     x = torch.randn(2, 3, n_heads * head_dim, generator=torch.Generator().manual_seed(1))
     report = verify(model, (x,), world_size=world, backward=True)
     assert report.ok, report.summary()

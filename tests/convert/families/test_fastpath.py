@@ -144,10 +144,11 @@ def ids() -> torch.Tensor:
 
 def test_direct_weight_reads_stay_whole_with_reason():
     p = plan(reads_child_weight(), 2, example_inputs=(ids(),))
-    for name in ("fc1", "fc2", "embed"):
+    for name in ("fc1", "embed"):
         assert p[name] == "replicate", (name, p.entries)
         assert "read directly" in p.reasons[name]
     assert p["up"] == "colwise" and p["down"] == "rowwise"  # the rest still splits
+    assert p["fc2"] == "colwise_rep"  # its partner stays whole: split alone, its output gathered
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -19,7 +19,7 @@ from torch import nn
 
 from tpkit.convert import plan
 
-from tests.models.stepcheck import check
+from tests.models.stepcheck import UNPAIRED, check
 
 DIM, HD, SEQ = 40, 8, 5
 
@@ -143,12 +143,12 @@ def test_norm_over_split_features_is_gathered_and_exact(case, world_size):
 def test_kv_heads_shared_by_ranks_keep_the_block_whole():
     """2 KV heads at 3 ranks: a KV head lives on two ranks, so k_norm's features are no block per rank."""
     p = plan(build(QKNorm, 1), 3, example_inputs=(x(),))
-    assert p["k_norm"] == p["k_proj"] == p["o_proj"] == "replicate", p.entries
+    assert p["k_norm"] == "replicate" and p["k_proj"] in UNPAIRED and p["o_proj"] in UNPAIRED, p.entries
     assert "cannot be gathered for the norm" in p.reasons["o_proj"], p.reasons
     assert p["up"] == "colwise"
     check(build(QKNorm, 1), (x(),), 3, tol=1e-9)
     p2 = plan(build(QKNorm, 1), 2, example_inputs=(x(),))  # at 2 ranks the one KV head is whole on both: the
-    assert p2["q_proj"] == "replicate"  # same reason
+    assert p2["q_proj"] in UNPAIRED  # same reason
 
 
 @pytest.mark.parametrize("case", ["feeds_two", "tied"])

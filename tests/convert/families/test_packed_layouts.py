@@ -19,7 +19,7 @@ from torch import nn
 
 from tpkit.convert import plan
 
-from tests.models.stepcheck import check
+from tests.models.stepcheck import UNPAIRED, check
 
 DIM, HEADS, HD, SEQ = 32, 4, 8, 5
 
@@ -147,7 +147,7 @@ def test_proven_packing_is_exact(case, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_query_rows_not_first_stay_whole(world_size):
     p = plan(build(MultiQueryRowsLast), world_size, example_inputs=(x(),))
-    assert p["qkv"] == p["o"] == "replicate" and "not split into q, k, v pieces" in p.reasons["o"], p.reasons
+    assert p["qkv"] in UNPAIRED and p["o"] in UNPAIRED and "not split into q, k, v pieces" in p.reasons["o"], p.reasons
     assert p["up"] == "colwise"
     check(build(MultiQueryRowsLast), (x(),), world_size, tol=1e-9)
 

@@ -68,7 +68,7 @@ class Attention(Family):
             why = f"{whole[0]}: {whole[1]}" if whole else (_heads_blocker(pair, draft.world_size)
                                                             or norms_blocker(draft, pair))
             if why:
-                out.append(Proposal(self.name, pair.row, (whole_choice(pair.members, why),)))
+                out.append(Proposal(self.name, pair.row, (whole_choice(pair.members, why, unpaired=True),)))
                 continue
             a = draft.analysis
             split = Choice("split by heads", {**{n: COLWISE for n in pair.columns}, pair.row: ROWWISE,

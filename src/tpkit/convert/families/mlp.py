@@ -29,7 +29,7 @@ class FeaturePairs(Family):
                 continue  # an earlier family planned these layers
             why = f"{whole[0]}: {whole[1]}" if whole else (_width_blocker(draft, pair) or norms_blocker(draft, pair))
             if why:
-                out.append(Proposal(self.name, pair.row, (whole_choice(pair.members, why),)))
+                out.append(Proposal(self.name, pair.row, (whole_choice(pair.members, why, unpaired=True),)))
                 continue
             a = draft.analysis
             split = Choice("split", {**{n: COLWISE for n in pair.columns}, pair.row: ROWWISE,

@@ -26,7 +26,7 @@ from ...nn import gather_from_region, mark_sequence_parallel, scatter_to_sequenc
 from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal
 from ..modules import is_conv2d, is_feature_norm, is_linear
-from ..styles import COLWISE, REPLICATE, ROWWISE, SEQUENCE_PARALLEL, VOCAB_PARALLEL, Style
+from ..styles import COLWISE, COLWISE_REP, REPLICATE, ROWWISE, SEQUENCE_PARALLEL, VOCAB_PARALLEL, Style
 
 COLUMNS = (COLWISE, VOCAB_PARALLEL)
 
@@ -60,7 +60,8 @@ def find_region(analysis, styles: Mapping[str, str]) -> SequenceRegion:
         raise PlanError("sequence parallelism: no column-wise layer is fed by a replicated layer (a norm), so "
                         "there is no residual stream to split")
     entry_call = t.first(entry)
-    whole = [n for n in order if styles.get(n, REPLICATE) == REPLICATE and t.first(n).order < entry_call.order
+    whole = [n for n in order if styles.get(n, REPLICATE) in (REPLICATE, COLWISE_REP)
+             and t.first(n).order < entry_call.order
              and (is_linear(analysis.leaves[n]) or is_conv2d(analysis.leaves[n]))]
     if whole:
         raise PlanError(f"sequence parallelism: layers before the first split block stay whole ({whole[:4]}); "
