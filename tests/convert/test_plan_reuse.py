@@ -311,3 +311,13 @@ def test_gathered_norms_scalar_activations_and_gates_reuse(config_cls):
     name, style = NAMING[config_cls]
     assert tpkit.plan(model, 2)[name] == style
     _same(model)
+
+
+def test_layers_split_alone_reuse():
+    """Attention with fewer heads than ranks: its projections are split alone (their reasons name the block), and
+    renamed block by block the plan equals the whole trace's."""
+    from ..models import hf
+
+    model = _deeper(hf.hf_model("llama", num_attention_heads=2, num_key_value_heads=2))
+    assert len(tpkit.plan(model, 3).split_alone()) == DEPTH * 4
+    _same(model, worlds=(3,))
