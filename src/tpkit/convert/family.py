@@ -112,8 +112,9 @@ class Draft:
         return None
 
     def pairless(self, name: str) -> bool:
-        """Whether no family planned `name`, or one kept it whole only for want of a column -> row partner."""
-        return name not in self.entries or name in self.unpaired
+        """Whether no family planned or explained `name`, or one kept it whole only for want of a column -> row
+        partner (a router a family keeps whole by a reason alone is not pairless)."""
+        return name in self.unpaired or (name not in self.entries and name not in self.reasons)
 
     def reason(self, name: str) -> str:
         """Why layer `name` is not split: the reason a family gave, else what the trace says about it."""

@@ -197,12 +197,16 @@ def _step(shape: TransformerShape, t: int, mode: str, B: int, b: int, s: int, re
     comm_s = all_reduces * rates.all_reduce(message, t)
     comm_bytes = all_reduces * (2 * (t - 1) / t * message if t > 1 else 0)
     collectives = all_reduces if t > 1 else 0
-    for part, layers in alone.items():  # layers split alone all-gather their outputs on every call
-        for _, out, _ in layers:
-            calls, gathered = (L if part == "attention" else 1) * passes, tokens * out * B
+    for part, layers in alone.items():  # layers split alone all-gather their outputs on every call, and training
+        for n_in, out, _ in layers:     # all-reduces their input's gradient (the gather's backward only slices)
+            calls, gathered, summed = L if part == "attention" else 1, tokens * out * B, tokens * n_in * B
             comm_s += calls * rates.all_gather(gathered, t)
-            comm_bytes += calls * (t - 1) / t * gathered
+            comm_bytes += calls * ((t - 1) / t * gathered if t > 1 else 0)
             collectives += calls
+            if mode == "training":
+                comm_s += calls * rates.all_reduce(summed, t)
+                comm_bytes += calls * (2 * (t - 1) / t * summed if t > 1 else 0)
+                collectives += calls
     if mode == "training" and vocab:   # vocab-parallel cross entropy: max, sum-exp and target logit, fp32
         comm_s += 3 * rates.all_reduce(tokens * 4, t)
         comm_bytes += 3 * (2 * (t - 1) / t * tokens * 4 if t > 1 else 0)

@@ -179,3 +179,14 @@ def test_gathered_output_keeps_a_one_world_size_checkpoint_layout(world_size):
     got = tpkit.comm.run_threads(lambda comm: body(comm, copies[comm.rank]), world_size)
     sizes = [s[0][0] for s in got]
     assert sum(sizes) == INNER and max(sizes) - min(sizes) <= 1 and all(s[0] == s[1] for s in got)
+
+
+def test_attention_blocked_with_its_per_head_bias_is_split_alone_like_the_rest():
+    """T5 with 4 heads at 5 ranks: no head layout; self-attention (which holds the relative bias) and cross-attention
+    are both split alone, with the same reason."""
+    from .test_per_head import t5, t5_inputs
+
+    p = plan(t5(heads=4), 5, example_inputs=t5_inputs())
+    names = [n for n in p.entries if n.endswith((".SelfAttention.q", ".EncDecAttention.q"))]
+    assert names and all(p[n] == "colwise_rep" for n in names), {n: p[n] for n in names}
+    assert all("cannot be split over 5 ranks" in p.split_alone()[n] for n in names)

@@ -22,7 +22,7 @@ from typing import Iterator
 
 from ..family import Choice, Draft, Family, Proposal
 from ..modules import is_linear, is_plain_conv2d, linear_dims
-from ..styles import ALONE, COLWISE_REP, REPLICATE
+from ..styles import ALONE, COLWISE_REP, REPLICATE, SMALL
 from .vocab import lm_heads
 
 GATHER_FRACTION = 8  # a lone layer at least this many times smaller than the largest layer stays whole
@@ -56,6 +56,8 @@ class LoneLayers(Family):
                     or self._held(draft, name):
                 continue
             why = draft.reason(name)
+            if why.endswith(SMALL):  # the trace's default for a layer whose output leaves the model
+                why = "no column -> row partner found in the dataflow (its output leaves the model)"
             split = Choice("split, output gathered", {name: COLWISE_REP}, reasons={name: why + ALONE},
                            note=f"{name}: {why}{ALONE}")
             yield Proposal(self.name, name, (split, Choice("whole", {name: REPLICATE}, reasons={name: why})))

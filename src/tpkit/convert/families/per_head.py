@@ -140,7 +140,7 @@ class PerHeadTensors(Family):
                 f"shares the per-head tensor {src} with attention that stays whole ({why})"
             entries.update({n: REPLICATE for n in p.members})
             reasons.update({n: mine for n in p.members if n != src or p is users[-1]})
-        return Proposal(self.name, src, (Choice("whole", entries, reasons=reasons),))
+        return Proposal(self.name, src, (Choice("whole", entries, reasons=reasons, unpaired=True),))
 
     def install(self, model: nn.Module, planned: Planned, checked: Checked | None, comm) -> None:
         """Split attention that takes per-head arguments built for all heads (ALiBi) gets its heads' slices."""

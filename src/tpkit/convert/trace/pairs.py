@@ -66,7 +66,7 @@ def _try_row(a: Pairing, row: str, tag: Tag, norms: tuple[str, ...], taken: set)
     if row in taken or any(s in taken for s in srcs):
         if not norms:
             a.notes.setdefault(row, "its input comes from a layer already paired with another row-wise layer "
-                                    "(an odd chain of layers: the last one stays replicated)")
+                                    "(an odd chain of layers: the last one has no partner)")
         return "", srcs, per_head
     if not _calls_alike(t, row, srcs, tag):
         if not norms:
