@@ -32,6 +32,8 @@ from .modules import is_conv2d, is_embedding, is_feature_norm, is_linear, is_per
 from .roles import Role
 from .styles import REPLICATE, SMALL, Style
 
+NO_PARTNER = "no column -> row partner found in the dataflow"
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -134,7 +136,7 @@ class Draft:
         if is_linear(m) and name in a.trace.escaped:
             return "its output leaves the model; replicating avoids a gather" + SMALL
         if is_linear(m) or is_conv2d(m):
-            return "no column -> row partner found in the dataflow"
+            return NO_PARTNER
         return f"{kind(m)}: no rule splits this layer type"
 
     def claimed(self, names: Iterable[str]) -> list[str]:

@@ -2,8 +2,9 @@
 
 `parallelize` logs, once per conversion (on rank 0), "N modules kept whole: ..." with the commonest reasons
 (`Plan.kept_whole()` has them all, per module), and "N modules split alone (output all-gathered): ..." for
-layers that found no partner and pay an all-gather per call instead (`Plan.split_alone()`). It is a WARNING when the plan was the planner's (`plan="auto"`):
-the user asked tpkit to split what it can, and these it could not; an INFO line for a plan the user gave.
+layers that found no partner and pay an all-gather per call instead (`Plan.split_alone()`). It is a WARNING
+when the plan was the planner's (`plan="auto"`): the user asked tpkit to split what it can, and these it could
+not; an INFO line for a plan the user gave.
 Silence it with `quiet_conversions()` for a block, or for good with the standard logging level:
 `logging.getLogger("tpkit.convert").setLevel(logging.ERROR)`.
 """

@@ -44,9 +44,9 @@ def parameter_counts(shape: TransformerShape, world_size: int = 1, rank: int | N
 
     alone = split_alone(shape, t)
     if "attention" in alone:  # no head layout: each projection whole, or split alone by its output rows
-        attention = sum(i * o + (o if bias else 0) for i, o, bias in _attention_layers(shape))
-        attention -= sum(i * (o - split_sizes(o, t)[rank]) + (o - split_sizes(o, t)[rank] if bias else 0)
-                         for i, o, bias in alone["attention"])
+        held = [(i, split_sizes(o, t)[rank] if (i, o, b) in alone["attention"] else o, b)
+                for i, o, b in _attention_layers(shape)]
+        attention = sum(i * o + (o if b else 0) for i, o, b in held)
     else:
         attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if shape.qkv_bias else 0) + (h if shape.out_bias else 0)
     mlp_in = 2 if shape.gated_mlp else 1

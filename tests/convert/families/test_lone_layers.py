@@ -165,7 +165,7 @@ def test_layers_kept_whole_by_choice_or_tie_are_not_split_alone():
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_gathered_output_keeps_a_one_world_size_checkpoint_layout(world_size):
+def test_a_rank_holds_the_plain_split_of_the_output_rows(world_size):
     """The shard a rank holds is the plain split of the output rows (what `shard_layouts` and per-rank loading
     read), 40 rows as 20/20 or 14/13/13."""
     import tpkit

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..family import Choice, Draft, Family, Proposal
+from ..family import NO_PARTNER, Choice, Draft, Family, Proposal
 from ..modules import is_linear, is_plain_conv2d, linear_dims
-from ..styles import ALONE, COLWISE_REP, REPLICATE, SMALL
+from ..styles import ALONE, COLWISE_REP, REPLICATE
 from .vocab import lm_heads
 
 GATHER_FRACTION = 8  # a lone layer at least this many times smaller than the largest layer stays whole
@@ -55,9 +55,8 @@ class LoneLayers(Family):
             if _size(m) < floor or _outputs(m) < draft.world_size or not draft.pairless(name) \
                     or self._held(draft, name):
                 continue
-            why = draft.reason(name)
-            if why.endswith(SMALL):  # the trace's default for a layer whose output leaves the model
-                why = "no column -> row partner found in the dataflow (its output leaves the model)"
+            # what stopped the pairing: a family's reason or the trace's note (a traced layer has no other default)
+            why = draft.reasons.get(name) or draft.analysis.notes.get(name) or NO_PARTNER
             split = Choice("split, output gathered", {name: COLWISE_REP}, reasons={name: why + ALONE},
                            note=f"{name}: {why}{ALONE}")
             yield Proposal(self.name, name, (split, Choice("whole", {name: REPLICATE}, reasons={name: why})))
