@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..convert.layouts import shard_layouts
+from ..convert.layouts import check_grad_sums, shard_layouts
 from ..nn._layer import resolve_comm
 from ..nn.random import get_rng_tracker
 from . import optimizer as optim_state
@@ -135,6 +135,7 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
         values = read_targets(source, targets, bar, staging=staging_for(fills))
     if optimizer is not None and section:
         optim_state.restore(model, optimizer, section, values, place=like)
+    check_grad_sums(model, f"load_sharded({directory!r})")
     manifest = source.manifest or {}
     restore_rng(manifest, comm, record.tp_comm if record is not None else None)
     return {"step": manifest.get("step"), "extra": manifest.get("extra"), "config": manifest.get("config"),

@@ -15,6 +15,7 @@ import os
 import torch
 from torch import nn
 
+from ..convert.layouts import check_grad_sums
 from ..convert.parallelize import parallelize
 from ..convert.plan import Plan
 from ..nn._layer import resolve_comm
@@ -148,4 +149,5 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
         except Exception as exc:
             error = exc
     agree(comm, error)
+    check_grad_sums(model, f"from_pretrained({path!r})")
     return model.eval()

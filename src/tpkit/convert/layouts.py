@@ -13,6 +13,7 @@ from typing import Mapping
 from torch import nn
 
 from ..layout import ShardLayout
+from ..nn.grad_sums import grad_sums, unsummed
 from .conversion import conversions_in
 from .errors import PlanError
 from .modules import kind
@@ -80,3 +81,19 @@ def shard_layouts(model: nn.Module) -> dict[str, ShardLayout]:
         lay = known.get(inner)
         out[key] = lay if lay is not None else ShardLayout.replicated(t.shape, world, rank)
     return out
+
+
+def check_grad_sums(model: nn.Module, where: str) -> None:
+    """Raise PlanError when a parameter of the converted `model` whose gradient must be summed over ranks is not:
+    rows several ranks hold (its layout says so) with no sum recorded, or a recorded sum whose module no longer
+    applies it (its class or forward hooks replaced after the conversion). Either is a silently wrong gradient."""
+    params = {n for n, _ in model.named_parameters()}
+    summed = grad_sums(model)
+    missing = [k for k, lay in shard_layouts(model).items() if k in params and lay.shares_entries() and k not in summed]
+    missing += unsummed(model)
+    if missing:
+        raise PlanError(f"{where}: parameter(s) {missing[:4]}{' ...' if len(missing) > 4 else ''} are used by several "
+                        f"ranks, each for its own part of the work, so their gradients must be summed over those ranks, "
+                        f"but nothing sums them (their module's class or forward hooks were replaced after tpkit "
+                        f"converted it). Convert the original model again (tpkit.parallelize / tpkit.from_pretrained) "
+                        f"and do not replace its modules afterwards")

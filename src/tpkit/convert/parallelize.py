@@ -34,7 +34,7 @@ from ..nn._layer import resolve_comm
 from .conversion import Conversion, attach
 from .errors import PlanError
 from .dryrun import dry_run, fits_real_copy
-from .layouts import key_layouts
+from .layouts import check_grad_sums, key_layouts
 from .notices import log_kept_whole
 from .plan import PLAN_WORDS, Plan, check_plan_argument
 from .planner import auto_plan
@@ -126,6 +126,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
     attach(model, Conversion(record, key_layouts(model, modules, per_module, world, rank), updates,
                              prepared.checked, world, rank))
+    check_grad_sums(model, "parallelize")
     log_kept_whole(record, isinstance(plan, str) and plan in PLAN_WORDS, rank)
     return model
 

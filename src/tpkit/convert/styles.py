@@ -17,7 +17,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ..layout import HeadLayoutError, Piece, ShardLayout, group_pieces, head_columns, head_spans
-from ..nn.mappings import reduce_replicated_rows_grad
+from ..nn.grad_sums import GradSum, sum_grads
 from .errors import PlanError
 from .modules import (as_linear, is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d,
                       is_transposed_linear, keep_output_scale, kind, linear_dims)
@@ -189,11 +189,11 @@ class ColWise(_FeatureSplit):
         replicas = lay.replicas()
         # Some rows (replicated KV heads) live on several ranks: every rank joins the gradient sum, including
         # one whose own rows are all single (KV heads 2 over 3 ranks: rank 0 holds head 0 alone).
-        if any(max(lay.for_rank(r).replicas(), default=1) > 1 for r in range(lay.world_size)):
-            for p in (layer.weight, layer.bias):
-                if p is not None:
-                    reduce_replicated_rows_grad(p, lay.index(), lay.full_shape[lay.dim], comm)
-                    p.partition_replicas = replicas  # type: ignore[attr-defined]
+        if lay.shares_entries():
+            rows = GradSum(tuple(lay.index()), lay.full_shape[lay.dim])
+            sum_grads(layer, {n: rows for n, p in layer.named_parameters(recurse=False)}, comm)
+            for p in layer.parameters(recurse=False):
+                p.partition_replicas = replicas  # type: ignore[attr-defined]
         return layer
 
     def check_dataflow(self, name: str, planned: Any, lookup: Lookup) -> None:

@@ -122,6 +122,12 @@ class ShardLayout:
         return self.dim is not None and len(self.pieces) == 1 and self.pieces[0] == Piece.split(
             0, self.full_shape[self.dim], self.world_size)
 
+    def shares_entries(self) -> bool:
+        """Whether some entry along `dim` is held by several ranks (but not all: then it is replicated), so each
+        holder's gradient of it covers only its own work and the gradient is a sum over the holders."""
+        return not self.is_replicated and any(max(self.for_rank(r).replicas(), default=1) > 1
+                                              for r in range(self.world_size))
+
     def replicas(self) -> tuple[int, ...]:
         """For each of this rank's entries along `dim`, how many ranks hold it (1 unless replicated)."""
         out = []

@@ -13,8 +13,9 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import ParallelEmbedding, VocabParallelEmbedding
 from .experts import ExpertsRegion
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region, reduce_grad,
-                       reduce_replicated_rows_grad, reduce_scatter_to_sequence_region, scatter_to_region,
+from .grad_sums import GradSum, grad_sums, sum_grads, unsummed
+from .mappings import (copy_rows_to_region, copy_to_region, gather_from_region, gather_from_sequence_region,
+                       reduce_from_region, reduce_scatter_to_sequence_region, scatter_to_region,
                        scatter_to_sequence_region)
 from .grad_clip import clip_grad_norm_
 from .partition import is_tensor_parallel, mark_replicated, mark_tensor_parallel, partition_sizes, shard
@@ -27,9 +28,10 @@ __all__ = [
     "ColumnParallelConv2d", "ColumnParallelLinear", "ParallelEmbedding", "RowParallelConv2d", "RowParallelLinear",
     "TensorParallelModule", "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "ExpertsRegion",
     # communication mappings
-    "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region", "reduce_grad",
-    "reduce_replicated_rows_grad", "reduce_scatter_to_sequence_region", "scatter_to_region",
-    "scatter_to_sequence_region",
+    "copy_rows_to_region", "copy_to_region", "gather_from_region", "gather_from_sequence_region",
+    "reduce_from_region", "reduce_scatter_to_sequence_region", "scatter_to_region", "scatter_to_sequence_region",
+    # gradients summed over the ranks that share a parameter
+    "GradSum", "grad_sums", "sum_grads", "unsummed",
     # sharding and parameter marks
     "is_tensor_parallel", "mark_replicated", "mark_tensor_parallel", "partition_sizes", "shard",
     # training helpers

@@ -32,6 +32,10 @@ class TensorParallelModule(nn.Module):
 
 
 class _Shared:
+    """A reference to a communicator held by a layer or a mapping: copies share it, and pickling stores which rank
+    of how many it was, so unpickling binds the default communicator of the unpickling rank (the same world
+    size and rank, or an error that says so)."""
+
     __slots__ = ("value",)
 
     def __init__(self, value):
@@ -39,6 +43,23 @@ class _Shared:
 
     def __deepcopy__(self, memo):
         return self
+
+    def __copy__(self):
+        return self
+
+    def __reduce__(self):
+        return _rebind, (self.value.world_size, self.value.rank)
+
+
+def _rebind(world_size: int, rank: int) -> _Shared:
+    from ..distributed import get_communicator
+
+    comm = get_communicator()
+    if (comm.world_size, comm.rank) != (world_size, rank):
+        raise RuntimeError(f"this tensor-parallel module was pickled on rank {rank} of {world_size}; the unpickling "
+                           f"process is rank {comm.rank} of {comm.world_size}. Unpickle it on the same rank after "
+                           f"tpkit.init() (or load a checkpoint with tpkit.load_sharded at any world size)")
+    return _Shared(comm)
 
 
 def resolve_comm(comm: Communicator | None) -> Communicator:

@@ -109,16 +109,15 @@ class BlockRegion:
         self.comm = comm
 
     def install(self, block: nn.Module) -> nn.Module:
-        from ..comm import traceable
+        from .grad_sums import sum_grads
         from .partition import is_tensor_parallel
 
         block.register_forward_pre_hook(self.enter, with_kwargs=True)
         block.register_forward_hook(self.leave)
         for m in block.modules():  # layers that compute partial results only run inside a region
             m.tp_block_region = True
-        for p in block.parameters():
-            if p.requires_grad and not is_tensor_parallel(p) and p.device.type != "meta":
-                p.register_hook(lambda g: traceable.all_reduce(g, self.comm))
+        for m in block.modules():
+            sum_grads(m, [n for n, p in m.named_parameters(recurse=False) if not is_tensor_parallel(p)], self.comm)
         return block
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

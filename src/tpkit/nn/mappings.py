@@ -15,13 +15,13 @@ Sequence-parallel region (the sequence dim, `dim`):
     scatter_to_sequence_region         forward split            backward all-gather
     gather_from_sequence_region        forward all-gather       backward reduce-scatter
     reduce_scatter_to_sequence_region  forward reduce-scatter   backward all-gather
-Parameters a rank uses for part of the work only (the pair copy_to_region makes, on a leaf: the forward is the
-parameter itself, so only the backward half is installed, as a gradient hook):
-    reduce_grad                  forward whole parameter      backward all-reduce of its gradient
+Parameters a rank uses for part of the work only (applied to the parameter where its module reads it; see
+`grad_sums`):
+    copy_to_region               forward the parameter        backward all-reduce of its gradient
                                  (a per-head norm every rank holds whole but applies to its own heads)
-    reduce_replicated_rows_grad  forward rows held by several  backward all-reduce of those rows' gradient
-                                 ranks (KV heads replicated when fewer than ranks; each holder's gradient
-                                 covers only its query heads)
+    copy_rows_to_region          forward the parameter        backward each row's gradient summed over the
+                                 ranks holding it (KV heads replicated when fewer than ranks; each holder's
+                                 gradient covers only its query heads)
 
 Every mapping returns its input unchanged, without creating an autograd node, when the world size is 1.
 Uneven sizes follow `tpkit.comm.split_sizes` unless `sizes` (every rank's size along `dim`) is given.
@@ -124,6 +124,22 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return traceable.all_gather(grad.contiguous(), ctx.comm, ctx.dim, ctx.sizes), None, None, None
 
 
+class _CopyRowsToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p, rows, full_rows, comm):
+        ctx.rows, ctx.full_rows, ctx.comm = rows, full_rows, comm
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Scatter-add every rank's rows into the full dim 0, one all-reduce, this rank's rows back: a row held by
+        # one rank keeps its own gradient, one held by several gets the sum.
+        idx = torch.tensor(ctx.rows, dtype=torch.long, device=grad.device)
+        full = grad.new_zeros((ctx.full_rows,) + tuple(grad.shape[1:]))
+        full.index_add_(0, idx, grad)
+        return traceable.all_reduce_(full, ctx.comm).index_select(0, idx), None, None, None  # `full` is ours
+
+
 def _dim(x: torch.Tensor, dim: int) -> int:
     """A non-negative dim, so forward and backward agree even if a rank's shard changes rank."""
     if not -x.dim() <= dim < x.dim():
@@ -134,6 +150,13 @@ def _dim(x: torch.Tensor, dim: int) -> int:
 def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Enter a tensor-parallel region with a replicated input: identity forward, all-reduce of the gradient."""
     return x if comm.world_size == 1 else _CopyToRegion.apply(x, comm)
+
+
+def copy_rows_to_region(p: torch.Tensor, rows: Sequence[int], full_rows: int, comm: Communicator) -> torch.Tensor:
+    """A tensor whose dim-0 rows several ranks hold (`rows`: this rank's, as positions in the full dim 0 of
+    `full_rows`): identity forward; backward, each row's gradient summed over its holders. Every rank of the
+    group takes part, one whose rows are all single included."""
+    return p if comm.world_size == 1 else _CopyRowsToRegion.apply(p, tuple(rows), int(full_rows), comm)
 
 
 def reduce_from_region(x: torch.Tensor, comm: Communicator, inplace: bool = False) -> torch.Tensor:
@@ -175,30 +198,6 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: 
 
 
 __all__ = [
-    "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region",
+    "copy_rows_to_region", "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region",
     "reduce_scatter_to_sequence_region", "scatter_to_region", "scatter_to_sequence_region",
 ]
-
-
-def reduce_grad(p: torch.Tensor, comm: Communicator) -> None:
-    """Sum `p`'s gradient over the ranks (the backward of `copy_to_region` on a parameter every rank holds whole
-    but applies to its own part of the work only). No-op at world size 1 or on the meta device."""
-    if comm.world_size > 1 and p.requires_grad and p.device.type != "meta":
-        p.register_hook(lambda g: traceable.all_reduce(g, comm))
-
-
-def reduce_replicated_rows_grad(p: torch.Tensor, rows: Sequence[int], full_rows: int, comm: Communicator) -> None:
-    """Rows of `p` held by several ranks (`rows`: this rank's rows as positions in the full dim 0 of `full_rows`)
-    get, on each holder, only the gradient of that rank's work; the full gradient is their sum: scatter-add into
-    the full shape, one all-reduce, pick this rank's rows back. Every rank of the group must install it (a rank
-    whose own rows are all single still joins the sum)."""
-    if comm.world_size == 1 or not p.requires_grad or p.device.type == "meta":
-        return
-    idx = torch.tensor(tuple(rows), dtype=torch.long)
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        full = grad.new_zeros((full_rows,) + tuple(grad.shape[1:]))
-        full.index_add_(0, idx.to(grad.device), grad)
-        return traceable.all_reduce_(full, comm).index_select(0, idx.to(grad.device))  # `full` is ours
-
-    p.register_hook(hook)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ...layout import HeadLayoutError
-from ...nn.mappings import reduce_grad
+from ...nn.grad_sums import sum_grads
 from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal, whole_choice
 from ..roles import ATTENTION, Pair
@@ -115,8 +115,8 @@ class Attention(Family):
         a rank with unequal groups expand their KV heads to one per query head."""
         for name, s in planned.styles.items():
             if s == REPLICATED_WITH_GRAD_ALLREDUCE:
-                for p in model.get_submodule(name).parameters(recurse=False):
-                    reduce_grad(p, comm)
+                m = model.get_submodule(name)
+                sum_grads(m, [n for n, p in m.named_parameters(recurse=False)], comm)
         if planned.world_size > 1:
             for name, s in planned.styles.items():
                 d = planned.details.get(name)

@@ -19,7 +19,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ...nn.mappings import gather_from_sequence_region, reduce_grad
+from ...nn.grad_sums import sum_grads
+from ...nn.mappings import gather_from_sequence_region
 from ..errors import PlanError
 from ..family import Checked, Family, Planned
 from ..modules import is_feature_norm, kind
@@ -125,5 +126,4 @@ class GatheredNorms(Family):
             hook = GatherForNorm(sizes, planned.rank, comm)
             m.register_forward_pre_hook(hook.before, with_kwargs=True)
             m.register_forward_hook(hook.after, with_kwargs=True)
-            for p in m.parameters(recurse=False):
-                reduce_grad(p, comm)
+            sum_grads(m, [n for n, p in m.named_parameters(recurse=False)], comm)

@@ -17,7 +17,7 @@ from torch import nn
 
 from ...layout import HeadLayoutError, Piece, ShardLayout, head_columns, head_spans
 from ...nn import mark_tensor_parallel
-from ...nn.mappings import reduce_grad
+from ...nn.grad_sums import sum_grads
 from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal
 from ..roles import ATTENTION, Pair, Role
@@ -81,14 +81,16 @@ class HeadParameters(Style):
 
 def _cut(owner: nn.Module, role: Role, comm) -> None:
     """Give `owner` its heads' part of each split parameter; sum the gradients of the shared ones."""
+    shared = []
     for pname, kind in role.params:
         p = getattr(owner, pname)
         lay = param_layout(tuple(p.shape), kind, role, comm.world_size, comm.rank)
         if lay.is_replicated:
-            reduce_grad(p, comm)
+            shared.append(pname)
             continue
         w = nn.Parameter(lay.shard(p.detach()).clone(), requires_grad=p.requires_grad)
         setattr(owner, pname, mark_tensor_parallel(w, 0, lay.sizes()))
+    sum_grads(owner, shared, comm)
 
 
 class HeadParameterFamily(Family):
