@@ -196,3 +196,55 @@ def test_from_pretrained_with_plan_reuse_equals_the_whole_trace(deep_llama, worl
                                                                                  grad_err)
     if backend == "threads":
         assert len(traced) == world  # the whole model is traced with reuse off only
+
+
+def _deepseek_v3(path: str) -> None:
+    """A tiny DeepSeek-V3 (latent attention, one dense block then one of experts), saved as safetensors; its router's
+    `e_score_correction_bias` (a persistent buffer) is made non-zero so a load that misses it shows."""
+    import transformers as tr
+
+    cfg = tr.DeepseekV3Config(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                              q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                              max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = tr.DeepseekV3ForCausalLM(cfg).double()
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def test_from_pretrained_traces_deepseek_v3_with_real_buffers_beside_meta_parameters(tmp_path):
+    """from_pretrained builds parameters on meta and buffers real: the trace must run on such a model (the router's
+    real `e_score_correction_bias` once met meta scores, the trace failed and nothing was split). Its plan is the
+    plan of the same model built wholly on meta and of the real model; its logits are transformers' own load's."""
+    import transformers as tr
+
+    from tpkit.comm import run_threads
+
+    path = str(tmp_path / "deepseek_v3")
+    _deepseek_v3(path)
+    # grouped_mm has no float64 kernel on the CPU: both sides run the experts' eager loop
+    ref_model = tr.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+    want = logits_of(ref_model)
+    with torch.device("meta"):
+        meta = tr.AutoModelForCausalLM.from_config(ref_model.config)
+    planned = {"meta": tpkit.plan(meta, 2).entries, "real": tpkit.plan(ref_model, 2).entries}
+    assert planned["meta"] == planned["real"]
+    assert planned["meta"]["model.layers.1.mlp.experts"] == "experts_tp"
+    assert planned["meta"]["model.layers.0.mlp.down_proj"] == "rowwise"
+
+    def body(comm):
+        model = tpkit.from_pretrained(path, comm=comm, dtype=torch.float64, progress=False)
+        model.set_experts_implementation("eager")
+        buffers = {n: b.device.type for n, b in model.named_buffers()}
+        return logits_of(model), model.tp_plan.entries, buffers
+
+    tr.AutoConfig  # noqa: B018 - transformers' lazy module is not thread-safe: load it before the thread-ranks
+    for rank, (got, entries, buffers) in enumerate(run_threads(body, 2)):
+        assert entries == planned["meta"], (rank, {k: (v, planned["meta"].get(k)) for k, v in entries.items()
+                                                   if v != planned["meta"].get(k)})
+        assert set(buffers.values()) == {"cpu"}, buffers
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-9, f"rank {rank}: logits rel err {err:.2e}"

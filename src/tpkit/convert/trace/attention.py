@@ -12,6 +12,8 @@ one of theirs.
 """
 from __future__ import annotations
 
+import math
+
 from ..modules import is_linear, is_per_head_source, kind, linear_dims
 from ..roles import ATTENTION, Pair, Role
 from .dataflow import Tag
@@ -106,6 +108,49 @@ def _within_one_head(a: Pairing, srcs: list[str], row: str, tag: Tag) -> bool:
 def _is_cross(srcs: list[str], inputs: list) -> bool:
     """Cross-attention: the query reads one input, key and value another (the encoder's output)."""
     return len(srcs) == 3 and len(set(inputs)) == 2 and len(set(inputs[1:])) == 1
+
+
+def _heads_seen(t, layer: str) -> set[int]:
+    """How many heads `layer` (a per-head layer) sees in each call: the rows its input holds per token of the
+    projection its heads come from (an input of [batch, heads, seq, head_dim] per [batch, seq] tokens); 0 where
+    that cannot be counted."""
+    tokens = {math.prod(c.input_shape[:-1]) for s in t.head_local[layer] for c in t.calls.get(s, ())[:1]
+              if c.input_shape}
+    seen = set()
+    for call in t.calls.get(layer, ()):
+        rows = math.prod(call.input_shape[:-1]) if call.input_shape else 0
+        seen |= {rows // n if n and rows % n == 0 else 0 for n in tokens} or {0}
+    return seen
+
+
+def _whole_heads(a: Pairing, layer: str, hd: int, nh: int, nkv: int) -> set[int]:
+    """The head counts a per-head layer sees when it runs on all the heads of its projection: a projection of its
+    own (q: its query heads; k or v: its KV heads, or one per query head once repeated), else (a packed one) the
+    query or the KV heads."""
+    widths = {linear_dims(a.leaves[s])[1] for s in a.trace.head_local[layer] if is_linear(a.leaves[s])}
+    own = {w // hd for w in widths} & {nh, nkv}
+    return own | {nh} if len(widths) == 1 and own else {nh, nkv}
+
+
+def _sliced_heads(a: Pairing, head_local: list[str], attn: str, hd: int, nh: int, nkv: int) -> str | None:
+    """Why the block stays whole when one of its per-head layers is applied to a slice of the heads rather than to
+    all the heads of its projection (StableLM's `qk_layernorm`: a list of LayerNorms, one per head, zipped with
+    `torch.split(heads, 1, dim=1)`), or None. Each such layer holds weights for particular heads, while a split
+    hands every rank its own heads in the same slots: rank 1 would run the layers of heads 0..k on its heads k..2k.
+    Choosing the layers by rank would change the module (and its state_dict keys, which a converted model keeps),
+    so the whole block stays on every rank, where it computes exactly what it did."""
+    sliced = {c: seen for c in head_local if (seen := _heads_seen(a.trace, c)) - _whole_heads(a, c, hd, nh, nkv)}
+    if not sliced:
+        return None
+    lists: dict[str, list] = {}
+    for c, seen in sliced.items():
+        lists.setdefault(c.rpartition(".")[0] or c, []).append(seen)
+    shown = "; ".join(f"{owner}: {len(seens)} module(s), {'/'.join(map(str, sorted(set().union(*seens))))} head(s) "
+                      f"per call" for owner, seens in lists.items())
+    return (f"per-head layers of {attn} are applied to slices of its heads, not to all {nh} query / {nkv} KV heads "
+            f"at once ({shown}): a list of modules, one per head, as StableLM's per-head q/k LayerNorms; split by "
+            f"heads, each rank would apply the modules of the first heads to its own heads, so the attention stays "
+            f"whole")
 
 
 def _own_parameters(a: Pairing, attn_name: str, names: list[str]) -> dict[str, tuple[str, str, object]]:
@@ -210,6 +255,9 @@ def try_attention(a: Pairing, row: str, srcs: list[str], tag: Tag, head_tensors:
     if linear_dims(rm)[0] != q_w:
         return f"{row} takes {linear_dims(rm)[0]} features but the heads give {q_w}"
     gate_roles, why = _gate_roles(a, gates, q, attn_name, row, hd, nh, tag)
+    if why:
+        return why
+    why = _sliced_heads(a, sorted(c for c in tag.carried if c in t.head_local), attn_name, hd, nh, nkv)
     if why:
         return why
     # GQA whose attention reads `num_key_value_groups` can expand its local KV heads to one per query head, so

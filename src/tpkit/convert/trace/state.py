@@ -1,7 +1,16 @@
 """The trace's one forward (`run_once`) and what it leaves behind in a model's modules besides parameters and
-buffers, saved before that forward and put back after it, so tracing a model changes nothing in it."""
+buffers, saved before that forward and put back after it, so tracing a model changes nothing in it.
+
+A model whose parameters are on the meta device may hold real buffers beside them: `from_pretrained` builds it so
+(`checkpoint/allocate.py`, `meta_parameters`: each module's `__init__` computes its buffers, the checkpoint fills
+the parameters later). Its forward on meta inputs would fail where a real buffer meets a meta tensor (DeepSeek-V3's
+router adds its `e_score_correction_bias` to meta scores), and a failed trace leaves the whole model unsplit. For
+the trace's forward such a model's real tensors are seen as meta (`real_tensors_as_meta`), as in a model built
+wholly on meta, and put back after.
+"""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Mapping
 
@@ -37,14 +46,49 @@ def restore(state: list) -> None:
             vars(m)[k] = t
 
 
+@contextlib.contextmanager
+def real_tensors_as_meta(model: nn.Module):
+    """Inside, a model with parameters on the meta device holds meta tensors (same shape, dtype and strides) in
+    place of its real buffers and tensor attributes; after, even on error, it holds the very same tensor objects
+    it held before (a forward that reassigned one is undone too). Tensors of no dimension stay: they combine with
+    meta tensors as numbers do, and code may read their value. A model with no meta parameter is left as it is."""
+    if not any(p.is_meta for p in model.parameters()):
+        yield
+        return
+    memo: dict[int, torch.Tensor] = {}  # a tensor held in two places stays one tensor
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            memo[id(t)] = t.to("meta")
+        return memo[id(t)]
+
+    saved = [(m, dict(m._buffers), {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)})
+             for m in model.modules()]
+    try:
+        for m, buffers, tensors in saved:
+            for k, b in buffers.items():
+                if b is not None and not b.is_meta and b.dim():
+                    m._buffers[k] = meta(b)
+            for k, v in tensors.items():
+                if not v.is_meta and v.dim() and not isinstance(v, nn.Parameter):
+                    vars(m)[k] = meta(v)
+        yield
+    finally:
+        for m, buffers, tensors in saved:
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            vars(m).update(tensors)
+
+
 def run_once(model: nn.Module, example_inputs: Any, mode: Any) -> Any:
     """One forward under `mode` (the tracer's TorchFunctionMode), in eval mode (no dropout draws from the RNG and
-    no BatchNorm statistics move; the dataflow is the same), restoring each module's training flag after."""
+    no BatchNorm statistics move; the dataflow is the same), restoring each module's training flag after. A model
+    with meta parameters and real buffers runs with its buffers seen as meta (`real_tensors_as_meta`)."""
     was_training = {m: m.training for m in model.modules()}
     state = module_state(model)
     model.eval()
     try:
-        with torch.no_grad(), mode:
+        with torch.no_grad(), real_tensors_as_meta(model), mode:
             if isinstance(example_inputs, Mapping):
                 return model(**example_inputs)
             if isinstance(example_inputs, torch.Tensor):  # one input, as verify() calls it; not its rows
