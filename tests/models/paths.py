@@ -21,6 +21,7 @@ Module level, so `bench/training_paths.py` prints the same table (before / after
 from __future__ import annotations
 
 import copy
+import json
 import os
 import threading
 from typing import Callable
@@ -61,6 +62,14 @@ def _spread_routers(model: nn.Module) -> None:
                 p.normal_(0, 0.3)
 
 
+def _spread_norms(model: nn.Module) -> None:
+    """Per-head norms start as ones (all alike, hiding which head gets which): give each its own weights."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm.norms" in name:
+                p.normal_(1, 0.3)
+
+
 ARCHS: dict[str, Callable[[], nn.Module]] = {
     "llama": lambda: _build("LlamaConfig", "LlamaForCausalLM", **_DEC),
     "qwen2_tied": lambda: _build("Qwen2Config", "Qwen2ForCausalLM", **_DEC, tie_word_embeddings=True),
@@ -77,6 +86,9 @@ ARCHS: dict[str, Callable[[], nn.Module]] = {
     "gpt_bigcode_mq": lambda: _build("GPTBigCodeConfig", "GPTBigCodeForCausalLM", vocab_size=VOCAB, n_embd=48,
                                      n_layer=2, n_head=6, n_positions=64, multi_query=True, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0),
+    "stablelm_qk_norm": lambda: _build("StableLmConfig", "StableLmForCausalLM", after=_spread_norms,
+                                       **dict(_DEC, num_key_value_heads=8), qk_layernorm=True,
+                                       partial_rotary_factor=0.5, hidden_dropout=0.0, attention_dropout=0.0),
     "gpt2": lambda: _build("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4,
                            n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                            eos_token_id=0),
@@ -102,11 +114,16 @@ ARCHS: dict[str, Callable[[], nn.Module]] = {
 #: AdamW's first step, about lr * sign(gradient), turns those into larger ones on near-zero gradients: routers
 #: with a float32 softmax or sigmoid (Mixtral, DeepSeek-V3), RMSNorms cast to float32 on heads that ranks share
 #: (Qwen3, Gemma 3 and OLMo-2's q_norm / k_norm). A lost gradient sum is an error of 0.3 to 2, far above these.
-TOLERANCE = {"mixtral": 1e-4, "deepseek_v3": 1e-4, "qwen3": 1e-4, "gemma3": 1e-4, "olmo2": 1e-4}
+TOLERANCE = {"mixtral": 1e-3, "deepseek_v3": 1e-3, "qwen3": 1e-3, "gemma3": 1e-3, "olmo2": 1e-3}
 DEFAULT_TOL = 1e-9
-#: Paths an architecture cannot take, with why: transformers stores NeoX's `lm_head.weight` as `embed_out.weight`,
-#: and `load_sharded` reads a directory's keys as they are (`from_pretrained` reads transformers' renamings).
-UNSUPPORTED = {("neox", "meta+load_sharded"): "load_sharded reads keys as stored; NeoX's lm_head is embed_out"}
+#: Paths an architecture cannot take, with why: `load_sharded` reads a Hugging Face directory's keys as stored, and
+#: transformers stores NeoX's `lm_head.weight` as `embed_out.weight` and MoE experts one tensor per expert
+#: (`from_pretrained` reads transformers' renamings and fuses the experts).
+UNSUPPORTED = {(name, "meta+load_sharded"): "load_sharded reads keys as stored; transformers renames or fuses them"
+               for name in ("neox", "mixtral", "deepseek_v3")}
+#: The setup search cannot price these (its activation trace meets the routers' data-dependent `nonzero`): their
+#: `apply_setup` path takes a plain `Setup(tp=N)` instead of a search result.
+NOT_SEARCHABLE = ("mixtral", "deepseek_v3")
 
 PATHS = ("parallelize", "meta+load_sharded", "from_pretrained", "from_pretrained(device=)", "apply_setup",
          "checkpointer_resume")
@@ -138,13 +155,26 @@ def reference(base: nn.Module, directory: str) -> dict:
     """One process: step 1's gradients and parameters, a Checkpointer version of step 1 (world size 1) under
     `directory/ckpt`, the base saved by `save_pretrained` under `directory/hf`, then step 2's."""
     model = copy.deepcopy(base).train()
-    model.save_pretrained(os.path.join(directory, "hf"))
+    hf = os.path.join(directory, "hf")
+    model.save_pretrained(hf)
+    _keep_experts_eager(hf)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens = ids()
     out = {"grads1": _step(model, opt, tokens), "after1": _params(model)}
     tpkit.Checkpointer(os.path.join(directory, "ckpt"), every=1).save(1, model, opt)
     out.update(grads2=_step(model, opt, tokens), after2=_params(model))
     return out
+
+
+def _keep_experts_eager(hf: str) -> None:
+    """transformers' default MoE kernel (grouped_mm) has no float64 CPU version; the saved config asks for its
+    eager experts, as a user of float64 would (`experts_implementation` is a config argument)."""
+    path = os.path.join(hf, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["experts_implementation"] = "eager"
+    with open(path, "w") as f:
+        json.dump(config, f)
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -158,9 +188,13 @@ def _meta_model(base: nn.Module) -> nn.Module:
     return model.to(torch.float64)
 
 
-def tp_setup(base: nn.Module, world: int):
+def tp_setup(name: str, base: nn.Module, world: int):
     """The search's best training setup that is tensor parallel over all `world` ranks (searched once, in one
-    process, as a user does before launching)."""
+    process, as a user does before launching); a plain `Setup(tp=world)` where the search cannot price the model."""
+    if name in NOT_SEARCHABLE:
+        from tpkit.estimate.predict import Setup
+
+        return Setup(tp=world)
     found = tpkit.search(base, world, goal="train", batch_size=2, seq_len=6)
     return next(c for c in found.candidates if c.setup.tp == world and c.setup.dp == 1)
 
@@ -236,7 +270,8 @@ def prepare(name: str, directory: str) -> tuple[nn.Module, dict]:
     return base, reference(base, directory)
 
 
-def run(base: nn.Module, ref: dict, world: int, directory: str, paths=PATHS, backend: str = "threads") -> list[dict]:
+def run(name: str, base: nn.Module, ref: dict, world: int, directory: str, paths=PATHS,
+        backend: str = "threads") -> list[dict]:
     """Every rank's `rank_errors` at `world` ranks."""
-    setup = tp_setup(base, world) if "apply_setup" in paths else None
+    setup = tp_setup(name, base, world) if "apply_setup" in paths else None
     return tpkit.launch(rank_errors, world, backend=backend, args=(base, directory, ref, paths, setup))
