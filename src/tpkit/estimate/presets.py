@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..convert.transformers_threads import transformers_name
+from ..convert.transformers_threads import building, transformers_name
 
 _LLAMA2 = dict(model_type="llama", vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
                hidden_act="silu", tie_word_embeddings=False)
@@ -82,16 +82,14 @@ def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype 
     Why meta: analysis and estimates need shapes and module types only, and a 70B model would not fit
     in host memory. Load weights later with `tpkit.load_sharded` after `parallelize`.
     """
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"build_model: dtype must be a floating dtype (the model is built with it as torch's "
+                         f"default), got {dtype}; build in a floating dtype and convert afterwards")
     auto = _auto_class(config)
-    previous = torch.get_default_dtype()
-    try:
-        if dtype is not None:
-            torch.set_default_dtype(dtype)
-        with torch.device(device):
-            model = auto.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model
+    # `building`: torch's default dtype is process-wide and transformers sets it during the build anyway, so
+    # builds of thread-ranks go one at a time (see convert/transformers_threads.py).
+    with building(dtype), torch.device(device):
+        return auto.from_config(config)
 
 
 def load_target(target: str, device: str | torch.device = "meta", build: bool = True):
