@@ -129,6 +129,26 @@ def test_shutdown_leaves_a_process_group_it_did_not_start():
         assert pool.apply(_shutdown_keeps_a_user_process_group) == (True, 1)
 
 
+def _shutdown_closes_and_init_starts_again():
+    """A launched gloo rank: the communicator init made uses shared memory; shutdown() closes it (mapping
+    released, operations refused); init() afterwards starts a new group that communicates."""
+    comm = tpkit.get_communicator()
+    comm.all_reduce(torch.ones(4))  # sets up the shared-memory channel (a collective)
+    channel = comm._shm
+    tpkit.shutdown()
+    again = tpkit.init("gloo")
+    out = again.all_reduce(torch.full((2,), float(again.rank + 1)))
+    return {"had_channel": bool(channel), "channel_closed": bool(channel) and channel.closed,
+            "closed": comm.closed, "new": again is not comm, "out": out.tolist(), "shm": again.shared_memory}
+
+
+def test_shutdown_closes_the_communicator_and_init_starts_again():
+    results = tpkit.launch(_shutdown_closes_and_init_starts_again, 2, timeout=60)
+    for r in results:
+        assert r == {"had_channel": True, "channel_closed": True, "closed": True, "new": True, "out": [3.0, 3.0],
+                     "shm": True}, r
+
+
 def _init_with_profile_and_auto():
     """Run in a fresh process (no launcher: a world of one)."""
     import torch

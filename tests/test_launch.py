@@ -1,6 +1,8 @@
 """`tpkit.launch` argument checks and failure reporting (process launches are tested in tests/comm/test_gloo.py)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import tpkit
@@ -52,3 +54,33 @@ def _rank_sum(comm, offset):
 def test_pass_comm_gives_fn_its_rank_communicator(backend):
     """`launch(fn, pass_comm=True)` calls `fn(comm, *args)`, as `run_threads` does; the old form stays."""
     assert tpkit.launch(_rank_sum, 2, backend=backend, args=(10,), pass_comm=True) == [21, 21]
+
+
+def _wants_comm(comm, offset, scale=1):
+    return (comm.rank + offset) * scale
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_a_fn_that_wants_comm_without_pass_comm_is_refused_before_any_rank_starts(backend, monkeypatch):
+    launch_module = sys.modules["tpkit.launch"]
+
+    def started(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launch_module, "_launch_processes", started)
+    monkeypatch.setattr(launch_module, "run_on_threads", started)
+    with pytest.raises(TypeError, match=r"_wants_comm\(comm, offset, scale=1\) takes the rank's communicator as "
+                                        r"its first parameter 'comm', but pass_comm is False.*missing a required "
+                                        r"argument: 'offset'.*pass pass_comm=True"):
+        tpkit.launch(_wants_comm, 2, backend=backend, args=(5,))  # 5 would go to comm, offset missing
+    with pytest.raises(TypeError, match=r"missing a required argument: 'comm'.*pass pass_comm=True"):
+        tpkit.launch(lambda comm: comm.rank, 2, backend=backend)
+
+
+def test_a_comm_the_caller_passes_in_args_is_not_refused():
+    class Mine:
+        rank = 7
+
+    assert tpkit.launch(_wants_comm, 2, backend="threads", args=(Mine(), 1)) == [8, 8]
+    with pytest.raises(TypeError, match="takes from 2 to 3 positional arguments but 5"):  # wrong either way
+        tpkit.launch(_wants_comm, 1, backend="threads", args=(1, 2, 3, 4, 5))

@@ -31,6 +31,8 @@ from .comm.optimizer import instrument
 
 _default: Communicator | None = None
 _started_process_group = False  # whether init() called init_process_group (so shutdown() may destroy it)
+_made: Communicator | None = None  # the communicator init() made (shutdown() closes it)
+_groups_started = 0  # process groups init() started in this process (each meets under its own store prefix)
 _single: Communicator | None = None
 
 
@@ -96,7 +98,7 @@ def init(backend: str | None = None, timeout: float | None = None, profile: bool
     (the returned communicator is a `CommProfiler`: `.records`, `.stats()`); `algorithm="auto" | name | {collective: name}` runs collectives
     through `AlgorithmCommunicator` (see `tpkit.comm.instrument`).
     """
-    global _default, _started_process_group
+    global _default, _made
     current = current_thread_communicator() or _default
     if current is not None:
         return current
@@ -105,7 +107,7 @@ def init(backend: str | None = None, timeout: float | None = None, profile: bool
         return get_communicator()
     if backend == "mpi":
         from .comm.mpi import MPICommunicator
-        _default = instrument(MPICommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
+        _default = _made = instrument(MPICommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
         return _default
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"unknown backend {backend!r}; valid: nccl, gloo, mpi, threads")
@@ -113,30 +115,39 @@ def init(backend: str | None = None, timeout: float | None = None, profile: bool
 
     from .comm.torch_backend import TorchCommunicator
 
-    env = read_launch_env()
     if not dist.is_initialized():
-        if backend == "nccl":
-            if not torch.cuda.is_available():
-                raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use 'gloo'")
-            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        kwargs = {}
-        if timeout is not None:
-            kwargs["timeout"] = datetime.timedelta(seconds=timeout)
-        if env.world_size == 1 and env.master_addr is None:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-        else:
-            _check_rendezvous_address(env)
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-            store = generation_store(env, timeout)
-            if store is None:
-                dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                                        **kwargs)
-            else:
-                dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, **kwargs)
-        _started_process_group = True
-    _default = instrument(TorchCommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
+        _start_process_group(backend, timeout)
+    _default = _made = instrument(TorchCommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
     return _default
+
+
+def _start_process_group(backend: str, timeout: float | None) -> None:
+    """torch.distributed's world group for `init`, from the launch environment."""
+    global _started_process_group, _groups_started
+    import torch.distributed as dist
+
+    env = read_launch_env()
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use 'gloo'")
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    kwargs = {}
+    if timeout is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+    if env.world_size == 1 and env.master_addr is None:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    else:
+        _check_rendezvous_address(env)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        store = generation_store(env, timeout)
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                    **kwargs)
+        else:
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, **kwargs)
+    _started_process_group = True
+    _groups_started += 1
 
 
 set_torch_init(init)  # create_communicator("torch") starts torch.distributed through init (comm cannot import it)
@@ -145,8 +156,11 @@ set_torch_init(init)  # create_communicator("torch") starts torch.distributed th
 def generation_store(env: LaunchEnv, timeout: float | None = None):
     """Under a launcher that hosts the store for every generation of workers (torchrun's agent, `tpkit.launch`;
     `TORCHELASTIC_USE_AGENT_STORE=True`): a client of it, prefixed by this generation
-    (`TORCHELASTIC_RESTART_COUNT`), so a restarted generation never reads the keys of the one that died. None
-    otherwise (`env://` then starts a fresh store on rank 0)."""
+    (`TORCHELASTIC_RESTART_COUNT`), so a restarted generation never reads the keys of the one that died; and by
+    how many groups this process started before (`init` after `shutdown`: torch names the new world group as
+    it named the old one, so it would meet the old group's keys and hang). Every rank shuts down and starts
+    again together, so the count agrees across ranks. None otherwise (`env://` then starts a fresh store on
+    rank 0)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import torch.distributed as dist
@@ -154,7 +168,8 @@ def generation_store(env: LaunchEnv, timeout: float | None = None):
     wait = datetime.timedelta(seconds=timeout if timeout is not None else 300.0)
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
                            is_master=False, timeout=wait)
-    return dist.PrefixStore(f"tpkit/generation-{restart_count()}", client)
+    again = f"/init-{_groups_started}" if _groups_started else ""
+    return dist.PrefixStore(f"tpkit/generation-{restart_count()}{again}", client)
 
 
 def restart_count() -> int:
@@ -172,18 +187,28 @@ def _check_rendezvous_address(env: LaunchEnv) -> None:
 
 
 def shutdown() -> None:
-    """Forget the default communicator; tear down torch.distributed only if `init` started it."""
-    global _default, _started_process_group
+    """Close the communicator `init` made and forget the default; tear down torch.distributed only if `init`
+    started it. Collective, like `Communicator.close`: call it on every rank.
+
+    Closing releases what the communicator holds (its shared-memory mapping, its async worker thread, an MPI
+    communicator) rather than leaving it to the interpreter's exit; `init()` afterwards starts afresh. A
+    communicator passed to `set_communicator` belongs to the caller and is only forgotten.
+    """
+    global _default, _made, _started_process_group
     from .comm import torch_backend
 
-    if _started_process_group:
-        import torch.distributed as dist
+    made, _made, _default = _made, None, None
+    try:
+        if made is not None:
+            made.close()
+    finally:
+        if _started_process_group:
+            import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch_backend._LOCAL_GROUPS.clear()
-        _started_process_group = False
-    _default = None
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            torch_backend._LOCAL_GROUPS.clear()
+            _started_process_group = False
 
 
 def get_communicator() -> Communicator:

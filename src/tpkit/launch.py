@@ -8,6 +8,7 @@ peer that merely saw it die).
 """
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import pickle
@@ -45,7 +46,9 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
 
     `pass_comm=True` calls `fn(comm, *args)` instead, `comm` being the rank's communicator (what
     `tpkit.comm.run_threads` passes). An explicit flag rather than a look at `fn`'s signature: a parameter
-    named `comm` may be the caller's own argument, and partials and builtins have no reliable signature.
+    named `comm` may be the caller's own argument, and partials and builtins have no reliable signature. The
+    signature is only read to refuse, before any rank starts, a call that would fail on every rank for want
+    of `comm` (`TypeError` saying to pass `pass_comm=True`).
 
     `backend`: "gloo" or "nccl" (one process per rank; `fn` must be picklable, i.e. defined at module
     level; each process runs with `torch.set_num_threads(1)` so N ranks do not fight over the cores) or
@@ -55,6 +58,8 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
     args = tuple(args)
+    if not pass_comm:
+        _check_comm_is_not_missing(fn, args)
     if backend == "threads":
         comms = create_communicators(world_size, timeout)
 
@@ -65,6 +70,34 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"launch: unknown backend {backend!r}; valid: gloo, nccl, threads")
     return _launch_processes(fn, world_size, backend, args, timeout, pass_comm)
+
+
+def _check_comm_is_not_missing(fn: Callable[..., Any], args: tuple) -> None:
+    """Raise TypeError when `fn(*args)` cannot bind but `fn(comm, *args)` can and `fn`'s first parameter is
+    named `comm`: `fn` wants the rank's communicator and `pass_comm=True` was forgotten (every rank would fail
+    with "missing 1 required positional argument"). Silent where the signature cannot be read (builtins, some C
+    callables) or the call binds: the ranks then report what happens."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    first = next(iter(signature.parameters.values()), None)
+    if first is None or first.name != "comm" or first.kind not in (first.POSITIONAL_ONLY,
+                                                                   first.POSITIONAL_OR_KEYWORD):
+        return
+    try:
+        signature.bind(*args)
+        return
+    except TypeError as exc:
+        error = str(exc)
+    try:
+        signature.bind(None, *args)
+    except TypeError:
+        return  # wrong with or without comm: not a forgotten pass_comm
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    raise TypeError(f"launch: {name}{signature} takes the rank's communicator as its first parameter 'comm', but "
+                    f"pass_comm is False, so every rank would call it as fn(*args) and fail ({error}); pass "
+                    f"pass_comm=True (launch(fn, n, pass_comm=True) calls fn(comm, *args))")
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeout, pass_comm, results) -> None:

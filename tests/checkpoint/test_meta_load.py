@@ -62,6 +62,30 @@ def test_an_optimizer_built_on_the_meta_model_keeps_its_parameters(saved):
     assert rel(logits_of(model), ref) < 1e-6
 
 
+def _load_copy(meta: nn.Module, path: str, ref: torch.Tensor) -> float:
+    import copy
+
+    model = tpkit.parallelize(copy.deepcopy(meta))
+    tpkit.load_sharded(model, path)
+    return rel(logits_of(model), ref)
+
+
+def test_thread_ranks_load_a_float64_meta_model(tmp_path):
+    """Each rank computes the meta model's buffers by building its class, which makes transformers set float64 as
+    torch's (process-wide) default while it builds; a rank agreeing meanwhile made its flag in float64 and the
+    ranks failed with a CommError (9 runs in 10 before the fix). Built once, deep-copied per rank."""
+    model = hf_model("llama", num_key_value_heads=2).double()
+    tpkit.save_sharded(model, str(tmp_path))
+    ref = logits_of(model)
+    with torch.device("meta"):
+        meta = type(model)._from_config(model.config, dtype=torch.float64)
+    assert torch.get_default_dtype() == torch.float32
+    for _ in range(3):
+        errors = tpkit.launch(_load_copy, 2, backend="threads", args=(meta, str(tmp_path), ref), timeout=120)
+        assert max(errors) < 1e-12, errors
+    assert torch.get_default_dtype() == torch.float32
+
+
 class Rotary(nn.Module):
     """Not a Hugging Face model: nothing can recompute its buffer."""
 

@@ -248,3 +248,32 @@ def test_from_pretrained_traces_deepseek_v3_with_real_buffers_beside_meta_parame
         assert set(buffers.values()) == {"cpu"}, buffers
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 1e-9, f"rank {rank}: logits rel err {err:.2e}"
+
+
+RACE_SCRIPT = '''
+import sys
+import tpkit
+from tpkit.comm import run_threads
+
+run_threads(lambda comm: tpkit.from_pretrained(sys.argv[1], comm=comm, progress=False), 2)
+print("loaded")
+'''
+
+
+def test_thread_ranks_of_a_fresh_interpreter_resolve_transformers_names(tmp_path):
+    """The first use of transformers' lazy names happens on the thread-ranks themselves: they used to fail with
+    "module 'transformers' has no attribute 'AutoConfig'" (four fresh interpreters in four before the fix)."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(tmp_path / "llama")
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
+    src = os.path.dirname(os.path.dirname(tpkit.__file__))  # this tpkit, in the fresh interpreter too
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    for _ in range(2):  # each a fresh interpreter: the names are resolved for the first time in each
+        done = subprocess.run([sys.executable, "-c", RACE_SCRIPT, path], capture_output=True, text=True, env=env,
+                              timeout=240)
+        assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpkit.comm import Handle, PinnedBufferPool
+from tpkit.comm import CommError, Handle, PinnedBufferPool
 from tpkit.comm.optimizer import StagingCommunicator
 from tpkit.comm.pinned import measure_h2d_bandwidth, staged_copy
 
@@ -60,12 +60,12 @@ def test_cap_and_lru_eviction():
     assert pool.free_bytes == 0 and pool.stats.evictions == 4  # and it is not kept after its release
 
 
-def test_on_full_raise_refuses_what_does_not_fit():
+def test_on_full_raise_refuses_what_does_not_fit_with_a_comm_error():
     pool = PinnedBufferPool(8192, pin=False, on_full="raise")
-    with pytest.raises(ValueError, match="exceed the pool's capacity of 8192 bytes.*on_full='unpooled'"):
+    with pytest.raises(CommError, match="20000 bytes exceed the pool's capacity of 8192 bytes.*on_full='unpooled'"):
         pool.acquire(20000)
     with pool.acquire(6000) as held:
-        with pytest.raises(RuntimeError, match=r"pool is full: 6144 of 8192 bytes are in use and 4000 more"):
+        with pytest.raises(CommError, match=r"pool is full: 6144 of 8192 bytes are in use and 4000 more"):
             pool.acquire(4000)
         assert pool.stats.overflows == 0 and pool.in_use_bytes == held.nbytes == 6144
     with pool.acquire(4000):  # released: fits again

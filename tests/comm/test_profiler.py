@@ -176,6 +176,46 @@ def test_profile_times_any_callable_beside_the_collectives():
         assert step.start >= records[0].start + records[0].duration
 
 
+def test_a_profiled_call_given_its_bytes_reports_a_bandwidth():
+    import time
+
+    def body(comm):
+        prof = CommProfiler(comm)
+        x = torch.ones(1 << 18)  # 1 MiB
+        out = prof.profile(lambda t: (time.sleep(0.01), comm.all_reduce(t))[1], x, name="sum", bytes=x.nbytes)
+        plain = prof.profile(lambda: None, name="nothing")  # no bytes given: none recorded, as before
+        with pytest.raises(ValueError, match=r"bytes must be a non-negative int .* got -1"):
+            prof.profile(lambda: None, bytes=-1)
+        return out, prof.records, prof.stats().totals, plain
+
+    for out, records, totals, plain in run_threads(body, 2):
+        assert torch.equal(out, torch.full((1 << 18,), 2.0)) and plain is None
+        call, nothing = records
+        assert (call.op, call.kind, call.bytes) == ("sum", "call", 1 << 20)
+        assert call.algbw == pytest.approx((1 << 20) / call.duration / 1e9) and call.algbw > 0
+        assert call.busbw == call.algbw  # a call has no collective's bus factor
+        assert nothing.bytes == 0 and nothing.algbw == 0.0
+        assert {t["op"]: t["bytes"] for t in totals} == {"sum": 1 << 20, "nothing": 0}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA-event timing of CUDA tensors")
+def test_cuda_tensors_are_timed_with_cuda_events_read_lazily():
+    from tpkit.comm.profiler import _PendingCuda
+
+    prof = create_communicator("threads", profile=True)  # a world of one
+    a = torch.randn(2048, 2048, device="cuda")
+    product = prof.profile(lambda x: x @ x, a, name="matmul", bytes=3 * a.nbytes)
+    total = prof.all_reduce(a)
+    pending = list(prof._root._records)  # before anything reads them: still two events each
+    records = prof.records
+    assert product.is_cuda and torch.equal(total, a)
+    assert [type(p) for p in pending] == [_PendingCuda, _PendingCuda]
+    assert [(r.op, r.kind) for r in records] == [("matmul", "call"), ("all_reduce", "collective")]
+    for r in records:
+        assert r.duration > 0 and r.algbw == pytest.approx(r.bytes / r.duration / 1e9)
+    assert records[0].bytes == 3 * a.nbytes and records[1].bytes == a.nbytes
+
+
 def test_stats_totals_reset_and_summary():
     def body(comm):
         prof = CommProfiler(comm)

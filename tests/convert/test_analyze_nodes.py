@@ -3,6 +3,7 @@ advised as tensor parallelism inside each node and data parallelism across nodes
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -17,10 +18,21 @@ def _advice(report) -> list[str]:
     return [r for r in report.recommendations if "nodes" in r]
 
 
-def test_a_suggestion_beyond_one_node_names_the_multi_node_launch():
-    model = hf_model("llama")
+def _pin_gpus(monkeypatch, count: int) -> None:
+    """Make this machine look like one with `count` GPUs (0: none) to the node-size default of `analyze`."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def _budget(model) -> int:
     memory = analyze(model, world_size=2, max_world_size=8, device_memory="1GB").per_rank_memory
-    budget = (memory[4] + memory[2]) // 2  # fits 4 ranks, not 2
+    return (memory[4] + memory[2]) // 2  # fits 4 ranks, not 2
+
+
+def test_a_suggestion_beyond_one_node_names_the_multi_node_launch(monkeypatch):
+    _pin_gpus(monkeypatch, 0)
+    model = hf_model("llama")
+    budget = _budget(model)
     report = analyze(model, max_world_size=8, device_memory=budget, devices_per_node=2)
     assert report.suggested_world_size == 4
     (line,) = _advice(report)
@@ -28,7 +40,22 @@ def test_a_suggestion_beyond_one_node_names_the_multi_node_launch():
     assert "tp=2" in line and "dp=2" in line and "mode='fsdp'" in line
     assert "torchrun --nnodes 2 --nproc-per-node 2 --node-rank <i>" in line
     assert not _advice(analyze(model, max_world_size=8, device_memory=budget, devices_per_node=4))
-    assert not _advice(analyze(model, max_world_size=8, device_memory=budget))  # no GPU here: node size unknown
+    assert not _advice(analyze(model, max_world_size=8, device_memory=budget))  # no GPU: node size unknown
+
+
+def test_one_device_per_machine_is_advised_as_data_parallel_only(monkeypatch):
+    _pin_gpus(monkeypatch, 1)  # the node size defaults to this machine's GPUs
+    model = hf_model("llama")
+    report = analyze(model, max_world_size=8, device_memory=_budget(model))
+    assert report.suggested_world_size == 4
+    (line,) = _advice(report)
+    assert "exceeds the 1 device of one machine" in line and "1 devices" not in line
+    assert "tp=1" not in line and "dp=4" in line and "no tensor parallel group to keep inside a node" in line
+    assert "torchrun --nnodes 4 --nproc-per-node 1 --node-rank <i>" in line
+    _pin_gpus(monkeypatch, 4)
+    assert not _advice(analyze(model, max_world_size=8, device_memory=_budget(model)))  # fits one machine
+    nothing = multi_node_advice(None, {1: 1000, 2: 520}, 100, 1, 2)
+    assert "at 1 rank (one machine)" in nothing and "--nnodes 10 --nproc-per-node 1" in nothing
 
 
 def test_nothing_fits_on_one_node_says_how_many_nodes():

@@ -84,6 +84,34 @@ def test_build_model_on_cpu_in_a_dtype():
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_builds_on_several_threads_each_get_their_dtype_and_leave_the_default_alone():
+    """torch's default dtype is process-wide and a build sets it (transformers does too): thread-ranks building at
+    once used to restore each other's value, giving parameters of the other build's dtype and leaving the
+    default switched after both had finished."""
+    import threading
+
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    wrong = []
+
+    def builds(dtype):
+        for _ in range(10):
+            got = {p.dtype for p in build_model(cfg, device="meta", dtype=dtype).parameters()}
+            if got != {dtype}:
+                wrong.append((dtype, got))
+
+    threads = [threading.Thread(target=builds, args=(dtype,)) for dtype in (torch.float64, torch.bfloat16)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not wrong and torch.get_default_dtype() == torch.float32, (wrong[:3], torch.get_default_dtype())
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 @pytest.mark.parametrize("target,match", [
     ("llama-9-9b", "not a preset"), ("no_such_module_xyz:f", "cannot import"), ("os:no_such_attr", "cannot import"),
 ])

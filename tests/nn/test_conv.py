@@ -93,6 +93,14 @@ def _input_errors() -> str:
     return "ok"
 
 
+@pytest.mark.parametrize("world_size, split", [(2, [5, 5]), (3, [4, 3, 3])])
+def test_local_channels_are_the_filters_the_rank_holds(world_size, split):
+    for comm in create_communicators(world_size):
+        col, row = ColumnParallelConv2d(6, 10, 3, comm=comm), RowParallelConv2d(10, 6, 3, comm=comm)
+        assert (col.in_channels_local, col.out_channels_local) == (6, split[comm.rank]) == col.weight.shape[1::-1]
+        assert (row.in_channels_local, row.out_channels_local) == (split[comm.rank], 6) == row.weight.shape[1::-1]
+
+
 def test_errors():
     assert run(_input_errors, 2, "threads") == ["ok", "ok"]
     comms = create_communicators(2)

@@ -117,6 +117,23 @@ def test_construction_slices_single_device_init(world_size, cls, dim):
         assert is_tensor_parallel(layer.bias) == (dim == 0)
 
 
+@pytest.mark.parametrize("world_size, split", [(2, [5, 5]), (3, [4, 3, 3])])
+def test_local_features_are_the_shard_the_rank_holds(world_size, split):
+    """`in_features_local` / `out_features_local` (the seed's names): the local weight's [out, in], uneven splits
+    included; read-only."""
+    for comm in create_communicators(world_size):
+        col, row = ColumnParallelLinear(6, 10, comm=comm), RowParallelLinear(10, 6, comm=comm)
+        assert (col.in_features_local, col.out_features_local) == (6, split[comm.rank]) == (
+            col.weight.shape[1], col.weight.shape[0])
+        assert (row.in_features_local, row.out_features_local) == (split[comm.rank], 6) == (
+            row.weight.shape[1], row.weight.shape[0])
+        with pytest.raises(AttributeError):
+            col.out_features_local = 10
+    held = ColumnParallelLinear.from_module(nn.Linear(6, 10), create_communicators(2)[1], index=[0, 1, 2, 9, 3],
+                                            partition_sizes=[5, 5])
+    assert held.out_features_local == 5  # an explicit index: what the rank holds
+
+
 def test_meta_dtype_and_shared_tensors():
     comms = create_communicators(3)
     meta = ColumnParallelLinear(10, 8, comm=comms[2], device="meta", dtype=torch.bfloat16)

@@ -28,7 +28,9 @@ def agree(comm, error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    flag = torch.tensor([0.0 if error is None else 1.0])
+    # An explicit dtype: the default one is process-wide, and another thread-rank may be building a model under
+    # a different one this moment (transformers switches it while it builds); ranks must pass equal tensors.
+    flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float32)
     if comm.all_reduce(flag).item() == 0:
         return
     messages = gather_bytes(comm, b"" if error is None else str(error).encode())

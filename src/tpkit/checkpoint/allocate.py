@@ -21,19 +21,21 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ..convert.transformers_threads import building
 from .errors import CheckpointError
 from .memory import empty_for_load
-
-# Building patches nn.Module.register_parameter and the default dtype process-wide: one build at a time.
-_BUILD_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def meta_parameters(dtype: torch.dtype | None) -> Iterator[None]:
     """Parameters registered inside go to the meta device; buffers stay real (computed by the module's init).
     Floating defaults are `dtype` inside, as transformers builds its models. Only the building thread's
-    parameters go to meta (thread-ranks may be building other models meanwhile)."""
-    with _BUILD_LOCK:  # read the original inside the lock, or a waiting build would restore our patch
+    parameters go to meta (thread-ranks may be building other models meanwhile).
+
+    The default dtype is process-wide (torch has no per-thread one, and transformers sets it itself while it
+    builds: passing it `dtype=` instead would switch it just the same), so the build holds `building`'s lock:
+    one build at a time, and the patch of nn.Module.register_parameter is one build's only."""
+    with building(dtype):  # read the original inside the lock, or a waiting build would restore our patch
         original, builder = nn.Module.register_parameter, threading.get_ident()
 
         def register(self, name, param):
@@ -41,15 +43,11 @@ def meta_parameters(dtype: torch.dtype | None) -> Iterator[None]:
                 param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
             original(self, name, param)
 
-        saved_dtype = torch.get_default_dtype()
         nn.Module.register_parameter = register
         try:
-            if dtype is not None and dtype.is_floating_point:
-                torch.set_default_dtype(dtype)
             yield
         finally:
             nn.Module.register_parameter = original
-            torch.set_default_dtype(saved_dtype)
 
 
 def empty_on(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,7 @@ import re
 
 from torch import nn
 
+from ..convert.transformers_threads import transformers_name
 from .errors import CheckpointError
 from .sources import Entry, Piece, Source
 
@@ -23,13 +24,14 @@ _READABLE = {("MergeModulelist",), ("MergeModulelist", "Concatenate")}
 
 def _converters(model: nn.Module):
     try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
+        mapping = transformers_name("get_model_conversion_mapping", "conversion_mapping")
+        converter, renaming, rename = (transformers_name(name, "core_model_loading")
+                                       for name in ("WeightConverter", "WeightRenaming", "rename_source_key"))
+    except (ImportError, AttributeError):  # no transformers, or one without these conversions
         return None
-    transforms = get_model_conversion_mapping(model)
-    return ([t for t in transforms if isinstance(t, WeightRenaming)],
-            [t for t in transforms if isinstance(t, WeightConverter)], rename_source_key)
+    transforms = mapping(model)
+    return ([t for t in transforms if isinstance(t, renaming)], [t for t in transforms if isinstance(t, converter)],
+            rename)
 
 
 def transformers_keys(model: nn.Module, source: Source) -> tuple[dict[str, str], list[str]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 
+from ..convert.transformers_threads import transformers_name
+
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 
@@ -38,11 +40,10 @@ def text(d: dict) -> str:
 def load_generation_config(path: str, manifest: dict | None):
     """The generation config a Hugging Face directory (`generation_config.json`) or a tpkit checkpoint (its manifest)
     holds, as a transformers `GenerationConfig`; None when there is none."""
-    from transformers import GenerationConfig
-
+    generation_config = transformers_name("GenerationConfig")
     if manifest is not None:
         saved = manifest.get("generation_config")
-        return GenerationConfig.from_dict(saved) if saved else None
+        return generation_config.from_dict(saved) if saved else None
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, GENERATION_CONFIG)):
-        return GenerationConfig.from_pretrained(path)
+        return generation_config.from_pretrained(path)
     return None

@@ -18,6 +18,7 @@ from torch import nn
 from ..convert.layouts import check_grad_sums
 from ..convert.parallelize import parallelize
 from ..convert.plan import Plan
+from ..convert.transformers_threads import transformers_name
 from ..nn._layer import resolve_comm
 from .agree import agree
 from .allocate import materialize, meta_parameters, place_buffers
@@ -73,24 +74,20 @@ def key_finder(model: nn.Module, source: Source, notes: list[str] | None = None)
 
 
 def build(config, model_cls, dtype: torch.dtype) -> nn.Module:
-    import transformers
-
     with meta_parameters(dtype):
         if model_cls is not None:
             return model_cls(config) if not hasattr(model_cls, "_from_config") else model_cls._from_config(config)
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return transformers_name("AutoModelForCausalLM").from_config(config)
 
 
 def load_config(source: Source, path: str):
-    import transformers
-
     if source.config is None:
         raise CheckpointError(f"{path}: no config.json (or manifest config) to build the model from")
     d = dict(source.config)
     model_type = d.pop("model_type", None)
     if model_type is None:
         raise CheckpointError(f"{path}: config has no model_type")
-    return transformers.AutoConfig.for_model(model_type, **d)
+    return transformers_name("AutoConfig").for_model(model_type, **d)
 
 
 def recorded_plan(source: Source, plan, world: int, mode: str):

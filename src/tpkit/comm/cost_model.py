@@ -166,7 +166,8 @@ class CostModel:
         samples = []
         for nbytes in sizes:
             numel = _numel(nbytes, p)
-            inputs = {col: torch.ones(numel // p if col == "all_gather" else numel) for col in collectives}
+            inputs = {col: torch.ones(numel // p if col == "all_gather" else numel, dtype=torch.float32)
+                      for col in collectives}  # float32: the bytes below count 4 per element
             calls = [lambda col=col, alg=alg: _call(base, col, alg, inputs[col]) for col, alg in plan]
             times = interleaved_times(base, calls, budget_s / len(sizes), min_rounds=iters)
             medians = slowest_rank_medians(base, times)

@@ -12,7 +12,8 @@ When a request does not fit (every pooled byte is in use, or the request alone e
 `on_full` decides. `"unpooled"` (the default) serves it from a buffer outside the pool, freed on release and
 counted in `stats.overflows`: a training step should not fail because its staging buffers are momentarily
 all in use, and an extra buffer costs one allocation (and a pin), not a crash. `"raise"` (the seed's
-behaviour) raises instead, for code that must keep pinned memory strictly bounded.
+behaviour) raises `CommError` instead (naming the capacity and the request; a full staging pool fails a
+communication, and callers catch one type for those), for code that must keep pinned memory strictly bounded.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import time
 from typing import Sequence
 
 import torch
+
+from .errors import CommError
 
 _ALIGN = 512  # round requests up so near sizes share buffers
 
@@ -120,7 +123,7 @@ class PinnedBufferPool:
             raise ValueError(f"PinnedBufferPool.acquire: nbytes must be >= 0, got {nbytes}")
         size = max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN)
         if size > self.capacity_bytes and self.on_full == "raise":
-            raise ValueError(f"PinnedBufferPool.acquire: {nbytes} bytes exceed the pool's capacity of "
+            raise CommError(f"PinnedBufferPool.acquire: {nbytes} bytes exceed the pool's capacity of "
                              f"{self.capacity_bytes} bytes; create the pool with a larger capacity_bytes, or "
                              f"with on_full='unpooled' to serve such requests outside the pool")
         with self._lock:
@@ -132,7 +135,7 @@ class PinnedBufferPool:
                     return PinnedBuffer(self, storage, True)
             pooled = self._in_use_bytes + size <= self.capacity_bytes
             if not pooled and self.on_full == "raise":
-                raise RuntimeError(
+                raise CommError(
                     f"PinnedBufferPool.acquire: the pool is full: {self._in_use_bytes} of {self.capacity_bytes} "
                     f"bytes are in use and {nbytes} more were asked for; release buffers when done (`with "
                     f"pool.acquire(n) as buf:`), give the pool a larger capacity_bytes, or make it with "

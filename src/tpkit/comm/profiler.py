@@ -14,12 +14,12 @@ x 1 for broadcast — the rate each link must sustain, comparable across world s
 Durations: wall clock on CPU; CUDA events on GPU tensors, read lazily (no synchronisation on the hot
 path; events are resolved when records are read).
 
-Beside the collectives, `profile(fn, *args, name=...)` times any callable (the seed's Profile(func); a
-callable that returns a `Handle` is timed until the handle is waited for, its ProfileAsync) into the same
-records, so a step's compute and its communication read as one timeline. `stats()` groups records by op and
-size and also totals each op over the whole run (`.totals`, `.total`; the seed's GetStatistics); `reset()`
-clears them (Clear). Files are written atomically (a temporary file renamed over the target), so a reader
-never sees half a trace.
+Beside the collectives, `profile(fn, *args, name=..., bytes=...)` times any callable (the seed's
+Profile(operation, dataSizeBytes, func); a callable that returns a `Handle` is timed until the handle is waited
+for, its ProfileAsync) into the same records, so a step's compute and its communication read as one timeline.
+`stats()` groups records by op and size and also totals each op over the whole run (`.totals`, `.total`; the
+seed's GetStatistics); `reset()` clears them (Clear). Files are written atomically (a temporary file renamed
+over the target), so a reader never sees half a trace.
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ class CommRecord:
     """One profiled call. `duration` is seconds; bandwidths are GB/s (1e9 bytes/s) as in nccl-tests.
 
     `kind` is "collective" for the communicator's own operations and "call" for `CommProfiler.profile`
-    (which moves no bytes of its own: bytes 0, bandwidths 0)."""
+    (bytes as its caller gave them, 0 by default: a call moves no bytes the profiler can see; its busbw is its
+    algbw, there being no collective's bus factor to apply)."""
 
     op: str
     bytes: int
@@ -193,20 +194,26 @@ class CommProfiler(WrappedCommunicator):
         record(time.perf_counter())
         return result
 
-    def profile(self, fn: Callable[..., Any], *args: Any, name: str | None = None, **kwargs: Any) -> Any:
+    def profile(self, fn: Callable[..., Any], *args: Any, name: str | None = None, bytes: int = 0,
+                **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)`, timed and recorded beside the collectives as op `name` (default: the
-        function's name), kind "call"; returns what `fn` returns. CUDA events time it when a tensor argument is
-        on a GPU or the backend is nccl (read lazily, like the collectives'), `perf_counter` otherwise. If `fn`
-        returns a `Handle` (an async collective), the record ends when the handle is waited for."""
+        function's name), kind "call"; returns what `fn` returns. `bytes`: how many bytes the call moves (the
+        seed's `Profile(operation, dataSizeBytes, func)`), so its record reports a bandwidth; 0, the default,
+        records none. CUDA events time it when a tensor argument is on a GPU or the backend is nccl (read
+        lazily, like the collectives'), `perf_counter` otherwise. If `fn` returns a `Handle` (an async
+        collective), the record ends when the handle is waited for."""
         if not callable(fn):
             raise TypeError(f"CommProfiler.profile: expected a callable, got {type(fn).__name__}; "
                             f"pass the function and its arguments: prof.profile(fn, x, name='step')")
+        if isinstance(bytes, bool) or not isinstance(bytes, int) or bytes < 0:
+            raise ValueError(f"CommProfiler.profile: bytes must be a non-negative int (the bytes the call moves), "
+                             f"got {bytes!r}")
         if not self.enabled:
             return fn(*args, **kwargs)
         label = name or getattr(fn, "__name__", None) or type(fn).__name__
         cuda = getattr(self.base, "torch_backend", None) == "nccl" or any(
             isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
-        return self._timed(label, "call", 0, "", (), cuda, lambda: fn(*args, **kwargs), None)
+        return self._timed(label, "call", bytes, "", (), cuda, lambda: fn(*args, **kwargs), None)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False):
         nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0

@@ -241,11 +241,11 @@ class TorchCommunicator(Communicator):
         if channel is not None:  # microseconds instead of a gloo round trip
             channel.barrier()
             return
-        token = torch.zeros(1, device=self._scratch_device())
+        token = torch.zeros(1, dtype=torch.float32, device=self._scratch_device())
         dist.all_reduce(token, group=self._group)
 
     def _barrier_async(self):
-        token = torch.zeros(1, device=self._scratch_device())
+        token = torch.zeros(1, dtype=torch.float32, device=self._scratch_device())
         return self._handle(dist.all_reduce(token, group=self._group, async_op=True), lambda: None)
 
     def _send(self, tensor, dst):

@@ -12,6 +12,8 @@ import functools
 import torch
 from torch import nn
 
+from .transformers_threads import transformers_name
+
 
 def _keeps_forward(m: nn.Module, base: type) -> bool:
     return isinstance(m, base) and type(m).forward is base.forward
@@ -20,10 +22,9 @@ def _keeps_forward(m: nn.Module, base: type) -> bool:
 def hf_conv1d_class():
     """Hugging Face's `Conv1D` (GPT-2): a linear layer whose weight is stored transposed, (in, out)."""
     try:
-        from transformers.pytorch_utils import Conv1D
+        return transformers_name("Conv1D", "pytorch_utils")
     except Exception:  # noqa: BLE001 - transformers is optional
         return None
-    return Conv1D
 
 
 def is_transposed_linear(m: nn.Module) -> bool:

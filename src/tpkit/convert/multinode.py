@@ -26,13 +26,26 @@ def multi_node_advice(suggested: int | None, memory: dict, dev: int | None, node
         return None
     if suggested is not None:
         nodes = -(-suggested // node)
-        need = f"the suggested world size {suggested} exceeds the {node} devices of one machine"
+        need = f"the suggested world size {suggested} exceeds the {_count(node, 'device')} of one machine"
     else:
         nodes = max(2, -(-memory[node] // dev))
-        need = (f"nothing up to {max_world_size} ranks fits, and at {node} ranks (one machine) each holds "
+        need = (f"nothing up to {max_world_size} ranks fits, and at {_count(node, 'rank')} (one machine) each holds "
                 f"{human(memory[node])} against {human(dev)}")
+    launch = (f"launch on every node `torchrun --nnodes {nodes} --nproc-per-node {node} --node-rank <i> "
+              f"--rdzv-backend c10d --rdzv-endpoint <first node>:29500 train.py`")
+    if node == 1:
+        # tp=1 is no tensor parallelism: with one device per machine, only data parallelism stays off the network
+        # per block (a tensor parallel group would span machines).
+        return (f"{need}: run on {nodes} nodes, data parallel across them (dp={nodes}; with one device per machine "
+                f"there is no tensor parallel group to keep inside a node; tpkit.data_parallel(model, dp_comm, "
+                f"mode='fsdp') shards the weights and optimizer states {nodes} ways); {launch}; tensor parallelism "
+                f"across machines would put its all-reduce per block on the network")
     return (f"{need}: run on {nodes} nodes with tensor parallelism inside each node (tp={node}) and data parallel "
             f"across them (dp={nodes}; tpkit.data_parallel(model, dp_comm, mode='fsdp') shards each rank's "
-            f"weights and optimizer states {nodes} ways); launch on every node `torchrun --nnodes {nodes} "
-            f"--nproc-per-node {node} --node-rank <i> --rdzv-backend c10d --rdzv-endpoint <first node>:29500 "
-            f"train.py`; a tensor parallel group spanning nodes would put its all-reduce per block on the network")
+            f"weights and optimizer states {nodes} ways); {launch}; a tensor parallel group spanning nodes would "
+            f"put its all-reduce per block on the network")
+
+
+def _count(n: int, noun: str) -> str:
+    """`1 device`, `2 devices`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..convert.transformers_threads import building, transformers_name
+
 _LLAMA2 = dict(model_type="llama", vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
                hidden_act="silu", tie_word_embeddings=False)
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -60,22 +62,18 @@ PUBLISHED_PARAMETERS = {"llama-2-7b": 6_738_415_616, "llama-3-8b": 8_030_261_248
 
 def preset_config(name: str):
     """The Hugging Face config object of a built-in preset."""
-    from transformers import AutoConfig
-
     key = name.lower()
     if key not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; built-in presets are {', '.join(sorted(PRESETS))}")
     kwargs = dict(PRESETS[key])
-    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    return transformers_name("AutoConfig").for_model(kwargs.pop("model_type"), **kwargs)
 
 
 def _auto_class(config):
     """The auto class that gives the model its usual head: masked LM for encoders, causal LM otherwise."""
-    import transformers
-
     if getattr(config, "model_type", None) in {"bert", "roberta", "distilbert", "albert", "electra"}:
-        return transformers.AutoModelForMaskedLM
-    return transformers.AutoModelForCausalLM
+        return transformers_name("AutoModelForMaskedLM")
+    return transformers_name("AutoModelForCausalLM")
 
 
 def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype | None = None):
@@ -84,16 +82,14 @@ def build_model(config, device: str | torch.device = "meta", dtype: torch.dtype 
     Why meta: analysis and estimates need shapes and module types only, and a 70B model would not fit
     in host memory. Load weights later with `tpkit.load_sharded` after `parallelize`.
     """
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"build_model: dtype must be a floating dtype (the model is built with it as torch's "
+                         f"default), got {dtype}; build in a floating dtype and convert afterwards")
     auto = _auto_class(config)
-    previous = torch.get_default_dtype()
-    try:
-        if dtype is not None:
-            torch.set_default_dtype(dtype)
-        with torch.device(device):
-            model = auto.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model
+    # `building`: torch's default dtype is process-wide and transformers sets it during the build anyway, so
+    # builds of thread-ranks go one at a time (see convert/transformers_threads.py).
+    with building(dtype), torch.device(device):
+        return auto.from_config(config)
 
 
 def load_target(target: str, device: str | torch.device = "meta", build: bool = True):
@@ -133,15 +129,13 @@ def load_target(target: str, device: str | torch.device = "meta", build: bool = 
 
 
 def _config_from_path(path: str):
-    from transformers import AutoConfig
-
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise ValueError(f"directory {path!r} has no config.json; pass a model directory or a config file")
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return transformers_name("AutoConfig").from_pretrained(path, local_files_only=True)
     with open(path) as f:
         raw = json.load(f)
     if "model_type" not in raw:
         raise ValueError(f"{path!r} has no 'model_type'; it does not look like a Hugging Face config.json")
     kwargs = dict(raw)
-    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    return transformers_name("AutoConfig").for_model(kwargs.pop("model_type"), **kwargs)

@@ -70,6 +70,18 @@ class _ParallelConv2d(TensorParallelModule):
             raise ValueError(f"{type(self).__name__}: input of shape {tuple(x.shape)} should be [N, C, H, W] or "
                              f"[C, H, W] with C = {expected} {what}")
 
+    @property
+    def in_channels_local(self) -> int:
+        """Input channels this rank's filters take (all for a column layer, this rank's slice for a row layer);
+        read from the weight `[out, in, kh, kw]`, like the linear layers' `in_features_local`."""
+        return int(self.weight.shape[1])
+
+    @property
+    def out_channels_local(self) -> int:
+        """Output channels this rank's filters produce (this rank's slice for a column layer, all for a row
+        layer); read from the weight."""
+        return int(self.weight.shape[0])
+
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
                 f"padding={self.padding}, world_size={self.world_size}, rank={self.rank}, "

@@ -85,6 +85,19 @@ class _ParallelLinear(TensorParallelModule):
         return cls(module.in_features, module.out_features, module.bias is not None, comm=comm, device=device,
                    dtype=dtype, _full=module, _index=index, _sizes=partition_sizes, **kwargs)
 
+    @property
+    def in_features_local(self) -> int:
+        """Input features this rank's shard multiplies (the seed's name): all of them for a column layer, this
+        rank's slice for a row layer. Read from the weight (`[out, in]`), so it is what the rank holds, explicit
+        index and uneven splits included."""
+        return int(self.weight.shape[1])
+
+    @property
+    def out_features_local(self) -> int:
+        """Output features this rank's shard produces (the seed's name): this rank's slice for a column layer,
+        all of them for a row layer (before its all-reduce they are partial sums). Read from the weight."""
+        return int(self.weight.shape[0])
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"world_size={self.world_size}, rank={self.rank}, local_weight={tuple(self.weight.shape)}"
