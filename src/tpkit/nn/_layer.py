@@ -23,7 +23,7 @@ class TensorParallelModule(nn.Module):
     """
 
     def _set_comm(self, comm: Communicator | None) -> None:
-        self._comm_ref = _Shared(resolve_comm(comm))
+        self._comm_ref = SharedRef(resolve_comm(comm))
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
 
     @property
@@ -31,7 +31,7 @@ class TensorParallelModule(nn.Module):
         return self._comm_ref.value
 
 
-class _Shared:
+class SharedRef:
     """A reference to a communicator held by a layer or a mapping: copies share it, and pickling stores which rank
     of how many it was, so unpickling binds the default communicator of the unpickling rank (the same world
     size and rank, or an error that says so)."""
@@ -51,7 +51,7 @@ class _Shared:
         return _rebind, (self.value.world_size, self.value.rank)
 
 
-def _rebind(world_size: int, rank: int) -> _Shared:
+def _rebind(world_size: int, rank: int) -> SharedRef:
     from ..distributed import get_communicator
 
     comm = get_communicator()
@@ -59,7 +59,7 @@ def _rebind(world_size: int, rank: int) -> _Shared:
         raise RuntimeError(f"this tensor-parallel module was pickled on rank {rank} of {world_size}; the unpickling "
                            f"process is rank {comm.rank} of {comm.world_size}. Unpickle it on the same rank after "
                            f"tpkit.init() (or load a checkpoint with tpkit.load_sharded at any world size)")
-    return _Shared(comm)
+    return SharedRef(comm)
 
 
 def resolve_comm(comm: Communicator | None) -> Communicator:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
-from ._layer import _Shared
+from ._layer import SharedRef
 from .mappings import copy_rows_to_region, copy_to_region
 
 
@@ -54,7 +54,7 @@ class GradSums:
     forward is running (`depth`, counted so a module that calls itself stays inside)."""
 
     def __init__(self, specs: Mapping[str, GradSum], comm: Communicator):
-        self.specs, self._comm, self.depth = dict(specs), _Shared(comm), 0
+        self.specs, self._comm, self.depth = dict(specs), SharedRef(comm), 0
 
     @property
     def comm(self) -> Communicator:
