@@ -24,7 +24,7 @@ ROOT = "tpkit"
 LAYERS: list[tuple[str, ...]] = [
     ("tpkit.cli", "tpkit.commands"),
     ("tpkit.data_parallel", "tpkit.recompute", "tpkit.setups"),
-    ("tpkit.checkpoint", "tpkit.estimate"),
+    ("tpkit.checkpoint", "tpkit.estimate", "tpkit.replicas"),
     ("tpkit.convert",),
     ("tpkit.nn",),
     ("tpkit.distributed", "tpkit.launch", "tpkit.faults"),

@@ -33,6 +33,7 @@ from .estimate import (MemoryEstimate, SpeedEstimate, SpeedProfile, calibrate_pr
 from .checkpoint import CheckpointError, Checkpointer, consolidate, from_pretrained, load_sharded, save_sharded
 from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh, no_sync
 from .recompute import recompute
+from .replicas import ReplicaError, ReplicaReport, check_replicas, watch_replicas
 from .estimate.predict import Setup
 from .estimate.search import SearchResult
 from .setups import analyze, apply_setup, search
@@ -52,6 +53,7 @@ __all__ = [
     "use_communicator",
     "CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
     "data_parallel", "data_parallel_manual_seed", "device_mesh", "no_sync", "recompute",
+    "ReplicaError", "ReplicaReport", "check_replicas", "watch_replicas",
     "SearchResult", "Setup", "apply_setup", "search",
     "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",
 ]

@@ -16,6 +16,11 @@ and the data order, which the caller derives from the step (a sampler seeded by 
 the step; a loader position goes into `extra`). Everything is JSON or safetensors: nothing read back is
 unpickled.
 
+The run's replicas are watched too: from `resume` (or the first save) on, `tpkit.watch_replicas` checks every
+`check_replicas_every` optimizer steps (default 50) that tensors several ranks hold are the same on each, so a
+silent divergence raises `ReplicaError` from `optimizer.step()` before a checkpoint keeps it;
+`check_replicas_every=None` turns it off.
+
 `resume` takes the newest version with a manifest (complete, whether or not `latest` had moved to it); if it
 fails its checksums (a damaged disk) it warns and falls back to the next older one, which `keep` leaves there.
 """
@@ -30,6 +35,7 @@ import torch
 from torch import nn
 
 from ..nn._layer import resolve_comm
+from ..replicas import watch_replicas
 from .agree import gather_bytes
 from .errors import CheckpointError
 from .load import load_sharded
@@ -44,18 +50,28 @@ class Checkpointer:
     and resume from the newest complete one. `comm`: the world communicator (default: `tpkit.get_communicator()`).
     After `resume`, `extra` is the `extra` dict that was saved with the version resumed from (else {})."""
 
-    def __init__(self, directory: str | os.PathLike, every: int, keep: int | None = 2, comm=None):
+    def __init__(self, directory: str | os.PathLike, every: int, keep: int | None = 2, comm=None,
+                 check_replicas_every: int | None = 50):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Checkpointer: every must be a positive int (steps between saves), got {every!r}")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"Checkpointer: keep must be a positive int (versions kept) or None, got {keep!r}")
         self.directory, self.every, self.keep, self.comm = os.fspath(directory), every, keep, comm
+        self.check_replicas_every, self.watch = check_replicas_every, None
         self.extra: dict = {}
+
+    def _watch(self, model: nn.Module, optimizer) -> None:
+        """Watch the replicas of `model` through `optimizer`'s steps (once per optimizer)."""
+        if self.check_replicas_every and (self.watch is None or self.watch.optimizer is not optimizer):
+            if self.watch is not None:
+                self.watch.remove()
+            self.watch = watch_replicas(model, optimizer, every=self.check_replicas_every, comm=None)
 
     def resume(self, model: nn.Module, optimizer, scheduler=None) -> int:
         """Load the newest complete version into `model`, `optimizer` and `scheduler`, restore the random streams,
         and return its step; 0 when nothing is saved. Collective."""
         comm = resolve_comm(self.comm)
+        self._watch(model, optimizer)
         names = _from_rank0(comm, [name for _, name, ok in reversed(versions(self.directory)) if ok])
         failures = []
         for name in names:
@@ -93,6 +109,7 @@ class Checkpointer:
     def save(self, step: int, model: nn.Module, optimizer, scheduler=None, extra: dict | None = None) -> str:
         """Save now as version `step`, with the scheduler, every rank's random streams and `extra` (JSON)."""
         comm = resolve_comm(self.comm)
+        self._watch(model, optimizer)
         section = {"user": extra or {}, "scheduler": scheduler.state_dict() if scheduler is not None else None}
         try:
             json.dumps(section)

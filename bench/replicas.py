@@ -1,0 +1,129 @@
+"""The replica sentinel (issue 35): what one check costs beside a training step, and clean runs that must never
+raise.
+
+cost: a 4-layer Llama (hidden 256, 8 heads / 4 KV heads, float32) at TP2 on gloo processes (one thread each),
+a training step (batch 4 x 128, AdamW) and `check_replicas` (gradients and parameters) timed alternately,
+`--repeats` times each, median per side; the ratio, and the share of a run at `every=50`.
+
+soak: `--steps` clean training steps at TP 2 and 3 on gloo processes, every step checked (`watch_replicas(every=1)`),
+with dropout 0.1, full recompute, two micro-batches of gradient accumulation and bf16 autocast; a tiny Llama
+(8 query / 2 KV heads: KV rows shared at 3 ranks) and a tiny GPT-2 (residual dropout on replicated activations).
+Any `ReplicaError` is a false positive (or a real divergence) and fails the run.
+
+    python bench/replicas.py cost [--repeats 20]
+    python bench/replicas.py soak [--steps 1000]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _llama(hidden: int, layers: int, heads: int, kv: int, dropout: float = 0.0):
+    import transformers as tr
+
+    cfg = tr.LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=hidden * 4 // 3 * 2,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                         max_position_embeddings=256, attention_dropout=dropout)
+    torch.manual_seed(0)
+    return tr.LlamaForCausalLM(cfg)
+
+
+def _gpt2(dropout: float):
+    import transformers as tr
+
+    torch.manual_seed(0)
+    return tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=1000, n_embd=96, n_layer=2, n_head=6, n_positions=256,
+                                            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
+
+
+def _cost_body(repeats: int) -> dict:
+    import tpkit
+    from tpkit.nn import vocab_parallel_cross_entropy
+
+    torch.set_num_threads(1)
+    comm = tpkit.get_communicator()
+    model = tpkit.parallelize(_llama(256, 4, 8, 4), comm=comm, mode="training").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        opt.zero_grad()
+        logits = model(input_ids=ids).logits
+        vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], vocab_size=1000).backward()
+        opt.step()
+
+    def check():
+        tpkit.check_replicas(model)
+
+    for f in (step, check):
+        f()
+    times = {"step": [], "check": []}
+    for _ in range(repeats):
+        for name, f in (("step", step), ("check", check)):
+            comm.barrier()
+            t = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t)
+    report = tpkit.check_replicas(model)
+    return {k: statistics.median(v) for k, v in times.items()} | {"tensors": report.tensors, "bytes": report.bytes}
+
+
+def _soak_body(arch: str, steps: int) -> int:
+    import tpkit
+    from tpkit.nn import vocab_parallel_cross_entropy
+
+    torch.set_num_threads(1)
+    comm = tpkit.get_communicator()
+    tpkit.nn.model_parallel_manual_seed(1234, comm)
+    base = _llama(64, 2, 8, 2, dropout=0.1) if arch == "llama" else _gpt2(0.1)
+    model = tpkit.parallelize(base, comm=comm, mode="training").train()
+    tpkit.recompute(model, "full")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = tpkit.watch_replicas(model, opt, every=1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(2):  # gradient accumulation over two micro-batches
+            ids = torch.randint(0, 1000, (2, 12), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(input_ids=ids).logits
+            loss = vocab_parallel_cross_entropy(logits[:, :-1].float(), ids[:, 1:], vocab_size=1000) / 2
+            loss.backward()
+        tpkit.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return watch.checks
+
+
+def main() -> None:
+    import tpkit
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=("cost", "soak"))
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=1000)
+    args = ap.parse_args()
+    if args.what == "cost":
+        res = tpkit.launch(_cost_body, 2, backend="gloo", args=(args.repeats,), timeout=1200)
+        step, check = max(r["step"] for r in res), max(r["check"] for r in res)
+        print(f"TP2 Llama hidden 256, 4 layers: step {step * 1e3:.1f} ms, check {check * 1e3:.2f} ms "
+              f"({check / step:.3f} of a step; {check / step / 50:.4%} of a run at every=50, "
+              f"{res[0]['tensors']} tensors, {res[0]['bytes'] / 2**20:.2f} MiB per rank)")
+        return
+    for arch in ("llama", "gpt2"):
+        for world in (2, 3):
+            t = time.perf_counter()
+            checks = tpkit.launch(_soak_body, world, backend="gloo", args=(arch, args.steps), timeout=3600)
+            print(f"{arch} TP{world}: {args.steps} steps, {checks[0]} checks, no ReplicaError "
+                  f"({time.perf_counter() - t:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
