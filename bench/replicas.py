@@ -25,23 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-
-def _llama(hidden: int, layers: int, heads: int, kv: int, dropout: float = 0.0):
-    import transformers as tr
-
-    cfg = tr.LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=hidden * 4 // 3 * 2,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                         max_position_embeddings=256, attention_dropout=dropout)
-    torch.manual_seed(0)
-    return tr.LlamaForCausalLM(cfg)
-
-
-def _gpt2(dropout: float):
-    import transformers as tr
-
-    torch.manual_seed(0)
-    return tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=1000, n_embd=96, n_layer=2, n_head=6, n_positions=256,
-                                            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
+from tests.replica_soak import llama, soak_body  # noqa: E402
 
 
 def _cost_body(repeats: int) -> dict:
@@ -50,7 +34,7 @@ def _cost_body(repeats: int) -> dict:
 
     torch.set_num_threads(1)
     comm = tpkit.get_communicator()
-    model = tpkit.parallelize(_llama(256, 4, 8, 4), comm=comm, mode="training").train()
+    model = tpkit.parallelize(llama(256, 4, 8, 4), comm=comm, mode="training").train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(1))
 
@@ -76,32 +60,6 @@ def _cost_body(repeats: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()} | {"tensors": report.tensors, "bytes": report.bytes}
 
 
-def _soak_body(arch: str, steps: int) -> int:
-    import tpkit
-    from tpkit.nn import vocab_parallel_cross_entropy
-
-    torch.set_num_threads(1)
-    comm = tpkit.get_communicator()
-    tpkit.nn.model_parallel_manual_seed(1234, comm)
-    base = _llama(64, 2, 8, 2, dropout=0.1) if arch == "llama" else _gpt2(0.1)
-    model = tpkit.parallelize(base, comm=comm, mode="training").train()
-    tpkit.recompute(model, "full")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = tpkit.watch_replicas(model, opt, every=1)
-    g = torch.Generator().manual_seed(5)
-    for _ in range(steps):
-        opt.zero_grad()
-        for _ in range(2):  # gradient accumulation over two micro-batches
-            ids = torch.randint(0, 1000, (2, 12), generator=g)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(input_ids=ids).logits
-            loss = vocab_parallel_cross_entropy(logits[:, :-1].float(), ids[:, 1:], vocab_size=1000) / 2
-            loss.backward()
-        tpkit.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    return watch.checks
-
-
 def main() -> None:
     import tpkit
 
@@ -120,7 +78,7 @@ def main() -> None:
     for arch in ("llama", "gpt2"):
         for world in (2, 3):
             t = time.perf_counter()
-            checks = tpkit.launch(_soak_body, world, backend="gloo", args=(arch, args.steps), timeout=3600)
+            checks = tpkit.launch(soak_body, world, backend="gloo", args=(arch, args.steps), timeout=3600)
             print(f"{arch} TP{world}: {args.steps} steps, {checks[0]} checks, no ReplicaError "
                   f"({time.perf_counter() - t:.0f} s)", flush=True)
 

@@ -73,6 +73,9 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (per dp rank)")
     parser.add_argument("--autocast", action="store_true", help="run forward and loss under bf16 torch.autocast")
     parser.add_argument("--timeout", type=float, default=None, help="seconds a collective waits for a peer")
+    parser.add_argument("--check-replicas", type=int, default=50, metavar="N",
+                        help="check every N steps that tensors several ranks hold are identical (0: off; every step "
+                             "under TP_DEBUG=1)")
     parser.add_argument("--history", default=None, help="rank 0 appends {step, loss, grad_norm, generation} JSON lines")
     args = parser.parse_args()
     if args.resume and not args.save:
@@ -92,8 +95,10 @@ def main() -> None:
     model = tpkit.data_parallel(model, dp, mode=args.mode)
     tpkit.data_parallel_manual_seed(1234, tp, dp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    ckpt = tpkit.Checkpointer(args.save, every=args.every or max(args.steps, 1), keep=args.keep or None, comm=comm) \
-        if args.save else None
+    ckpt = tpkit.Checkpointer(args.save, every=args.every or max(args.steps, 1), keep=args.keep or None, comm=comm,
+                              check_replicas_every=None) if args.save else None
+    if args.check_replicas:  # a silent divergence of replicas raises ReplicaError from opt.step()
+        tpkit.watch_replicas(model, opt, every=args.check_replicas)
     start = ckpt.resume(model, opt) if args.resume else 0
     generation = tpkit.distributed.restart_count()
     if comm.rank == 0:

@@ -265,7 +265,8 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
             count, nbytes = count + len(items), nbytes + n
             bad += b
             tolerated += t
-    elsewhere = _found_elsewhere(len(bad), [g for g, _, _ in groups])
+    spread = [g for g in (tp, record.dp_comm if record is not None else None) if g is not None and g.world_size > 1]
+    elsewhere = _found_elsewhere(len(bad), spread)
     if elsewhere and not bad:
         raise ReplicaError(f"{elsewhere} other rank(s) of this model found copies that differ (their ReplicaError "
                            f"names the tensors); this rank's copies agree with its groups'")

@@ -62,7 +62,8 @@ class Checkpointer:
 
     def _watch(self, model: nn.Module, optimizer) -> None:
         """Watch the replicas of `model` through `optimizer`'s steps (once per optimizer)."""
-        if self.check_replicas_every and (self.watch is None or self.watch.optimizer is not optimizer):
+        if self.check_replicas_every and optimizer is not None and \
+                (self.watch is None or self.watch.optimizer is not optimizer):
             if self.watch is not None:
                 self.watch.remove()
             self.watch = watch_replicas(model, optimizer, every=self.check_replicas_every, comm=None)
