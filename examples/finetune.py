@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="checkpoint directory (after the last step, every --every)")
     parser.add_argument("--every", type=int, default=0, help="save every N steps (0: after the last only)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --save")
+    parser.add_argument("--check-replicas", type=int, default=50, metavar="N",
+                        help="check every N steps that tensors several ranks hold are identical (0: off)")
     parser.add_argument("--consolidate", default=None, metavar="OUT",
                         help="at the end, write the final checkpoint as a Hugging Face directory (needs --save)")
     args = parser.parse_args()
@@ -107,7 +109,10 @@ def main() -> None:
         model = tpkit.data_parallel(model, dp, mode=args.dp_mode)
     tpkit.data_parallel_manual_seed(1234, tp, dp)  # dropout: the same where tp ranks hold the same activations
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    ckpt = tpkit.Checkpointer(args.save, every=args.every or max(args.steps, 1), comm=comm) if args.save else None
+    ckpt = tpkit.Checkpointer(args.save, every=args.every or max(args.steps, 1), comm=comm,
+                              check_replicas_every=None) if args.save else None
+    if args.check_replicas:  # a silent divergence of replicas raises tpkit.ReplicaError from opt.step()
+        tpkit.watch_replicas(model, opt, every=args.check_replicas)
     start = ckpt.resume(model, opt) if args.resume else 0
     if comm.rank == 0:
         print(f"{args.model}: world {comm.world_size} = tp{tp.world_size} x dp{dp.world_size}, "
