@@ -56,7 +56,7 @@ test-fast: venv
 # The site: docs/*.md, the API reference from the docstrings (mkdocstrings), the CLI reference generated from
 # tpkit's own parsers at build time (docs/hooks/cli_reference.py). --strict: a broken link or reference fails.
 docs: $(DOCS_STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: venv
 	$(PY) bench/comm_overhead.py
