@@ -20,7 +20,9 @@ recipe). The batch of step s is drawn from a generator seeded by s alone, so a r
 uninterrupted one would have. `--save DIR` writes a 2-D checkpoint (every `--every` steps with `--resume`'s
 Checkpointer, and after the last step) that loads at any other layout (tp4, tp2 alone, ...); `--resume`
 continues from the newest complete one. `--recompute`, `--accumulate` and `--autocast` are the training tools.
-`TPKIT_FAULTS` (see tpkit/faults.py) kills a rank at a chosen step for the tests of all this.
+`TPKIT_FAULTS` (see tpkit/faults.py) kills a rank at a chosen step for the tests of all this. Each rank runs one
+intra-op CPU thread when several share the host (`tpkit.launch.set_threads`; `TPKIT_THREADS=N` or
+`OMP_NUM_THREADS=N` to change it).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import transformers as tr
 
 import tpkit
 from tpkit import faults
+from tpkit.launch import set_threads
 
 
 def build(vocab: int, dropout: float = 0.0) -> torch.nn.Module:
@@ -81,6 +84,7 @@ def main() -> None:
     if args.resume and not args.save:
         raise SystemExit("--resume needs --save DIR (where the checkpoints are)")
 
+    set_threads()
     comm = tpkit.init(timeout=args.timeout)
     tp, dp = tpkit.comm.split(comm, args.tp)
     if args.global_batch % (dp.world_size * args.accumulate):

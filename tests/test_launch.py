@@ -84,3 +84,60 @@ def test_a_comm_the_caller_passes_in_args_is_not_refused():
     assert tpkit.launch(_wants_comm, 2, backend="threads", args=(Mine(), 1)) == [8, 8]
     with pytest.raises(TypeError, match="takes from 2 to 3 positional arguments but 5"):  # wrong either way
         tpkit.launch(_wants_comm, 1, backend="threads", args=(1, 2, 3, 4, 5))
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.fixture
+def no_thread_settings(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TPKIT_THREADS", raising=False)
+    return monkeypatch
+
+
+def test_process_ranks_run_one_thread_each_unless_told_otherwise(no_thread_settings):
+    """Several ranks on one host: one intra-op thread each by default; `threads=` overrides it, and any
+    OMP_NUM_THREADS (the precedence of TPKIT_THREADS and OMP_NUM_THREADS: test_set_threads_rule)."""
+    assert tpkit.launch(_threads, 2) == [1, 1]
+    no_thread_settings.setenv("OMP_NUM_THREADS", "1")
+    assert tpkit.launch(_threads, 2, threads=2) == [2, 2]
+
+
+def test_set_threads_rule(no_thread_settings):
+    import torch
+
+    from tpkit.launch import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(local_ranks=1) == before  # alone on the host: torch's default stays
+        assert set_threads(local_ranks=2) == 1 == torch.get_num_threads()
+        no_thread_settings.setenv("LOCAL_WORLD_SIZE", "4")
+        torch.set_num_threads(2)
+        assert set_threads() == 1  # the launcher's count of local ranks
+        assert set_threads(2) == 2 == torch.get_num_threads()
+        no_thread_settings.setenv("OMP_NUM_THREADS", "2")
+        assert set_threads() == 2  # the user's setting is left alone
+        no_thread_settings.setenv("TPKIT_THREADS", "1")
+        assert set_threads() == 1 == torch.get_num_threads()
+        no_thread_settings.setenv("TPKIT_THREADS", "many")
+        with pytest.raises(ValueError, match="TPKIT_THREADS='many' is not an integer"):
+            set_threads()
+        with pytest.raises(ValueError, match="threads must be a positive int"):
+            set_threads(0)
+        with pytest.raises(ValueError, match="launch: threads must be a positive int"):
+            tpkit.launch(_threads, 2, threads=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_thread_ranks_share_the_pool_and_get_it_back(no_thread_settings):
+    import torch
+
+    before = torch.get_num_threads()
+    assert tpkit.launch(_threads, 2, backend="threads", threads=1) == [1, 1]
+    assert torch.get_num_threads() == before

@@ -5,6 +5,11 @@ function under test goes through the real `tpkit.init()` path. The `threads` bac
 threads of this process, each with its own default communicator. Either way the results come back in rank
 order, and a failure is re-raised marked with its rank (the rank whose error caused the others, not a
 peer that merely saw it die).
+
+`set_threads` sizes a rank's intra-op CPU thread pool: one thread per rank when several ranks share the host
+(each rank's default pool has a thread per core, so N ranks run N x cores threads: on 2 cores, a run with 2
+threads per rank was measured 5x slower than with 1), unless the user said otherwise. `launch` calls it in
+every process rank; scripts under torchrun or mpirun call it first thing (the examples do).
 """
 from __future__ import annotations
 
@@ -33,6 +38,53 @@ class LaunchError(RuntimeError):
         self.rank = rank
 
 
+THREADS_VARIABLE = "TPKIT_THREADS"
+
+
+def set_threads(threads: int | None = None, local_ranks: int | None = None) -> int:
+    """Set this rank's intra-op CPU threads (`torch.set_num_threads`) and return the number in effect. The first
+    of these that applies decides:
+
+    1. `threads`, when given;
+    2. the environment variable `TPKIT_THREADS=N`;
+    3. `OMP_NUM_THREADS`, when set: torch sized its pool from it at import, and it is left as it is (torchrun
+       sets it to 1 for `--nproc-per-node` > 1 unless the user set it; `OMP_NUM_THREADS=4 torchrun ...` gives 4);
+    4. one thread when more than one rank runs on this host: `local_ranks`, else the launcher's count
+       (`LOCAL_WORLD_SIZE` from torchrun, `OMPI_COMM_WORLD_LOCAL_SIZE` / `MPI_LOCALNRANKS` from mpirun, else the
+       world size); a rank alone on its host keeps torch's default (a thread per core).
+
+    Threads are per process: call it in each rank, not in a process running thread-ranks (they share one pool).
+    """
+    source = "threads"
+    if threads is None:
+        threads, source = _env_int(THREADS_VARIABLE), THREADS_VARIABLE
+    if threads is None and os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    if threads is None:
+        local = local_ranks if local_ranks is not None else _env_int(
+            "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE",
+            "PMI_SIZE")
+        if local is None or local <= 1:
+            return torch.get_num_threads()
+        threads = 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"set_threads: {source} must be a positive int (intra-op threads per rank), got {threads!r}")
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _env_int(*names: str) -> int | None:
+    """The first of `names` set in the environment, as an int (ValueError naming it if it is not one)."""
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -41,7 +93,7 @@ def free_port() -> int:
 
 
 def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args: Sequence[Any] = (),
-           timeout: float | None = None, pass_comm: bool = False) -> list:
+           timeout: float | None = None, pass_comm: bool = False, threads: int | None = None) -> list:
     """Run `fn(*args)` on `world_size` local ranks; return their results in rank order.
 
     `pass_comm=True` calls `fn(comm, *args)` instead, `comm` being the rank's communicator (what
@@ -51,25 +103,36 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
     of `comm` (`TypeError` saying to pass `pass_comm=True`).
 
     `backend`: "gloo" or "nccl" (one process per rank; `fn` must be picklable, i.e. defined at module
-    level; each process runs with `torch.set_num_threads(1)` so N ranks do not fight over the cores) or
-    "threads". `timeout` bounds every collective (seconds) and, for processes, the whole run
+    level) or "threads". `timeout` bounds every collective (seconds) and, for processes, the whole run
     waits at most that long after the first failure for the other ranks to notice it.
+
+    `threads`: intra-op CPU threads of each process rank. Default: `set_threads`'s rule with `world_size` ranks on
+    this host, i.e. `TPKIT_THREADS` or `OMP_NUM_THREADS` if set, else one thread per rank when there are several
+    (so N ranks do not fight over the cores). Thread-ranks share this process's pool: there `threads`, when
+    given, sizes it for the run and the previous size is restored after.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
     args = tuple(args)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"launch: threads must be a positive int (intra-op threads per rank), got {threads!r}")
     if not pass_comm:
         _check_comm_is_not_missing(fn, args)
     if backend == "threads":
         comms = create_communicators(world_size, timeout)
-
-        return run_on_threads(lambda comm: fn(comm, *args) if pass_comm else fn(*args), comms)
+        before = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            return run_on_threads(lambda comm: fn(comm, *args) if pass_comm else fn(*args), comms)
+        finally:
+            torch.set_num_threads(before)
     if backend == "mpi":
         raise ValueError("launch: backend 'mpi' needs processes started by mpirun; run "
                          f"`mpirun -n {world_size} python your_script.py` and call tpkit.init('mpi') there")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"launch: unknown backend {backend!r}; valid: gloo, nccl, threads")
-    return _launch_processes(fn, world_size, backend, args, timeout, pass_comm)
+    return _launch_processes(fn, world_size, backend, args, timeout, pass_comm, threads)
 
 
 def _check_comm_is_not_missing(fn: Callable[..., Any], args: tuple) -> None:
@@ -100,16 +163,17 @@ def _check_comm_is_not_missing(fn: Callable[..., Any], args: tuple) -> None:
                     f"pass_comm=True (launch(fn, n, pass_comm=True) calls fn(comm, *args))")
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeout, pass_comm, results) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeout, pass_comm, threads,
+            results) -> None:
     # The parent hosts the rendezvous store, as torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE): its port
     # stays bound for the whole run, so a concurrent launch can never pick the same one.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       TORCHELASTIC_USE_AGENT_STORE="True")
-    torch.set_num_threads(1)
     from . import distributed
 
     try:
+        set_threads(threads, local_ranks=world_size)
         comm = distributed.init(backend, timeout)
         value = fn(comm, *args) if pass_comm else fn(*args)
         buffer = io.BytesIO()
@@ -147,7 +211,7 @@ def _exit_quickly(results) -> None:
     os._exit(0)
 
 
-def _launch_processes(fn, world_size, backend, args, timeout, pass_comm) -> list:
+def _launch_processes(fn, world_size, backend, args, timeout, pass_comm, threads) -> list:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -156,7 +220,7 @@ def _launch_processes(fn, world_size, backend, args, timeout, pass_comm) -> list
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     port = store.port
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, port, backend, fn, args, timeout, pass_comm, results))
+                         args=(r, world_size, port, backend, fn, args, timeout, pass_comm, threads, results))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -126,14 +126,15 @@ def _piece(t: torch.Tensor, item: _Item, rank: int) -> torch.Tensor:
     return t.index_select(item.dim, torch.tensor(item.local[at], device=t.device))
 
 
-def _digest(t: torch.Tensor | None) -> torch.Tensor:
-    """Three int64s that change with any bit of `t` (present flag, sum and sum of squares of its bytes read as
-    integers, wrapping); zeros for a missing tensor."""
+def _digest(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Three int64s on `device` (where the tensors live: no copy, no host sync) that change with any bit of `t`:
+    a present flag, the sum and the sum of squares of its bytes read as integers (wrapping); zeros for a
+    missing tensor."""
     if t is None:
-        return torch.zeros(3, dtype=torch.int64)
+        return torch.zeros(3, dtype=torch.int64, device=device)
     w = t.detach().contiguous().reshape(-1)
     w = w.view(_WORDS[w.element_size()]).to(torch.int64) if w.numel() else w.new_zeros(0, dtype=torch.int64)
-    return torch.stack((torch.ones((), dtype=torch.int64, device=w.device), w.sum(), (w * w).sum())).cpu()
+    return torch.stack((torch.ones((), dtype=torch.int64, device=w.device), w.sum(), (w * w).sum()))
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -164,19 +165,15 @@ def _compare(tensors: dict[str, torch.Tensor | None], items: list[_Item],
              comm: Communicator) -> tuple[list[tuple[_Item, list[list[int]]]], int]:
     """Digest every item this rank holds, all-gather the digests over `comm`, and return the items whose
     holders disagree (with the holders grouped by digest) and the bytes digested here."""
-    rank, digests, nbytes = comm.rank, [], 0
-    for item in items:
-        if rank in item.holders:
-            t = tensors.get(item.key)
-            piece = None if t is None else _piece(t, item, rank)
-            nbytes += 0 if piece is None else piece.numel() * piece.element_size()
-            digests.append(_digest(piece))
-        else:
-            digests.append(torch.zeros(3, dtype=torch.int64))
     if not items:
         return [], 0
-    mine = torch.stack(digests)
-    table = comm.all_gather(mine.to(_device(tensors)).unsqueeze(0), dim=0).cpu()
+    rank, digests, nbytes, device = comm.rank, [], 0, _device(tensors)
+    for item in items:
+        t = tensors.get(item.key) if rank in item.holders else None
+        piece = None if t is None else _piece(t, item, rank)
+        nbytes += 0 if piece is None else piece.numel() * piece.element_size()
+        digests.append(_digest(piece, device))
+    table = comm.all_gather(torch.stack(digests).unsqueeze(0), dim=0).cpu()  # the one host sync
     diverged = []
     for n, item in enumerate(items):
         classes: dict[tuple[int, ...], list[int]] = {}

@@ -116,11 +116,9 @@ ARCHS: dict[str, Callable[[], nn.Module]] = {
 #: (Qwen3, Gemma 3 and OLMo-2's q_norm / k_norm). A lost gradient sum is an error of 0.3 to 2, far above these.
 TOLERANCE = {"mixtral": 1e-3, "deepseek_v3": 1e-3, "qwen3": 1e-3, "gemma3": 1e-3, "olmo2": 1e-3}
 DEFAULT_TOL = 1e-9
-#: Paths an architecture cannot take, with why: `load_sharded` reads a Hugging Face directory's keys as stored, and
-#: transformers stores NeoX's `lm_head.weight` as `embed_out.weight` and MoE experts one tensor per expert
-#: (`from_pretrained` reads transformers' renamings and fuses the experts).
-UNSUPPORTED = {(name, "meta+load_sharded"): "load_sharded reads keys as stored; transformers renames or fuses them"
-               for name in ("neox", "mixtral", "deepseek_v3")}
+#: Paths an architecture cannot take, with why (none now: `load_sharded` reads a Hugging Face directory's keys as
+#: transformers names them, NeoX's `embed_out` and experts stored one tensor per expert included).
+UNSUPPORTED: dict[tuple[str, str], str] = {}
 #: The setup search cannot price these (its activation trace meets the routers' data-dependent `nonzero`): their
 #: `apply_setup` path takes a plain `Setup(tp=N)` instead of a search result.
 NOT_SEARCHABLE = ("mixtral", "deepseek_v3")

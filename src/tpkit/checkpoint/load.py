@@ -23,6 +23,7 @@ from .agree import agree
 from .allocate import computed_buffers, materialize
 from .errors import CheckpointError
 from .fill import Target, check_targets, read_targets
+from .keys import key_finder
 from .manifest import check_checksums, find_version, read_manifest
 from .mesh import like, unwrap
 from .progress import Progress
@@ -72,8 +73,10 @@ def model_targets(model: nn.Module, source: Source, find: Callable[[str], str | 
     if missing:
         raise CheckpointError(f"{source.root}: checkpoint lacks {len(missing)} tensor(s) of the model: "
                               f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if strict:
-        extra = [k for k in source.entries if k not in used and not k.startswith(optim_state.PREFIX)]
+    if strict:  # a stored tensor is used when a target reads it, itself or as a piece of one transformers fuses
+        read = used | {piece.name for k in used for piece in source.entries[k].pieces}
+        extra = [k for k in source.entries if k not in read and not k.startswith(optim_state.PREFIX)
+                 and not any(piece.name in read for piece in source.entries[k].pieces)]
         if extra:
             raise CheckpointError(f"{source.root}: checkpoint has {len(extra)} tensor(s) the model does not: "
                                   f"{extra[:5]}{' ...' if len(extra) > 5 else ''} (a checkpoint of another model?)")
@@ -112,7 +115,11 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
     error, source, targets, section, computed, fills = None, None, [], {}, {}, None
     try:
         source = open_source(directory, comm.rank, comm.world_size)
-        targets = model_targets(model, source, lambda k: k if k in source.entries else None, strict, convert=False)
+        # a tpkit checkpoint holds the model's own keys; a Hugging Face directory may hold them as transformers names
+        # or rebuilds them (NeoX's embed_out, experts one tensor per expert)
+        find = (lambda k: k if k in source.entries else None) if source.manifest is not None else \
+            key_finder(model, source)
+        targets = model_targets(model, source, find, strict, convert=False)
         if optimizer is not None:
             section = (source.manifest or {}).get("optimizer") or {}
             if not section and strict:

@@ -22,16 +22,13 @@ from ..convert.transformers_threads import transformers_name
 from ..nn._layer import resolve_comm
 from .agree import agree
 from .allocate import materialize, meta_parameters, place_buffers
-from .conversions import transformers_keys
 from .errors import CheckpointError
 from .fill import map_weights, read_targets
 from .hf_config import load_generation_config
+from .keys import key_finder
 from .load import Source, model_targets, open_source
 from .progress import Progress
 from .staging import load_device, staging_for
-
-_LEGACY = {"gamma": "weight", "beta": "bias"}
-
 
 def resolve_dtype(dtype, config) -> torch.dtype:
     """`dtype` (a torch.dtype, its name, or "auto"/None for the config's `dtype`/`torch_dtype`, else float32),
@@ -41,36 +38,6 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     if dtype in (None, "auto"):
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
-def key_finder(model: nn.Module, source: Source, notes: list[str] | None = None):
-    """Model key -> checkpoint key: exact; legacy `gamma`/`beta`; with or without the base-model prefix (a
-    bare `LlamaModel` checkpoint loads into `LlamaForCausalLM`); else as transformers renames or rebuilds it
-    (`conversions.py`, which adds fused entries to `source`). transformers' table is built (~0.5 s: a
-    thousand regexes) only when a key is not found otherwise, which a checkpoint saved by tpkit never needs.
-    `notes` receives the conversions tpkit could not read."""
-    names = {}
-    for k in source.entries:
-        head, _, last = k.rpartition(".")
-        if last in _LEGACY:
-            names.setdefault(f"{head}.{_LEGACY[last]}" if head else _LEGACY[last], k)
-    names.update({k: k for k in source.entries})
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    renamed: dict[str, str] | None = None if source.manifest is None else {}
-
-    def find(key: str) -> str | None:
-        nonlocal renamed
-        options = [key]
-        if prefix:
-            options += [key[len(prefix) + 1:]] if key.startswith(prefix + ".") else [f"{prefix}.{key}"]
-        found = next((names[o] for o in options if o in names), None)
-        if found is None and renamed is None:
-            renamed, unread = transformers_keys(model, source)
-            if notes is not None:
-                notes.extend(unread)
-        return found if found is not None else next((renamed[o] for o in options if o in renamed), None)
-
-    return find
 
 
 def build(config, model_cls, dtype: torch.dtype) -> nn.Module:

@@ -25,6 +25,7 @@ the model exactly as it was. The result is one `Conversion` record: `model.tp_pl
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -112,7 +113,9 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     if reused is not None:
         the_plan, analysis = reused
     else:
-        analysis = untraced_structure(model) if recorded else analyze_structure(model, example_inputs)  # 1. trace
+        # 1. trace (under sequence parallelism on sequences that divide by the world size, for the dry run)
+        seq = math.lcm(4, world) if sequence_parallel else 4
+        analysis = untraced_structure(model) if recorded else analyze_structure(model, example_inputs, seq)
         the_plan = resolve_plan(model, plan, world, analysis, mode)                       # 2. plan
         if not recorded:                                                                  # 2b. dry run
             the_plan = dry_run(model, the_plan, analysis, comm, sequence_parallel, _user_named(model, plan, analysis))

@@ -39,10 +39,11 @@ class Analysis:
     traced_alone: frozenset[str] = frozenset()  # layers run only by a tower's own trace (analogy.towers)
 
 
-def default_inputs(model: nn.Module) -> list:
+def default_inputs(model: nn.Module, seq: int = 4) -> list:
     """Tiny inputs to try for the trace, in order: HF models get token ids (an encoder-decoder its decoder's
     too), pixels or audio features, then the model's own `dummy_inputs`; others a batch shaped for their first
-    layer, as [batch, features] and then [batch, seq, features]."""
+    layer, as [batch, features] and then [batch, seq, features]. `seq`: the token sequence's length (sequence
+    parallelism's dry run needs one that divides by the world size)."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     dtype = params[0].dtype if params and params[0].is_floating_point() else None
@@ -50,9 +51,9 @@ def default_inputs(model: nn.Module) -> list:
     main = _main_input(model)
     if cfg is not None and main == "input_ids":
         if getattr(cfg, "is_encoder_decoder", False):
-            ids = torch.zeros(2, 4, dtype=torch.long, device=device)
+            ids = torch.zeros(2, seq, dtype=torch.long, device=device)
             return [{"input_ids": ids, "decoder_input_ids": ids}, *_own_dummy_inputs(model, device)]
-        return [{"input_ids": torch.zeros(1, 4, dtype=torch.long, device=device)}, *_own_dummy_inputs(model, device)]
+        return [{"input_ids": torch.zeros(1, seq, dtype=torch.long, device=device)}, *_own_dummy_inputs(model, device)]
     if cfg is not None and main == "pixel_values":
         size = getattr(cfg, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
@@ -67,11 +68,11 @@ def default_inputs(model: nn.Module) -> list:
         if is_linear(m) or isinstance(m, nn.LayerNorm):
             n = linear_dims(m)[0] if is_linear(m) else m.normalized_shape[-1]
             return [(torch.zeros(2, n, device=device, dtype=dtype),),
-                    (torch.zeros(2, 4, n, device=device, dtype=dtype),)]
+                    (torch.zeros(2, seq, n, device=device, dtype=dtype),)]
         if is_conv2d(m):
             return [(torch.zeros(2, m.in_channels, 16, 16, device=device, dtype=dtype),)]
         if is_embedding(m):
-            return [(torch.zeros(2, 4, dtype=torch.long, device=device),)]
+            return [(torch.zeros(2, seq, dtype=torch.long, device=device),)]
     raise ValueError(f"cannot guess an input for {type(model).__name__}; pass example_inputs")
 
 
@@ -124,13 +125,13 @@ def structure_signature(model: nn.Module) -> tuple:
                  for n, m in model.named_modules())
 
 
-def analyze_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
+def analyze_structure(model: nn.Module, example_inputs: Any = None, seq: int = 4) -> Analysis:
     """Trace the model once and find its attention blocks and column -> row pairs (world-size free).
 
-    With the default inputs the result is remembered per model object until its modules or parameter
-    shapes change, so `analyze`, `plan` and `parallelize` in a row trace a large model once."""
-    if example_inputs is not None:
-        return trace_structure(model, example_inputs)
+    With the default inputs (sequences of `seq`) the result is remembered per model object until its modules or
+    parameter shapes change, so `analyze`, `plan` and `parallelize` in a row trace a large model once."""
+    if example_inputs is not None or seq != 4:
+        return trace_structure(model, example_inputs, seq)
     sig = structure_signature(model)
     hit = _CACHE.get(model)
     if hit is not None and hit[0] == sig:
@@ -170,11 +171,11 @@ def traceable_experts(model: nn.Module):
             c._experts_implementation = v
 
 
-def trace_structure(model: nn.Module, example_inputs: Any = None) -> Analysis:
+def trace_structure(model: nn.Module, example_inputs: Any = None, seq: int = 4) -> Analysis:
     """`analyze_structure` without the memory: trace the model as it is now."""
     analysis = untraced_structure(model)
     try:
-        candidates = default_inputs(model) if example_inputs is None else [example_inputs]
+        candidates = default_inputs(model, seq) if example_inputs is None else [example_inputs]
     except ValueError as exc:
         return dataclasses.replace(analysis, trace_error=str(exc))
     error = None

@@ -1,0 +1,147 @@
+"""Fine-tune a Hugging Face causal LM with tensor parallelism (and data parallelism across tp groups).
+
+4 ranks as tp2 x dp2, on the text of train.txt; a checkpoint every 20 steps, a Hugging Face directory at the end:
+
+    torchrun --nproc-per-node 4 examples/finetune.py --model ./my-llama --tp 2 --data train.txt \\
+             --steps 100 --save run/ckpt --every 20 --consolidate run/my-llama-tuned
+
+Stopped (or a rank died)? The same command with --resume continues from the newest complete checkpoint, and
+under `torchrun --max-restarts 3` that happens by itself. The result loads like any checkpoint:
+`transformers.AutoModelForCausalLM.from_pretrained("run/my-llama-tuned")`, or at TP with examples/generate.py.
+
+Each rank reads only its slices of the checkpoint (`tpkit.from_pretrained(..., mode="training")`: the LM head
+keeps its logits split over the vocabulary and the model's loss is computed on them, never gathered). With
+world > tp, the tp groups are data-parallel replicas (FSDP2 or DDP over the dp groups). `--data FILE` is text
+tokenized with the model directory's tokenizer when it has one, else whitespace-separated integer token ids;
+without it, random tokens (the mechanics, not a recipe). The batch of step s is `--global-batch` windows of
+`--seq` tokens at offsets drawn from a generator seeded by s alone: a resumed run sees the batches an
+uninterrupted one would. Each rank runs one intra-op CPU thread when several share the host
+(`tpkit.launch.set_threads`; `TPKIT_THREADS=N` or `OMP_NUM_THREADS=N` to change it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import transformers as tr
+
+import tpkit
+from tpkit.launch import set_threads
+
+
+def tokenizer_in(directory: str):
+    """The directory's tokenizer, or None when it has none."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any(os.path.exists(os.path.join(directory, n)) for n in names):
+        return None
+    return tr.AutoTokenizer.from_pretrained(directory)
+
+
+def load_tokens(path: str, tokenizer, vocab: int) -> torch.Tensor:
+    """The whole file as one stream of token ids: text through `tokenizer`, or integers when it is None."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if tokenizer is not None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError as exc:
+            raise SystemExit(f"{path}: the model directory has no tokenizer, so --data must hold whitespace-separated "
+                             f"integer token ids ({exc})") from None
+    tokens = torch.tensor(ids, dtype=torch.long)
+    if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+        raise SystemExit(f"{path}: token ids must be in 0..{vocab - 1} (the model's vocabulary)")
+    return tokens
+
+
+def batch(step: int, tokens: torch.Tensor | None, vocab: int, args) -> torch.Tensor:
+    """The global batch of `step` (the same on every rank, and after a restart)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    if tokens is None:
+        return torch.randint(0, vocab, (args.global_batch, args.seq), generator=g)
+    starts = torch.randint(0, len(tokens) - args.seq + 1, (args.global_batch,), generator=g)
+    return torch.stack([tokens[s:s + args.seq] for s in starts.tolist()])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size); "
+                                                             "dp = world / tp")
+    parser.add_argument("--dp-mode", choices=("fsdp", "ddp"), default="fsdp", help="engine of the dp dimension")
+    parser.add_argument("--data", default=None, help="training text, tokenized with --model's tokenizer; without "
+                                                     "one, whitespace-separated integer token ids (default: random)")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step over all dp ranks")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--max-norm", type=float, default=1.0, help="clip the global gradient norm to this")
+    parser.add_argument("--dtype", default="float32", help="weights' dtype in training ('auto': the checkpoint's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the batches")
+    parser.add_argument("--save", default=None, help="checkpoint directory (after the last step, every --every)")
+    parser.add_argument("--every", type=int, default=0, help="save every N steps (0: after the last only)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --save")
+    parser.add_argument("--check-replicas", type=int, default=50, metavar="N",
+                        help="check every N steps that tensors several ranks hold are identical (0: off)")
+    parser.add_argument("--consolidate", default=None, metavar="OUT",
+                        help="at the end, write the final checkpoint as a Hugging Face directory (needs --save)")
+    args = parser.parse_args()
+    if (args.resume or args.consolidate) and not args.save:
+        raise SystemExit("--resume and --consolidate need --save DIR (the checkpoints they read)")
+    if args.consolidate and os.path.isdir(args.consolidate) and os.listdir(args.consolidate):
+        raise SystemExit(f"--consolidate {args.consolidate}: not empty; choose a new directory")
+
+    set_threads()
+    comm = tpkit.init()
+    tp, dp = tpkit.comm.split(comm, args.tp or comm.world_size)
+    if args.global_batch % dp.world_size:
+        raise SystemExit(f"--global-batch {args.global_batch} must divide by the dp size {dp.world_size}")
+    tokenizer = tokenizer_in(args.model)
+    model = tpkit.from_pretrained(args.model, comm=tp, mode="training", dtype=args.dtype).train()
+    vocab, device, rank = model.config.vocab_size, next(model.parameters()).device, comm.rank
+    tokens = load_tokens(args.data, tokenizer, vocab) if args.data else None
+    if tokens is not None and len(tokens) < args.seq:
+        raise SystemExit(f"--data {args.data}: {len(tokens)} tokens, fewer than --seq {args.seq}")
+    if dp.world_size > 1:
+        model = tpkit.data_parallel(model, dp, mode=args.dp_mode)
+    tpkit.data_parallel_manual_seed(1234, tp, dp)  # dropout: the same where tp ranks hold the same activations
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ckpt = tpkit.Checkpointer(args.save, every=args.every or max(args.steps, 1), comm=comm,
+                              check_replicas_every=None) if args.save else None
+    if args.check_replicas:  # a silent divergence of replicas raises tpkit.ReplicaError from opt.step()
+        tpkit.watch_replicas(model, opt, every=args.check_replicas)
+    start = ckpt.resume(model, opt) if args.resume else 0
+    if comm.rank == 0:
+        print(f"{args.model}: world {comm.world_size} = tp{tp.world_size} x dp{dp.world_size}, "
+              f"{torch.get_num_threads()} thread(s) per rank, starting at step {start}", flush=True)
+
+    for step in range(start, args.steps):
+        begin = time.perf_counter()
+        mine = batch(step, tokens, vocab, args).chunk(dp.world_size)[dp.rank].to(device)
+        loss = model(input_ids=mine, labels=mine).loss  # labels are shifted inside, as in transformers
+        loss.backward()
+        norm = tpkit.clip_grad_norm_(model.parameters(), args.max_norm)  # the norm of the whole model
+        opt.step()
+        opt.zero_grad()
+        loss = dp.all_reduce(loss.detach()) / dp.world_size
+        if comm.rank == 0:
+            print(f"step {step + 1}: loss {loss.item():.4f}  grad norm {norm.item():.4f}  "
+                  f"{(time.perf_counter() - begin) * 1e3:.0f} ms", flush=True)
+        if ckpt is not None:
+            ckpt.maybe_save(step + 1, model, opt)
+    if ckpt is not None and start < args.steps and args.steps % ckpt.every:  # the last step, unless just saved
+        ckpt.save(args.steps, model, opt)
+    comm.barrier()  # every rank's part of the last checkpoint is written
+    tpkit.shutdown()
+    if args.consolidate and rank == 0:  # one process reads the pieces back: no collective, no timeout
+        tpkit.consolidate(args.save, args.consolidate)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(args.consolidate)
+        print(f"wrote {args.consolidate} (a Hugging Face directory)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
