@@ -152,3 +152,24 @@ def test_generated_cli_page_names_every_command_and_option():
                 if flag not in ("-h", "--help") and action.help != argparse.SUPPRESS:
                     assert f"`{flag}`" in page, f"tpkit {name} {flag} is missing from the CLI page"
     assert CLI_EXAMPLES.read_text().strip() in page
+
+
+def test_example_scripts_and_flags_exist():
+    """Every `examples/NAME.py --flag` in the pages' shell blocks names a script that exists and a flag it defines."""
+    seen = 0
+    for page in PAGES:
+        for lang, line, code, _ in blocks(page):
+            if lang not in ("bash", "sh", "shell", "console"):
+                continue
+            for k, text in enumerate(code.replace("\\\n", " ").splitlines()):
+                words = shlex.split(text, comments=True)
+                scripts = [w for w in words if re.fullmatch(r"examples/\w+\.py", w)]
+                for script in scripts:
+                    path = ROOT / script
+                    assert path.exists(), f"{_name(page)}:{line + k}: {script} does not exist"
+                    source = path.read_text()
+                    after = words[words.index(script) + 1:]
+                    for flag in (w.split("=")[0] for w in after if w.startswith("--")):
+                        seen += 1
+                        assert f'"{flag}"' in source, f"{_name(page)}:{line + k}: {script} has no {flag}"
+    assert seen >= 10
