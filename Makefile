@@ -1,19 +1,34 @@
-# Two commands: `make demo` and `make test`. Each creates or refreshes .venv first.
+# `make demo`, `make test` and `make docs`. Each creates or refreshes .venv first, with what it needs:
+#   demo: torch + tpkit with the hf extra (transformers builds the demo's Llama)
+#   test: that + the dev, plot and lightning extras (and OpenMPI / mpi4py when it can)
+#   docs: that + the docs extra (MkDocs Material, mkdocstrings), then `mkdocs build --strict` into site/
 # TORCH_SPEC pins the CPU build that lies on this machine's disk; on a GPU machine set e.g.
 # TORCH_SPEC="torch" to take the CUDA build from the index.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+BASE_STAMP := $(VENV)/.tpkit-base
 STAMP := $(VENV)/.tpkit-installed
+DOCS_STAMP := $(VENV)/.tpkit-docs
 MPI_STAMP := $(VENV)/.tpkit-mpi
+# torch is named again in every install: extras never replace it
+PIP := $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: venv mpi demo test test-fast bench clean
+.PHONY: venv mpi demo test test-fast docs bench clean
 
-$(STAMP): pyproject.toml Makefile constraints.txt
+$(BASE_STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[hf,dev,plot,lightning]" "$(TORCH_SPEC)" -c constraints.txt  # torch named again: extras never replace it
+	$(PIP) -e ".[hf]" "$(TORCH_SPEC)"
+	touch $@
+
+$(STAMP): $(BASE_STAMP)
+	$(PIP) -e ".[hf,dev,plot,lightning]" "$(TORCH_SPEC)"
+	touch $@
+
+$(DOCS_STAMP): $(BASE_STAMP)
+	$(PIP) -e ".[hf,docs]" "$(TORCH_SPEC)"
 	touch $@
 
 venv: $(STAMP)
@@ -29,7 +44,7 @@ $(MPI_STAMP): $(STAMP)
 
 mpi: $(MPI_STAMP)
 
-demo: venv
+demo: $(BASE_STAMP)
 	$(PY) -m tpkit.cli demo
 
 test: venv mpi
@@ -38,8 +53,13 @@ test: venv mpi
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" tests
 
+# The site: docs/*.md, the API reference from the docstrings (mkdocstrings), the CLI reference generated from
+# tpkit's own parsers at build time (docs/hooks/cli_reference.py). --strict: a broken link or reference fails.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 bench: venv
 	$(PY) bench/comm_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

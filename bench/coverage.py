@@ -6,7 +6,7 @@ ranks; 1.0 = nothing split), and what stays whole and why (the plan's reasons, l
 converted for real, on two thread-ranks, so the figures are the converter's own.
 
 Run: `python bench/coverage.py` prints the table; `--write` rewrites the block between
-`<!-- coverage:begin -->` and `<!-- coverage:end -->` in README.md; `--check` exits 1 when that block is stale.
+`<!-- coverage:begin -->` and `<!-- coverage:end -->` in docs/reference/coverage.md (the site's coverage page); `--check` exits 1 when that block is stale.
 Sources are `{name: builder}` mappings (a builder takes no arguments and returns a full model); add one to
 `sources()` and its rows appear.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "reference" / "coverage.md"
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 WORLD = 2
 SHOWN = 3  # largest whole groups named per row; the rest are counted
@@ -103,28 +103,28 @@ def table(rows_: list) -> str:
                                f"`python bench/coverage.py --write`.")
 
 
-def readme_block(text: str) -> str:
+def page_block(text: str) -> str:
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"{README}: no {BEGIN} ... {END} block")
+        raise SystemExit(f"{PAGE}: no {BEGIN} ... {END} block")
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="rewrite the README block")
-    ap.add_argument("--check", action="store_true", help="exit 1 if the README block differs")
+    ap.add_argument("--write", action="store_true", help="rewrite the block on the coverage page")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the coverage page's block differs")
     args = ap.parse_args()
     out = table(rows())
-    text = README.read_text()
+    text = PAGE.read_text()
     if args.write:
         head, rest = text.split(BEGIN, 1)
         new = f"{head}{BEGIN}\n{out}\n{END}{rest.split(END, 1)[1]}"
-        tmp = README.with_suffix(".md.tmp")
+        tmp = PAGE.with_suffix(".md.tmp")
         tmp.write_text(new)
-        tmp.replace(README)  # atomic
+        tmp.replace(PAGE)  # atomic
     elif args.check:
-        if readme_block(text) != out:
-            print("README coverage block is stale: run python bench/coverage.py --write", file=sys.stderr)
+        if page_block(text) != out:
+            print("coverage page block is stale: run python bench/coverage.py --write", file=sys.stderr)
             return 1
     else:
         print(out)

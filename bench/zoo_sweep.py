@@ -5,9 +5,9 @@ float64 and compared with the unconverted model (`sweep_run.py`); one CSV row pe
 
 Each model runs in a worker subprocess under a time limit (`--limit`, seconds); a worker past it is killed, the
 model is recorded as skipped, and a fresh worker goes on with the rest. `--report` prints the summary and writes
-the share plot; `--readme` also rewrites the README block. `--only PATTERN` runs the classes whose name matches.
+the share plot; `--page` also rewrites the block on the site's coverage page (docs/reference/coverage.md). `--only PATTERN` runs the classes whose name matches.
 
-Run: `python bench/zoo_sweep.py` (then `--report --readme`); `--fresh` starts the CSV over.
+Run: `python bench/zoo_sweep.py` (then `--report --page`); `--fresh` starts the CSV over.
 """
 from __future__ import annotations
 
@@ -94,21 +94,22 @@ def sweep(todo: list, limit: float, csv_path: Path) -> None:
                       f"{row['seconds']}s {row['detail'][:90]}", flush=True)
 
 
-def report(rows: list, readme: bool) -> None:
+def report(rows: list, page: bool) -> None:
     print(sweep_report.table(rows))
     print("\nMost common reasons for keeping something whole (architectures naming it):")
     for reason, n in sweep_report.reasons(rows):
         print(f"  {n:4d}  {reason}")
     print(f"plot: {sweep_report.plot(rows)}")
-    if readme:
-        sweep_report.write_readme(rows)
+    if page:
+        sweep_report.write_page(rows)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--report", action="store_true", help="summary and plot from the CSV; no models run")
-    ap.add_argument("--readme", action="store_true", help="with --report: rewrite the README block")
+    ap.add_argument("--page", "--readme", dest="page", action="store_true",
+                    help="with --report: rewrite the block on docs/reference/coverage.md")
     ap.add_argument("--only", default=None, help="regex on the class name")
     ap.add_argument("--limit", type=float, default=90.0, help="seconds per model")
     ap.add_argument("--csv", type=Path, default=sweep_report.CSV)
@@ -118,7 +119,7 @@ def main() -> int:
         worker(json.loads(sys.stdin.read()))
         return 0
     if args.report:
-        report(sweep_report.read(args.csv), args.readme)
+        report(sweep_report.read(args.csv), args.page)
         return 0
     if args.fresh and args.csv.exists():
         args.csv.unlink()

@@ -2,7 +2,7 @@
 
 Public API: process setup (`init`, `launch`, `get_communicator`, the seed-style helpers), conversion
 (`analyze`, `plan`, `parallelize`, `verify`, the estimates), and the subpackages `tpkit.comm` (communication)
-and `tpkit.nn` (tensor-parallel layers). See README.md for the tour.
+and `tpkit.nn` (tensor-parallel layers). See README.md, and the documentation site in docs/ (`make docs`).
 """
 from __future__ import annotations
 

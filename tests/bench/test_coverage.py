@@ -1,4 +1,4 @@
-"""The README's coverage table is what `bench/coverage.py` computes now (it converts every tiny model at TP2),
+"""The coverage table on the site (docs/reference/coverage.md) is what `bench/coverage.py` computes now (it converts every tiny model at TP2),
 and the issue-12 targets hold: mean per-rank share over the dense rows and Mixtral's share <= 0.60."""
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ def _coverage():
 
 
 @pytest.mark.slow
-def test_readme_block_is_current_and_targets_hold():
+def test_coverage_page_block_is_current_and_targets_hold():
     cov = _coverage()
     rows = cov.rows()
-    assert cov.readme_block(cov.README.read_text()) == cov.table(rows), \
-        "README coverage block is stale: run python bench/coverage.py --write"
+    assert cov.page_block(cov.PAGE.read_text()) == cov.table(rows), \
+        "coverage page block is stale: run python bench/coverage.py --write"
     dense = [s for _, k, s, _ in rows if k == "dense"]
     assert sum(dense) / len(dense) <= 0.60
     assert next(s for n, _, s, _ in rows if n == "Mixtral") <= 0.60

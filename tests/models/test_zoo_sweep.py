@@ -49,12 +49,12 @@ def test_a_sampled_architecture_does_what_the_sweep_recorded(model_type, cls):
         assert abs(float(got["share2"]) - float(want["share2"])) < 5e-3
 
 
-def test_the_readme_block_is_the_csvs_summary():
+def test_the_coverage_page_block_is_the_csvs_summary():
     _rows()
     import sweep_report
 
-    text = sweep_report.README.read_text()
+    text = sweep_report.PAGE.read_text()
     block = text.split(sweep_report.BEGIN, 1)[1].split(sweep_report.END, 1)[0].strip()
-    assert block == sweep_report.table(sweep_report.read()), "run python bench/zoo_sweep.py --report --readme"
+    assert block == sweep_report.table(sweep_report.read()), "run python bench/zoo_sweep.py --report --page"
     counts = sweep_report.summary(sweep_report.read())["counts"]
     assert counts["crashed"] == counts["wrong"] == 0

@@ -4,7 +4,7 @@
 lock, since thread-ranks share torch's global RNG; build outside the ranks and deep-copy per rank).
 `example_inputs(name)` gives the keyword inputs its forward takes. Head counts are chosen so the heads
 divide over 2 and 3 ranks where the architecture allows it (6 heads); the vocabulary is odd on purpose.
-bench/ scripts read this file too (the README coverage table), so keep builders cheap and deterministic.
+bench/ scripts read this file too (the coverage table on docs/reference/coverage.md), so keep builders cheap and deterministic.
 """
 from __future__ import annotations
 

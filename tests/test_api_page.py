@@ -1,5 +1,5 @@
-"""README.md's API section lists every public name of `tpkit`, `tpkit.comm` and `tpkit.nn`, each in a table row
-with an example, and lists no name those modules do not have."""
+"""The site's API page (docs/reference/api.md) lists every public name of `tpkit`, `tpkit.comm` and `tpkit.nn`,
+each in a table row with an example, and lists no name those modules do not have."""
 from __future__ import annotations
 
 import pathlib
@@ -10,7 +10,7 @@ import pytest
 
 import tpkit
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+API_PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "reference" / "api.md"
 MODULES = {"tpkit": tpkit, "tpkit.comm": tpkit.comm, "tpkit.nn": tpkit.nn}
 
 
@@ -27,15 +27,12 @@ def public_names(module: types.ModuleType) -> set[str]:
 
 
 def api_tables() -> dict[str, list[tuple[set[str], str]]]:
-    """For each `### \\`module\\`` heading of the API section: its table rows as (names in the first cell, example
+    """For each `## \\`module\\`` heading of the API page: its table rows as (names in the first cell, example
     cell)."""
-    text = README.read_text()
-    section = text[text.index("\n## API\n"):]
-    section = section[:section.index("\n## ", 1)]
     tables: dict[str, list[tuple[set[str], str]]] = {}
     current = None
-    for line in section.splitlines():
-        heading = re.match(r"### `([\w.]+)`", line)
+    for line in API_PAGE.read_text().splitlines():
+        heading = re.match(r"## `([\w.]+)`", line)
         if heading:
             current = tables.setdefault(heading.group(1), [])
         elif line.startswith("|") and current is not None and not re.match(r"\|\s*(name|-+)\s*\|", line):
@@ -48,11 +45,11 @@ def api_tables() -> dict[str, list[tuple[set[str], str]]]:
 @pytest.mark.parametrize("module_name", list(MODULES))
 def test_every_public_name_is_listed_with_an_example(module_name):
     tables = api_tables()
-    assert module_name in tables, f"README.md's API section has no '### `{module_name}`' table"
+    assert module_name in tables, f"{API_PAGE.name} has no '## `{module_name}`' table"
     rows = tables[module_name]
     listed = set().union(*(names for names, _ in rows))
     missing = sorted(public_names(MODULES[module_name]) - listed)
-    assert not missing, f"README.md's API section does not list {module_name}: {', '.join(missing)}"
+    assert not missing, f"docs/reference/api.md does not list {module_name}: {', '.join(missing)}"
     for names, example in rows:
         assert "`" in example, f"no example for {sorted(names)}"
 
@@ -62,4 +59,4 @@ def test_every_listed_name_exists(module_name):
     module = MODULES[module_name]
     for names, _ in api_tables()[module_name]:
         unknown = sorted(n for n in names if not hasattr(module, n))
-        assert not unknown, f"README.md lists {module_name}.{unknown} which does not exist"
+        assert not unknown, f"docs/reference/api.md lists {module_name}.{unknown} which does not exist"
