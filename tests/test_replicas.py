@@ -206,10 +206,11 @@ def test_clean_training_raises_nothing(arch):
 
 
 def test_checkpointer_watches_the_replicas_unless_told_not_to(llama, tmp_path):
-    def body(comm, every):
+    def body(comm, every, tolerance=None):
         model = tpkit.parallelize(copy.deepcopy(llama), comm=comm)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tpkit.Checkpointer(tmp_path / f"ck{every}", every=100, comm=comm, check_replicas_every=every).resume(model, opt)
+        tpkit.Checkpointer(tmp_path / f"ck{every}{tolerance}", every=100, comm=comm, check_replicas_every=every,
+                           replica_tolerance=tolerance).resume(model, opt)
         _train_step(model)
         if comm.rank == 1:
             model.model.norm.weight.grad.mul_(1 + 2 ** -20)
@@ -221,3 +222,4 @@ def test_checkpointer_watches_the_replicas_unless_told_not_to(llama, tmp_path):
 
     assert all("model.norm.weight (grad" in e for e in run_threads(lambda c: body(c, 1), 2))
     assert run_threads(lambda c: body(c, None), 2) == ["", ""]
+    assert run_threads(lambda c: body(c, 1, {"model.norm.weight": 1e-5}), 2) == ["", ""]

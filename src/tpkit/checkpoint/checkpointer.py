@@ -19,7 +19,8 @@ unpickled.
 The run's replicas are watched too: from `resume` (or the first save) on, `tpkit.watch_replicas` checks every
 `check_replicas_every` optimizer steps (default 50) that tensors several ranks hold are the same on each, so a
 silent divergence raises `ReplicaError` from `optimizer.step()` before a checkpoint keeps it;
-`check_replicas_every=None` turns it off.
+`check_replicas_every=None` turns it off, and `replica_tolerance={glob: relative}` names tensors that kernels with
+atomics compute on CUDA (see `tpkit.replicas`).
 
 `resume` takes the newest version with a manifest (complete, whether or not `latest` had moved to it); if it
 fails its checksums (a damaged disk) it warns and falls back to the next older one, which `keep` leaves there.
@@ -51,13 +52,13 @@ class Checkpointer:
     After `resume`, `extra` is the `extra` dict that was saved with the version resumed from (else {})."""
 
     def __init__(self, directory: str | os.PathLike, every: int, keep: int | None = 2, comm=None,
-                 check_replicas_every: int | None = 50):
+                 check_replicas_every: int | None = 50, replica_tolerance: dict[str, float] | None = None):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Checkpointer: every must be a positive int (steps between saves), got {every!r}")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"Checkpointer: keep must be a positive int (versions kept) or None, got {keep!r}")
         self.directory, self.every, self.keep, self.comm = os.fspath(directory), every, keep, comm
-        self.check_replicas_every, self.watch = check_replicas_every, None
+        self.check_replicas_every, self.replica_tolerance, self.watch = check_replicas_every, replica_tolerance, None
         self.extra: dict = {}
 
     def _watch(self, model: nn.Module, optimizer) -> None:
@@ -66,7 +67,8 @@ class Checkpointer:
                 (self.watch is None or self.watch.optimizer is not optimizer):
             if self.watch is not None:
                 self.watch.remove()
-            self.watch = watch_replicas(model, optimizer, every=self.check_replicas_every, comm=None)
+            self.watch = watch_replicas(model, optimizer, every=self.check_replicas_every, comm=None,
+                                        tolerance=self.replica_tolerance)
 
     def resume(self, model: nn.Module, optimizer, scheduler=None) -> int:
         """Load the newest complete version into `model`, `optimizer` and `scheduler`, restore the random streams,
