@@ -30,10 +30,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             base, ref = P.prepare(name, d)
             for w in worlds:
-                for path in P.paths_for(name):
+                for path in P.PATHS:
                     t = time.perf_counter()
                     try:
-                        res = P.run(name, base, ref, w, d, paths=(path,))
+                        res = P.run(base, ref, w, d, paths=(path,))
                     except Exception as exc:  # noqa: BLE001 - a failing path is a result too
                         print(f"{name:15s} tp{w} {path:25s} FAILED {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                         continue

@@ -25,8 +25,8 @@ def test_every_entry_path_trains_like_one_process(arch, world):
     name, base, ref, directory = arch
     tol = P.TOLERANCE.get(name, P.DEFAULT_TOL)
     bad = []
-    for rank, result in enumerate(P.run(name, base, ref, world, directory, P.paths_for(name))):
-        assert set(result) == set(P.paths_for(name))
+    for rank, result in enumerate(P.run(base, ref, world, directory, P.PATHS)):
+        assert set(result) == set(P.PATHS)
         for path, worst in result.items():
             for what, (err, key) in worst.items():
                 if not err <= tol:

@@ -116,12 +116,7 @@ ARCHS: dict[str, Callable[[], nn.Module]] = {
 #: (Qwen3, Gemma 3 and OLMo-2's q_norm / k_norm). A lost gradient sum is an error of 0.3 to 2, far above these.
 TOLERANCE = {"mixtral": 1e-3, "deepseek_v3": 1e-3, "qwen3": 1e-3, "gemma3": 1e-3, "olmo2": 1e-3}
 DEFAULT_TOL = 1e-9
-#: Paths an architecture cannot take, with why (none now: `load_sharded` reads a Hugging Face directory's keys as
-#: transformers names them, NeoX's `embed_out` and experts stored one tensor per expert included).
-UNSUPPORTED: dict[tuple[str, str], str] = {}
-#: The setup search cannot price these (its activation trace meets the routers' data-dependent `nonzero`): their
-#: `apply_setup` path takes a plain `Setup(tp=N)` instead of a search result.
-NOT_SEARCHABLE = ("mixtral", "deepseek_v3")
+
 
 PATHS = ("parallelize", "meta+load_sharded", "from_pretrained", "from_pretrained(device=)", "apply_setup",
          "checkpointer_resume")
@@ -186,13 +181,9 @@ def _meta_model(base: nn.Module) -> nn.Module:
     return model.to(torch.float64)
 
 
-def tp_setup(name: str, base: nn.Module, world: int):
+def tp_setup(base: nn.Module, world: int):
     """The search's best training setup that is tensor parallel over all `world` ranks (searched once, in one
-    process, as a user does before launching); a plain `Setup(tp=world)` where the search cannot price the model."""
-    if name in NOT_SEARCHABLE:
-        from tpkit.estimate.predict import Setup
-
-        return Setup(tp=world)
+    process, as a user does before launching)."""
     found = tpkit.search(base, world, goal="train", batch_size=2, seq_len=6)
     return next(c for c in found.candidates if c.setup.tp == world and c.setup.dp == 1)
 
@@ -255,10 +246,6 @@ def rank_errors(base: nn.Module, directory: str, ref: dict, paths=PATHS, setup=N
     return out
 
 
-def paths_for(name: str) -> tuple[str, ...]:
-    return tuple(p for p in PATHS if (name, p) not in UNSUPPORTED)
-
-
 def prepare(name: str, directory: str) -> tuple[nn.Module, dict]:
     """Architecture `name` built once, and its one-process reference (files under `directory`)."""
     import transformers
@@ -268,8 +255,8 @@ def prepare(name: str, directory: str) -> tuple[nn.Module, dict]:
     return base, reference(base, directory)
 
 
-def run(name: str, base: nn.Module, ref: dict, world: int, directory: str, paths=PATHS,
+def run(base: nn.Module, ref: dict, world: int, directory: str, paths=PATHS,
         backend: str = "threads") -> list[dict]:
     """Every rank's `rank_errors` at `world` ranks."""
-    setup = tp_setup(name, base, world) if "apply_setup" in paths else None
+    setup = tp_setup(base, world) if "apply_setup" in paths else None
     return tpkit.launch(rank_errors, world, backend=backend, args=(base, directory, ref, paths, setup))

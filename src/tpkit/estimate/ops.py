@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..convert import parallelize, quiet_conversions
 from .calls import as_call, meta_copy
 from ..comm.shapes import ShapeCommunicator
-from .traced import saved_bytes
+from .traced import fake_tensors, saved_bytes
 
 GOALS = ("decode", "prefill", "train")
 # Ops that only rename, view or read metadata: no kernel runs and no bytes move (their cost is the dispatch).
@@ -200,7 +200,6 @@ def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, 
     """One `goal` step of `model` as rank `rank` of `world_size` runs it (see the module docstring). `model` may
     be on the meta device; it is not changed. `meta_example`: the example on the meta device, for the plan's
     trace of a module without a config."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     if goal not in GOALS:
         raise ValueError(f"trace_step: goal must be one of {GOALS}, got {goal!r}")
@@ -209,7 +208,7 @@ def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, 
                                   sequence_parallel and training, meta_example)
     params = {id(p): p.numel() * p.element_size() for p in work.parameters()}
     work.train(training)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_tensors(work):
         work = work.to_empty(device="cpu")
         recorder, saved, cache = OpRecorder(), 0, 0
         if goal == "decode":

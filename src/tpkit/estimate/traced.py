@@ -26,16 +26,18 @@ is kept as a cross-check.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ..convert import parallelize, quiet_conversions
+from ..convert.trace.structure import traceable_experts
 from .calls import as_call, meta_copy, with_layers
 from ..comm.shapes import ShapeCommunicator
 
@@ -108,6 +110,17 @@ def _meta_example(example):
     return {k: meta(v) for k, v in kwargs.items()} if kwargs else tuple(meta(a) for a in args)
 
 
+@contextlib.contextmanager
+def fake_tensors(model: nn.Module) -> Iterator[None]:
+    """Fake tensors for a meta `model`'s estimate run, with transformers' experts through batched_mm as in the
+    planner's trace: their eager loop asks which experts got tokens (`nonzero`), which fake tensors cannot
+    answer (the estimate and the setup search failed on every MoE model)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with traceable_experts(model), FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
 def saved_bytes(model: nn.Module, args=(), kwargs=None, outputs: list | None = None) -> int:
     """Bytes `model(*args, **kwargs)` saves for backward: distinct storages, parameters and buffers excluded
     (the forward's output is appended to `outputs` when given, for a backward after).
@@ -135,8 +148,6 @@ def saved_bytes(model: nn.Module, args=(), kwargs=None, outputs: list | None = N
 def _trace_one(model: nn.Module, rank: int, world_size: int, sequence_parallel: bool, batch: int, seq: int,
                example) -> tuple[int, tuple[tuple[int, ...], ...]]:
     """(saved bytes, local parameter shapes) of `model` (meta, consumed) as rank `rank` of `world_size`."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if world_size > 1:
         with quiet_conversions():  # an estimate's own conversion: what stays whole is in its report
             parallelize(model, comm=ShapeCommunicator(rank, world_size), mode="training",
@@ -147,7 +158,7 @@ def _trace_one(model: nn.Module, rank: int, world_size: int, sequence_parallel: 
             seen.add(id(p))
             shapes.append(tuple(p.shape))
     model.train()
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_tensors(model):
         model = model.to_empty(device="cpu")
         args, kwargs = _fake_inputs(model, batch, seq, example)
         return saved_bytes(model, args, kwargs), tuple(shapes)
