@@ -263,7 +263,7 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
             bad += b
             tolerated += t
     spread = [g for g in (tp, record.dp_comm if record is not None else None) if g is not None and g.world_size > 1]
-    elsewhere = _found_elsewhere(len(bad), spread)
+    elsewhere = _found_elsewhere(bool(bad), spread, _device(local))
     if elsewhere and not bad:
         raise ReplicaError(f"{elsewhere} other rank(s) of this model found copies that differ (their ReplicaError "
                            f"names the tensors); this rank's copies agree with its groups'")
@@ -274,13 +274,14 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
     return ReplicaReport(count, nbytes, tuple(tolerated), skipped * len(kinds))
 
 
-def _found_elsewhere(mine: int, groups: list[Communicator]) -> int:
-    """How many ranks of the whole model found a divergence: the flag summed over the tp group, then over the dp
-    group (one member of every tp group), so every rank learns of one any group found and all raise together."""
-    total = torch.tensor([float(mine > 0)], dtype=torch.float64)
+def _found_elsewhere(mine: bool, groups: list[Communicator], device: torch.device) -> int:
+    """How many other ranks of the whole model found a divergence: the flag summed over the tp group, then over
+    the dp group (one member of every tp group), so every rank learns of one any group found and all raise
+    together. On the tensors' device (NCCL takes no CPU tensors)."""
+    total = torch.tensor([float(mine)], dtype=torch.float64, device=device)
     for g in groups:
         total = g.all_reduce(total)
-    return int(total.item()) - int(mine > 0)
+    return int(total.item()) - int(mine)
 
 
 class ReplicaWatch:

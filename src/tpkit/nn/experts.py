@@ -116,7 +116,6 @@ class BlockRegion:
         block.register_forward_hook(self.leave)
         for m in block.modules():  # layers that compute partial results only run inside a region
             m.tp_block_region = True
-        for m in block.modules():
             sum_grads(m, [n for n, p in m.named_parameters(recurse=False) if not is_tensor_parallel(p)], self.comm)
         return block
 

@@ -44,8 +44,6 @@ class GradSum:
 
 def summed(p: torch.Tensor, how: GradSum, comm: Communicator) -> torch.Tensor:
     """`p` entering the computation with its gradient summed as `how` says (itself at world size 1)."""
-    if comm.world_size == 1:
-        return p
     return copy_to_region(p, comm) if how.rows is None else copy_rows_to_region(p, how.rows, how.full_rows, comm)
 
 
@@ -132,13 +130,17 @@ def sum_grads(module: nn.Module, params: Mapping[str, GradSum] | Iterable[str], 
         module.register_forward_hook(state.leave, always_call=True)
 
 
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def grad_sums(model: nn.Module) -> dict[str, GradSum]:
     """Every summed parameter of `model`, by state-dict key."""
     out = {}
     for prefix, m in model.named_modules():
         state = m.__dict__.get("tp_grad_sums")
         for n, how in (state.specs.items() if state is not None else ()):
-            out[f"{prefix}{'.' if prefix else ''}{n}"] = how
+            out[_key(prefix, n)] = how
     return out
 
 
@@ -155,6 +157,6 @@ def unsummed(model: nn.Module) -> list[str]:
         for n in state.specs:
             prop = getattr(type(m), n, None)
             if not (hooked and isinstance(prop, property) and n in m._parameters):
-                bad.append(f"{prefix}{'.' if prefix else ''}{n}")
+                bad.append(_key(prefix, n))
     return bad
 
