@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpkit.nn",),
     ("tpkit.distributed", "tpkit.launch", "tpkit.faults"),
     ("tpkit.comm",),
-    ("tpkit.layout", "tpkit.tables"),
+    ("tpkit.layout", "tpkit.tables", "tpkit.quant"),
 ]
 # Packages of one layer that must not import each other either way.
 APART: tuple[tuple[str, str], ...] = (("tpkit.checkpoint", "tpkit.estimate"),)

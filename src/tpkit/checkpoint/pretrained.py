@@ -18,6 +18,9 @@ from torch import nn
 from ..convert.layouts import check_grad_sums
 from ..convert.parallelize import parallelize
 from ..convert.plan import Plan
+from ..convert.quantized import dequantize_layers, quantize_layers
+from ..quant import read_quantization
+from ..quant.schemes import FP8_DTYPES
 from ..convert.transformers_threads import transformers_name
 from ..nn._layer import resolve_comm
 from .agree import agree
@@ -67,21 +70,43 @@ def recorded_plan(source: Source, plan, world: int, mode: str):
     return plan, False
 
 
+def _entry_dtype(source: Source, key: str) -> torch.dtype | None:
+    e = source.entries.get(key)
+    return e.dtype if e is not None else None
+
+
+def stored_keys(source: Source, quant) -> list[str]:
+    """The checkpoint's keys that hold quantized tensors: a name only quantized layers store, or a `weight` of
+    integer or FP8 values."""
+    names = quant.stored_names - {"weight"}
+    return [k for k, e in source.entries.items() if k.rpartition(".")[2] in names or (
+        k.endswith("weight") and (not e.dtype.is_floating_point or e.dtype in FP8_DTYPES))]
+
+
 def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str = "inference", dtype=None,
                     model_cls=None, progress: bool | None = None,
-                    device: torch.device | str | int | None = None, reuse: bool | None = None) -> nn.Module:
+                    device: torch.device | str | int | None = None, reuse: bool | None = None,
+                    dequantize: bool = False) -> nn.Module:
     """A Hugging Face directory (single file or index + shards) or a tpkit checkpoint, built and converted
     for this rank, each rank reading only its slices. Equals `transformers...from_pretrained(path)` followed
     by `tpkit.parallelize(model, plan, comm, mode=mode)`, with every parameter and buffer on `device` (default:
     the rank's device: the current CUDA device under nccl, else the CPU). Collective; returns the model in
     eval mode. `reuse`: as for `parallelize` (default on; `TPKIT_PLAN_REUSE=0` turns it off): repeated blocks are
-    planned from the distinct ones without tracing them."""
+    planned from the distinct ones without tracing them.
+
+    A quantized checkpoint (its config has a `quantization_config`: compressed-tensors, FP8 block, GPTQ, AWQ;
+    `tpkit.quant.SUPPORTED`) loads packed: each rank reads its slice of the packed weights and of their scales,
+    zero points and `g_idx`, split in whole groups where the split can, and its quantized layers dequantize per call
+    in `dtype` (`tpkit.nn.quantized`). `dequantize=True` holds the dequantized weights instead (dense, trainable).
+    An unsupported method or scheme raises `QuantizationError` before any weight is read."""
     path, comm = os.fspath(path), resolve_comm(comm)
     device = load_device(device, comm)
     error, source, config = None, None, None
+    quant = None
     try:
         source = open_source(path, comm.rank, comm.world_size)
         config = load_config(source, path)
+        quant = read_quantization((source.config or {}).get("quantization_config"))
     except Exception as exc:  # every rank reaches agree(), whatever failed
         error = exc
     agree(comm, error)
@@ -91,14 +116,25 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     if generation is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config = generation
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
-    parallelize(model, plan, comm, mode=mode, recorded=recorded, reuse=reuse)
+    parallelize(model, plan, comm, mode=mode, recorded=recorded, reuse=reuse, quantization=quant)
+    notes: list[str] = []
+    find = key_finder(model, source, notes)
+    quantized: list[str] = []
+    if quant is not None:
+        error = None
+        try:
+            quantized = quantize_layers(model, quant, target_dtype, find, lambda k: _entry_dtype(source, k),
+                                        stored_keys(source, quant))
+        except Exception as exc:
+            error = exc
+        agree(comm, error)
     materialize(model, device)
     place_buffers(model, device)
-    buffers = {n for n, _ in model.named_buffers()}
-    error, targets, notes = None, [], []
+    stored = {f"{n}." for n in quantized}
+    buffers = {n for n, _ in model.named_buffers() if not n.startswith(tuple(stored))}
+    error, targets = None, []
     try:
-        targets = model_targets(model, source, key_finder(model, source, notes), strict=False, convert=True,
-                                missing_ok=lambda k: k in buffers)
+        targets = model_targets(model, source, find, strict=False, convert=True, missing_ok=lambda k: k in buffers)
     except CheckpointError as exc:
         error = CheckpointError(f"{exc}; transformers rebuilds {notes[:2]} in ways tpkit does not read") if notes \
             else exc
@@ -113,5 +149,7 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
         except Exception as exc:
             error = exc
     agree(comm, error)
+    if dequantize and quantized:
+        dequantize_layers(model, comm)
     check_grad_sums(model, f"from_pretrained({path!r})")
     return model.eval()

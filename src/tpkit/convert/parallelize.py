@@ -32,12 +32,14 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from ..nn._layer import resolve_comm
+from ..quant import Quantization
 from .conversion import Conversion, attach
 from .errors import PlanError
 from .dryrun import dry_run, fits_real_copy
 from .layouts import check_grad_sums, key_layouts
 from .notices import log_kept_whole
 from .plan import PLAN_WORDS, Plan, check_plan_argument
+from .quantized import with_units
 from .planner import auto_plan
 from .registry import style
 from .reuse import enabled, expand, outside_blocks
@@ -73,7 +75,7 @@ def _names(model: nn.Module) -> list[str]:
 
 def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = "inference",
                 example_inputs: Any = None, sequence_parallel: bool = False, recorded: bool = False,
-                reuse: bool | None = None) -> nn.Module:
+                reuse: bool | None = None, quantization: Quantization | None = None) -> nn.Module:
     """Convert `model` in place to this rank's tensor-parallel shard and return it.
 
     `plan`: "auto" (the planner's), a `Plan` (applied as is), a path to a plan JSON, or a mapping of user
@@ -97,6 +99,9 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     overrides, a model whose blocks repeat is traced and dry-run cut to its distinct blocks and the plan expanded
     to the others; the result equals the whole trace's (which is made instead wherever that is unsure, and always
     with sequence parallelism).
+
+    `quantization` (`tpkit.from_pretrained` passes a quantized checkpoint's): column / row pairs split in whole
+    quantization groups where they can (`quantized.py`); the layers stay dense here.
     """
     check_plan_argument(plan)
     comm = resolve_comm(comm)
@@ -119,6 +124,8 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
         the_plan = resolve_plan(model, plan, world, analysis, mode)                       # 2. plan
         if not recorded:                                                                  # 2b. dry run
             the_plan = dry_run(model, the_plan, analysis, comm, sequence_parallel, _user_named(model, plan, analysis))
+    if quantization is not None:
+        the_plan = with_units(the_plan, model, quantization, world)
     # 3., 4. (after reuse step 4 ran on the cut, whose blocks stand for all; the analysis here has no trace)
     prepared = prepare(model, the_plan, analysis, world, rank, sequence_parallel, recorded or reused is not None)
     updates = apply(model, prepared, comm)                                                # 5. swap

@@ -70,6 +70,8 @@ class Role:
     #                                           head, so query heads are spread evenly (`tpkit.layout.heads`)
     params: tuple[tuple[str, str], ...] = ()  # a module's own parameters and how each follows the heads:
     #                                           (name, "heads" | "head_features" | "shared"), `trace/head_params.py`
+    unit: int | None = None                   # a column / row pair's split features come in whole units of this
+    #                                           (a quantized checkpoint's groups and packed words: `quantized.py`)
 
     def heads(self, world_size: int) -> HeadLayout:
         """The attention's heads per rank: the one fact its layouts, local head counts and hooks read."""

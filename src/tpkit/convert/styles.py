@@ -120,9 +120,10 @@ def feature_pieces(details: Role | None, size: int, world: int, column: bool) ->
         if role == "qkv_groups":  # Falcon: [kv heads, group + 2, head_dim]
             return group_pieces(lay, hd, details.group)
     pieces = details.pieces if column and details is not None else None
+    unit = (details.unit if details is not None else None) or 1
     out, offset = [], 0
     for p in pieces or [size]:
-        out.append(Piece.split(offset, p, world))
+        out.append(Piece.split(offset, p, world, unit if p % unit == 0 else 1))
         offset += p
     return tuple(out)
 

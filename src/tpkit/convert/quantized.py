@@ -1,0 +1,146 @@
+"""Converting a model whose linear layers a checkpoint stores quantized (`tpkit.quant`).
+
+Two steps around the usual conversion. Before the layouts (`with_units`): a column / row pair whose layers are
+quantized splits its shared features in whole quantization units (groups times packed words) where the split
+can (5 groups of 128 over 2 ranks: 3 / 2), else in whole packed words, so no rank's slice cuts a group that the
+pair could keep whole. Attention splits stay whole heads: a group the heads cut is held by both ranks
+(`tpkit.quant.layouts`). After the swap (`quantize_layers`): each quantized layer's `weight` becomes the
+format's stored tensors (`tpkit.nn.quantized`), their layouts derived from the dense weight's, and the
+conversion record lists them under their stored keys, so loading, saving and `shard_layouts` read them as any
+other tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..layout import ShardLayout
+from ..nn.grad_sums import GradSum, sum_grads
+from ..nn.linear import ColumnParallelLinear, RowParallelLinear
+from ..nn.quantized import dequantize_layer, quantize_linear, quant_state
+from ..quant import Quantization, QuantizationError, WeightQuant, stored_layout, stored_tensors
+from .conversion import attach, conversion_of
+from .plan import Plan
+from .roles import ATTENTION
+
+
+def is_linear_layer(m: nn.Module) -> bool:
+    """A layer a quantized checkpoint may store packed: `nn.Linear` or a tpkit linear layer."""
+    return isinstance(m, (nn.Linear, ColumnParallelLinear, RowParallelLinear))
+
+
+def scheme_of(quant: Quantization, name: str, m: nn.Module) -> WeightQuant | None:
+    return quant.scheme_for(name, "Linear") if is_linear_layer(m) else None
+
+
+def with_units(the_plan: Plan, model: nn.Module, quant: Quantization, world: int) -> Plan:
+    """`the_plan` with each quantized column / row pair's `unit` set (see the module docstring)."""
+    modules = dict(model.named_modules())
+    details = dict(the_plan.details)
+    for row, role in the_plan.details.items():
+        if role.pair == ATTENTION or role.role != "row" or not role.columns or row not in modules:
+            continue
+        members = [(c, 0) for c in role.columns] + [(row, 1)]
+        unit, pack = 1, 1
+        for name, dim in members:
+            scheme = scheme_of(quant, name, modules.get(name)) if name in modules else None
+            if scheme is not None:
+                unit, pack = math.lcm(unit, scheme.units()[dim]), math.lcm(pack, scheme.packing()[dim])
+        if unit == 1 and pack == 1:
+            continue
+        width = _in_features(modules[row])
+        chosen = next((u for u in (unit, pack) if width % u == 0 and width // u >= world), None)
+        if chosen is None or chosen == 1:
+            continue
+        for name, _ in members:
+            if name in details:
+                details[name] = details[name].replace(unit=chosen)
+    return Plan(the_plan.entries, world_size=the_plan.world_size, mode=the_plan.mode, details=details,
+                reasons=the_plan.reasons, prefix=the_plan.prefix)
+
+
+def _in_features(m: nn.Module) -> int:
+    return int(getattr(m, "in_features", 0) or m.weight.shape[1])
+
+
+def quantize_layers(model: nn.Module, quant: Quantization, dtype: torch.dtype,
+                    find: Callable[[str], str | None], file_dtype: Callable[[str], torch.dtype | None],
+                    stored_keys: list[str]) -> list[str]:
+    """Make each linear layer the checkpoint stores quantized hold the stored tensors (empty: the load fills
+    them). `find`: model key -> checkpoint key (None when absent); `file_dtype`: a checkpoint key's dtype;
+    `stored_keys`: the checkpoint's keys that are quantized tensors, every one of which must land in a layer.
+    Checks every layer first (raising `QuantizationError`), then changes them; returns the layers' names."""
+    conv = conversion_of(model)
+    layouts = dict(conv.layouts) if conv is not None else {}
+    world, rank = (conv.world_size, conv.rank) if conv is not None else (1, 0)
+    todo = []
+    for name, m in model.named_modules():
+        scheme = scheme_of(quant, name, m)
+        if scheme is None or m._parameters.get("weight") is None:
+            continue
+        marker = next(s.name for s in stored_tensors(scheme, 8, 8) if s.name in ("scales", scheme.scale_name))
+        if find(f"{name}.{marker}") is None:
+            continue  # the checkpoint stores this layer dense
+        if _shared_weight(model, m):
+            raise QuantizationError(f"{name}: its weight is tied to another module's, and the checkpoint stores it "
+                                    f"quantized ({scheme.describe()}); load with dequantize=True")
+        dense = layouts.get(f"{name}.weight") or ShardLayout.replicated(m.weight.shape, world, rank)
+        out, in_ = dense.full_shape
+        for s in stored_tensors(scheme, out, in_):
+            stored_layout(dense, s, name)  # raises on a split the format cannot follow
+        todo.append((name, m, scheme, dense))
+    claimed = {find(f"{n}.{s.name}") for n, _, scheme, dense in todo for s in stored_tensors(scheme, *dense.full_shape)}
+    stray = [k for k in stored_keys if k not in claimed]
+    if stray:
+        raise QuantizationError(f"the checkpoint stores {len(stray)} quantized tensor(s) for layers tpkit does not "
+                                f"read as quantized linear layers: {stray[:4]}{' ...' if len(stray) > 4 else ''} "
+                                f"({quant.describe()}; tpkit reads quantized nn.Linear layers, not "
+                                f"{_kinds(model, stray)}); load with transformers instead")
+    for name, m, scheme, dense in todo:
+        dtypes = {s.name: file_dtype(find(f"{name}.{s.name}") or "") for s in stored_tensors(scheme, 8, 8)}
+        stored = quantize_linear(m, scheme, dense, dtype, {k: v for k, v in dtypes.items() if v is not None}, name)
+        layouts.pop(f"{name}.weight", None)
+        layouts.update({f"{name}.{n}": lay for n, lay in stored.items()})
+    if conv is not None:
+        attach(model, dataclasses.replace(conv, layouts=layouts))
+    return [n for n, *_ in todo]
+
+
+def _kinds(model: nn.Module, keys: list[str]) -> str:
+    modules = dict(model.named_modules())
+    kinds = set()
+    for k in keys:
+        head = k.rpartition(".")[0]
+        m = next((v for n, v in modules.items() if n and (head == n or head.endswith("." + n))), None)
+        kinds.add(type(m).__name__ if m is not None else f"{head} (no such module)")
+    return ", ".join(sorted(kinds))
+
+
+def _shared_weight(model: nn.Module, layer: nn.Module) -> bool:
+    w = layer._parameters["weight"]
+    return sum(1 for m in model.modules() if m._parameters.get("weight") is w) > 1
+
+
+def dequantize_layers(model: nn.Module, comm) -> None:
+    """Every quantized layer of `model` dense again (its `weight` a trainable Parameter, this rank's slice), the
+    conversion record back to the dense layouts; rows several ranks hold get their gradient sum back."""
+    conv = conversion_of(model)
+    layouts = dict(conv.layouts) if conv is not None else {}
+    for name, m in list(model.named_modules()):
+        st = quant_state(m)
+        if st is None:
+            continue
+        dense = st.dense
+        dequantize_layer(m)
+        m.weight.requires_grad_(True)
+        for s in st.specs:
+            layouts.pop(f"{name}.{s}", None)
+        layouts[f"{name}.weight"] = dense
+        if dense.shares_entries():
+            sum_grads(m, {"weight": GradSum(tuple(dense.index()), dense.full_shape[dense.dim])}, comm)
+    if conv is not None:
+        attach(model, dataclasses.replace(conv, layouts=layouts))

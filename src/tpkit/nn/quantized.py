@@ -1,0 +1,124 @@
+"""Quantized linear layers: a linear layer (whole, column- or row-parallel) whose weight is stored packed.
+
+`quantize_linear(layer, scheme, dense_layout, dtype)` replaces the layer's `weight` Parameter by the tensors
+its checkpoint format stores (`tpkit.quant.stored_tensors`: packed integers or FP8 values, scales, zero points,
+`g_idx`) as buffers under their stored names, each holding this rank's slice (`tpkit.quant.stored_layout` of the
+dense weight's layout), so the state dict keeps the format's keys and a save keeps the format. No dense copy is
+held: reading `layer.weight` dequantizes this rank's slice in the compute dtype, so the layer's own forward (its
+communication included) runs unchanged on it. The weight is frozen (a buffer): gradients reach the input and the
+bias, as for a quantized base under an adapter.
+
+The layer's class becomes a subclass made once per class (the `weight` property), with the base's behaviour
+otherwise; `isinstance(layer, ColumnParallelLinear)` still holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+from torch import nn
+
+from ..layout import ShardLayout
+from ..quant import StoredTensor, WeightQuant, dequantize, positions, stored_layout, stored_tensors
+
+_MAP = "tp_qmap_{}_{}"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantState:
+    """What a quantized layer needs besides its tensors: the scheme, its stored tensors' specs (full shapes), the
+    dense weight's layout (`shape`: its local `[out, in]`) and the compute dtype."""
+
+    scheme: WeightQuant
+    specs: dict[str, StoredTensor]
+    dense: ShardLayout
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.dense.local_shape)
+
+
+def _weight(self) -> torch.Tensor:
+    st: QuantState = self.__dict__["tp_quant"]
+    b = self._buffers
+    tensors = {n: b[n] for n in st.specs}
+    maps = {(n, i): b.get(_MAP.format(n, i)) for n, s in st.specs.items() for i in range(len(s.dims))}
+    return dequantize(st.scheme, st.specs, tensors, maps, st.shape, st.dtype)
+
+
+_LOCK = threading.Lock()
+_CLASSES: dict[type, type] = {}
+
+
+def _rebuild(base: type) -> nn.Module:
+    return object.__new__(quantized_class(base))
+
+
+def _reduce_ex(self, protocol):
+    return _rebuild, (self.__dict__["tp_quant_base"],), self.__getstate__()
+
+
+def quantized_class(base: type) -> type:
+    """The subclass of `base` whose `weight` is dequantized from its stored tensors (one per base, kept)."""
+    with _LOCK:
+        cls = _CLASSES.get(base)
+        if cls is None:
+            body = {"weight": property(_weight), "__module__": base.__module__, "__reduce_ex__": _reduce_ex,
+                    "__qualname__": "Quantized" + base.__qualname__, "__doc__": base.__doc__}
+            cls = _CLASSES[base] = type("Quantized" + base.__name__, (base,), body)
+        return cls
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return "tp_quant" in module.__dict__
+
+
+def quant_state(module: nn.Module) -> QuantState | None:
+    return module.__dict__.get("tp_quant")
+
+
+def quantize_linear(layer: nn.Module, scheme: WeightQuant, dense: ShardLayout, dtype: torch.dtype,
+                    stored_dtypes: dict[str, torch.dtype], where: str) -> dict[str, ShardLayout]:
+    """Replace `layer.weight` (a Parameter of the dense layout `dense`, on any device, meta included) by the
+    scheme's stored tensors, empty, at this rank's local shapes, on its device; returns their layouts by name.
+    `stored_dtypes`: the file's dtype of each stored floating tensor (scales). Checks everything first."""
+    w = layer._parameters.get("weight")
+    if w is None or dense.transposed or len(dense.full_shape) != 2:
+        raise TypeError(f"{where}: quantize_linear needs a linear layer holding a [out, in] weight Parameter")
+    out, in_ = dense.full_shape
+    specs = {s.name: s for s in stored_tensors(scheme, out, in_)}
+    layouts = {n: stored_layout(dense, s, where) for n, s in specs.items()}  # raises before anything changes
+    device = w.device
+    del layer._parameters["weight"]
+    for n, s in specs.items():
+        dt = s.dtype or stored_dtypes.get(n, dtype)
+        layer.register_buffer(n, torch.empty(layouts[n].local_shape, dtype=dt, device=device))
+        for i in range(len(s.dims)):
+            m = positions(dense, s, i)
+            if m is not None:
+                layer.register_buffer(_MAP.format(n, i), m.to(device if device.type != "meta" else "cpu"),
+                                      persistent=False)
+    sums = layer.__dict__.get("tp_grad_sums")
+    if sums is not None:
+        sums.specs.pop("weight", None)  # a frozen weight has no gradient to sum
+    base = type(layer)
+    layer.__dict__["tp_quant_base"] = base
+    layer.__dict__["tp_quant"] = QuantState(scheme, specs, dense, dtype)
+    layer.__class__ = quantized_class(base)
+    return layouts
+
+
+def dequantize_layer(layer: nn.Module) -> None:
+    """Turn a quantized layer back into its dense class, its `weight` the dequantized local slice (a Parameter);
+    the stored tensors are dropped."""
+    st: QuantState = layer.__dict__.pop("tp_quant")
+    weight = layer.weight
+    layer.__class__ = layer.__dict__.pop("tp_quant_base")
+    for n, s in st.specs.items():
+        del layer._buffers[n]
+        for i in range(len(s.dims)):
+            layer._buffers.pop(_MAP.format(n, i), None)
+            layer._non_persistent_buffers_set.discard(_MAP.format(n, i))
+    layer.register_parameter("weight", nn.Parameter(weight.detach(), requires_grad=False))

@@ -1,0 +1,69 @@
+"""The dense `[out, in]` weight of a quantized layer (a rank's part of it), from its stored tensors.
+
+`w = (q - z) * s` in the scale's dtype, then cast to the compute dtype, as compressed-tensors dequantizes (and
+GPTQ / AWQ with their zero points: GPTQ's v1 format stores `z - 1`); FP8 `w = q * s` (Hugging Face's FP8 loader
+multiplies in the compute dtype). Scales and zero points reach every feature through the `positions` maps
+(`layouts.py`), or through `g_idx` under act-order, so a group cut by a split costs nothing special.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .packing import AWQ_UNPACK_ORDER, unpack_bits, unpack_signed
+from .schemes import StoredTensor, WeightQuant
+
+Maps = Mapping[tuple[str, int], "torch.Tensor | None"]
+
+
+def _values(q: WeightQuant, name: str, t: torch.Tensor) -> torch.Tensor:
+    """A stored tensor's values, unpacked (one entry per value along each dim)."""
+    if q.layout == "ct_pack" and name == "weight_packed":
+        return unpack_signed(t, q.bits, 1)
+    if q.layout == "ct_pack" and name == "weight_zero_point":
+        return unpack_signed(t, q.bits, 0)
+    if q.layout == "gptq" and name == "qweight":
+        return unpack_bits(t, q.bits, 0)
+    if q.layout == "gptq" and name == "qzeros":
+        return unpack_bits(t, q.bits, 1) + 1  # GPTQ v1 stores zero points minus one
+    if q.layout == "awq" and name in ("qweight", "qzeros"):
+        return unpack_bits(t, q.bits, 1, AWQ_UNPACK_ORDER)
+    return t
+
+
+def _grid(spec: StoredTensor, values: torch.Tensor, maps: Maps, shape: tuple[int, int]) -> torch.Tensor:
+    """`values` indexed onto the rank's dense features, `[out, in]`-oriented (a whole-dim or `g_idx` dim keeps
+    its stored size)."""
+    for i, rule in enumerate(spec.dims):
+        if rule.dense is None:
+            continue
+        m = maps.get((spec.name, i))
+        if m is not None:
+            values = values.index_select(i, m)
+        elif values.shape[i] != shape[rule.dense]:
+            values = values.narrow(i, 0, shape[rule.dense])  # the padding of a last packed word
+    return values.t() if values.dim() == 2 and spec.dims[1].dense == 0 else values
+
+
+def dequantize(q: WeightQuant, specs: Mapping[str, StoredTensor], tensors: Mapping[str, torch.Tensor], maps: Maps,
+               shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The rank's dense weight (`shape` = its local `[out, in]`) in `dtype`."""
+    names = {"ct_pack": "weight_packed", "gptq": "qweight", "awq": "qweight"}
+    wname = names.get(q.layout, "weight")
+    sname = "scales" if q.layout in ("gptq", "awq") else q.scale_name
+    zname = "qzeros" if q.layout in ("gptq", "awq") else "weight_zero_point"
+    gname = "g_idx" if q.layout == "gptq" else "weight_g_idx"
+    w = _grid(specs[wname], _values(q, wname, tensors[wname]), maps, shape)
+    scale = tensors[sname]
+    math_dtype = dtype if q.method == "fp8" else scale.dtype
+    s = _grid(specs[sname], scale, maps, shape).to(math_dtype)
+    z = _grid(specs[zname], _values(q, zname, tensors[zname]), maps, shape) if zname in tensors else None
+    if q.act_order:  # scales and zero points whole along the groups; each column reads its own group
+        g = tensors[gname].long()
+        s = s.index_select(1, g)
+        z = None if z is None else z.index_select(1, g)
+    v = w.to(math_dtype)
+    if z is not None:
+        v = v - z.to(math_dtype)
+    return (v * s).to(dtype)
