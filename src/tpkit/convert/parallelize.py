@@ -39,7 +39,7 @@ from .dryrun import dry_run, fits_real_copy
 from .layouts import check_grad_sums, key_layouts
 from .notices import log_kept_whole
 from .plan import PLAN_WORDS, Plan, check_plan_argument
-from .quantized import with_units
+from .quantized import refuse_quantized, with_units
 from .planner import auto_plan
 from .registry import style
 from .reuse import enabled, expand, outside_blocks
@@ -104,6 +104,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     quantization groups where they can (`quantized.py`); the layers stay dense here.
     """
     check_plan_argument(plan)
+    refuse_quantized(model)
     comm = resolve_comm(comm)
     world, rank = comm.world_size, comm.rank
     done = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)]

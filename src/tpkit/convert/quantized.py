@@ -144,3 +144,28 @@ def dequantize_layers(model: nn.Module, comm) -> None:
             sum_grads(m, {"weight": GradSum(tuple(dense.index()), dense.full_shape[dense.dim])}, comm)
     if conv is not None:
         attach(model, dataclasses.replace(conv, layouts=layouts))
+
+
+_QUANTIZED_NAMES = ("weight_packed", "qweight", "weight_scale_inv", "weight_scale", "SCB")
+
+
+def refuse_quantized(model: nn.Module) -> None:
+    """Raise `QuantizationError` when a library already quantized `model`'s layers (transformers with
+    compressed-tensors, GPTQ, AWQ, FP8 or bitsandbytes): their packed tensors cannot be split as dense weights,
+    and a layer kept whole would fail later on a dtype mismatch. Names the first such layer and the two ways in."""
+    method = (getattr(getattr(model, "config", None), "quantization_config", None) or {})
+    method = method.get("quant_method") if isinstance(method, dict) else getattr(method, "quant_method", None)
+    method = getattr(method, "value", method)
+    for name, m in model.named_modules():
+        if quant_state(m) is not None:
+            continue
+        own = [n for n, _ in m.named_parameters(recurse=False)] + [n for n, _ in m.named_buffers(recurse=False)]
+        odd = [n for n, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
+               if n == "weight" and (not t.dtype.is_floating_point or t.dtype.itemsize == 1)]
+        if hasattr(m, "quantization_scheme") or odd or any(n in _QUANTIZED_NAMES for n in own):
+            raise QuantizationError(
+                f"parallelize: {name or 'the model'} ({type(m).__name__}) is already quantized"
+                f"{f' ({method})' if method else ''}: its packed weights cannot be split as dense ones. Load the "
+                f"checkpoint with tpkit.from_pretrained(path) (each rank reads its packed slices; "
+                f"dequantize=True for dense weights), or load it dequantized with transformers "
+                f"(e.g. quantization_config=CompressedTensorsConfig(dequantize=True)) and parallelize that")

@@ -113,8 +113,8 @@ def quantize_linear(layer: nn.Module, scheme: WeightQuant, dense: ShardLayout, d
 def dequantize_layer(layer: nn.Module) -> None:
     """Turn a quantized layer back into its dense class, its `weight` the dequantized local slice (a Parameter);
     the stored tensors are dropped."""
-    st: QuantState = layer.__dict__.pop("tp_quant")
     weight = layer.weight
+    st: QuantState = layer.__dict__.pop("tp_quant")
     layer.__class__ = layer.__dict__.pop("tp_quant_base")
     for n, s in st.specs.items():
         del layer._buffers[n]

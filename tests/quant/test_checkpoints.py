@@ -1,0 +1,190 @@
+"""Quantized checkpoints load per rank and equal transformers' single-process load of the same directory.
+
+Every format (`checkpoints.py` makes them the ecosystem's way) at 2 and 3 ranks on thread-ranks: the logits equal
+the reference's within float32 rounding, every rank's dequantized weight equals the slice of the reference's
+dense weight bit for bit (`QuantState.dense` is the dense layout the stored slices follow), and each rank holds
+at most 1.15 x its share of the packed bytes plus what is replicated. Llama's MLP has 640 = 5 groups of 128
+features (3 / 2 at 2 ranks, 2 / 2 / 1 at 3), its o_proj 256 = 2 groups over 3 ranks of whole heads (a group two
+ranks share), k/v 2 KV heads over 3 ranks (rows two ranks hold).
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+import tpkit
+from tpkit.comm import run_threads
+from tpkit.nn.quantized import quant_state
+from tpkit.quant import QuantizationError
+from tests.quant import checkpoints as C
+
+pytest.importorskip("compressed_tensors")
+
+IDS = torch.randint(0, C.VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+INT4 = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128)
+FORMATS = {  # name -> (model, maker(directory, base, made) -> (directory, reference directory or None))
+    "ct-int4-group-asym": ("llama", lambda d, m, made: (C.compressed_tensors(m, d, "pack-quantized", **INT4), None)),
+    "ct-int4-group-sym": ("qwen2", lambda d, m, made: (C.compressed_tensors(
+        m, d, "pack-quantized", num_bits=4, type="int", symmetric=True, strategy="group", group_size=64), None)),
+    "ct-int8-channel-pack": ("llama", lambda d, m, made: (C.compressed_tensors(
+        m, d, "pack-quantized", num_bits=8, type="int", symmetric=True, strategy="channel"), None)),
+    "ct-w8a16-int": ("qwen2", lambda d, m, made: (C.compressed_tensors(
+        m, d, "int-quantized", num_bits=8, type="int", symmetric=True, strategy="channel"), None)),
+    "ct-fp8-channel": ("llama", lambda d, m, made: (C.compressed_tensors(
+        m, d, "float-quantized", num_bits=8, type="float", strategy="channel"), None)),
+    "ct-fp8-block": ("llama", lambda d, m, made: (C.compressed_tensors(
+        m, d, "float-quantized", num_bits=8, type="float", strategy="block", block_structure=[128, 128]), None)),
+    "hf-fp8-block": ("llama", lambda d, m, made: (C.hf_fp8(m, d), None)),
+    "gptq": ("llama", lambda d, m, made: (C.to_gptq(made("ct-int4-group-asym"), d), made("ct-int4-group-asym"))),
+    "gptq-desc-act": ("llama", lambda d, m, made: (C.to_gptq(made("ct-int4-group-asym"), d, desc_act=True),
+                                                   made("ct-int4-group-asym"))),
+    "awq": ("llama", lambda d, m, made: (C.to_awq(made("ct-int4-group-asym"), d), made("ct-int4-group-asym"))),
+}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """Each format's directory, its reference model and logits, made once."""
+    root = tmp_path_factory.mktemp("quantized")
+    bases = {"llama": C.llama(), "qwen2": C.qwen2()}
+    dirs: dict[str, tuple[str, str | None]] = {}
+
+    def directory(name: str) -> str:
+        if name not in dirs:
+            model, maker = FORMATS[name]
+            dirs[name] = maker(str(root / name), bases[model], directory)
+        return dirs[name][0]
+
+    refs: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in refs:
+            d = directory(name)
+            ref = C.reference(d, dirs[name][1])
+            with torch.no_grad():
+                refs[name] = (d, ref, ref(IDS).logits)
+        return refs[name]
+
+    return get
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _check(directory: str, ref, want: torch.Tensor, world: int) -> list[str]:
+    dense = {k: v for k, v in ref.state_dict().items()}
+
+    def body(comm):
+        model = tpkit.from_pretrained(directory, comm=comm, progress=False)
+        with torch.no_grad():
+            got = model(IDS).logits
+        bad, packed, local, quantized = [], 0, 0, 0
+        for name, m in model.named_modules():
+            st = quant_state(m)
+            if st is None:
+                continue
+            quantized += 1
+            want_w = st.dense.shard(dense[f"{name}.weight"])
+            if not torch.equal(m.weight, want_w):
+                bad.append(f"rank {comm.rank} {name}: dequantized weight differs from the reference's slice by "
+                           f"{(m.weight - want_w).abs().max():.3g}")
+            for s in st.specs:
+                t = m._buffers[s]
+                local += t.numel() * t.element_size()
+                packed += torch.Size(st.specs[s].shape).numel() * t.element_size()
+        if quantized == 0:
+            bad.append("no layer was loaded quantized")
+        if local > 1.15 * packed / world + 4096 * quantized:  # + the small tensors every rank holds whole
+            bad.append(f"rank {comm.rank} holds {local} bytes of quantized tensors, over 1.15 x {packed} / {world}")
+        err = _rel(got, want)
+        if not err < 1e-5:
+            bad.append(f"rank {comm.rank}: logits rel {err:.2e}")
+        return bad
+
+    return [b for r in run_threads(body, world) for b in r]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_each_rank_reads_its_packed_slice_and_equals_transformers(made, fmt, world):
+    directory, ref, want = made(fmt)
+    bad = _check(directory, ref, want, world)
+    assert not bad, f"{fmt} at {world} ranks:\n" + "\n".join(bad[:8])
+
+
+def test_processes_greedy_generate_gives_transformers_tokens(made):
+    directory, ref, _ = made("ct-int4-group-asym")
+    with torch.no_grad():
+        want = ref.generate(IDS[:1, :5], max_new_tokens=6, do_sample=False)
+    got = tpkit.launch(_generate, 3, args=(directory, IDS[:1, :5]))
+    assert all(torch.equal(g, want) for g in got), (got, want)
+
+
+def _generate(directory: str, ids: torch.Tensor) -> torch.Tensor:
+    model = tpkit.from_pretrained(directory, progress=False)
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=6, do_sample=False)
+
+
+def test_save_at_two_ranks_reload_at_three_and_consolidate_in_the_original_format(made, tmp_path):
+    import transformers as tr
+
+    directory, ref, want = made("ct-int4-group-asym")
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "hf")
+    run_threads(lambda comm: tpkit.save_sharded(tpkit.from_pretrained(directory, comm=comm, progress=False), ck,
+                                                comm=comm), 2)
+    keys = set()
+
+    def reload(comm):
+        model = tpkit.from_pretrained(ck, comm=comm, progress=False)
+        keys.update(model.state_dict())
+        with torch.no_grad():
+            return _rel(model(IDS).logits, want)
+
+    assert max(run_threads(reload, 3)) < 1e-5
+    assert "model.layers.0.mlp.down_proj.weight_packed" in keys and "model.layers.0.mlp.down_proj.weight" not in keys
+    tpkit.consolidate(ck, out)
+    back = tr.AutoModelForCausalLM.from_pretrained(out, quantization_config=tr.CompressedTensorsConfig(dequantize=True))
+    with torch.no_grad():
+        assert torch.equal(back.eval()(IDS).logits, want)
+
+
+def test_dequantize_loads_dense_trainable_weights(made):
+    directory, ref, want = made("gptq-desc-act")
+    dense = ref.state_dict()
+
+    def body(comm):
+        model = tpkit.from_pretrained(directory, comm=comm, progress=False, dequantize=True)
+        lays = tpkit.shard_layouts(model)
+        w = model.model.layers[0].self_attn.k_proj.weight
+        assert w.requires_grad and quant_state(model.model.layers[0].self_attn.k_proj) is None
+        assert torch.equal(w, lays["model.layers.0.self_attn.k_proj.weight"].shard(
+            dense["model.layers.0.self_attn.k_proj.weight"]))
+        with torch.no_grad():
+            return _rel(model(IDS).logits, want)
+
+    assert max(run_threads(body, 3)) < 1e-5
+
+
+def test_bad_input_is_refused_before_any_weight_is_read(made, tmp_path):
+    import transformers as tr
+
+    directory, _, _ = made("ct-int8-channel-pack")
+    bnb = C.copy_with_config(directory, str(tmp_path / "bnb"), lambda qc: (qc.clear(), qc.update(
+        quant_method="bitsandbytes", load_in_4bit=True)))
+    with pytest.raises(QuantizationError, match=r"quant_method 'bitsandbytes' is not supported; tpkit reads "
+                                                r"compressed-tensors .*gptq.*awq"):
+        tpkit.from_pretrained(bnb, progress=False)
+    w8a8 = C.copy_with_config(directory, str(tmp_path / "w8a8"), lambda qc: qc["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}))
+    with pytest.raises(QuantizationError, match="input_activations .*activation quantization"):
+        tpkit.from_pretrained(w8a8, progress=False)
+    loaded = tr.AutoModelForCausalLM.from_pretrained(directory)  # transformers' own compressed layers
+    with pytest.raises(QuantizationError, match=r"model.layers.0.self_attn.q_proj \(\w+\) is already quantized "
+                                                r"\(compressed-tensors\).*tpkit.from_pretrained"):
+        run_threads(lambda comm: tpkit.parallelize(copy.deepcopy(loaded), comm=comm), 2)
+    assert os.path.exists(directory)
