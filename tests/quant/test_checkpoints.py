@@ -188,3 +188,26 @@ def test_bad_input_is_refused_before_any_weight_is_read(made, tmp_path):
                                                 r"\(compressed-tensors\).*tpkit.from_pretrained"):
         run_threads(lambda comm: tpkit.parallelize(copy.deepcopy(loaded), comm=comm), 2)
     assert os.path.exists(directory)
+
+
+@pytest.mark.parametrize("fmt", ["ct-int4-group-asym", "gptq", "hf-fp8-block"])
+def test_analyze_and_estimate_count_the_bytes_the_checkpoint_stores(made, fmt):
+    import transformers as tr
+    from safetensors import safe_open
+
+    directory, _, _ = made(fmt)
+    with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
+        stored = sum(f.get_slice(k).get_shape().__len__() and torch.Size(f.get_slice(k).get_shape()).numel()
+                     * getattr(torch, {"F32": "float32", "I32": "int32", "I64": "int64", "F8_E4M3": "float8_e4m3fn",
+                                       "BF16": "bfloat16", "F16": "float16", "I8": "int8"}[f.get_slice(k).get_dtype()]
+                               ).itemsize for k in f.keys())
+    config = tr.AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = tr.AutoModelForCausalLM.from_config(config)
+    report = tpkit.analyze(model, world_size=2, max_world_size=4)
+    assert report.total_bytes == stored
+    assert report.per_rank_bytes[2] < 0.55 * stored
+    assert "quantized checkpoint" in report.recommendations[0] and "units of" in report.recommendations[0]
+    est = tpkit.estimate_memory(config, 2, dtype=torch.float32)
+    assert est.single.parameters == stored
+    assert abs(est.per_rank.parameters - report.per_rank_bytes[2]) < 0.02 * stored

@@ -20,6 +20,7 @@ from ..layout import valid_world_sizes
 from .modules import kind
 from .multinode import local_device_count, multi_node_advice
 from .plan import Plan
+from .quantized import model_quantization, scheme_of, stored_weight_bytes
 from .planner import auto_plan, propose
 from .registry import module_layouts
 from .styles import REPLICATE
@@ -154,12 +155,14 @@ def _unique_params(m: nn.Module, seen: set) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _module_bytes(m: nn.Module, params, style: str, details, world: int) -> list[int]:
-    """Bytes of `params` (module `m`'s own, not yet counted) that each rank holds under `style`."""
+def _module_bytes(m: nn.Module, params, style: str, details, world: int, scheme=None) -> list[int]:
+    """Bytes of `params` (module `m`'s own, not yet counted) that each rank holds under `style`; a weight a
+    quantized checkpoint stores (`scheme`) counts its stored tensors' bytes."""
     out = []
     for rank in range(world):
         layouts = module_layouts(m, style, details, world, rank)
-        out.append(sum(layouts[pname].local_numel * p.element_size() for pname, p in params))
+        out.append(sum(stored_weight_bytes(scheme, layouts[pname], p.element_size()) if scheme and pname == "weight"
+                       else layouts[pname].local_numel * p.element_size() for pname, p in params))
         if style == REPLICATE:
             return out * world
     return out
@@ -174,14 +177,15 @@ def _holders(a: Analysis) -> dict[str, nn.Module]:
     return {**a.leaves, **others}
 
 
-def _rank_bytes(a: Analysis, plan, world: int) -> int:
+def _rank_bytes(a: Analysis, plan, world: int, quant=None) -> int:
     """Parameter bytes on the fullest rank (usually rank 0, which the split rule gives the remainder; uneven
     GQA layouts can load another rank more, so every rank is counted)."""
     per_rank, seen = [0] * world, set()
     for name, m in _holders(a).items():
         params = _unique_params(m, seen)
         if params:
-            b = _module_bytes(m, params, plan.entries.get(name, "replicate"), plan.details.get(name), world)
+            b = _module_bytes(m, params, plan.entries.get(name, "replicate"), plan.details.get(name), world,
+                              scheme_of(quant, name, m) if quant else None)
             per_rank = [x + y for x, y in zip(per_rank, b)]
     return max(per_rank)
 
@@ -214,11 +218,12 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     if devices_per_node is not None and (not isinstance(devices_per_node, int) or devices_per_node < 1):
         raise ValueError(f"analyze: devices_per_node must be a positive int (the devices of one machine), got "
                          f"{devices_per_node!r}")
+    quant = model_quantization(model)  # a quantized checkpoint's config: stored bytes, its units named
     a = analyze_structure(model, example_inputs)
     sizes = sorted({w for w in [1, 2, 4, 8, 16, 32, 64, 128, 256] if w <= max_world_size} | {max_world_size}
                    | ({world_size} if world_size else set()))
     plans = {w: auto_plan(a, w, mode) for w in sizes}
-    per_rank = {w: _rank_bytes(a, plans[w], w) for w in sizes}
+    per_rank = {w: _rank_bytes(a, plans[w], w, quant) for w in sizes}
     memory = {w: per_rank[w] if mode == "inference" else _training_bytes(a, per_rank[w]) for w in sizes}
     dev, source = _budget(device_memory)
     suggested, suggestion = _suggest(memory, dev, source, mode)
@@ -235,9 +240,10 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
         weight = getattr(m, "weight", None)
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else tuple(next(m.parameters()).shape)
         n = sum(p.numel() for _, p in params)
-        b = sum(p.numel() * p.element_size() for _, p in params)
         style = plan.entries.get(name, "replicate")
-        rb = max(_module_bytes(m, params, style, plan.details.get(name), shown)) if params else 0
+        scheme = scheme_of(quant, name, m) if quant else None
+        b = _module_bytes(m, params, "replicate", None, 1, scheme)[0] if params else 0
+        rb = max(_module_bytes(m, params, style, plan.details.get(name), shown, scheme)) if params else 0
         total_bytes += b
         total_params += n
         if style != "replicate":
@@ -249,11 +255,20 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     report = AnalysisReport(type(model).__name__, rows, shown, mode, total_params, total_bytes, parallel_bytes,
                             per_rank, memory, dev, suggested, suggestion, [], plan, a.trace_error)
     report.recommendations = _recommend(a, plans, plan, shown, report)
+    if quant is not None:
+        report.recommendations.insert(0, _quantized_note(quant))
     node = devices_per_node if devices_per_node is not None else local_device_count()
     advice = multi_node_advice(suggested, memory, dev, node, max_world_size)
     if advice:
         report.recommendations.append(advice)
     return report
+
+
+def _quantized_note(quant) -> str:
+    units = "; ".join(sorted({f"{q.describe()}: splits keep whole units of {q.units()[0]} output x {q.units()[1]} "
+                              f"input features where they can" for _, q in quant.groups}))
+    return (f"quantized checkpoint ({quant.method}): bytes count the stored tensors (packed weights, scales, zero "
+            f"points); {units}. Load it with tpkit.from_pretrained(path): each rank reads its packed slices")
 
 
 def host_memory() -> int | None:

@@ -22,7 +22,8 @@ from ..layout import ShardLayout
 from ..nn.grad_sums import GradSum, sum_grads
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 from ..nn.quantized import dequantize_layer, quantize_linear, quant_state
-from ..quant import Quantization, QuantizationError, WeightQuant, stored_layout, stored_tensors
+from ..quant import (Quantization, QuantizationError, WeightQuant, config_quantization, stored_layout,
+                     stored_tensors)
 from .conversion import attach, conversion_of
 from .plan import Plan
 from .roles import ATTENTION
@@ -169,3 +170,23 @@ def refuse_quantized(model: nn.Module) -> None:
                 f"checkpoint with tpkit.from_pretrained(path) (each rank reads its packed slices; "
                 f"dequantize=True for dense weights), or load it dequantized with transformers "
                 f"(e.g. quantization_config=CompressedTensorsConfig(dequantize=True)) and parallelize that")
+
+
+def model_quantization(model: nn.Module) -> Quantization | None:
+    """The quantization a model's config declares (`config.quantization_config`), or None."""
+    config = getattr(model, "config", None)
+    return config_quantization(config) if config is not None else None
+
+
+def stored_weight_bytes(scheme: WeightQuant, dense: ShardLayout, scale_bytes: int) -> int:
+    """The bytes a rank holds of a quantized layer's stored tensors, for the dense weight's layout `dense`
+    (`scale_bytes`: the itemsize of its floating tensors, the scales)."""
+    out, in_ = dense.full_shape
+    total = 0
+    for s in stored_tensors(scheme, out, in_):
+        size = s.dtype.itemsize if s.dtype else scale_bytes
+        try:
+            total += stored_layout(dense, s, "").local_numel * size
+        except QuantizationError:  # a split the format cannot follow (loading refuses it): its share of the bytes
+            total += math.prod(s.shape) * size * dense.local_numel // max(math.prod(dense.full_shape), 1)
+    return total

@@ -15,11 +15,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..quant import config_quantization
 from .activations import normalise_recompute, transformer_activation_bytes, transformer_inference_bytes
 from .communication import largest_collective_bytes
 from .config import attention_kind, config_value, own_dtype, resolve_target
 from .measure import measure_step
-from .params import OPTIMIZERS, analysed_parameters, optimizer_bytes_per_parameter, parameter_counts
+from .params import (OPTIMIZERS, analysed_parameters, fullest_rank, optimizer_bytes_per_parameter,
+                     parameter_counts, quantized_weights)
 from .ranks import rank_heads
 from .report import MODES, Breakdown, MemoryEstimate
 from .step import prepare_module_step
@@ -88,21 +90,24 @@ def _check_dp(dp_size, dp_mode) -> None:
 
 def _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel, recompute, master_weights,
               params_one, params_rank, act_one, act_rank, kv_one, kv_rank, comm_rank, comm_what, notes,
-              params_sharded=None, **extra):
-    """The result. `params_sharded`: parameters a rank holds after FSDP (default `params_rank`)."""
+              params_sharded=None, quantized=((0, 0), (0, 0)), **extra):
+    """The result. `params_sharded`: parameters a rank holds after FSDP (default `params_rank`); `quantized`:
+    (weights, stored bytes) on one device and per rank of the layers a quantized checkpoint stores packed (frozen:
+    no gradient, no optimizer state)."""
     B = dtype.itemsize
     training = mode == "training"
     opt = optimizer_bytes_per_parameter(optimizer, dtype, master_weights) if training else 0
 
-    def breakdown(params, acts, kv, comm):
-        return Breakdown(parameters=params * B, gradients=params * B if training else 0,
-                         optimizer_states=params * opt, activations=acts, kv_cache=kv, communication_buffers=comm)
+    def breakdown(params, acts, kv, comm, packed):
+        dense = params - packed[0]
+        return Breakdown(parameters=dense * B + packed[1], gradients=dense * B if training else 0,
+                         optimizer_states=dense * opt, activations=acts, kv_cache=kv, communication_buffers=comm)
 
     held = params_rank if params_sharded is None else params_sharded
     return MemoryEstimate(world_size, mode, str(dtype).replace("torch.", ""), optimizer if training else "none",
                           batch_size, seq_len, sequence_parallel, recompute,
-                          single=breakdown(params_one, act_one, kv_one, 0.0),
-                          per_rank=breakdown(held, act_rank, kv_rank, comm_rank),
+                          single=breakdown(params_one, act_one, kv_one, 0.0, quantized[0]),
+                          per_rank=breakdown(held, act_rank, kv_rank, comm_rank, quantized[1]),
                           parameters_total=params_one, parameters_per_rank=held,
                           largest_collective=comm_what, notes=notes, **extra)
 
@@ -188,6 +193,13 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
         many = transformer_inference_bytes(shape, batch_size, seq_len, B, world_size, kind)
         acts = [one["activations"], many["activations"]]
         kv = [one["kv_cache"], many["kv_cache"]]
+    quant = config_quantization(config)
+    if quant is not None:
+        extra["quantized"] = (quantized_weights(shape, quant, 1, 0, B), quantized_weights(
+            shape, quant, world_size, fullest_rank(shape, world_size) if world_size > 1 else 0, B))
+        w, b = extra["quantized"][0]
+        notes.append(f"linear layers stored quantized ({quant.describe()}): {b / max(w, 1):.3f} bytes per weight as "
+                     f"stored, frozen in training (no gradient or optimizer state)")
     comm, what = largest_collective_bytes(shape, batch_size, seq_len, B, world_size, mode, sequence_parallel)
     return _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel, recompute,
                      master_weights, params_one, params_rank, acts[0], acts[1], kv[0], kv[1], comm, what, notes,

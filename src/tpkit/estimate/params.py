@@ -7,6 +7,8 @@ of the parameters in the training dtype; optimizer states follow mixed precision
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -120,3 +122,28 @@ def analysed_parameters(model: nn.Module, world_size: int, mode: str, example=No
                      example_inputs=example)
     elem = first.element_size()
     return report.per_rank_bytes[1] // elem, report.per_rank_bytes[world_size] // elem
+
+
+def quantized_weights(shape: TransformerShape, quant, world_size: int, rank: int, scale_bytes: int) -> tuple[int, int]:
+    """(weights, bytes) `rank` holds of the block linear layers a quantized checkpoint stores packed (`quant`, a
+    `tpkit.quant.Quantization`): each layer's stored tensors (packed values, scales, zero points) at the rank's
+    width, as `tpkit.quant.stored_tensors` lists them. Embeddings and the LM head count as the dense parameters
+    they are unless the checkpoint's scheme names them."""
+    from ..quant import stored_tensors
+
+    q_heads, kv_heads, f, _ = rank_widths(shape, world_size, rank)
+    h, d = shape.hidden_size, shape.head_dim
+    q, kv = q_heads * d, kv_heads * d
+    attention = [("self_attn.q_proj", q, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
+                 ("self_attn.o_proj", h, q)]
+    mlp = ([("mlp.gate_proj", f, h), ("mlp.up_proj", f, h)] if shape.gated_mlp else [("mlp.up_proj", f, h)])
+    mlp.append(("mlp.down_proj", h, f))
+    weights = stored = 0
+    for name, out, in_ in attention + mlp:
+        scheme = quant.scheme_for(f"model.layers.0.{name}", "Linear")
+        if scheme is None or out == 0 or in_ == 0:
+            continue
+        weights += out * in_
+        stored += sum(math.prod(s.shape) * (s.dtype.itemsize if s.dtype else scale_bytes)
+                      for s in stored_tensors(scheme, out, in_))
+    return weights * shape.num_layers, stored * shape.num_layers

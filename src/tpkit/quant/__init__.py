@@ -10,7 +10,7 @@ from __future__ import annotations
 from .dequant import dequantize
 from .layouts import positions, stored_layout
 from .schemes import (SUPPORTED, DimRule, Quantization, QuantizationError, StoredTensor, WeightQuant,
-                      read_quantization, stored_tensors)
+                      config_quantization, read_quantization, stored_tensors)
 
-__all__ = ["SUPPORTED", "DimRule", "Quantization", "QuantizationError", "StoredTensor", "WeightQuant", "dequantize",
+__all__ = ["SUPPORTED", "DimRule", "Quantization", "QuantizationError", "StoredTensor", "WeightQuant", "config_quantization", "dequantize",
            "positions", "read_quantization", "stored_layout", "stored_tensors"]

@@ -201,6 +201,16 @@ def read_quantization(config: Mapping[str, Any] | None) -> Quantization | None:
     return readers[method](qc)
 
 
+def config_quantization(config: Any) -> Quantization | None:
+    """The `Quantization` a model config declares (a transformers config, a model's `config`, or a config
+    dict), or None: its `quantization_config` as a dict or as transformers' config object."""
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else getattr(
+        config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, Mapping):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else None
+    return read_quantization(qc) if qc else None
+
+
 def _refuse(method: str, what: str, why: str = "") -> QuantizationError:
     return QuantizationError(f"quantization_config ({method}): {what} is not supported{why}; tpkit reads "
                              f"{'; '.join(SUPPORTED)}")
@@ -271,7 +281,7 @@ def _gptq(qc: dict) -> Quantization:
     strategy = "group" if group > 0 else "channel"
     scheme = WeightQuant("gptq", "gptq", bits, False, strategy, group_size=group if group > 0 else None,
                          act_order=bool(qc.get("desc_act", False)))
-    return Quantization("gptq", qc, ((("Linear",), scheme),), tuple(qc.get("modules_to_not_convert") or ()))
+    return Quantization("gptq", qc, ((("Linear",), scheme),), tuple(qc.get("modules_to_not_convert") or ("lm_head",)))
 
 
 def _awq(qc: dict) -> Quantization:
@@ -280,4 +290,4 @@ def _awq(qc: dict) -> Quantization:
         raise _refuse("awq", f"{bits}-bit version {version!r} (zero_point={qc.get('zero_point', True)})")
     group = int(qc.get("group_size", qc.get("q_group_size", 128)))
     scheme = WeightQuant("awq", "awq", 4, False, "group", group_size=group)
-    return Quantization("awq", qc, ((("Linear",), scheme),), tuple(qc.get("modules_to_not_convert") or ()))
+    return Quantization("awq", qc, ((("Linear",), scheme),), tuple(qc.get("modules_to_not_convert") or ("lm_head",)))
