@@ -31,6 +31,7 @@ from .layout import ShardLayout
 from .estimate import (MemoryEstimate, SpeedEstimate, SpeedProfile, calibrate_profile, estimate_memory, estimate_speed,
                        load_profile, save_profile)
 from .checkpoint import CheckpointError, Checkpointer, consolidate, from_pretrained, load_sharded, save_sharded
+from .quant import QuantizationError
 from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh, no_sync
 from .recompute import recompute
 from .replicas import ReplicaError, ReplicaReport, check_replicas, watch_replicas
@@ -52,6 +53,7 @@ __all__ = [
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",
     "use_communicator",
     "CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
+    "QuantizationError",
     "data_parallel", "data_parallel_manual_seed", "device_mesh", "no_sync", "recompute",
     "ReplicaError", "ReplicaReport", "check_replicas", "watch_replicas",
     "SearchResult", "Setup", "apply_setup", "search",
