@@ -33,17 +33,27 @@ def _values(q: WeightQuant, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _grid(spec: StoredTensor, values: torch.Tensor, maps: Maps, shape: tuple[int, int]) -> torch.Tensor:
-    """`values` indexed onto the rank's dense features, `[out, in]`-oriented (a whole-dim or `g_idx` dim keeps
-    its stored size)."""
+    """`values` brought onto the rank's dense features, `[out, in]`-oriented: a dim with a `positions` map is
+    indexed by it; a grouped dim without one holds whole aligned groups and keeps one entry per group (`_apply`
+    broadcasts it); a packed dim loses the padding of its last word; a whole or `g_idx` dim is kept."""
     for i, rule in enumerate(spec.dims):
         if rule.dense is None:
             continue
         m = maps.get((spec.name, i))
         if m is not None:
             values = values.index_select(i, m)
-        elif values.shape[i] != shape[rule.dense]:
+        elif rule.group == 1 and values.shape[i] != shape[rule.dense]:
             values = values.narrow(i, 0, shape[rule.dense])  # the padding of a last packed word
     return values.t() if values.dim() == 2 and spec.dims[1].dense == 0 else values
+
+
+def _apply(v: torch.Tensor, t: torch.Tensor, op) -> torch.Tensor:
+    """`op(v, t)` for `v` `[O, I]` and `t` `[o, i]` whose entries each cover an `O/o x I/i` block of `v` (one
+    per element, per aligned group or block, or one for all), without expanding `t`."""
+    if t.dim() < 2:
+        return op(v, t)
+    (O, I), (o, i) = v.shape, t.shape
+    return op(v.view(o, O // o, i, I // i), t.view(o, 1, i, 1)).view(O, I)
 
 
 def dequantize(q: WeightQuant, specs: Mapping[str, StoredTensor], tensors: Mapping[str, torch.Tensor], maps: Maps,
@@ -65,5 +75,5 @@ def dequantize(q: WeightQuant, specs: Mapping[str, StoredTensor], tensors: Mappi
         z = None if z is None else z.index_select(1, g)
     v = w.to(math_dtype)
     if z is not None:
-        v = v - z.to(math_dtype)
-    return (v * s).to(dtype)
+        v = _apply(v, z.to(math_dtype), torch.sub)
+    return _apply(v, s, torch.mul).to(dtype)

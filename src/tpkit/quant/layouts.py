@@ -46,7 +46,8 @@ def stored_layout(dense: ShardLayout, spec: StoredTensor, where: str) -> ShardLa
 
 def positions(dense: ShardLayout, spec: StoredTensor, dim: int) -> torch.Tensor | None:
     """For each of the rank's dense features along the dense dim that `spec`'s `dim` runs with, the index of the
-    entry that covers it in the rank's local `spec` tensor after unpacking; None when that is the identity."""
+    entry that covers it in the rank's local `spec` tensor after unpacking; None when the features are whole groups
+    from the first entry on (entry `k` covers features `k*group .. (k+1)*group - 1`: the identity for group 1)."""
     rule: DimRule = spec.dims[dim]
     d = rule.dense
     if d is None:
@@ -59,6 +60,6 @@ def positions(dense: ShardLayout, spec: StoredTensor, dim: int) -> torch.Tensor 
         first = a // rule.unit
         out.extend(base + x // rule.group - first * rule.pack for x in range(a, b))
         base += (_ceil(b, rule.unit) - first) * rule.pack
-    if rule.group == 1 and out == list(range(len(out))):
-        return None
+    if out == [x // rule.group for x in range(len(out))] and len(out) % rule.group == 0:
+        return None  # whole groups from the first: one entry per group, broadcast (`dequant._apply`)
     return torch.tensor(out, dtype=torch.long)
