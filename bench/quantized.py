@@ -11,6 +11,11 @@ loads the quantized directory (`CompressedTensorsConfig(dequantize=True)`: its C
 Prints a markdown block for BENCHMARKS.md.
 
     python bench/quantized.py [--hidden 2048] [--layers 2] [--tokens 9] [--repeats 3]
+    python bench/quantized.py --kernels [--hidden 2048]   # one MLP-sized layer, batch 1, 1 thread
+
+`--kernels` times what a decode step of one layer (`out` = 2.75 x hidden, `in` = hidden, group 128) can cost per
+call: tpkit's dequantization of the packed int4 slice, torch's CPU weight-only kernels on their own packed layouts
+(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), and the float32 matrix-vector product they replace.
 """
 from __future__ import annotations
 
@@ -93,6 +98,39 @@ def transformers_one_process(int4: str, tokens: int, repeats: int) -> dict:
     return {"load": load, "decode": statistics.median(ms_per_token(model, tokens) for _ in range(repeats))}
 
 
+def kernels(hidden: int, repeats: int = 20) -> str:
+    from tpkit.quant import WeightQuant, dequantize, stored_tensors
+
+    torch.set_num_threads(1)
+    O, I, g = int(hidden * 2.75) // 128 * 128, hidden, 128
+    gen = torch.Generator().manual_seed(0)
+    q = WeightQuant("compressed-tensors", "ct_pack", 4, False, "group", group_size=g)
+    specs = {s.name: s for s in stored_tensors(q, O, I)}
+    t = {"weight_packed": torch.randint(-2 ** 31, 2 ** 31 - 1, (O, I // 8), dtype=torch.int32, generator=gen),
+         "weight_scale": torch.rand(O, I // g, generator=gen),
+         "weight_zero_point": torch.randint(-2 ** 31, 2 ** 31 - 1, (O // 8, I // g), dtype=torch.int32, generator=gen),
+         "weight_shape": torch.tensor([O, I])}
+    x, w = torch.randn(1, I, generator=gen), torch.randn(O, I, generator=gen)
+    int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (O, I), dtype=torch.int32), 1)
+    sz, w8, s8 = torch.rand(I // g, O, 2), torch.randint(-128, 127, (O, I), dtype=torch.int8), torch.rand(O)
+    calls = {"float32 x @ W.T": lambda: x @ w.t(),
+             "tpkit dequantize int4 g128 + matmul": lambda: x @ dequantize(q, specs, t, {}, (O, I), torch.float32).t(),
+             "torch _weight_int4pack_mm_for_cpu": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, g, sz),
+             "torch _weight_int8pack_mm": lambda: torch.ops.aten._weight_int8pack_mm(x, w8, s8)}
+    times = {}
+    for _ in range(3):  # alternating rounds, the median of each
+        for name, f in calls.items():
+            f()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                f()
+            times.setdefault(name, []).append((time.perf_counter() - start) / repeats * 1e3)
+    base = statistics.median(times["float32 x @ W.T"])
+    rows = [f"| {n} | {statistics.median(v):.2f} | {statistics.median(v) / base:.1f}x |" for n, v in times.items()]
+    return "\n".join([f"One layer [{O} x {I}], batch 1, 1 thread:", "", "| call | ms | / float32 |", "|---|---|---|"]
+                     + rows)
+
+
 def main() -> None:
     import tpkit
 
@@ -101,7 +139,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=9)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kernels", action="store_true")
     args = ap.parse_args()
+    if args.kernels:
+        print(kernels(args.hidden))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         dense, int4 = make(tmp, args.hidden, args.layers)
         ranks = tpkit.launch(_tp_rank, 2, args=(dense, int4, args.tokens, args.repeats))
