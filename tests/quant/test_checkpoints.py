@@ -75,19 +75,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _check(directory: str, ref, want: torch.Tensor, world: int) -> list[str]:
+#: formats torch's CPU weight-only kernels compute (`tpkit.quant.kernels`) on layers whose slice maps onto them
+KERNELS = {"ct-int4-group-asym": "int4", "ct-int4-group-sym": "int4", "ct-int8-channel-pack": "int8",
+           "ct-w8a16-int": "int8"}
+
+
+def _check(directory: str, ref, want: torch.Tensor, world: int, kernel: str | None = None) -> list[str]:
     dense = {k: v for k, v in ref.state_dict().items()}
 
     def body(comm):
         model = tpkit.from_pretrained(directory, comm=comm, progress=False)
         with torch.no_grad():
             got = model(IDS).logits
-        bad, packed, local, quantized = [], 0, 0, 0
+        bad, packed, local, quantized, kernels = [], 0, 0, 0, set()
         for name, m in model.named_modules():
             st = quant_state(m)
             if st is None:
                 continue
             quantized += 1
+            kernels.add(st.kernel)
             want_w = st.dense.shard(dense[f"{name}.weight"])
             if not torch.equal(m.weight, want_w):
                 bad.append(f"rank {comm.rank} {name}: dequantized weight differs from the reference's slice by "
@@ -98,6 +104,8 @@ def _check(directory: str, ref, want: torch.Tensor, world: int) -> list[str]:
                 packed += torch.Size(st.specs[s].shape).numel() * t.element_size()
         if quantized == 0:
             bad.append("no layer was loaded quantized")
+        if kernel is not None and kernel not in kernels:
+            bad.append(f"rank {comm.rank}: no layer computes with the {kernel} kernel ({kernels})")
         if local > 1.15 * packed / world + 4096 * quantized:  # + the small tensors every rank holds whole
             bad.append(f"rank {comm.rank} holds {local} bytes of quantized tensors, over 1.15 x {packed} / {world}")
         err = _rel(got, want)
@@ -112,7 +120,7 @@ def _check(directory: str, ref, want: torch.Tensor, world: int) -> list[str]:
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_each_rank_reads_its_packed_slice_and_equals_transformers(made, fmt, world):
     directory, ref, want = made(fmt)
-    bad = _check(directory, ref, want, world)
+    bad = _check(directory, ref, want, world, KERNELS.get(fmt))
     assert not bad, f"{fmt} at {world} ranks:\n" + "\n".join(bad[:8])
 
 
@@ -151,6 +159,24 @@ def test_save_at_two_ranks_reload_at_three_and_consolidate_in_the_original_forma
     back = tr.AutoModelForCausalLM.from_pretrained(out, quantization_config=tr.CompressedTensorsConfig(dequantize=True))
     with torch.no_grad():
         assert torch.equal(back.eval()(IDS).logits, want)
+
+
+@pytest.mark.parametrize("fmt", ["ct-int4-group-asym", "gptq-desc-act"])
+def test_gradients_reach_the_input_through_packed_layers(made, fmt):
+    """A frozen quantized base under an adapter: the input's gradient equals the reference's (the kernels have
+    no backward, so an input that needs one goes through the dequantized slice)."""
+    directory, ref, _ = made(fmt)
+    embeds = ref.get_input_embeddings()(IDS).detach()
+    e = embeds.clone().requires_grad_(True)
+    ref(inputs_embeds=e).logits.square().sum().backward()
+
+    def body(comm):
+        model = tpkit.from_pretrained(directory, comm=comm, progress=False)
+        x = embeds.clone().requires_grad_(True)
+        model(inputs_embeds=x).logits.square().sum().backward()
+        return _rel(x.grad, e.grad)
+
+    assert max(run_threads(body, 3)) < 1e-5
 
 
 def test_dequantize_loads_dense_trainable_weights(made):

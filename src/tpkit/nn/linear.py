@@ -85,6 +85,11 @@ class _ParallelLinear(TensorParallelModule):
         return cls(module.in_features, module.out_features, module.bias is not None, comm=comm, device=device,
                    dtype=dtype, _full=module, _index=index, _sizes=partition_sizes, **kwargs)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x W^T + bias` with this rank's weight: the one product the forward computes (a quantized layer computes
+        it from its packed weights, `tpkit.nn.quantized`)."""
+        return F.linear(x, self.weight, bias)
+
     @property
     def in_features_local(self) -> int:
         """Input features this rank's shard multiplies (the seed's name): all of them for a column layer, this
@@ -130,13 +135,13 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.matmul(x, self.bias)
         check_last_dim("ColumnParallelLinear", x, self.in_features, "input features")
         if self.sequence_parallel:
             x = gather_from_sequence_region(x, self.comm, self.sequence_dim)
         else:
             x = copy_to_region(x, self.comm)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         if self.gather_output:
             y = gather_from_region(y, self.comm, -1, self.partition_sizes)
         return y
@@ -173,7 +178,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.matmul(x, self.bias)
         if self.input_is_parallel:
             check_last_dim("RowParallelLinear", x, self.input_size_per_partition,
                            f"input features (this rank's slice of {self.in_features}; pass input_is_parallel=False "
@@ -181,7 +186,7 @@ class RowParallelLinear(_ParallelLinear):
         else:
             check_last_dim("RowParallelLinear", x, self.in_features, "input features")
             x = scatter_to_region(x, self.comm, -1, self.partition_sizes)
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, None)
         if self.sequence_parallel:
             check_sequence_divisible("RowParallelLinear", y, self.sequence_dim, self.world_size)
             y = reduce_scatter_to_sequence_region(y, self.comm, self.sequence_dim)

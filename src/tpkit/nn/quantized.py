@@ -4,8 +4,9 @@
 its checkpoint format stores (`tpkit.quant.stored_tensors`: packed integers or FP8 values, scales, zero points,
 `g_idx`) as buffers under their stored names, each holding this rank's slice (`tpkit.quant.stored_layout` of the
 dense weight's layout), so the state dict keeps the format's keys and a save keeps the format. No dense copy is
-held: reading `layer.weight` dequantizes this rank's slice in the compute dtype, so the layer's own forward (its
-communication included) runs unchanged on it. The weight is frozen (a buffer): gradients reach the input and the
+held: reading `layer.weight` dequantizes this rank's slice in the compute dtype, and the layer's product
+(`matmul`, inside its own forward and communication) is torch's weight-only CPU kernel where one maps onto the
+format (`tpkit.quant.kernels`), else `F.linear` of that dequantized slice. The weight is frozen (a buffer): gradients reach the input and the
 bias, as for a quantized base under an adapter.
 
 The layer's class becomes a subclass made once per class (the `weight` property), with the base's behaviour
@@ -17,10 +18,13 @@ import dataclasses
 import threading
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..layout import ShardLayout
 from ..quant import StoredTensor, WeightQuant, dequantize, positions, stored_layout, stored_tensors
+from ..quant.kernels import int4_linear, int8_linear, kernel_for
+from ..quant.packing import unpack_signed
 
 _MAP = "tp_qmap_{}_{}"
 
@@ -34,6 +38,7 @@ class QuantState:
     specs: dict[str, StoredTensor]
     dense: ShardLayout
     dtype: torch.dtype
+    kernel: str | None = None  # "int4" / "int8": torch's CPU kernel computes the product (`tpkit.quant.kernels`)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -46,6 +51,33 @@ def _weight(self) -> torch.Tensor:
     tensors = {n: b[n] for n in st.specs}
     maps = {(n, i): b.get(_MAP.format(n, i)) for n, s in st.specs.items() for i in range(len(s.dims))}
     return dequantize(st.scheme, st.specs, tensors, maps, st.shape, st.dtype)
+
+
+def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's product: torch's weight-only CPU kernel where one maps onto the stored format and no gradient
+    is asked of the input (the kernels have no backward), else the dequantized slice through `F.linear`."""
+    st: QuantState = self.__dict__["tp_quant"]
+    if st.kernel is None or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+        return F.linear(x, self.weight, bias)
+    b = self._buffers
+    if st.kernel == "int4":
+        y = int4_linear(x, b["weight_packed"], b["weight_scale"], _signed_zero_point(st, b), st.scheme.group_size)
+    else:
+        y = int8_linear(x, b[_weight_name(st.scheme)], b["weight_scale"])
+    return y if bias is None else y + bias
+
+
+def _weight_name(q: WeightQuant) -> str:
+    return "weight_packed" if q.layout == "ct_pack" else "weight"
+
+
+def _signed_zero_point(st: QuantState, b) -> torch.Tensor | None:
+    z = b.get("weight_zero_point")
+    return None if z is None else unpack_signed(z, st.scheme.bits, 0)
+
+
+def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.matmul(x, self.bias)
 
 
 _LOCK = threading.Lock()
@@ -65,8 +97,11 @@ def quantized_class(base: type) -> type:
     with _LOCK:
         cls = _CLASSES.get(base)
         if cls is None:
-            body = {"weight": property(_weight), "__module__": base.__module__, "__reduce_ex__": _reduce_ex,
-                    "__qualname__": "Quantized" + base.__qualname__, "__doc__": base.__doc__}
+            body = {"weight": property(_weight), "matmul": _matmul, "__module__": base.__module__,
+                    "__reduce_ex__": _reduce_ex, "__qualname__": "Quantized" + base.__qualname__,
+                    "__doc__": base.__doc__}
+            if not hasattr(base, "matmul"):  # nn.Linear: its forward is the product
+                body["forward"] = _forward
             cls = _CLASSES[base] = type("Quantized" + base.__name__, (base,), body)
         return cls
 
@@ -92,12 +127,14 @@ def quantize_linear(layer: nn.Module, scheme: WeightQuant, dense: ShardLayout, d
     layouts = {n: stored_layout(dense, s, where) for n, s in specs.items()}  # raises before anything changes
     device = w.device
     del layer._parameters["weight"]
+    mapped = False
     for n, s in specs.items():
         dt = s.dtype or stored_dtypes.get(n, dtype)
         layer.register_buffer(n, torch.empty(layouts[n].local_shape, dtype=dt, device=device))
         for i in range(len(s.dims)):
             m = positions(dense, s, i)
             if m is not None:
+                mapped = True
                 layer.register_buffer(_MAP.format(n, i), m.to(device if device.type != "meta" else "cpu"),
                                       persistent=False)
     sums = layer.__dict__.get("tp_grad_sums")
@@ -105,7 +142,8 @@ def quantize_linear(layer: nn.Module, scheme: WeightQuant, dense: ShardLayout, d
         sums.specs.pop("weight", None)  # a frozen weight has no gradient to sum
     base = type(layer)
     layer.__dict__["tp_quant_base"] = base
-    layer.__dict__["tp_quant"] = QuantState(scheme, specs, dense, dtype)
+    layer.__dict__["tp_quant"] = QuantState(scheme, specs, dense, dtype,
+                                            kernel_for(scheme, tuple(dense.local_shape), mapped))
     layer.__class__ = quantized_class(base)
     return layouts
 

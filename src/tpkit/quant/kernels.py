@@ -1,0 +1,71 @@
+"""torch's CPU weight-only kernels for the formats that map onto them, fed from the packed tensors as stored.
+
+- int4, group 32 / 64 / 128 / 256 (compressed-tensors `pack-quantized`): `_weight_int4pack_mm_for_cpu`, whose
+  packed layout holds, per block of 64 output rows and per input feature, rows `j` and `j + 32` in one byte.
+  `int4_kernel_layout` rearranges the stored nibbles into it (a few byte passes, no unpacking to int32), and the
+  kernel's `w = (q - 8) * scale + zero` takes compressed-tensors' `(q_signed - zp) * scale` as
+  `zero = -zp * scale`.
+- int8 per channel, symmetric (`pack-quantized` 8-bit or `int-quantized`): `_weight_int8pack_mm` on the int8
+  values (a packed word's bytes are the values plus 128: one XOR gives them).
+
+Both compute in a different order than dequantize-then-matmul (a few float32 ulps). `kernel_for` says which
+applies to a layer's local slice (the scales must cover whole groups from its first feature on: no `positions`
+map); every other case, and any input that needs a gradient (the kernels have none), dequantizes per call.
+"""
+from __future__ import annotations
+
+import torch
+
+from .schemes import WeightQuant
+
+INT4_GROUPS = (32, 64, 128, 256)
+
+
+def kernel_for(q: WeightQuant, local_shape: tuple[int, int], mapped: bool) -> str | None:
+    """"int4", "int8" or None for a layer of scheme `q` holding `local_shape` (`[out, in]`); `mapped`: some
+    stored tensor needs a `positions` map (a split cut its groups)."""
+    out, in_ = local_shape
+    if mapped or q.act_order or q.method != "compressed-tensors":
+        return None
+    if q.layout == "ct_pack" and q.bits == 4 and q.strategy == "group" and q.group_size in INT4_GROUPS \
+            and out % 64 == 0 and in_ % q.group_size == 0:
+        return "int4"
+    if q.layout in ("ct_pack", "ct_int") and q.bits == 8 and q.strategy == "channel" and q.symmetric:
+        return "int8"
+    return None
+
+
+def int4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' int4 words `[N, K / 8]` (value + 8, value `j` in bits `4j..4j+3`) in the layout of
+    `torch.ops.aten._convert_weight_to_int4pack_for_cpu` (`[N, K / 2]` bytes; N a multiple of 64)."""
+    n = packed.shape[0]
+    b = packed.contiguous().view(torch.uint8)
+    nib = torch.stack((b & 15, b >> 4), -1).flatten(-2)  # [N, K], value + 8
+    blocks = nib.view(n // 64, 2, 32, -1)
+    return (blocks[:, 0] | (blocks[:, 1] << 4)).transpose(1, 2).contiguous().view(n, -1)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                group: int) -> torch.Tensor:
+    """`x W^T` for compressed-tensors int4 `packed` `[N, K/8]`, `scale` `[N, K/g]`, signed `zero_point`
+    `[N, K/g]` (None: symmetric), in `x`'s dtype."""
+    s = scale.to(x.dtype)
+    zero = torch.zeros_like(s) if zero_point is None else -(zero_point.to(x.dtype) * s)
+    sz = torch.stack((s.t(), zero.t()), -1).contiguous()
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, int4_kernel_layout(packed), group, sz)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def int8_values(stored: torch.Tensor) -> torch.Tensor:
+    """int8 values `[N, K]` from `pack-quantized` 8-bit words (`[N, K / 4]` int32) or `int-quantized` int8."""
+    if stored.dtype == torch.int8:
+        return stored
+    return (stored.contiguous().view(torch.uint8) ^ 0x80).view(torch.int8)
+
+
+def int8_linear(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x W^T` for per-channel symmetric int8 weights (`scale` `[N, 1]`), in `x`'s dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.ops.aten._weight_int8pack_mm(flat, int8_values(stored), scale.reshape(-1).to(x.dtype))
+    return y.view(*x.shape[:-1], y.shape[-1])
