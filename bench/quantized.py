@@ -64,16 +64,25 @@ def ms_per_token(model, tokens: int) -> float:
     return (run(tokens) - run(1)) / (tokens - 1) * 1e3
 
 
+def _peak_rss() -> int:
+    """This process's peak resident set so far, in bytes (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _tp_rank(dense: str, int4: str, tokens: int, repeats: int) -> dict:
     import tpkit
 
     torch.set_num_threads(1)
     out = {}
     models = {}
-    for name, path in (("int4", int4), ("fp32", dense)):
+    for name, path in (("int4", int4), ("fp32", dense)):  # int4 first: the process's peak RSS is its load's
+        before = _peak_rss()
         start = time.perf_counter()
         models[name] = tpkit.from_pretrained(path, progress=False)
         out[f"load_{name}"] = time.perf_counter() - start
+        out[f"rss_{name}"] = _peak_rss() - before
     for m in models.values():
         ms_per_token(m, 3)  # warm-up
     samples = {n: [] for n in models}
@@ -100,6 +109,8 @@ def transformers_one_process(int4: str, tokens: int, repeats: int) -> dict:
 
 def kernels(hidden: int, repeats: int = 20) -> str:
     from tpkit.quant import WeightQuant, dequantize, stored_tensors
+    from tpkit.quant.kernels import int4_linear
+    from tpkit.quant.packing import unpack_signed
 
     torch.set_num_threads(1)
     O, I, g = int(hidden * 2.75) // 128 * 128, hidden, 128
@@ -115,6 +126,8 @@ def kernels(hidden: int, repeats: int = 20) -> str:
     sz, w8, s8 = torch.rand(I // g, O, 2), torch.randint(-128, 127, (O, I), dtype=torch.int8), torch.rand(O)
     calls = {"float32 x @ W.T": lambda: x @ w.t(),
              "tpkit dequantize int4 g128 + matmul": lambda: x @ dequantize(q, specs, t, {}, (O, I), torch.float32).t(),
+             "tpkit int4 layer (words rearranged + torch's int4 kernel)": lambda: int4_linear(
+                 x, t["weight_packed"], t["weight_scale"], unpack_signed(t["weight_zero_point"], 4, 0), g),
              "torch _weight_int4pack_mm_for_cpu": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, g, sz),
              "torch _weight_int8pack_mm": lambda: torch.ops.aten._weight_int8pack_mm(x, w8, s8)}
     times = {}
@@ -149,13 +162,15 @@ def main() -> None:
         ranks = tpkit.launch(_tp_rank, 2, args=(dense, int4, args.tokens, args.repeats))
         hf = transformers_one_process(int4, args.tokens, args.repeats)
     r = {k: max(x[k] for x in ranks) for k in ranks[0]}
-    rows = [("tpkit TP2 int4 g128 (packed, dequantized per call)", r["decode_int4"], r["load_int4"],
+    rows = [("tpkit TP2 int4 g128 (packed; int4 kernel where a layer maps onto it)", r["decode_int4"], r["load_int4"],
              r["bytes_int4"]),
             ("tpkit TP2 float32", r["decode_fp32"], r["load_fp32"], r["bytes_fp32"]),
             ("transformers 1 process int4 (dequantize=True)", hf["decode"], hf["load"], None)]
     lines = [f"| {n} | {d:.1f} | {l:.2f} | {'' if b is None else f'{b / 2 ** 20:.0f} MiB'} |" for n, d, l, b in rows]
     table = "\n".join(["| setup | decode ms/token | load s | bytes per rank |", "|---|---|---|---|"] + lines)
     ratio = r["decode_int4"] / r["decode_fp32"]
+    table += (f"\n\nPeak RSS added by loading the int4 checkpoint, the worse rank: {r['rss_int4'] / 2 ** 20:.0f} MiB "
+              f"(its tensors: {r['bytes_int4'] / 2 ** 20:.0f} MiB)")
     text = (f"{table}\n\nint4 decode at TP2 / float32 at TP2: **{ratio:.2f}x** (target <= 1.00); hidden {args.hidden}, "
             f"{args.layers} layers, {args.tokens} tokens, median of {args.repeats}, 1 thread per rank; "
             f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
