@@ -1,0 +1,115 @@
+"""PEFT LoRA adapters and the converter: a LoRA-wrapped layer is converted as its base layer, and the adapter
+follows the base's split (`tpkit.nn.lora`); the layouts of the adapter's tensors derive from the base weight's.
+
+`parallelize(peft_model)` takes the LoRA wrappers out (each base layer back in its place), converts the bare
+model exactly as an unwrapped one would be converted (same trace, same plan: LoRA's A -> B is never taken for a
+column -> row pair), then puts each wrapper back around its new base layer, its factors split to match. The
+result is the model `peft.get_peft_model` gives on a converted model (the other order).
+
+PEFT is imported only when the model holds its layers (it is then already imported).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from torch import nn
+
+from .errors import PlanError
+from .layouts import check_grad_sums
+
+
+def _peft_loaded() -> bool:
+    return "peft" in sys.modules
+
+
+def enable_peft() -> None:
+    """When PEFT is imported, make its LoRA dispatch know tpkit's layers (`tpkit.nn.lora.install`)."""
+    if _peft_loaded():
+        from ..nn.lora import install
+
+        install()
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The model PEFT wraps (a `PeftModel`'s base model, a `LoraModel`'s model), or `model` itself."""
+    if _peft_loaded():
+        from peft import PeftModel
+        from peft.tuners.tuners_utils import BaseTuner
+
+        if isinstance(model, PeftModel):
+            model = model.base_model
+        if isinstance(model, BaseTuner):
+            model = model.model
+    return model
+
+
+def lora_wrapped(model: nn.Module) -> dict[str, nn.Module]:
+    """`{name: wrapper}` of the outermost PEFT adapter layers in `model` (empty without PEFT)."""
+    if not _peft_loaded():
+        return {}
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, BaseTunerLayer) and not any(name.startswith(n + ".") for n in out):
+            out[name] = m
+    return out
+
+
+def _check_wrapper(name: str, w: nn.Module) -> None:
+    """Refuse, before anything changes, an adapter layer the converter cannot split exactly."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    from ..nn.lora import DORA_REASON
+
+    if type(w) is not LoraLinear:
+        what = "an embedding" if "Embedding" in type(w).__name__ else f"a {type(w).__name__}"
+        raise PlanError(f"{name}: its LoRA adapter is on {what}, which tpkit does not split with an adapter yet; "
+                        f"leave it out of target_modules (LoRA on Linear / Conv1D layers is supported)")
+    if w.merged:
+        raise PlanError(f"{name}: its LoRA adapter(s) {w.merged_adapters} are merged into the base weight; call "
+                        f"unmerge_adapter() (or merge_and_unload()) before tpkit.parallelize")
+    for adapter, variant in w.lora_variant.items():
+        why = DORA_REASON if "Dora" in type(variant).__name__ else (
+            f"the LoRA variant {type(variant).__name__} is not supported under tensor parallelism; use plain LoRA")
+        raise PlanError(f"{name}: adapter {adapter!r}: {why}")
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
+                        convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """Convert a model holding LoRA wrappers (`wrapped`, names inside `inner_model(model)`): the bare model by
+    `convert`, then each wrapper around its new base layer. A failure leaves the model as it was."""
+    from ..nn.lora import lora_layer_for
+
+    target = inner_model(model)
+    for name, w in wrapped.items():
+        _check_wrapper(name, w)
+    bases = {name: w.get_base_layer() for name, w in wrapped.items()}
+    for name, base in bases.items():
+        _set(target, name, base)
+    try:
+        convert(target)
+    except BaseException:
+        for name, w in wrapped.items():
+            _set(target, name, w)
+        raise
+    for name, w in wrapped.items():
+        new = target.get_submodule(name)
+        if new is not bases[name]:
+            cls = lora_layer_for(new)
+            if cls is None:
+                raise PlanError(f"{name}: its base layer became a {type(new).__name__}, which takes no LoRA adapter")
+            w.__class__ = cls
+            w._modules["base_layer"] = new
+            w.fan_in_fan_out = False
+            for adapter in list(w.lora_A.keys()):
+                w.split_adapter(adapter)
+        _set(target, name, w)
+    check_grad_sums(target, "parallelize")
+    return model
