@@ -168,3 +168,49 @@ def test_adapter_trains_like_one_process(arch, world, order):
             if "lora_" in key and lay.is_replicated:
                 for other in results[1:]:
                     assert torch.equal(other["states"][step][key], results[0]["states"][step][key]), (step, key)
+
+
+def test_stock_adapter_files_round_trip(arch, tmp_path):
+    """`save_pretrained` on every rank writes one process's files at full size (loaded by PEFT on one plain
+    model: equal logits); `PeftModel.from_pretrained(tp_model, dir)` of a stock file gives every rank its slices
+    (equal logits); a second adapter loads and switches."""
+    name, base, ref = arch
+    stock = with_adapter(copy.deepcopy(base), lora_config(name))
+    stock.load_state_dict(ref["states"][-1], strict=False)
+    stock.save_pretrained(str(tmp_path / "stock"))
+    ids = batch(99)
+    with torch.no_grad():
+        want = stock(input_ids=ids).logits
+        plain = copy.deepcopy(base)
+        want_base = plain(input_ids=ids).logits
+
+    def body(comm):
+        model = tpkit.parallelize(copy.deepcopy(base), comm=comm)
+        loaded = peft.PeftModel.from_pretrained(model, str(tmp_path / "stock"))
+        out = {}
+        with torch.no_grad():
+            out["loaded"] = loaded(input_ids=ids).logits
+            loaded.save_pretrained(str(tmp_path / "tp"))
+            loaded.load_adapter(str(tmp_path / "stock"), adapter_name="second")
+            loaded.set_adapter("second")
+            out["second"] = loaded(input_ids=ids).logits
+            with loaded.disable_adapter():
+                out["disabled"] = loaded(input_ids=ids).logits
+        return out
+
+    results = tpkit.run_threads(body, 2)
+    for got in results:
+        assert rel(got["loaded"], want) <= TOL and rel(got["second"], want) <= TOL
+        assert rel(got["disabled"], want_base) <= TOL
+    import safetensors.torch as st
+
+    written = st.load_file(str(tmp_path / "tp" / "adapter_model.safetensors"))
+    expect = st.load_file(str(tmp_path / "stock" / "adapter_model.safetensors"))
+    # PEFT also saves a targeted LM head's base weight (save_embedding_layers="auto"), but only under an
+    # nn.Linear base: the TP file leaves out that unchanged base weight, and has every adapter tensor bit for bit
+    assert set(expect) - set(written) <= {"base_model.model.lm_head.base_layer.weight"}
+    assert set(written) <= set(expect) and all(torch.equal(written[k], expect[k]) for k in written)
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "tp"))
+    with torch.no_grad():
+        assert rel(again(input_ids=ids).logits, want) <= TOL

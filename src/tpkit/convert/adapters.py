@@ -23,12 +23,20 @@ def _peft_loaded() -> bool:
     return "peft" in sys.modules
 
 
+#: What else to install into PEFT with tpkit's layers (layers above convert register here: the stock adapter
+#: files of `tpkit.checkpoint.peft_adapter`).
+ON_PEFT: list[Callable[[], None]] = []
+
+
 def enable_peft() -> None:
-    """When PEFT is imported, make its LoRA dispatch know tpkit's layers (`tpkit.nn.lora.install`)."""
+    """When PEFT is imported, make its LoRA dispatch know tpkit's layers (`tpkit.nn.lora.install`) and run what
+    registered in `ON_PEFT` (each idempotent)."""
     if _peft_loaded():
         from ..nn.lora import install
 
         install()
+        for hook in ON_PEFT:
+            hook()
 
 
 def inner_model(model: nn.Module) -> nn.Module:

@@ -114,6 +114,17 @@ class _ParallelLoraLinear(LoraLinear):
         start = sum(base.partition_sizes[:base.rank])
         return tuple(range(start, start + base.partition_sizes[base.rank]))
 
+    def _slice_positions(self) -> tuple[int, int, tuple[int, ...]]:
+        """(dim of the split factor's weight, its full size there, this rank's positions)."""
+        raise NotImplementedError
+
+    def _watch_loads(self) -> None:
+        """Once per layer: a full-size adapter tensor loaded into it (a stock PEFT file, a one-process state dict)
+        is cut to this rank's slice first (`take_slices`)."""
+        if not self.__dict__.get("_tp_takes_slices"):
+            self.register_load_state_dict_pre_hook(take_slices)
+            self.__dict__["_tp_takes_slices"] = True
+
     def _cut(self, module: nn.Linear, name: str, dim: int, positions: tuple[int, ...]) -> None:
         """Keep `positions` of `module.<name>` along `dim` (a new Parameter, marked as the base's shard)."""
         p = getattr(module, name)
@@ -170,6 +181,10 @@ class ColumnParallelLoraLinear(_ParallelLoraLinear):
     SPLIT = "lora_B"
     BASE = ColumnParallelLinear
 
+    def _slice_positions(self) -> tuple[int, int, tuple[int, ...]]:
+        base = self.get_base_layer()
+        return 0, base.out_features, self._local_positions(base.out_features)
+
     def split_adapter(self, adapter_name: str) -> None:
         base = self.get_base_layer()
         b, a = self.lora_B[adapter_name], self.lora_A[adapter_name]
@@ -177,6 +192,7 @@ class ColumnParallelLoraLinear(_ParallelLoraLinear):
         for name in ("weight", "bias"):
             self._cut(b, name, 0, rows)
         b.out_features = len(rows)
+        self._watch_loads()
         mark_replicated(a.weight)
         comm = base.comm
         sum_grads(a, ["weight"], comm)
@@ -192,11 +208,16 @@ class RowParallelLoraLinear(_ParallelLoraLinear):
     SPLIT = "lora_A"
     BASE = RowParallelLinear
 
+    def _slice_positions(self) -> tuple[int, int, tuple[int, ...]]:
+        base = self.get_base_layer()
+        return 1, base.in_features, self._local_positions(base.in_features)
+
     def split_adapter(self, adapter_name: str) -> None:
         base = self.get_base_layer()
         a, b = self.lora_A[adapter_name], self.lora_B[adapter_name]
         self._cut(a, "weight", 1, self._local_positions(base.in_features))
         a.in_features = a.weight.shape[1]
+        self._watch_loads()
         for p in b.parameters(recurse=False):
             mark_replicated(p)
         sum_grads(b, ["weight"], base.comm)
@@ -217,6 +238,20 @@ class RowParallelLoraLinear(_ParallelLoraLinear):
             if bias is not None:
                 out = out + (bias * self.scaling[name]).to(out.dtype)
         return out
+
+
+def take_slices(module: _ParallelLoraLinear, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load pre-hook: replace each full-size tensor of the split factor (and of the base layer, which PEFT saves
+    for an LM head it targets, as `nn.Linear` stores it) in `state_dict` by this rank's slice; a tensor already of
+    the local size is left alone. So stock adapter files and one-process state dicts load."""
+    dim, full, positions = module._slice_positions()
+    for key in [k for k in state_dict if k.startswith((f"{prefix}{module.SPLIT}.", f"{prefix}base_layer."))]:
+        t, name = state_dict[key], key[len(prefix):]
+        along = dim if name.endswith("weight") else 0
+        if name == "base_layer.bias" and dim == 1:
+            continue  # a row layer's bias is whole
+        if isinstance(t, torch.Tensor) and t.dim() > along and t.shape[along] == full != len(positions):
+            state_dict[key] = t.index_select(along, torch.tensor(positions, dtype=torch.long, device=t.device))
 
 
 def _base_rows_sum(base: nn.Module) -> GradSum | None:
