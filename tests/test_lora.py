@@ -70,6 +70,8 @@ def batch(step: int) -> torch.Tensor:
 
 def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=ids).logits
+    if logits.shape[-1] != VOCAB:  # training mode: this rank's vocabulary slice
+        return tpkit.vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], vocab_size=VOCAB)
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
@@ -124,25 +126,22 @@ def merges(model, name: str, adapter: dict[str, torch.Tensor], layouts=None) -> 
                 unloaded_layouts=tpkit.shard_layouts(unloaded))
 
 
-def _rank_run(base, name: str, order: str, final: dict, mode: str = "inference"):
+def _rank_run(base, name: str, order: str, final: dict, steps: int = STEPS):
     def body(comm):
         if order == "peft_then_tp":
-            model = tpkit.parallelize(with_adapter(copy.deepcopy(base), lora_config(name)), comm=comm, mode=mode)
+            model = tpkit.parallelize(with_adapter(copy.deepcopy(base), lora_config(name)), comm=comm)
         else:
-            model = with_adapter(tpkit.parallelize(copy.deepcopy(base), comm=comm, mode=mode), lora_config(name))
+            model = with_adapter(tpkit.parallelize(copy.deepcopy(base), comm=comm), lora_config(name))
         layouts = tpkit.shard_layouts(model)
         trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-        losses, states = train(model)
+        losses, states = train(model, steps)
         return dict(losses=losses, states=states, layouts=layouts, trainable=trainable,
                     **merges(model, name, final, layouts))
     return body
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("order", ["tp_then_peft", "peft_then_tp"])
-def test_adapter_trains_like_one_process(arch, world, order):
-    name, base, ref = arch
-    results = tpkit.run_threads(_rank_run(base, name, order, ref["states"][-1]), world)
+def compare(results: list[dict], ref: dict) -> list[str]:
+    """Every rank's losses and adapter slices after each step against the one-process run (what is off)."""
     bad = []
     for rank, got in enumerate(results):
         assert got["trainable"] == ref["trainable"]
@@ -155,6 +154,16 @@ def test_adapter_trains_like_one_process(arch, world, order):
                 err = rel(local, got["layouts"][key].shard(want[key]))
                 if not err <= TOL:
                     bad.append(f"rank {rank} step {step}: {key} rel {err:.2e}")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("order", ["tp_then_peft", "peft_then_tp"])
+def test_adapter_trains_like_one_process(arch, world, order):
+    name, base, ref = arch
+    results = tpkit.run_threads(_rank_run(base, name, order, ref["states"][-1]), world)
+    bad = compare(results, ref)
+    for rank, got in enumerate(results):
         for what in ("merged", "unmerged", "unloaded"):  # the same adapter values: bit for bit
             lay = got["unloaded_layouts"] if what == "unloaded" else got["layouts"]
             for key, local in got[what].items():
@@ -214,3 +223,87 @@ def test_stock_adapter_files_round_trip(arch, tmp_path):
     again = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "tp"))
     with torch.no_grad():
         assert rel(again(input_ids=ids).logits, want) <= TOL
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_training_mode_vocab_parallel_loss(arch, backend):
+    """mode="training" (logits split over the vocabulary, `vocab_parallel_cross_entropy`), 3 steps at 2 ranks, on
+    thread-ranks and on real gloo processes (`tpkit.launch`)."""
+    name, base, ref = arch
+    if backend == "gloo" and name != "llama":
+        pytest.skip("one architecture through real processes")
+    results = tpkit.launch(_training_rank, 2, backend=backend, args=(base, name, 3))
+    bad = compare(results, dict(ref, losses=ref["losses"][:3], states=ref["states"][:3]))
+    assert not bad, "\n".join(bad[:12])
+
+
+def _training_rank(base, name: str, steps: int) -> dict:
+    """One rank (a thread or a process): convert for training, add the adapter, train `steps` steps."""
+    model = with_adapter(tpkit.parallelize(copy.deepcopy(base), mode="training"), lora_config(name))
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    losses, states = train(model, steps)
+    return dict(losses=losses, states=states, layouts=tpkit.shard_layouts(model), trainable=trainable)
+
+
+def test_no_collective_added_in_the_forward(arch):
+    """The adapter's forward adds no collective: per forward the same all-reduces and all-gathers as the base TP
+    model; the backward adds one gradient sum per whole factor."""
+    from tpkit.comm import CommProfiler
+
+    name, base, _ = arch
+    ids = batch(0)
+
+    def body(comm):
+        counts = {}
+        for what in ("base", "lora"):
+            prof = CommProfiler(comm)
+            model = tpkit.parallelize(copy.deepcopy(base), comm=prof)
+            if what == "lora":
+                model = with_adapter(model, lora_config(name))
+            prof._records.clear()
+            loss = loss_of(model, ids)
+            counts[what, "forward"] = sorted(r.op for r in prof.records)
+            prof._records.clear()
+            loss.backward()
+            counts[what, "backward"] = sorted((r.op, len(r.shape) == 2 and 4 in r.shape) for r in prof.records)
+        return counts
+
+    counts = tpkit.run_threads(body, 2)[0]
+    assert counts["lora", "forward"] == counts["base", "forward"]
+    wrapped = len([k for k in tpkit.plan(base, 2).entries if k.split(".")[-1] in ARCHS[name][1]["target_modules"]])
+    factor_sums = [op for op, factor in counts["lora", "backward"] if factor]
+    assert factor_sums == ["all_reduce"] * wrapped  # one [r, in] or [out, r] gradient sum per adapted layer
+    # and otherwise no more than the base's (the base's first input-gradient all-reduce is skipped when only the
+    # adapter trains: nothing before it needs a gradient)
+    assert len(counts["lora", "backward"]) - wrapped <= len(counts["base", "backward"])
+
+
+@pytest.mark.parametrize("bad", ["dora", "embedding", "pissa"])
+def test_refused_before_anything_changes(arch, bad):
+    """What cannot be split exactly is refused, naming the layer and the way out, in either order, with the model
+    left as it was."""
+    name, base, _ = arch
+    if name != "llama":
+        pytest.skip("one architecture")
+    over = {"dora": dict(use_dora=True), "embedding": dict(target_modules=["embed_tokens", "q_proj"]),
+            "pissa": dict(init_lora_weights="pissa")}[bad]
+    said = {"dora": "DoRA", "embedding": "embed", "pissa": "pissa"}[bad]
+
+    def body(comm):
+        model = tpkit.parallelize(copy.deepcopy(base), comm=comm)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError, match=said) as first:
+            with_adapter(model, lora_config(name, **over))
+        assert "model.layers.0" in str(first.value) or "embed_tokens" in str(first.value)
+        assert not [m for m in model.modules() if "Lora" in type(m).__name__]
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        if bad != "pissa":  # on one process PiSSA reads the whole base weight: that adapter converts like any
+            wrapped = with_adapter(copy.deepcopy(base), lora_config(name, **over))
+            keys = {k: v.clone() for k, v in wrapped.state_dict().items()}
+            with pytest.raises(tpkit.PlanError, match=said):
+                tpkit.parallelize(wrapped, comm=comm)
+            assert all(torch.equal(keys[k], v) for k, v in wrapped.state_dict().items())
+            assert not [n for n, p in wrapped.named_parameters() if getattr(p, "tensor_model_parallel", False)]
+        return True
+
+    assert all(tpkit.run_threads(body, 2))
