@@ -345,3 +345,31 @@ def test_checkpoint_resumes_the_adapter_at_another_world_size(arch, tmp_path):
         assert abs(loss - ref["losses"][2]) <= TOL * abs(ref["losses"][2])
         for key, local in state.items():
             assert rel(local, layouts[key].shard(ref["states"][2][key])) <= TOL, (rank, key)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_estimate_and_analyze_count_the_adapter(arch, world):
+    """`estimate_memory(peft_model, N, mode="training")`: the base frozen, gradients and AdamW states for the
+    adapter only, as many bytes as the fullest rank of the converted adapter holds (at 3 ranks, where different
+    tensors are fullest on different ranks, a bound within 10%); `analyze` names each adapter tensor's split."""
+    name, base, _ = arch
+    peft_model = with_adapter(copy.deepcopy(base), lora_config(name))
+    est = tpkit.estimate_memory(peft_model, world, mode="training")
+    bare = tpkit.estimate_memory(base, world, mode="training")
+    adapter_bytes = [sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
+                     for m in tpkit.run_threads(lambda comm: tpkit.parallelize(copy.deepcopy(peft_model), comm=comm),
+                                                world)]
+    fullest = max(adapter_bytes)
+    assert fullest <= est.per_rank.gradients <= (1.0 if world == 2 else 1.1) * fullest
+    assert est.per_rank.optimizer_states == 2 * est.per_rank.gradients  # AdamW's two float64 states
+    assert est.per_rank.parameters == bare.per_rank.parameters + est.per_rank.gradients
+    assert est.single.gradients == sum(p.numel() * p.element_size() for p in peft_model.parameters()
+                                       if p.requires_grad)
+    report = tpkit.analyze(peft_model, world_size=world)
+    held = {r.name: r.style for r in report.layers if ".lora_" in r.name}
+    assert held and all(s.startswith("lora: ") for s in held.values())
+    assert any("rows as the base's" in s for s in held.values())
+    assert any("gradient summed" in s for s in held.values())
+    assert isinstance(peft_model.base_model.model, type(base))  # the wrappers are back after the analysis
+    assert any("Lora" in type(m).__name__ or type(m).__name__ == "Linear" and hasattr(m, "lora_A")
+               for m in peft_model.modules())

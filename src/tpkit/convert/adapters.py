@@ -10,13 +10,18 @@ PEFT is imported only when the model holds its layers (it is then already import
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 from torch import nn
 
 from .errors import PlanError
 from .layouts import check_grad_sums
+from .plan import Plan
+from .registry import module_layouts
+from .styles import REPLICATE
 
 
 def _peft_loaded() -> bool:
@@ -89,26 +94,68 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+@contextlib.contextmanager
+def bare_model(model: nn.Module) -> Iterator[tuple[nn.Module, dict[str, nn.Module]]]:
+    """Inside the block, `(inner_model(model), wrappers by name)` with every LoRA wrapper replaced by its base
+    layer (the model as it was before PEFT); the wrappers are put back after, whatever happens."""
+    target = inner_model(model)
+    wrapped = lora_wrapped(target)
+    for name, w in wrapped.items():
+        _set(target, name, w.get_base_layer())
+    try:
+        yield target, wrapped
+    finally:
+        for name, w in wrapped.items():
+            _set(target, name, w)
+
+
+def adapter_tensors(wrapped: dict[str, nn.Module], plan: Plan | None, world: int) -> list[dict]:
+    """One record per adapter tensor of `wrapped` (unconverted wrappers, names as in `plan`): its name, shape,
+    element count and size, how it is held at `world` ranks under its base layer's planned style, and its elements
+    on the rank holding the most of it (from the base weight's layouts: KV rows two ranks share included)."""
+    out = []
+    for name, w in wrapped.items():
+        style = plan.entries.get(name, REPLICATE) if plan is not None and world > 1 else REPLICATE
+        base = w.get_base_layer()
+        rows = cols = None  # the most output rows / input columns a rank holds of the base
+        if style != REPLICATE:
+            lays = [module_layouts(base, style, plan.details.get(name), world, r)["weight"] for r in range(world)]
+            held = max(lays, key=lambda lay: lay.local_numel)
+            out_dim = 1 if held.transposed else 0
+            if held.dim == out_dim:
+                rows = max(lay.stored_local_shape[out_dim] for lay in lays)
+            elif held.dim is not None:
+                cols = max(lay.stored_local_shape[1 - out_dim] for lay in lays)
+        for factor in ("lora_A", "lora_B"):
+            for adapter, m in getattr(w, factor, {}).items():
+                for tname, t in m.named_parameters(recurse=False):
+                    shape = list(t.shape)
+                    if factor == "lora_B" and rows is not None:
+                        shape[0], held = rows, "rows as the base's"
+                    elif factor == "lora_A" and tname == "weight" and cols is not None:
+                        shape[1], held = cols, "columns as the base's"
+                    else:
+                        held = "whole" + (", gradient summed over the ranks" if style != REPLICATE else "")
+                    out.append(dict(name=f"{name}.{factor}.{adapter}.{tname}", shape=tuple(t.shape),
+                                    numel=t.numel(), element_size=t.element_size(), held=held,
+                                    per_rank=math.prod(shape), trainable=t.requires_grad))
+    return out
+
+
 def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
                         convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
     """Convert a model holding LoRA wrappers (`wrapped`, names inside `inner_model(model)`): the bare model by
     `convert`, then each wrapper around its new base layer. A failure leaves the model as it was."""
     from ..nn.lora import lora_layer_for
 
-    target = inner_model(model)
     for name, w in wrapped.items():
         _check_wrapper(name, w)
     bases = {name: w.get_base_layer() for name, w in wrapped.items()}
-    for name, base in bases.items():
-        _set(target, name, base)
-    try:
-        convert(target)
-    except BaseException:
-        for name, w in wrapped.items():
-            _set(target, name, w)
-        raise
+    with bare_model(model) as (target, _):
+        convert(target)  # an error leaves the model as it was, the wrappers back in place
+        converted = {name: target.get_submodule(name) for name in wrapped}
     for name, w in wrapped.items():
-        new = target.get_submodule(name)
+        new = converted[name]
         if new is not bases[name]:
             cls = lora_layer_for(new)
             if cls is None:
@@ -118,6 +165,5 @@ def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
             w.fan_in_fan_out = False
             for adapter in list(w.lora_A.keys()):
                 w.split_adapter(adapter)
-        _set(target, name, w)
     check_grad_sums(target, "parallelize")
     return model
