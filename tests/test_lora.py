@@ -373,3 +373,40 @@ def test_estimate_and_analyze_count_the_adapter(arch, world):
     assert isinstance(peft_model.base_model.model, type(base))  # the wrappers are back after the analysis
     assert any("Lora" in type(m).__name__ or type(m).__name__ == "Linear" and hasattr(m, "lora_A")
                for m in peft_model.modules())
+
+
+def _ddp_rank(base, name: str, steps: int) -> dict:
+    """tp2 x dp2: the adapter model under DDP over the dp group (only the adapter's gradients are reduced), each
+    dp rank on its half of the batch."""
+    world = tpkit.get_communicator()
+    tp, dp = tpkit.comm.split(world, 2)
+    model = with_adapter(tpkit.parallelize(copy.deepcopy(base), comm=tp), lora_config(name))
+    layouts = tpkit.shard_layouts(model)
+    wrapped = tpkit.data_parallel(model, dp, mode="ddp")
+    opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=LR)
+    states = []
+    for step in range(steps):
+        ids = batch(step).chunk(2)[dp.rank]
+        loss_of(wrapped, ids).backward()
+        opt.step()
+        opt.zero_grad()
+        states.append(adapter_state(model))
+    return dict(states=states, layouts=layouts)
+
+
+@pytest.mark.slow
+def test_data_parallel_ddp_over_the_adapter(arch):
+    """4 gloo processes as tp2 x dp2 under DDP: the adapter after each of 3 steps equals one PEFT process's on the
+    whole batch (DDP averages the two half-batch gradients: the whole batch's mean)."""
+    name, base, ref = arch
+    if name != "llama":
+        pytest.skip("one architecture")
+    results = tpkit.launch(_ddp_rank, 4, backend="gloo", args=(base, name, 3), timeout=300)
+    bad = []
+    for rank, got in enumerate(results):
+        for step, state in enumerate(got["states"]):
+            for key, local in state.items():
+                err = rel(local, got["layouts"][key].shard(ref["states"][step][key]))
+                if not err <= TOL:
+                    bad.append(f"rank {rank} step {step}: {key} rel {err:.2e}")
+    assert not bad, "\n".join(bad[:12])
