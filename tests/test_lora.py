@@ -5,7 +5,10 @@ model; 10 AdamW steps on the adapter at 2 and 3 ranks equal stock PEFT's (float6
 rank's adapter slice equal to the reference's sliced by `shard_layouts`, and the whole factors bit-identical on
 every rank; `merge_and_unload` leaves each rank the slice of PEFT's merged weight, and unmerging gives PEFT's
 unmerged weight. Models: Llama with 8 query / 2 KV heads (at 3 ranks a KV head is held by two ranks and expanded
-on one), Qwen2 with tied embeddings, qkv biases and LoRA on the LM head, GPT-2 with its fused Conv1D c_attn.
+on one), Qwen2 with tied embeddings, qkv biases, rsLoRA and LoRA on the LM head, GPT-2 with its fused Conv1D c_attn
+and lora_bias. Also: stock adapter files both ways and several adapters; mode="training" on thread-ranks and gloo
+processes; no collective added to the forward; refusals (DoRA, embeddings, PiSSA) before anything changes; a
+checkpoint resumed at another world size; estimate_memory / analyze of a PEFT model; DDP over the adapter.
 """
 from __future__ import annotations
 

@@ -20,8 +20,10 @@ from torch import nn
 from .errors import PlanError
 from .layouts import check_grad_sums
 from .plan import Plan
+from .planner import auto_plan
 from .registry import module_layouts
 from .styles import REPLICATE
+from .trace import analyze_structure
 
 
 def _peft_loaded() -> bool:
@@ -138,7 +140,22 @@ def adapter_tensors(wrapped: dict[str, nn.Module], plan: Plan | None, world: int
                         held = "whole" + (", gradient summed over the ranks" if style != REPLICATE else "")
                     out.append(dict(name=f"{name}.{factor}.{adapter}.{tname}", shape=tuple(t.shape),
                                     numel=t.numel(), element_size=t.element_size(), held=held,
-                                    per_rank=math.prod(shape), trainable=t.requires_grad))
+                                    per_rank=math.prod(shape), trainable=t.requires_grad,
+                                    bytes=t.numel() * t.element_size(), rank_bytes=math.prod(shape) * t.element_size()))
+    return out
+
+
+def adapter_memory(wrapped: dict[str, nn.Module], bare: nn.Module, worlds: list[int], mode: str,
+                   example_inputs=None) -> dict[int, tuple[int, int]]:
+    """Per world size, (adapter bytes on the fullest rank, what training adds to them: gradients of the same
+    dtype and AdamW's two fp32 states per trainable element), the base layers planned as `bare` (the model
+    without its wrappers) is planned automatically."""
+    a = analyze_structure(bare, example_inputs) if max(worlds) > 1 else None
+    out = {}
+    for w in worlds:
+        records = adapter_tensors(wrapped, auto_plan(a, w, mode) if w > 1 else None, w)
+        out[w] = (sum(t["rank_bytes"] for t in records),
+                  sum(t["per_rank"] * (t["element_size"] + 8) for t in records if t["trainable"]))
     return out
 
 

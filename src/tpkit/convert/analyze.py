@@ -17,7 +17,7 @@ from torch import nn
 
 from ..tables import format_bytes as human
 from ..layout import valid_world_sizes
-from .adapters import adapter_tensors, bare_model, inner_model, lora_wrapped
+from .adapters import adapter_memory, adapter_tensors, bare_model, inner_model, lora_wrapped
 from .modules import kind
 from .multinode import local_device_count, multi_node_advice
 from .plan import Plan
@@ -219,9 +219,8 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
         with bare_model(model) as (target, wrapped):
             report = analyze(target, world_size, max_world_size, device_memory, mode, example_inputs, advisor,
                              devices_per_node)
-            a = analyze_structure(target, example_inputs) if len(report.per_rank_bytes) > 1 else None
-            plans = {w: auto_plan(a, w, mode) for w in report.per_rank_bytes if a is not None and w > 1}
-        return _with_adapters(report, wrapped, device_memory, advisor is None, plans)
+            memory = adapter_memory(wrapped, target, list(report.per_rank_bytes), mode, example_inputs)
+        return _with_adapters(report, wrapped, device_memory, advisor is None, memory)
     a = analyze_structure(model, example_inputs)
     sizes = sorted({w for w in [1, 2, 4, 8, 16, 32, 64, 128, 256] if w <= max_world_size} | {max_world_size}
                    | ({world_size} if world_size else set()))
@@ -265,31 +264,19 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
 
 
 def _with_adapters(report: AnalysisReport, wrapped: dict[str, nn.Module], device_memory: Any, resuggest: bool,
-                   plans: dict[int, Plan]) -> AnalysisReport:
+                   memory: dict[int, tuple[int, int]]) -> AnalysisReport:
     """`report` (of the bare model) with a row per LoRA tensor, how it is held (`adapters.adapter_tensors`), and
-    the memory of LoRA training: the base's weights frozen, gradients and AdamW states for the adapter only."""
-    rows = adapter_tensors(wrapped, report.plan, report.world_size)
-    for t in rows:
-        b = t["numel"] * t["element_size"]
-        report.layers.append(LayerReport(t["name"], "LoRA", t["shape"], t["numel"], b, f"lora: {t['held']}",
-                                         "PEFT adapter: follows its base layer's split", t["per_rank"] *
-                                         t["element_size"]))
-        report.total_params += t["numel"]
-        report.total_bytes += b
-        if "as the base's" in t["held"]:
-            report.parallelizable_bytes += b
-    for w in report.per_rank_bytes:
-        ranked = rows if w == report.world_size else adapter_tensors(wrapped, plans.get(w), w)
-        adapter = sum(t["per_rank"] * t["element_size"] for t in ranked)
-        trained = sum(t["per_rank"] * (t["element_size"] + 8) for t in ranked if t["trainable"])
-        report.per_rank_bytes[w] += adapter
+    the memory of LoRA training: the base frozen, gradients and AdamW states for the adapter only (not planned)."""
+    for t in adapter_tensors(wrapped, report.plan, report.world_size):
+        report.layers.append(LayerReport(t["name"], "LoRA", t["shape"], t["numel"], t["bytes"], f"lora: {t['held']}",
+                                         "PEFT adapter: follows its base layer's split", t["rank_bytes"]))
+        report.total_params, report.total_bytes = report.total_params + t["numel"], report.total_bytes + t["bytes"]
+    for w, (held, trained) in memory.items():
+        report.per_rank_bytes[w] += held
         report.per_rank_memory[w] = report.per_rank_bytes[w] + (trained if report.mode == "training" else 0)
     if resuggest:
-        dev, source = _budget(device_memory)
-        report.suggested_world_size, report.suggestion = _suggest(report.per_rank_memory, dev, source, report.mode)
-    if report.mode == "training":
-        report.recommendations.append("LoRA: the base model is frozen; training memory counts gradients and AdamW "
-                                      "states for the adapter only")
+        report.suggested_world_size, report.suggestion = _suggest(report.per_rank_memory, *_budget(device_memory),
+                                                                  report.mode)
     return report
 
 
