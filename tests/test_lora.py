@@ -5,8 +5,8 @@ model; 10 AdamW steps on the adapter at 2 and 3 ranks equal stock PEFT's (float6
 rank's adapter slice equal to the reference's sliced by `shard_layouts`, and the whole factors bit-identical on
 every rank; `merge_and_unload` leaves each rank the slice of PEFT's merged weight, and unmerging gives PEFT's
 unmerged weight. Models: Llama with 8 query / 2 KV heads (at 3 ranks a KV head is held by two ranks and expanded
-on one), Qwen2 with tied embeddings, qkv biases, rsLoRA and LoRA on the LM head, GPT-2 with its fused Conv1D c_attn
-and lora_bias. Also: stock adapter files both ways and several adapters; mode="training" on thread-ranks and gloo
+on one), Qwen2 with tied embeddings, qkv biases, rsLoRA and LoRA on the LM head, Phi-3 with its fused qkv_proj and
+gate_up_proj (split piece by piece), GPT-2 with its fused Conv1D c_attn and lora_bias. Also: stock adapter files both ways and several adapters; mode="training" on thread-ranks and gloo
 processes; no collective added to the forward; refusals (DoRA, embeddings, PiSSA) before anything changes; a
 checkpoint resumed at another world size; estimate_memory / analyze of a PEFT model; DDP over the adapter.
 """
@@ -46,6 +46,8 @@ ARCHS = {
     "qwen2_tied": (lambda: _build("Qwen2Config", "Qwen2ForCausalLM", **_DEC, tie_word_embeddings=True),
                    dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "lm_head"],
                         use_rslora=True)),
+    "phi3": (lambda: _build("Phi3Config", "Phi3ForCausalLM", **_DEC, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+             dict(target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])),
     "gpt2": (lambda: _build("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4,
                             n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                             eos_token_id=0),
