@@ -1,7 +1,8 @@
 """The newcomer's examples under real torchrun (2 gloo processes) on a tiny Llama saved with a word-level tokenizer:
 examples/finetune.py at tp2 trains as one process would (losses and weights against plain transformers + AdamW),
 resumes to the end of an uninterrupted run bit for bit, and its --consolidate directory loads in transformers;
-at tp1 x dp2 under FSDP2 it trains the same; examples/generate.py at tp2 gives transformers' own greedy tokens."""
+at tp1 x dp2 under FSDP2 it trains the same; examples/generate.py at tp2 gives transformers' own greedy tokens;
+examples/lora.py at tp2 trains a LoRA adapter as one PEFT process does and saves the stock adapter files."""
 from __future__ import annotations
 
 import argparse
@@ -170,3 +171,42 @@ def test_finetune_data_is_text_through_the_tokenizer_or_integer_ids(llama, tmp_p
     assert torch.equal(b, finetune.batch(5, stream, 103, args))  # a function of the step alone
     assert all(torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 3)) for row in b)  # windows of the stream
     assert finetune.batch(5, None, 103, args).shape == (2, 3)
+
+
+@pytest.mark.slow
+def test_lora_at_tp2_trains_as_one_peft_process_and_saves_a_stock_adapter(llama, tmp_path):
+    """examples/lora.py at tp2: the losses of one process of transformers + PEFT + AdamW on the same batches, and
+    an adapter directory PEFT loads on one process holding that process's trained adapter."""
+    import peft
+    import transformers as tr
+    from safetensors.torch import load_file
+
+    data = os.path.join(os.path.dirname(llama), "train.txt")
+    out = str(tmp_path / "adapter")
+    output = _run("lora.py", "--model", llama, "--data", data, "--seq", "16", "--global-batch", "4", "--lr", "1e-3",
+                  "--steps", "3", "--out", out)
+    finetune = _example("finetune")
+    model = tr.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).train()
+    torch.manual_seed(0)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                       target_modules=_example("lora").TARGETS.split(",")))
+    tokens = finetune.load_tokens(data, finetune.tokenizer_in(llama), model.config.vocab_size)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for step in range(3):
+        ids = finetune.batch(step, tokens, model.config.vocab_size, argparse.Namespace(seed=0, seq=16, global_batch=4))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    printed = _losses(output)
+    assert sorted(printed) == [1, 2, 3], output
+    assert all(abs(float(printed[s + 1]) - want) < 2e-4 for s, want in enumerate(losses)), (printed, losses)
+    saved = load_file(os.path.join(out, "adapter_model.safetensors"))
+    want = {k: v for k, v in peft.get_peft_model_state_dict(model).items()}
+    assert saved.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.allclose(saved[k], v, rtol=0, atol=1e-4), (k, (saved[k] - v).abs().max())
+    loaded = peft.PeftModel.from_pretrained(tr.AutoModelForCausalLM.from_pretrained(llama), out)
+    assert set(loaded.peft_config["default"].target_modules) == set(_example("lora").TARGETS.split(","))

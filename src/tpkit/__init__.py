@@ -32,6 +32,7 @@ from .estimate import (MemoryEstimate, SpeedEstimate, SpeedProfile, calibrate_pr
                        load_profile, save_profile)
 from .checkpoint import CheckpointError, Checkpointer, consolidate, from_pretrained, load_sharded, save_sharded
 from .quant import QuantizationError
+from .checkpoint.peft_adapter import lora_config
 from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh, no_sync
 from .recompute import recompute
 from .replicas import ReplicaError, ReplicaReport, check_replicas, watch_replicas
@@ -52,7 +53,7 @@ __all__ = [
     "broadcast_tensor", "create_communicator", "get_communicator", "get_tensor_parallel_config", "init",
     "init_tensor_parallel", "launch", "run_threads", "set_communicator", "shutdown", "synchronize_across_ranks",
     "use_communicator",
-    "CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded",
+    "CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded", "lora_config",
     "QuantizationError",
     "data_parallel", "data_parallel_manual_seed", "device_mesh", "no_sync", "recompute",
     "ReplicaError", "ReplicaReport", "check_replicas", "watch_replicas",

@@ -46,8 +46,9 @@ def attach(model: nn.Module, conversion: Conversion) -> None:
 
 
 def conversion_of(model: nn.Module) -> Conversion | None:
-    """The conversion record `model` itself holds (None when it was not converted)."""
-    return getattr(model, _ATTR, None)
+    """The conversion record `model` itself holds (None when it was not converted); its own attribute only, not one
+    a wrapper forwards to the model it wraps (PEFT's `PeftModel` / `LoraModel` forward unknown attributes)."""
+    return model.__dict__.get(_ATTR)
 
 
 def conversions_in(model: nn.Module) -> list[tuple[str, Conversion]]:

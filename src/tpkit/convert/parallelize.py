@@ -33,6 +33,7 @@ from torch import nn
 
 from ..nn._layer import resolve_comm
 from ..quant import Quantization
+from .adapters import enable_peft, inner_model, lora_wrapped, parallelize_wrapped
 from .conversion import Conversion, attach
 from .errors import PlanError
 from .dryrun import dry_run, fits_real_copy
@@ -95,6 +96,10 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     checkpoint records it); it is applied without tracing the model or re-checking the dataflow, which was
     done when it was made (reloads skip the trace). Ignored with sequence parallelism, which needs the trace.
 
+    A model holding PEFT LoRA adapters (a `PeftModel`, or layers PEFT wrapped) converts as the bare model would,
+    each adapter following its base layer's split (`tpkit.nn.lora`): the model `peft.get_peft_model` gives on the
+    converted model.
+
     `reuse` (default on; `TPKIT_PLAN_REUSE=0` turns it off), as for `tpkit.plan`: with "auto" or a mapping of
     overrides, a model whose blocks repeat is traced and dry-run cut to its distinct blocks and the plan expanded
     to the others; the result equals the whole trace's (which is made instead wherever that is unsure, and always
@@ -107,6 +112,12 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     refuse_quantized(model)
     comm = resolve_comm(comm)
     world, rank = comm.world_size, comm.rank
+    enable_peft()
+    wrapped = lora_wrapped(inner_model(model))
+    if wrapped:  # PEFT LoRA layers: convert the bare model, the adapters follow their base layers (adapters.py)
+        return parallelize_wrapped(model, wrapped, lambda bare: parallelize(
+            bare, plan, comm, mode=mode, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
+            recorded=recorded, reuse=reuse))
     done = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)]
     if done:
         raise PlanError(f"parallelize: the model already holds tensor-parallel shards (e.g. {done[0]}); it was "

@@ -190,3 +190,11 @@ def stored_weight_bytes(scheme: WeightQuant, dense: ShardLayout, scale_bytes: in
         except QuantizationError:  # a split the format cannot follow (loading refuses it): its share of the bytes
             total += math.prod(s.shape) * size * dense.local_numel // max(math.prod(dense.full_shape), 1)
     return total
+
+
+def quantized_note(quant: Quantization) -> str:
+    """`analyze`'s line about a quantized checkpoint: what its bytes count, its format and units."""
+    units = "; ".join(sorted({f"{q.describe()}: splits keep whole units of {q.units()[0]} output x {q.units()[1]} "
+                              f"input features where they can" for _, q in quant.groups}))
+    return (f"quantized checkpoint ({quant.method}): bytes count the stored tensors (packed weights, scales, zero "
+            f"points); {units}. Load it with tpkit.from_pretrained(path): each rank reads its packed slices")

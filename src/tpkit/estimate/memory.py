@@ -10,11 +10,14 @@ the same `MemoryEstimate`.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import torch
 from torch import nn
 
+from ..convert.adapters import adapter_tensors, bare_model, inner_model, lora_wrapped
+from ..convert.planner import plan
 from ..quant import config_quantization
 from .activations import normalise_recompute, transformer_activation_bytes, transformer_inference_bytes
 from .communication import largest_collective_bytes
@@ -63,6 +66,12 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     recompute = normalise_recompute(recompute)
     _check_dp(dp_size, dp_mode)
+    if isinstance(model_or_config, nn.Module) and lora_wrapped(inner_model(model_or_config)):
+        with bare_model(model_or_config) as (target, wrapped):  # PEFT LoRA: the bare model, then the adapter
+            est = estimate_memory(target, world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel,
+                                  recompute, attention, master_weights, example_input, input_shape, dp_size, dp_mode)
+            the_plan = plan(target, world_size, mode=mode) if world_size > 1 else None
+        return _with_adapter(est, wrapped, the_plan, optimizer, master_weights)
     config, shape = resolve_target(model_or_config, "estimate_memory")
     dp = (dp_size, dp_mode if dp_size > 1 else None)
     if shape is not None:
@@ -75,6 +84,30 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
         est = _estimate_module(model_or_config, world_size, dtype, mode, optimizer, batch_size, master_weights,
                                example_input, input_shape, seq_len, dp)
     est.dp_size, est.dp_mode = dp_size, dp[1]
+    return est
+
+
+def _with_adapter(est: MemoryEstimate, wrapped: dict, the_plan, optimizer: str,
+                  master_weights: bool | None) -> MemoryEstimate:
+    """`est` (of the bare model) for LoRA training: the adapter's weights added (split as its base layers), the
+    base frozen, so gradients and optimizer states are the adapter's only. Activations are the bare model's (the
+    adapter's `r` features per token and target are not counted)."""
+    dtype = getattr(torch, est.dtype)
+    B, training = dtype.itemsize, est.mode == "training"
+    opt = optimizer_bytes_per_parameter(optimizer, dtype, master_weights) if training else 0
+    out = []
+    for world, b in ((1, est.single), (est.world_size, est.per_rank)):
+        records = adapter_tensors(wrapped, the_plan, world)
+        held = sum(t["per_rank"] for t in records)
+        trained = sum(t["per_rank"] for t in records if t["trainable"]) if training else 0
+        out.append((held, dataclasses.replace(b, parameters=b.parameters + held * B, gradients=trained * B,
+                                              optimizer_states=trained * opt)))
+    (one, est.single), (rank, est.per_rank) = out
+    est.parameters_total += one
+    est.parameters_per_rank += rank
+    if training:
+        est.notes.append(f"LoRA: the base model is frozen; gradients and {optimizer} states for the adapter's "
+                         f"{rank} parameters per rank only")
     return est
 
 

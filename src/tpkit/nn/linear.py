@@ -18,7 +18,7 @@ At world size 1 `forward` is exactly `F.linear(x, weight, bias)`: no autograd Fu
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_
                        reduce_scatter_to_sequence_region, scatter_to_region)
 from .partition import partition_sizes
 from .sequence_parallel import mark_sequence_parallel
+
+#: A branch added to a layer's local product (a LoRA adapter): the region's input in, a local output out.
+Adapter = Callable[[torch.Tensor], torch.Tensor]
 
 
 class _ParallelLinear(TensorParallelModule):
@@ -133,15 +136,21 @@ class ColumnParallelLinear(_ParallelLinear):
                              "would gather the features out of order")
         self.output_size_per_partition = self.partition_sizes[self.rank]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapter: Adapter | None = None) -> torch.Tensor:
+        """`adapter` (a LoRA branch, `tpkit.nn.lora`): called on the input as this layer's shard multiplies it
+        (after the copy / gather into the region) and added to the local output before any gather, so the branch
+        shares the layer's one backward all-reduce of the input gradient and its forward hooks."""
         if self.world_size == 1:
-            return self.matmul(x, self.bias)
+            y = self.matmul(x, self.bias)
+            return y if adapter is None else y + adapter(x)
         check_last_dim("ColumnParallelLinear", x, self.in_features, "input features")
         if self.sequence_parallel:
             x = gather_from_sequence_region(x, self.comm, self.sequence_dim)
         else:
             x = copy_to_region(x, self.comm)
         y = self.matmul(x, self.bias)
+        if adapter is not None:
+            y = y + adapter(x)
         if self.gather_output:
             y = gather_from_region(y, self.comm, -1, self.partition_sizes)
         return y
@@ -176,9 +185,12 @@ class RowParallelLinear(_ParallelLinear):
         if self.sequence_parallel and self.bias is not None:
             mark_sequence_parallel([self.bias])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapter: Adapter | None = None) -> torch.Tensor:
+        """`adapter` (a LoRA branch, `tpkit.nn.lora`): called on this rank's slice of the input; its result, a
+        partial sum like the shard's product, is added before the one all-reduce (no collective of its own)."""
         if self.world_size == 1:
-            return self.matmul(x, self.bias)
+            y = self.matmul(x, self.bias)
+            return y if adapter is None else y + adapter(x)
         if self.input_is_parallel:
             check_last_dim("RowParallelLinear", x, self.input_size_per_partition,
                            f"input features (this rank's slice of {self.in_features}; pass input_is_parallel=False "
@@ -187,6 +199,8 @@ class RowParallelLinear(_ParallelLinear):
             check_last_dim("RowParallelLinear", x, self.in_features, "input features")
             x = scatter_to_region(x, self.comm, -1, self.partition_sizes)
         y = self.matmul(x, None)
+        if adapter is not None:
+            y = y + adapter(x)
         if self.sequence_parallel:
             check_sequence_divisible("RowParallelLinear", y, self.sequence_dim, self.world_size)
             y = reduce_scatter_to_sequence_region(y, self.comm, self.sequence_dim)

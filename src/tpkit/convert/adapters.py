@@ -1,0 +1,186 @@
+"""PEFT LoRA adapters and the converter: a LoRA-wrapped layer is converted as its base layer, and the adapter
+follows the base's split (`tpkit.nn.lora`); the layouts of the adapter's tensors derive from the base weight's.
+
+`parallelize(peft_model)` takes the LoRA wrappers out (each base layer back in its place), converts the bare
+model exactly as an unwrapped one would be converted (same trace, same plan: LoRA's A -> B is never taken for a
+column -> row pair), then puts each wrapper back around its new base layer, its factors split to match. The
+result is the model `peft.get_peft_model` gives on a converted model (the other order).
+
+PEFT is imported only when the model holds its layers (it is then already imported).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from typing import Callable, Iterator
+
+from torch import nn
+
+from .errors import PlanError
+from .layouts import check_grad_sums
+from .plan import Plan
+from .planner import auto_plan
+from .registry import module_layouts
+from .styles import REPLICATE
+from .trace import analyze_structure
+
+
+def _peft_loaded() -> bool:
+    return "peft" in sys.modules
+
+
+#: What else to install into PEFT with tpkit's layers (layers above convert register here: the stock adapter
+#: files of `tpkit.checkpoint.peft_adapter`).
+ON_PEFT: list[Callable[[], None]] = []
+
+
+def enable_peft() -> None:
+    """When PEFT is imported, make its LoRA dispatch know tpkit's layers (`tpkit.nn.lora.install`) and run what
+    registered in `ON_PEFT` (each idempotent)."""
+    if _peft_loaded():
+        from ..nn.lora import install
+
+        install()
+        for hook in ON_PEFT:
+            hook()
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The model PEFT wraps (a `PeftModel`'s base model, a `LoraModel`'s model), or `model` itself."""
+    if _peft_loaded():
+        from peft import PeftModel
+        from peft.tuners.tuners_utils import BaseTuner
+
+        if isinstance(model, PeftModel):
+            model = model.base_model
+        if isinstance(model, BaseTuner):
+            model = model.model
+    return model
+
+
+def lora_wrapped(model: nn.Module) -> dict[str, nn.Module]:
+    """`{name: wrapper}` of the outermost PEFT adapter layers in `model` (empty without PEFT)."""
+    if not _peft_loaded():
+        return {}
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, BaseTunerLayer) and not any(name.startswith(n + ".") for n in out):
+            out[name] = m
+    return out
+
+
+def _check_wrapper(name: str, w: nn.Module) -> None:
+    """Refuse, before anything changes, an adapter layer the converter cannot split exactly."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    from ..nn.lora import DORA_REASON
+
+    if type(w) is not LoraLinear:
+        what = "an embedding" if "Embedding" in type(w).__name__ else f"a {type(w).__name__}"
+        raise PlanError(f"{name}: its LoRA adapter is on {what}, which tpkit does not split with an adapter yet; "
+                        f"leave it out of target_modules (LoRA on Linear / Conv1D layers is supported)")
+    if w.merged:
+        raise PlanError(f"{name}: its LoRA adapter(s) {w.merged_adapters} are merged into the base weight; call "
+                        f"unmerge_adapter() (or merge_and_unload()) before tpkit.parallelize")
+    for adapter, variant in w.lora_variant.items():
+        why = DORA_REASON if "Dora" in type(variant).__name__ else (
+            f"the LoRA variant {type(variant).__name__} is not supported under tensor parallelism; use plain LoRA")
+        raise PlanError(f"{name}: adapter {adapter!r}: {why}")
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+@contextlib.contextmanager
+def bare_model(model: nn.Module) -> Iterator[tuple[nn.Module, dict[str, nn.Module]]]:
+    """Inside the block, `(inner_model(model), wrappers by name)` with every LoRA wrapper replaced by its base
+    layer (the model as it was before PEFT); the wrappers are put back after, whatever happens."""
+    target = inner_model(model)
+    wrapped = lora_wrapped(target)
+    for name, w in wrapped.items():
+        _set(target, name, w.get_base_layer())
+    try:
+        yield target, wrapped
+    finally:
+        for name, w in wrapped.items():
+            _set(target, name, w)
+
+
+def adapter_tensors(wrapped: dict[str, nn.Module], plan: Plan | None, world: int) -> list[dict]:
+    """One record per adapter tensor of `wrapped` (unconverted wrappers, names as in `plan`): its name, shape,
+    element count and size, how it is held at `world` ranks under its base layer's planned style, and its elements
+    on the rank holding the most of it (from the base weight's layouts: KV rows two ranks share included)."""
+    out = []
+    for name, w in wrapped.items():
+        style = plan.entries.get(name, REPLICATE) if plan is not None and world > 1 else REPLICATE
+        base = w.get_base_layer()
+        rows = cols = None  # the most output rows / input columns a rank holds of the base
+        if style != REPLICATE:
+            lays = [module_layouts(base, style, plan.details.get(name), world, r)["weight"] for r in range(world)]
+            held = max(lays, key=lambda lay: lay.local_numel)
+            out_dim = 1 if held.transposed else 0
+            if held.dim == out_dim:
+                rows = max(lay.stored_local_shape[out_dim] for lay in lays)
+            elif held.dim is not None:
+                cols = max(lay.stored_local_shape[1 - out_dim] for lay in lays)
+        for factor in ("lora_A", "lora_B"):
+            for adapter, m in getattr(w, factor, {}).items():
+                for tname, t in m.named_parameters(recurse=False):
+                    shape = list(t.shape)
+                    if factor == "lora_B" and rows is not None:
+                        shape[0], held = rows, "rows as the base's"
+                    elif factor == "lora_A" and tname == "weight" and cols is not None:
+                        shape[1], held = cols, "columns as the base's"
+                    else:
+                        held = "whole" + (", gradient summed over the ranks" if style != REPLICATE else "")
+                    out.append(dict(name=f"{name}.{factor}.{adapter}.{tname}", shape=tuple(t.shape),
+                                    numel=t.numel(), element_size=t.element_size(), held=held,
+                                    per_rank=math.prod(shape), trainable=t.requires_grad,
+                                    bytes=t.numel() * t.element_size(), rank_bytes=math.prod(shape) * t.element_size()))
+    return out
+
+
+def adapter_memory(wrapped: dict[str, nn.Module], bare: nn.Module, worlds: list[int], mode: str,
+                   example_inputs=None) -> dict[int, tuple[int, int]]:
+    """Per world size, (adapter bytes on the fullest rank, what training adds to them: gradients of the same
+    dtype and AdamW's two fp32 states per trainable element), the base layers planned as `bare` (the model
+    without its wrappers) is planned automatically."""
+    a = analyze_structure(bare, example_inputs) if max(worlds) > 1 else None
+    out = {}
+    for w in worlds:
+        records = adapter_tensors(wrapped, auto_plan(a, w, mode) if w > 1 else None, w)
+        out[w] = (sum(t["rank_bytes"] for t in records),
+                  sum(t["per_rank"] * (t["element_size"] + 8) for t in records if t["trainable"]))
+    return out
+
+
+def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
+                        convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """Convert a model holding LoRA wrappers (`wrapped`, names inside `inner_model(model)`): the bare model by
+    `convert`, then each wrapper around its new base layer. A failure leaves the model as it was."""
+    from ..nn.lora import lora_layer_for
+
+    for name, w in wrapped.items():
+        _check_wrapper(name, w)
+    bases = {name: w.get_base_layer() for name, w in wrapped.items()}
+    with bare_model(model) as (target, _):
+        convert(target)  # an error leaves the model as it was, the wrappers back in place
+        converted = {name: target.get_submodule(name) for name in wrapped}
+    for name, w in wrapped.items():
+        new = converted[name]
+        if new is not bases[name]:
+            cls = lora_layer_for(new)
+            if cls is None:
+                raise PlanError(f"{name}: its base layer became a {type(new).__name__}, which takes no LoRA adapter")
+            w.__class__ = cls
+            w._modules["base_layer"] = new
+            w.fan_in_fan_out = False
+            for adapter in list(w.lora_A.keys()):
+                w.split_adapter(adapter)
+    check_grad_sums(target, "parallelize")
+    return model

@@ -1,0 +1,305 @@
+"""LoRA adapters (Hugging Face PEFT) on tpkit's linear layers, split as Megatron splits them: no collective added.
+
+A LoRA adapter adds `scaling * B(A(x))` to a layer's output (A: `[r, in]`, B: `[out, r]`). On a
+`ColumnParallelLinear` (output features split) A stays whole and B holds the rows of the base's output features
+this rank holds (the same positions: whole heads, packed pieces, KV rows two ranks share); on a
+`RowParallelLinear` (input features split) A holds the base's input columns and B stays whole, and the
+adapter's product, a partial sum like the shard's, is added before the layer's one all-reduce. The branch runs
+inside the base layer's forward (`adapter=`), on the input as the shard sees it, so it shares the base's
+backward all-reduce of the input gradient and its forward hooks (KV-head expansion, gradient sums).
+
+The whole factor's gradient is a sum over ranks (the column's A sees each rank's output rows, the row's B each
+rank's partial input): `sum_grads` sums it in the backward, as it does for KV rows. Rows of B that two ranks
+hold (a shared KV head) are summed over their holders, as the base's rows are.
+
+The classes are PEFT's `lora.Linear` with their forward and initialisation changed: PEFT creates them through
+its custom-module dispatch (`register`), initialises each adapter full size under the same random draws as on
+one process (so a seeded run starts from the one-process adapter), and this rank keeps its slice. Merging,
+unmerging, several adapters, `set_adapter` and `disable_adapter` are PEFT's own code on the local shards, which
+is exact: a row or column slice of `B @ A` is `B_rows @ A` or `B @ A_columns`, the same sums.
+
+Imports PEFT (an optional dependency): nothing in `tpkit.nn` imports this module at load time.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora import LoraConfig
+from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.lora.model import LoraModel
+from torch import nn
+
+from .embedding import ParallelEmbedding, VocabParallelEmbedding
+from .grad_sums import GradSum, sum_grads, summed
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .partition import mark_replicated, mark_tensor_parallel
+from .sequence_parallel import mark_sequence_parallel
+
+#: `init_lora_weights` values that draw the adapter without reading the base weight (the others, PiSSA, OLoRA,
+#: LoftQ, EVA, CorDA, ..., decompose the full base weight, which no rank holds).
+PLAIN_INITS = (True, False, "gaussian")
+
+
+DORA_REASON = ("DoRA (use_dora=True) is not supported under tensor parallelism: its magnitude vector divides each "
+               "output row by the norm of the merged weight's row, which a row-parallel layer holds split over the "
+               "ranks. Use plain LoRA (use_dora=False), or train DoRA on an unconverted model")
+
+
+class LoraTPError(ValueError):
+    """A LoRA configuration or target that tpkit cannot split exactly; raised before any layer changes."""
+
+
+def check_config(config: LoraConfig, where: str) -> None:
+    """Refuse, naming the layer and the way out, what cannot run split: DoRA (its magnitude normalises each row of
+    the merged weight, which a row-parallel layer holds in pieces), LoRA variants, and inits that read the base."""
+    if getattr(config, "use_dora", False):
+        raise LoraTPError(f"{where}: {DORA_REASON}")
+    init = config.init_lora_weights
+    if not any(init is p or init == p for p in PLAIN_INITS):
+        raise LoraTPError(f"{where}: init_lora_weights={init!r} decomposes the full base weight, which no rank holds "
+                          f"under tensor parallelism; use init_lora_weights=True (or 'gaussian' / False), or "
+                          f"initialise on one process, save the adapter, and load it onto the TP model")
+    for field in ("use_bdlora", "alora_invocation_tokens", "arrow_config", "velora_config", "monteclora_config",
+                  "kasa_config", "mica"):
+        if getattr(config, field, None):
+            raise LoraTPError(f"{where}: the LoRA variant {field}={getattr(config, field)!r} is not supported under "
+                              f"tensor parallelism; use plain LoRA (rsLoRA, use_rslora=True, is supported)")
+
+
+class _ParallelLoraLinear(LoraLinear):
+    """PEFT's `lora.Linear` on a tpkit linear layer: `SPLIT` names the factor split with the base ('lora_B' on a
+    column layer, 'lora_A' on a row layer); the other is whole, its gradient summed over the ranks."""
+
+    SPLIT = ""
+    BASE: type = nn.Module
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig, r: int = 0,
+                 lora_alpha: int = 1, **kwargs: Any) -> None:
+        where = f"{kwargs.get('target_name') or type(base_layer).__name__}"
+        check_config(config, where)
+        kwargs.pop("fan_in_fan_out", None)
+        super().__init__(base_layer, adapter_name, config, r=r, lora_alpha=lora_alpha, **kwargs)
+        # tpkit's layers hold [out, in] whatever the original stored (GPT-2's Conv1D: [in, out]); the adapter's
+        # factors are the same either way, only the merge's transpose depended on it.
+        self.fan_in_fan_out = False
+
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        """The full layer's sizes: PEFT builds and initialises the adapter full size, then it is sliced."""
+        return int(module.in_features), int(module.out_features)
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: LoraConfig, **kwargs: Any) -> None:
+        check_config(config, kwargs.get("target_name") or type(self.get_base_layer()).__name__)
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        self.split_adapter(adapter_name)
+        self.fan_in_fan_out = False
+
+    # -------------------------------------------------------------------------------------------- the split
+    def split_adapter(self, adapter_name: str) -> None:
+        """Keep this rank's slice of adapter `adapter_name`'s split factor and install the whole factor's gradient
+        sum: after PEFT builds the adapter full size, or when the converter wraps a base layer it split."""
+        raise NotImplementedError
+
+    @property
+    def comm(self):
+        return self.get_base_layer().comm
+
+    def _local_positions(self, dim_size: int) -> tuple[int, ...]:
+        """Positions of the full split dimension this rank's base shard holds, in local order."""
+        base = self.get_base_layer()
+        if base.partition_index is not None:
+            return tuple(base.partition_index)
+        start = sum(base.partition_sizes[:base.rank])
+        return tuple(range(start, start + base.partition_sizes[base.rank]))
+
+    def _slice_positions(self) -> tuple[int, int, tuple[int, ...]]:
+        """(dim of the split factor's weight, its full size there, this rank's positions)."""
+        raise NotImplementedError
+
+    def _watch_loads(self) -> None:
+        """Once per layer: a full-size adapter tensor loaded into it (a stock PEFT file, a one-process state dict)
+        is cut to this rank's slice first (`take_slices`)."""
+        if not self.__dict__.get("_tp_takes_slices"):
+            self.register_load_state_dict_pre_hook(take_slices)
+            self.__dict__["_tp_takes_slices"] = True
+
+    def _cut(self, module: nn.Linear, name: str, dim: int, positions: tuple[int, ...]) -> None:
+        """Keep `positions` of `module.<name>` along `dim` (a new Parameter, marked as the base's shard)."""
+        p = getattr(module, name)
+        if p is None:
+            return
+        index = torch.tensor(positions, dtype=torch.long, device=p.device)
+        piece = nn.Parameter(p.detach().index_select(dim, index).clone(), requires_grad=p.requires_grad)
+        base_param = self.get_base_layer().weight
+        mark_tensor_parallel(piece, dim, getattr(base_param, "partition_sizes", ()))
+        if getattr(base_param, "partition_index", None) is not None:
+            piece.partition_index = tuple(positions)  # type: ignore[attr-defined]
+        replicas = getattr(base_param, "partition_replicas", None)
+        if replicas is not None:
+            piece.partition_replicas = replicas  # type: ignore[attr-defined]
+        setattr(module, name, piece)
+
+    def _active(self) -> list[str]:
+        return [a for a in self.active_adapters if a in self.lora_A.keys()]
+
+    # -------------------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        if kwargs.pop("adapter_names", None) is not None:
+            raise NotImplementedError(f"{type(self).__name__}: a mixed batch (adapter_names=) is not supported under "
+                                      f"tensor parallelism; call set_adapter() per batch")
+        for key in ("alora_offsets",):
+            kwargs.pop(key, None)
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged or not self._active():
+            return self.base_layer(x, *args, **kwargs)
+        return self.base_layer(x, *args, adapter=self._branch, **kwargs)
+
+    def _branch(self, x: torch.Tensor) -> torch.Tensor:
+        """The active adapters' sum on the input as the base's shard sees it."""
+        out = None
+        for name in self._active():
+            a, b, dropout, scaling = self.lora_A[name], self.lora_B[name], self.lora_dropout[name], self.scaling[name]
+            h = a(dropout(self._cast_input_dtype(x, a.weight.dtype)))
+            d = self._up(b, h) * scaling
+            out = d if out is None else out + d
+        return out.to(self.get_base_layer().weight.dtype)
+
+    def _up(self, b: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        return b(h)
+
+
+class ColumnParallelLoraLinear(_ParallelLoraLinear):
+    """LoRA on a `ColumnParallelLinear`: A whole (gradient summed over the ranks), B holds the base's output rows
+    (rows two ranks hold summed over their holders)."""
+
+    SPLIT = "lora_B"
+    BASE = ColumnParallelLinear
+
+    def _slice_positions(self) -> tuple[int, int, tuple[int, ...]]:
+        base = self.get_base_layer()
+        return 0, base.out_features, self._local_positions(base.out_features)
+
+    def split_adapter(self, adapter_name: str) -> None:
+        base = self.get_base_layer()
+        b, a = self.lora_B[adapter_name], self.lora_A[adapter_name]
+        rows = self._local_positions(base.out_features)
+        for name in ("weight", "bias"):
+            self._cut(b, name, 0, rows)
+        b.out_features = len(rows)
+        self._watch_loads()
+        mark_replicated(a.weight)
+        comm = base.comm
+        sum_grads(a, ["weight"], comm)
+        spec = _base_rows_sum(base)
+        if spec is not None:
+            sum_grads(b, {n: spec for n, p in b.named_parameters(recurse=False)}, comm)
+
+
+class RowParallelLoraLinear(_ParallelLoraLinear):
+    """LoRA on a `RowParallelLinear`: A holds the base's input columns, B whole (gradient summed over the ranks);
+    B's product joins the base's partial sum before its one all-reduce, B's bias is added after it."""
+
+    SPLIT = "lora_A"
+    BASE = RowParallelLinear
+
+    def _slice_positions(self) -> tuple[int, int, tuple[int, ...]]:
+        base = self.get_base_layer()
+        return 1, base.in_features, self._local_positions(base.in_features)
+
+    def split_adapter(self, adapter_name: str) -> None:
+        base = self.get_base_layer()
+        a, b = self.lora_A[adapter_name], self.lora_B[adapter_name]
+        self._cut(a, "weight", 1, self._local_positions(base.in_features))
+        a.in_features = a.weight.shape[1]
+        self._watch_loads()
+        for p in b.parameters(recurse=False):
+            mark_replicated(p)
+        sum_grads(b, ["weight"], base.comm)
+        if b.bias is not None and base.sequence_parallel:
+            mark_sequence_parallel([b.bias])
+
+    def _up(self, b: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        # B's bias is added once, after the reduction (forward below), so B's forward is not called: its weight
+        # enters through the gradient sum its forward would apply (the one `sum_grads` records for it).
+        return F.linear(h, summed(b._parameters["weight"], GradSum(), self.comm))
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = super().forward(x, *args, **kwargs)
+        if self.disable_adapters or self.merged:
+            return out
+        for name in self._active():
+            bias = self.lora_B[name].bias
+            if bias is not None:
+                out = out + (bias * self.scaling[name]).to(out.dtype)
+        return out
+
+
+def take_slices(module: _ParallelLoraLinear, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load pre-hook: replace each full-size tensor of the split factor (and of the base layer, which PEFT saves
+    for an LM head it targets, as `nn.Linear` stores it) in `state_dict` by this rank's slice; a tensor already of
+    the local size is left alone. So stock adapter files and one-process state dicts load."""
+    dim, full, positions = module._slice_positions()
+    for key in [k for k in state_dict if k.startswith((f"{prefix}{module.SPLIT}.", f"{prefix}base_layer."))]:
+        t, name = state_dict[key], key[len(prefix):]
+        along = dim if name.endswith("weight") else 0
+        if name == "base_layer.bias" and dim == 1:
+            continue  # a row layer's bias is whole
+        if isinstance(t, torch.Tensor) and t.dim() > along and t.shape[along] == full != len(positions):
+            state_dict[key] = t.index_select(along, torch.tensor(positions, dtype=torch.long, device=t.device))
+
+
+def _base_rows_sum(base: nn.Module) -> GradSum | None:
+    """The base weight's per-row gradient sum (rows several ranks hold), which B's rows then share."""
+    state = base.__dict__.get("tp_grad_sums")
+    spec = state.specs.get("weight") if state is not None else None
+    return spec if spec is not None and spec.rows is not None else None
+
+
+def _refuse_embedding(target: nn.Module, adapter_name: str, config: LoraConfig, **kwargs: Any) -> nn.Module:
+    name = kwargs.get("target_name") or type(target).__name__
+    raise LoraTPError(f"{name} ({type(target).__name__}): LoRA on a split embedding is not supported yet; leave "
+                      f"embeddings out of target_modules (or plan the embedding 'replicate' when converting)")
+
+
+#: tpkit layer type -> the LoRA layer PEFT builds on it (PEFT's custom-module dispatch).
+LORA_LAYERS: dict[type, Any] = {ColumnParallelLinear: ColumnParallelLoraLinear,
+                                RowParallelLinear: RowParallelLoraLinear,
+                                VocabParallelEmbedding: _refuse_embedding, ParallelEmbedding: _refuse_embedding}
+
+
+def lora_layer_for(module: nn.Module) -> type | None:
+    """The LoRA layer class for a tpkit layer (a summing subclass made by `sum_grads` included), or None."""
+    cls = next((v for k, v in LORA_LAYERS.items() if isinstance(module, k)), None)
+    return cls if isinstance(cls, type) else None
+
+
+def register(config: LoraConfig) -> LoraConfig:
+    """`config` with tpkit's layers registered in PEFT's custom-module dispatch (returns it, changed in place).
+    The registration is not part of the saved `adapter_config.json`, which stays a stock PEFT file."""
+    known = getattr(config, "_custom_modules", None) or {}
+    missing = {k: v for k, v in LORA_LAYERS.items() if known.get(k) is not v}
+    if missing:
+        config._register_custom_module(missing)
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def install() -> None:
+    """Make every LoRA config PEFT applies know tpkit's layers (idempotent): PEFT's module factory registers
+    them in the config it is given before dispatching, so `peft.get_peft_model(tp_model, LoraConfig(...))` and
+    `PeftModel.from_pretrained(tp_model, directory)` work with stock configs."""
+    original = LoraModel._create_new_module
+
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        if isinstance(lora_config, LoraConfig):
+            register(lora_config)
+        return original(lora_config, adapter_name, target, **kwargs)
+
+    _create_new_module.tpkit_original = original  # type: ignore[attr-defined]
+    LoraModel._create_new_module = staticmethod(_create_new_module)
