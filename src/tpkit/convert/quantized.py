@@ -104,7 +104,9 @@ def quantize_layers(model: nn.Module, quant: Quantization, dtype: torch.dtype,
     for name, m, scheme, dense in todo:
         dtypes = {s.name: file_dtype(find(f"{name}.{s.name}") or "") for s in stored_tensors(scheme, 8, 8)}
         stored = quantize_linear(m, scheme, dense, dtype, {k: v for k, v in dtypes.items() if v is not None}, name)
-        layouts.pop(f"{name}.weight", None)
+        # the dense weight's layout stays under `.weight` (no state-dict key now): what follows the base's split
+        # (a LoRA adapter's factors, `adapter_layouts.py`) reads it there as for a dense layer
+        layouts[f"{name}.weight"] = dense
         layouts.update({f"{name}.{n}": lay for n, lay in stored.items()})
     if conv is not None:
         attach(model, dataclasses.replace(conv, layouts=layouts))

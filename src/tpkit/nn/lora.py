@@ -37,6 +37,7 @@ from .grad_sums import GradSum, sum_grads, summed
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .partition import mark_replicated, mark_tensor_parallel
 from .sequence_parallel import mark_sequence_parallel
+from .quantized import quant_state
 
 #: `init_lora_weights` values that draw the adapter without reading the base weight (the others, PiSSA, OLoRA,
 #: LoftQ, EVA, CorDA, ..., decompose the full base weight, which no rank holds).
@@ -141,6 +142,18 @@ class _ParallelLoraLinear(LoraLinear):
             piece.partition_replicas = replicas  # type: ignore[attr-defined]
         setattr(module, name, piece)
 
+    def merge(self, *args: Any, **kwargs: Any) -> None:
+        """PEFT's merge, refused on a quantized base: its weight is packed integers, and the dequantized tensor
+        `weight` gives is a copy, so adding the delta to it would merge nothing while the adapter stops running."""
+        base = self.get_base_layer()
+        st = quant_state(base)
+        if st is not None:
+            raise LoraTPError(f"{type(base).__name__}: cannot merge a LoRA adapter into a quantized base layer "
+                              f"({st.scheme.describe()}): its weight is stored packed. Keep the adapter unmerged, "
+                              f"or load the checkpoint with tpkit.from_pretrained(path, dequantize=True) to merge "
+                              f"into dense weights")
+        super().merge(*args, **kwargs)
+
     def _active(self) -> list[str]:
         return [a for a in self.active_adapters if a in self.lora_A.keys()]
 
@@ -168,7 +181,7 @@ class _ParallelLoraLinear(LoraLinear):
             h = a(dropout(self._cast_input_dtype(x, a.weight.dtype)))
             d = self._up(b, h) * scaling
             out = d if out is None else out + d
-        return out.to(self.get_base_layer().weight.dtype)
+        return out.to(_base_dtype(self.get_base_layer()))
 
     def _up(self, b: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         return b(h)
@@ -254,10 +267,16 @@ def take_slices(module: _ParallelLoraLinear, state_dict: dict, prefix: str, *arg
             state_dict[key] = t.index_select(along, torch.tensor(positions, dtype=torch.long, device=t.device))
 
 
+def _base_dtype(base: nn.Module) -> torch.dtype:
+    """The base layer's compute dtype, without dequantizing a quantized base's weight to read it."""
+    st = quant_state(base)
+    return st.dtype if st is not None else base.weight.dtype
+
+
 def _base_rows_sum(base: nn.Module) -> GradSum | None:
     """The base weight's per-row gradient sum (rows several ranks hold), which B's rows then share."""
-    state = base.__dict__.get("tp_grad_sums")
-    spec = state.specs.get("weight") if state is not None else None
+    state, quantized = base.__dict__.get("tp_grad_sums"), quant_state(base)
+    spec = quantized.weight_sum if quantized is not None else state.specs.get("weight") if state is not None else None
     return spec if spec is not None and spec.rows is not None else None
 
 
