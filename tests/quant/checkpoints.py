@@ -50,6 +50,19 @@ def qwen2():
         return tr.Qwen2ForCausalLM(cfg).eval()
 
 
+def phi3():
+    """Fused `qkv_proj` (q 256, k 64, v 64 rows) and `gate_up_proj` (2 x 640): split piece by piece, each piece's
+    scales and packed zero points with it."""
+    import transformers as tr
+
+    cfg = tr.Phi3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=640, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+    with _LOCK:
+        torch.manual_seed(9)
+        return tr.Phi3ForCausalLM(cfg).eval()
+
+
 def _minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     if args.strategy == "group":
         g = w.unflatten(-1, (-1, args.group_size))

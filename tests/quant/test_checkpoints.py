@@ -29,6 +29,7 @@ FORMATS = {  # name -> (model, maker(directory, base, made) -> (directory, refer
     "ct-int4-group-asym": ("llama", lambda d, m, made: (C.compressed_tensors(m, d, "pack-quantized", **INT4), None)),
     "ct-int4-group-sym": ("qwen2", lambda d, m, made: (C.compressed_tensors(
         m, d, "pack-quantized", num_bits=4, type="int", symmetric=True, strategy="group", group_size=64), None)),
+    "ct-int4-phi3-fused": ("phi3", lambda d, m, made: (C.compressed_tensors(m, d, "pack-quantized", **INT4), None)),
     "ct-int8-channel-pack": ("llama", lambda d, m, made: (C.compressed_tensors(
         m, d, "pack-quantized", num_bits=8, type="int", symmetric=True, strategy="channel"), None)),
     "ct-w8a16-int": ("qwen2", lambda d, m, made: (C.compressed_tensors(
@@ -49,7 +50,7 @@ FORMATS = {  # name -> (model, maker(directory, base, made) -> (directory, refer
 def made(tmp_path_factory):
     """Each format's directory, its reference model and logits, made once."""
     root = tmp_path_factory.mktemp("quantized")
-    bases = {"llama": C.llama(), "qwen2": C.qwen2()}
+    bases = {"llama": C.llama(), "qwen2": C.qwen2(), "phi3": C.phi3()}
     dirs: dict[str, tuple[str, str | None]] = {}
 
     def directory(name: str) -> str:
@@ -237,3 +238,18 @@ def test_analyze_and_estimate_count_the_bytes_the_checkpoint_stores(made, fmt):
     est = tpkit.estimate_memory(config, 2, dtype=torch.float32)
     assert est.single.parameters == stored
     assert abs(est.per_rank.parameters - report.per_rank_bytes[2]) < 0.02 * stored
+
+
+@pytest.mark.parametrize("world,sizes", [(2, (384, 256)), (3, (256, 256, 128))])
+def test_groups_that_do_not_divide_split_whole(made, world, sizes):
+    """640 MLP features in 5 groups of 128: the row layer's input and its column partners' output rows split on
+    whole groups, unevenly, as heads are."""
+    directory = made("ct-int4-group-asym")[0]
+
+    def body(comm):
+        model = tpkit.from_pretrained(directory, comm=comm, progress=False)
+        mlp = model.model.layers[0].mlp
+        return [quant_state(m).dense.sizes() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+
+    for per_rank in run_threads(body, world):
+        assert per_rank == [sizes] * 3
