@@ -64,11 +64,18 @@ def ms_per_token(model, tokens: int) -> float:
     return (run(tokens) - run(1)) / (tokens - 1) * 1e3
 
 
-def _peak_rss() -> int:
-    """This process's peak resident set so far, in bytes (Linux reports KiB)."""
-    import resource
+def _status(field: str) -> int:
+    """A byte figure of /proc/self/status (VmRSS: resident now; VmHWM: the peak since the last reset)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def _reset_peak() -> int:
+    """Reset the process's peak RSS to its current RSS (Linux: clear_refs 5) and return the current RSS; a process
+    forked from one that built the model starts with that model's peak, which would hide the load's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
 
 
 def _tp_rank(dense: str, int4: str, tokens: int, repeats: int) -> dict:
@@ -77,12 +84,12 @@ def _tp_rank(dense: str, int4: str, tokens: int, repeats: int) -> dict:
     torch.set_num_threads(1)
     out = {}
     models = {}
-    for name, path in (("int4", int4), ("fp32", dense)):  # int4 first: the process's peak RSS is its load's
-        before = _peak_rss()
+    for name, path in (("int4", int4), ("fp32", dense)):
+        before = _reset_peak()
         start = time.perf_counter()
         models[name] = tpkit.from_pretrained(path, progress=False)
         out[f"load_{name}"] = time.perf_counter() - start
-        out[f"rss_{name}"] = _peak_rss() - before
+        out[f"rss_{name}"] = _status("VmHWM") - before
     for m in models.values():
         ms_per_token(m, 3)  # warm-up
     samples = {n: [] for n in models}
@@ -169,8 +176,9 @@ def main() -> None:
     lines = [f"| {n} | {d:.1f} | {l:.2f} | {'' if b is None else f'{b / 2 ** 20:.0f} MiB'} |" for n, d, l, b in rows]
     table = "\n".join(["| setup | decode ms/token | load s | bytes per rank |", "|---|---|---|---|"] + lines)
     ratio = r["decode_int4"] / r["decode_fp32"]
-    table += (f"\n\nPeak RSS added by loading the int4 checkpoint, the worse rank: {r['rss_int4'] / 2 ** 20:.0f} MiB "
-              f"(its tensors: {r['bytes_int4'] / 2 ** 20:.0f} MiB)")
+    table += (f"\n\nPeak RSS added while loading, the worse rank: int4 {r['rss_int4'] / 2 ** 20:.0f} MiB (its tensors "
+              f"{r['bytes_int4'] / 2 ** 20:.0f} MiB), float32 {r['rss_fp32'] / 2 ** 20:.0f} MiB (its tensors "
+              f"{r['bytes_fp32'] / 2 ** 20:.0f} MiB)")
     text = (f"{table}\n\nint4 decode at TP2 / float32 at TP2: **{ratio:.2f}x** (target <= 1.00); hidden {args.hidden}, "
             f"{args.layers} layers, {args.tokens} tokens, median of {args.repeats}, 1 thread per rank; "
             f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

@@ -39,10 +39,15 @@ def int4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' int4 words `[N, K / 8]` (value + 8, value `j` in bits `4j..4j+3`) in the layout of
     `torch.ops.aten._convert_weight_to_int4pack_for_cpu` (`[N, K / 2]` bytes; N a multiple of 64)."""
     n = packed.shape[0]
-    b = packed.contiguous().view(torch.uint8)
-    nib = torch.stack((b & 15, b >> 4), -1).flatten(-2)  # [N, K], value + 8
-    blocks = nib.view(n // 64, 2, 32, -1)
-    return (blocks[:, 0] | (blocks[:, 1] << 4)).transpose(1, 2).contiguous().view(n, -1)
+    blocks = packed.contiguous().view(n // 64, 2, 32, -1)
+    low, high = blocks[:, 0], blocks[:, 1]  # rows j and j + 32 of each block, [blocks, 32, K / 8] words
+    # a word's nibbles t = 0..7 are features 8w + t: pair row j's nibble (low half) with row j+32's (high half),
+    # even t and odd t in the bytes of two words, then interleave the bytes back into feature order
+    mask = 0x0F0F0F0F
+    even = (low & mask) | ((high & mask) << 4)
+    odd = ((low >> 4) & mask) | (high & ~mask)
+    pairs = torch.stack((even.view(torch.uint8), odd.view(torch.uint8)), -1).flatten(-2)  # [blocks, 32, K]
+    return pairs.transpose(1, 2).contiguous().view(n, -1)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
