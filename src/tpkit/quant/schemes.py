@@ -82,27 +82,25 @@ class WeightQuant:
         return f"{self.method} {kind} {what}{extra}"
 
     def units(self) -> tuple[int, int]:
-        """The (out, in) sizes a split should keep whole when it can (packing times group): a split on these
-        never cuts a group or a packed word."""
-        out_u, in_u = 1, 1
-        for s in stored_tensors(self, 1 << 20, 1 << 20):
-            for r in s.dims:
-                if r.dense == 0 and r.group < (1 << 20):
-                    out_u = math.lcm(out_u, r.unit)
-                elif r.dense == 1 and r.group < (1 << 20):
-                    in_u = math.lcm(in_u, r.unit)
-        return out_u, in_u
+        """The (out, in) sizes a split should keep whole when it can (packed words times groups or blocks): a split
+        on these never cuts a group or a packed word."""
+        return self._along(lambda r: r.unit)
 
     def packing(self) -> tuple[int, int]:
         """The (out, in) alignment a split must keep: dense entries packed into one stored word."""
-        out_p, in_p = 1, 1
-        for s in stored_tensors(self, 1 << 20, 1 << 20):
+        return self._along(lambda r: r.pack)
+
+    def _along(self, size_of) -> tuple[int, int]:
+        """`size_of(rule)` combined (lcm) over the stored tensors' dims that run along the weight's out / in dim,
+        read from `stored_tensors` of a layer large enough that a per-channel or per-tensor scale (one entry for a
+        whole dim) stands out from a group."""
+        probe = 64 * math.lcm(32, self.group_size or 1, *(self.block or ()))
+        out = [1, 1]
+        for s in stored_tensors(self, probe, probe):
             for r in s.dims:
-                if r.dense == 0:
-                    out_p = math.lcm(out_p, r.pack)
-                elif r.dense == 1:
-                    in_p = math.lcm(in_p, r.pack)
-        return out_p, in_p
+                if r.dense is not None and r.group < probe:
+                    out[r.dense] = math.lcm(out[r.dense], size_of(r))
+        return out[0], out[1]
 
 
 def _groups(size: int, group: int) -> int:
