@@ -12,6 +12,7 @@ Prints a markdown block for BENCHMARKS.md.
 
     python bench/quantized.py [--hidden 2048] [--layers 2] [--tokens 9] [--repeats 3]
     python bench/quantized.py --kernels [--hidden 2048]   # one MLP-sized layer, batch 1, 1 thread
+    python bench/quantized.py --formats                   # exactness and bytes per format, 2 and 3 thread-ranks
 
 `--kernels` times what a decode step of one layer (`out` = 2.75 x hidden, `in` = hidden, group 128) can cost per
 call: tpkit's dequantization of the packed int4 slice, torch's CPU weight-only kernels on their own packed layouts
@@ -151,6 +152,60 @@ def kernels(hidden: int, repeats: int = 20) -> str:
                      + rows)
 
 
+def formats() -> str:
+    """Per format of tests/quant (the checkpoints made the ecosystem's way): the worst logits error against
+    transformers' load of the directory, whether every rank's dequantized weight is the exact slice, and the
+    quantized tensors' bytes a rank holds over the file's bytes of those layers times the rank's share of each dense
+    weight (1.0: no overhead beyond the split itself; the worst rank)."""
+    import tpkit
+    from tpkit.comm import run_threads
+    from tpkit.nn.quantized import quant_state
+    from tests.quant import test_checkpoints as T
+
+    rows = ["| format | ranks | logits rel err | weights exact | stored bytes / its dense share of the file's | kernel |",
+            "|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        bases = {"llama": T.C.llama(), "qwen2": T.C.qwen2(), "phi3": T.C.phi3()}
+        made: dict[str, tuple[str, str | None]] = {}
+
+        def directory(name: str) -> str:
+            if name not in made:
+                model, maker = T.FORMATS[name]
+                made[name] = maker(os.path.join(tmp, name), bases[model], directory)
+            return made[name][0]
+
+        for name in sorted(T.FORMATS):
+            d = directory(name)
+            ref = T.C.reference(d, made[name][1])
+            with torch.no_grad():
+                want = ref(T.IDS).logits
+            dense = ref.state_dict()
+            for world in (2, 3):
+                def body(comm):
+                    model = tpkit.from_pretrained(d, comm=comm, progress=False)
+                    with torch.no_grad():
+                        err = T._rel(model(T.IDS).logits, want)
+                    exact, local, full, kernels = True, 0, 0, set()
+                    for n, m in model.named_modules():
+                        st = quant_state(m)
+                        if st is not None:
+                            exact &= torch.equal(m.weight, st.dense.shard(dense[f"{n}.weight"]))
+                            kernels.add(st.kernel)
+                            share = st.dense.local_numel / torch.Size(st.dense.full_shape).numel()
+                            for s in st.specs:
+                                t = m._buffers[s]
+                                local += t.numel() * t.element_size()
+                                full += torch.Size(st.specs[s].shape).numel() * t.element_size() * share
+                    return err, exact, local / full, kernels
+
+                res = run_threads(body, world)
+                kern = sorted({k for r in res for k in r[3] if k}) or ["-"]
+                rows.append(f"| {name} | {world} | {max(r[0] for r in res):.1e} | "
+                            f"{'yes' if all(r[1] for r in res) else 'NO'} | {max(r[2] for r in res):.3f} | "
+                            f"{', '.join(kern)} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     import tpkit
 
@@ -160,9 +215,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=9)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--formats", action="store_true")
     args = ap.parse_args()
     if args.kernels:
         print(kernels(args.hidden))
+        return
+    if args.formats:
+        print(formats())
         return
     with tempfile.TemporaryDirectory() as tmp:
         dense, int4 = make(tmp, args.hidden, args.layers)
