@@ -256,3 +256,16 @@ def test_groups_that_do_not_divide_split_whole(made, world, sizes):
 
     for per_rank in run_threads(body, world):
         assert per_rank == [sizes] * 3
+
+
+def test_quantized_layers_compile_without_graph_breaks(made):
+    """`torch.compile(fullgraph=True)` traces the packed layers (the int4 kernel path and the dequantizing one)
+    with no graph break; the eager backend keeps the test fast (inductor is exercised once elsewhere)."""
+    directory, _, want = made("ct-int4-group-asym")
+
+    def body(comm):
+        model = tpkit.from_pretrained(directory, comm=comm, progress=False)
+        with torch.no_grad():
+            return _rel(torch.compile(model, fullgraph=True, backend="eager")(IDS).logits, want)
+
+    assert max(run_threads(body, 2)) < 1e-5
