@@ -1,6 +1,7 @@
 """The checks that need a GPU, in one run on a lent machine: NCCL at world size 1, a converted model's CUDA
-paths (exact against the original, compiled, generating), pinned host -> device bandwidth, and loading a
-checkpoint straight onto the device against transformers' `device_map="cuda"`.
+paths (exact against the original, compiled, generating), a quantized (FP8 block) checkpoint on CUDA, pinned
+host -> device bandwidth, and loading a checkpoint straight onto the device against transformers'
+`device_map="cuda"`.
 
 Why one script: a lent GPU is warm for seconds between calls and its time is counted; every check here runs in
 one call and prints markdown rows for BENCHMARKS.md (and `--json` writes them). Each check reports its own
@@ -90,6 +91,51 @@ def check_converted(comm) -> list[str]:
     return rows
 
 
+def check_quantized(comm) -> list[str]:
+    """An FP8 block-scaled checkpoint (DeepSeek-V3's format, tests/quant/checkpoints.py) loaded by
+    `tpkit.from_pretrained(device="cuda")` on a one-rank NCCL group: logits against transformers' load with
+    `FineGrainedFP8Config(dequantize=True)` on CUDA, and greedy decode ms/token against the dense fp32 model (the
+    quantized layers dequantize per call on CUDA: no CUDA weight-only kernel is wired in)."""
+    import tempfile
+
+    import transformers as tr
+
+    import tpkit
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    from tests.quant.checkpoints import hf_fp8
+
+    torch.manual_seed(0)
+    dense = tr.LlamaForCausalLM(llama_config(512, 1408, 4, 8, 4, 8000)).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = hf_fp8(dense, os.path.join(tmp, "fp8"))
+        ref = tr.AutoModelForCausalLM.from_pretrained(path, quantization_config=tr.FineGrainedFP8Config(
+            dequantize=True), dtype=torch.float32).cuda().eval()
+        model = tpkit.from_pretrained(path, comm=comm, device="cuda", dtype=torch.float32)
+    ids = torch.randint(0, 8000, (2, 32), device="cuda")
+    with torch.no_grad():
+        err = rel(model(ids).logits, ref(ids).logits)
+    dense = dense.cuda()
+
+    def ms(m) -> float:
+        prompt = ids[:1, :8]
+        with torch.no_grad():
+            for n in (2, 17):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                m.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                torch.cuda.synchronize()
+                if n == 2:
+                    short = time.perf_counter() - start
+        return (time.perf_counter() - start - short) / 15 * 1e3
+
+    q, d = statistics.median(ms(model) for _ in range(3)), statistics.median(ms(dense) for _ in range(3))
+    return [f"| FP8 block checkpoint, tpkit.from_pretrained on CUDA (NCCL world 1) vs transformers dequantized | "
+            f"logits rel {err:.1e} |",
+            f"| the same: greedy decode ms/token, FP8 (dequantized per call) / dense fp32 | {q:.2f} / {d:.2f} = "
+            f"{q / d:.2f}x |"]
+
+
 def check_pinned() -> list[str]:
     from tpkit.comm.pinned import measure_h2d_bandwidth
 
@@ -175,7 +221,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("| check | result |\n|---|---|")
     comm = tpkit.init("nccl")
-    checks = [lambda: check_nccl(comm), lambda: check_converted(comm), check_pinned]
+    checks = [lambda: check_nccl(comm), lambda: check_converted(comm), lambda: check_quantized(comm), check_pinned]
     rows = []
     for check in checks:
         try:
