@@ -35,6 +35,7 @@ from torch import nn
 from .embedding import ParallelEmbedding, VocabParallelEmbedding
 from .grad_sums import GradSum, sum_grads, summed
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .lora_dropout import one_mask_dropout
 from .partition import mark_replicated, mark_tensor_parallel
 from .sequence_parallel import mark_sequence_parallel
 from .quantized import quant_state
@@ -177,14 +178,27 @@ class _ParallelLoraLinear(LoraLinear):
         """The active adapters' sum on the input as the base's shard sees it."""
         out = None
         for name in self._active():
-            a, b, dropout, scaling = self.lora_A[name], self.lora_B[name], self.lora_dropout[name], self.scaling[name]
-            h = a(dropout(self._cast_input_dtype(x, a.weight.dtype)))
+            a, b, scaling = self.lora_A[name], self.lora_B[name], self.scaling[name]
+            h = a(self._drop(name, self._cast_input_dtype(x, a.weight.dtype)))
             d = self._up(b, h) * scaling
             out = d if out is None else out + d
         return out.to(_base_dtype(self.get_base_layer()))
 
     def _up(self, b: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         return b(h)
+
+    def _drop(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Adapter `name`'s dropout on the input as this shard sees it: PEFT's module at one rank or when it does
+        nothing, else this rank's part of one mask for all ranks (`tpkit.nn.lora_dropout`)."""
+        dropout = self.lora_dropout[name]
+        p = float(getattr(dropout, "p", 0.0))
+        if p == 0.0 or not dropout.training or self.comm.world_size == 1:
+            return dropout(x)
+        where = f"{type(self).__name__} adapter {name!r}"
+        if self.SPLIT == "lora_A":  # a row base: this rank's features of the input
+            base = self.get_base_layer()
+            return one_mask_dropout(x, p, self.comm, where, self._local_positions(base.in_features), base.in_features)
+        return one_mask_dropout(x, p, self.comm, where)
 
 
 class ColumnParallelLoraLinear(_ParallelLoraLinear):

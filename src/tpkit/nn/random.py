@@ -58,6 +58,10 @@ class RNGStatesTracker:
         self._seeds[name] = int(seed)
         self._states[name] = {"cpu": torch.Generator().manual_seed(int(seed)).get_state()}
 
+    def __contains__(self, name: str) -> bool:
+        """Whether stream `name` is registered (so a caller can refuse clearly before forking)."""
+        return name in self._states
+
     def get_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """A copy of every stream's state (for checkpoints)."""
         return {name: {dev: s.clone() for dev, s in states.items()} for name, states in self._states.items()}

@@ -1,0 +1,87 @@
+"""LoRA under TP with the rest of training, against ONE process of plain transformers + PEFT (issue 37).
+
+- lora_dropout > 0: the TP ranks draw one mask (`tpkit.nn.lora_dropout`): every whole factor bit-identical on every
+  rank after every step (`tpkit.check_replicas`), and the run equals one PEFT process whose default generator
+  starts where the TP ranks' replicated stream does (the same masks), at 2 and 3 ranks.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tpkit
+from tests.test_lora import _LOCK, ARCHS, LR, TOL, adapter_state, batch, compare, lora_config, loss_of, with_adapter
+
+peft = pytest.importorskip("peft")
+
+SEED, DROP_STEPS = 11, 4
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return ARCHS["llama"][0]()
+
+
+def _steps(model, steps: int, check=None) -> dict:
+    """Losses and the adapter after each AdamW step; `check(model)` after each backward."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses, states = [], []
+    for step in range(steps):
+        loss = loss_of(model, batch(step))
+        loss.backward()
+        if check is not None:
+            check(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        states.append(adapter_state(model))
+    return dict(losses=losses, states=states,
+                trainable=sorted(n for n, p in model.named_parameters() if p.requires_grad))
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(llama):
+    """One PEFT process, lora_dropout=0.1, its default generator seeded as the TP ranks' replicated stream."""
+    ref = with_adapter(copy.deepcopy(llama), lora_config("llama", lora_dropout=0.1)).train()
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED)
+        return _steps(ref, DROP_STEPS)
+
+
+def _dropout_rank(base) -> dict:
+    """One rank (a thread or a process): the adapter with lora_dropout=0.1, the replicated stream seeded SEED."""
+    comm = tpkit.get_communicator()
+    model = with_adapter(tpkit.parallelize(copy.deepcopy(base), comm=comm), lora_config("llama", lora_dropout=0.1))
+    model.train()
+    with _LOCK:  # it also seeds the default generator, which thread-ranks share with PEFT's draws
+        tpkit.nn.model_parallel_manual_seed(SEED, comm)
+    checked = []
+    out = _steps(model, DROP_STEPS, check=lambda m: checked.append(tpkit.check_replicas(m)))
+    return dict(out, layouts=tpkit.shard_layouts(model), checked=len(checked))
+
+
+@pytest.mark.parametrize("world,backend", [(2, "threads"), (3, "threads"), (2, "gloo")])
+def test_lora_dropout_one_mask_for_all_ranks(llama, dropout_reference, world, backend):
+    """Equal to one process (rel 1e-9) step by step, and `check_replicas` (parameters and gradients) after every
+    backward. Note: mismatched masks would not show as replicas differing (every whole factor's gradient is
+    summed, so replicas stay equal while the model they hold is wrong); the one-process comparison shows it."""
+    with torch.random.fork_rng():
+        results = tpkit.launch(_dropout_rank, world, backend=backend, args=(llama,))
+    assert all(r["checked"] == DROP_STEPS for r in results)  # check_replicas raised on no step
+    bad = compare(results, dropout_reference)
+    assert not bad, "\n".join(bad[:12])
+    plain = with_adapter(copy.deepcopy(llama), lora_config("llama")).train()  # the masks did something
+    assert abs(loss_of(plain, batch(0)).item() - dropout_reference["losses"][0]) > 1e-6
+
+
+def test_lora_dropout_without_a_seeded_stream_is_refused(llama):
+    def body(comm):
+        model = with_adapter(tpkit.parallelize(copy.deepcopy(llama), comm=comm),
+                             lora_config("llama", lora_dropout=0.1)).train()
+        with pytest.raises(ValueError, match=r"LoraLinear adapter 'default'.*model_parallel_manual_seed"):
+            loss_of(model, batch(0))
+        return True
+
+    assert all(tpkit.run_threads(body, 2))
