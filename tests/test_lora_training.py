@@ -45,9 +45,10 @@ def _steps(model, steps: int, check=None) -> dict:
 def dropout_reference(llama):
     """One PEFT process, lora_dropout=0.1, its default generator seeded as the TP ranks' replicated stream."""
     ref = with_adapter(copy.deepcopy(llama), lora_config("llama", lora_dropout=0.1)).train()
+    initial = adapter_state(ref)
     with torch.random.fork_rng():
         torch.manual_seed(SEED)
-        return _steps(ref, DROP_STEPS)
+        return dict(_steps(ref, DROP_STEPS), initial=initial)
 
 
 def _dropout_rank(base) -> dict:
@@ -85,3 +86,49 @@ def test_lora_dropout_without_a_seeded_stream_is_refused(llama):
         return True
 
     assert all(tpkit.run_threads(body, 2))
+
+
+def _checkpointer_rank(base, directory: str, stop: int, initial: dict) -> dict:
+    """Train the dropout adapter under a `Checkpointer` (every 2 steps) from wherever it resumes up to `stop`."""
+    comm = tpkit.get_communicator()
+    model = with_adapter(tpkit.parallelize(copy.deepcopy(base), comm=comm), lora_config("llama", lora_dropout=0.1),
+                         seed=99)  # a different init: the resume must overwrite it
+    model.train()
+    with _LOCK:
+        tpkit.nn.model_parallel_manual_seed(SEED + 1, comm)  # a different stream: the resume must restore it
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    ckpt = tpkit.Checkpointer(directory, every=2, comm=comm)
+    start = ckpt.resume(model, opt)
+    if start == 0:  # the first run starts from the reference's seeds
+        with _LOCK:
+            tpkit.nn.model_parallel_manual_seed(SEED, comm)
+        model.load_state_dict({k: tpkit.shard_layouts(model)[k].shard(v) for k, v in initial.items()}, strict=False)
+    losses, states = [], []
+    for step in range(start, stop):
+        loss = loss_of(model, batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        states.append(adapter_state(model))
+        ckpt.maybe_save(step + 1, model, opt)
+    return dict(start=start, losses=losses, states=states, layouts=tpkit.shard_layouts(model),
+                trainable=sorted(n for n, p in model.named_parameters() if p.requires_grad))
+
+
+
+@pytest.mark.filterwarnings("ignore:Checkpointer")
+def test_checkpointer_resumes_adapter_optimizer_and_dropout_at_another_world_size(llama, dropout_reference,
+                                                                                   tmp_path):
+    """`Checkpointer` saves the dropout adapter and its AdamW state after 2 steps at 2 ranks; a fresh run at 3 ranks
+    (another init, another stream) resumes at step 2 and continues: steps 3 and 4 equal one PEFT process's (the
+    replicated dropout stream, the same on every saved rank, is restored at the new world size)."""
+    directory = str(tmp_path / "ckpt")
+    with torch.random.fork_rng():
+        first = tpkit.launch(_checkpointer_rank, 2, backend="threads", args=(llama, directory, 2, dropout_reference["initial"]))
+        second = tpkit.launch(_checkpointer_rank, 3, backend="threads", args=(llama, directory, DROP_STEPS, {}))
+    assert [r["start"] for r in first] == [0, 0] and [r["start"] for r in second] == [2, 2, 2]
+    ref = dropout_reference
+    assert not compare(first, dict(ref, losses=ref["losses"][:2], states=ref["states"][:2]))
+    bad = compare(second, dict(ref, losses=ref["losses"][2:], states=ref["states"][2:]))
+    assert not bad, "\n".join(bad[:12])
