@@ -132,3 +132,40 @@ def test_checkpointer_resumes_adapter_optimizer_and_dropout_at_another_world_siz
     assert not compare(first, dict(ref, losses=ref["losses"][:2], states=ref["states"][:2]))
     bad = compare(second, dict(ref, losses=ref["losses"][2:], states=ref["states"][2:]))
     assert not bad, "\n".join(bad[:12])
+
+
+def _fsdp_rank(base, steps: int) -> dict:
+    """tp2 x dp2: the adapter model under FSDP2 over the dp group (every parameter sharded over dp, the frozen base
+    included; only the adapter's gradients are reduce-scattered), each dp rank on its half of the batch."""
+    from torch.distributed.tensor import DTensor
+
+    world = tpkit.get_communicator()
+    tp, dp = tpkit.comm.split(world, 2)
+    model = with_adapter(tpkit.parallelize(copy.deepcopy(base), comm=tp), lora_config("llama"))
+    layouts = tpkit.shard_layouts(model)
+    wrapped = tpkit.data_parallel(model, dp, mode="fsdp")
+    opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=LR)
+    states = []
+    for step in range(steps):
+        loss_of(wrapped, batch(step).chunk(2)[dp.rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        states.append({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                       for k, v in model.state_dict().items() if "lora_" in k})  # this TP rank's whole slice
+    return dict(states=states, layouts=layouts, sharded=isinstance(next(model.parameters()), DTensor))
+
+
+@pytest.fixture(scope="module")
+def plain_reference(llama):
+    """One PEFT process, no dropout: the adapter after each of 3 AdamW steps on the whole batch."""
+    return _steps(with_adapter(copy.deepcopy(llama), lora_config("llama")), 3)
+
+
+@pytest.mark.slow
+def test_fsdp2_over_the_adapter(llama, plain_reference):
+    """4 gloo processes as tp2 x dp2 under FSDP2 (`tpkit.data_parallel(model, dp, mode="fsdp")`): the adapter after
+    each of 3 steps equals one PEFT process's on the whole batch."""
+    results = tpkit.launch(_fsdp_rank, 4, backend="gloo", args=(llama, 3), timeout=300)
+    assert all(r["sharded"] for r in results)
+    bad = compare([dict(r, losses=[], trainable=plain_reference["trainable"]) for r in results], plain_reference)
+    assert not bad, "\n".join(bad[:12])
