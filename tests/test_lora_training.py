@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import tpkit
-from tests.test_lora import _LOCK, ARCHS, LR, TOL, adapter_state, batch, compare, lora_config, loss_of, with_adapter
+from tests.test_lora import (_LOCK, ARCHS, LR, TOL, adapter_state, batch, compare, lora_config, loss_of, rel,
+                              with_adapter)
 
 peft = pytest.importorskip("peft")
 
@@ -125,7 +126,8 @@ def test_checkpointer_resumes_adapter_optimizer_and_dropout_at_another_world_siz
     replicated dropout stream, the same on every saved rank, is restored at the new world size)."""
     directory = str(tmp_path / "ckpt")
     with torch.random.fork_rng():
-        first = tpkit.launch(_checkpointer_rank, 2, backend="threads", args=(llama, directory, 2, dropout_reference["initial"]))
+        first = tpkit.launch(_checkpointer_rank, 2, backend="threads",
+                             args=(llama, directory, 2, dropout_reference["initial"]))
         second = tpkit.launch(_checkpointer_rank, 3, backend="threads", args=(llama, directory, DROP_STEPS, {}))
     assert [r["start"] for r in first] == [0, 0] and [r["start"] for r in second] == [2, 2, 2]
     ref = dropout_reference
@@ -169,3 +171,47 @@ def test_fsdp2_over_the_adapter(llama, plain_reference):
     assert all(r["sharded"] for r in results)
     bad = compare([dict(r, losses=[], trainable=plain_reference["trainable"]) for r in results], plain_reference)
     assert not bad, "\n".join(bad[:12])
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.fixture(scope="module")
+def dropout_grads(llama):
+    """One PEFT process, lora_dropout=0.1, default generator seeded SEED: the adapter's gradients of one batch."""
+    ref = with_adapter(copy.deepcopy(llama), lora_config("llama", lora_dropout=0.1)).train()
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED)
+        loss_of(ref, batch(0)).backward()
+    return _grads(ref)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_recompute_with_an_adapter(llama, dropout_grads, world):
+    """`tpkit.recompute(model, "full" | "selective")` on the PEFT model with lora_dropout=0.1: the adapter's gradients
+    equal one PEFT process's (rel 1e-9) and, bit for bit, the same TP run's without recompute (the recompute replays
+    the tracker, so the adapter's dropout draws its masks again)."""
+    def body(comm):
+        out = {}
+        for policy in ("none", "full", "selective"):
+            model = with_adapter(tpkit.parallelize(copy.deepcopy(llama), comm=comm),
+                                 lora_config("llama", lora_dropout=0.1)).train()
+            tpkit.recompute(model, policy)
+            calls = []
+            a = model.get_submodule("base_model.model.model.layers.0.mlp.down_proj.lora_A.default")
+            a.register_forward_hook(lambda *_: calls.append(1))  # the recompute stops inside down_proj, after A
+            with _LOCK:
+                tpkit.nn.model_parallel_manual_seed(SEED, comm)
+            loss_of(model, batch(0)).backward()
+            out[policy], out[policy, "calls"] = _grads(model), len(calls)
+        return dict(out, layouts=tpkit.shard_layouts(model))
+
+    with torch.random.fork_rng():
+        results = tpkit.run_threads(body, world)
+    for rank, got in enumerate(results):
+        assert (got["none", "calls"], got["full", "calls"]) == (1, 2)  # "full" ran the adapted layer again
+        for policy in ("full", "selective"):
+            assert all(torch.equal(got[policy][n], g) for n, g in got["none"].items()), (rank, policy)
+        for n, g in got["none"].items():
+            assert rel(g, got["layouts"][n].shard(dropout_grads[n])) <= TOL, (rank, n)
