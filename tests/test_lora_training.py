@@ -25,8 +25,8 @@ def llama():
     return ARCHS["llama"][0]()
 
 
-def _steps(model, steps: int, check=None) -> dict:
-    """Losses and the adapter after each AdamW step; `check(model)` after each backward."""
+def _steps(model, steps: int, check=None, state=adapter_state) -> dict:
+    """Losses and the adapter (`state(model)`) after each AdamW step; `check(model)` after each backward."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses, states = [], []
     for step in range(steps):
@@ -37,7 +37,7 @@ def _steps(model, steps: int, check=None) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        states.append(adapter_state(model))
+        states.append(state(model))
     return dict(losses=losses, states=states,
                 trainable=sorted(n for n, p in model.named_parameters() if p.requires_grad))
 
@@ -215,3 +215,50 @@ def test_recompute_with_an_adapter(llama, dropout_grads, world):
             assert all(torch.equal(got[policy][n], g) for n, g in got["none"].items()), (rank, policy)
         for n, g in got["none"].items():
             assert rel(g, got["layouts"][n].shard(dropout_grads[n])) <= TOL, (rank, n)
+
+
+def _trained_state(model) -> dict[str, torch.Tensor]:
+    """The adapter and the trained copies of `modules_to_save`."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k or "modules_to_save" in k}
+
+
+@pytest.fixture(scope="module")
+def saved_reference(llama, tmp_path_factory):
+    """One PEFT process with modules_to_save=["lm_head"]: 3 AdamW steps, then its stock adapter files."""
+    ref = with_adapter(copy.deepcopy(llama), lora_config("llama", modules_to_save=["lm_head"]))
+    out = _steps(ref, 3, state=_trained_state)
+    directory = tmp_path_factory.mktemp("saved") / "stock"
+    ref.save_pretrained(str(directory))
+    return dict(out, files=str(directory))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_modules_to_save_follows_the_original_split(llama, saved_reference, world, tmp_path):
+    """modules_to_save=["lm_head"] (PEFT trains a copy of the LM head): in either order the copy is split as the
+    original (rows over the vocabulary of 103, which 2 and 3 do not divide), `shard_layouts` gives both the
+    original's layout, 3 AdamW steps equal one PEFT process's (rel 1e-9), and `save_pretrained` writes the stock
+    file bit for bit."""
+    import safetensors.torch as st
+
+    def body(comm):
+        out = {}
+        for order in ("tp_then_peft", "peft_then_tp"):
+            config = lora_config("llama", modules_to_save=["lm_head"])
+            if order == "tp_then_peft":
+                model = with_adapter(tpkit.parallelize(copy.deepcopy(llama), comm=comm), config)
+            else:
+                model = tpkit.parallelize(with_adapter(copy.deepcopy(llama), config), comm=comm)
+            head = model.base_model.model.lm_head
+            assert type(head.modules_to_save["default"]) is type(head.original_module) is tpkit.ColumnParallelLinear
+            out[order] = dict(_steps(model, 3, state=_trained_state), layouts=tpkit.shard_layouts(model))
+            model.save_pretrained(str(tmp_path / order))
+        return out
+
+    results = tpkit.run_threads(body, world)
+    want = st.load_file(f"{saved_reference['files']}/adapter_model.safetensors")
+    for order in ("tp_then_peft", "peft_then_tp"):
+        bad = compare([r[order] for r in results], saved_reference)
+        assert not bad, f"{order}:\n" + "\n".join(bad[:12])
+        written = st.load_file(str(tmp_path / order / "adapter_model.safetensors"))
+        assert set(written) == set(want) and "base_model.model.lm_head.weight" in want  # the copy, at full size
+        assert all(rel(written[k], want[k]) <= TOL for k in want), order

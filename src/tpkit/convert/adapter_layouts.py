@@ -3,7 +3,8 @@ adapter's rows or columns are exactly the base's (whole heads, packed pieces, KV
 
 `shard_layouts` reads these for the keys PEFT adds (`<layer>.base_layer.*`, `<layer>.lora_A.<adapter>.weight`,
 `<layer>.lora_B.<adapter>.weight` / `.bias`), so checkpoints, `save_pretrained`'s gather and tests slice adapters
-as they slice any tensor.
+as they slice any tensor. A module PEFT trains a copy of (`modules_to_save`: `<module>.original_module.*` and
+`<module>.modules_to_save.<adapter>.*`) is split as the original: both keys take the original's layout.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 
 from ..layout import ShardLayout
 
+_SAVED_KEY = re.compile(r"\.(original_module|modules_to_save\.[^.]+)\.")
 _ADAPTER_KEY = re.compile(r"^(?P<layer>.+)\.(?P<factor>lora_A|lora_B)\.(?P<adapter>[^.]+)\.(?P<tensor>weight|bias)$")
 
 
@@ -22,6 +24,8 @@ def adapter_layout(key: str, known: dict[str, ShardLayout], shape: tuple[int, ..
     whole. None for a key that is neither."""
     if ".base_layer." in key:
         return known.get(key.replace(".base_layer.", "."))
+    if _SAVED_KEY.search(key):  # a module_to_save's original or trained copy: the original's layout
+        return known.get(_SAVED_KEY.sub(".", key, count=1))
     match = _ADAPTER_KEY.match(key)
     if match is None:
         return None

@@ -96,19 +96,55 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+def saved_wrapped(model: nn.Module) -> dict[str, nn.Module]:
+    """`{name: wrapper}` of PEFT's `modules_to_save` wrappers in `model` (a module PEFT trains a copy of)."""
+    if not _peft_loaded():
+        return {}
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)}
+
+
 @contextlib.contextmanager
 def bare_model(model: nn.Module) -> Iterator[tuple[nn.Module, dict[str, nn.Module]]]:
-    """Inside the block, `(inner_model(model), wrappers by name)` with every LoRA wrapper replaced by its base
-    layer (the model as it was before PEFT); the wrappers are put back after, whatever happens."""
+    """Inside the block, `(inner_model(model), LoRA wrappers by name)` with every LoRA wrapper replaced by its base
+    layer and every `modules_to_save` wrapper by its original module (the model as it was before PEFT); the
+    wrappers are put back after, whatever happens."""
     target = inner_model(model)
     wrapped = lora_wrapped(target)
+    saved = saved_wrapped(target)
+    for name, w in saved.items():
+        _set(target, name, w.original_module)
     for name, w in wrapped.items():
         _set(target, name, w.get_base_layer())
     try:
         yield target, wrapped
     finally:
-        for name, w in wrapped.items():
+        for name, w in {**saved, **wrapped}.items():
             _set(target, name, w)
+
+
+def split_saved_copies(target: nn.Module, saved: dict[str, nn.Module], originals: dict[str, nn.Module]) -> None:
+    """After the bare `target` was converted: each `modules_to_save` wrapper (by name, its unconverted `originals`)
+    takes the converted original, and each trained copy becomes a copy of it holding this rank's slice of the
+    copy's values (the original's layouts), so the copy is split exactly as the original."""
+    import copy
+
+    from .layouts import shard_layouts
+
+    layouts = shard_layouts(target)
+    for name, w in saved.items():
+        new = target.get_submodule(name)
+        if new is originals[name]:
+            continue
+        for adapter, old in list(w.modules_to_save.items()):
+            split = copy.deepcopy(new)
+            full = old.state_dict()
+            split.load_state_dict({k: layouts[f"{name}.{k}"].shard(v) for k, v in full.items()})
+            for pname, p in split.named_parameters():
+                p.requires_grad_(old.get_parameter(pname).requires_grad)
+            w.modules_to_save[adapter] = split
+        w._modules["original_module"] = new
 
 
 def adapter_tensors(wrapped: dict[str, nn.Module], plan: Plan | None, world: int) -> list[dict]:
@@ -168,9 +204,12 @@ def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
     for name, w in wrapped.items():
         _check_wrapper(name, w)
     bases = {name: w.get_base_layer() for name, w in wrapped.items()}
+    saved = saved_wrapped(inner_model(model))
+    originals = {name: w.original_module for name, w in saved.items()}
     with bare_model(model) as (target, _):
         convert(target)  # an error leaves the model as it was, the wrappers back in place
         converted = {name: target.get_submodule(name) for name in wrapped}
+        split_saved_copies(target, saved, originals)
     for name, w in wrapped.items():
         new = converted[name]
         if new is not bases[name]:
