@@ -262,3 +262,67 @@ def test_modules_to_save_follows_the_original_split(llama, saved_reference, worl
         written = st.load_file(str(tmp_path / order / "adapter_model.safetensors"))
         assert set(written) == set(want) and "base_model.model.lm_head.weight" in want  # the copy, at full size
         assert all(rel(written[k], want[k]) <= TOL for k in want), order
+
+
+EMBED_TARGETS = dict(target_modules=["embed_tokens", "q_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def embedding_reference(llama, tmp_path_factory):
+    """One PEFT process with LoRA on the embedding too: 3 AdamW steps, its merged weights, its stock files."""
+    ref = with_adapter(copy.deepcopy(llama), lora_config("llama", **EMBED_TARGETS))
+    out = _steps(ref, 3)
+    directory = tmp_path_factory.mktemp("embedding") / "stock"
+    ref.save_pretrained(str(directory))
+    merged = {k: v.detach().clone() for k, v in ref.merge_and_unload().state_dict().items()}
+    return dict(out, files=str(directory), merged=merged)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lora_on_the_vocabulary_parallel_embedding(llama, embedding_reference, world, tmp_path):
+    """LoRA on `embed_tokens` (VocabParallelEmbedding, a vocabulary of 103 that 2 and 3 do not divide): A split
+    along the vocabulary like the base, B whole; in either order 3 AdamW steps equal one PEFT process's (rel 1e-9),
+    `merge_and_unload` leaves each rank the slice of PEFT's merged table, `save_pretrained` writes the stock file."""
+    import safetensors.torch as st
+
+    def body(comm):
+        out = {}
+        for order in ("tp_then_peft", "peft_then_tp"):
+            config = lora_config("llama", **EMBED_TARGETS)
+            if order == "tp_then_peft":
+                model = with_adapter(tpkit.parallelize(copy.deepcopy(llama), comm=comm), config)
+            else:
+                model = tpkit.parallelize(with_adapter(copy.deepcopy(llama), config), comm=comm)
+            assert type(model.base_model.model.model.embed_tokens).__name__ == "VocabParallelLoraEmbedding"
+            out[order] = dict(_steps(model, 3), layouts=tpkit.shard_layouts(model))
+            model.save_pretrained(str(tmp_path / order))
+            model.load_adapter(embedding_reference["files"], adapter_name="stock")  # a stock file: each rank its slices
+            model.set_adapter("stock")
+            with torch.no_grad():
+                out[order, "stock"] = model(input_ids=batch(9)).logits
+            model.set_adapter("default")
+            unloaded = model.merge_and_unload(adapter_names=["default"])
+            out[order, "merged"] = (unloaded.state_dict(), tpkit.shard_layouts(unloaded))
+        return out
+
+    results = tpkit.run_threads(body, world)
+    want = st.load_file(f"{embedding_reference['files']}/adapter_model.safetensors")
+    for order in ("tp_then_peft", "peft_then_tp"):
+        bad = compare([r[order] for r in results], embedding_reference)
+        assert not bad, f"{order}:\n" + "\n".join(bad[:12])
+        for r in results:
+            merged, layouts = r[order, "merged"]
+            key = "model.embed_tokens.weight"
+            assert rel(merged[key], layouts[key].shard(embedding_reference["merged"][key])) <= TOL
+        written = st.load_file(str(tmp_path / order / "adapter_model.safetensors"))
+        # as for a targeted LM head, PEFT also saves the unchanged base table (save_embedding_layers="auto") only
+        # for a torch embedding: the TP file leaves it out, and has every adapter tensor
+        assert set(want) - set(written) == {"base_model.model.model.embed_tokens.base_layer.weight"}
+        assert set(written) <= set(want) and any("lora_embedding_A" in k for k in written)
+        assert all(rel(written[k], want[k]) <= TOL for k in written), order
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(llama), str(tmp_path / "tp_then_peft"))
+    stock = peft.PeftModel.from_pretrained(copy.deepcopy(llama), embedding_reference["files"])
+    with torch.no_grad():
+        want_logits = stock(input_ids=batch(9)).logits
+        assert rel(again(input_ids=batch(9)).logits, want_logits) <= TOL
+    assert all(rel(r[o, "stock"], want_logits) <= TOL for r in results for o in ("tp_then_peft", "peft_then_tp"))

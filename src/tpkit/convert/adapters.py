@@ -74,14 +74,15 @@ def lora_wrapped(model: nn.Module) -> dict[str, nn.Module]:
 
 def _check_wrapper(name: str, w: nn.Module) -> None:
     """Refuse, before anything changes, an adapter layer the converter cannot split exactly."""
+    from peft.tuners.lora.layer import Embedding as LoraEmbedding
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     from ..nn.lora import DORA_REASON
 
-    if type(w) is not LoraLinear:
-        what = "an embedding" if "Embedding" in type(w).__name__ else f"a {type(w).__name__}"
-        raise PlanError(f"{name}: its LoRA adapter is on {what}, which tpkit does not split with an adapter yet; "
-                        f"leave it out of target_modules (LoRA on Linear / Conv1D layers is supported)")
+    if type(w) not in (LoraLinear, LoraEmbedding):
+        raise PlanError(f"{name}: its LoRA adapter is on a {type(w).__name__}, which tpkit does not split with an "
+                        f"adapter yet; leave it out of target_modules (LoRA on Linear / Conv1D layers and on "
+                        f"embeddings split along the vocabulary is supported)")
     if w.merged:
         raise PlanError(f"{name}: its LoRA adapter(s) {w.merged_adapters} are merged into the base weight; call "
                         f"unmerge_adapter() (or merge_and_unload()) before tpkit.parallelize")
@@ -195,14 +196,31 @@ def adapter_memory(wrapped: dict[str, nn.Module], bare: nn.Module, worlds: list[
     return out
 
 
+def _check_embedding_plan(wrapped: dict[str, nn.Module], plan) -> None:
+    """Refuse, before converting, a plan that splits a LoRA-wrapped embedding along its features (its adapter is
+    split only along the vocabulary, `tpkit.nn.lora_embedding`)."""
+    import fnmatch
+
+    entries = plan.entries if isinstance(plan, Plan) else plan if isinstance(plan, dict) else {}
+    for name, w in wrapped.items():
+        if not hasattr(w, "lora_embedding_A") or not w.lora_embedding_A:
+            continue
+        for key, style in entries.items():
+            if (key == name or fnmatch.fnmatchcase(name, key)) and style in ("embedding_colwise", "colwise"):
+                raise PlanError(f"{name}: the plan splits this LoRA-wrapped embedding along its features ({key!r}: "
+                                f"{style!r}); LoRA on an embedding is split along the vocabulary only: plan it "
+                                f"'embedding_rowwise' (the default) or leave it out of target_modules")
+
+
 def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
-                        convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
+                        convert: Callable[[nn.Module], nn.Module], plan=None) -> nn.Module:
     """Convert a model holding LoRA wrappers (`wrapped`, names inside `inner_model(model)`): the bare model by
     `convert`, then each wrapper around its new base layer. A failure leaves the model as it was."""
     from ..nn.lora import lora_layer_for
 
     for name, w in wrapped.items():
         _check_wrapper(name, w)
+    _check_embedding_plan(wrapped, plan)
     bases = {name: w.get_base_layer() for name, w in wrapped.items()}
     saved = saved_wrapped(inner_model(model))
     originals = {name: w.original_module for name, w in saved.items()}
@@ -219,7 +237,7 @@ def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
             w.__class__ = cls
             w._modules["base_layer"] = new
             w.fan_in_fan_out = False
-            for adapter in list(w.lora_A.keys()):
+            for adapter in list(w.lora_A.keys()) + list(w.lora_embedding_A.keys()):
                 w.split_adapter(adapter)
     check_grad_sums(target, "parallelize")
     return model
