@@ -282,7 +282,8 @@ def embedding_reference(llama, tmp_path_factory):
 def test_lora_on_the_vocabulary_parallel_embedding(llama, embedding_reference, world, tmp_path):
     """LoRA on `embed_tokens` (VocabParallelEmbedding, a vocabulary of 103 that 2 and 3 do not divide): A split
     along the vocabulary like the base, B whole; in either order 3 AdamW steps equal one PEFT process's (rel 1e-9),
-    `merge_and_unload` leaves each rank the slice of PEFT's merged table, `save_pretrained` writes the stock file."""
+    `merge_and_unload` leaves each rank the slice of PEFT's merged table, `save_pretrained` writes the stock file,
+    a stock file loads onto the TP model, and `estimate_memory` counts the adapter as the fullest rank holds it."""
     import safetensors.torch as st
 
     def body(comm):
@@ -295,6 +296,7 @@ def test_lora_on_the_vocabulary_parallel_embedding(llama, embedding_reference, w
                 model = tpkit.parallelize(with_adapter(copy.deepcopy(llama), config), comm=comm)
             assert type(model.base_model.model.model.embed_tokens).__name__ == "VocabParallelLoraEmbedding"
             out[order] = dict(_steps(model, 3), layouts=tpkit.shard_layouts(model))
+            out[order, "bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
             model.save_pretrained(str(tmp_path / order))
             model.load_adapter(embedding_reference["files"], adapter_name="stock")  # a stock file: each rank its slices
             model.set_adapter("stock")
@@ -320,6 +322,10 @@ def test_lora_on_the_vocabulary_parallel_embedding(llama, embedding_reference, w
         assert set(want) - set(written) == {"base_model.model.model.embed_tokens.base_layer.weight"}
         assert set(written) <= set(want) and any("lora_embedding_A" in k for k in written)
         assert all(rel(written[k], want[k]) <= TOL for k in written), order
+    # estimate_memory counts the embedding's adapter: the fullest rank's gradient bytes
+    plain = with_adapter(copy.deepcopy(llama), lora_config("llama", **EMBED_TARGETS))
+    fullest = max(r["tp_then_peft", "bytes"] for r in results)
+    assert tpkit.estimate_memory(plain, world, mode="training").per_rank.gradients == fullest
     again = peft.PeftModel.from_pretrained(copy.deepcopy(llama), str(tmp_path / "tp_then_peft"))
     stock = peft.PeftModel.from_pretrained(copy.deepcopy(llama), embedding_reference["files"])
     with torch.no_grad():

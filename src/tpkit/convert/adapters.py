@@ -148,6 +148,18 @@ def split_saved_copies(target: nn.Module, saved: dict[str, nn.Module], originals
         w._modules["original_module"] = new
 
 
+def _factors(w: nn.Module) -> Iterator[tuple[str, str, str, nn.Parameter]]:
+    """(factor, adapter, tensor name, tensor) of a LoRA wrapper: A / B modules of a linear layer ('weight',
+    'bias'), A / B parameters of an embedding (no tensor name: PEFT keys them `lora_embedding_A.<adapter>`)."""
+    for factor in ("lora_A", "lora_B"):
+        for adapter, m in getattr(w, factor, {}).items():
+            for tname, t in m.named_parameters(recurse=False):
+                yield factor, adapter, tname, t
+    for factor in ("lora_embedding_A", "lora_embedding_B"):
+        for adapter, t in getattr(w, factor, {}).items():
+            yield factor, adapter, "", t
+
+
 def adapter_tensors(wrapped: dict[str, nn.Module], plan: Plan | None, world: int) -> list[dict]:
     """One record per adapter tensor of `wrapped` (unconverted wrappers, names as in `plan`): its name, shape,
     element count and size, how it is held at `world` ranks under its base layer's planned style, and its elements
@@ -165,20 +177,20 @@ def adapter_tensors(wrapped: dict[str, nn.Module], plan: Plan | None, world: int
                 rows = max(lay.stored_local_shape[out_dim] for lay in lays)
             elif held.dim is not None:
                 cols = max(lay.stored_local_shape[1 - out_dim] for lay in lays)
-        for factor in ("lora_A", "lora_B"):
-            for adapter, m in getattr(w, factor, {}).items():
-                for tname, t in m.named_parameters(recurse=False):
-                    shape = list(t.shape)
-                    if factor == "lora_B" and rows is not None:
-                        shape[0], held = rows, "rows as the base's"
-                    elif factor == "lora_A" and tname == "weight" and cols is not None:
-                        shape[1], held = cols, "columns as the base's"
-                    else:
-                        held = "whole" + (", gradient summed over the ranks" if style != REPLICATE else "")
-                    out.append(dict(name=f"{name}.{factor}.{adapter}.{tname}", shape=tuple(t.shape),
-                                    numel=t.numel(), element_size=t.element_size(), held=held,
-                                    per_rank=math.prod(shape), trainable=t.requires_grad,
-                                    bytes=t.numel() * t.element_size(), rank_bytes=math.prod(shape) * t.element_size()))
+        for factor, adapter, tname, t in _factors(w):
+            shape = list(t.shape)
+            if factor == "lora_B" and rows is not None:
+                shape[0], held = rows, "rows as the base's"
+            elif factor == "lora_A" and tname == "weight" and cols is not None:
+                shape[1], held = cols, "columns as the base's"
+            elif factor == "lora_embedding_A" and rows is not None:  # [r, vocab]: the base's vocabulary rows
+                shape[1], held = rows, "columns as the base's rows"
+            else:
+                held = "whole" + (", gradient summed over the ranks" if style != REPLICATE else "")
+            key = f"{name}.{factor}.{adapter}" + (f".{tname}" if tname else "")
+            out.append(dict(name=key, shape=tuple(t.shape), numel=t.numel(), element_size=t.element_size(),
+                            held=held, per_rank=math.prod(shape), trainable=t.requires_grad,
+                            bytes=t.numel() * t.element_size(), rank_bytes=math.prod(shape) * t.element_size()))
     return out
 
 
