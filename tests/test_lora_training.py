@@ -332,3 +332,28 @@ def test_lora_on_the_vocabulary_parallel_embedding(llama, embedding_reference, w
         want_logits = stock(input_ids=batch(9)).logits
         assert rel(again(input_ids=batch(9)).logits, want_logits) <= TOL
     assert all(rel(r[o, "stock"], want_logits) <= TOL for r in results for o in ("tp_then_peft", "peft_then_tp"))
+
+
+def _compile_rank(base, ids: torch.Tensor) -> dict:
+    """This rank's compiled (fullgraph, aot_eager) PEFT model: logits and the adapter's gradients."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    model = with_adapter(tpkit.parallelize(copy.deepcopy(base), comm=tpkit.get_communicator()),
+                         lora_config("llama", **EMBED_TARGETS))
+    logits = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids).logits
+    logits.square().mean().backward()
+    return dict(logits=logits.detach(), grads=_grads(model), layouts=tpkit.shard_layouts(model))
+
+
+def test_torch_compile_fullgraph_with_an_adapter(llama):
+    """`torch.compile(peft_tp_model, fullgraph=True)` (LoRA on the embedding, attention and MLP; fullgraph raises on
+    any graph break) at 2 thread-ranks: logits and the adapter's gradients equal one eager PEFT process's."""
+    ids = batch(0)
+    ref = with_adapter(copy.deepcopy(llama), lora_config("llama", **EMBED_TARGETS))
+    want = ref(input_ids=ids).logits
+    want.square().mean().backward()
+    grads = _grads(ref)
+    for got in tpkit.launch(_compile_rank, 2, backend="threads", args=(llama, ids)):
+        assert rel(got["logits"], want.detach()) <= TOL
+        assert set(got["grads"]) == set(grads)
+        for n, g in got["grads"].items():
+            assert rel(g, got["layouts"][n].shard(grads[n])) <= TOL, n
