@@ -335,24 +335,33 @@ def test_lora_on_the_vocabulary_parallel_embedding(llama, embedding_reference, w
 
 
 def _compile_rank(base, ids: torch.Tensor) -> dict:
-    """This rank's compiled (fullgraph, aot_eager) PEFT model: logits and the adapter's gradients."""
+    """This rank's compiled (fullgraph, aot_eager) PEFT model with lora_dropout=0.1: logits and the adapter's
+    gradients."""
+    comm = tpkit.get_communicator()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-    model = with_adapter(tpkit.parallelize(copy.deepcopy(base), comm=tpkit.get_communicator()),
-                         lora_config("llama", **EMBED_TARGETS))
+    model = with_adapter(tpkit.parallelize(copy.deepcopy(base), comm=comm),
+                         lora_config("llama", lora_dropout=0.1, **EMBED_TARGETS)).train()
+    with _LOCK:
+        tpkit.nn.model_parallel_manual_seed(SEED, comm)
     logits = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids).logits
     logits.square().mean().backward()
     return dict(logits=logits.detach(), grads=_grads(model), layouts=tpkit.shard_layouts(model))
 
 
 def test_torch_compile_fullgraph_with_an_adapter(llama):
-    """`torch.compile(peft_tp_model, fullgraph=True)` (LoRA on the embedding, attention and MLP; fullgraph raises on
-    any graph break) at 2 thread-ranks: logits and the adapter's gradients equal one eager PEFT process's."""
+    """`torch.compile(peft_tp_model, fullgraph=True)` (LoRA on the embedding, attention and MLP, lora_dropout=0.1;
+    fullgraph raises on any graph break: the one-mask draw is a custom op) at 2 thread-ranks: logits and the
+    adapter's gradients equal one eager PEFT process's with the same masks."""
     ids = batch(0)
-    ref = with_adapter(copy.deepcopy(llama), lora_config("llama", **EMBED_TARGETS))
-    want = ref(input_ids=ids).logits
+    ref = with_adapter(copy.deepcopy(llama), lora_config("llama", lora_dropout=0.1, **EMBED_TARGETS)).train()
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED)
+        want = ref(input_ids=ids).logits
     want.square().mean().backward()
     grads = _grads(ref)
-    for got in tpkit.launch(_compile_rank, 2, backend="threads", args=(llama, ids)):
+    with torch.random.fork_rng():
+        results = tpkit.launch(_compile_rank, 2, backend="threads", args=(llama, ids))
+    for got in results:
         assert rel(got["logits"], want.detach()) <= TOL
         assert set(got["grads"]) == set(grads)
         for n, g in got["grads"].items():

@@ -24,23 +24,39 @@ from typing import Sequence
 import torch
 
 from ..comm.communicator import Communicator
+from ..comm.ids import lookup
 from .random import DATA_PARALLEL_RNG, get_rng_tracker
+
+
+@torch.library.custom_op("tpkit::lora_dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _draw_mask(like: torch.Tensor, full: int, p: float, comm_id: int, where: str) -> torch.Tensor:
+    """The full input's mask (`like`'s shape with `full` features, its dtype and device), scaled by `1 / (1 - p)`,
+    drawn from the replicated stream of the communicator `comm_id`'s tracker (as a generator of its own: torch's
+    default generator, which thread-ranks share, is not touched). A custom op so that a compiled graph calls it as
+    it is (the tracker's lock and generator state are not traceable); seeded-nondeterministic, so a compiler never
+    merges two draws nor recomputes one in the backward."""
+    tracker = get_rng_tracker(lookup(comm_id))
+    if DATA_PARALLEL_RNG not in tracker:
+        raise ValueError(f"{where}: lora_dropout={p} under tensor parallelism draws one mask for all ranks from the "
+                         f"RNG tracker's {DATA_PARALLEL_RNG!r} stream, which is not seeded on this rank; call "
+                         f"tpkit.nn.model_parallel_manual_seed(seed, comm) (or tpkit.data_parallel_manual_seed) "
+                         f"with the same seed on every rank before training, or use lora_dropout=0")
+    with tracker.generator(DATA_PARALLEL_RNG, like.device) as g:
+        mask = torch.empty(tuple(like.shape[:-1]) + (full,), dtype=like.dtype, device=like.device)
+        mask.bernoulli_(1 - p, generator=g)
+    return mask.div_(1 - p)
+
+
+@_draw_mask.register_fake
+def _(like, full, p, comm_id, where):
+    return like.new_empty(tuple(like.shape[:-1]) + (full,))
 
 
 def one_mask_dropout(x: torch.Tensor, p: float, comm: Communicator, where: str,
                      positions: Sequence[int] | None = None, full: int | None = None) -> torch.Tensor:
     """`x` dropped with probability `p` by this rank's part of one mask: the whole mask when `positions` is None
     (a replicated input), else the mask of the full input (`full` features in the last dim) at `positions`."""
-    tracker = get_rng_tracker(comm)
-    if DATA_PARALLEL_RNG not in tracker:
-        raise ValueError(f"{where}: lora_dropout={p} under tensor parallelism draws one mask for all ranks from the "
-                         f"RNG tracker's {DATA_PARALLEL_RNG!r} stream, which is not seeded on this rank; call "
-                         f"tpkit.nn.model_parallel_manual_seed(seed, comm) (or tpkit.data_parallel_manual_seed) "
-                         f"with the same seed on every rank before training, or use lora_dropout=0")
-    shape = tuple(x.shape) if positions is None else tuple(x.shape[:-1]) + (int(full),)
-    with tracker.fork(DATA_PARALLEL_RNG):
-        mask = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-    mask.div_(1 - p)
+    mask = _draw_mask(x.detach(), x.shape[-1] if positions is None else int(full), float(p), comm._comm_id, where)
     if positions is not None:
         mask = mask.index_select(-1, torch.tensor(tuple(positions), dtype=torch.long, device=x.device))
     return x * mask
