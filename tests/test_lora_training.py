@@ -242,15 +242,17 @@ def saved_reference(llama, tmp_path_factory):
     out = _steps(ref, 3, state=_trained_state)
     directory = tmp_path_factory.mktemp("saved") / "stock"
     ref.save_pretrained(str(directory))
-    return dict(out, files=str(directory))
+    with torch.no_grad():
+        logits = ref(input_ids=batch(9)).logits
+    return dict(out, files=str(directory), logits=logits)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_modules_to_save_follows_the_original_split(llama, saved_reference, world, tmp_path):
     """modules_to_save=["lm_head"] (PEFT trains a copy of the LM head): in either order the copy is split as the
     original (rows over the vocabulary of 103, which 2 and 3 do not divide), `shard_layouts` gives both the
-    original's layout, 3 AdamW steps equal one PEFT process's (rel 1e-9), and `save_pretrained` writes the stock
-    file bit for bit."""
+    original's layout, 3 AdamW steps equal one PEFT process's (rel 1e-9), `save_pretrained` writes the stock file,
+    and the stock file loads onto a TP model (`PeftModel.from_pretrained`), each rank taking its slice of the copy."""
     import safetensors.torch as st
 
     def body(comm):
@@ -265,6 +267,10 @@ def test_modules_to_save_follows_the_original_split(llama, saved_reference, worl
             assert type(head.modules_to_save["default"]) is type(head.original_module) is tpkit.ColumnParallelLinear
             out[order] = dict(_steps(model, 3, state=_trained_state), layouts=tpkit.shard_layouts(model))
             model.save_pretrained(str(tmp_path / order))
+        loaded = peft.PeftModel.from_pretrained(tpkit.parallelize(copy.deepcopy(llama), comm=comm),
+                                                saved_reference["files"])  # the full copy: each rank its slice
+        with torch.no_grad():
+            out["loaded"] = loaded(input_ids=batch(9)).logits
         return out
 
     results = tpkit.run_threads(body, world)
@@ -275,6 +281,7 @@ def test_modules_to_save_follows_the_original_split(llama, saved_reference, worl
         written = st.load_file(str(tmp_path / order / "adapter_model.safetensors"))
         assert set(written) == set(want) and "base_model.model.lm_head.weight" in want  # the copy, at full size
         assert all(rel(written[k], want[k]) <= TOL for k in want), order
+    assert all(rel(r["loaded"], saved_reference["logits"]) <= TOL for r in results)
 
 
 EMBED_TARGETS = dict(target_modules=["embed_tokens", "q_proj", "down_proj"])
