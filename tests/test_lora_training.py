@@ -8,7 +8,8 @@ Llama (8 query / 2 KV heads, a vocabulary of 103 that 2 and 3 do not divide), fl
 - `Checkpointer`: adapter, AdamW state and dropout stream saved at 2 ranks, resumed at 3, the steps after equal;
 - FSDP2 over the adapter, tp2 x dp2 on 4 gloo processes (slow);
 - `recompute` "full" / "selective" with dropout: gradients equal, bit for bit, no recompute's;
-- `modules_to_save=["lm_head"]`: the copy split as the original, in either order;
+- `modules_to_save=["lm_head"]`: the copy split as the original, in either order (a classifier head kept whole:
+  the copy whole);
 - LoRA on the vocabulary-parallel embedding, in either order: training, merge, stock files both ways, estimate;
 - `torch.compile(fullgraph=True)` with dropout and the embedding adapter, forward and backward (slow).
 """
@@ -387,3 +388,48 @@ def test_torch_compile_fullgraph_with_an_adapter(llama):
         assert set(got["grads"]) == set(grads)
         for n, g in got["grads"].items():
             assert rel(g, got["layouts"][n].shard(grads[n])) <= TOL, n
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    """A tiny Llama sequence classifier (3 labels): PEFT's SEQ_CLS task trains a copy of its `score` head."""
+    import transformers as tr
+
+    from tests.test_lora import _DEC
+
+    config = tr.LlamaConfig(**_DEC, num_labels=3, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    with _LOCK:
+        torch.manual_seed(5)
+        return tr.LlamaForSequenceClassification(config).double()
+
+
+def _classifier_steps(model, steps: int = 3) -> list[float]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(steps):
+        loss = model(input_ids=batch(step), labels=torch.tensor([0, 2])).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_modules_to_save_on_a_classifier_head(classifier, world):
+    """task_type="SEQ_CLS" (PEFT adds modules_to_save=["classifier", "score"]): the head, kept whole by the
+    planner, and its trained copy stay whole; in either order 3 AdamW steps' losses equal one PEFT process's."""
+    config = lambda: peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, init_lora_weights=False,  # noqa: E731
+                                     target_modules=["q_proj", "o_proj"])
+    want = _classifier_steps(with_adapter(copy.deepcopy(classifier), config()))
+
+    def body(comm):
+        a = with_adapter(tpkit.parallelize(copy.deepcopy(classifier), comm=comm), config())
+        b = tpkit.parallelize(with_adapter(copy.deepcopy(classifier), config()), comm=comm)
+        assert tpkit.shard_layouts(b)["base_model.model.score.modules_to_save.default.weight"].is_replicated
+        return _classifier_steps(a), _classifier_steps(b)
+
+    for losses in tpkit.run_threads(body, world):
+        for got in losses:
+            assert all(abs(g - w) <= TOL * abs(w) for g, w in zip(got, want)), (got, want)
