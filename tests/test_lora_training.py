@@ -96,8 +96,12 @@ def test_lora_dropout_without_a_seeded_stream_is_refused(llama):
     def body(comm):
         model = with_adapter(tpkit.parallelize(copy.deepcopy(llama), comm=comm),
                              lora_config("llama", lora_dropout=0.1)).train()
-        with pytest.raises(ValueError, match=r"LoraLinear adapter 'default'.*model_parallel_manual_seed"):
+        with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj adapter 'default'.*model_parallel_manual"):
             loss_of(model, batch(0))
+        wrapped = tpkit.parallelize(with_adapter(copy.deepcopy(llama), lora_config("llama", lora_dropout=0.1)),
+                                    comm=comm).train()
+        with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj adapter 'default'.*model_parallel_manual"):
+            loss_of(wrapped, batch(0))
         return True
 
     assert all(tpkit.run_threads(body, 2))

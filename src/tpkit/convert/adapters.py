@@ -247,6 +247,7 @@ def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
             if cls is None:
                 raise PlanError(f"{name}: its base layer became a {type(new).__name__}, which takes no LoRA adapter")
             w.__class__ = cls
+            w.__dict__["tp_name"] = name
             w._modules["base_layer"] = new
             w.fan_in_fan_out = False
             for adapter in list(w.lora_A.keys()) + list(w.lora_embedding_A.keys()):

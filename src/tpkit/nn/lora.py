@@ -54,6 +54,7 @@ class _ParallelLoraLinear(LoraLinear):
         where = f"{kwargs.get('target_name') or type(base_layer).__name__}"
         check_config(config, where)
         kwargs.pop("fan_in_fan_out", None)
+        self.__dict__["tp_name"] = kwargs.get("target_name")  # the layer's name, for messages
         super().__init__(base_layer, adapter_name, config, r=r, lora_alpha=lora_alpha, **kwargs)
         # tpkit's layers hold [out, in] whatever the original stored (GPT-2's Conv1D: [in, out]); the adapter's
         # factors are the same either way, only the merge's transpose depended on it.
@@ -165,7 +166,7 @@ class _ParallelLoraLinear(LoraLinear):
         p = float(getattr(dropout, "p", 0.0))
         if p == 0.0 or not dropout.training or self.comm.world_size == 1:
             return dropout(x)
-        where = f"{type(self).__name__} adapter {name!r}"
+        where = f"{self.__dict__.get('tp_name') or type(self).__name__} adapter {name!r}"
         if self.SPLIT == "lora_A":  # a row base: this rank's features of the input
             base = self.get_base_layer()
             return one_mask_dropout(x, p, self.comm, where, self._local_positions(base.in_features), base.in_features)
