@@ -7,7 +7,8 @@ every rank; `merge_and_unload` leaves each rank the slice of PEFT's merged weigh
 unmerged weight. Models: Llama with 8 query / 2 KV heads (at 3 ranks a KV head is held by two ranks and expanded
 on one), Qwen2 with tied embeddings, qkv biases, rsLoRA and LoRA on the LM head, Phi-3 with its fused qkv_proj and
 gate_up_proj (split piece by piece), GPT-2 with its fused Conv1D c_attn and lora_bias. Also: stock adapter files both ways and several adapters; mode="training" on thread-ranks and gloo
-processes; no collective added to the forward; refusals (DoRA, embeddings, PiSSA) before anything changes; a
+processes; no collective added to the forward; refusals (DoRA, an embedding split along its features, PiSSA) before
+anything changes; a
 checkpoint resumed at another world size; estimate_memory / analyze of a PEFT model; DDP over the adapter.
 """
 from __future__ import annotations
@@ -294,9 +295,11 @@ def test_refused_before_anything_changes(arch, bad):
     over = {"dora": dict(use_dora=True), "embedding": dict(target_modules=["embed_tokens", "q_proj"]),
             "pissa": dict(init_lora_weights="pissa")}[bad]
     said = {"dora": "DoRA", "embedding": "embed", "pissa": "pissa"}[bad]
+    # LoRA on an embedding split along the vocabulary works (tests/test_lora_training.py); along its features not
+    plan = {"model.embed_tokens": "embedding_colwise"} if bad == "embedding" else "auto"
 
     def body(comm):
-        model = tpkit.parallelize(copy.deepcopy(base), comm=comm)
+        model = tpkit.parallelize(copy.deepcopy(base), plan=plan, comm=comm)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(ValueError, match=said) as first:
             with_adapter(model, lora_config(name, **over))
@@ -307,7 +310,7 @@ def test_refused_before_anything_changes(arch, bad):
             wrapped = with_adapter(copy.deepcopy(base), lora_config(name, **over))
             keys = {k: v.clone() for k, v in wrapped.state_dict().items()}
             with pytest.raises(tpkit.PlanError, match=said):
-                tpkit.parallelize(wrapped, comm=comm)
+                tpkit.parallelize(wrapped, plan=plan, comm=comm)
             assert all(torch.equal(keys[k], v) for k, v in wrapped.state_dict().items())
             assert not [n for n, p in wrapped.named_parameters() if getattr(p, "tensor_model_parallel", False)]
         return True

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..convert.layouts import check_grad_sums, shard_layouts
 from ..nn._layer import resolve_comm
-from ..nn.random import get_rng_tracker
+from ..nn.random import DATA_PARALLEL_RNG, get_rng_tracker
 from . import optimizer as optim_state
 from .agree import agree
 from .allocate import computed_buffers, materialize
@@ -184,11 +184,20 @@ def place_state(model: nn.Module, section: dict, targets: list[Target]) -> None:
 
 def restore_rng(manifest: dict, comm, tracker_comm=None) -> None:
     """The RNG tracker's streams (of `tracker_comm`, the tp communicator of a data-parallel model, else
-    `comm`'s), when the checkpoint was saved at this world size (per-rank streams do not map onto another)."""
+    `comm`'s), when the checkpoint was saved at this world size. At another world size per-rank streams do not map
+    onto the new ranks, but the replicated stream (`DATA_PARALLEL_RNG`: LoRA dropout's one mask) does when every
+    saved rank held it alike: it alone is restored, so a run resumed at another TP size draws the same masks."""
     saved = manifest.get("rng")
-    if not saved or len(saved) != comm.world_size:
+    if not saved:
         return
-    states = {name: {dev: torch.tensor(list(bytes.fromhex(h)), dtype=torch.uint8) for dev, h in d.items()}
-              for name, d in saved[comm.rank].items()}
-    if states:
-        get_rng_tracker(tracker_comm or comm).set_states(states)
+    decode = lambda d: {dev: torch.tensor(list(bytes.fromhex(h)), dtype=torch.uint8)  # noqa: E731
+                        for dev, h in d.items()}
+    tracker = get_rng_tracker(tracker_comm or comm)
+    if len(saved) == comm.world_size:
+        states = {name: decode(d) for name, d in saved[comm.rank].items()}
+        if states:
+            tracker.set_states(states)
+        return
+    replicated = [r.get(DATA_PARALLEL_RNG) for r in saved]
+    if replicated[0] is not None and all(r == replicated[0] for r in replicated):
+        tracker.set_states(dict(tracker.get_states(), **{DATA_PARALLEL_RNG: decode(replicated[0])}))

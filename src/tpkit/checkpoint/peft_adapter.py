@@ -8,8 +8,9 @@ a file), and every rank returns once the files are there. The tensors saved are 
 (its selection is run on the local state dict, then only those are gathered), so a stock file results whatever
 the config asks (`bias=`, `modules_to_save`, several adapters).
 
-`PeftModel.from_pretrained(tp_model, directory)` and `load_adapter` need nothing here: PEFT builds tpkit's LoRA
-layers through its dispatch (`tpkit.nn.lora`), and each layer keeps its slice of the full tensors it is given.
+`PeftModel.from_pretrained(tp_model, directory)` and `load_adapter`: PEFT builds tpkit's LoRA layers through its
+dispatch (`tpkit.nn.lora`), and each layer keeps its slice of the full tensors it is given; what else a stock file
+holds at full size (a `modules_to_save` copy, split as its original) is sliced by its layout as it loads.
 
 Both are installed into PEFT when tpkit converts a model in a process that imported PEFT, or by `lora_config`.
 """
@@ -91,6 +92,41 @@ def _move_into(src: str, dst: str) -> None:
             os.replace(os.path.join(root, f), os.path.join(target, f))
 
 
+def _full_to_local(layouts: dict[str, ShardLayout]):
+    """A load pre-hook for a whole model: each full-size tensor of a split key is replaced by this rank's slice."""
+    def hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        for key, t in list(state_dict.items()):
+            lay = layouts.get(key[len(prefix):]) if key.startswith(prefix) else None
+            if lay is not None and not lay.is_replicated and isinstance(t, torch.Tensor) and \
+                    tuple(t.shape) == tuple(lay.full_shape) != tuple(lay.local_shape):
+                state_dict[key] = lay.shard(t)
+    return hook
+
+
+@functools.lru_cache(maxsize=None)
+def install_loading() -> None:
+    """Wrap PEFT's `set_peft_model_state_dict` (what `from_pretrained` / `load_adapter` load through) so a stock
+    file's full-size tensors load onto a tensor-parallel model as each rank's slices, whatever module holds them (a
+    `modules_to_save` copy split as its original included; the LoRA layers also cut their own factors)."""
+    import peft.peft_model as peft_model
+
+    original = peft_model.set_peft_model_state_dict
+
+    @functools.wraps(original)
+    def set_peft_model_state_dict(model, *args: Any, **kwargs: Any):
+        comm = _comm_of(model)
+        if comm is None or comm.world_size == 1:
+            return original(model, *args, **kwargs)
+        handle = model.register_load_state_dict_pre_hook(_full_to_local(shard_layouts(model)))
+        try:
+            return original(model, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    set_peft_model_state_dict.tpkit_original = original  # type: ignore[attr-defined]
+    peft_model.set_peft_model_state_dict = set_peft_model_state_dict
+
+
 @functools.lru_cache(maxsize=None)
 def install() -> None:
     """Wrap `PeftModel.save_pretrained` so a tensor-parallel model writes stock full-size files (idempotent; a
@@ -122,3 +158,4 @@ def install() -> None:
 
 
 ON_PEFT.append(install)
+ON_PEFT.append(install_loading)

@@ -74,14 +74,15 @@ def lora_wrapped(model: nn.Module) -> dict[str, nn.Module]:
 
 def _check_wrapper(name: str, w: nn.Module) -> None:
     """Refuse, before anything changes, an adapter layer the converter cannot split exactly."""
+    from peft.tuners.lora.layer import Embedding as LoraEmbedding
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     from ..nn.lora import DORA_REASON
 
-    if type(w) is not LoraLinear:
-        what = "an embedding" if "Embedding" in type(w).__name__ else f"a {type(w).__name__}"
-        raise PlanError(f"{name}: its LoRA adapter is on {what}, which tpkit does not split with an adapter yet; "
-                        f"leave it out of target_modules (LoRA on Linear / Conv1D layers is supported)")
+    if type(w) not in (LoraLinear, LoraEmbedding):
+        raise PlanError(f"{name}: its LoRA adapter is on a {type(w).__name__}, which tpkit does not split with an "
+                        f"adapter yet; leave it out of target_modules (LoRA on Linear / Conv1D layers and on "
+                        f"embeddings split along the vocabulary is supported)")
     if w.merged:
         raise PlanError(f"{name}: its LoRA adapter(s) {w.merged_adapters} are merged into the base weight; call "
                         f"unmerge_adapter() (or merge_and_unload()) before tpkit.parallelize")
@@ -96,19 +97,67 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+def saved_wrapped(model: nn.Module) -> dict[str, nn.Module]:
+    """`{name: wrapper}` of PEFT's `modules_to_save` wrappers in `model` (a module PEFT trains a copy of)."""
+    if not _peft_loaded():
+        return {}
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)}
+
+
 @contextlib.contextmanager
 def bare_model(model: nn.Module) -> Iterator[tuple[nn.Module, dict[str, nn.Module]]]:
-    """Inside the block, `(inner_model(model), wrappers by name)` with every LoRA wrapper replaced by its base
-    layer (the model as it was before PEFT); the wrappers are put back after, whatever happens."""
+    """Inside the block, `(inner_model(model), LoRA wrappers by name)` with every LoRA wrapper replaced by its base
+    layer and every `modules_to_save` wrapper by its original module (the model as it was before PEFT); the
+    wrappers are put back after, whatever happens."""
     target = inner_model(model)
     wrapped = lora_wrapped(target)
+    saved = saved_wrapped(target)
+    for name, w in saved.items():
+        _set(target, name, w.original_module)
     for name, w in wrapped.items():
         _set(target, name, w.get_base_layer())
     try:
         yield target, wrapped
     finally:
-        for name, w in wrapped.items():
+        for name, w in {**saved, **wrapped}.items():
             _set(target, name, w)
+
+
+def split_saved_copies(target: nn.Module, saved: dict[str, nn.Module], originals: dict[str, nn.Module]) -> None:
+    """After the bare `target` was converted: each `modules_to_save` wrapper (by name, its unconverted `originals`)
+    takes the converted original, and each trained copy becomes a copy of it holding this rank's slice of the
+    copy's values (the original's layouts), so the copy is split exactly as the original."""
+    import copy
+
+    from .layouts import shard_layouts
+
+    layouts = shard_layouts(target)
+    for name, w in saved.items():
+        new = target.get_submodule(name)
+        if new is originals[name]:
+            continue
+        for adapter, old in list(w.modules_to_save.items()):
+            split = copy.deepcopy(new)
+            full = old.state_dict()
+            split.load_state_dict({k: layouts[f"{name}.{k}"].shard(v) for k, v in full.items()})
+            for pname, p in split.named_parameters():
+                p.requires_grad_(old.get_parameter(pname).requires_grad)
+            w.modules_to_save[adapter] = split
+        w._modules["original_module"] = new
+
+
+def _factors(w: nn.Module) -> Iterator[tuple[str, str, str, nn.Parameter]]:
+    """(factor, adapter, tensor name, tensor) of a LoRA wrapper: A / B modules of a linear layer ('weight',
+    'bias'), A / B parameters of an embedding (no tensor name: PEFT keys them `lora_embedding_A.<adapter>`)."""
+    for factor in ("lora_A", "lora_B"):
+        for adapter, m in getattr(w, factor, {}).items():
+            for tname, t in m.named_parameters(recurse=False):
+                yield factor, adapter, tname, t
+    for factor in ("lora_embedding_A", "lora_embedding_B"):
+        for adapter, t in getattr(w, factor, {}).items():
+            yield factor, adapter, "", t
 
 
 def adapter_tensors(wrapped: dict[str, nn.Module], plan: Plan | None, world: int) -> list[dict]:
@@ -128,20 +177,20 @@ def adapter_tensors(wrapped: dict[str, nn.Module], plan: Plan | None, world: int
                 rows = max(lay.stored_local_shape[out_dim] for lay in lays)
             elif held.dim is not None:
                 cols = max(lay.stored_local_shape[1 - out_dim] for lay in lays)
-        for factor in ("lora_A", "lora_B"):
-            for adapter, m in getattr(w, factor, {}).items():
-                for tname, t in m.named_parameters(recurse=False):
-                    shape = list(t.shape)
-                    if factor == "lora_B" and rows is not None:
-                        shape[0], held = rows, "rows as the base's"
-                    elif factor == "lora_A" and tname == "weight" and cols is not None:
-                        shape[1], held = cols, "columns as the base's"
-                    else:
-                        held = "whole" + (", gradient summed over the ranks" if style != REPLICATE else "")
-                    out.append(dict(name=f"{name}.{factor}.{adapter}.{tname}", shape=tuple(t.shape),
-                                    numel=t.numel(), element_size=t.element_size(), held=held,
-                                    per_rank=math.prod(shape), trainable=t.requires_grad,
-                                    bytes=t.numel() * t.element_size(), rank_bytes=math.prod(shape) * t.element_size()))
+        for factor, adapter, tname, t in _factors(w):
+            shape = list(t.shape)
+            if factor == "lora_B" and rows is not None:
+                shape[0], held = rows, "rows as the base's"
+            elif factor == "lora_A" and tname == "weight" and cols is not None:
+                shape[1], held = cols, "columns as the base's"
+            elif factor == "lora_embedding_A" and rows is not None:  # [r, vocab]: the base's vocabulary rows
+                shape[1], held = rows, "columns as the base's rows"
+            else:
+                held = "whole" + (", gradient summed over the ranks" if style != REPLICATE else "")
+            key = f"{name}.{factor}.{adapter}" + (f".{tname}" if tname else "")
+            out.append(dict(name=key, shape=tuple(t.shape), numel=t.numel(), element_size=t.element_size(),
+                            held=held, per_rank=math.prod(shape), trainable=t.requires_grad,
+                            bytes=t.numel() * t.element_size(), rank_bytes=math.prod(shape) * t.element_size()))
     return out
 
 
@@ -159,18 +208,38 @@ def adapter_memory(wrapped: dict[str, nn.Module], bare: nn.Module, worlds: list[
     return out
 
 
+def _check_embedding_plan(wrapped: dict[str, nn.Module], plan) -> None:
+    """Refuse, before converting, a plan that splits a LoRA-wrapped embedding along its features (its adapter is
+    split only along the vocabulary, `tpkit.nn.lora_embedding`)."""
+    import fnmatch
+
+    entries = plan.entries if isinstance(plan, Plan) else plan if isinstance(plan, dict) else {}
+    for name, w in wrapped.items():
+        if not hasattr(w, "lora_embedding_A") or not w.lora_embedding_A:
+            continue
+        for key, style in entries.items():
+            if (key == name or fnmatch.fnmatchcase(name, key)) and style in ("embedding_colwise", "colwise"):
+                raise PlanError(f"{name}: the plan splits this LoRA-wrapped embedding along its features ({key!r}: "
+                                f"{style!r}); LoRA on an embedding is split along the vocabulary only: plan it "
+                                f"'embedding_rowwise' (the default) or leave it out of target_modules")
+
+
 def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
-                        convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
+                        convert: Callable[[nn.Module], nn.Module], plan=None) -> nn.Module:
     """Convert a model holding LoRA wrappers (`wrapped`, names inside `inner_model(model)`): the bare model by
     `convert`, then each wrapper around its new base layer. A failure leaves the model as it was."""
     from ..nn.lora import lora_layer_for
 
     for name, w in wrapped.items():
         _check_wrapper(name, w)
+    _check_embedding_plan(wrapped, plan)
     bases = {name: w.get_base_layer() for name, w in wrapped.items()}
+    saved = saved_wrapped(inner_model(model))
+    originals = {name: w.original_module for name, w in saved.items()}
     with bare_model(model) as (target, _):
         convert(target)  # an error leaves the model as it was, the wrappers back in place
         converted = {name: target.get_submodule(name) for name in wrapped}
+        split_saved_copies(target, saved, originals)
     for name, w in wrapped.items():
         new = converted[name]
         if new is not bases[name]:
@@ -178,9 +247,10 @@ def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
             if cls is None:
                 raise PlanError(f"{name}: its base layer became a {type(new).__name__}, which takes no LoRA adapter")
             w.__class__ = cls
+            w.__dict__["tp_name"] = name
             w._modules["base_layer"] = new
             w.fan_in_fan_out = False
-            for adapter in list(w.lora_A.keys()):
+            for adapter in list(w.lora_A.keys()) + list(w.lora_embedding_A.keys()):
                 w.split_adapter(adapter)
     check_grad_sums(target, "parallelize")
     return model

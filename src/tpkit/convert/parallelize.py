@@ -117,7 +117,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     if wrapped:  # PEFT LoRA layers: convert the bare model, the adapters follow their base layers (adapters.py)
         return parallelize_wrapped(model, wrapped, lambda bare: parallelize(
             bare, plan, comm, mode=mode, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
-            recorded=recorded, reuse=reuse))
+            recorded=recorded, reuse=reuse), plan)
     done = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)]
     if done:
         raise PlanError(f"parallelize: the model already holds tensor-parallel shards (e.g. {done[0]}); it was "

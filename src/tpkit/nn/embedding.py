@@ -19,6 +19,7 @@ from ..comm.communicator import Communicator
 from ..comm.debug import debug_enabled
 from ._layer import (TensorParallelModule, check_module, check_positive, check_sequence_divisible, full_module,
                      make_shard)
+from .linear import Adapter
 from .mappings import gather_from_region, reduce_from_region, reduce_scatter_to_sequence_region
 from .partition import partition_sizes
 
@@ -113,13 +114,19 @@ class VocabParallelEmbedding(_ParallelEmbedding):
             local_pad = self.padding_idx - self.vocab_start
         self.local_padding_idx = local_pad
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, adapter: Adapter | None = None) -> torch.Tensor:
+        """`adapter` (a LoRA branch, `tpkit.nn.lora_embedding`): called on the ids as this rank's rows number them
+        (ids outside its vocabulary read row 0); its result is zeroed with the shard's for those ids, so it is a
+        partial sum like the shard's lookup and joins the one all-reduce."""
         if self.world_size == 1:
-            return F.embedding(ids, self.weight, self.padding_idx)
+            out = F.embedding(ids, self.weight, self.padding_idx)
+            return out if adapter is None else out + adapter(ids)
         _check_ids("VocabParallelEmbedding", ids, self.num_embeddings, self.comm)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill_(outside, 0)
         out = F.embedding(local, self.weight, self.local_padding_idx)
+        if adapter is not None:
+            out = out + adapter(local)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             check_sequence_divisible("VocabParallelEmbedding", out, self.sequence_dim, self.world_size)

@@ -34,41 +34,13 @@ from torch import nn
 
 from .embedding import ParallelEmbedding, VocabParallelEmbedding
 from .grad_sums import GradSum, sum_grads, summed
+from .lora_checks import DORA_REASON, PLAIN_INITS, LoraTPError, check_config  # noqa: F401 (public here too)
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .lora_dropout import one_mask_dropout
+from .lora_embedding import VocabParallelLoraEmbedding
 from .partition import mark_replicated, mark_tensor_parallel
 from .sequence_parallel import mark_sequence_parallel
 from .quantized import quant_state
-
-#: `init_lora_weights` values that draw the adapter without reading the base weight (the others, PiSSA, OLoRA,
-#: LoftQ, EVA, CorDA, ..., decompose the full base weight, which no rank holds).
-PLAIN_INITS = (True, False, "gaussian")
-
-
-DORA_REASON = ("DoRA (use_dora=True) is not supported under tensor parallelism: its magnitude vector divides each "
-               "output row by the norm of the merged weight's row, which a row-parallel layer holds split over the "
-               "ranks. Use plain LoRA (use_dora=False), or train DoRA on an unconverted model")
-
-
-class LoraTPError(ValueError):
-    """A LoRA configuration or target that tpkit cannot split exactly; raised before any layer changes."""
-
-
-def check_config(config: LoraConfig, where: str) -> None:
-    """Refuse, naming the layer and the way out, what cannot run split: DoRA (its magnitude normalises each row of
-    the merged weight, which a row-parallel layer holds in pieces), LoRA variants, and inits that read the base."""
-    if getattr(config, "use_dora", False):
-        raise LoraTPError(f"{where}: {DORA_REASON}")
-    init = config.init_lora_weights
-    if not any(init is p or init == p for p in PLAIN_INITS):
-        raise LoraTPError(f"{where}: init_lora_weights={init!r} decomposes the full base weight, which no rank holds "
-                          f"under tensor parallelism; use init_lora_weights=True (or 'gaussian' / False), or "
-                          f"initialise on one process, save the adapter, and load it onto the TP model")
-    for field in ("use_bdlora", "alora_invocation_tokens", "arrow_config", "velora_config", "monteclora_config",
-                  "kasa_config", "mica"):
-        if getattr(config, field, None):
-            raise LoraTPError(f"{where}: the LoRA variant {field}={getattr(config, field)!r} is not supported under "
-                              f"tensor parallelism; use plain LoRA (rsLoRA, use_rslora=True, is supported)")
-
 
 class _ParallelLoraLinear(LoraLinear):
     """PEFT's `lora.Linear` on a tpkit linear layer: `SPLIT` names the factor split with the base ('lora_B' on a
@@ -82,6 +54,7 @@ class _ParallelLoraLinear(LoraLinear):
         where = f"{kwargs.get('target_name') or type(base_layer).__name__}"
         check_config(config, where)
         kwargs.pop("fan_in_fan_out", None)
+        self.__dict__["tp_name"] = kwargs.get("target_name")  # the layer's name, for messages
         super().__init__(base_layer, adapter_name, config, r=r, lora_alpha=lora_alpha, **kwargs)
         # tpkit's layers hold [out, in] whatever the original stored (GPT-2's Conv1D: [in, out]); the adapter's
         # factors are the same either way, only the merge's transpose depended on it.
@@ -177,14 +150,27 @@ class _ParallelLoraLinear(LoraLinear):
         """The active adapters' sum on the input as the base's shard sees it."""
         out = None
         for name in self._active():
-            a, b, dropout, scaling = self.lora_A[name], self.lora_B[name], self.lora_dropout[name], self.scaling[name]
-            h = a(dropout(self._cast_input_dtype(x, a.weight.dtype)))
+            a, b, scaling = self.lora_A[name], self.lora_B[name], self.scaling[name]
+            h = a(self._drop(name, self._cast_input_dtype(x, a.weight.dtype)))
             d = self._up(b, h) * scaling
             out = d if out is None else out + d
         return out.to(_base_dtype(self.get_base_layer()))
 
     def _up(self, b: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         return b(h)
+
+    def _drop(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Adapter `name`'s dropout on the input as this shard sees it: PEFT's module at one rank or when it does
+        nothing, else this rank's part of one mask for all ranks (`tpkit.nn.lora_dropout`)."""
+        dropout = self.lora_dropout[name]
+        p = float(getattr(dropout, "p", 0.0))
+        if p == 0.0 or not dropout.training or self.comm.world_size == 1:
+            return dropout(x)
+        where = f"{self.__dict__.get('tp_name') or type(self).__name__} adapter {name!r}"
+        if self.SPLIT == "lora_A":  # a row base: this rank's features of the input
+            base = self.get_base_layer()
+            return one_mask_dropout(x, p, self.comm, where, self._local_positions(base.in_features), base.in_features)
+        return one_mask_dropout(x, p, self.comm, where)
 
 
 class ColumnParallelLoraLinear(_ParallelLoraLinear):
@@ -282,14 +268,16 @@ def _base_rows_sum(base: nn.Module) -> GradSum | None:
 
 def _refuse_embedding(target: nn.Module, adapter_name: str, config: LoraConfig, **kwargs: Any) -> nn.Module:
     name = kwargs.get("target_name") or type(target).__name__
-    raise LoraTPError(f"{name} ({type(target).__name__}): LoRA on a split embedding is not supported yet; leave "
-                      f"embeddings out of target_modules (or plan the embedding 'replicate' when converting)")
+    raise LoraTPError(f"{name} ({type(target).__name__}): LoRA on an embedding split along its features is not "
+                      f"supported; leave it out of target_modules, or convert it split along the vocabulary "
+                      f"(VocabParallelEmbedding, the default plan), where LoRA is supported")
 
 
 #: tpkit layer type -> the LoRA layer PEFT builds on it (PEFT's custom-module dispatch).
 LORA_LAYERS: dict[type, Any] = {ColumnParallelLinear: ColumnParallelLoraLinear,
                                 RowParallelLinear: RowParallelLoraLinear,
-                                VocabParallelEmbedding: _refuse_embedding, ParallelEmbedding: _refuse_embedding}
+                                VocabParallelEmbedding: VocabParallelLoraEmbedding,
+                                ParallelEmbedding: _refuse_embedding}
 
 
 def lora_layer_for(module: nn.Module) -> type | None:

@@ -58,6 +58,10 @@ class RNGStatesTracker:
         self._seeds[name] = int(seed)
         self._states[name] = {"cpu": torch.Generator().manual_seed(int(seed)).get_state()}
 
+    def __contains__(self, name: str) -> bool:
+        """Whether stream `name` is registered (so a caller can refuse clearly before forking)."""
+        return name in self._states
+
     def get_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """A copy of every stream's state (for checkpoints)."""
         return {name: {dev: s.clone() for dev, s in states.items()} for name, states in self._states.items()}
@@ -96,6 +100,24 @@ class RNGStatesTracker:
                 if use_cuda:
                     states["cuda"] = torch.cuda.get_rng_state()
                     torch.cuda.set_rng_state(saved_cuda)
+
+
+    @contextlib.contextmanager
+    def generator(self, name: str, device: torch.device | str = "cpu") -> Iterator[torch.Generator]:
+        """Stream `name` as a `torch.Generator` of its own on `device`, for draws that pass `generator=`; its
+        advance is kept. Unlike `fork`, torch's default generator is not touched, so nothing that sets it meanwhile
+        (another thread-rank, a checkpoint restoring its RNG state) can interleave with the draw."""
+        if name not in self._states:
+            raise ValueError(f"RNG tracker: no stream {name!r} (known: {sorted(self._states)}); call "
+                             f"tpkit.nn.model_parallel_manual_seed(seed) first")
+        device = torch.device(device)
+        key = "cpu" if device.type == "cpu" else "cuda"
+        with _lock:
+            states = self._states[name]
+            g = torch.Generator(device=device)
+            g.set_state(states[key] if key in states else self._cuda_state(name))
+            yield g
+            states[key] = g.get_state()
 
 
 def get_rng_tracker(comm: Communicator | None = None) -> RNGStatesTracker:
