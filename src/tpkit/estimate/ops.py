@@ -72,6 +72,7 @@ class StepTrace:
     saved_bytes: int         # what the training forward keeps for backward (0 for inference)
     cache_bytes: int         # the KV cache after the step (decode)
     tokens: int              # tokens the step processes (decode: the batch)
+    parameter_tensors: int = 0  # this rank's parameter tensors the optimizer steps (training)
 
 
 class RecordingCommunicator(ShapeCommunicator):
@@ -220,8 +221,9 @@ def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, 
         else:
             saved = _train(work, batch, seq, example, recorder)
     tokens = batch if goal == "decode" else batch * seq
+    tensors = sum(1 for p in {id(p): p for p in work.parameters()}.values() if p.requires_grad)
     return StepTrace(goal, world_size, rank, tuple(recorder.ops), tuple(comm.calls), sum(params.values()), saved,
-                     cache, tokens)
+                     cache, tokens, tensors)
 
 
 def _decode(work: nn.Module, batch: int, seq: int, recorder: OpRecorder, comm: RecordingCommunicator) -> int:

@@ -108,7 +108,8 @@ def kernel_seconds(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...
             continue
         if op.mnk is not None or op.flops:
             m = op.mnk[0] if op.mnk is not None else 1024
-            total += max(op.flops / rates.flops_rate(m), op.nbytes / rates.weight_bandwidth(op.stored))
+            width = math.sqrt(op.mnk[1] * op.mnk[2]) if op.mnk is not None else None
+            total += max(op.flops / rates.flops_rate(m, width), op.nbytes / rates.weight_bandwidth(op.stored))
         else:
             total += op.nbytes / rates.copy_bandwidth
     return total
@@ -128,19 +129,33 @@ class _Priced:
     collectives: int
 
 
-def price(trace: StepTrace, rates: MachineRates, recompute: str = "none") -> _Priced:
+def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers: int | None = None,
+          family: str | None = None, tp: bool | None = None) -> _Priced:
     """The step's kernels, fixed costs and tensor-parallel collectives at `rates` (recompute re-runs forward
-    ops in the backward)."""
+    ops in the backward).
+
+    The fixed costs are the framework's own time composed per module where the machine measured it for the
+    model's `family` (`framework.py`: a step's cost plus one per decoder layer of the `layers` traced, plus the
+    optimizer's per parameter tensor; converted when `tp`, default: the trace spans ranks), else the per-op
+    cost of a reference model times the ops counted."""
+    tp = trace.world_size > 1 if tp is None else tp
     per_op = rates.train_op_overhead_s if trace.goal == "train" else rates.op_overhead_s
     kernels, n = kernel_seconds(trace, rates), len(trace.ops)
+    again = []
     if trace.goal == "train" and recompute != "none":
         names = None if recompute == "full" else ATTENTION_CORE
         again = _ops(trace, ("forward",), names)
         kernels += kernel_seconds(trace, rates, ("forward",), names)
-        n += len(again)
     in_step = rates.train_collective_overhead_s if trace.goal == "train" else rates.collective_overhead_s
+    cost = rates.framework_cost(family, trace.goal, tp) if layers is not None else None
+    if cost is not None:  # measured per module: the in-step cost of a collective is inside its layer's term
+        overhead = cost.seconds(layers) + len(again) * per_op
+        overhead += trace.parameter_tensors * rates.optimizer_tensor_s if trace.goal == "train" else 0.0
+        in_step = 0.0
+    else:
+        overhead = (n + len(again)) * per_op
     comm = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) + in_step for c in trace.collectives)
-    return _Priced(kernels, n * per_op, comm, n, len(trace.collectives))
+    return _Priced(kernels, overhead, comm, n + len(again), len(trace.collectives))
 
 
 def _models(model_or_config, dtype: torch.dtype | None = None) -> tuple[list[tuple[int, nn.Module]], int]:
@@ -212,7 +227,9 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     traced = traced or trace_setup(model_or_config, setup, goal, batch_size, seq_len, example, dtype)
     item = next((p.element_size() for p in traced.model.parameters()), 2)
     rates = profile.rates(ranks or setup.devices, hardware, item)
-    rows = [(n, t, price(t, rates, setup.recompute)) for n, t in traced.rows]
+    family = getattr(getattr(traced.model, "config", None), "model_type", None)
+    rows = [(n, t, price(t, rates, setup.recompute, n if family else None, family, setup.tp > 1))
+            for n, t in traced.rows]
     layers = traced.layers
 
     def ex(f) -> float:

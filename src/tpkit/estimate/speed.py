@@ -74,6 +74,9 @@ class SpeedEstimate:
     rows: list[SpeedRow]
     notes: list[str] = field(default_factory=list)
     unit: str = "tokens"  # what `tokens_per_s` counts: tokens, or samples for measured modules
+    # what the three time columns hold: a roofline's compute / memory / communication, or (priced op by op on a
+    # measured machine, `machine_speed.py`) kernels / the framework's fixed costs / communication
+    parts: tuple[str, str, str] = ("compute", "memory", "comm")
 
     def row(self, world_size: int) -> SpeedRow:
         for r in self.rows:
@@ -87,13 +90,13 @@ class SpeedEstimate:
     def to_dict(self) -> dict[str, Any]:
         return {"hardware": self.hardware, "interconnect": self.interconnect, "mode": self.mode, "dtype": self.dtype,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "unit": self.unit,
-                "rows": [asdict(r) for r in self.rows], "notes": list(self.notes)}
+                "rows": [asdict(r) for r in self.rows], "notes": list(self.notes), "parts": list(self.parts)}
 
     def summary(self, width: int | None = None) -> str:
         """A table per world size (fitted to `width` columns; None: natural width), then the notes."""
         unit = "token" if self.mode == "decode" else "step"
         seq = f" x seq {self.seq_len}" if self.seq_len else ""
-        names = ("world size", "compute", "memory", "comm", f"time/{unit}", f"{self.unit}/s", "speedup", "bound")
+        names = ("world size", *self.parts, f"time/{unit}", f"{self.unit}/s", "speedup", "bound")
         rows = [[str(r.world_size), _ms(r.compute_s), _ms(r.memory_s), _ms(r.communication_s), _ms(r.total_s),
                  f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", r.bound] for r in self.rows]
         title = f"speed: {self.mode}, {self.dtype}, batch {self.batch_size}{seq}, {self.hardware} over {self.interconnect}"
