@@ -25,6 +25,7 @@ from .convert.planner import propose
 from .convert.trace import analyze_structure
 from .data_parallel import data_parallel
 from .distributed import get_communicator
+from .estimate.framework import generate_token_seconds
 from .estimate.hardware import detect_hardware
 from .estimate.predict import Setup
 from .estimate.pricing import machine_pricing
@@ -107,15 +108,8 @@ def _rank(model_or_config, setup: Setup, goal: str, batch: int, seq: int, steps:
         def step():
             with torch.no_grad():
                 model(input_ids=ids)
-    else:
-        model.eval()
-        with torch.no_grad():
-            cache = model(input_ids=ids, use_cache=True).past_key_values
-
-        def step():
-            with torch.no_grad():
-                model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
-            cache.crop(-1)  # back to the context: every step decodes the same position
+    else:  # per token of greedy generate, as users decode (and as the calibration measures the framework)
+        return generate_token_seconds(model, seq, steps, comm, batch=local, pick=statistics.median)
     comm.barrier()
     seconds = _median_seconds(step, 2, steps)
     return seconds

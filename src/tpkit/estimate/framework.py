@@ -64,11 +64,12 @@ def tiny_model(family: str, layers: int) -> nn.Module:
     return tr.AutoModelForCausalLM.from_config(tiny_config(family, layers)).float()
 
 
-def generate_token_seconds(model: nn.Module, context: int, repeats: int, comm=None) -> float:
+def generate_token_seconds(model: nn.Module, context: int, repeats: int, comm=None, batch: int = 1,
+                           pick=min) -> float:
     """Seconds per generated token of greedy `generate` after a `context`-token prompt: the time of 9 new tokens
-    less that of 1, over 8 (the prompt's prefill cancels), the least of `repeats` (what the framework costs; a
-    busy machine only adds to it)."""
-    ids = torch.randint(3, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    less that of 1, over 8 (the prompt's prefill cancels); `pick` of `repeats` (default the least: what the
+    framework costs, a busy machine only adds to it), every rank of `comm` in step."""
+    ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
     model.eval()
 
     def run(n: int) -> float:
@@ -80,7 +81,7 @@ def generate_token_seconds(model: nn.Module, context: int, repeats: int, comm=No
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return time.perf_counter() - start
     run(2)
-    return min((run(9) - run(1)) / 8 for _ in range(repeats))
+    return pick([(run(9) - run(1)) / 8 for _ in range(repeats)])
 
 
 def train_step_seconds(model: nn.Module, seq: int, repeats: int, batch: int = 1, comm=None) -> float:
@@ -119,23 +120,25 @@ def optimizer_tensor_seconds(repeats: int = 7) -> float:
     return max(min(seconds(many) - seconds(few) for _ in range(repeats)), 0.0) / 112
 
 
-def _unexplained(model: nn.Module, plain: nn.Module, goal: str, rates, comm, repeats: int,
-                 tensor_s: float) -> float:
-    """Measured seconds of `model`'s step less its kernels and isolated collectives at `rates` (and, training,
-    its optimizer tensors at `tensor_s`); `plain`: the unconverted model (traced for rank `comm.rank`)."""
+def _explained(model: nn.Module, plain: nn.Module, goal: str, rates, comm, tensor_s: float) -> float:
+    """What `model`'s step takes that is not the framework's: its kernels and isolated collectives at `rates`
+    (and, training, its optimizer tensors at `tensor_s`); `plain`: the unconverted model (traced for rank
+    `comm.rank`)."""
     from .calls import meta_copy
     from .ops import trace_step
     from .predict import kernel_seconds
 
     world, rank = (comm.world_size, comm.rank) if comm is not None else (1, 0)
     trace = trace_step(meta_copy(plain), goal, world, rank, batch=1, seq=CONTEXT)
-    if goal == "decode":
-        measured = generate_token_seconds(model, CONTEXT, repeats, comm)
-    else:
-        measured = train_step_seconds(model, CONTEXT, repeats, comm=comm)
     alone = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) for c in trace.collectives)
     tensors = sum(1 for p in model.parameters() if p.requires_grad) if goal == "train" else 0
-    return measured - kernel_seconds(trace, rates) - alone - tensors * tensor_s
+    return kernel_seconds(trace, rates) + alone + tensors * tensor_s
+
+
+def _measured(model: nn.Module, goal: str, comm, repeats: int) -> float:
+    if goal == "decode":
+        return generate_token_seconds(model, CONTEXT, repeats, comm)
+    return train_step_seconds(model, CONTEXT, repeats, comm=comm)
 
 
 def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5,
@@ -147,21 +150,22 @@ def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5,
     out: dict[str, FrameworkCost] = {}
     for family in families:
         for goal in FRAMEWORK_GOALS:
-            left = [[], []]
-            pairs = []
+            models, explained = [], []
             for layers in LAYERS:
                 plain = tiny_model(family, layers)
-                pairs.append((plain if comm is None else parallelize(copy.deepcopy(plain), "auto", comm, mode=
-                              "training" if goal == "train" else "inference"), plain))
-            for _ in range(max(1, repeats // 2)):  # alternating, so a slow spell weighs on both alike
-                for i, (model, plain) in enumerate(pairs):
-                    left[i].append(_unexplained(model, plain, goal, rates, comm, 2, tensor_s))
-            left = [min(x) for x in left]
+                models.append(plain if comm is None else parallelize(copy.deepcopy(plain), "auto", comm, mode=
+                              "training" if goal == "train" else "inference"))
+                explained.append(_explained(models[-1], plain, goal, rates, comm, tensor_s))
+            times: list[list[float]] = [[], []]
+            for _ in range(max(2, repeats // 2)):  # alternating, so a slow spell weighs on both alike
+                for i, model in enumerate(models):
+                    times[i].append(_measured(model, goal, comm, 2))
+            left = [min(t) - e for t, e in zip(times, explained)]
             layer_s = max((left[1] - left[0]) / (LAYERS[1] - LAYERS[0]), 0.0)
             out[f"{family}/{goal}"] = FrameworkCost(max(left[0] - LAYERS[0] * layer_s, 0.0), layer_s)
     return out
 
 
 def framework_family(model: Any) -> str | None:
-    """The family a model's framework terms are keyed by: its config's model_type."""
+    """The family a model's framework terms are keyed by: its config's model_type (None: no terms, a module)."""
     return getattr(getattr(model, "config", None), "model_type", None)
