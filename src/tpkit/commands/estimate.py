@@ -167,7 +167,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     pricing = machine_pricing(written or args.profile, args.hardware, args.interconnect, backend=args.backend)
     if not args.json:
-        print(pricing.origin)
+        from tpkit.tables import output_width, wrap_text
+
+        print(wrap_text(pricing.origin, output_width(wide=args.wide), "", "  "))
     dtype = getattr(torch, _DTYPES[args.dtype or ("fp32" if pricing.measured else "bf16")])
     hardware = pricing.hardware or pricing.profile.hardware
     sizes = _world_sizes(args, pricing)

@@ -58,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     width = output_width(wide=args.wide)
-    print(result.notes[0])
+    from tpkit.tables import wrap_text
+
+    print(wrap_text(result.notes[0], width, "", "  "))
     print(result.summary(width))
     print(result.explain(width))
     if args.plot:

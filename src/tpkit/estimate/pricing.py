@@ -51,7 +51,7 @@ def machine_pricing(profile: SpeedProfile | str | None = None, hardware: str | H
     else prices it (False: ValueError instead)."""
     devices, kind = local_devices()
     if hardware is not None:
-        hw = get_hardware(hardware, interconnect or "nvlink")
+        hw = get_hardware(hardware, interconnect)
         prof = profile if isinstance(profile, SpeedProfile) else load_profile(profile) if profile else DEFAULT_PROFILE
         if prof.machine:  # measured rates belong to the machine measured; a named datasheet asks for another one
             prof = DEFAULT_PROFILE

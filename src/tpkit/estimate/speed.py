@@ -266,9 +266,12 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     collectives the converter's plan adds; the step is scaled to `batch_size` and `tokens_per_s` counts
     samples. Training counts backward as twice the forward FLOPs, and each forward collective once more.
 
-    `profile`: a `SpeedProfile`, a path to a profile JSON, or None (`load_profile()`: the calibrated file at
-    the default location if there is one, else `DEFAULT_PROFILE`). `hardware`: a preset name or a
-    `Hardware`; default the profile's measured machine if it has one, else "H100-SXM".
+    The machine priced is `tpkit.estimate.pricing.machine_pricing(profile, hardware, interconnect)`'s, the one
+    `tpkit estimate`, `search` and `analyze` price: a measured profile prices a transformer op by op
+    (`machine_speed.speed_on_machine`, the setup search's model: the table's parts are then kernels, framework
+    and communication); `hardware` (a preset name or a `Hardware`) prices that datasheet with the default
+    profile's achieved fractions (or `profile`'s when it is not a measured one); with neither, a GPU of a known
+    kind is priced from its datasheet and any other machine is measured first (a quick calibration).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -278,8 +281,24 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     if not sizes or any(not isinstance(t, int) or t < 1 for t in sizes):
         raise ValueError(f"world sizes must be positive ints, got {world_size!r}")
     recompute = normalise_recompute(recompute)
-    profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
-    hw = get_hardware(hardware if hardware is not None else profile.hardware or "H100-SXM", interconnect)
+    for name, value in (("efficiency", efficiency), ("memory_efficiency", memory_efficiency),
+                        ("link_efficiency", link_efficiency)):
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {value}")
+    from .pricing import machine_pricing
+
+    pricing = machine_pricing(profile, hardware, interconnect)
+    profile = pricing.profile
+    config, shape = resolve_target(model_or_config, "estimate_speed")
+    if mode == "decode" and shape is not None and not shape.is_decoder:
+        raise ValueError(f"estimate_speed: {shape.model_type} is an encoder; it does not decode tokens, use mode "
+                         f"'prefill' (one forward) or 'training'")
+    if pricing.measured and shape is not None:
+        from .machine_speed import speed_on_machine  # this machine, priced op by op as the setup search does
+
+        return speed_on_machine(config, sizes, pricing, mode, batch_size, seq_len, dtype, sequence_parallel,
+                                recompute)
+    hw = get_hardware(pricing.hardware or profile.hardware, interconnect)
     dtype = dtype or own_dtype(model_or_config)
     B = dtype.itemsize
     rates, hw_note = _rates(hw, profile, B, efficiency, memory_efficiency, link_efficiency, vocab_parallel)
