@@ -40,7 +40,7 @@ def test_json_output_matches_the_library(capsys):
 def test_tables(capsys):
     assert main(["estimate", "gpt2", "--world-size", "1,2", "--dtype", "fp32", "--hardware", "H100-SXM"]) == 0
     text = capsys.readouterr().out
-    assert text.splitlines()[0].startswith("priced for H100-SXM") and "not this machine" in text.splitlines()[0]
+    assert text.startswith("priced for H100-SXM") and "not this machine" in " ".join(text.split()[:40])
     assert "memory per rank" in text and "fits H100-SXM" in text and "speed: decode" in text
     # No --hardware on a measured machine: its profile prices it, op by op, said in the first line (issue 38)
     assert main(["estimate", "gpt2", "--world-size", "1,2"]) == 0
