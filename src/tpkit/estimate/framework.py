@@ -20,29 +20,24 @@ None of it is fitted to any model it will later price: a model's step is its ker
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
+
+from .calls import meta_copy
+from .machine import FrameworkCost
+from .ops import trace_step
+from .predict import kernel_seconds
+
+__all__ = ["FAMILIES", "FrameworkCost", "framework_costs", "generate_token_seconds",
+           "optimizer_tensor_seconds", "tiny_config", "tiny_model", "train_step_seconds"]
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 FRAMEWORK_GOALS = ("decode", "train")
 LAYERS = (1, 3)
 CONTEXT = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class FrameworkCost:
-    """Seconds per step outside the decoder layers and per decoder layer (see the module doc)."""
-
-    step_s: float
-    layer_s: float
-
-    def seconds(self, layers: int) -> float:
-        return self.step_s + layers * self.layer_s
 
 
 def tiny_config(family: str, layers: int):
@@ -124,10 +119,6 @@ def _explained(model: nn.Module, plain: nn.Module, goal: str, rates, comm, tenso
     """What `model`'s step takes that is not the framework's: its kernels and isolated collectives at `rates`
     (and, training, its optimizer tensors at `tensor_s`); `plain`: the unconverted model (traced for rank
     `comm.rank`)."""
-    from .calls import meta_copy
-    from .ops import trace_step
-    from .predict import kernel_seconds
-
     world, rank = (comm.world_size, comm.rank) if comm is not None else (1, 0)
     trace = trace_step(meta_copy(plain), goal, world, rank, batch=1, seq=CONTEXT)
     alone = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) for c in trace.collectives)
@@ -165,7 +156,3 @@ def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5,
             out[f"{family}/{goal}"] = FrameworkCost(max(left[0] - LAYERS[0] * layer_s, 0.0), layer_s)
     return out
 
-
-def framework_family(model: Any) -> str | None:
-    """The family a model's framework terms are keyed by: its config's model_type (None: no terms, a module)."""
-    return getattr(getattr(model, "config", None), "model_type", None)

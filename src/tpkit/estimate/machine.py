@@ -27,8 +27,6 @@ from typing import Any, Mapping
 
 import torch
 
-from .framework import FrameworkCost
-
 GEMM_ROWS = (1, 4, 16, 64, 256, 1024)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -42,6 +40,17 @@ class CollectiveCost:
 
     def seconds(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameworkCost:
+    """Seconds per step outside the decoder layers and per decoder layer (`framework.py`)."""
+
+    step_s: float
+    layer_s: float
+
+    def seconds(self, layers: int) -> float:
+        return self.step_s + layers * self.layer_s
 
 
 def _interpolate(table, m: int) -> float:

@@ -9,7 +9,7 @@ import torch
 
 from .predict import Setup, predict
 from .pricing import Pricing
-from .speed import SpeedEstimate, SpeedRow
+from .speed_report import SpeedEstimate, SpeedRow
 
 GOAL = {"training": "train", "decode": "decode", "prefill": "prefill"}
 

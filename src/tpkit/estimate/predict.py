@@ -30,7 +30,6 @@ from ..convert.planner import propose
 from ..convert.trace import analyze_structure
 from .calls import meta_copy, with_layers
 from .config import own_dtype
-from .framework import framework_family
 from .machine import MachineRates
 from .ops import GOALS, StepTrace, trace_step
 from .profile import SpeedProfile, load_profile
@@ -228,7 +227,7 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     traced = traced or trace_setup(model_or_config, setup, goal, batch_size, seq_len, example, dtype)
     item = next((p.element_size() for p in traced.model.parameters()), 2)
     rates = profile.rates(ranks or setup.devices, hardware, item)
-    family = framework_family(traced.model)
+    family = getattr(getattr(traced.model, "config", None), "model_type", None)  # the framework terms' key
     rows = [(n, t, price(t, rates, setup.recompute, n if family else None, family, setup.tp > 1))
             for n, t in traced.rows]
     layers = traced.layers
