@@ -29,7 +29,7 @@ import torch
 from .hardware import Hardware, Interconnect
 from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
 from .machine import (MachineRates, measure_collectives, measure_copy_bandwidth, measure_gemm,
-                      measure_shared_stream_bandwidth, measure_stream_bandwidth)
+                      measure_shared_stream_bandwidth, measure_stream_bandwidth, reset_peak_rss, rss_bytes)
 from .profile import LinkProfile, SpeedProfile
 from .reference import collective_overheads, op_overheads
 
@@ -106,8 +106,11 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES) -> Mac
     """On one launched rank: this rank's rates while every rank measures at once (barriers keep them in step)."""
     from ..distributed import get_communicator
 
+    import transformers  # noqa: F401 - a user's process has it imported: part of what it holds
+
     torch.set_num_threads(threads)
     comm = get_communicator()
+    imports = rss_bytes()
     repeats = 3 if quick else 7
     comm.barrier()
     gemm = measure_gemm(repeats=repeats)
@@ -122,9 +125,13 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES) -> Mac
     rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored,
                          gemm_widths=((256, narrow),))
     comm.barrier()
-    forward, train = op_overheads(rates, model, repeats)
+    reset_peak_rss()
+    before = rss_bytes()
+    forward, train, held = op_overheads(rates, model, repeats)
+    runtime = max(rss_bytes("VmHWM") - before - held, 0) if before else 0
     tensor_s = optimizer_tensor_seconds(repeats)
-    rates = dataclasses.replace(rates, op_overhead_s=forward, train_op_overhead_s=train, optimizer_tensor_s=tensor_s)
+    rates = dataclasses.replace(rates, op_overhead_s=forward, train_op_overhead_s=train, optimizer_tensor_s=tensor_s,
+                                import_bytes=imports, runtime_bytes=runtime)
     comm.barrier()
     rates = dataclasses.replace(rates, framework=framework_costs(rates, None, families, repeats, tensor_s))
     if comm.world_size == 1:
@@ -157,6 +164,8 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
                                stored_bandwidth=min(r.stored_bandwidth for r in per_rank),
                                copy_bandwidth=min(r.copy_bandwidth for r in per_rank),
                                optimizer_tensor_s=max(r.optimizer_tensor_s for r in per_rank),
+                               import_bytes=max(r.import_bytes for r in per_rank),
+                               runtime_bytes=max(r.runtime_bytes for r in per_rank),
                                framework=_worst([r.framework for r in per_rank]),
                                tp_framework=_worst([r.tp_framework for r in per_rank]) if first.tp_framework else {})
 

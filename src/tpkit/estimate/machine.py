@@ -88,6 +88,11 @@ class MachineRates:
     optimizer_tensor_s: float = 0.0
     # matmul FLOP/s by rows at other widths (n = k): ((width, ((m, FLOP/s), ...)), ...); `gemm` is width 1024
     gemm_widths: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
+    # what a rank's process holds besides its tensors: its resident bytes once torch, tpkit and transformers are
+    # imported, and what a training step adds beyond the tensors it holds (the allocator's slack, autograd's and
+    # the modules' Python objects), measured on the reference model
+    import_bytes: float = 0.0
+    runtime_bytes: float = 0.0
 
     def framework_cost(self, family: str | None, goal: str, tp: bool) -> FrameworkCost | None:
         """The measured framework terms of `family` for `goal`, converted (`tp`) or whole; None when not
@@ -165,7 +170,8 @@ class MachineRates:
                    {k: FrameworkCost(**v) for k, v in dict(data.get("framework", {})).items()},
                    {k: FrameworkCost(**v) for k, v in dict(data.get("tp_framework", {})).items()},
                    float(data.get("optimizer_tensor_s", 0.0)),
-                   tuple((int(w), tuple((int(m), float(f)) for m, f in t)) for w, t in data.get("gemm_widths", [])))
+                   tuple((int(w), tuple((int(m), float(f)) for m, f in t)) for w, t in data.get("gemm_widths", [])),
+                   float(data.get("import_bytes", 0.0)), float(data.get("runtime_bytes", 0.0)))
 
 
 def _best(fn, repeats: int) -> float:
@@ -228,6 +234,27 @@ def measure_shared_stream_bandwidth(comm, n: int = 1024, total: int = 128 << 20,
         return time.perf_counter() - start
     once()
     return len(ws) * n * n * 4 / sorted(once() for _ in range(repeats))[repeats // 2]
+
+
+def rss_bytes(which: str = "VmRSS") -> int:
+    """This process's resident bytes now (`VmRSS`) or at its peak (`VmHWM`), from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(which + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss() -> None:
+    """Start `VmHWM` again from the current resident size (Linux: /proc/self/clear_refs), where the OS allows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:

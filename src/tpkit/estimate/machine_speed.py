@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..tables import format_bytes
 from .predict import Setup, predict
 from .pricing import Pricing
 from .speed_report import SpeedEstimate, SpeedRow
@@ -32,10 +33,14 @@ def speed_on_machine(config, world_sizes: list[int], pricing: Pricing, mode: str
                  "communication": p.tp_communication_s + p.dp_communication_s}
         rows.append(SpeedRow(t, 0.0, 0.0, 0.0, p.collectives, p.kernels_s, p.overhead_s,
                              p.tp_communication_s + p.dp_communication_s, p.seconds, units / p.seconds, 1.0,
-                             max(parts, key=parts.get)))
+                             max(parts, key=parts.get), p.memory_bytes, p.process_bytes))
     base = rows[0].total_s if rows[0].world_size == 1 else None
     for r in rows:
         r.speedup = base / r.total_s if base else float("nan")
+    rates = pricing.profile.rates(1)
+    notes.append("a rank's process at its peak (the traced step's tensors + imports + runtime, measured here): "
+                 + "; ".join(f"TP {r.world_size}: {format_bytes(r.process_bytes)} ({format_bytes(r.memory_bytes)} + "
+                             f"{format_bytes(rates.import_bytes)} + {format_bytes(rates.runtime_bytes)})" for r in rows))
     beyond = [t for t in world_sizes if pricing.beyond(t)]
     if beyond:
         notes.append(f"world sizes {', '.join(map(str, sorted(set(beyond))))} exceed this machine's "

@@ -13,6 +13,10 @@ step op by op (`ops.trace_step`) and prices it with the measured rates of `tp x 
          + data parallelism's collectives (DDP: gradients all-reduced in 25 MB buckets; FSDP2: each block's
            parameters all-gathered in the forward and again in the backward, its gradients reduce-scattered)
 
+Memory is the most tensor bytes the traced step holds at once (`peak.LiveBytes`: parameters, and what the step's
+ops make while it is alive, optimizer states included), moved by what DP and recompute change; `process_bytes`
+adds what the machine measured a process holds besides (imports, runtime).
+
 Nothing overlaps: an eager step on a CPU does its ops one after another. Recompute adds the forward ops again
 (full) or the attention's (selective). A config with more than two layers is traced with one and two layers
 and extrapolated linearly (the layers are identical).
@@ -93,6 +97,7 @@ class Prediction:
     memory_bytes: float
     ops: int
     collectives: int
+    process_bytes: float = 0.0  # what the rank's process holds at its peak: memory_bytes + imports + runtime
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "setup": self.setup.to_dict()}
@@ -237,10 +242,15 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     kernels, overhead = ex(lambda t, p: p.kernels), ex(lambda t, p: p.overhead)
     tp_comm, params = ex(lambda t, p: p.comm), ex(lambda t, p: t.parameter_bytes)
     dp_comm = _dp_seconds(setup, goal, params, layers or 1, rates)
-    memory = _memory(setup, goal, params, ex(lambda t, p: t.saved_bytes), ex(lambda t, p: t.cache_bytes),
-                     traced.model, layers or 1, -(-batch_size // setup.dp), seq_len)
+    parts = (params, ex(lambda t, p: t.saved_bytes), ex(lambda t, p: t.cache_bytes), traced.model, layers or 1,
+             -(-batch_size // setup.dp), seq_len)
+    memory = _memory(setup, goal, *parts)
+    peak = ex(lambda t, p: t.peak_bytes)
+    if peak:  # the traced peak of the plain step, moved by what DP and recompute change (the sum of parts' delta)
+        memory = peak + memory - _memory(Setup(setup.tp), goal, *parts)
     return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm, kernels, overhead, tp_comm, dp_comm,
-                      memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))))
+                      memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))),
+                      memory + rates.import_bytes + rates.runtime_bytes)
 
 
 def _dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:

@@ -26,6 +26,8 @@ class SpeedRow:
     tokens_per_s: float
     speedup: float = 1.0
     bound: str = ""
+    memory_bytes: float = 0.0   # measured machines: the most tensor bytes the rank's traced step holds
+    process_bytes: float = 0.0  # ... and what its process holds at that peak (imports and runtime added)
 
 
 @dataclass

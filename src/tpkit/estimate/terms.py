@@ -34,6 +34,8 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
         for width, table in ((1024, r.gemm), *r.gemm_widths):
             lines.append(f"[{who}] matmul at width {width}, by rows: "
                          + ", ".join(f"{m}: {_gf(f)}" for m, f in sorted(table)))
+        lines.append(f"[{who}] a process holds besides its tensors: {r.import_bytes / 2**20:.0f} MiB once torch, tpkit "
+                     f"and transformers are imported, {r.runtime_bytes / 2**20:.0f} MiB of runtime in a training step")
         lines.append(f"[{who}] fixed cost per op (reference model): forward {_us(r.op_overhead_s)}, training "
                      f"{_us(r.train_op_overhead_s)}; AdamW per parameter tensor {_us(r.optimizer_tensor_s)}")
         for title, table in (("framework, whole model", r.framework), (f"framework, converted over {r.ranks} ranks",
