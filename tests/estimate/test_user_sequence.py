@@ -18,8 +18,28 @@ from tpkit.estimate.presets import load_target  # noqa: E402
 from tpkit.estimate.profile import load_profile  # noqa: E402
 from tpkit.estimate.terms import profile_terms  # noqa: E402
 
-CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
-          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+CONFIG = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1024,
+          "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 128,
+          "tie_word_embeddings": False}
+
+
+def _peak_rss_of_training(batch: int, seq: int) -> int:
+    """In a fresh rank process: the config's model trained 3 steps (AdamW, float32); its peak resident bytes."""
+    import transformers as tr
+
+    from tpkit.estimate.machine import rss_bytes
+
+    kwargs = dict(CONFIG)
+    config = tr.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    torch.manual_seed(0)
+    model = tr.AutoModelForCausalLM.from_config(config).float().train()
+    ids = torch.randint(3, config.vocab_size, (batch, seq))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return rss_bytes("VmHWM")
 
 
 @pytest.mark.slow
@@ -53,6 +73,14 @@ def test_estimate_calibrate_estimate_analyze_search_agree(tmp_path, monkeypatch,
     for t, row in rows.items():
         p = predict(config, Setup(t), "train", 2, 32, written, dtype=torch.float32)
         assert row["total_s"] == pytest.approx(p.seconds, rel=1e-9)
+
+    # memory: a process's predicted peak (the traced step's tensors + imports + runtime, stated apart) against the
+    # peak resident size of a real training step in a fresh process
+    from tpkit.launch import launch
+
+    measured = launch(_peak_rss_of_training, 1, args=(2, 32))[0]
+    assert rows[1]["process_bytes"] == pytest.approx(measured, rel=0.35), (rows[1]["process_bytes"], measured)
+    assert rows[1]["process_bytes"] > rows[1]["memory_bytes"] > 0
 
     # 4. analyze suggests no more ranks than the machine has, priced the same way
     assert main(["analyze", str(target), "--mode", "training", "--max-world-size", "8", "--json"]) == 0
