@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..convert import parallelize, quiet_conversions
-from .calls import as_call, meta_copy
+from .calls import as_call, meta_copy, to_empty_tied
 from ..comm.shapes import ShapeCommunicator
 from .peak import LiveBytes
 from .traced import fake_tensors, saved_bytes
@@ -213,9 +213,9 @@ def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, 
     params = {id(p): p.numel() * p.element_size() for p in work.parameters()}
     work.train(training)
     with fake_tensors(work):
-        work = work.to_empty(device="cpu")
+        work = to_empty_tied(work)
         recorder, saved, cache = OpRecorder(), 0, 0
-        live = LiveBytes(sum(params.values()) + sum(b.untyped_storage().nbytes() for b in work.buffers()))
+        live = LiveBytes([*work.parameters(), *work.buffers()])
         if goal == "decode":
             with live:
                 cache = _decode(work, batch, seq, recorder, comm)
@@ -263,8 +263,7 @@ def _train(work: nn.Module, batch: int, seq: int, example, recorder: OpRecorder,
         optimizer.step()
     recorder.ops.extend(step.ops)
     optimizer.zero_grad(set_to_none=True)
-    live.now = live.peak = live.now + sum(v.untyped_storage().nbytes() for s in optimizer.state.values()
-                                          for v in s.values() if isinstance(v, torch.Tensor))
+    live.hold(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     with live:
         loss_of(work(*args, **kwargs)).backward()
         optimizer.step()

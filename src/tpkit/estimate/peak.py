@@ -20,12 +20,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages that ops' outputs hold while any tensor on them is alive; `peak` is the
-    most at once (storages that existed before the mode count through `base`)."""
+    most at once. `held`: tensors alive throughout (parameters, buffers, optimizer states), counted once from the
+    start; an op writing into one in place (the optimizer's `param.addcdiv_`, `exp_avg.lerp_`) adds nothing."""
 
-    def __init__(self, base: int = 0):
+    def __init__(self, held=()):
         super().__init__()
         self.live: dict[int, list] = {}  # storage key -> [bytes, tensors alive on it]
-        self.now = self.peak = base
+        self.now = 0
+        for t in held:
+            key = t.untyped_storage()._cdata
+            if key not in self.live:
+                self.live[key] = [t.untyped_storage().nbytes(), float("inf")]
+                self.now += self.live[key][0]
+        self.peak = self.now
+
+    def hold(self, tensors) -> None:
+        """Count `tensors` as held from now on (optimizer states made outside the mode)."""
+        for t in tensors:
+            key = t.untyped_storage()._cdata
+            if key not in self.live:
+                self.live[key] = [t.untyped_storage().nbytes(), float("inf")]
+                self.now += self.live[key][0]
+        self.peak = max(self.peak, self.now)
 
     def _release(self, key: int) -> None:
         entry = self.live.get(key)
