@@ -109,7 +109,9 @@ def _profile(args):
 
     if args.profile and __import__("os").path.exists(args.profile):
         return load_profile(args.profile)
-    prof = calibrate_profile("gloo", (2,), threads=1)
+    from tpkit.setups import DP_WRAPPERS
+
+    prof = calibrate_profile("gloo", (2,), threads=1, dp_wrappers=DP_WRAPPERS)
     if args.profile:
         save_profile(prof, args.profile)
     return prof

@@ -17,8 +17,11 @@ def synthetic_profile() -> SpeedProfile:
     gemm = ((1, 5e9), (16, 20e9), (256, 100e9), (1024, 100e9))
     coll = {k: {"2": CollectiveCost(80e-6, 1e9)} for k in ("all_reduce", "all_gather", "reduce_scatter")}
     terms = {f"{f}/{g}": FrameworkCost(1e-3, 0.5e-3) for f in FAMILIES for g in ("decode", "train")}
+    dp = {f"{f}/train/{m}": FrameworkCost(1e-3, 0.5e-3) for f in FAMILIES for m in ("ddp", "fsdp")}
     machine = {str(n): MachineRates(n, 1, 4e-6, 3e-6, gemm, 10e9 / n, 9e9 / n, coll if n > 1 else {},
-                                    framework=terms, tp_framework=terms if n > 1 else {}, optimizer_tensor_s=10e-6)
+                                    framework=terms, tp_framework=terms if n > 1 else {}, optimizer_tensor_s=10e-6,
+                                    import_bytes=300 * 2**20, runtime_bytes=20 * 2**20,
+                                    dp_framework=dp if n > 1 else {})
                for n in (1, 2)}
     hw = Hardware("synthetic: 2 cores", 2e11, 1e11, 10e9, 16 * 2**30,
                   Interconnect("gloo on this host (measured)", 1e9, 40e-6, "gloo"))

@@ -72,6 +72,20 @@ def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None
     return model
 
 
+def ddp_wrapper(model: nn.Module, comm) -> nn.Module:
+    """`model` under torch's DDP over `comm` (the calibration times the framework through it)."""
+    return data_parallel(model, comm, mode="ddp")
+
+
+def fsdp_wrapper(model: nn.Module, comm) -> nn.Module:
+    """`model` under torch's FSDP2 over `comm`, its blocks wrapped as `data_parallel` wraps them."""
+    return data_parallel(model, comm, mode="fsdp")
+
+
+# what the calibration measures data parallelism's framework time through (it lives below data_parallel)
+DP_WRAPPERS = {"ddp": ddp_wrapper, "fsdp": fsdp_wrapper}
+
+
 def _median_seconds(step, warmup: int, steps: int) -> float:
     for _ in range(warmup):
         step()
@@ -140,7 +154,7 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
     profile and no GPU of a known kind, this machine is measured first. `progress(text)` is told of each measured
     setup before and after it runs; `timeout`: seconds per measured setup. See `SearchResult`."""
     memory = parse_bytes(memory_per_device) if memory_per_device is not None else None
-    pricing = machine_pricing(profile, hardware)
+    pricing = machine_pricing(profile, hardware, dp_wrappers=DP_WRAPPERS)
     if dtype is None and pricing.measured and not isinstance(model_or_config, nn.Module):
         dtype = torch.float32  # what a CPU runs a config's model in (`_build`)
     counter = iter(range(1, max(measure, 1) + 1))
@@ -175,7 +189,7 @@ def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128, hardwa
     sizes are shown, said to be for another machine); priced by `machine_pricing(profile, hardware)` as `tpkit
     estimate` and `tpkit search` are."""
     def advise(model: nn.Module, sizes: list[int], mode: str, memory: int | None):
-        pricing = machine_pricing(profile, hardware)
+        pricing = machine_pricing(profile, hardware, dp_wrappers=DP_WRAPPERS)
         present = devices or (pricing.devices if pricing.this_machine else max(sizes))
         goal = "decode" if mode == "inference" else "train"
         dtype = torch.float32 if pricing.measured else None

@@ -45,7 +45,7 @@ def test_a_cpu_host_is_measured_never_priced_as_a_gpu(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(calibrate, "calibrate_profile", lambda *a, **k: calls.append(k) or synthetic_profile())
     p = pricing.machine_pricing()
-    assert calls == [{"quick": True}] and p.measured and p.this_machine and path.exists()
+    assert calls == [{"quick": True, "dp_wrappers": None}] and p.measured and p.this_machine and path.exists()
     assert "measured now" in p.origin and str(path) in p.origin
     assert pricing.machine_pricing().origin.startswith("priced by the measured profile")  # the next one reads it
     assert len(calls) == 1
@@ -63,6 +63,7 @@ def test_calibrate_prints_what_it_writes(tmp_path, monkeypatch, capsys):
     text = "\n".join(lines)
     for term in ("(alone)", "while all 2 stream at once", "matmul at width 1024", "AdamW per parameter tensor",
                  "framework, whole model: gpt2/decode", "framework, converted over 2 ranks: qwen2/train",
+                 "framework, data parallel over 2 ranks: llama/train/fsdp", "once torch, tpkit and transformers",
                  "all_reduce over 2 ranks"):
         assert term in text, term
 
@@ -85,6 +86,12 @@ def test_the_estimate_composes_the_written_terms_per_module():
     t1 = predict(cfg, Setup(1), "train", 1, 32, _with_terms(prof, optimizer_tensor_s=20e-6), dtype=torch.float32)
     tensors = sum(1 for _ in tr.LlamaForCausalLM(cfg).parameters())
     assert t1.overhead_s - t0.overhead_s == pytest.approx(tensors * 10e-6)
+    # DDP uses the terms measured under DDP where there are some, else the whole model's
+    ddp = Setup(1, 2, "ddp")
+    plain = predict(cfg, ddp, "train", 2, 32, prof, dtype=torch.float32)
+    under = predict(cfg, ddp, "train", 2, 32, _with_terms(prof, dp_framework={"llama/train/ddp": FrameworkCost(
+        4e-3, 0.5e-3)}), dtype=torch.float32)
+    assert under.overhead_s - plain.overhead_s == pytest.approx(3e-3)
     # TP uses the terms measured converted over the ranks; a family never measured falls back to the per-op cost
     tp = predict(cfg, Setup(2), "decode", 1, 32, _with_terms(prof, tp_framework={"llama/decode": FrameworkCost(
         5e-3, 0.0)}), dtype=torch.float32)

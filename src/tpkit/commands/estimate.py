@@ -130,7 +130,9 @@ def _calibrate(args: argparse.Namespace):
     from tpkit.estimate.profile import load_profile, save_profile
     from tpkit.estimate.terms import profile_terms
 
-    path = save_profile(calibrate_profile(args.backend, (2,), quick=args.quick), args.profile)
+    from tpkit.setups import DP_WRAPPERS
+
+    path = save_profile(calibrate_profile(args.backend, (2,), quick=args.quick, dp_wrappers=DP_WRAPPERS), args.profile)
     profile = load_profile(path)
     print(f"calibrated {profile.name}, written to {path}:")
     for line in profile_terms(profile):
@@ -165,7 +167,10 @@ def _run(args: argparse.Namespace) -> int:
     written = _calibrate(args) if args.calibrate else None
     if args.target is None:
         return 0
-    pricing = machine_pricing(written or args.profile, args.hardware, args.interconnect, backend=args.backend)
+    from tpkit.setups import DP_WRAPPERS
+
+    pricing = machine_pricing(written or args.profile, args.hardware, args.interconnect, backend=args.backend,
+                              dp_wrappers=DP_WRAPPERS)
     if not args.json:
         from tpkit.tables import output_width, wrap_text
 

@@ -102,7 +102,7 @@ def _split_latency(latencies: dict[int, float]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
-def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES) -> MachineRates:
+def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wrappers=None) -> MachineRates:
     """On one launched rank: this rank's rates while every rank measures at once (barriers keep them in step)."""
     from ..distributed import get_communicator
 
@@ -141,7 +141,11 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES) -> Mac
     rates = dataclasses.replace(rates, collectives=collectives)
     in_step, train_in_step = collective_overheads(rates, comm, model, repeats)
     rates = dataclasses.replace(rates, collective_overhead_s=in_step, train_collective_overhead_s=train_in_step)
-    return dataclasses.replace(rates, tp_framework=framework_costs(rates, comm, families, repeats, tensor_s))
+    rates = dataclasses.replace(rates, tp_framework=framework_costs(rates, comm, families, repeats, tensor_s))
+    dp: dict = {}
+    for mode, wrap in sorted((dp_wrappers or {}).items()):
+        dp.update(framework_costs(rates, comm, families, repeats, tensor_s, dp=(mode, wrap)))
+    return dataclasses.replace(rates, dp_framework=dp)
 
 
 def _worst(per_rank: list[dict[str, FrameworkCost]]) -> dict[str, FrameworkCost]:
@@ -167,23 +171,25 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
                                import_bytes=max(r.import_bytes for r in per_rank),
                                runtime_bytes=max(r.runtime_bytes for r in per_rank),
                                framework=_worst([r.framework for r in per_rank]),
-                               tp_framework=_worst([r.tp_framework for r in per_rank]) if first.tp_framework else {})
+                               tp_framework=_worst([r.tp_framework for r in per_rank]) if first.tp_framework else {},
+                               dp_framework=_worst([r.dp_framework for r in per_rank]) if first.dp_framework else {})
 
 
 def calibrate_machine(backend: str = "gloo", max_ranks: int = 2, threads: int | None = None, quick: bool = False,
-                      model=None, families=FAMILIES) -> dict[str, MachineRates]:
+                      model=None, families=FAMILIES, dp_wrappers=None) -> dict[str, MachineRates]:
     """`MachineRates` for 1 .. `max_ranks` ranks sharing this machine (see the module doc); `model`: measure the
     per-op cost on this model (small!) instead of the reference Llama; `families`: the transformers families
-    whose framework terms are measured (`framework.py`)."""
+    whose framework terms are measured (`framework.py`); `dp_wrappers`: {"ddp" / "fsdp": wrap(model, comm)}
+    (picklable; `tpkit.setups.DP_WRAPPERS`) to measure the framework under data parallelism too."""
     from ..launch import launch
 
     threads = threads or max(1, (os.cpu_count() or 1) // max_ranks)
-    return {str(n): _slowest(launch(_rank_rates, n, backend=backend, args=(threads, quick, model, families)))
+    return {str(n): _slowest(launch(_rank_rates, n, backend=backend, args=(threads, quick, model, families, dp_wrappers)))
             for n in range(1, max_ranks + 1)}
 
 
 def calibrate_profile(backend: str = "gloo", world_sizes=(2,), quick: bool = False, threads: int | None = None,
-                      model=None, families=FAMILIES) -> SpeedProfile:
+                      model=None, families=FAMILIES, dp_wrappers=None) -> SpeedProfile:
     """Measure this machine (see the module doc) and return its profile: the op-level rates for 1 ..
     max(world_sizes) ranks sharing the machine, and, read off them, the machine as a `Hardware` (its fastest
     one-rank matmul, its one-rank streaming bandwidth, the all-reduce over `backend`) with efficiencies 1, so
@@ -193,7 +199,7 @@ def calibrate_profile(backend: str = "gloo", world_sizes=(2,), quick: bool = Fal
         raise ValueError(f"calibrate_profile: world sizes must be >= 2 (an all-reduce needs two ranks), got {world_sizes!r}")
     k = _SIZES[bool(quick)]
     bf16 = measure_matmul_flops(torch.bfloat16, 512 if quick else k["matmul"], k["repeats"])
-    machine = calibrate_machine(backend, max(sizes), threads, quick, model, families)
+    machine = calibrate_machine(backend, max(sizes), threads, quick, model, families, dp_wrappers)
     one = machine["1"]
     fp32 = max(f for _, f in one.gemm)
     latencies, bandwidths = {}, []

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import time
 import warnings
+from typing import Callable
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from torch import nn
 from .calls import meta_copy
 from .machine import FrameworkCost
 from .ops import trace_step
-from .predict import kernel_seconds
+from .predict import Setup, dp_seconds, kernel_seconds
 
 __all__ = ["FAMILIES", "FrameworkCost", "framework_costs", "generate_token_seconds",
            "optimizer_tensor_seconds", "tiny_config", "tiny_model", "train_step_seconds"]
@@ -82,7 +83,8 @@ def generate_token_seconds(model: nn.Module, context: int, repeats: int, comm=No
 def train_step_seconds(model: nn.Module, seq: int, repeats: int, batch: int = 1, comm=None) -> float:
     """Least seconds of a training step (forward with the loss, backward, AdamW, zero_grad) on `model` itself."""
     model.train()
-    ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    vocab = getattr(model, "module", model).config.vocab_size  # DDP keeps the model as .module
+    ids = torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     times = []
     for _ in range(repeats + 2):
@@ -115,13 +117,16 @@ def optimizer_tensor_seconds(repeats: int = 7) -> float:
     return max(min(seconds(many) - seconds(few) for _ in range(repeats)), 0.0) / 112
 
 
-def _explained(model: nn.Module, plain: nn.Module, goal: str, rates, comm, tensor_s: float) -> float:
+def _explained(model: nn.Module, plain: nn.Module, goal: str, rates, comm, tensor_s: float,
+               dp_mode: str | None = None, layers: int = 1) -> float:
     """What `model`'s step takes that is not the framework's: its kernels and isolated collectives at `rates`
     (and, training, its optimizer tensors at `tensor_s`); `plain`: the unconverted model (traced for rank
-    `comm.rank`)."""
-    world, rank = (comm.world_size, comm.rank) if comm is not None else (1, 0)
+    `comm.rank`, or whole under data parallelism, whose collectives are priced as the setup search prices them)."""
+    world, rank = (comm.world_size, comm.rank) if comm is not None and dp_mode is None else (1, 0)
     trace = trace_step(meta_copy(plain), goal, world, rank, batch=1, seq=CONTEXT)
     alone = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) for c in trace.collectives)
+    if dp_mode is not None:
+        alone += dp_seconds(Setup(1, comm.world_size, dp_mode), goal, trace.parameter_bytes, layers, rates)
     tensors = sum(1 for p in model.parameters() if p.requires_grad) if goal == "train" else 0
     return kernel_seconds(trace, rates) + alone + tensors * tensor_s
 
@@ -132,27 +137,38 @@ def _measured(model: nn.Module, goal: str, comm, repeats: int) -> float:
     return train_step_seconds(model, CONTEXT, repeats, comm=comm)
 
 
-def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5,
-                    tensor_s: float = 0.0) -> dict[str, FrameworkCost]:
+def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5, tensor_s: float = 0.0,
+                    dp: tuple[str, Callable] | None = None) -> dict[str, FrameworkCost]:
     """`{"family/goal": FrameworkCost}` on this rank (see the module doc); with `comm` (call on every rank) the
-    tiny models are converted over its ranks, else run whole (every rank at once when launched)."""
+    tiny models are converted over its ranks, else run whole (every rank at once when launched); with `dp`
+    (mode, wrap: `wrap(model, comm)` puts a model under DDP or FSDP2 over `comm`), training only, under data
+    parallelism instead, keyed "family/train/mode". The wrapper comes from the layer above (`tpkit.setups`):
+    the estimate prices data parallelism and does not build it."""
     from ..convert.parallelize import parallelize
 
     out: dict[str, FrameworkCost] = {}
     for family in families:
-        for goal in FRAMEWORK_GOALS:
+        for goal in (("train",) if dp else FRAMEWORK_GOALS):
             models, explained = [], []
             for layers in LAYERS:
                 plain = tiny_model(family, layers)
-                models.append(plain if comm is None else parallelize(copy.deepcopy(plain), "auto", comm, mode=
-                              "training" if goal == "train" else "inference"))
-                explained.append(_explained(models[-1], plain, goal, rates, comm, tensor_s))
+                if dp is not None:
+                    model = dp[1](copy.deepcopy(plain), comm)
+                elif comm is not None:
+                    model = parallelize(copy.deepcopy(plain), "auto", comm, mode="training" if goal == "train"
+                                        else "inference")
+                else:
+                    model = plain
+                models.append(model)
+                explained.append(_explained(model, plain, goal, rates, comm, tensor_s, dp[0] if dp else None,
+                                            layers))
             times: list[list[float]] = [[], []]
             for _ in range(max(2, repeats // 2)):  # alternating, so a slow spell weighs on both alike
                 for i, model in enumerate(models):
                     times[i].append(_measured(model, goal, comm, 2))
             left = [min(t) - e for t, e in zip(times, explained)]
             layer_s = max((left[1] - left[0]) / (LAYERS[1] - LAYERS[0]), 0.0)
-            out[f"{family}/{goal}"] = FrameworkCost(max(left[0] - LAYERS[0] * layer_s, 0.0), layer_s)
+            key = f"{family}/{goal}" + (f"/{dp[0]}" if dp else "")
+            out[key] = FrameworkCost(max(left[0] - LAYERS[0] * layer_s, 0.0), layer_s)
     return out
 

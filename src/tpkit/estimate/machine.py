@@ -93,11 +93,21 @@ class MachineRates:
     # the modules' Python objects), measured on the reference model
     import_bytes: float = 0.0
     runtime_bytes: float = 0.0
+    # "family/train/ddp" (or fsdp) -> the framework's time under torch's DDP / FSDP2 over these ranks
+    dp_framework: Mapping[str, FrameworkCost] = dataclasses.field(default_factory=dict)
 
-    def framework_cost(self, family: str | None, goal: str, tp: bool) -> FrameworkCost | None:
-        """The measured framework terms of `family` for `goal`, converted (`tp`) or whole; None when not
-        measured (the per-op cost prices it instead)."""
-        return (self.tp_framework if tp else self.framework).get(f"{family}/{goal}") if family else None
+    def framework_cost(self, family: str | None, goal: str, tp: bool,
+                       dp_mode: str | None = None) -> FrameworkCost | None:
+        """The measured framework terms of `family` for `goal`: converted (`tp`), else under data parallelism
+        (`dp_mode` "ddp" / "fsdp", where measured), else whole; None when not measured (the per-op cost prices it
+        instead)."""
+        if not family:
+            return None
+        if tp:
+            return self.tp_framework.get(f"{family}/{goal}")
+        if dp_mode and f"{family}/{goal}/{dp_mode}" in self.dp_framework:
+            return self.dp_framework[f"{family}/{goal}/{dp_mode}"]
+        return self.framework.get(f"{family}/{goal}")
 
     def weight_bandwidth(self, stored: bool) -> float:
         """Bytes/s streaming a matmul's weight, read transposed (nn.Linear) or as stored (Conv1D)."""
@@ -156,6 +166,7 @@ class MachineRates:
         out["gemm_widths"] = [[w, [list(p) for p in t]] for w, t in self.gemm_widths]
         out["framework"] = {k: dataclasses.asdict(v) for k, v in self.framework.items()}
         out["tp_framework"] = {k: dataclasses.asdict(v) for k, v in self.tp_framework.items()}
+        out["dp_framework"] = {k: dataclasses.asdict(v) for k, v in self.dp_framework.items()}
         return out
 
     @classmethod
@@ -171,7 +182,8 @@ class MachineRates:
                    {k: FrameworkCost(**v) for k, v in dict(data.get("tp_framework", {})).items()},
                    float(data.get("optimizer_tensor_s", 0.0)),
                    tuple((int(w), tuple((int(m), float(f)) for m, f in t)) for w, t in data.get("gemm_widths", [])),
-                   float(data.get("import_bytes", 0.0)), float(data.get("runtime_bytes", 0.0)))
+                   float(data.get("import_bytes", 0.0)), float(data.get("runtime_bytes", 0.0)),
+                   {k: FrameworkCost(**v) for k, v in dict(data.get("dp_framework", {})).items()})
 
 
 def _best(fn, repeats: int) -> float:

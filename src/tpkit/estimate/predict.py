@@ -135,14 +135,15 @@ class _Priced:
 
 
 def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers: int | None = None,
-          family: str | None = None, tp: bool | None = None) -> _Priced:
+          family: str | None = None, tp: bool | None = None, dp_mode: str | None = None) -> _Priced:
     """The step's kernels, fixed costs and tensor-parallel collectives at `rates` (recompute re-runs forward
     ops in the backward).
 
     The fixed costs are the framework's own time composed per module where the machine measured it for the
     model's `family` (`framework.py`: a step's cost plus one per decoder layer of the `layers` traced, plus the
-    optimizer's per parameter tensor; converted when `tp`, default: the trace spans ranks), else the per-op
-    cost of a reference model times the ops counted."""
+    optimizer's per parameter tensor; converted when `tp`, default: the trace spans ranks; under DDP / FSDP2
+    when `dp_mode` and the machine measured that path), else the per-op cost of a reference model times the ops
+    counted."""
     tp = trace.world_size > 1 if tp is None else tp
     per_op = rates.train_op_overhead_s if trace.goal == "train" else rates.op_overhead_s
     kernels, n = kernel_seconds(trace, rates), len(trace.ops)
@@ -152,7 +153,7 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers
         again = _ops(trace, ("forward",), names)
         kernels += kernel_seconds(trace, rates, ("forward",), names)
     in_step = rates.train_collective_overhead_s if trace.goal == "train" else rates.collective_overhead_s
-    cost = rates.framework_cost(family, trace.goal, tp) if layers is not None else None
+    cost = rates.framework_cost(family, trace.goal, tp, dp_mode) if layers is not None else None
     if cost is not None:  # measured per module: the in-step cost of a collective is inside its layer's term
         overhead = cost.seconds(layers) + len(again) * per_op
         overhead += trace.parameter_tensors * rates.optimizer_tensor_s if trace.goal == "train" else 0.0
@@ -233,7 +234,8 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     item = next((p.element_size() for p in traced.model.parameters()), 2)
     rates = profile.rates(ranks or setup.devices, hardware, item)
     family = getattr(getattr(traced.model, "config", None), "model_type", None)  # the framework terms' key
-    rows = [(n, t, price(t, rates, setup.recompute, n if family else None, family, setup.tp > 1))
+    dp_mode = setup.dp_mode if setup.dp > 1 and goal == "train" else None
+    rows = [(n, t, price(t, rates, setup.recompute, n if family else None, family, setup.tp > 1, dp_mode))
             for n, t in traced.rows]
     layers = traced.layers
 
@@ -241,7 +243,7 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
         return _extrapolate([(n, f(t, p)) for n, t, p in rows], layers)
     kernels, overhead = ex(lambda t, p: p.kernels), ex(lambda t, p: p.overhead)
     tp_comm, params = ex(lambda t, p: p.comm), ex(lambda t, p: t.parameter_bytes)
-    dp_comm = _dp_seconds(setup, goal, params, layers or 1, rates)
+    dp_comm = dp_seconds(setup, goal, params, layers or 1, rates)
     parts = (params, ex(lambda t, p: t.saved_bytes), ex(lambda t, p: t.cache_bytes), traced.model, layers or 1,
              -(-batch_size // setup.dp), seq_len)
     memory = _memory(setup, goal, *parts)
@@ -253,7 +255,7 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
                       memory + rates.import_bytes + rates.runtime_bytes)
 
 
-def _dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:
+def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:
     """Data parallelism's collectives per training step (none for inference: replicas work alone)."""
     if setup.dp == 1 or goal != "train":
         return 0.0

@@ -45,10 +45,11 @@ def _measured_when(profile: SpeedProfile) -> str:
 
 
 def machine_pricing(profile: SpeedProfile | str | None = None, hardware: str | Hardware | None = None,
-                    interconnect: str | None = None, calibrate: bool = True, backend: str = "gloo") -> Pricing:
+                    interconnect: str | None = None, calibrate: bool = True, backend: str = "gloo",
+                    dp_wrappers=None) -> Pricing:
     """The machine to price (see the module doc). `profile`: a `SpeedProfile` or a path; `hardware`: a preset
     name or `Hardware` (prices that datasheet, not this machine); `calibrate`: measure this machine when nothing
-    else prices it (False: ValueError instead)."""
+    else prices it (False: ValueError instead), with `dp_wrappers` (`calibrate_profile`'s) when given."""
     devices, kind = local_devices()
     if hardware is not None:
         hw = get_hardware(hardware, interconnect)
@@ -74,7 +75,7 @@ def machine_pricing(profile: SpeedProfile | str | None = None, hardware: str | H
     from .calibrate import calibrate_profile
 
     began = time.perf_counter()
-    measured = calibrate_profile(backend, (2,), quick=True)
+    measured = calibrate_profile(backend, (2,), quick=True, dp_wrappers=dp_wrappers)
     save_profile(measured, path)
     return Pricing(measured, None, True, devices, kind,
                    f"priced by this machine measured now (no profile at {path}: quick calibration, "

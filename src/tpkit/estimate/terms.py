@@ -38,10 +38,11 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
                      f"and transformers are imported, {r.runtime_bytes / 2**20:.0f} MiB of runtime in a training step")
         lines.append(f"[{who}] fixed cost per op (reference model): forward {_us(r.op_overhead_s)}, training "
                      f"{_us(r.train_op_overhead_s)}; AdamW per parameter tensor {_us(r.optimizer_tensor_s)}")
-        for title, table in (("framework, whole model", r.framework), (f"framework, converted over {r.ranks} ranks",
-                                                                      r.tp_framework)):
+        for title, table in (("framework, whole model", r.framework),
+                             (f"framework, converted over {r.ranks} ranks", r.tp_framework),
+                             (f"framework, data parallel over {r.ranks} ranks", r.dp_framework)):
             for name, cost in sorted(table.items()):
-                per = "token (generate)" if name.endswith("/decode") else "step"
+                per = "token (generate)" if "/decode" in name else "step"
                 lines.append(f"[{who}] {title}: {name}: {_us(cost.step_s)} per {per} + {_us(cost.layer_s)} per "
                              f"decoder layer")
         for kind, per in sorted(r.collectives.items()):
