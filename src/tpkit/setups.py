@@ -200,6 +200,8 @@ def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128, hardwa
                                       alternatives=False, hardware=pricing.hardware, dtype=dtype).best
             except ValueError:  # nothing fits at this size
                 continue
+            except (TypeError, RuntimeError):  # a module the search cannot run without its example: memory rule
+                return None
         here = {n: c for n, c in best.items() if n <= present}
         if not here:
             return None
