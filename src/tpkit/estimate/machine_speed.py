@@ -48,5 +48,7 @@ def speed_on_machine(config, world_sizes: list[int], pricing: Pricing, mode: str
                      f"calibrated, a figure for a larger machine like this one, not a setup to run here")
     name = pricing.profile.hardware.name if pricing.profile.hardware else pricing.profile.name
     dt = str(dtype or torch.float32).replace("torch.", "")
-    return SpeedEstimate(name, "its own ranks (measured)", mode, dt, batch_size, seq_len, rows, notes,
+    hw = pricing.profile.hardware
+    link = hw.interconnect.name if hw is not None else "its own ranks (measured)"
+    return SpeedEstimate(name, link, mode, dt, batch_size, seq_len, rows, notes,
                          parts=("kernels", "framework", "comm"))
