@@ -44,7 +44,9 @@ def main() -> None:
     if args.profile and os.path.exists(args.profile):
         prof = load_profile(args.profile)
     else:
-        prof = calibrate_profile("gloo", (2,), threads=1)
+        from tpkit.setups import DP_WRAPPERS
+
+        prof = calibrate_profile("gloo", (2,), threads=1, dp_wrappers=DP_WRAPPERS)
         if args.profile:
             save_profile(prof, args.profile)
     chosen = [int(c) for c in args.cases.split(",")] if args.cases else range(1, len(CASES) + 1)

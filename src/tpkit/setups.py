@@ -8,6 +8,7 @@ the estimate only prices: the converted model, recompute, DDP or FSDP2 over the 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import statistics
 import time
@@ -24,9 +25,10 @@ from .convert.planner import propose
 from .convert.trace import analyze_structure
 from .data_parallel import data_parallel
 from .distributed import get_communicator
-from .estimate.hardware import HARDWARE
+from .estimate.framework import generate_token_seconds
+from .estimate.hardware import detect_hardware
 from .estimate.predict import Setup
-from .estimate.profile import SpeedProfile, load_profile
+from .estimate.pricing import machine_pricing
 from .estimate.search import SearchResult
 from .estimate.search import search as rank_setups
 from .launch import launch
@@ -70,6 +72,20 @@ def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None
     return model
 
 
+def ddp_wrapper(model: nn.Module, comm) -> nn.Module:
+    """`model` under torch's DDP over `comm` (the calibration times the framework through it)."""
+    return data_parallel(model, comm, mode="ddp")
+
+
+def fsdp_wrapper(model: nn.Module, comm) -> nn.Module:
+    """`model` under torch's FSDP2 over `comm`, its blocks wrapped as `data_parallel` wraps them."""
+    return data_parallel(model, comm, mode="fsdp")
+
+
+# what the calibration measures data parallelism's framework time through (it lives below data_parallel)
+DP_WRAPPERS = {"ddp": ddp_wrapper, "fsdp": fsdp_wrapper}
+
+
 def _median_seconds(step, warmup: int, steps: int) -> float:
     for _ in range(warmup):
         step()
@@ -106,88 +122,109 @@ def _rank(model_or_config, setup: Setup, goal: str, batch: int, seq: int, steps:
         def step():
             with torch.no_grad():
                 model(input_ids=ids)
-    else:
-        model.eval()
-        with torch.no_grad():
-            cache = model(input_ids=ids, use_cache=True).past_key_values
-
-        def step():
-            with torch.no_grad():
-                model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
-            cache.crop(-1)  # back to the context: every step decodes the same position
+    else:  # per token of greedy generate, as users decode (and as the calibration measures the framework)
+        return generate_token_seconds(model, seq, steps, comm, batch=local, pick=statistics.median)
     comm.barrier()
     seconds = _median_seconds(step, 2, steps)
     return seconds
 
 
 def run_setup(model_or_config, setup: Setup, goal: str, batch_size: int, seq_len: int, steps: int = 5,
-              backend: str = "gloo", threads: int | None = None, dtype: torch.dtype | None = None) -> float:
+              backend: str = "gloo", threads: int | None = None, dtype: torch.dtype | None = None,
+              timeout: float | None = None) -> float:
     """Median seconds per step (train, prefill) or per token (decode) of `setup`, the slowest rank's, on
-    `setup.devices` local ranks (`threads` each; default the cores shared out over the ranks)."""
+    `setup.devices` local ranks (`threads` each; default the cores shared out over the ranks). `timeout`: seconds
+    for the whole run, after which its processes are ended (`tpkit.launch`)."""
     threads = threads or max(1, (os.cpu_count() or 1) // setup.devices)
-    return max(launch(_rank, setup.devices, backend=backend,
+    return max(launch(_rank, setup.devices, backend=backend, timeout=timeout,
                       args=(model_or_config, setup, goal, batch_size, seq_len, steps, threads, dtype)))
 
 
 def search(model_or_config, devices: int, goal: str = "decode", memory_per_device: Any = None, batch_size: int = 1,
            seq_len: int = 128, profile=None, measure: int = 0, steps: int = 5, backend: str = "gloo",
-           dtype: torch.dtype | None = None) -> SearchResult:
+           dtype: torch.dtype | None = None, hardware=None, progress=None,
+           timeout: float | None = None) -> SearchResult:
     """The best setup to run `model_or_config` on `devices` devices for `goal` ("decode", "prefill", "train"):
     every setup tpkit can build (TP size, DDP / FSDP2 / replicas over the rest, sequence parallelism, recompute,
     each architecture family's alternatives), priced on this machine by a measured profile (`tpkit estimate
     --calibrate`), those that need more than `memory_per_device` ("80GB", bytes) dropped, the rest ranked; with
     `measure=K` the top K run `steps` steps on local ranks and the measured best wins. `dtype`: the weights'
-    (default: a config's bfloat16, a module's own). See `SearchResult`."""
+    (default: a config's bfloat16 on a datasheet machine, float32 on a measured one, a module's own). The machine
+    priced is `tpkit.estimate.pricing.machine_pricing(profile, hardware)`'s, as `tpkit estimate`'s: with no
+    profile and no GPU of a known kind, this machine is measured first. `progress(text)` is told of each measured
+    setup before and after it runs; `timeout`: seconds per measured setup. See `SearchResult`."""
     memory = parse_bytes(memory_per_device) if memory_per_device is not None else None
+    pricing = machine_pricing(profile, hardware, dp_wrappers=DP_WRAPPERS)
+    if dtype is None and pricing.measured and not isinstance(model_or_config, nn.Module):
+        dtype = torch.float32  # what a CPU runs a config's model in (`_build`)
+    counter = iter(range(1, max(measure, 1) + 1))
 
     def runner(model, setup: Setup, goal_: str, batch: int, seq: int) -> float:
-        return run_setup(model, setup, goal_, batch, seq, steps, backend, dtype=dtype)
-    return rank_setups(model_or_config, devices, goal, memory, batch_size, seq_len, profile, measure,
-                       runner if measure else None, dtype)
+        i = next(counter)
+        if progress is not None:
+            progress(f"measuring {i}/{measure}: {setup.label()} on {setup.devices} {backend} ranks, {steps} steps ...")
+        began = time.perf_counter()
+        seconds = run_setup(model, setup, goal_, batch, seq, steps, backend, dtype=dtype, timeout=timeout)
+        if progress is not None:
+            progress(f"measured {i}/{measure}: {setup.label()}: {seconds * 1e3:.2f} ms per "
+                     f"{'token' if goal_ == 'decode' else 'step'} ({time.perf_counter() - began:.0f} s)")
+        return seconds
+    result = rank_setups(model_or_config, devices, goal, memory, batch_size, seq_len, pricing.profile, measure,
+                         runner if measure else None, dtype, hardware=pricing.hardware)
+    notes = [pricing.origin] + [n for n in result.notes if not n.startswith("predicted with profile")]
+    if pricing.this_machine and devices > pricing.devices:
+        notes.append(f"{devices} devices exceed this machine's {pricing.devices} {pricing.device_kind}: the ranking "
+                     f"is for a larger machine like this one")
+    return dataclasses.replace(result, notes=tuple(notes))
 
 
 def detected_hardware():
     """The hardware preset of the first CUDA device, when its name says which (A100, H100, H200); else None."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(0).upper()
-    return next((hw for key, hw in HARDWARE.items() if key.split("-")[0] in name), None)
+    return detect_hardware()
 
 
-def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128):
+def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128, hardware=None, devices: int | None = None):
     """An `analyze` advisor: the world size whose best setup is predicted fastest (the fewest devices within 5% of
-    it), among those that fit; None (the memory rule) when nothing prices this machine: no op-level profile
-    and no GPU of a known kind."""
+    it), among those that fit and that this machine has (`devices`, default its GPUs, else its cores; larger
+    sizes are shown, said to be for another machine); priced by `machine_pricing(profile, hardware)` as `tpkit
+    estimate` and `tpkit search` are."""
     def advise(model: nn.Module, sizes: list[int], mode: str, memory: int | None):
-        prof = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
-        hardware = detected_hardware()
-        if not prof.machine and hardware is None:
-            return None
+        pricing = machine_pricing(profile, hardware, dp_wrappers=DP_WRAPPERS)
+        present = devices or (pricing.devices if pricing.this_machine else max(sizes))
         goal = "decode" if mode == "inference" else "train"
+        dtype = torch.float32 if pricing.measured else None
         best = {}
         for w in sizes:
             try:
-                best[w] = rank_setups(model, w, goal, memory, batch_size, seq_len, prof, alternatives=False,
-                                      hardware=hardware).best
+                best[w] = rank_setups(model, w, goal, memory, batch_size, seq_len, pricing.profile,
+                                      alternatives=False, hardware=pricing.hardware, dtype=dtype).best
             except ValueError:  # nothing fits at this size
                 continue
-        if not best:
+            except (TypeError, RuntimeError):  # a module the search cannot run without its example: memory rule
+                return None
+        here = {n: c for n, c in best.items() if n <= present}
+        if not here:
             return None
-        fastest = min(c.prediction.seconds for c in best.values())
-        w = min(n for n, c in best.items() if c.prediction.seconds <= 1.05 * fastest)
+        fastest = min(c.prediction.seconds for c in here.values())
+        w = min(n for n, c in here.items() if c.prediction.seconds <= 1.05 * fastest)
         unit = "ms/token" if goal == "decode" else "ms/step"
-        others = "; ".join(f"{n}: {c.prediction.seconds * 1e3:.2f}" for n, c in sorted(best.items()) if n != w)
-        return w, (f"suggested world size: {w} (setup search, batch {batch_size} x seq {seq_len}: "
-                   f"{best[w].setup.label()} predicted {best[w].prediction.seconds * 1e3:.2f} {unit}"
+        others = "; ".join(f"{n}: {c.prediction.seconds * 1e3:.2f}" + (" (for another machine)" if n > present else "")
+                           for n, c in sorted(best.items()) if n != w)
+        kind = pricing.device_kind if pricing.this_machine and not devices else "devices"
+        return w, (f"suggested world size: {w} of the {present} {kind} here ({pricing.origin}; setup search, batch "
+                   f"{batch_size} x seq {seq_len}: {best[w].setup.label()} predicted "
+                   f"{best[w].prediction.seconds * 1e3:.2f} {unit}"
                    + (f"; other sizes {others} {unit}" if others else "") + "; `tpkit search` shows every setup)")
     return advise
 
 
 def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int = 8, device_memory: Any = None,
             mode: str = "inference", example_inputs: Any = None, profile=None, batch_size: int = 1,
-            seq_len: int = 128, devices_per_node: int | None = None) -> AnalysisReport:
+            seq_len: int = 128, devices_per_node: int | None = None, hardware=None) -> AnalysisReport:
     """`tpkit.convert.analyze` (which layers split, memory per rank, recommendations) with the world size
-    suggested by the setup search where this machine can be priced (a measured profile, or a GPU of a known
-    kind), else by memory alone."""
+    suggested by the setup search on the machine `machine_pricing(profile, hardware)` prices (the one `tpkit
+    estimate` and `tpkit search` price): never more devices than one machine holds (`devices_per_node`, default
+    this machine's GPUs, else its cores) unless priced for another machine (`hardware`)."""
     return analyze_plan(model, world_size, max_world_size, device_memory, mode, example_inputs,
-                        advisor=search_advisor(profile, batch_size, seq_len), devices_per_node=devices_per_node)
+                        advisor=search_advisor(profile, batch_size, seq_len, hardware, devices_per_node),
+                        devices_per_node=devices_per_node)

@@ -98,7 +98,6 @@ def test_demo_on_threads(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(demo, "_model", slow_model)
     monkeypatch.setattr(tpkit.convert, "parallelize", timed_parallelize)
     monkeypatch.setenv("COLUMNS", "80")
-    monkeypatch.setenv("TPKIT_PROFILE", str(tmp_path / "none.json"))  # no measured profile: the memory rule
     began = time.perf_counter()
     assert main(["demo", "--backend", "threads", "--steps", "2"]) == 0
     total = time.perf_counter() - began
@@ -108,7 +107,10 @@ def test_demo_on_threads(capsys, monkeypatch, tmp_path):
     assert "PASS" in text and "rowwise" in text and "vocab_parallel_cross_entropy" in text and "rank 1" in text
     assert "fits the given" not in text  # the demo gives no budget (issue 20 item 10)
     if not torch.cuda.is_available():
-        assert "host memory" in text and "suggested world size: 1" in text
+        # the suggestion comes from the machine every command prices (tests: a synthetic 2-core profile), and never
+        # more ranks than the machine has (issue 38)
+        found = re.search(r"suggested world size: (\d+) of the (\d+) cores here \(priced by the measured profile", text)
+        assert found and int(found.group(1)) <= int(found.group(2))
     reported = float(re.search(r"converted in (\d+) ms \(the parallelize\(\) call alone, slowest of 2 ranks",
                                text).group(1)) / 1e3
     inference = [seconds for mode, seconds in timed if mode == "inference"]

@@ -38,9 +38,15 @@ def test_json_output_matches_the_library(capsys):
 
 
 def test_tables(capsys):
-    assert main(["estimate", "gpt2", "--world-size", "1,2", "--dtype", "fp32"]) == 0
+    assert main(["estimate", "gpt2", "--world-size", "1,2", "--dtype", "fp32", "--hardware", "H100-SXM"]) == 0
     text = capsys.readouterr().out
+    assert text.startswith("priced for H100-SXM") and "not this machine" in " ".join(text.split()[:40])
     assert "memory per rank" in text and "fits H100-SXM" in text and "speed: decode" in text
+    # No --hardware on a measured machine: its profile prices it, op by op, said in the first line (issue 38)
+    assert main(["estimate", "gpt2", "--world-size", "1,2"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith("priced by the measured profile") and "H100" not in text
+    assert "fits synthetic: 2 cores" in text and "framework" in text and "float32" in text
     assert main(["estimate", "bert-base", "--world-size", "1,2"]) == 0  # an encoder: one forward, no decode
     assert "speed: prefill" in capsys.readouterr().out
 
@@ -49,7 +55,7 @@ def test_tables(capsys):
 def test_tables_piped_and_at_80_columns(capsys, monkeypatch, columns):
     """With --wide, every column at full width; at 80 columns every line fits, world size / total / fits stay, the
     columns left out are named, and each figure is whole on its row."""
-    argv = ["estimate", "llama-2-70b", "--world-size", "1,2,4,8", "--mode", "training"]
+    argv = ["estimate", "llama-2-70b", "--world-size", "1,2,4,8", "--mode", "training", "--hardware", "H100-SXM"]
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     if columns is None:

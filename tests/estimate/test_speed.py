@@ -59,7 +59,7 @@ def test_training_scales_on_nvlink_and_less_on_pcie():
     assert speedups == sorted(speedups) and 1 < speedups[-1] < 8
     assert all(p.speedup < n.speedup for p, n in zip(pcie.rows[1:], nvlink.rows[1:]))
     assert nvlink.row(8).compute_s == pytest.approx(nvlink.row(1).compute_s / 8, rel=0.01)
-    recompute = estimate_speed(cfg, 1, recompute="full", **run).row(1)
+    recompute = estimate_speed(cfg, 1, hardware="H100-SXM", recompute="full", **run).row(1)
     assert recompute.flops_per_rank == pytest.approx(4 / 3 * nvlink.row(1).flops_per_rank)
 
 
@@ -124,5 +124,5 @@ def test_encoders_do_not_decode():
         estimate_speed(preset_config("bert-base"), [1, 2], mode="decode")
     # One 512-token forward of a 110M encoder: ~0.1 ms of compute against 26 all-reduces and the all-gather of the MLM
     # head's dense (split alone): TP does not pay.
-    two = estimate_speed(preset_config("bert-base"), [1, 2], mode="prefill", seq_len=512).row(2)
+    two = estimate_speed(preset_config("bert-base"), [1, 2], mode="prefill", seq_len=512, hardware="H100-SXM").row(2)
     assert two.speedup < 1 and two.bound == "communication" and two.collectives == 2 * 12 + 1 + 1 + 1

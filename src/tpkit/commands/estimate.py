@@ -3,10 +3,13 @@
 TARGET is a preset (`llama-2-70b`), an HF config.json or model directory, or `module:factory`. Transformers
 are estimated from their config alone; other modules need `--input-shape` to trace one small step.
 
-`--calibrate` measures this machine (matmul FLOP/s, memory bandwidth, all-reduce latency and bandwidth over
-`--backend` on 2 local ranks) and writes a speed profile (`--profile FILE`, default `$TPKIT_PROFILE` or
-~/.cache/tpkit/profile.json) that later estimates read; `--plot out.png` draws memory per rank and
-throughput against world size.
+Which machine the figures are for is decided once (`tpkit.estimate.pricing`) and said in the first line: the
+measured profile when there is one (each world size priced op by op, as `tpkit search` prices it), else a GPU of a
+known kind, else this machine measured now (a quick calibration, written for the next command); `--hardware`
+prices a datasheet machine instead. `--calibrate` measures this machine (matmul rates, streaming bandwidth alone
+and shared, the framework's per-module time, collectives over `--backend` on 2 local ranks), writes the speed
+profile (`--profile FILE`, default `$TPKIT_PROFILE` or ~/.cache/tpkit/profile.json) and prints each term read back
+from that file; `--plot out.png` draws memory per rank and throughput against world size.
 """
 from __future__ import annotations
 
@@ -36,8 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", nargs="?", default=None,
                         help=f"a preset ({', '.join(PRESETS)}), an HF config.json or model directory, "
                              "or package.module:factory (optional with --calibrate)")
-    parser.add_argument("--world-size", type=_sizes, default=[1, 2, 4, 8], help="comma-separated (default 1,2,4,8)")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    parser.add_argument("--world-size", type=_sizes, default=None,
+                        help="comma-separated (default: 1, 2, 4, ... up to this machine's devices (GPUs, else cores) "
+                             "when it is what is priced, else 1,2,4,8)")
+    parser.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                        help="default fp32 on a measured CPU machine, else bf16")
     parser.add_argument("--mode", default="inference", choices=["inference", "training"])
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
     parser.add_argument("--batch-size", type=int, default=1)
@@ -47,13 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default=None, choices=["eager", "sdpa", "flash"],
                         help="attention kernel (default: the config's, else fused)")
     parser.add_argument("--hardware", default=None,
-                        help=f"one of {', '.join(HARDWARE)} (default: the profile's measured machine, else H100-SXM)")
+                        help=f"price this datasheet machine instead of this one: {', '.join(HARDWARE)} (default: the "
+                             f"measured profile, else this machine's GPU, else this machine measured now)")
     parser.add_argument("--interconnect", default=None, choices=["nvlink", "pcie"], help="default nvlink")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="speed profile JSON to read (and, with --calibrate, write); default $TPKIT_PROFILE or "
-                             "~/.cache/tpkit/profile.json if present, else the built-in calibrated profile")
+                             "~/.cache/tpkit/profile.json")
     parser.add_argument("--calibrate", action="store_true",
-                        help="measure this machine (matmul, memory bandwidth, all-reduce) into the profile")
+                        help="measure this machine into the profile and print each term written")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "threads"], help="for --calibrate")
     parser.add_argument("--quick", action="store_true", help="--calibrate with small sizes and few repeats")
     parser.add_argument("--plot", metavar="PNG", help="memory per rank and throughput against world size")
@@ -98,7 +105,8 @@ def _speed_table(speed, width: int | None) -> str:
     seq = f" x seq {speed.seq_len}" if speed.seq_len else ""
     title = (f"speed: {speed.mode}, {speed.dtype}, batch {speed.batch_size}{seq}, {speed.hardware} over "
              f"{speed.interconnect}")
-    columns = [Column("world size"), Column("compute", drop=3), Column("memory", drop=4), Column("comm", drop=2),
+    columns = [Column("world size"), Column(speed.parts[0], drop=3), Column(speed.parts[1], drop=4),
+               Column(speed.parts[2], drop=2),
                Column(f"time/{unit}"), Column(f"{speed.unit}/s"), Column("speedup"), Column("bound", drop=1)]
     rows = [[str(r.world_size), ms(r.compute_s), ms(r.memory_s), ms(r.communication_s), ms(r.total_s),
              f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", r.bound] for r in speed.rows]
@@ -117,40 +125,59 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace):
+    """Measure, write, and print every term as read back from the written file (printed is written)."""
     from tpkit.estimate.calibrate import calibrate_profile
-    from tpkit.tables import format_bytes
-    from tpkit.estimate.profile import save_profile
+    from tpkit.estimate.profile import load_profile, save_profile
+    from tpkit.estimate.terms import profile_terms
 
-    profile = calibrate_profile(args.backend, (2,), quick=args.quick)
-    path = save_profile(profile, args.profile)
-    hw = profile.hardware
-    link = profile.links[args.backend]
-    print(f"calibrated {hw.name}: matmul {hw.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32, "
-          f"{hw.peak_flops_16bit / 1e9:.1f} GFLOP/s bf16; memory {hw.memory_bandwidth / 1e9:.2f} GB/s; "
-          f"all-reduce over {args.backend}: {2 * link.hop_latency_s * 1e6:.1f} us latency (2 ranks), "
-          f"{hw.interconnect.bandwidth / 1e9:.3f} GB/s bus bandwidth; memory {format_bytes(hw.memory_bytes)}")
+    from tpkit.setups import DP_WRAPPERS
+
+    path = save_profile(calibrate_profile(args.backend, (2,), quick=args.quick, dp_wrappers=DP_WRAPPERS), args.profile)
+    profile = load_profile(path)
+    print(f"calibrated {profile.name}, written to {path}:")
+    for line in profile_terms(profile):
+        print(f"  {line}")
     print(f"profile written to {path}")
-    return profile
+    return path
+
+
+def _world_sizes(args: argparse.Namespace, pricing) -> list[int]:
+    if args.world_size is not None:
+        return args.world_size
+    if not pricing.this_machine:
+        return [1, 2, 4, 8]
+    sizes = [1]
+    while sizes[-1] * 2 <= pricing.devices:
+        sizes.append(sizes[-1] * 2)
+    return sizes + ([pricing.devices] if pricing.devices not in sizes else [])
 
 
 def _run(args: argparse.Namespace) -> int:
     import torch
 
     from tpkit.estimate import estimate_memory, transformer_shape
-    from tpkit.estimate.hardware import get_hardware
+    from tpkit.estimate.machine_speed import speed_on_machine
     from tpkit.estimate.presets import load_target
-    from tpkit.estimate.profile import load_profile
+    from tpkit.estimate.pricing import machine_pricing
     from tpkit.estimate.speed import estimate_speed
 
     if args.target is None and not args.calibrate:
         raise ValueError("give a TARGET to estimate (a preset, config.json, model directory or module:factory), "
                          "or --calibrate to measure this machine")
-    profile = _calibrate(args) if args.calibrate else load_profile(args.profile)
+    written = _calibrate(args) if args.calibrate else None
     if args.target is None:
         return 0
-    dtype = getattr(torch, _DTYPES[args.dtype])
-    hardware = get_hardware(args.hardware or profile.hardware or "H100-SXM",
-                            args.interconnect or (None if args.hardware is None and profile.hardware else "nvlink"))
+    from tpkit.setups import DP_WRAPPERS
+
+    pricing = machine_pricing(written or args.profile, args.hardware, args.interconnect, backend=args.backend,
+                              dp_wrappers=DP_WRAPPERS)
+    if not args.json:
+        from tpkit.tables import output_width, wrap_text
+
+        print(wrap_text(pricing.origin, output_width(wide=args.wide), "", "  "))
+    dtype = getattr(torch, _DTYPES[args.dtype or ("fp32" if pricing.measured else "bf16")])
+    hardware = pricing.hardware or pricing.profile.hardware
+    sizes = _world_sizes(args, pricing)
     model, config = load_target(args.target, build=False)
     subject = model if model is not None else config
     extra = {}
@@ -159,17 +186,21 @@ def _run(args: argparse.Namespace) -> int:
     estimates = [estimate_memory(subject, t, dtype=dtype, mode=args.mode, optimizer=args.optimizer,
                                  batch_size=args.batch_size, seq_len=args.seq_len,
                                  sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                                 attention=args.attention, **extra) for t in args.world_size]
+                                 attention=args.attention, **extra) for t in sizes]
     speed = None
     transformer = estimates[0].seq_len is not None  # the shape-modelled path; others were measured
     if transformer or extra:
         decodes = transformer and transformer_shape(config).is_decoder
-        speed = estimate_speed(subject if not transformer else config, args.world_size, hardware=hardware,
-                               dtype=dtype, mode="training" if args.mode == "training" else
-                               "decode" if decodes else "prefill",
-                               batch_size=args.batch_size, seq_len=estimates[0].seq_len or 2048,
-                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                               attention=args.attention, profile=profile, **extra)
+        mode = "training" if args.mode == "training" else "decode" if decodes else "prefill"
+        seq = estimates[0].seq_len or 2048
+        if pricing.measured and transformer:
+            speed = speed_on_machine(config, sizes, pricing, mode, args.batch_size, seq, dtype,
+                                     args.sequence_parallel, args.recompute)
+        else:
+            speed = estimate_speed(subject if not transformer else config, sizes, hardware=hardware,
+                                   dtype=dtype, mode=mode, batch_size=args.batch_size, seq_len=seq,
+                                   sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                                   attention=args.attention, profile=pricing.profile, **extra)
     if args.plot:
         from .estimate_plot import plot_estimate
 
@@ -177,7 +208,8 @@ def _run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot written to {args.plot}")
     if args.json:
-        out = {"target": args.target, "hardware": hardware.name, "profile": profile.name, "device_memory_bytes": hardware.memory_bytes,
+        out = {"target": args.target, "hardware": hardware.name, "profile": pricing.profile.name,
+               "pricing": pricing.origin, "device_memory_bytes": hardware.memory_bytes,
                "memory": [e.to_dict() for e in estimates], "speed": speed.to_dict() if speed else None}
         print(json.dumps(out, indent=2))
         return 0

@@ -1,9 +1,11 @@
 """`tpkit search MODEL --devices N --goal decode|prefill|train`: the best way to run a model on N devices.
 
 Every setup tpkit can build (TP size, DDP / FSDP2 / replicas, sequence parallelism, recompute, each architecture
-family's alternatives) is priced on this machine by the measured speed profile (`tpkit estimate --calibrate`),
-those over `--memory` per device are dropped, the rest ranked; `--measure K` runs the top K on local ranks and
-picks the measured best; `--plot out.png` draws predicted time against memory per device.
+family's alternatives) is priced on the machine `tpkit estimate` prices (its first line says which: the measured
+profile, else this machine's GPU, else this machine measured now; `--hardware` for a datasheet machine), those
+over `--memory` per device are dropped, the rest ranked; `--measure K` runs the top K on local ranks, saying on
+stderr which setup runs and what it took, and picks the measured best (Ctrl-C ends the ranks it started);
+`--plot out.png` draws predicted time against memory per device.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per measured setup (default 5)")
     parser.add_argument("--profile", default=None, metavar="FILE", help="speed profile (default: $TPKIT_PROFILE or "
                         "~/.cache/tpkit/profile.json)")
+    parser.add_argument("--hardware", default=None, help="price this datasheet machine (e.g. H100-SXM) instead of "
+                        "this one")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per measured setup (default 600)")
     parser.add_argument("--plot", metavar="PNG", help="predicted time against memory per device")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--wide", action="store_true", help=WIDE_HELP)
@@ -35,18 +40,27 @@ def run(args: argparse.Namespace) -> int:
     from tpkit.tables import output_width
     from tpkit.setups import search
 
+    def progress(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
     try:
         model, config = load_target(args.target, device="meta")
         target = config if config is not None and hasattr(config, "model_type") else model
         result = search(target, args.devices, args.goal, args.memory, args.batch_size, args.seq_len, args.profile,
-                        args.measure, args.steps)
+                        args.measure, args.steps, hardware=args.hardware, progress=progress, timeout=args.timeout)
     except ValueError as exc:
         print(f"tpkit search: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # tpkit.launch has ended the ranks it started on the way out
+        print("tpkit search: interrupted; the ranks it started were ended", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     width = output_width(wide=args.wide)
+    from tpkit.tables import wrap_text
+
+    print(wrap_text(result.notes[0], width, "", "  "))
     print(result.summary(width))
     print(result.explain(width))
     if args.plot:

@@ -27,8 +27,9 @@ import time
 import torch
 
 from .hardware import Hardware, Interconnect
+from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
 from .machine import (MachineRates, measure_collectives, measure_copy_bandwidth, measure_gemm,
-                      measure_stream_bandwidth)
+                      measure_shared_stream_bandwidth, measure_stream_bandwidth, reset_peak_rss, rss_bytes)
 from .profile import LinkProfile, SpeedProfile
 from .reference import collective_overheads, op_overheads
 
@@ -101,74 +102,111 @@ def _split_latency(latencies: dict[int, float]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
-def _rank_rates(threads: int, quick: bool, model=None) -> MachineRates:
+def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wrappers=None) -> MachineRates:
     """On one launched rank: this rank's rates while every rank measures at once (barriers keep them in step)."""
     from ..distributed import get_communicator
 
+    import transformers  # noqa: F401 - a user's process has it imported: part of what it holds
+
     torch.set_num_threads(threads)
     comm = get_communicator()
+    imports = rss_bytes()
     repeats = 3 if quick else 7
     comm.barrier()
     gemm = measure_gemm(repeats=repeats)
     comm.barrier()
+    narrow = measure_gemm(n=256, repeats=repeats)
     total = (32 << 20) if quick else (128 << 20)
-    stream = measure_stream_bandwidth(total=total, repeats=repeats)
+    comm.barrier()
+    stream = measure_shared_stream_bandwidth(comm, total=total, repeats=repeats)
+    comm.barrier()
     stored = measure_stream_bandwidth(total=total, repeats=repeats, stored=True)
     copy_bw = measure_copy_bandwidth(repeats=repeats)
-    rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored)
+    rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored,
+                         gemm_widths=((256, narrow),))
     comm.barrier()
-    forward, train = op_overheads(rates, model, repeats)
-    rates = dataclasses.replace(rates, op_overhead_s=forward, train_op_overhead_s=train)
+    reset_peak_rss()
+    before = rss_bytes()
+    forward, train, held = op_overheads(rates, model, repeats)
+    runtime = max(rss_bytes("VmHWM") - before - held, 0) if before else 0
+    tensor_s = optimizer_tensor_seconds(repeats)
+    rates = dataclasses.replace(rates, op_overhead_s=forward, train_op_overhead_s=train, optimizer_tensor_s=tensor_s,
+                                import_bytes=imports, runtime_bytes=runtime)
+    comm.barrier()
+    rates = dataclasses.replace(rates, framework=framework_costs(rates, None, families, repeats, tensor_s))
     if comm.world_size == 1:
         return rates
     sizes = (2 ** 10, 2 ** 16, 2 ** 20) if quick else (2 ** 10, 2 ** 14, 2 ** 18, 2 ** 21, 2 ** 23)
     collectives = {k: {str(comm.world_size): c} for k, c in measure_collectives(comm, sizes, repeats).items()}
     rates = dataclasses.replace(rates, collectives=collectives)
     in_step, train_in_step = collective_overheads(rates, comm, model, repeats)
-    return dataclasses.replace(rates, collective_overhead_s=in_step, train_collective_overhead_s=train_in_step)
+    rates = dataclasses.replace(rates, collective_overhead_s=in_step, train_collective_overhead_s=train_in_step)
+    rates = dataclasses.replace(rates, tp_framework=framework_costs(rates, comm, families, repeats, tensor_s))
+    dp: dict = {}
+    for mode, wrap in sorted((dp_wrappers or {}).items()):
+        dp.update(framework_costs(rates, comm, families, repeats, tensor_s, dp=(mode, wrap)))
+    return dataclasses.replace(rates, dp_framework=dp)
+
+
+def _worst(per_rank: list[dict[str, FrameworkCost]]) -> dict[str, FrameworkCost]:
+    return {k: FrameworkCost(max(r[k].step_s for r in per_rank), max(r[k].layer_s for r in per_rank))
+            for k in per_rank[0]}
 
 
 def _slowest(per_rank: list[MachineRates]) -> MachineRates:
     """The rates a step sees: each figure from the rank that is slowest at it."""
     first = per_rank[0]
     gemm = tuple((m, min(dict(r.gemm)[m] for r in per_rank)) for m, _ in first.gemm)
+    widths = tuple((w, tuple((m, min(dict(dict(r.gemm_widths)[w])[m] for r in per_rank)) for m, _ in table))
+                   for w, table in first.gemm_widths)
     return dataclasses.replace(first, op_overhead_s=max(r.op_overhead_s for r in per_rank),
                                train_op_overhead_s=max(r.train_op_overhead_s for r in per_rank), gemm=gemm,
+                               gemm_widths=widths,
                                collective_overhead_s=max(r.collective_overhead_s for r in per_rank),
                                train_collective_overhead_s=max(r.train_collective_overhead_s for r in per_rank),
                                stream_bandwidth=min(r.stream_bandwidth for r in per_rank),
                                stored_bandwidth=min(r.stored_bandwidth for r in per_rank),
-                               copy_bandwidth=min(r.copy_bandwidth for r in per_rank))
+                               copy_bandwidth=min(r.copy_bandwidth for r in per_rank),
+                               optimizer_tensor_s=max(r.optimizer_tensor_s for r in per_rank),
+                               import_bytes=max(r.import_bytes for r in per_rank),
+                               runtime_bytes=max(r.runtime_bytes for r in per_rank),
+                               framework=_worst([r.framework for r in per_rank]),
+                               tp_framework=_worst([r.tp_framework for r in per_rank]) if first.tp_framework else {},
+                               dp_framework=_worst([r.dp_framework for r in per_rank]) if first.dp_framework else {})
 
 
 def calibrate_machine(backend: str = "gloo", max_ranks: int = 2, threads: int | None = None, quick: bool = False,
-                      model=None) -> dict[str, MachineRates]:
+                      model=None, families=FAMILIES, dp_wrappers=None) -> dict[str, MachineRates]:
     """`MachineRates` for 1 .. `max_ranks` ranks sharing this machine (see the module doc); `model`: measure the
-    per-op cost on this model (small!) instead of the reference Llama."""
+    per-op cost on this model (small!) instead of the reference Llama; `families`: the transformers families
+    whose framework terms are measured (`framework.py`); `dp_wrappers`: {"ddp" / "fsdp": wrap(model, comm)}
+    (picklable; `tpkit.setups.DP_WRAPPERS`) to measure the framework under data parallelism too."""
     from ..launch import launch
 
     threads = threads or max(1, (os.cpu_count() or 1) // max_ranks)
-    return {str(n): _slowest(launch(_rank_rates, n, backend=backend, args=(threads, quick, model)))
+    return {str(n): _slowest(launch(_rank_rates, n, backend=backend, args=(threads, quick, model, families, dp_wrappers)))
             for n in range(1, max_ranks + 1)}
 
 
 def calibrate_profile(backend: str = "gloo", world_sizes=(2,), quick: bool = False, threads: int | None = None,
-                      model=None) -> SpeedProfile:
-    """Measure this machine (see the module doc) and return its profile: the machine as a `Hardware` whose
-    peaks are the measured figures (efficiencies 1), the backend's link figures keyed by `backend`, and the
-    op-level rates for 1 .. max(world_sizes) ranks sharing the machine."""
+                      model=None, families=FAMILIES, dp_wrappers=None) -> SpeedProfile:
+    """Measure this machine (see the module doc) and return its profile: the op-level rates for 1 ..
+    max(world_sizes) ranks sharing the machine, and, read off them, the machine as a `Hardware` (its fastest
+    one-rank matmul, its one-rank streaming bandwidth, the all-reduce over `backend`) with efficiencies 1, so
+    every figure the profile holds is one that was measured by the op-level calibration."""
     sizes = [int(t) for t in world_sizes]
     if not sizes or min(sizes) < 2:
         raise ValueError(f"calibrate_profile: world sizes must be >= 2 (an all-reduce needs two ranks), got {world_sizes!r}")
     k = _SIZES[bool(quick)]
-    fp32 = measure_matmul_flops(torch.float32, k["matmul"], k["repeats"])
-    bf16 = measure_matmul_flops(torch.bfloat16, k["matmul"], k["repeats"])
-    memory = measure_memory_bandwidth(k["copy"], k["repeats"])
+    bf16 = measure_matmul_flops(torch.bfloat16, 512 if quick else k["matmul"], k["repeats"])
+    machine = calibrate_machine(backend, max(sizes), threads, quick, model, families, dp_wrappers)
+    one = machine["1"]
+    fp32 = max(f for _, f in one.gemm)
     latencies, bandwidths = {}, []
     for t in sizes:
-        lat, bw = measure_all_reduce(backend, t, k["small"], k["large"], k["repeats"])
-        latencies[t] = lat
-        bandwidths.append(bw)
+        cost = machine[str(t)].collective("all_reduce", t)
+        latencies[t] = cost.latency_s
+        bandwidths.append(cost.bandwidth * 2 * (t - 1) / t)  # bus bandwidth: what crosses each rank's link
     fixed, hop = _split_latency(latencies)
     link = Interconnect(f"{backend} on this host (measured)", min(bandwidths), hop, backend)
     try:
@@ -176,13 +214,13 @@ def calibrate_profile(backend: str = "gloo", world_sizes=(2,), quick: bool = Fal
     except (ValueError, OSError, AttributeError):
         ram = 0
     name = f"measured: {platform.machine()} {os.cpu_count()} cores" + (", quick" if quick else "")
-    hw = Hardware(name, bf16, fp32, memory, int(ram), link)
+    hw = Hardware(name, bf16, fp32, one.stream_bandwidth, int(ram), link)
     when = time.strftime("%Y-%m-%d %H:%M:%S")
-    machine = calibrate_machine(backend, max(sizes), threads, quick, model)
     return SpeedProfile(name, 1.0, 1.0, {backend: LinkProfile(fixed, hop, 1.0)}, hw,
                         {"measured": f"tpkit estimate --calibrate on {platform.node() or 'this host'} at {when}; "
                                      f"all-reduce over {backend} with world sizes {sizes}",
-                         "torch": torch.__version__, "threads": str(torch.get_num_threads()),
+                         "torch": torch.__version__, "threads": str(machine["1"].threads),
                          "op overhead": "per-op cost measured on " + (type(model).__name__ if model is not None
-                                                                     else "the reference Llama (reference.py)")},
+                                                                     else "the reference Llama (reference.py)"),
+                         "framework": "per-module terms on tiny " + ", ".join(families) + " (framework.py)"},
                         machine)

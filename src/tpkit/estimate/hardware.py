@@ -87,3 +87,29 @@ def get_hardware(hardware: str | Hardware, interconnect: str | Interconnect | No
                              "or pass tpkit.estimate.hardware.Hardware(...) with your own figures")
         hw = by_lower[hardware.lower()]
     return hw if interconnect is None else hw.with_interconnect(interconnect)
+
+
+def detect_hardware() -> Hardware | None:
+    """The preset of the first CUDA device when its name says which (A100, H100, H200); None on a CPU host or an
+    unknown GPU (those are measured, never guessed)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0).upper()
+    return next((hw for key, hw in HARDWARE.items() if key.split("-")[0] in name), None)
+
+
+def local_devices() -> tuple[int, str]:
+    """(how many, what) a setup on this machine can use: its GPUs, else the cores this process may run on (one
+    rank per core: ranks sharing a core only wait for each other)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), "GPUs"
+    try:
+        return len(os.sched_getaffinity(0)), "cores"
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1, "cores"

@@ -43,6 +43,29 @@ class CollectiveCost:
 
 
 @dataclasses.dataclass(frozen=True)
+class FrameworkCost:
+    """Seconds per step outside the decoder layers and per decoder layer (`framework.py`)."""
+
+    step_s: float
+    layer_s: float
+
+    def seconds(self, layers: int) -> float:
+        return self.step_s + layers * self.layer_s
+
+
+def _interpolate(table, m: int) -> float:
+    """FLOP/s at `m` rows from ((rows, FLOP/s), ...): log-linear between rows, flat beyond them."""
+    pts = sorted(table)
+    if m <= pts[0][0]:
+        return pts[0][1]
+    for (m0, f0), (m1, f1) in zip(pts, pts[1:]):
+        if m <= m1:
+            w = (math.log(m) - math.log(m0)) / (math.log(m1) - math.log(m0))
+            return math.exp((1 - w) * math.log(f0) + w * math.log(f1))
+    return pts[-1][1]
+
+
+@dataclasses.dataclass(frozen=True)
 class MachineRates:
     """One rank's rates when `ranks` ranks run on this machine at once, `threads` threads each (see the module
     docstring); `collectives` keyed by kind, then by group size (as a string, for JSON)."""
@@ -58,21 +81,52 @@ class MachineRates:
     stored_bandwidth: float = 0.0  # 0: as `stream_bandwidth` (profiles measured before it was)
     collective_overhead_s: float = 0.0  # 0 in profiles measured before it was, and on datasheet machines
     train_collective_overhead_s: float = 0.0
+    # format 3 (`framework.py`): "family/goal" -> the framework's own time, run whole by every rank at once
+    # (`framework`) and converted over the ranks (`tp_framework`); AdamW's time per parameter tensor
+    framework: Mapping[str, FrameworkCost] = dataclasses.field(default_factory=dict)
+    tp_framework: Mapping[str, FrameworkCost] = dataclasses.field(default_factory=dict)
+    optimizer_tensor_s: float = 0.0
+    # matmul FLOP/s by rows at other widths (n = k): ((width, ((m, FLOP/s), ...)), ...); `gemm` is width 1024
+    gemm_widths: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
+    # what a rank's process holds besides its tensors: its resident bytes once torch, tpkit and transformers are
+    # imported, and what a training step adds beyond the tensors it holds (the allocator's slack, autograd's and
+    # the modules' Python objects), measured on the reference model
+    import_bytes: float = 0.0
+    runtime_bytes: float = 0.0
+    # "family/train/ddp" (or fsdp) -> the framework's time under torch's DDP / FSDP2 over these ranks
+    dp_framework: Mapping[str, FrameworkCost] = dataclasses.field(default_factory=dict)
+
+    def framework_cost(self, family: str | None, goal: str, tp: bool,
+                       dp_mode: str | None = None) -> FrameworkCost | None:
+        """The measured framework terms of `family` for `goal`: converted (`tp`), else under data parallelism
+        (`dp_mode` "ddp" / "fsdp", where measured), else whole; None when not measured (the per-op cost prices it
+        instead)."""
+        if not family:
+            return None
+        if tp:
+            return self.tp_framework.get(f"{family}/{goal}")
+        if dp_mode and f"{family}/{goal}/{dp_mode}" in self.dp_framework:
+            return self.dp_framework[f"{family}/{goal}/{dp_mode}"]
+        return self.framework.get(f"{family}/{goal}")
 
     def weight_bandwidth(self, stored: bool) -> float:
         """Bytes/s streaming a matmul's weight, read transposed (nn.Linear) or as stored (Conv1D)."""
         return self.stored_bandwidth if stored and self.stored_bandwidth else self.stream_bandwidth
 
-    def flops_rate(self, m: int) -> float:
-        """Matmul FLOP/s with `m` rows (log-linear between the measured rows, flat beyond them)."""
-        pts = sorted(self.gemm)
-        if m <= pts[0][0]:
-            return pts[0][1]
-        for (m0, f0), (m1, f1) in zip(pts, pts[1:]):
-            if m <= m1:
-                w = (math.log(m) - math.log(m0)) / (math.log(m1) - math.log(m0))
-                return math.exp((1 - w) * math.log(f0) + w * math.log(f1))
-        return pts[-1][1]
+    def flops_rate(self, m: int, width: float | None = None) -> float:
+        """Matmul FLOP/s with `m` rows (log-linear between the measured rows, flat beyond them), at `width`
+        (sqrt(n k)) log-linear between the measured widths when given and measured, else at width 1024."""
+        tables = sorted({1024: tuple(self.gemm), **{w: tuple(t) for w, t in self.gemm_widths}}.items())
+        if width is None or len(tables) == 1:
+            return _interpolate(self.gemm, m)
+        if width <= tables[0][0]:
+            return _interpolate(tables[0][1], m)
+        for (w0, t0), (w1, t1) in zip(tables, tables[1:]):
+            if width <= w1:
+                a = (math.log(width) - math.log(w0)) / (math.log(w1) - math.log(w0))
+                return math.exp((1 - a) * math.log(_interpolate(t0, m)) + a * math.log(_interpolate(t1, m)))
+        return _interpolate(tables[-1][1], m)
+
 
     def collective(self, kind: str, group: int) -> CollectiveCost:
         """The measured cost of `kind` over `group` ranks (the largest measured group when `group` is larger)."""
@@ -109,6 +163,10 @@ class MachineRates:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["gemm"] = [list(p) for p in self.gemm]
+        out["gemm_widths"] = [[w, [list(p) for p in t]] for w, t in self.gemm_widths]
+        out["framework"] = {k: dataclasses.asdict(v) for k, v in self.framework.items()}
+        out["tp_framework"] = {k: dataclasses.asdict(v) for k, v in self.tp_framework.items()}
+        out["dp_framework"] = {k: dataclasses.asdict(v) for k, v in self.dp_framework.items()}
         return out
 
     @classmethod
@@ -119,7 +177,13 @@ class MachineRates:
                    float(data["train_op_overhead_s"]), tuple((int(m), float(f)) for m, f in data["gemm"]),
                    float(data["stream_bandwidth"]), float(data["copy_bandwidth"]), collectives,
                    float(data.get("stored_bandwidth", 0.0)), float(data.get("collective_overhead_s", 0.0)),
-                   float(data.get("train_collective_overhead_s", 0.0)))
+                   float(data.get("train_collective_overhead_s", 0.0)),
+                   {k: FrameworkCost(**v) for k, v in dict(data.get("framework", {})).items()},
+                   {k: FrameworkCost(**v) for k, v in dict(data.get("tp_framework", {})).items()},
+                   float(data.get("optimizer_tensor_s", 0.0)),
+                   tuple((int(w), tuple((int(m), float(f)) for m, f in t)) for w, t in data.get("gemm_widths", [])),
+                   float(data.get("import_bytes", 0.0)), float(data.get("runtime_bytes", 0.0)),
+                   {k: FrameworkCost(**v) for k, v in dict(data.get("dp_framework", {})).items()})
 
 
 def _best(fn, repeats: int) -> float:
@@ -164,6 +228,45 @@ def measure_stream_bandwidth(n: int = 1024, total: int = 128 << 20, repeats: int
     if stored:
         return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w) for w in ws], repeats)
     return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w.t()) for w in ws], repeats)
+
+
+def measure_shared_stream_bandwidth(comm, n: int = 1024, total: int = 128 << 20, repeats: int = 5) -> float:
+    """Bytes/s one rank gets streaming weights (`x @ W.T` over matrices larger than the caches) while every rank of
+    `comm` streams at the same time (call on all): a barrier before each repeat keeps them in step, and the median
+    is kept, not the best (a best-of would catch a moment when the others were not reading). Ranks on one socket
+    share its memory bus: two ranks each get about half of what one gets alone."""
+    ws = [torch.randn(n, n) for _ in range(max(1, total // (n * n * 4)))]
+    x = torch.randn(1, n)
+
+    def once() -> float:
+        comm.barrier()
+        start = time.perf_counter()
+        for w in ws:
+            torch.mm(x, w.t())
+        return time.perf_counter() - start
+    once()
+    return len(ws) * n * n * 4 / sorted(once() for _ in range(repeats))[repeats // 2]
+
+
+def rss_bytes(which: str = "VmRSS") -> int:
+    """This process's resident bytes now (`VmRSS`) or at its peak (`VmHWM`), from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(which + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss() -> None:
+    """Start `VmHWM` again from the current resident size (Linux: /proc/self/clear_refs), where the OS allows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:

@@ -13,6 +13,10 @@ step op by op (`ops.trace_step`) and prices it with the measured rates of `tp x 
          + data parallelism's collectives (DDP: gradients all-reduced in 25 MB buckets; FSDP2: each block's
            parameters all-gathered in the forward and again in the backward, its gradients reduce-scattered)
 
+Memory is the most tensor bytes the traced step holds at once (`peak.LiveBytes`: parameters, and what the step's
+ops make while it is alive, optimizer states included), moved by what DP and recompute change; `process_bytes`
+adds what the machine measured a process holds besides (imports, runtime).
+
 Nothing overlaps: an eager step on a CPU does its ops one after another. Recompute adds the forward ops again
 (full) or the attention's (selective). A config with more than two layers is traced with one and two layers
 and extrapolated linearly (the layers are identical).
@@ -93,6 +97,7 @@ class Prediction:
     memory_bytes: float
     ops: int
     collectives: int
+    process_bytes: float = 0.0  # what the rank's process holds at its peak: memory_bytes + imports + runtime
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "setup": self.setup.to_dict()}
@@ -108,7 +113,8 @@ def kernel_seconds(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...
             continue
         if op.mnk is not None or op.flops:
             m = op.mnk[0] if op.mnk is not None else 1024
-            total += max(op.flops / rates.flops_rate(m), op.nbytes / rates.weight_bandwidth(op.stored))
+            width = math.sqrt(op.mnk[1] * op.mnk[2]) if op.mnk is not None else None
+            total += max(op.flops / rates.flops_rate(m, width), op.nbytes / rates.weight_bandwidth(op.stored))
         else:
             total += op.nbytes / rates.copy_bandwidth
     return total
@@ -128,19 +134,34 @@ class _Priced:
     collectives: int
 
 
-def price(trace: StepTrace, rates: MachineRates, recompute: str = "none") -> _Priced:
+def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers: int | None = None,
+          family: str | None = None, tp: bool | None = None, dp_mode: str | None = None) -> _Priced:
     """The step's kernels, fixed costs and tensor-parallel collectives at `rates` (recompute re-runs forward
-    ops in the backward)."""
+    ops in the backward).
+
+    The fixed costs are the framework's own time composed per module where the machine measured it for the
+    model's `family` (`framework.py`: a step's cost plus one per decoder layer of the `layers` traced, plus the
+    optimizer's per parameter tensor; converted when `tp`, default: the trace spans ranks; under DDP / FSDP2
+    when `dp_mode` and the machine measured that path), else the per-op cost of a reference model times the ops
+    counted."""
+    tp = trace.world_size > 1 if tp is None else tp
     per_op = rates.train_op_overhead_s if trace.goal == "train" else rates.op_overhead_s
     kernels, n = kernel_seconds(trace, rates), len(trace.ops)
+    again = []
     if trace.goal == "train" and recompute != "none":
         names = None if recompute == "full" else ATTENTION_CORE
         again = _ops(trace, ("forward",), names)
         kernels += kernel_seconds(trace, rates, ("forward",), names)
-        n += len(again)
     in_step = rates.train_collective_overhead_s if trace.goal == "train" else rates.collective_overhead_s
+    cost = rates.framework_cost(family, trace.goal, tp, dp_mode) if layers is not None else None
+    if cost is not None:  # measured per module: the in-step cost of a collective is inside its layer's term
+        overhead = cost.seconds(layers) + len(again) * per_op
+        overhead += trace.parameter_tensors * rates.optimizer_tensor_s if trace.goal == "train" else 0.0
+        in_step = 0.0
+    else:
+        overhead = (n + len(again)) * per_op
     comm = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) + in_step for c in trace.collectives)
-    return _Priced(kernels, n * per_op, comm, n, len(trace.collectives))
+    return _Priced(kernels, overhead, comm, n + len(again), len(trace.collectives))
 
 
 def _models(model_or_config, dtype: torch.dtype | None = None) -> tuple[list[tuple[int, nn.Module]], int]:
@@ -212,21 +233,29 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     traced = traced or trace_setup(model_or_config, setup, goal, batch_size, seq_len, example, dtype)
     item = next((p.element_size() for p in traced.model.parameters()), 2)
     rates = profile.rates(ranks or setup.devices, hardware, item)
-    rows = [(n, t, price(t, rates, setup.recompute)) for n, t in traced.rows]
+    family = getattr(getattr(traced.model, "config", None), "model_type", None)  # the framework terms' key
+    dp_mode = setup.dp_mode if setup.dp > 1 and goal == "train" else None
+    rows = [(n, t, price(t, rates, setup.recompute, n if family else None, family, setup.tp > 1, dp_mode))
+            for n, t in traced.rows]
     layers = traced.layers
 
     def ex(f) -> float:
         return _extrapolate([(n, f(t, p)) for n, t, p in rows], layers)
     kernels, overhead = ex(lambda t, p: p.kernels), ex(lambda t, p: p.overhead)
     tp_comm, params = ex(lambda t, p: p.comm), ex(lambda t, p: t.parameter_bytes)
-    dp_comm = _dp_seconds(setup, goal, params, layers or 1, rates)
-    memory = _memory(setup, goal, params, ex(lambda t, p: t.saved_bytes), ex(lambda t, p: t.cache_bytes),
-                     traced.model, layers or 1, -(-batch_size // setup.dp), seq_len)
+    dp_comm = dp_seconds(setup, goal, params, layers or 1, rates)
+    parts = (params, ex(lambda t, p: t.saved_bytes), ex(lambda t, p: t.cache_bytes), traced.model, layers or 1,
+             -(-batch_size // setup.dp), seq_len)
+    memory = _memory(setup, goal, *parts)
+    peak = ex(lambda t, p: t.peak_bytes)
+    if peak:  # the traced peak of the plain step, moved by what DP and recompute change (the sum of parts' delta)
+        memory = peak + memory - _memory(Setup(setup.tp), goal, *parts)
     return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm, kernels, overhead, tp_comm, dp_comm,
-                      memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))))
+                      memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))),
+                      memory + rates.import_bytes + rates.runtime_bytes)
 
 
-def _dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:
+def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:
     """Data parallelism's collectives per training step (none for inference: replicas work alone)."""
     if setup.dp == 1 or goal != "train":
         return 0.0

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from .hardware import Hardware, Interconnect
 from .machine import MachineRates
 
-VERSION = 2
+VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -66,9 +66,12 @@ def _time_train(model: nn.Module, seq: int, repeats: int) -> float:
     return statistics.median(times[2:])
 
 
-def op_overheads(rates: MachineRates, model: nn.Module | None = None, repeats: int = 7) -> tuple[float, float]:
-    """(seconds per op of a forward step, seconds per op of a training step) on this process, from `model`
-    (default: the reference Llama): measured time less kernel time, over the traced op count."""
+def op_overheads(rates: MachineRates, model: nn.Module | None = None,
+                 repeats: int = 7) -> tuple[float, float, int]:
+    """(seconds per op of a forward step, seconds per op of a training step, the most tensor bytes the training
+    step holds) on this process, from `model` (default: the reference Llama): measured time less kernel time, over
+    the traced op count; the bytes are the trace's (`StepTrace.peak_bytes`) plus the model's own copy, so what the
+    process holds beyond them is the runtime's."""
     model = model or reference_model()
     context = 32
     meta = meta_copy(model)
@@ -80,7 +83,7 @@ def op_overheads(rates: MachineRates, model: nn.Module | None = None, repeats: i
     for goal, trace in (("decode", decode), ("train", train)):
         left = measured[goal] - kernel_seconds(trace, rates)
         out.append(max(left, 0.0) / max(len(trace.ops), 1))
-    return out[0], out[1]
+    return out[0], out[1], train.peak_bytes + train.parameter_bytes
 
 
 def collective_overheads(rates: MachineRates, comm, model: nn.Module | None = None,

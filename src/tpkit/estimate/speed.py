@@ -25,85 +25,23 @@ embedding all-reduce, no logits gather, whole vocabulary weights on each rank.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from ..layout import split_sizes
-from ..tables import Column, format_bytes, render_table, wrap_text
+from ..tables import format_bytes
 from .activations import normalise_recompute, transformer_activation_bytes
 from .config import TransformerShape, attention_kind, own_dtype, resolve_target
 from .hardware import Hardware, get_hardware
 from .params import fullest_rank, parameter_counts, split_alone
-from .profile import SpeedProfile, load_profile
+from .profile import SpeedProfile
 from .ranks import rank_cache_heads, rank_heads
+from .speed_report import SpeedEstimate, SpeedRow
 
 MODES = ("training", "prefill", "decode")
-
-
-@dataclass
-class SpeedRow:
-    """One world size: per-rank work and time of one step (seconds)."""
-
-    world_size: int
-    flops_per_rank: float
-    bytes_per_rank: float
-    communication_bytes: float
-    collectives: int
-    compute_s: float
-    memory_s: float
-    communication_s: float
-    total_s: float
-    tokens_per_s: float
-    speedup: float = 1.0
-    bound: str = ""
-
-
-@dataclass
-class SpeedEstimate:
-    """Step (or token) time and speedup per world size."""
-
-    hardware: str
-    interconnect: str
-    mode: str
-    dtype: str
-    batch_size: int
-    seq_len: int | None
-    rows: list[SpeedRow]
-    notes: list[str] = field(default_factory=list)
-    unit: str = "tokens"  # what `tokens_per_s` counts: tokens, or samples for measured modules
-
-    def row(self, world_size: int) -> SpeedRow:
-        for r in self.rows:
-            if r.world_size == world_size:
-                return r
-        raise KeyError(f"world size {world_size} not estimated; have {[r.world_size for r in self.rows]}")
-
-    def speedup(self, world_size: int) -> float:
-        return self.row(world_size).speedup
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"hardware": self.hardware, "interconnect": self.interconnect, "mode": self.mode, "dtype": self.dtype,
-                "batch_size": self.batch_size, "seq_len": self.seq_len, "unit": self.unit,
-                "rows": [asdict(r) for r in self.rows], "notes": list(self.notes)}
-
-    def summary(self, width: int | None = None) -> str:
-        """A table per world size (fitted to `width` columns; None: natural width), then the notes."""
-        unit = "token" if self.mode == "decode" else "step"
-        seq = f" x seq {self.seq_len}" if self.seq_len else ""
-        names = ("world size", "compute", "memory", "comm", f"time/{unit}", f"{self.unit}/s", "speedup", "bound")
-        rows = [[str(r.world_size), _ms(r.compute_s), _ms(r.memory_s), _ms(r.communication_s), _ms(r.total_s),
-                 f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", r.bound] for r in self.rows]
-        title = f"speed: {self.mode}, {self.dtype}, batch {self.batch_size}{seq}, {self.hardware} over {self.interconnect}"
-        lines = [render_table(title, [Column(n) for n in names], rows, width)]
-        lines += [wrap_text(f"note: {note}", width, "", "  ") for note in self.notes]
-        return "\n".join(lines) + "\n"
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def ring_all_reduce_seconds(nbytes: float, world_size: int, bandwidth: float, latency_s: float,
@@ -263,9 +201,12 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     collectives the converter's plan adds; the step is scaled to `batch_size` and `tokens_per_s` counts
     samples. Training counts backward as twice the forward FLOPs, and each forward collective once more.
 
-    `profile`: a `SpeedProfile`, a path to a profile JSON, or None (`load_profile()`: the calibrated file at
-    the default location if there is one, else `DEFAULT_PROFILE`). `hardware`: a preset name or a
-    `Hardware`; default the profile's measured machine if it has one, else "H100-SXM".
+    The machine priced is `tpkit.estimate.pricing.machine_pricing(profile, hardware, interconnect)`'s, the one
+    `tpkit estimate`, `search` and `analyze` price: a measured profile prices a transformer op by op
+    (`machine_speed.speed_on_machine`, the setup search's model: the table's parts are then kernels, framework
+    and communication); `hardware` (a preset name or a `Hardware`) prices that datasheet with the default
+    profile's achieved fractions (or `profile`'s when it is not a measured one); with neither, a GPU of a known
+    kind is priced from its datasheet and any other machine is measured first (a quick calibration).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -275,8 +216,24 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     if not sizes or any(not isinstance(t, int) or t < 1 for t in sizes):
         raise ValueError(f"world sizes must be positive ints, got {world_size!r}")
     recompute = normalise_recompute(recompute)
-    profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
-    hw = get_hardware(hardware if hardware is not None else profile.hardware or "H100-SXM", interconnect)
+    for name, value in (("efficiency", efficiency), ("memory_efficiency", memory_efficiency),
+                        ("link_efficiency", link_efficiency)):
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {value}")
+    from .pricing import machine_pricing
+
+    pricing = machine_pricing(profile, hardware, interconnect)
+    profile = pricing.profile
+    config, shape = resolve_target(model_or_config, "estimate_speed")
+    if mode == "decode" and shape is not None and not shape.is_decoder:
+        raise ValueError(f"estimate_speed: {shape.model_type} is an encoder; it does not decode tokens, use mode "
+                         f"'prefill' (one forward) or 'training'")
+    if pricing.measured and shape is not None:
+        from .machine_speed import speed_on_machine  # this machine, priced op by op as the setup search does
+
+        return speed_on_machine(config, sizes, pricing, mode, batch_size, seq_len, dtype, sequence_parallel,
+                                recompute)
+    hw = get_hardware(pricing.hardware or profile.hardware, interconnect)
     dtype = dtype or own_dtype(model_or_config)
     B = dtype.itemsize
     rates, hw_note = _rates(hw, profile, B, efficiency, memory_efficiency, link_efficiency, vocab_parallel)

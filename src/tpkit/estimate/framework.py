@@ -1,0 +1,174 @@
+"""The framework's own time per module, measured: what a step costs beyond its kernels and collectives when the
+model is a transformers model run the way users run it (`generate` for decoding; forward, backward and AdamW for
+training).
+
+Why a term of its own: at small widths a step is mostly Python (the decoder layer's modules, `generate`'s loop,
+the optimizer's per-tensor work), not arithmetic, and a rate measured on one large kernel says nothing of it:
+a 3-layer Qwen2 at hidden 384 was predicted 3x too fast from kernels alone. So the calibration runs a tiny
+model of each family (hidden 64: its kernels cost next to nothing) with 1 and with 3 decoder layers, times it,
+subtracts what its kernels and collectives take at the measured rates, and splits the rest into
+
+* `layer_s`: one decoder layer's forward (decode) or forward + backward (training), the difference per layer;
+* `step_s`: everything else of a step: embedding, final norm, LM head and loss, `generate`'s per-token work;
+
+and times AdamW over many small tensors for `optimizer_tensor_s`, the optimizer's cost per parameter tensor
+(taken out of the training terms, and composed back by each model's own tensor count). Converted over the
+ranks (`tp=True`), the same split measures tpkit's parallel layers' Python and the wait for the slower rank.
+None of it is fitted to any model it will later price: a model's step is its kernels at the measured rates plus
+`step_s + layers * layer_s` of its family (`predict.price`).
+"""
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .calls import meta_copy
+from .machine import FrameworkCost
+from .ops import trace_step
+from .predict import Setup, dp_seconds, kernel_seconds
+
+__all__ = ["FAMILIES", "FrameworkCost", "framework_costs", "generate_token_seconds",
+           "optimizer_tensor_seconds", "tiny_config", "tiny_model", "train_step_seconds"]
+
+FAMILIES = ("llama", "qwen2", "gpt2")
+FRAMEWORK_GOALS = ("decode", "train")
+LAYERS = (1, 3)
+CONTEXT = 32
+
+
+def tiny_config(family: str, layers: int):
+    """A float32 config of `family` at hidden 64 (4 heads, MLP 128, vocabulary 256) with `layers` layers."""
+    import transformers as tr
+
+    if family == "gpt2":
+        return tr.GPT2Config(vocab_size=256, n_embd=64, n_layer=layers, n_head=4, n_positions=128, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cls = tr.AutoConfig.for_model(family).__class__
+    return cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def tiny_model(family: str, layers: int) -> nn.Module:
+    import transformers as tr
+
+    torch.manual_seed(0)
+    return tr.AutoModelForCausalLM.from_config(tiny_config(family, layers)).float()
+
+
+def generate_token_seconds(model: nn.Module, context: int, repeats: int, comm=None, batch: int = 1,
+                           pick=min) -> float:
+    """Seconds per generated token of greedy `generate` after a `context`-token prompt: the time of 9 new tokens
+    less that of 1, over 8 (the prompt's prefill cancels); `pick` of `repeats` (default the least: what the
+    framework costs, a busy machine only adds to it), every rank of `comm` in step."""
+    ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+    model.eval()
+
+    def run(n: int) -> float:
+        if comm is not None:
+            comm.barrier()
+        start = time.perf_counter()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+    run(2)
+    return pick([(run(9) - run(1)) / 8 for _ in range(repeats)])
+
+
+def train_step_seconds(model: nn.Module, seq: int, repeats: int, batch: int = 1, comm=None) -> float:
+    """Least seconds of a training step (forward with the loss, backward, AdamW, zero_grad) on `model` itself."""
+    model.train()
+    vocab = getattr(model, "module", model).config.vocab_size  # DDP keeps the model as .module
+    ids = torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times = []
+    for _ in range(repeats + 2):
+        if comm is not None:
+            comm.barrier()
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return min(times[2:])
+
+
+def optimizer_tensor_seconds(repeats: int = 7) -> float:
+    """AdamW's seconds per parameter tensor: steps over 16 and over 128 small tensors, the difference per tensor
+    (the fixed cost of a step cancels)."""
+    def optimizer(count: int):
+        params = [nn.Parameter(torch.zeros(16, 16)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-5)
+        opt.step()
+        return opt
+
+    def seconds(opt) -> float:
+        start = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - start
+    few, many = optimizer(16), optimizer(128)
+    return max(min(seconds(many) - seconds(few) for _ in range(repeats)), 0.0) / 112
+
+
+def _explained(model: nn.Module, plain: nn.Module, goal: str, rates, comm, tensor_s: float,
+               dp_mode: str | None = None, layers: int = 1) -> float:
+    """What `model`'s step takes that is not the framework's: its kernels and isolated collectives at `rates`
+    (and, training, its optimizer tensors at `tensor_s`); `plain`: the unconverted model (traced for rank
+    `comm.rank`, or whole under data parallelism, whose collectives are priced as the setup search prices them)."""
+    world, rank = (comm.world_size, comm.rank) if comm is not None and dp_mode is None else (1, 0)
+    trace = trace_step(meta_copy(plain), goal, world, rank, batch=1, seq=CONTEXT)
+    alone = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) for c in trace.collectives)
+    if dp_mode is not None:
+        alone += dp_seconds(Setup(1, comm.world_size, dp_mode), goal, trace.parameter_bytes, layers, rates)
+    tensors = sum(1 for p in model.parameters() if p.requires_grad) if goal == "train" else 0
+    return kernel_seconds(trace, rates) + alone + tensors * tensor_s
+
+
+def _measured(model: nn.Module, goal: str, comm, repeats: int) -> float:
+    if goal == "decode":
+        return generate_token_seconds(model, CONTEXT, repeats, comm)
+    return train_step_seconds(model, CONTEXT, repeats, comm=comm)
+
+
+def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5, tensor_s: float = 0.0,
+                    dp: tuple[str, Callable] | None = None) -> dict[str, FrameworkCost]:
+    """`{"family/goal": FrameworkCost}` on this rank (see the module doc); with `comm` (call on every rank) the
+    tiny models are converted over its ranks, else run whole (every rank at once when launched); with `dp`
+    (mode, wrap: `wrap(model, comm)` puts a model under DDP or FSDP2 over `comm`), training only, under data
+    parallelism instead, keyed "family/train/mode". The wrapper comes from the layer above (`tpkit.setups`):
+    the estimate prices data parallelism and does not build it."""
+    from ..convert.parallelize import parallelize
+
+    out: dict[str, FrameworkCost] = {}
+    for family in families:
+        for goal in (("train",) if dp else FRAMEWORK_GOALS):
+            models, explained = [], []
+            for layers in LAYERS:
+                plain = tiny_model(family, layers)
+                if dp is not None:
+                    model = dp[1](copy.deepcopy(plain), comm)
+                elif comm is not None:
+                    model = parallelize(copy.deepcopy(plain), "auto", comm, mode="training" if goal == "train"
+                                        else "inference")
+                else:
+                    model = plain
+                models.append(model)
+                explained.append(_explained(model, plain, goal, rates, comm, tensor_s, dp[0] if dp else None,
+                                            layers))
+            times: list[list[float]] = [[], []]
+            for _ in range(max(2, repeats // 2)):  # alternating, so a slow spell weighs on both alike
+                for i, model in enumerate(models):
+                    times[i].append(_measured(model, goal, comm, 2))
+            left = [min(t) - e for t, e in zip(times, explained)]
+            layer_s = max((left[1] - left[0]) / (LAYERS[1] - LAYERS[0]), 0.0)
+            key = f"{family}/{goal}" + (f"/{dp[0]}" if dp else "")
+            out[key] = FrameworkCost(max(left[0] - LAYERS[0] * layer_s, 0.0), layer_s)
+    return out
+

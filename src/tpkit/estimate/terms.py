@@ -1,0 +1,54 @@
+"""A measured profile's terms as lines of text, one term per line, read from the profile itself: what
+`tpkit estimate --calibrate` prints is what it wrote (the command prints the file it just saved, read back).
+"""
+from __future__ import annotations
+
+from .profile import SpeedProfile
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB/s"
+
+
+def _gf(x: float) -> str:
+    return f"{x / 1e9:.1f} GFLOP/s"
+
+
+def _us(x: float) -> str:
+    return f"{x * 1e6:.1f} us" if x < 1e-3 else f"{x * 1e3:.2f} ms"
+
+
+def profile_terms(profile: SpeedProfile) -> list[str]:
+    """One line per measured term of `profile`, for each number of ranks sharing the machine (see
+    `machine.MachineRates` and `framework.py` for what each one is)."""
+    lines = []
+    if profile.hardware is not None:
+        hw = profile.hardware
+        lines.append(f"machine: {hw.name}; {hw.memory_bytes / 2**30:.1f} GiB memory")
+    for key in sorted(profile.machine, key=int):
+        r = profile.machine[key]
+        who = f"{r.ranks} rank{'s' if r.ranks > 1 else ''} at once, {r.threads} thread{'s' if r.threads > 1 else ''} each"
+        alone = "alone" if r.ranks == 1 else f"while all {r.ranks} stream at once"
+        lines.append(f"[{who}] weight streaming bandwidth per rank ({alone}): {_gb(r.stream_bandwidth)}; as stored "
+                     f"(Conv1D): {_gb(r.stored_bandwidth or r.stream_bandwidth)}; elementwise: {_gb(r.copy_bandwidth)}")
+        for width, table in ((1024, r.gemm), *r.gemm_widths):
+            lines.append(f"[{who}] matmul at width {width}, by rows: "
+                         + ", ".join(f"{m}: {_gf(f)}" for m, f in sorted(table)))
+        lines.append(f"[{who}] a process holds besides its tensors: {r.import_bytes / 2**20:.0f} MiB once torch, tpkit "
+                     f"and transformers are imported, {r.runtime_bytes / 2**20:.0f} MiB of runtime in a training step")
+        lines.append(f"[{who}] fixed cost per op (reference model): forward {_us(r.op_overhead_s)}, training "
+                     f"{_us(r.train_op_overhead_s)}; AdamW per parameter tensor {_us(r.optimizer_tensor_s)}")
+        for title, table in (("framework, whole model", r.framework),
+                             (f"framework, converted over {r.ranks} ranks", r.tp_framework),
+                             (f"framework, data parallel over {r.ranks} ranks", r.dp_framework)):
+            for name, cost in sorted(table.items()):
+                per = "token (generate)" if "/decode" in name else "step"
+                lines.append(f"[{who}] {title}: {name}: {_us(cost.step_s)} per {per} + {_us(cost.layer_s)} per "
+                             f"decoder layer")
+        for kind, per in sorted(r.collectives.items()):
+            for group, c in sorted(per.items()):
+                lines.append(f"[{who}] {kind} over {group} ranks: {_us(c.latency_s)} + bytes / {_gb(c.bandwidth)}")
+        if r.ranks > 1:
+            lines.append(f"[{who}] a collective inside a step beyond the isolated call (reference model): forward "
+                         f"{_us(r.collective_overhead_s)}, training {_us(r.train_collective_overhead_s)}")
+    return lines

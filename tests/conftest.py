@@ -1,0 +1,39 @@
+"""Every test prices the same made-up measured machine unless it names its own profile: with no profile,
+`tpkit estimate`, `search`, `analyze` and the demo measure this machine first (`tpkit.estimate.pricing`), which
+takes half a minute and would write the developer's ~/.cache. A test that wants that path sets $TPKIT_PROFILE
+itself (monkeypatch wins over this fixture)."""
+from __future__ import annotations
+
+import pytest
+
+from tpkit.estimate.framework import FAMILIES, FrameworkCost
+from tpkit.estimate.hardware import Hardware, Interconnect
+from tpkit.estimate.machine import CollectiveCost, MachineRates
+from tpkit.estimate.profile import LinkProfile, SpeedProfile, save_profile
+
+
+def synthetic_profile() -> SpeedProfile:
+    """A measured-looking profile of a 2-rank CPU machine, figures of the order this 2-core box measures."""
+    gemm = ((1, 5e9), (16, 20e9), (256, 100e9), (1024, 100e9))
+    coll = {k: {"2": CollectiveCost(80e-6, 1e9)} for k in ("all_reduce", "all_gather", "reduce_scatter")}
+    terms = {f"{f}/{g}": FrameworkCost(1e-3, 0.5e-3) for f in FAMILIES for g in ("decode", "train")}
+    dp = {f"{f}/train/{m}": FrameworkCost(1e-3, 0.5e-3) for f in FAMILIES for m in ("ddp", "fsdp")}
+    machine = {str(n): MachineRates(n, 1, 4e-6, 3e-6, gemm, 10e9 / n, 9e9 / n, coll if n > 1 else {},
+                                    framework=terms, tp_framework=terms if n > 1 else {}, optimizer_tensor_s=10e-6,
+                                    import_bytes=300 * 2**20, runtime_bytes=20 * 2**20,
+                                    dp_framework=dp if n > 1 else {})
+               for n in (1, 2)}
+    hw = Hardware("synthetic: 2 cores", 2e11, 1e11, 10e9, 16 * 2**30,
+                  Interconnect("gloo on this host (measured)", 1e9, 40e-6, "gloo"))
+    return SpeedProfile("synthetic: 2 cores", 1.0, 1.0, {"gloo": LinkProfile(0.0, 40e-6, 1.0)}, hw,
+                        {"measured": "synthetic, for tests"}, machine)
+
+
+@pytest.fixture(scope="session")
+def synthetic_profile_path(tmp_path_factory) -> str:
+    return save_profile(synthetic_profile(), str(tmp_path_factory.mktemp("profile") / "profile.json"))
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_profile(monkeypatch, synthetic_profile_path):
+    monkeypatch.setenv("TPKIT_PROFILE", synthetic_profile_path)
