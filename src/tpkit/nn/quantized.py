@@ -114,10 +114,6 @@ def quantized_class(base: type) -> type:
         return cls
 
 
-def is_quantized(module: nn.Module) -> bool:
-    return "tp_quant" in module.__dict__
-
-
 def quant_state(module: nn.Module) -> QuantState | None:
     return module.__dict__.get("tp_quant")
 
