@@ -28,7 +28,7 @@ import torch
 
 from .hardware import Hardware, Interconnect
 from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
-from .machine import (MachineRates, measure_collectives, measure_copy_bandwidth, measure_gemm,
+from .machine import (GEMM_ROWS, GEMM_WIDTHS, MachineRates, measure_collectives, measure_copy_bandwidth, measure_gemm,
                       measure_shared_stream_bandwidth, measure_stream_bandwidth, reset_peak_rss, rss_bytes)
 from .profile import LinkProfile, SpeedProfile
 from .reference import collective_overheads, op_overheads
@@ -112,10 +112,13 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     comm = get_communicator()
     imports = rss_bytes()
     repeats = 3 if quick else 7
-    comm.barrier()
-    gemm = measure_gemm(repeats=repeats)
-    comm.barrier()
-    narrow = measure_gemm(n=256, repeats=repeats)
+    tables = {}
+    for linear in (False, True):  # as stored (x @ W) and as nn.Linear reads it (x @ W.T), at each width
+        for width in GEMM_WIDTHS:
+            comm.barrier()
+            rows = GEMM_ROWS if width <= 1024 else tuple(m for m in GEMM_ROWS if m <= 256)
+            tables[linear, width] = measure_gemm(rows, width, repeats, linear)
+    gemm = tables[False, 1024]
     total = (32 << 20) if quick else (128 << 20)
     comm.barrier()
     stream = measure_shared_stream_bandwidth(comm, total=total, repeats=repeats)
@@ -123,7 +126,8 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     stored = measure_stream_bandwidth(total=total, repeats=repeats, stored=True)
     copy_bw = measure_copy_bandwidth(repeats=repeats)
     rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored,
-                         gemm_widths=((256, narrow),))
+                         gemm_widths=tuple((w, tables[False, w]) for w in GEMM_WIDTHS if w != 1024),
+                         linear_gemm=tuple((w, tables[True, w]) for w in GEMM_WIDTHS))
     comm.barrier()
     reset_peak_rss()
     before = rss_bytes()
@@ -157,11 +161,14 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
     """The rates a step sees: each figure from the rank that is slowest at it."""
     first = per_rank[0]
     gemm = tuple((m, min(dict(r.gemm)[m] for r in per_rank)) for m, _ in first.gemm)
-    widths = tuple((w, tuple((m, min(dict(dict(r.gemm_widths)[w])[m] for r in per_rank)) for m, _ in table))
-                   for w, table in first.gemm_widths)
+
+    def slowest_tables(tables_of):
+        return tuple((w, tuple((m, min(dict(dict(tables_of(r))[w])[m] for r in per_rank)) for m, _ in table))
+                     for w, table in tables_of(first))
     return dataclasses.replace(first, op_overhead_s=max(r.op_overhead_s for r in per_rank),
                                train_op_overhead_s=max(r.train_op_overhead_s for r in per_rank), gemm=gemm,
-                               gemm_widths=widths,
+                               gemm_widths=slowest_tables(lambda r: r.gemm_widths),
+                               linear_gemm=slowest_tables(lambda r: r.linear_gemm),
                                collective_overhead_s=max(r.collective_overhead_s for r in per_rank),
                                train_collective_overhead_s=max(r.train_collective_overhead_s for r in per_rank),
                                stream_bandwidth=min(r.stream_bandwidth for r in per_rank),

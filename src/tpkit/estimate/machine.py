@@ -6,7 +6,11 @@ have (they share cores, caches and memory bandwidth), as the op-level cost model
   its measured step time, less its kernels' time, divided by the ops its traced step counts (forward-only
   steps, and training steps whose backward and optimizer ops cost less Python each);
 * `gemm`: matmul FLOP/s by the number of rows `m` (m x 1024 x 1024; a decode's m is the batch, a training
-  step's the batch x sequence);
+  step's the batch x sequence), the weight read as stored (`x @ W`); `gemm_widths` the same at other widths,
+  `linear_gemm` with the weight read transposed as `nn.Linear` reads it (`x @ W.T`). Both orientations, and
+  widths up to 4096, because BLAS is not one rate: at 64 rows a 4096-wide weight read transposed ran at 77
+  GFLOP/s on this 2-core box where the 1024-wide one read as stored ran at 133, and batched decode (13-20 rows)
+  and LM heads live there;
 * `stream_bandwidth`: bytes/s reading weights that do not fit the caches (matrix-vector products over a set of
   matrices larger than the last-level cache: what a decode step does), the weight read transposed as
   `nn.Linear` reads it; `stored_bandwidth` the same with the weight read as stored (GPT-2's `Conv1D`, `x @ W`),
@@ -27,7 +31,8 @@ from typing import Any, Mapping
 
 import torch
 
-GEMM_ROWS = (1, 4, 16, 64, 256, 1024)
+GEMM_ROWS = (1, 4, 8, 16, 32, 64, 256, 1024)
+GEMM_WIDTHS = (256, 1024, 4096)  # 4096: a weight larger than the caches at every row count
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -95,6 +100,9 @@ class MachineRates:
     runtime_bytes: float = 0.0
     # "family/train/ddp" (or fsdp) -> the framework's time under torch's DDP / FSDP2 over these ranks
     dp_framework: Mapping[str, FrameworkCost] = dataclasses.field(default_factory=dict)
+    # matmul FLOP/s by rows at each width with the weight read transposed (nn.Linear's `x @ W.T`); () in profiles
+    # measured before it was (the tables read as stored price both orientations then)
+    linear_gemm: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
 
     def framework_cost(self, family: str | None, goal: str, tp: bool,
                        dp_mode: str | None = None) -> FrameworkCost | None:
@@ -113,12 +121,17 @@ class MachineRates:
         """Bytes/s streaming a matmul's weight, read transposed (nn.Linear) or as stored (Conv1D)."""
         return self.stored_bandwidth if stored and self.stored_bandwidth else self.stream_bandwidth
 
-    def flops_rate(self, m: int, width: float | None = None) -> float:
+    def flops_rate(self, m: int, width: float | None = None, stored: bool = True) -> float:
         """Matmul FLOP/s with `m` rows (log-linear between the measured rows, flat beyond them), at `width`
-        (sqrt(n k)) log-linear between the measured widths when given and measured, else at width 1024."""
+        (sqrt(n k)) log-linear between the measured widths when given and measured, else at width 1024; the
+        weight read as stored, or transposed (`stored=False`, nn.Linear) where that was measured."""
         tables = sorted({1024: tuple(self.gemm), **{w: tuple(t) for w, t in self.gemm_widths}}.items())
-        if width is None or len(tables) == 1:
-            return _interpolate(self.gemm, m)
+        if not stored and self.linear_gemm:
+            tables = sorted((w, tuple(t)) for w, t in self.linear_gemm)
+        if width is None:
+            width = 1024
+        if len(tables) == 1:
+            return _interpolate(tables[0][1], m)
         if width <= tables[0][0]:
             return _interpolate(tables[0][1], m)
         for (w0, t0), (w1, t1) in zip(tables, tables[1:]):
@@ -164,6 +177,7 @@ class MachineRates:
         out = dataclasses.asdict(self)
         out["gemm"] = [list(p) for p in self.gemm]
         out["gemm_widths"] = [[w, [list(p) for p in t]] for w, t in self.gemm_widths]
+        out["linear_gemm"] = [[w, [list(p) for p in t]] for w, t in self.linear_gemm]
         out["framework"] = {k: dataclasses.asdict(v) for k, v in self.framework.items()}
         out["tp_framework"] = {k: dataclasses.asdict(v) for k, v in self.tp_framework.items()}
         out["dp_framework"] = {k: dataclasses.asdict(v) for k, v in self.dp_framework.items()}
@@ -181,9 +195,14 @@ class MachineRates:
                    {k: FrameworkCost(**v) for k, v in dict(data.get("framework", {})).items()},
                    {k: FrameworkCost(**v) for k, v in dict(data.get("tp_framework", {})).items()},
                    float(data.get("optimizer_tensor_s", 0.0)),
-                   tuple((int(w), tuple((int(m), float(f)) for m, f in t)) for w, t in data.get("gemm_widths", [])),
+                   _tables(data.get("gemm_widths", [])),
                    float(data.get("import_bytes", 0.0)), float(data.get("runtime_bytes", 0.0)),
-                   {k: FrameworkCost(**v) for k, v in dict(data.get("dp_framework", {})).items()})
+                   {k: FrameworkCost(**v) for k, v in dict(data.get("dp_framework", {})).items()},
+                   _tables(data.get("linear_gemm", [])))
+
+
+def _tables(data) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:
+    return tuple((int(w), tuple((int(m), float(f)) for m, f in t)) for w, t in data)
 
 
 def _best(fn, repeats: int) -> float:
@@ -206,15 +225,20 @@ def _median(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5) -> tuple[tuple[int, float], ...]:
-    """(m, FLOP/s) of fp32 `m x n` by `n x n` matmuls; the weights rotate through a set larger than the caches
-    for small m (each product streams its matrix, as in a model), so memory-bound rows read as what they are."""
+def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool = False) -> tuple[tuple[int, float], ...]:
+    """(m, FLOP/s) of fp32 `m x n` by `n x n` matmuls, the weight read as stored (`x @ W`) or, `linear`,
+    transposed (`x @ W.T`, nn.Linear); below 1024 rows the weights rotate through a set larger than the caches
+    (each product streams its matrix, as each layer of a model reads its own), so memory-bound rows read as what
+    they are."""
     out = []
     for m in rows:
-        count = max(1, min(16, (64 << 20) // (n * n * 4))) if m < 64 else 1
+        count = max(1, min(16, (64 << 20) // (n * n * 4))) if m < 1024 else 1
         ws = [torch.randn(n, n) for _ in range(count)]
         x = torch.randn(m, n)
-        seconds = _best(lambda: [torch.mm(x, w) for w in ws], repeats) / count
+        if linear:
+            seconds = _best(lambda: [torch.mm(x, w.t()) for w in ws], repeats) / count
+        else:
+            seconds = _best(lambda: [torch.mm(x, w) for w in ws], repeats) / count
         out.append((m, 2.0 * m * n * n / seconds))
     return tuple(out)
 

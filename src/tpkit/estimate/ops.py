@@ -247,26 +247,25 @@ def _decode(work: nn.Module, batch: int, seq: int, recorder: OpRecorder, comm: R
 
 
 def _train(work: nn.Module, batch: int, seq: int, example, recorder: OpRecorder, live: LiveBytes) -> int:
-    """One steady training step, under `live` and recorded: forward with the loss (saved bytes counted), backward,
-    an AdamW step whose states exist from the start; returns the saved bytes.
-
-    The states are made first by a step on zero gradients, outside the modes: a first step's work (zeros_like
-    per tensor) is not a step's, and its peak is not the memory a step needs (a real first step held 4.4 MB less
-    than every later one on a 2.2 MB model). One forward and backward, not two: the trace is the search's cost."""
-    params = [p for p in work.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    live.hold(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    """Forward with the loss (saved bytes counted), backward, one AdamW step; returns the saved bytes. Then a
+    second step, the steady one (its optimizer states exist from the start), runs under `live` alone, its
+    optimizer ops recorded (the first step's include making the states, which a later step does not): its peak is
+    the memory the step needs (the first one's is not: a real first step held 4.4 MB less than every later one
+    on a 2.2 MB model). Two passes, because counting saved bytes keeps every saved tensor alive to the forward's
+    end, which would move the peak."""
     args, kwargs = fake_inputs(work, batch, seq, example, labels=True)
     outputs: list = []
+    with recorder:
+        saved = saved_bytes(work, args, kwargs, outputs)
+        loss_of(outputs[0]).backward()
+    outputs.clear()
+    optimizer = torch.optim.AdamW([p for p in work.parameters() if p.requires_grad], lr=1e-3)
+    optimizer.step()  # makes the states (zeros_like per tensor): a first step's work, not a step's
+    optimizer.zero_grad(set_to_none=True)
+    live.hold(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     step = OpRecorder("optimizer")
     with live:
-        with recorder:
-            saved = saved_bytes(work, args, kwargs, outputs)
-            loss_of(outputs.pop()).backward()
+        loss_of(work(*args, **kwargs)).backward()
         with step:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)

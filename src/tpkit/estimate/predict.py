@@ -114,7 +114,8 @@ def kernel_seconds(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...
         if op.mnk is not None or op.flops:
             m = op.mnk[0] if op.mnk is not None else 1024
             width = math.sqrt(op.mnk[1] * op.mnk[2]) if op.mnk is not None else None
-            total += max(op.flops / rates.flops_rate(m, width), op.nbytes / rates.weight_bandwidth(op.stored))
+            total += max(op.flops / rates.flops_rate(m, width, op.stored),
+                         op.nbytes / rates.weight_bandwidth(op.stored))
         else:
             total += op.nbytes / rates.copy_bandwidth
     return total

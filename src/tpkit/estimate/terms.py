@@ -31,9 +31,11 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
         alone = "alone" if r.ranks == 1 else f"while all {r.ranks} stream at once"
         lines.append(f"[{who}] weight streaming bandwidth per rank ({alone}): {_gb(r.stream_bandwidth)}; as stored "
                      f"(Conv1D): {_gb(r.stored_bandwidth or r.stream_bandwidth)}; elementwise: {_gb(r.copy_bandwidth)}")
-        for width, table in ((1024, r.gemm), *r.gemm_widths):
-            lines.append(f"[{who}] matmul at width {width}, by rows: "
-                         + ", ".join(f"{m}: {_gf(f)}" for m, f in sorted(table)))
+        for how, tables in (("as stored, x @ W", sorted(((1024, r.gemm), *r.gemm_widths))),
+                            ("as nn.Linear reads it, x @ W.T", r.linear_gemm)):
+            for width, table in tables:
+                lines.append(f"[{who}] matmul at width {width}, weight read {how}, by rows: "
+                             + ", ".join(f"{m}: {_gf(f)}" for m, f in sorted(table)))
         lines.append(f"[{who}] a process holds besides its tensors: {r.import_bytes / 2**20:.0f} MiB once torch, tpkit "
                      f"and transformers are imported, {r.runtime_bytes / 2**20:.0f} MiB of runtime in a training step")
         lines.append(f"[{who}] fixed cost per op (reference model): forward {_us(r.op_overhead_s)}, training "
