@@ -139,9 +139,13 @@ def run_random(args) -> None:
     for i, shape in enumerate(random_shapes(args.random, seed), 1):
         cfg = shape_config(shape)
         goal, batch = shape["goal"], shape["batch"]
+        runs: dict[int, list[float]] = {1: [], 2: []}
+        for _ in range(args.repeats):  # TP 1 and TP 2 alternating, each time in fresh processes
+            for tp in runs:
+                runs[tp].append(run_setup(cfg, Setup(tp), goal, batch, SEQ, steps=args.steps, threads=1,
+                                          dtype=torch.float32))
         for tp in (1, 2):
-            got = statistics.median(run_setup(cfg, Setup(tp), goal, batch, SEQ, steps=args.steps, threads=1,
-                                              dtype=torch.float32) for _ in range(args.repeats))
+            got = statistics.median(runs[tp])
             pred = predict(cfg, Setup(tp), goal, batch, SEQ, prof, dtype=torch.float32).seconds
             errors[goal].append(abs(pred / got - 1))
             print(f"| {i} | {shape['family']} | {shape['hidden']} | {shape['heads']} | {shape['layers']} | {goal} | "

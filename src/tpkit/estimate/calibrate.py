@@ -28,8 +28,9 @@ import torch
 
 from .hardware import Hardware, Interconnect
 from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
-from .machine import (GEMM_ROWS, GEMM_WIDTHS, MachineRates, measure_collectives, measure_copy_bandwidth, measure_gemm,
-                      measure_shared_stream_bandwidth, measure_stream_bandwidth, reset_peak_rss, rss_bytes)
+from .machine import (FINE_ROWS, GEMM_ROWS, GEMM_WIDTHS, MachineRates, measure_collectives, measure_copy_bandwidth,
+                      measure_gemm, measure_shared_stream_bandwidth, measure_stream_bandwidth, reset_peak_rss,
+                      rss_bytes)
 from .profile import LinkProfile, SpeedProfile
 from .reference import collective_overheads, op_overheads
 
@@ -116,14 +117,14 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     for linear in (False, True):  # as stored (x @ W) and as nn.Linear reads it (x @ W.T), at each width
         for width in GEMM_WIDTHS:
             comm.barrier()
-            rows = GEMM_ROWS if width <= 1024 else tuple(m for m in GEMM_ROWS if m <= 256)
+            rows = sorted(set(GEMM_ROWS) | (set(FINE_ROWS) if linear and width >= 1024 else set()))
+            rows = tuple(m for m in rows if width <= 1024 or m <= 256)
             tables[linear, width] = measure_gemm(rows, width, repeats, linear)
     gemm = tables[False, 1024]
-    total = (32 << 20) if quick else (128 << 20)
     comm.barrier()
-    stream = measure_shared_stream_bandwidth(comm, total=total, repeats=repeats)
+    stream = measure_shared_stream_bandwidth(comm, repeats=repeats)
     comm.barrier()
-    stored = measure_stream_bandwidth(total=total, repeats=repeats, stored=True)
+    stored = measure_stream_bandwidth(repeats=repeats, stored=True)
     copy_bw = measure_copy_bandwidth(repeats=repeats)
     rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored,
                          gemm_widths=tuple((w, tables[False, w]) for w in GEMM_WIDTHS if w != 1024),

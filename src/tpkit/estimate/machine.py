@@ -32,7 +32,13 @@ from typing import Any, Mapping
 import torch
 
 GEMM_ROWS = (1, 4, 8, 16, 32, 64, 256, 1024)
-GEMM_WIDTHS = (256, 1024, 4096)  # 4096: a weight larger than the caches at every row count
+GEMM_WIDTHS = (256, 1024, 4096)  # 4096: a 64 MiB weight, as large as LM heads are
+# Bytes of weights a matmul or streaming measurement rotates through: past the caches. A model's step reads its
+# weights once each, layer after layer, so by the time a layer comes round again the others have evicted it: on
+# this 2-core box (480 MiB of L3 reported, shared with the host) a [16000 x 640] LM head at 13 rows took 22 ms in
+# a model's decode step and 8-9 ms repeated alone, and a rotation through 128 MiB or more reproduced the 22 ms.
+COLD_BYTES = 256 << 20
+FINE_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)  # a batched decode's rows
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -100,8 +106,10 @@ class MachineRates:
     runtime_bytes: float = 0.0
     # "family/train/ddp" (or fsdp) -> the framework's time under torch's DDP / FSDP2 over these ranks
     dp_framework: Mapping[str, FrameworkCost] = dataclasses.field(default_factory=dict)
-    # matmul FLOP/s by rows at each width with the weight read transposed (nn.Linear's `x @ W.T`); () in profiles
-    # measured before it was (the tables read as stored price both orientations then)
+    # matmul FLOP/s by rows at each width with the weight read transposed (nn.Linear's `x @ W.T`), from 1024 wide
+    # at every row count to 32 (`FINE_ROWS`): BLAS is not log-linear in the rows there (a 64 MiB weight ran at 13.7
+    # GFLOP/s with 13 rows and 27.8 with 16 on this box); () in profiles measured before it was (the tables read
+    # as stored price both orientations then)
     linear_gemm: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
 
     def framework_cost(self, family: str | None, goal: str, tp: bool,
@@ -128,8 +136,10 @@ class MachineRates:
         tables = sorted({1024: tuple(self.gemm), **{w: tuple(t) for w, t in self.gemm_widths}}.items())
         if not stored and self.linear_gemm:
             tables = sorted((w, tuple(t)) for w, t in self.linear_gemm)
-        if width is None:
-            width = 1024
+        return self._across_widths(tables, m, 1024 if width is None else width)
+
+    @staticmethod
+    def _across_widths(tables, m: int, width: float) -> float:
         if len(tables) == 1:
             return _interpolate(tables[0][1], m)
         if width <= tables[0][0]:
@@ -228,11 +238,12 @@ def _median(fn, repeats: int) -> float:
 def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool = False) -> tuple[tuple[int, float], ...]:
     """(m, FLOP/s) of fp32 `m x n` by `n x n` matmuls, the weight read as stored (`x @ W`) or, `linear`,
     transposed (`x @ W.T`, nn.Linear); below 1024 rows the weights rotate through a set larger than the caches
-    (each product streams its matrix, as each layer of a model reads its own), so memory-bound rows read as what
-    they are."""
+    (`COLD_BYTES`: each product reads its matrix from memory, as each layer of a model reads its own after the
+    others evicted it), so memory-bound rows read as what they are."""
     out = []
     for m in rows:
-        count = max(1, min(16, (64 << 20) // (n * n * 4))) if m < 1024 else 1
+        total = (COLD_BYTES if m < 256 else COLD_BYTES // 4) // (2 if len(rows) > 10 else 1)  # 128 MiB is past them
+        count = max(1, total // (n * n * 4)) if m < 1024 else 1
         ws = [torch.randn(n, n) for _ in range(count)]
         x = torch.randn(m, n)
         if linear:
@@ -243,7 +254,7 @@ def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool =
     return tuple(out)
 
 
-def measure_stream_bandwidth(n: int = 1024, total: int = 128 << 20, repeats: int = 5,
+def measure_stream_bandwidth(n: int = 1024, total: int = COLD_BYTES, repeats: int = 5,
                              stored: bool = False) -> float:
     """Bytes/s of weights read by matrix-vector products over a set of matrices larger than the caches, each
     read transposed (`x @ W.T`, nn.Linear) or, with `stored`, as stored (`x @ W`, Conv1D)."""
@@ -254,7 +265,7 @@ def measure_stream_bandwidth(n: int = 1024, total: int = 128 << 20, repeats: int
     return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w.t()) for w in ws], repeats)
 
 
-def measure_shared_stream_bandwidth(comm, n: int = 1024, total: int = 128 << 20, repeats: int = 5) -> float:
+def measure_shared_stream_bandwidth(comm, n: int = 1024, total: int = COLD_BYTES, repeats: int = 5) -> float:
     """Bytes/s one rank gets streaming weights (`x @ W.T` over matrices larger than the caches) while every rank of
     `comm` streams at the same time (call on all): a barrier before each repeat keeps them in step, and the median
     is kept, not the best (a best-of would catch a moment when the others were not reading). Ranks on one socket
