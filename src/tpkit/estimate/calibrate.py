@@ -119,7 +119,7 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
             comm.barrier()
             rows = sorted(set(GEMM_ROWS) | (set(FINE_ROWS) if linear and width >= 1024 else set()))
             rows = tuple(m for m in rows if width <= 1024 or m <= 256)
-            tables[linear, width] = measure_gemm(rows, width, repeats, linear)
+            tables[linear, width] = measure_gemm(rows, width, max(1, repeats // 3), linear)  # cold: steady
     gemm = tables[False, 1024]
     comm.barrier()
     stream = measure_shared_stream_bandwidth(comm, repeats=repeats)

@@ -37,7 +37,7 @@ GEMM_WIDTHS = (256, 1024, 4096)  # 4096: a 64 MiB weight, as large as LM heads a
 # weights once each, layer after layer, so by the time a layer comes round again the others have evicted it: on
 # this 2-core box (480 MiB of L3 reported, shared with the host) a [16000 x 640] LM head at 13 rows took 22 ms in
 # a model's decode step and 8-9 ms repeated alone, and a rotation through 128 MiB or more reproduced the 22 ms.
-COLD_BYTES = 256 << 20
+COLD_BYTES = 128 << 20
 FINE_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)  # a batched decode's rows
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -241,10 +241,12 @@ def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool =
     (`COLD_BYTES`: each product reads its matrix from memory, as each layer of a model reads its own after the
     others evicted it), so memory-bound rows read as what they are."""
     out = []
+    # made once per table (filling 128 MiB per row took longer than the products), values away from denormals
+    pool = [torch.empty(n, n).uniform_(0.5, 1.0) for _ in range(max(1, COLD_BYTES // (n * n * 4)))]
     for m in rows:
-        total = (COLD_BYTES if m < 256 else COLD_BYTES // 4) // (2 if len(rows) > 10 else 1)  # 128 MiB is past them
+        total = COLD_BYTES if m < 256 else COLD_BYTES // 4  # from 256 rows a product reuses its matrix enough
         count = max(1, total // (n * n * 4)) if m < 1024 else 1
-        ws = [torch.randn(n, n) for _ in range(count)]
+        ws = pool[:count]
         x = torch.randn(m, n)
         if linear:
             seconds = _best(lambda: [torch.mm(x, w.t()) for w in ws], repeats) / count
