@@ -100,3 +100,8 @@ def meta_load_body(directory: str, family: str, over: dict, ref: torch.Tensor) -
     tpkit.load_sharded(model, directory)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     return rel(logits_of(model), ref), tied
+
+
+def meta_load_each(cases: list) -> list[tuple[float, bool]]:
+    """`meta_load_body` of each of `cases` (its arguments), one after the other on the same ranks."""
+    return [meta_load_body(*case) for case in cases]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tpkit
-from tests.checkpoint.fixtures import logits_of, meta_load_body, meta_model, rel
+from tests.checkpoint.fixtures import logits_of, meta_load_body, meta_load_each, meta_model, rel
 from tests.models.hf import hf_model
 
 
@@ -34,8 +34,11 @@ def test_meta_model_loads_exactly_on_threads(saved, world):
 
 
 def test_meta_model_loads_exactly_on_gloo(saved):
-    for family, (path, over, ref) in saved.items():
-        for err, tied in tpkit.launch(meta_load_body, 2, backend="gloo", args=(path, family, over, ref), timeout=240):
+    """Both families in one start of the processes."""
+    cases = [(path, family, over, ref) for family, (path, over, ref) in saved.items()]
+    for per_family in tpkit.launch(meta_load_each, 2, backend="gloo", args=(cases,), timeout=240):
+        assert len(per_family) == len(cases)
+        for (_, family, _, _), (err, tied) in zip(cases, per_family):
             assert err < 1e-6, (family, err)
             assert tied == (family == "qwen2")
 

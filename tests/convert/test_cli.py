@@ -41,16 +41,18 @@ def test_analyze_table_and_bad_target(capsys):
 
 def test_analyze_table_piped_and_at_80_columns(capsys, monkeypatch):
     """`tpkit analyze gpt2 --wide | cat`: nothing wraps, each row on one line; without --wide a pipe gets 100
-    columns; in an 80-column terminal: every line fits, less important columns are left out (and named), no cell
-    is cut inside a word or a number."""
+    columns (a real pipe to a fresh `python -m tpkit.cli`); in an 80-column terminal: every line fits, less
+    important columns are left out (and named), no cell is cut inside a word or a number. `--wide` ignores what
+    stdout is, so that run is in-process."""
     from tpkit.convert import analyze
     from tpkit.estimate.presets import load_target
 
     argv = ["analyze", "gpt2", "--device-memory", "80GB", "--world-size", "2"]
     report = analyze(load_target("gpt2", device="meta")[0], world_size=2, device_memory="80GB")
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    piped = subprocess.run([sys.executable, "-m", "tpkit.cli", *argv, "--wide"], stdout=subprocess.PIPE, text=True,
-                           env=env, check=True).stdout
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main([*argv, "--wide"]) == 0
+    piped = capsys.readouterr().out
     assert check_summary(piped, report, None) == ["layer", "type", "weight", "params", "bytes", "per rank @2",
                                                    "style / reason"]
     assert "left out" not in piped and "tied to transformer.wte" in piped

@@ -188,3 +188,58 @@ def test_a_forward_that_needs_values_on_a_large_model_is_not_dry_run(monkeypatch
         torch.randn(2, 5, 32, dtype=torch.double)
     plan = tpkit.parallelize(model, comm=ShapeCommunicator(0, 2), example_inputs=(x,)).tp_plan
     assert plan["0.query"] == "colwise" and "0.query" not in plan.reasons
+
+
+def _copies_run(monkeypatch) -> list[bool]:
+    """Records, for each forward the dry run makes, whether it ran on meta tensors."""
+    dryrun = importlib.import_module("tpkit.convert.dryrun")
+    kinds, run = [], dryrun._run
+
+    def recorded(model, inputs, on_meta):
+        kinds.append(on_meta)
+        return run(model, inputs, on_meta)
+    monkeypatch.setattr(dryrun, "_run", recorded)
+    return kinds
+
+
+def test_a_tiny_model_is_dry_run_on_a_real_copy_first_meta_weights_as_zeros(monkeypatch):
+    """Meta kernels are Python: a tiny model's forward is ~15x cheaper on real tensors. A model on the meta device is
+    run there with zeros for weights; above `REAL_FIRST_BYTES` the meta run alone, and the same plan either way."""
+    dryrun = importlib.import_module("tpkit.convert.dryrun")
+    kinds = _copies_run(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).double()
+    x = torch.randn(2, 5, 32, dtype=torch.double)
+    meta = copy.deepcopy(model).to("meta")
+    plans = []
+    for limit in (dryrun.REAL_FIRST_BYTES, 0):
+        monkeypatch.setattr(dryrun, "REAL_FIRST_BYTES", limit)
+        for m, inputs in ((copy.deepcopy(model), x), (copy.deepcopy(meta), x.to("meta"))):
+            kinds.clear()
+            plans.append(tpkit.parallelize(m, comm=ShapeCommunicator(0, 3), example_inputs=(inputs,)).tp_plan.to_dict())
+            assert kinds and all(k is (limit == 0) for k in kinds), (limit, kinds)
+            assert all(p.device == m[0].weight.device for p in m.parameters())  # the model itself stays where it was
+    assert plans[0]["entries"] == {"0": "colwise", "2": "rowwise"} and all(p == plans[0] for p in plans)
+
+
+class FailsOffMeta(nn.Module):
+    """A forward that fails on real tensors only: the real-copy run first cannot pass it."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        if x.device.type != "meta":
+            raise RuntimeError("runs on meta tensors only")
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_failure_on_the_real_copy_first_is_decided_on_meta_tensors(monkeypatch):
+    """Only a clean pass on the real copy is taken: a failure there (here a forward that runs on meta tensors only)
+    is decided by the meta run, which keeps the plan as it would without the real copy first."""
+    kinds = _copies_run(monkeypatch)
+    x = torch.randn(2, 5, 32, device="meta")
+    plan = tpkit.parallelize(FailsOffMeta().to("meta"), comm=ShapeCommunicator(0, 2), example_inputs=(x,)).tp_plan
+    assert kinds[0] is False and True in kinds
+    assert plan["up"] == "colwise" and plan["down"] == "rowwise" and not plan.reasons.get("up")

@@ -3,6 +3,7 @@ tpkit.launch) and `--plot`."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -26,12 +27,14 @@ def test_latency_split():
 
 
 @pytest.mark.slow
-def test_calibrate_writes_a_profile_that_later_estimates_use(tmp_path, monkeypatch, capsys):
+def test_calibrate_writes_a_profile_that_later_estimates_use(quick_calibration, tmp_path, monkeypatch, capsys):
+    """`--calibrate --quick --backend gloo` writes to $TPKIT_PROFILE (run once per session: `quick_calibration`,
+    which test_user_sequence's step 2 reads too)."""
+    written, out = quick_calibration
+    assert f"profile written to {written}" in out and "all_reduce over 2 ranks" in out
     path = tmp_path / "profile.json"
+    shutil.copyfile(written, path)
     monkeypatch.setenv("TPKIT_PROFILE", str(path))
-    assert main(["estimate", "--calibrate", "--quick", "--backend", "gloo"]) == 0
-    out = capsys.readouterr().out
-    assert f"profile written to {path}" in out and "all_reduce over 2 ranks" in out
     profile = load_profile(str(path))
     hw = profile.hardware
     assert hw is not None and hw.interconnect.kind == "gloo" and profile.links["gloo"].hop_latency_s > 0

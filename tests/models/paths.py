@@ -21,6 +21,7 @@ Module level, so `bench/training_paths.py` prints the same table (before / after
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import threading
@@ -188,6 +189,13 @@ def tp_setup(base: nn.Module, world: int):
     return next(c for c in found.candidates if c.setup.tp == world and c.setup.dp == 1)
 
 
+def setup_at(candidate, world: int):
+    """`candidate`'s setup (its families' choices, sequence parallelism, recompute) at `world` tensor-parallel ranks,
+    without its plan: `apply_setup` plans it for that size, as it does for a candidate the search did not rank
+    first (`propose` with the setup's choices)."""
+    return dataclasses.replace(candidate.setup, tp=world, dp=1, dp_mode=None)
+
+
 def reach(path: str, base: nn.Module, directory: str, comm, setup=None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model (and its optimizer) as a user's script has it when training starts by `path` (`setup`: the
     search's candidate, for "apply_setup")."""
@@ -256,7 +264,8 @@ def prepare(name: str, directory: str) -> tuple[nn.Module, dict]:
 
 
 def run(base: nn.Module, ref: dict, world: int, directory: str, paths=PATHS,
-        backend: str = "threads") -> list[dict]:
-    """Every rank's `rank_errors` at `world` ranks."""
-    setup = tp_setup(base, world) if "apply_setup" in paths else None
+        backend: str = "threads", setup=None) -> list[dict]:
+    """Every rank's `rank_errors` at `world` ranks (`setup` for "apply_setup": default, the search's, `tp_setup`)."""
+    if setup is None and "apply_setup" in paths:
+        setup = tp_setup(base, world)
     return tpkit.launch(rank_errors, world, backend=backend, args=(base, directory, ref, paths, setup))

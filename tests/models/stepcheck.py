@@ -101,11 +101,27 @@ def check(model: nn.Module, inputs: Any, world_size: int, plan: Any = "auto", tr
           grad: bool = True, tol: float = 1e-6, backend: str = "threads") -> list[dict]:
     """Run `rank_errors` on `world_size` ranks (threads, or gloo processes); assert every error is within `tol`;
     the per-rank results. `train` picks the mode; `grad=False` also compares a forward under `torch.no_grad()`."""
-    ref = reference(model, inputs, train, grad)
-    copies = [copy.deepcopy(model) for _ in range(world_size)]
-    results = tpkit.launch(rank_errors, world_size, backend=backend, args=(copies, inputs, ref, plan, train, grad),
-                           **({"timeout": 240} if backend != "threads" else {}))
-    for rank, r in enumerate(results):
-        bad = {k: v for k, v in r["errors"].items() if not v <= tol}
-        assert not bad, f"rank {rank} of {world_size}: errors above {tol}: {dict(list(bad.items())[:6])}"
-    return results
+    return check_each([(model, inputs)], world_size, plan, train, grad, tol, backend)[0]
+
+
+def rank_errors_each(cases: list) -> list[dict]:
+    """`rank_errors` of each of `cases` (its `rank_errors` arguments), one after the other on the same ranks."""
+    return [rank_errors(*case) for case in cases]
+
+
+def check_each(models: list, world_size: int, plan: Any = "auto", train: bool = False, grad: bool = True,
+               tol: float = 1e-6, backend: str = "threads") -> list[list[dict]]:
+    """`check` of each (model, inputs) of `models` in one launch of the ranks (one start of the gloo processes for
+    all): per model, the per-rank results."""
+    cases = [([copy.deepcopy(model) for _ in range(world_size)], inputs,
+              reference(model, inputs, train, grad), plan, train, grad) for model, inputs in models]
+    per_rank = tpkit.launch(rank_errors_each, world_size, backend=backend, args=(cases,),
+                            **({"timeout": 240} if backend != "threads" else {}))
+    out = []
+    for i in range(len(cases)):
+        results = [r[i] for r in per_rank]
+        for rank, r in enumerate(results):
+            bad = {k: v for k, v in r["errors"].items() if not v <= tol}
+            assert not bad, f"rank {rank} of {world_size}: errors above {tol}: {dict(list(bad.items())[:6])}"
+        out.append(results)
+    return out

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from .stepcheck import check  # noqa: E402
+from .stepcheck import check, check_each  # noqa: E402
 from .zoo import ZOO, example_inputs  # noqa: E402
 
 # Per-rank parameter share at TP2 (local / full numel) that each model must stay under; 1.0 = nothing split.
@@ -27,9 +27,8 @@ def test_zoo_forward_and_one_step(name, world_size):
 @pytest.mark.slow
 def test_gloo_processes_world_size_2():
     """The same check on real gloo processes for the models whose conversion needs the new machinery (grouped
-    and per-head qkv, ALiBi slices, scaled embeddings)."""
-    for name in ("bloom", "falcon", "gemma"):
-        check(ZOO[name](), example_inputs(name), 2, backend="gloo")
+    and per-head qkv, ALiBi slices, scaled embeddings), all three in one start of the processes."""
+    check_each([(ZOO[name](), example_inputs(name)) for name in ("bloom", "falcon", "gemma")], 2, backend="gloo")
 
 
 def test_linear_forwards_are_linear():

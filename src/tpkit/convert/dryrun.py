@@ -1,15 +1,19 @@
 """The dry run between planning and the swap: the converted model's forward, once, on the meta device.
 
-A model's own forward may assume what a split breaks, a packed projection reshaped with a hard-coded group
-count (`qkv.view(b, s, 4, -1, d)` with a quarter of the features on each rank) being the common case. The
-trace cannot see that; running the converted structure can. `dry_run` deep-copies the model onto the meta
-device (no values, no memory; a small model whose forward needs values, a real copy), applies the plan there with a `ShapeCommunicator` (collectives return the
-shapes this rank would get), and runs the example inputs through it. When the forward fails, the module that
-owns the failing op (the innermost running module holding split layers), and every module of the same class
-at the same place in the other repeated blocks, is kept whole with the error as the reason, and the run is
-repeated. A forward that runs but cuts a split attention block into heads of another size than the whole model
-does (a head size computed from a width the split made local) is a failure too (`head_reshapes.py`). A plan the
-user wrote is not changed: its failure is a PlanError. Nothing here touches the model.
+A model's own forward may assume what a split breaks, a packed projection reshaped with a hard-coded group count
+(`qkv.view(b, s, 4, -1, d)` with a quarter of the features on each rank) being the common case. The trace cannot
+see that; running the converted structure can. `dry_run` deep-copies the model onto the meta device (no values, no
+memory; a small model whose forward needs values, a real copy), applies the plan there with a `ShapeCommunicator`
+(collectives return the shapes this rank would get), and runs the example inputs through it. A tiny model
+(`REAL_FIRST_BYTES`) is run on a real copy first (weights on the meta device become zeros there): torch's meta
+kernels are Python, so its forward on meta tensors costs ~15 times a real one. Only a clean pass there is taken;
+anything else (a failure, a layer that cannot be built, head sizes it cannot compare) is decided by the meta-device
+run as before. When the forward fails, the module that owns the failing op (the innermost running module holding
+split layers), and every module of the same class at the same place in the other repeated blocks, is kept whole
+with the error as the reason, and the run is repeated. A forward that runs but cuts a split attention block into
+heads of another size than the whole model does (a head size computed from a width the split made local) is a
+failure too (`head_reshapes.py`). A plan the user wrote is not changed: its failure is a PlanError. Nothing here
+touches the model.
 """
 from __future__ import annotations
 
@@ -32,20 +36,30 @@ from .trace import Analysis, traceable_experts
 
 MAX_ROUNDS = 8
 REAL_COPY_BYTES = 1 << 30  # a model whose forward needs values (`.item()`) is dry-run on a real copy up to this
+REAL_FIRST_BYTES = 16 << 20  # a model up to this is dry-run on a real copy first (faster than on meta tensors)
 Failure = tuple  # (names of the running modules, outermost first; "Type: message")
 
 
 def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence_parallel: bool = False,
-            fixed: Callable[[str], bool] = lambda name: False, small: bool | None = None) -> Plan:
+            fixed: Callable[[str], bool] = lambda name: False, small: bool | None = None,
+            tiny: bool | None = None) -> Plan:
     """`the_plan`, with what fails in the converted forward kept whole (see the module's doc). `fixed(name)`:
     whether the user's plan named that module (a failure there raises PlanError instead). `small`: whether a
     real copy is cheap enough (`fits_real_copy`; default: of `model`; a model cut to its distinct blocks passes
-    the whole model's answer, so the cut is dry-run exactly when the whole model would be)."""
+    the whole model's answer, so the cut is dry-run exactly when the whole model would be). `tiny`: whether to try
+    a real copy first (`real_first`; default: of `model`; the cut passes the whole model's answer likewise)."""
     inputs = getattr(analysis.trace, "inputs", None) if analysis.trace is not None else None
     if inputs is None or comm.world_size == 1 or not _splits(the_plan):
         return the_plan
     copyable = fits_real_copy(model) if small is None else small
     whole = _Whole(model, analysis, inputs)
+    if real_first(model) if tiny is None else tiny:
+        try:
+            if _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, False, whole,
+                    clean=True) is None:
+                return the_plan  # every rank's converted forward ran on real tensors, with the whole model's heads
+        except Exception:  # noqa: BLE001 - not a clean pass (a copy or a layer not made, a PlanError): as below
+            pass
     on_meta: bool | None = None  # whether its own forward runs on meta tensors: asked once a converted one fails
     first, rounds = the_plan, 0
     while rounds < MAX_ROUNDS:
@@ -86,6 +100,10 @@ class _NoCopy(Exception):
     """The model cannot be deep-copied onto the meta device (then there is no dry run)."""
 
 
+class _Unclear(Exception):
+    """A real-copy run first (`clean=True`) that cannot tell: the meta-device run decides."""
+
+
 class _Whole:
     """The unconverted model's forward on a copy, run only when asked and once per kind of copy (meta or real):
     whether it runs, and the sizes its attention blocks cut their features into heads (`head_reshapes.py`).
@@ -117,12 +135,13 @@ class _Whole:
         return self._done[on_meta]
 
 
-def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool, whole: _Whole
-         ) -> Failure | None:
+def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool, whole: _Whole,
+         clean: bool = False) -> Failure | None:
     """The first failure of the converted forward over the ranks in order (every rank runs them all, so all
     ranks reach the same plan without communicating): an error, or a split attention block whose reshapes to
     heads changed their size from the whole model's (see `head_reshapes.py`). A rank whose local shapes are all
-    those of a rank before it is not run again."""
+    those of a rank before it is not run again. `clean`: None only for a pass that checked everything (a layer
+    that cannot be built, or head sizes with no whole model's to compare, raise `_Unclear`)."""
     pairs = watched(analysis.pairs, {n for n, s in the_plan.resolve(_names(model)).items() if s != REPLICATE})
     seen = set()
     for rank in range(world):
@@ -139,13 +158,17 @@ def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: b
         prepared = prepare(copy, the_plan, copy_analysis, world, rank, sequence_parallel, False)
         try:
             apply(copy, prepared, ShapeCommunicator(rank, world))
-        except Exception:  # noqa: BLE001 - a layer that cannot be built on meta: the dry run cannot tell
+        except Exception as exc:  # noqa: BLE001 - a layer that cannot be built on meta: the dry run cannot tell
+            if clean:
+                raise _Unclear() from exc
             return None
         with HeadReshapes(copy, pairs) as local:
             failure = _run(copy, inputs, on_meta)
         if failure is not None:
             return failure
         sizes = whole.heads(on_meta) if any(local.seen.values()) else None
+        if clean and sizes is None and any(local.seen.values()):
+            raise _Unclear()
         wrong = changed(sizes, local.seen, pairs) if sizes is not None else None
         if wrong is not None:
             return (wrong[0],), f"wrong heads: {wrong[1]}"
@@ -219,19 +242,24 @@ def fits_real_copy(model: nn.Module) -> bool:
     return all(t.device.type != "meta" for t in tensors) and sum(t.nbytes for t in tensors) <= REAL_COPY_BYTES
 
 
+def real_first(model: nn.Module) -> bool:
+    """Whether `model` is dry-run on a real copy first: it holds at most `REAL_FIRST_BYTES` (meta tensors counted)."""
+    return sum(t.nbytes for t in list(model.parameters()) + list(model.buffers())) <= REAL_FIRST_BYTES
+
+
 def _copy(model: nn.Module, analysis: Analysis, on_meta: bool) -> tuple[nn.Module, Analysis]:
-    """A deep copy of `model`, its parameters and buffers on the meta device when `on_meta`, and `analysis` for
-    it."""
+    """A deep copy of `model`, its parameters and buffers on the meta device when `on_meta`, else real (those on
+    the meta device as zeros on the CPU), and `analysis` for it."""
     memo: dict[int, Any] = {}
-    for t in list(model.parameters()) + list(model.buffers()) if on_meta else ():
-        if id(t) not in memo:
-            meta = t.detach().to("meta")
-            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo and on_meta != (t.device.type == "meta"):
+            new = t.detach().to("meta") if on_meta else torch.zeros(t.shape, dtype=t.dtype)
+            memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
     copy = copying.deepcopy(model, memo)
-    for m in copy.modules() if on_meta else ():
+    for m in copy.modules():
         for k, v in list(vars(m).items()):
-            if isinstance(v, torch.Tensor) and v.device.type != "meta" and v.dim() > 0:
-                setattr(m, k, v.to("meta"))
+            if isinstance(v, torch.Tensor) and on_meta != (v.device.type == "meta") and v.dim() > 0:
+                setattr(m, k, v.to("meta") if on_meta else torch.zeros(v.shape, dtype=v.dtype))
     modules = dict(copy.named_modules())
     leaves = {n: modules[n] for n in analysis.leaves}
     return copy, dataclasses.replace(analysis, model=copy, leaves=leaves)
@@ -247,6 +275,17 @@ def _to_meta(x: Any) -> Any:
     return x
 
 
+def _to_real(x: Any) -> Any:
+    """`x` with tensors on the meta device as zeros on the CPU (the inputs of a meta model's trace)."""
+    if isinstance(x, torch.Tensor):
+        return torch.zeros(x.shape, dtype=x.dtype) if x.device.type == "meta" else x
+    if isinstance(x, Mapping):
+        return {k: _to_real(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_real(v) for v in x)
+    return x
+
+
 def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
     """One eval forward of `model` on `inputs` (meta copies of them when `on_meta`); None, or where it failed
     and why."""
@@ -256,7 +295,7 @@ def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
         handles.append(m.register_forward_pre_hook(lambda *_, n=name: running.append(n)))
         handles.append(m.register_forward_hook(lambda *_: running.pop() and None))
     model.eval()
-    args = _to_meta(inputs) if on_meta else inputs
+    args = _to_meta(inputs) if on_meta else _to_real(inputs)
     try:
         with torch.no_grad(), traceable_experts(model):
             if isinstance(args, Mapping):

@@ -36,7 +36,7 @@ from ..quant import Quantization
 from .adapters import enable_peft, inner_model, lora_wrapped, parallelize_wrapped
 from .conversion import Conversion, attach
 from .errors import PlanError
-from .dryrun import dry_run, fits_real_copy
+from .dryrun import dry_run, fits_real_copy, real_first
 from .layouts import check_grad_sums, key_layouts
 from .notices import log_kept_whole
 from .plan import PLAN_WORDS, Plan, check_plan_argument
@@ -200,7 +200,8 @@ def _reused(model: nn.Module, plan: Any, comm, mode: str, example_inputs: Any) -
     if found is None:
         return None
     short, blocks = found
-    world, copyable = comm.world_size, fits_real_copy(model)  # (of the whole model: the cut is smaller)
+    world, copyable, tiny = comm.world_size, fits_real_copy(model), real_first(model)  # (of the whole model: the
+    # cut is smaller)
     with shortened(model, blocks) as cut:
         names = _names(cut)
         outside = outside_blocks(names, blocks)
@@ -213,7 +214,7 @@ def _reused(model: nn.Module, plan: Any, comm, mode: str, example_inputs: Any) -
             if expanded is None or whole_auto is None or expanded.to_dict() != whole_auto.updated(user).to_dict():
                 return None  # the overrides single out a block the cut leaves out
         fixed = _user_named(cut, dict(cut_user.entries) if user else "auto", short)
-        small = dry_run(cut, small, short, comm, False, fixed, small=copyable)
+        small = dry_run(cut, small, short, comm, False, fixed, small=copyable, tiny=tiny)
         prepare(cut, small, short, world, comm.rank, False, False)  # step 4's dataflow checks (PlanError)
     result, roles = expand(small, blocks, outside), expand(Plan(details=short.structures), blocks, outside)
     if result is None or roles is None:

@@ -1,0 +1,22 @@
+"""Fixtures of the estimate tests."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def quick_calibration(tmp_path_factory) -> tuple[str, str]:
+    """`tpkit estimate --calibrate --quick --backend gloo` with $TPKIT_PROFILE set, run once for the session (it
+    measures this machine: ~25 s) and shared by the tests that check what a quick calibration prints and writes:
+    (the profile path, $TPKIT_PROFILE's, it wrote; its stdout). Tests copy the profile before using it."""
+    from tpkit.cli import main
+
+    path = str(tmp_path_factory.mktemp("calibrated") / "profile.json")
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setenv("TPKIT_PROFILE", path)
+        assert main(["estimate", "--calibrate", "--quick", "--backend", "gloo"]) == 0
+    return path, out.getvalue()
