@@ -50,3 +50,6 @@ def soak_body(arch: str, steps: int) -> int:
     return watch.checks
 
 
+def soak_each(archs: list[str], steps: int) -> list[int]:
+    """`soak_body` of each architecture, one after the other on the same ranks."""
+    return [soak_body(arch, steps) for arch in archs]

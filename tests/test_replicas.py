@@ -182,10 +182,24 @@ def _dp_body(mode: str) -> list[str]:
     return out
 
 
+def _dp_bodies(modes: list[str]) -> dict[str, list[str]]:
+    """`_dp_body` of each mode, one after the other in the same processes (fresh model and groups each)."""
+    return {mode: _dp_body(mode) for mode in modes}
+
+
+DP_MODES = ["ddp", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def dp_runs() -> list[dict[str, list[str]]]:
+    """One start of the 4 gloo processes for both data-parallel modes: per rank, {mode: `_dp_body(mode)`}."""
+    return tpkit.launch(_dp_bodies, 4, backend="gloo", args=(DP_MODES,), timeout=300)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_data_parallel_replicas_are_checked(mode):
-    results = tpkit.launch(_dp_body, 4, backend="gloo", args=(mode,), timeout=300)
+@pytest.mark.parametrize("mode", DP_MODES)
+def test_data_parallel_replicas_are_checked(dp_runs, mode):
+    results = [per_rank[mode] for per_rank in dp_runs]
     want = {"ddp": "dp rank [0] vs dp rank [1]", "fsdp": "tp rank [0] vs tp rank [1]"}[mode]
     for rank, (summary, error) in enumerate(results):
         assert "agree" in summary, summary
@@ -194,15 +208,24 @@ def test_data_parallel_replicas_are_checked(mode):
             assert "model.norm.weight (param" in error and want in error, error
 
 
+SOAK_ARCHS = ["llama", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def soaks() -> list[list[int]]:
+    """One start of the 3 gloo processes for both architectures' soaks: per rank, the checks of each."""
+    from tests.replica_soak import soak_each
+
+    return tpkit.launch(soak_each, 3, backend="gloo", args=(SOAK_ARCHS, 8), timeout=300)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_clean_training_raises_nothing(arch):
+@pytest.mark.parametrize("arch", SOAK_ARCHS)
+def test_clean_training_raises_nothing(soaks, arch):
     """Every step checked with dropout, recompute, accumulation, bf16 autocast and clipping at 3 ranks (KV rows
     shared; GPT-2's residual dropout on replicated activations). bench/replicas.py soak runs 1000 steps at 2 and
     3 ranks."""
-    from tests.replica_soak import soak_body
-
-    assert tpkit.launch(soak_body, 3, backend="gloo", args=(arch, 8), timeout=300) == [16] * 3
+    assert [per_rank[SOAK_ARCHS.index(arch)] for per_rank in soaks] == [16] * 3
 
 
 def test_checkpointer_watches_the_replicas_unless_told_not_to(llama, tmp_path):

@@ -20,13 +20,25 @@ def hf_dirs(tmp_path_factory):
     return paths, {name: hf_logits(p) for name, p in paths.items()}
 
 
+def _gloo_body(paths: dict, refs: dict, out: str, deep: str) -> tuple:
+    """Both checks on gloo processes, one after the other in one start of them: `pretrained_and_save_body` and
+    `_reuse_body(deep)`."""
+    return pretrained_and_save_body(paths, refs, out), _reuse_body(deep)
+
+
 @pytest.fixture(scope="module")
-def gloo_saved(hf_dirs, tmp_path_factory):
-    """One gloo launch at world size 2: from_pretrained of every model, then save_sharded of each."""
+def gloo_runs(hf_dirs, deep_llama, tmp_path_factory):
+    """One gloo launch at world size 2 (per rank: `_gloo_body`'s pair), and where it saved."""
     paths, refs = hf_dirs
     out = str(tmp_path_factory.mktemp("saved"))
-    results = tpkit.launch(pretrained_and_save_body, 2, backend="gloo", args=(paths, refs, out), timeout=240)
-    return results, out
+    return tpkit.launch(_gloo_body, 2, backend="gloo", args=(paths, refs, out, deep_llama), timeout=240), out
+
+
+@pytest.fixture(scope="module")
+def gloo_saved(gloo_runs):
+    """From that launch: from_pretrained of every model, then save_sharded of each (per rank, each model's error)."""
+    results, out = gloo_runs
+    return [first for first, _ in results], out
 
 
 def test_index_and_shards_fixture_is_sharded(hf_dirs):
@@ -184,14 +196,18 @@ def _reuse_body(path):
 
 
 @pytest.mark.parametrize("world, backend", [(2, "gloo"), (3, "threads")])
-def test_from_pretrained_with_plan_reuse_equals_the_whole_trace(deep_llama, world, backend, monkeypatch):
+def test_from_pretrained_with_plan_reuse_equals_the_whole_trace(deep_llama, world, backend, monkeypatch, request):
+    """On gloo processes `_reuse_body` runs in the module's one gloo launch (`gloo_runs`)."""
     import importlib
 
     par = importlib.import_module("tpkit.convert.parallelize")
     traced, real = [], par.analyze_structure
     monkeypatch.setattr(par, "analyze_structure", lambda *a, **k: traced.append(1) or real(*a, **k))
-    for same_plan, same_state, out_err, grad_err in tpkit.launch(_reuse_body, world, backend=backend,
-                                                                 args=(deep_llama,), timeout=240):
+    if backend == "gloo":
+        results = [second for _, second in request.getfixturevalue("gloo_runs")[0]]
+    else:
+        results = tpkit.launch(_reuse_body, world, backend=backend, args=(deep_llama,), timeout=240)
+    for same_plan, same_state, out_err, grad_err in results:
         assert same_plan and same_state and out_err < 1e-9 and grad_err < 1e-9, (same_plan, same_state, out_err,
                                                                                  grad_err)
     if backend == "threads":

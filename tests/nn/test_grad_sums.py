@@ -171,3 +171,21 @@ def test_world_size_one_installs_nothing():
     sum_grads(m, ["weight"], tpkit.get_communicator())
     assert type(m) is nn.LayerNorm and not grad_sums(m)
     pickle.dumps(m)
+
+
+def test_check_grad_sums_names_shared_rows_with_no_sum_recorded():
+    """The layout check (rows several ranks hold, no sum recorded) still walks what is not a plain split: KV heads 2
+    over 3 ranks share rows; the plainly split layers around them are not named."""
+    from tests.models.hf import hf_model
+
+    base = hf_model("llama", num_key_value_heads=2)
+
+    def body(comm):
+        model = tpkit.parallelize(copy.deepcopy(base), comm=comm)
+        check_grad_sums(model, "test")  # every shared row summed: nothing to name
+        del model.model.layers[1].self_attn.v_proj.__dict__["tp_grad_sums"]
+        with pytest.raises(tpkit.PlanError, match=r"\['model.layers.1.self_attn.v_proj.weight'\]"):
+            check_grad_sums(model, "test")
+        return True
+
+    assert all(run_threads(body, 3))

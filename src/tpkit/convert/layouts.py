@@ -93,7 +93,9 @@ def check_grad_sums(model: nn.Module, where: str) -> None:
     applies it (its class or forward hooks replaced after the conversion). Either is a silently wrong gradient."""
     params = {n for n, _ in model.named_parameters()}
     summed = grad_sums(model)
-    missing = [k for k, lay in shard_layouts(model).items() if k in params and lay.shares_entries() and k not in summed]
+    # a plain split never shares an entry: only what is neither summed nor plainly split walks its entries
+    missing = [k for k, lay in shard_layouts(model).items()
+               if k in params and k not in summed and not lay.is_plain_split() and lay.shares_entries()]
     missing += unsummed(model)
     if missing:
         raise PlanError(f"{where}: parameter(s) {missing[:4]}{' ...' if len(missing) > 4 else ''} are used by several "

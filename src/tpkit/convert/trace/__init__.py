@@ -1,6 +1,7 @@
 """Step 1 of conversion: trace a model's forward once and read its structure (world-size free).
 
     dataflow   the tracer: which layer's output reaches which layer's input, through which kind of ops
+    flat       the leaves of an op's arguments and results (torch's pytree flattening, fast for plain containers)
     pieces     packed projections: one layer's output cut into pieces (q | k | v) along its features
     heads      what an attention module states of its heads, and its per-head arguments
     pairs      column -> row pairs (MLP, conv) found in the dataflow; attention blocks (`attention`)

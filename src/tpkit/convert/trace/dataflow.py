@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from ..modules import is_conv2d, is_per_channel, is_scalar_elementwise
+from .flat import flatten
 from .loose import LooseParams
 from .ops import CUTS, ELEMENTWISE, JOINS, LAYOUT, METADATA, RESHAPES, SHAPE_OF, SPLITS
 from .pieces import Pieces, axes
@@ -136,7 +136,7 @@ class _Tracer(TorchFunctionMode):
         return None
 
     def set_tag(self, out: Any, tag: Tag) -> None:
-        for t in tree_flatten(out)[0]:
+        for t in flatten(out):
             if isinstance(t, torch.Tensor):
                 self.tags[id(t)] = (t, tag)
 
@@ -147,7 +147,7 @@ class _Tracer(TorchFunctionMode):
         if self.depth:
             return out
         name = getattr(func, "__name__", str(func))
-        flat = [a for a in tree_flatten((args, kwargs))[0]]
+        flat = flatten((args, kwargs))
         if name not in METADATA or isinstance(out, torch.Tensor):  # `.T` is a `__get__` too, `.shape` is not
             self._note_direct_reads(name, flat)
         if name in METADATA:
@@ -214,7 +214,7 @@ class _Tracer(TorchFunctionMode):
     def _cut(ref: torch.Tensor, out: Any) -> frozenset:
         """Sizes of the axes (all but the last) on which an output of a cut / join differs from its input."""
         sizes = set()
-        for o in tree_flatten(out)[0]:
+        for o in flatten(out):
             if isinstance(o, torch.Tensor) and o.dim() == ref.dim():
                 sizes |= {int(s) for i in range(ref.dim() - 1) if o.shape[i] != ref.shape[i]
                           for s in (ref.shape[i], o.shape[i])}
@@ -272,7 +272,7 @@ def parameterised_leaves(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def first_tensor(args, kwargs) -> torch.Tensor | None:
-    for a in tree_flatten((args, kwargs))[0]:
+    for a in flatten((args, kwargs)):
         if isinstance(a, torch.Tensor):
             return a
     return None
@@ -308,7 +308,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Trace:
 
         def pre(mod, args, kwargs, name=name, per_channel=per_channel):
             x = first_tensor(args, kwargs)
-            tracer.loose.feed(tree_flatten((args, kwargs))[0])
+            tracer.loose.feed(flatten((args, kwargs)))
             tag = tracer.tag_of(x)
             counter[0] += 1
             calls.setdefault(name, []).append(Call(name, counter[0], tag, id(x) if x is not None else None,

@@ -13,8 +13,8 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from .flat import flatten
 from .ops import ELEMENTWISE, JOINS
 
 
@@ -62,7 +62,7 @@ class LooseParams:
     def follow(self, name: str, loose: list, flat: list, out: Any) -> None:
         """An op of loose tensors (`loose`: (tensor, names)) and no tagged one: its outputs are made of them."""
         names = frozenset().union(*(n for _, n in loose))
-        for t in tree_flatten(out)[0]:
+        for t in flatten(out):
             if isinstance(t, torch.Tensor):
                 self.derived[id(t)] = (t, names)
         (a, one), = loose if len(loose) == 1 else ((None, None),)

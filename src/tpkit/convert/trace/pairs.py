@@ -115,7 +115,7 @@ def _through_norms(a: Pairing, row: str, tag: Tag) -> tuple[Tag, tuple[str, ...]
     new, norms = tag, []
     for n in sorted(tag.sources):
         calls = t.calls.get(n, [])
-        if len(calls) != 1 or not is_feature_norm(a.leaves[n]) or n in t.escaped or t.consumers.get(n) != {row}:
+        if len(calls) != 1 or n in t.escaped or t.consumers.get(n) != {row} or not is_feature_norm(a.leaves[n]):
             continue
         inner = calls[0].input_tag
         if inner is None or not inner.sources or calls[0].input_shape != calls[0].output_shape:

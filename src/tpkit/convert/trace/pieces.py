@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from .flat import flatten
 
 
 class Pieces:
@@ -23,7 +24,7 @@ class Pieces:
 
     def split(self, ref, out, fdim: int, tag) -> bool:
         """A split of a single layer's clean output along its features marks a packed projection."""
-        parts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        parts = [t for t in flatten(out) if isinstance(t, torch.Tensor)]
         if not parts or len(tag.sources) != 1 or not tag.clean:
             return False
         if any(p.dim() != ref.dim() for p in parts) or sum(p.shape[fdim] for p in parts) != ref.shape[fdim]:
