@@ -94,6 +94,26 @@ def test_predictions_follow_the_rates():
     assert fit.latency_s == pytest.approx(40e-6, rel=1e-6) and fit.bandwidth == pytest.approx(4e9, rel=1e-6)
 
 
+def test_a_measured_collective_is_priced_between_its_timed_points_not_on_the_line():
+    """The communicator switches transport past 1 MiB (shared memory, then gloo): the time jumps there. Measured
+    points are joined by straight lines (past the last, its last segment's rate); the fitted line, which says
+    0.9 ms at 2 MiB here, is only what is printed."""
+    pts = [(1024, 9e-6), (2 ** 20, 0.5e-3), (2 ** 20 + 2 ** 16, 2.6e-3), (2 ** 21, 5.8e-3), (2 ** 23, 16.5e-3)]
+    cost = fit_collective(pts)
+    assert cost.points == tuple((float(b), s) for b, s in pts)
+    assert cost.seconds(2 ** 21) == pytest.approx(5.8e-3) and cost.seconds(512) == pytest.approx(9e-6)
+    assert cost.seconds(2 ** 20 + 2 ** 15) == pytest.approx((0.5e-3 + 2.6e-3) / 2)
+    slope = (16.5e-3 - 5.8e-3) / (2 ** 23 - 2 ** 21)
+    assert cost.seconds(2 ** 25) == pytest.approx(16.5e-3 + slope * (2 ** 25 - 2 ** 23))
+    assert cost.latency_s + 2 ** 21 / cost.bandwidth < 2e-3  # the one line would price 2 MiB at a third
+    outlier = fit_collective([(1024, 2.3e-3), (16384, 0.8e-3), (2 ** 20, 2.3e-3)])  # noise at the small end
+    assert outlier.points[0] == (1024.0, 0.8e-3) and outlier.seconds(2 ** 20) == pytest.approx(2.3e-3)
+    again = CollectiveCost.from_dict(json.loads(json.dumps(dataclasses.asdict(cost))))
+    assert again == cost
+    line = CollectiveCost.from_dict({"latency_s": 1e-5, "bandwidth": 1e9})  # a profile written before the points
+    assert line.points == () and line.seconds(1e6) == pytest.approx(1e-5 + 1e-3)
+
+
 def test_candidates_cover_the_families_alternatives():
     model = tiny_model()
     train = candidates(model, 2, "train")

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from ..comm.shm import SLOT_BYTES
 from .hardware import Hardware, Interconnect
 from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
 from .machine import (FINE_ROWS, GEMM_ROWS, GEMM_WIDTHS, MachineRates, measure_collectives, measure_copy_bandwidth,
@@ -141,7 +142,7 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     rates = dataclasses.replace(rates, framework=framework_costs(rates, None, families, repeats, tensor_s))
     if comm.world_size == 1:
         return rates
-    sizes = (2 ** 10, 2 ** 16, 2 ** 20) if quick else (2 ** 10, 2 ** 14, 2 ** 18, 2 ** 21, 2 ** 23)
+    sizes = collective_sizes(quick)
     collectives = {k: {str(comm.world_size): c} for k, c in measure_collectives(comm, sizes, repeats).items()}
     rates = dataclasses.replace(rates, collectives=collectives)
     in_step, train_in_step = collective_overheads(rates, comm, model, repeats)
@@ -194,6 +195,16 @@ def calibrate_machine(backend: str = "gloo", max_ranks: int = 2, threads: int | 
     threads = threads or max(1, (os.cpu_count() or 1) // max_ranks)
     return {str(n): _slowest(launch(_rank_rates, n, backend=backend, args=(threads, quick, model, families, dp_wrappers)))
             for n in range(1, max_ranks + 1)}
+
+
+def collective_sizes(quick: bool) -> tuple[int, ...]:
+    """Bytes at which the collectives are timed: from a decode's few KiB to a training step's many MiB, with the
+    largest call the communicator sends through shared memory and one just past it (gloo), since the time jumps
+    there (2-core box: all-reduce 0.5 ms at 1 MiB, 5.8 ms at 2 MiB)."""
+    edge = (SLOT_BYTES, SLOT_BYTES + 2 ** 16)
+    if quick:
+        return (2 ** 10, 2 ** 16) + edge + (2 ** 23,)
+    return (2 ** 10, 2 ** 14, 2 ** 18) + edge + (2 ** 21, 2 ** 23, 2 ** 25)
 
 
 def calibrate_profile(backend: str = "gloo", world_sizes=(2,), quick: bool = False, threads: int | None = None,

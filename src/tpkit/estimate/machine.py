@@ -44,13 +44,34 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveCost:
-    """time(n) = latency + n / bandwidth, n the bytes of one rank's input."""
+    """The seconds of one call moving `n` bytes (one rank's input). From a datasheet: latency + n / bandwidth.
+    Measured: the timed `points` (bytes, seconds) joined by straight lines, past the last one at its last
+    segment's rate, because a communicator is not one line: tpkit's own sends a call of at most 1 MiB through
+    shared memory and a larger one through gloo, and on the 2-core box a 1 MiB all-reduce took 0.5 ms, a 2 MiB
+    one 5.8 ms, where the one line fitted through both said 0.36 and 0.71 ms. `latency_s` and `bandwidth` stay
+    the line fitted to the points (what `--calibrate` prints, what the datasheet hardware is read off)."""
 
     latency_s: float
     bandwidth: float
+    points: tuple[tuple[float, float], ...] = ()
 
     def seconds(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bandwidth
+        pts = self.points
+        if not pts:
+            return self.latency_s + nbytes / self.bandwidth
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+            if nbytes <= b1:
+                return s0 + (s1 - s0) * (nbytes - b0) / (b1 - b0)
+        (b0, s0), (b1, s1) = pts[-2:] if len(pts) > 1 else ((0.0, 0.0), pts[-1])
+        return s1 + max(s1 - s0, 0.0) / (b1 - b0) * (nbytes - b1)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CollectiveCost":
+        """From `dataclasses.asdict` (a profile written before `points` existed has none: the line alone)."""
+        points = tuple((float(b), float(s)) for b, s in data.get("points", ()))
+        return cls(float(data["latency_s"]), float(data["bandwidth"]), points)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +216,7 @@ class MachineRates:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "MachineRates":
-        collectives = {k: {g: CollectiveCost(**c) for g, c in per.items()}
+        collectives = {k: {g: CollectiveCost.from_dict(c) for g, c in per.items()}
                        for k, per in dict(data.get("collectives", {})).items()}
         return cls(int(data["ranks"]), int(data["threads"]), float(data["op_overhead_s"]),
                    float(data["train_op_overhead_s"]), tuple((int(m), float(f)) for m, f in data["gemm"]),
@@ -314,8 +335,8 @@ def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
 
 
 def fit_collective(points: list[tuple[int, float]]) -> CollectiveCost:
-    """time = latency + bytes / bandwidth fitted to (bytes, seconds) points by least squares of the relative error
-    (weights 1 / seconds^2), so the small messages a decode step sends count as much as the large ones."""
+    """The measured (bytes, seconds) points, and the line time = latency + bytes / bandwidth fitted to them by
+    least squares of the relative error (weights 1 / seconds^2), so small messages count as much as large ones."""
     w = [1.0 / max(s, 1e-12) ** 2 for _, s in points]
     x = [float(b) for b, _ in points]
     y = [s for _, s in points]
@@ -326,7 +347,16 @@ def fit_collective(points: list[tuple[int, float]]) -> CollectiveCost:
     slope = (sw * sxy - sx * sy) / det if det > 0 else 0.0
     slope = max(slope, 1e-15)
     latency = max((sy - slope * sx) / sw, 0.0)
-    return CollectiveCost(latency, 1.0 / slope)
+    return CollectiveCost(latency, 1.0 / slope, _never_cheaper_when_larger(points))
+
+
+def _never_cheaper_when_larger(points: list[tuple[int, float]]) -> tuple[tuple[float, float], ...]:
+    """The points by size, each no slower than any larger one: a message never costs more than a larger one, so a
+    slow outlier at a small size (a 2.3 ms 1 KiB reduce-scatter among 0.8 ms ones) is not what small calls cost."""
+    out: list[tuple[float, float]] = []
+    for b, s in sorted(((float(b), float(s)) for b, s in points), reverse=True):
+        out.append((b, min(s, out[-1][1]) if out else s))
+    return tuple(reversed(out))
 
 
 def measure_collectives(comm, sizes=(2 ** 10, 2 ** 14, 2 ** 18, 2 ** 21, 2 ** 23),

@@ -18,6 +18,10 @@ def _us(x: float) -> str:
     return f"{x * 1e6:.1f} us" if x < 1e-3 else f"{x * 1e3:.2f} ms"
 
 
+def _bytes(n: float) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n / 2**10:g} KiB"
+
+
 def profile_terms(profile: SpeedProfile) -> list[str]:
     """One line per measured term of `profile`, for each number of ranks sharing the machine (see
     `machine.MachineRates` and `framework.py` for what each one is)."""
@@ -49,7 +53,10 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
                              f"decoder layer")
         for kind, per in sorted(r.collectives.items()):
             for group, c in sorted(per.items()):
-                lines.append(f"[{who}] {kind} over {group} ranks: {_us(c.latency_s)} + bytes / {_gb(c.bandwidth)}")
+                measured = (", timed (priced between these points): "
+                            + ", ".join(f"{_bytes(b)} {_us(t)}" for b, t in c.points)) if c.points else ""
+                lines.append(f"[{who}] {kind} over {group} ranks: {_us(c.latency_s)} + bytes / {_gb(c.bandwidth)} "
+                             f"(line fitted){measured}")
         if r.ranks > 1:
             lines.append(f"[{who}] a collective inside a step beyond the isolated call (reference model): forward "
                          f"{_us(r.collective_overhead_s)}, training {_us(r.train_collective_overhead_s)}")
