@@ -359,10 +359,10 @@ def _never_cheaper_when_larger(points: list[tuple[int, float]]) -> tuple[tuple[f
     return tuple(reversed(out))
 
 
-def measure_collectives(comm, sizes=(2 ** 10, 2 ** 14, 2 ** 18, 2 ** 21, 2 ** 23),
-                        repeats: int = 7) -> dict[str, CollectiveCost]:
-    """On every rank of `comm` (call on all): each collective kind fitted over `sizes` bytes of fp32 input,
-    timed through the communicator's own methods, a barrier before each size; the slowest rank's medians."""
+def measure_collectives(comm, sizes: tuple[int, ...], repeats: int = 7) -> dict[str, CollectiveCost]:
+    """On every rank of `comm` (call on all): each collective kind timed at `sizes` bytes of fp32 input (the
+    calibration's `collective_sizes`) through the communicator's own methods, a barrier before each size; the
+    slowest rank's medians."""
     out = {}
     for kind in COLLECTIVES:
         points = []
