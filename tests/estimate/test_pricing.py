@@ -64,7 +64,7 @@ def test_calibrate_prints_what_it_writes(tmp_path, monkeypatch, capsys):
     for term in ("(alone)", "while all 2 stream at once", "matmul at width 1024", "AdamW per parameter tensor",
                  "framework, whole model: gpt2/decode", "framework, converted over 2 ranks: qwen2/train",
                  "framework, data parallel over 2 ranks: llama/train/fsdp", "once torch, tpkit and transformers",
-                 "all_reduce over 2 ranks"):
+                 "all_reduce over 2 ranks", "per further batch row", "per further logit"):
         assert term in text, term
 
 
@@ -81,6 +81,16 @@ def test_the_estimate_composes_the_written_terms_per_module():
     again = predict(cfg, Setup(1), "decode", 1, 32, slower, dtype=torch.float32)
     assert again.overhead_s - base.overhead_s == pytest.approx(3e-3)
     assert again.kernels_s == base.kernels_s
+    # decoding a batch adds what each further row and each further logit (row x vocabulary entry) costs
+    rows = _with_terms(prof, framework={"llama/decode": FrameworkCost(1e-3, 1.5e-3, 2e-4, 1e-8)})
+    b1 = predict(cfg, Setup(1), "decode", 1, 32, rows, dtype=torch.float32)
+    b4 = predict(cfg, Setup(1), "decode", 4, 32, rows, dtype=torch.float32)
+    assert b1.overhead_s - again.overhead_s == pytest.approx((cfg.vocab_size - 256) * 1e-8)
+    assert b4.overhead_s - b1.overhead_s == pytest.approx(3 * 2e-4 + 3 * cfg.vocab_size * 1e-8)
+    trained = [predict(cfg, Setup(1), "train", 4, 32, _with_terms(prof, framework={"llama/train": c}),
+                       dtype=torch.float32).overhead_s
+               for c in (FrameworkCost(1e-3, 0.0), FrameworkCost(1e-3, 0.0, 2e-4, 1e-8))]
+    assert trained[0] == trained[1]  # a training step's terms are measured at its own batch: no row terms
     # training adds the optimizer's cost per parameter tensor, by the model's own tensor count
     t0 = predict(cfg, Setup(1), "train", 1, 32, prof, dtype=torch.float32)
     t1 = predict(cfg, Setup(1), "train", 1, 32, _with_terms(prof, optimizer_tensor_s=20e-6), dtype=torch.float32)

@@ -155,8 +155,8 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
 
 
 def _worst(per_rank: list[dict[str, FrameworkCost]]) -> dict[str, FrameworkCost]:
-    return {k: FrameworkCost(max(r[k].step_s for r in per_rank), max(r[k].layer_s for r in per_rank))
-            for k in per_rank[0]}
+    return {k: FrameworkCost(*(max(getattr(r[k], f.name) for r in per_rank)
+                               for f in dataclasses.fields(FrameworkCost))) for k in per_rank[0]}
 
 
 def _slowest(per_rank: list[MachineRates]) -> MachineRates:

@@ -10,6 +10,10 @@ subtracts what its kernels and collectives take at the measured rates, and split
 
 * `layer_s`: one decoder layer's forward (decode) or forward + backward (training), the difference per layer;
 * `step_s`: everything else of a step: embedding, final norm, LM head and loss, `generate`'s per-token work;
+* decoding only, `row_s` and `logit_s`: what each further batch row and each further logit (row x vocabulary
+  entry) adds, from the 1-layer model run again at 8 rows, and at 8 rows with a vocabulary of 8192. `generate`
+  works per row and its logits processors pass over every row's whole vocabulary each token (a GPT-2 at hidden
+  192 spent 0.3 ms of a 3.8 ms token on a batch of 9 there, none of it in a forward's trace);
 
 and times AdamW over many small tensors for `optimizer_tensor_s`, the optimizer's cost per parameter tensor
 (taken out of the training terms, and composed back by each model's own tensor count). Converted over the
@@ -28,7 +32,7 @@ import torch
 from torch import nn
 
 from .calls import meta_copy
-from .machine import FrameworkCost
+from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FrameworkCost
 from .ops import trace_step
 from .predict import Setup, dp_seconds, kernel_seconds
 
@@ -39,25 +43,27 @@ FAMILIES = ("llama", "qwen2", "gpt2")
 FRAMEWORK_GOALS = ("decode", "train")
 LAYERS = (1, 3)
 CONTEXT = 32
+ROWS = 8  # the batch of the decode runs that measure what a row and a logit add
+WIDE_VOCAB = 8192  # the vocabulary of the run that measures what a logit adds
 
 
-def tiny_config(family: str, layers: int):
-    """A float32 config of `family` at hidden 64 (4 heads, MLP 128, vocabulary 256) with `layers` layers."""
+def tiny_config(family: str, layers: int, vocab: int = FRAMEWORK_LOGITS):
+    """A float32 config of `family` at hidden 64 (4 heads, MLP 128, vocabulary `vocab`) with `layers` layers."""
     import transformers as tr
 
     if family == "gpt2":
-        return tr.GPT2Config(vocab_size=256, n_embd=64, n_layer=layers, n_head=4, n_positions=128, resid_pdrop=0.0,
+        return tr.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=layers, n_head=4, n_positions=128, resid_pdrop=0.0,
                              embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     cls = tr.AutoConfig.for_model(family).__class__
-    return cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    return cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=False)
 
 
-def tiny_model(family: str, layers: int) -> nn.Module:
+def tiny_model(family: str, layers: int, vocab: int = FRAMEWORK_LOGITS) -> nn.Module:
     import transformers as tr
 
     torch.manual_seed(0)
-    return tr.AutoModelForCausalLM.from_config(tiny_config(family, layers)).float()
+    return tr.AutoModelForCausalLM.from_config(tiny_config(family, layers, vocab)).float()
 
 
 def generate_token_seconds(model: nn.Module, context: int, repeats: int, comm=None, batch: int = 1,
@@ -118,12 +124,12 @@ def optimizer_tensor_seconds(repeats: int = 7) -> float:
 
 
 def _explained(model: nn.Module, plain: nn.Module, goal: str, rates, comm, tensor_s: float,
-               dp_mode: str | None = None, layers: int = 1) -> float:
+               dp_mode: str | None = None, layers: int = 1, batch: int = 1) -> float:
     """What `model`'s step takes that is not the framework's: its kernels and isolated collectives at `rates`
     (and, training, its optimizer tensors at `tensor_s`); `plain`: the unconverted model (traced for rank
     `comm.rank`, or whole under data parallelism, whose collectives are priced as the setup search prices them)."""
     world, rank = (comm.world_size, comm.rank) if comm is not None and dp_mode is None else (1, 0)
-    trace = trace_step(meta_copy(plain), goal, world, rank, batch=1, seq=CONTEXT)
+    trace = trace_step(meta_copy(plain), goal, world, rank, batch=batch, seq=CONTEXT)
     alone = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) for c in trace.collectives)
     if dp_mode is not None:
         alone += dp_seconds(Setup(1, comm.world_size, dp_mode), goal, trace.parameter_bytes, layers, rates)
@@ -131,10 +137,30 @@ def _explained(model: nn.Module, plain: nn.Module, goal: str, rates, comm, tenso
     return kernel_seconds(trace, rates) + alone + tensors * tensor_s
 
 
-def _measured(model: nn.Module, goal: str, comm, repeats: int) -> float:
+def _measured(model: nn.Module, goal: str, comm, repeats: int, batch: int) -> float:
     if goal == "decode":
-        return generate_token_seconds(model, CONTEXT, repeats, comm)
+        return generate_token_seconds(model, CONTEXT, repeats, comm, batch=batch)
     return train_step_seconds(model, CONTEXT, repeats, comm=comm)
+
+
+def _runs(goal: str, dp) -> tuple[tuple[int, int, int], ...]:
+    """The (layers, batch rows, vocabulary) runs that measure `goal`'s terms (see the module doc)."""
+    runs = tuple((layers, FRAMEWORK_ROWS, FRAMEWORK_LOGITS) for layers in LAYERS)
+    if goal == "decode" and dp is None:
+        runs += ((LAYERS[0], ROWS, FRAMEWORK_LOGITS), (LAYERS[0], ROWS, WIDE_VOCAB))
+    return runs
+
+
+def _terms(left: list[float]) -> FrameworkCost:
+    """The terms from what each of `_runs`' runs left beyond its kernels and collectives."""
+    layer_s = max((left[1] - left[0]) / (LAYERS[1] - LAYERS[0]), 0.0)
+    step_s = max(left[0] - LAYERS[0] * layer_s, 0.0)
+    if len(left) == 2:
+        return FrameworkCost(step_s, layer_s)
+    logit_s = max((left[3] - left[2]) / (ROWS * (WIDE_VOCAB - FRAMEWORK_LOGITS)), 0.0)
+    row_s = max((left[2] - left[0] - (ROWS - FRAMEWORK_ROWS) * FRAMEWORK_LOGITS * logit_s) / (ROWS - FRAMEWORK_ROWS),
+                0.0)
+    return FrameworkCost(step_s, layer_s, row_s, logit_s)
 
 
 def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5, tensor_s: float = 0.0,
@@ -149,26 +175,24 @@ def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5, tenso
     out: dict[str, FrameworkCost] = {}
     for family in families:
         for goal in (("train",) if dp else FRAMEWORK_GOALS):
-            models, explained = [], []
-            for layers in LAYERS:
-                plain = tiny_model(family, layers)
-                if dp is not None:
-                    model = dp[1](copy.deepcopy(plain), comm)
-                elif comm is not None:
-                    model = parallelize(copy.deepcopy(plain), "auto", comm, mode="training" if goal == "train"
-                                        else "inference")
-                else:
-                    model = plain
-                models.append(model)
-                explained.append(_explained(model, plain, goal, rates, comm, tensor_s, dp[0] if dp else None,
-                                            layers))
-            times: list[list[float]] = [[], []]
-            for _ in range(max(2, repeats // 2)):  # alternating, so a slow spell weighs on both alike
-                for i, model in enumerate(models):
-                    times[i].append(_measured(model, goal, comm, 2))
-            left = [min(t) - e for t, e in zip(times, explained)]
-            layer_s = max((left[1] - left[0]) / (LAYERS[1] - LAYERS[0]), 0.0)
+            built: dict[tuple[int, int], nn.Module] = {}
+            runs, explained = _runs(goal, dp), []
+            for layers, batch, vocab in runs:
+                plain = tiny_model(family, layers, vocab)
+                if (layers, vocab) not in built:
+                    if dp is not None:
+                        built[layers, vocab] = dp[1](copy.deepcopy(plain), comm)
+                    elif comm is not None:
+                        built[layers, vocab] = parallelize(copy.deepcopy(plain), "auto", comm,
+                                                           mode="training" if goal == "train" else "inference")
+                    else:
+                        built[layers, vocab] = plain
+                explained.append(_explained(built[layers, vocab], plain, goal, rates, comm, tensor_s,
+                                            dp[0] if dp else None, layers, batch))
+            times: list[list[float]] = [[] for _ in runs]
+            for _ in range(max(2, repeats // 2)):  # alternating, so a slow spell weighs on every run alike
+                for i, (layers, batch, vocab) in enumerate(runs):
+                    times[i].append(_measured(built[layers, vocab], goal, comm, 2, batch))
             key = f"{family}/{goal}" + (f"/{dp[0]}" if dp else "")
-            out[key] = FrameworkCost(max(left[0] - LAYERS[0] * layer_s, 0.0), layer_s)
+            out[key] = _terms([min(t) - e for t, e in zip(times, explained)])
     return out
-

@@ -74,15 +74,27 @@ class CollectiveCost:
         return cls(float(data["latency_s"]), float(data["bandwidth"]), points)
 
 
+# what the framework terms' reference step holds: one batch row, a vocabulary of 256 (`framework.tiny_config`)
+FRAMEWORK_ROWS = 1
+FRAMEWORK_LOGITS = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class FrameworkCost:
-    """Seconds per step outside the decoder layers and per decoder layer (`framework.py`)."""
+    """Seconds per step outside the decoder layers and per decoder layer at one batch row and 256 logits, and, for
+    decoding, what each further row and each further logit adds (`framework.py`: `generate` works per row, and
+    its logits processors pass over every row's whole vocabulary each token; 0 in profiles measured before)."""
 
     step_s: float
     layer_s: float
+    row_s: float = 0.0
+    logit_s: float = 0.0
 
-    def seconds(self, layers: int) -> float:
-        return self.step_s + layers * self.layer_s
+    def seconds(self, layers: int, rows: int = FRAMEWORK_ROWS, logits: int = FRAMEWORK_LOGITS) -> float:
+        """The framework's time of a step with `layers` decoder layers, `rows` batch rows and `logits` logits in
+        all (rows x vocabulary)."""
+        return (self.step_s + layers * self.layer_s + max(rows - FRAMEWORK_ROWS, 0) * self.row_s
+                + max(logits - FRAMEWORK_LOGITS, 0) * self.logit_s)
 
 
 def _interpolate(table, m: int) -> float:
@@ -246,16 +258,6 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def _median(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool = False) -> tuple[tuple[int, float], ...]:
     """(m, FLOP/s) of fp32 `m x n` by `n x n` matmuls, the weight read as stored (`x @ W`) or, `linear`,
     transposed (`x @ W.T`, nn.Linear); below 1024 rows the weights rotate through a set larger than the caches
@@ -361,18 +363,25 @@ def _never_cheaper_when_larger(points: list[tuple[int, float]]) -> tuple[tuple[f
 
 def measure_collectives(comm, sizes: tuple[int, ...], repeats: int = 7) -> dict[str, CollectiveCost]:
     """On every rank of `comm` (call on all): each collective kind timed at `sizes` bytes of fp32 input (the
-    calibration's `collective_sizes`) through the communicator's own methods, a barrier before each size; the
-    slowest rank's medians."""
+    calibration's `collective_sizes`) through the communicator's own methods, in `repeats` rounds that each time
+    every size once after a barrier (so a slow spell of the machine weighs on all sizes alike: two calibrations
+    timed one 2 MiB all-reduce at 3.8 and at 8.1 ms when each size ran its repeats back to back); the slowest
+    rank's medians."""
     out = {}
     for kind in COLLECTIVES:
-        points = []
-        for nbytes in sizes:
-            x = torch.ones(max(comm.world_size, nbytes // 4 // comm.world_size * comm.world_size))
-            call = {"all_reduce": lambda: comm.all_reduce(x), "all_gather": lambda: comm.all_gather(x),
-                    "reduce_scatter": lambda: comm.reduce_scatter(x)}[kind]
-            comm.barrier()
-            seconds = _median(call, repeats)
-            worst = comm.all_reduce(torch.tensor([seconds], dtype=torch.float64), "max")
-            points.append((x.numel() * 4, float(worst[0])))
-        out[kind] = fit_collective(points)
+        tensors = [torch.ones(max(comm.world_size, n // 4 // comm.world_size * comm.world_size)) for n in sizes]
+        call = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather,
+                "reduce_scatter": comm.reduce_scatter}[kind]
+        for x in tensors:  # warm: the first call of a size sets up its buffers
+            call(x)
+        times: list[list[float]] = [[] for _ in sizes]
+        for _ in range(repeats):
+            for x, seen in zip(tensors, times):
+                comm.barrier()
+                start = time.perf_counter()
+                call(x)
+                seen.append(time.perf_counter() - start)
+        medians = torch.tensor([sorted(t)[len(t) // 2] for t in times], dtype=torch.float64)
+        worst = comm.all_reduce(medians, "max")
+        out[kind] = fit_collective([(x.numel() * 4, float(s)) for x, s in zip(tensors, worst)])
     return out

@@ -34,7 +34,7 @@ from ..convert.planner import propose
 from ..convert.trace import analyze_structure
 from .calls import meta_copy, with_layers
 from .config import own_dtype
-from .machine import MachineRates
+from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
 from .ops import GOALS, StepTrace, trace_step
 from .profile import SpeedProfile, load_profile
 
@@ -136,15 +136,16 @@ class _Priced:
 
 
 def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers: int | None = None,
-          family: str | None = None, tp: bool | None = None, dp_mode: str | None = None) -> _Priced:
+          family: str | None = None, tp: bool | None = None, dp_mode: str | None = None,
+          vocab: int | None = None) -> _Priced:
     """The step's kernels, fixed costs and tensor-parallel collectives at `rates` (recompute re-runs forward
     ops in the backward).
 
     The fixed costs are the framework's own time composed per module where the machine measured it for the
     model's `family` (`framework.py`: a step's cost plus one per decoder layer of the `layers` traced, plus the
     optimizer's per parameter tensor; converted when `tp`, default: the trace spans ranks; under DDP / FSDP2
-    when `dp_mode` and the machine measured that path), else the per-op cost of a reference model times the ops
-    counted."""
+    when `dp_mode` and the machine measured that path; decoding, with what its batch rows and their `vocab`
+    logits add), else the per-op cost of a reference model times the ops counted."""
     tp = trace.world_size > 1 if tp is None else tp
     per_op = rates.train_op_overhead_s if trace.goal == "train" else rates.op_overhead_s
     kernels, n = kernel_seconds(trace, rates), len(trace.ops)
@@ -156,7 +157,9 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers
     in_step = rates.train_collective_overhead_s if trace.goal == "train" else rates.collective_overhead_s
     cost = rates.framework_cost(family, trace.goal, tp, dp_mode) if layers is not None else None
     if cost is not None:  # measured per module: the in-step cost of a collective is inside its layer's term
-        overhead = cost.seconds(layers) + len(again) * per_op
+        rows, logits = ((trace.tokens, trace.tokens * vocab) if trace.goal == "decode" and vocab
+                        else (FRAMEWORK_ROWS, FRAMEWORK_LOGITS))  # a training step's terms have no row terms
+        overhead = cost.seconds(layers, rows, logits) + len(again) * per_op
         overhead += trace.parameter_tensors * rates.optimizer_tensor_s if trace.goal == "train" else 0.0
         in_step = 0.0
     else:
@@ -234,9 +237,11 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     traced = traced or trace_setup(model_or_config, setup, goal, batch_size, seq_len, example, dtype)
     item = next((p.element_size() for p in traced.model.parameters()), 2)
     rates = profile.rates(ranks or setup.devices, hardware, item)
-    family = getattr(getattr(traced.model, "config", None), "model_type", None)  # the framework terms' key
+    config = getattr(traced.model, "config", None)
+    family = getattr(config, "model_type", None)  # the framework terms' key
     dp_mode = setup.dp_mode if setup.dp > 1 and goal == "train" else None
-    rows = [(n, t, price(t, rates, setup.recompute, n if family else None, family, setup.tp > 1, dp_mode))
+    rows = [(n, t, price(t, rates, setup.recompute, n if family else None, family, setup.tp > 1, dp_mode,
+                         getattr(config, "vocab_size", None)))
             for n, t in traced.rows]
     layers = traced.layers
 

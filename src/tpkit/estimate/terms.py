@@ -49,8 +49,10 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
                              (f"framework, data parallel over {r.ranks} ranks", r.dp_framework)):
             for name, cost in sorted(table.items()):
                 per = "token (generate)" if "/decode" in name else "step"
+                rows = (f" + {_us(cost.row_s)} per further batch row + {cost.logit_s * 1e9:.2f} ns per further "
+                        f"logit" if "/decode" in name else "")
                 lines.append(f"[{who}] {title}: {name}: {_us(cost.step_s)} per {per} + {_us(cost.layer_s)} per "
-                             f"decoder layer")
+                             f"decoder layer{rows}")
         for kind, per in sorted(r.collectives.items()):
             for group, c in sorted(per.items()):
                 measured = (", timed (priced between these points): "
