@@ -4,6 +4,7 @@ the devices present, `--calibrate` printing what it wrote, the estimate reading 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -15,7 +16,7 @@ import transformers as tr  # noqa: E402
 
 import tpkit  # noqa: E402
 from tpkit.cli import main  # noqa: E402
-from tpkit.estimate import calibrate, pricing  # noqa: E402
+from tpkit.estimate import calibrate, framework, pricing  # noqa: E402
 from tpkit.estimate.framework import FrameworkCost  # noqa: E402
 from tpkit.estimate.predict import Setup, kernel_seconds, predict, trace_setup  # noqa: E402
 from tpkit.estimate.profile import load_profile  # noqa: E402
@@ -64,7 +65,8 @@ def test_calibrate_prints_what_it_writes(tmp_path, monkeypatch, capsys):
     for term in ("(alone)", "while all 2 stream at once", "matmul at width 1024", "AdamW per parameter tensor",
                  "framework, whole model: gpt2/decode", "framework, converted over 2 ranks: qwen2/train",
                  "framework, data parallel over 2 ranks: llama/train/fsdp", "once torch, tpkit and transformers",
-                 "all_reduce over 2 ranks", "per further batch row", "per further logit"):
+                 "all_reduce over 2 ranks", "per further batch row", "per further logit",
+                 "work between collectives when the ranks meet"):
         assert term in text, term
 
 
@@ -110,6 +112,16 @@ def test_the_estimate_composes_the_written_terms_per_module():
     assert none.overhead_s == pytest.approx(none.ops * prof.machine["1"].op_overhead_s)
 
 
+def test_converted_kernels_take_the_measured_skew_longer_and_whole_ones_do_not():
+    cfg, prof = llama(3), synthetic_profile()
+    skewed = _with_terms(prof, skew=0.05, train_skew=0.02)
+    for tp, goal in itertools.product((1, 2), ("decode", "train")):
+        base, again = (predict(cfg, Setup(tp), goal, 2, 32, p, dtype=torch.float32) for p in (prof, skewed))
+        factor = 1.0 if tp == 1 else 1.05 if goal == "decode" else 1.02
+        assert again.kernels_s == pytest.approx(base.kernels_s * factor)
+        assert again.overhead_s == base.overhead_s and again.tp_communication_s == base.tp_communication_s
+
+
 def test_ranks_sharing_the_host_get_the_shared_bandwidth():
     cfg, prof = llama(3), synthetic_profile()
     assert prof.machine["2"].stream_bandwidth < prof.machine["1"].stream_bandwidth
@@ -151,3 +163,17 @@ def test_estimate_and_search_give_one_figure(capsys):
     assert est.row(2).total_s == pytest.approx(tp2.prediction.seconds)
     assert json.dumps(est.to_dict())  # serialisable, parts named
     assert est.parts == ("kernels", "framework", "comm")
+
+
+def test_the_framework_terms_are_solved_from_their_runs_exactly():
+    """What each calibration run leaves beyond its kernels is the terms' own sum: solving the runs gives the terms
+    back, and a run that left less than nothing gives 0, never a negative cost."""
+    truth = FrameworkCost(6e-4, 2e-4, 1.5e-5, 5e-9)
+    left = [truth.seconds(layers, rows, rows * vocab) for layers, rows, vocab in framework._runs("decode", None)]
+    solved = framework._terms(left)
+    for field in dataclasses.fields(FrameworkCost):
+        assert getattr(solved, field.name) == pytest.approx(getattr(truth, field.name)), field.name
+    training = [truth.seconds(layers) for layers, _, _ in framework._runs("train", None)]
+    assert dataclasses.astuple(framework._terms(training)) == pytest.approx((6e-4, 2e-4, 0.0, 0.0))
+    noisy = framework._terms([left[0], left[1], left[0] - 1e-4, left[0] - 2e-4])
+    assert noisy.row_s == 0.0 and noisy.logit_s == 0.0

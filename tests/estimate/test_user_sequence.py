@@ -28,7 +28,7 @@ def _peak_rss_of_training(batch: int, seq: int) -> int:
     """In a fresh rank process: the config's model trained 3 steps (AdamW, float32); its peak resident bytes."""
     import transformers as tr
 
-    from tpkit.estimate.machine import rss_bytes
+    from tpkit.estimate.process_memory import rss_bytes
 
     kwargs = dict(CONFIG)
     config = tr.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -29,9 +30,9 @@ import torch
 from ..comm.shm import SLOT_BYTES
 from .hardware import Hardware, Interconnect
 from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
-from .machine import (FINE_ROWS, GEMM_ROWS, GEMM_WIDTHS, MachineRates, measure_collectives, measure_copy_bandwidth,
-                      measure_gemm, measure_shared_stream_bandwidth, measure_stream_bandwidth, reset_peak_rss,
-                      rss_bytes)
+from .machine import (COLD_BYTES, FINE_ROWS, GEMM_ROWS, GEMM_WIDTHS, MachineRates, measure_collectives, measure_copy_bandwidth,
+                      measure_gemm, measure_shared_stream_bandwidth, measure_stream_bandwidth)
+from .process_memory import reset_peak_rss, rss_bytes
 from .profile import LinkProfile, SpeedProfile
 from .reference import collective_overheads, op_overheads
 
@@ -91,6 +92,37 @@ def measure_all_reduce(backend: str = "gloo", world_size: int = 2, small: int = 
     return t_small, moved / max(t_large - t_small, 1e-9)
 
 
+def measure_rank_skew(comm, rows: int = 1, pieces: int = 24, repeats: int = 5, n: int = 1024) -> float:
+    """The fraction by which work between collectives takes longer when the ranks meet at a collective after each
+    piece of it than when each runs it on its own beside the others (call on every rank): each meeting waits for
+    the slower rank, and which rank is slower, and by how much, changes piece by piece (the OS, shared caches).
+    A piece is a few milliseconds of matmuls with `rows` rows: at 1 row, 4 weights of n x n streamed cold from
+    memory (half a decoder layer of a decode step); at more, one weight, bound by arithmetic as training is; a small
+    all-reduce after each; the slowest rank's medians. On the 2-core box: 3-6% at 1 row, which the collectives'
+    isolated times and the tiny models' framework terms both miss."""
+    ws = [torch.empty(n, n).uniform_(0.5, 1.0) for _ in range(max(4, COLD_BYTES // (n * n * 4)))]
+    x, message, per_piece = torch.randn(rows, n), torch.ones(256), 4 if rows == 1 else 1
+
+    def run(work: bool, meet: bool) -> float:
+        comm.barrier()
+        start = time.perf_counter()
+        for i in range(pieces):
+            for j in range(per_piece if work else 0):
+                torch.mm(x, ws[(per_piece * i + j) % len(ws)].t())
+            if meet:
+                comm.all_reduce(message)
+        return time.perf_counter() - start
+    run(True, True)
+    runs = ((True, False), (True, True), (False, True))  # alone, meeting, the meetings' calls alone
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):  # alternating, so a slow spell weighs on each alike
+        for seen, (work, meet) in zip(times, runs):
+            seen.append(run(work, meet))
+    medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+    alone, meeting, calls = (float(v) for v in comm.all_reduce(medians, "max"))
+    return max(meeting / (alone + calls) - 1.0, 0.0)
+
+
 def _split_latency(latencies: dict[int, float]) -> tuple[float, float]:
     """(fixed cost per collective, per-hop latency) from small-message times at each world size."""
     if len(latencies) == 1:
@@ -120,7 +152,7 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
             comm.barrier()
             rows = sorted(set(GEMM_ROWS) | (set(FINE_ROWS) if linear and width >= 1024 else set()))
             rows = tuple(m for m in rows if width <= 1024 or m <= 256)
-            tables[linear, width] = measure_gemm(rows, width, max(1, repeats // 3), linear)  # cold: steady
+            tables[linear, width] = measure_gemm(rows, width, 3, linear)  # cold: steady
     gemm = tables[False, 1024]
     comm.barrier()
     stream = measure_shared_stream_bandwidth(comm, repeats=repeats)
@@ -144,7 +176,8 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
         return rates
     sizes = collective_sizes(quick)
     collectives = {k: {str(comm.world_size): c} for k, c in measure_collectives(comm, sizes, repeats).items()}
-    rates = dataclasses.replace(rates, collectives=collectives)
+    rates = dataclasses.replace(rates, collectives=collectives, skew=measure_rank_skew(comm, 1, repeats=repeats),
+                                train_skew=measure_rank_skew(comm, 256, repeats=repeats))
     in_step, train_in_step = collective_overheads(rates, comm, model, repeats)
     rates = dataclasses.replace(rates, collective_overhead_s=in_step, train_collective_overhead_s=train_in_step)
     rates = dataclasses.replace(rates, tp_framework=framework_costs(rates, comm, families, repeats, tensor_s))
@@ -177,6 +210,7 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
                                stored_bandwidth=min(r.stored_bandwidth for r in per_rank),
                                copy_bandwidth=min(r.copy_bandwidth for r in per_rank),
                                optimizer_tensor_s=max(r.optimizer_tensor_s for r in per_rank),
+                               skew=max(r.skew for r in per_rank), train_skew=max(r.train_skew for r in per_rank),
                                import_bytes=max(r.import_bytes for r in per_rank),
                                runtime_bytes=max(r.runtime_bytes for r in per_rank),
                                framework=_worst([r.framework for r in per_rank]),

@@ -144,6 +144,9 @@ class MachineRates:
     # GFLOP/s with 13 rows and 27.8 with 16 on this box); () in profiles measured before it was (the tables read
     # as stored price both orientations then)
     linear_gemm: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
+    # the fraction work between collectives takes longer when ranks meet at each (`calibrate.measure_rank_skew`):
+    skew: float = 0.0  # pieces streamed from memory, as decoding's; 0 in profiles measured before
+    train_skew: float = 0.0  # pieces bound by arithmetic, as training's and prefill's
 
     def framework_cost(self, family: str | None, goal: str, tp: bool,
                        dp_mode: str | None = None) -> FrameworkCost | None:
@@ -241,7 +244,8 @@ class MachineRates:
                    _tables(data.get("gemm_widths", [])),
                    float(data.get("import_bytes", 0.0)), float(data.get("runtime_bytes", 0.0)),
                    {k: FrameworkCost(**v) for k, v in dict(data.get("dp_framework", {})).items()},
-                   _tables(data.get("linear_gemm", [])))
+                   _tables(data.get("linear_gemm", [])), float(data.get("skew", 0.0)),
+                   float(data.get("train_skew", 0.0)))
 
 
 def _tables(data) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:
@@ -258,6 +262,17 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+def _median(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls of `fn` after an untimed one: what a step sees among other ranks."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool = False) -> tuple[tuple[int, float], ...]:
     """(m, FLOP/s) of fp32 `m x n` by `n x n` matmuls, the weight read as stored (`x @ W`) or, `linear`,
     transposed (`x @ W.T`, nn.Linear); below 1024 rows the weights rotate through a set larger than the caches
@@ -272,9 +287,9 @@ def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool =
         ws = pool[:count]
         x = torch.randn(m, n)
         if linear:
-            seconds = _best(lambda: [torch.mm(x, w.t()) for w in ws], repeats) / count
+            seconds = _median(lambda: [torch.mm(x, w.t()) for w in ws], repeats) / count
         else:
-            seconds = _best(lambda: [torch.mm(x, w) for w in ws], repeats) / count
+            seconds = _median(lambda: [torch.mm(x, w) for w in ws], repeats) / count
         out.append((m, 2.0 * m * n * n / seconds))
     return tuple(out)
 
@@ -306,27 +321,6 @@ def measure_shared_stream_bandwidth(comm, n: int = 1024, total: int = COLD_BYTES
         return time.perf_counter() - start
     once()
     return len(ws) * n * n * 4 / sorted(once() for _ in range(repeats))[repeats // 2]
-
-
-def rss_bytes(which: str = "VmRSS") -> int:
-    """This process's resident bytes now (`VmRSS`) or at its peak (`VmHWM`), from /proc (0 where there is none)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(which + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def reset_peak_rss() -> None:
-    """Start `VmHWM` again from the current resident size (Linux: /proc/self/clear_refs), where the OS allows."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
@@ -364,9 +358,8 @@ def _never_cheaper_when_larger(points: list[tuple[int, float]]) -> tuple[tuple[f
 def measure_collectives(comm, sizes: tuple[int, ...], repeats: int = 7) -> dict[str, CollectiveCost]:
     """On every rank of `comm` (call on all): each collective kind timed at `sizes` bytes of fp32 input (the
     calibration's `collective_sizes`) through the communicator's own methods, in `repeats` rounds that each time
-    every size once after a barrier (so a slow spell of the machine weighs on all sizes alike: two calibrations
-    timed one 2 MiB all-reduce at 3.8 and at 8.1 ms when each size ran its repeats back to back); the slowest
-    rank's medians."""
+    every size once after a barrier (a slow spell weighs on all sizes alike: two calibrations timed one 2 MiB
+    all-reduce at 3.8 and 8.1 ms when each size ran its repeats back to back); the slowest rank's medians."""
     out = {}
     for kind in COLLECTIVES:
         tensors = [torch.ones(max(comm.world_size, n // 4 // comm.world_size * comm.world_size)) for n in sizes]

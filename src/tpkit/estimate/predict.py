@@ -121,6 +121,12 @@ def kernel_seconds(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...
     return total
 
 
+def skew_factor(rates: MachineRates, goal: str, tp: bool) -> float:
+    """What converted kernels take over their isolated time: each collective waits for the slower rank (the skew
+    measured on pieces streamed from memory for decoding, on pieces bound by arithmetic otherwise)."""
+    return 1.0 + (rates.skew if goal == "decode" else rates.train_skew) if tp else 1.0
+
+
 def _ops(trace: StepTrace, phases, names):
     return [o for o in trace.ops if (phases is None or o.phase in phases)
             and (names is None or o.name.startswith(names))]
@@ -141,6 +147,7 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers
     """The step's kernels, fixed costs and tensor-parallel collectives at `rates` (recompute re-runs forward
     ops in the backward).
 
+    Converted over ranks, the kernels take the measured skew longer (`skew_factor`).
     The fixed costs are the framework's own time composed per module where the machine measured it for the
     model's `family` (`framework.py`: a step's cost plus one per decoder layer of the `layers` traced, plus the
     optimizer's per parameter tensor; converted when `tp`, default: the trace spans ranks; under DDP / FSDP2
@@ -148,12 +155,13 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers
     logits add), else the per-op cost of a reference model times the ops counted."""
     tp = trace.world_size > 1 if tp is None else tp
     per_op = rates.train_op_overhead_s if trace.goal == "train" else rates.op_overhead_s
-    kernels, n = kernel_seconds(trace, rates), len(trace.ops)
+    skew = skew_factor(rates, trace.goal, tp)
+    kernels, n = kernel_seconds(trace, rates) * skew, len(trace.ops)
     again = []
     if trace.goal == "train" and recompute != "none":
         names = None if recompute == "full" else ATTENTION_CORE
         again = _ops(trace, ("forward",), names)
-        kernels += kernel_seconds(trace, rates, ("forward",), names)
+        kernels += kernel_seconds(trace, rates, ("forward",), names) * skew
     in_step = rates.train_collective_overhead_s if trace.goal == "train" else rates.collective_overhead_s
     cost = rates.framework_cost(family, trace.goal, tp, dp_mode) if layers is not None else None
     if cost is not None:  # measured per module: the in-step cost of a collective is inside its layer's term

@@ -62,4 +62,6 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
         if r.ranks > 1:
             lines.append(f"[{who}] a collective inside a step beyond the isolated call (reference model): forward "
                          f"{_us(r.collective_overhead_s)}, training {_us(r.train_collective_overhead_s)}")
+            lines.append(f"[{who}] work between collectives when the ranks meet at each (the wait for the slower "
+                         f"rank): +{r.skew:.1%} streamed from memory (decode), +{r.train_skew:.1%} bound by arithmetic")
     return lines
