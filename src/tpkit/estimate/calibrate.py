@@ -92,7 +92,7 @@ def measure_all_reduce(backend: str = "gloo", world_size: int = 2, small: int = 
     return t_small, moved / max(t_large - t_small, 1e-9)
 
 
-def measure_rank_skew(comm, rows: int = 1, pieces: int = 24, repeats: int = 5, n: int = 1024) -> float:
+def measure_rank_skew(comm, rows: int = 1, pieces: int = 48, repeats: int = 7, n: int = 1024) -> float:
     """The fraction by which work between collectives takes longer when the ranks meet at a collective after each
     piece of it than when each runs it on its own beside the others (call on every rank): each meeting waits for
     the slower rank, and which rank is slower, and by how much, changes piece by piece (the OS, shared caches).

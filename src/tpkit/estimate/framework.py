@@ -18,7 +18,8 @@ subtracts what its kernels and collectives take at the measured rates, and split
 and times AdamW over many small tensors for `optimizer_tensor_s`, the optimizer's cost per parameter tensor
 (taken out of the training terms, and composed back by each model's own tensor count). Converted over the
 ranks (`tp=True`), the same split measures tpkit's parallel layers' Python and the wait for the slower rank.
-None of it is fitted to any model it will later price: a model's step is its kernels at the measured rates plus
+Every run reads a buffer larger than a core's caches before each decoder layer, MLP and LM head, as a real model's
+weights flush them (`cold.py`). None of it is fitted to any model it will later price: a model's step is its kernels at the measured rates plus
 `step_s + layers * layer_s` of its family (`predict.price`).
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from .calls import meta_copy
+from .cold import CacheFlush, flush_between_modules
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FrameworkCost
 from .ops import trace_step
 from .predict import Setup, dp_seconds, kernel_seconds, skew_factor
@@ -68,28 +70,32 @@ def tiny_model(family: str, layers: int, vocab: int = FRAMEWORK_LOGITS) -> nn.Mo
 
 
 def generate_token_seconds(model: nn.Module, context: int, repeats: int, comm=None, batch: int = 1,
-                           pick=min) -> float:
+                           pick=min, excluded: Callable[[], float] | None = None) -> float:
     """Seconds per generated token of greedy `generate` after a `context`-token prompt: the time of 9 new tokens
     less that of 1, over 8 (the prompt's prefill cancels); `pick` of `repeats` (default the least: what the
-    framework costs, a busy machine only adds to it), every rank of `comm` in step."""
+    framework costs, a busy machine only adds to it), every rank of `comm` in step; `excluded`: a clock of
+    seconds to leave out (`cold.CacheFlush.spent`)."""
+    excluded = excluded or (lambda: 0.0)
     ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
     model.eval()
 
     def run(n: int) -> float:
         if comm is not None:
             comm.barrier()
-        start = time.perf_counter()
+        start, left_out = time.perf_counter(), excluded()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
+        return time.perf_counter() - start - (excluded() - left_out)
     run(2)
     return pick([(run(9) - run(1)) / 8 for _ in range(repeats)])
 
 
-def train_step_seconds(model: nn.Module, seq: int, repeats: int, batch: int = 1, comm=None, pick=min) -> float:
+def train_step_seconds(model: nn.Module, seq: int, repeats: int, batch: int = 1, comm=None, pick=min,
+                       excluded: Callable[[], float] | None = None) -> float:
     """`pick` (default the least) of `repeats` timed training steps (forward with the loss, backward, AdamW,
-    zero_grad) on `model` itself, after two untimed ones."""
+    zero_grad) on `model` itself, after two untimed ones; `excluded`: a clock of seconds to leave out."""
+    excluded = excluded or (lambda: 0.0)
     model.train()
     vocab = getattr(model, "module", model).config.vocab_size  # DDP keeps the model as .module
     ids = torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -98,11 +104,11 @@ def train_step_seconds(model: nn.Module, seq: int, repeats: int, batch: int = 1,
     for _ in range(repeats + 2):
         if comm is not None:
             comm.barrier()
-        start = time.perf_counter()
+        start, left_out = time.perf_counter(), excluded()
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start - (excluded() - left_out))
     return pick(times[2:])
 
 
@@ -139,12 +145,13 @@ def _explained(model: nn.Module, plain: nn.Module, goal: str, rates, comm, tenso
     return kernel_seconds(trace, rates) * skew_factor(rates, goal, world > 1) + alone + tensors * tensor_s
 
 
-def _measured(model: nn.Module, goal: str, comm, repeats: int, batch: int) -> float:
-    """The median of `repeats` timings: the terms price the step a user sees (and the accuracy bench measures),
-    not the machine's best moment; the least of them made every decode estimate fast on the 2-core box."""
+def _measured(model: nn.Module, goal: str, comm, repeats: int, batch: int, flush: CacheFlush) -> float:
+    """The median of `repeats` timings (the terms price the step a user sees, not the machine's best moment),
+    the caches flushed between the modules as a real model's weights flush them (`cold.py`)."""
     if goal == "decode":
-        return generate_token_seconds(model, CONTEXT, repeats, comm, batch=batch, pick=statistics.median)
-    return train_step_seconds(model, CONTEXT, repeats, comm=comm, pick=statistics.median)
+        return generate_token_seconds(model, CONTEXT, repeats, comm, batch=batch, pick=statistics.median,
+                                      excluded=lambda: flush.spent)
+    return train_step_seconds(model, CONTEXT, repeats, comm=comm, pick=statistics.median, excluded=lambda: flush.spent)
 
 
 def _runs(goal: str, dp) -> tuple[tuple[int, int, int], ...]:
@@ -193,10 +200,13 @@ def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5, tenso
                         built[layers, vocab] = plain
                 explained.append(_explained(built[layers, vocab], plain, goal, rates, comm, tensor_s,
                                             dp[0] if dp else None, layers, batch))
+            flush = CacheFlush()  # after the traces: a fake tensor run must not meet the hook
+            for model in built.values():
+                flush_between_modules(model, flush)
             times: list[list[float]] = [[] for _ in runs]
             for _ in range(max(2, repeats // 2)):  # alternating, so a slow spell weighs on every run alike
                 for i, (layers, batch, vocab) in enumerate(runs):
-                    times[i].append(_measured(built[layers, vocab], goal, comm, 3, batch))
+                    times[i].append(_measured(built[layers, vocab], goal, comm, 3, batch, flush))
             key = f"{family}/{goal}" + (f"/{dp[0]}" if dp else "")
             out[key] = _terms([statistics.median(t) - e for t, e in zip(times, explained)])
     return out
