@@ -169,10 +169,9 @@ SEARCH_SETUPS = (("tp1", dict(tp=1)), ("tp2", dict(tp=2)), ("tp2 sp", dict(tp=2,
 def _search_pick(cfg, batch: int, prof, args) -> float:
     """Every search setup of a training shape measured (2 devices); the predicted best's measured time over the
     measured best's."""
+    from tpkit.convert.errors import PlanError
     from tpkit.estimate.predict import Setup, predict
     from tpkit.setups import run_setup
-
-    from tpkit.convert.errors import PlanError
 
     measured, predicted = {}, {}
     for label, kw in SEARCH_SETUPS:

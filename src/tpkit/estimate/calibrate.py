@@ -30,8 +30,8 @@ import torch
 from ..comm.shm import SLOT_BYTES
 from .hardware import Hardware, Interconnect
 from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
-from .machine import (COLD_BYTES, FINE_ROWS, GEMM_ROWS, GEMM_WIDTHS, MachineRates, measure_collectives, measure_copy_bandwidth,
-                      measure_gemm, measure_shared_stream_bandwidth, measure_stream_bandwidth)
+from .machine import (COLD_BYTES, FINE_ROWS, GEMM_ROWS, GEMM_WIDTHS, MachineRates, measure_collectives,
+                      measure_copy_bandwidth, measure_gemm, measure_shared_stream_bandwidth, measure_stream_bandwidth)
 from .process_memory import reset_peak_rss, rss_bytes
 from .profile import LinkProfile, SpeedProfile
 from .reference import collective_overheads, op_overheads
@@ -210,7 +210,8 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
                                stored_bandwidth=min(r.stored_bandwidth for r in per_rank),
                                copy_bandwidth=min(r.copy_bandwidth for r in per_rank),
                                optimizer_tensor_s=max(r.optimizer_tensor_s for r in per_rank),
-                               skew=max(r.skew for r in per_rank), train_skew=max(r.train_skew for r in per_rank),
+                               skew=max(r.skew for r in per_rank),
+                               train_skew=max(r.train_skew for r in per_rank),
                                import_bytes=max(r.import_bytes for r in per_rank),
                                runtime_bytes=max(r.runtime_bytes for r in per_rank),
                                framework=_worst([r.framework for r in per_rank]),

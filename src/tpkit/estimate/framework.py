@@ -19,8 +19,8 @@ and times AdamW over many small tensors for `optimizer_tensor_s`, the optimizer'
 (taken out of the training terms, and composed back by each model's own tensor count). Converted over the
 ranks (`tp=True`), the same split measures tpkit's parallel layers' Python and the wait for the slower rank.
 Every run reads a buffer larger than a core's caches before each decoder layer, MLP and LM head, as a real model's
-weights flush them (`cold.py`). None of it is fitted to any model it will later price: a model's step is its kernels at the measured rates plus
-`step_s + layers * layer_s` of its family (`predict.price`).
+weights flush them (`cold.py`). None of it is fitted to any model it will later price: a model's step is its kernels
+at the measured rates plus `step_s + layers * layer_s` of its family (`predict.price`).
 """
 from __future__ import annotations
 
@@ -186,11 +186,12 @@ def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5, tenso
     out: dict[str, FrameworkCost] = {}
     for family in families:
         for goal in (("train",) if dp else FRAMEWORK_GOALS):
+            plains: dict[tuple[int, int], nn.Module] = {}  # one model per (layers, vocabulary), run at each batch
             built: dict[tuple[int, int], nn.Module] = {}
             runs, explained = _runs(goal, dp), []
             for layers, batch, vocab in runs:
-                plain = tiny_model(family, layers, vocab)
                 if (layers, vocab) not in built:
+                    plain = plains[layers, vocab] = tiny_model(family, layers, vocab)
                     if dp is not None:
                         built[layers, vocab] = dp[1](copy.deepcopy(plain), comm)
                     elif comm is not None:
@@ -198,7 +199,7 @@ def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5, tenso
                                                            mode="training" if goal == "train" else "inference")
                     else:
                         built[layers, vocab] = plain
-                explained.append(_explained(built[layers, vocab], plain, goal, rates, comm, tensor_s,
+                explained.append(_explained(built[layers, vocab], plains[layers, vocab], goal, rates, comm, tensor_s,
                                             dp[0] if dp else None, layers, batch))
             flush = CacheFlush()  # after the traces: a fake tensor run must not meet the hook
             for model in built.values():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from typing import Any, Mapping
 
@@ -374,7 +375,7 @@ def measure_collectives(comm, sizes: tuple[int, ...], repeats: int = 7) -> dict[
                 start = time.perf_counter()
                 call(x)
                 seen.append(time.perf_counter() - start)
-        medians = torch.tensor([sorted(t)[len(t) // 2] for t in times], dtype=torch.float64)
+        medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
         worst = comm.all_reduce(medians, "max")
         out[kind] = fit_collective([(x.numel() * 4, float(s)) for x, s in zip(tensors, worst)])
     return out
