@@ -26,10 +26,9 @@ import torch
 
 from .comm.backends import set_torch_init
 from .comm.communicator import Communicator
-from .comm.context import current_thread_communicator, use_communicator
+from .comm.context import current_thread_communicator, process_communicator, set_process_communicator, use_communicator
 from .comm.optimizer import instrument
 
-_default: Communicator | None = None
 _started_process_group = False  # whether init() called init_process_group (so shutdown() may destroy it)
 _made: Communicator | None = None  # the communicator init() made (shutdown() closes it)
 _groups_started = 0  # process groups init() started in this process (each meets under its own store prefix)
@@ -98,8 +97,8 @@ def init(backend: str | None = None, timeout: float | None = None, profile: bool
     (the returned communicator is a `CommProfiler`: `.records`, `.stats()`); `algorithm="auto" | name | {collective: name}` runs collectives
     through `AlgorithmCommunicator` (see `tpkit.comm.instrument`).
     """
-    global _default, _made
-    current = current_thread_communicator() or _default
+    global _made
+    current = current_thread_communicator() or process_communicator()
     if current is not None:
         return current
     backend = (backend or default_backend()).lower()
@@ -107,8 +106,9 @@ def init(backend: str | None = None, timeout: float | None = None, profile: bool
         return get_communicator()
     if backend == "mpi":
         from .comm.mpi import MPICommunicator
-        _default = _made = instrument(MPICommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
-        return _default
+        _made = instrument(MPICommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
+        set_process_communicator(_made)
+        return _made
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"unknown backend {backend!r}; valid: nccl, gloo, mpi, threads")
     import torch.distributed as dist
@@ -117,8 +117,9 @@ def init(backend: str | None = None, timeout: float | None = None, profile: bool
 
     if not dist.is_initialized():
         _start_process_group(backend, timeout)
-    _default = _made = instrument(TorchCommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
-    return _default
+    _made = instrument(TorchCommunicator(timeout=timeout), profile=profile, algorithm=algorithm)
+    set_process_communicator(_made)
+    return _made
 
 
 def _start_process_group(backend: str, timeout: float | None) -> None:
@@ -194,10 +195,11 @@ def shutdown() -> None:
     communicator) rather than leaving it to the interpreter's exit; `init()` afterwards starts afresh. A
     communicator passed to `set_communicator` belongs to the caller and is only forgotten.
     """
-    global _default, _made, _started_process_group
+    global _made, _started_process_group
     from .comm import torch_backend
 
-    made, _made, _default = _made, None, None
+    made, _made = _made, None
+    set_process_communicator(None)
     try:
         if made is not None:
             made.close()
@@ -219,7 +221,7 @@ def get_communicator() -> Communicator:
     started itself is adopted (as `init()` would), otherwise this raises RuntimeError saying to call `init()`.
     """
     global _single
-    comm = current_thread_communicator() or _default
+    comm = current_thread_communicator() or process_communicator()
     if comm is not None:
         return comm
     launched = _launched_world()
@@ -252,8 +254,7 @@ def _launched_world() -> LaunchEnv | None:
 
 def set_communicator(comm: Communicator | None) -> None:
     """Make `comm` the default for the whole process (None forgets it)."""
-    global _default
-    _default = comm
+    set_process_communicator(comm)
 
 
 @dataclasses.dataclass(frozen=True)

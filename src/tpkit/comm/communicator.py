@@ -22,6 +22,7 @@ from .ops import ReduceOp
 from ..layout import split_sizes
 from .signatures import check_signatures, signature
 from .ids import register
+from .rebind import rebind, root_of
 
 # Names that lived here before their modules were split out, still importable from here.
 from .debug import logger  # noqa: E402,F401
@@ -84,6 +85,16 @@ class Communicator(Lifetime, abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group={self._name!r}, rank={self._rank}, world_size={self._world_size})"
+
+    # -- copies and pickles (`rebind.py`): a connection to the other ranks, not data ----------------
+    def __deepcopy__(self, memo) -> "Communicator":
+        return self
+
+    def __copy__(self) -> "Communicator":
+        return self
+
+    def __reduce__(self):
+        return rebind, (self.name, self.rank, self.world_size)
 
     # -- public collectives -----------------------------------------------------------------------
     # The collectives run on every layer's forward and backward, so their common path is kept to a few
@@ -251,7 +262,10 @@ class Communicator(Lifetime, abc.ABC):
         self._log("new_group", None, ranks=members)
         with self._guard("new_group"):
             self._drain()
-            return self._new_group(members)
+            group = self._new_group(members)
+        if group is not None:
+            group.__dict__["_root"] = root_of(self)
+        return group
 
     # -- backend primitives -----------------------------------------------------------------------
     @abc.abstractmethod

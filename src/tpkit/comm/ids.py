@@ -25,6 +25,12 @@ def register(comm: Any) -> int:
     return cid
 
 
+def live() -> list[Any]:
+    """Every communicator of this process still alive, oldest first."""
+    with _LOCK:
+        return [c for _, c in sorted(_REGISTRY.items())]
+
+
 def lookup(comm_id: int) -> Any:
     comm = _REGISTRY.get(int(comm_id))
     if comm is None:

@@ -13,6 +13,7 @@ import torch
 from .communicator import Communicator
 from .handle import Handle
 from .ops import ReduceOp
+from .rebind import root_of
 
 
 class WrappedCommunicator(Communicator):
@@ -77,7 +78,11 @@ class WrappedCommunicator(Communicator):
 
     def new_group(self, ranks: Sequence[int]) -> "Communicator | None":
         group = self.inner.new_group(ranks)
-        return None if group is None else self._rewrap(group)
+        if group is None:
+            return None
+        wrapped = self._rewrap(group)
+        wrapped.__dict__["_root"] = root_of(self)  # (rebind.py) a group of this wrapped world, as its inner one is
+        return wrapped
 
     def _rewrap(self, group: Communicator) -> Communicator:
         """The same kind of wrapper around a subgroup; subclasses with settings override this."""

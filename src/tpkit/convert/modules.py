@@ -111,8 +111,13 @@ def keep_output_scale(old: nn.Module, new: nn.Module) -> nn.Module:
     if scale is None:
         return new
     new.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
-    new.register_forward_hook(lambda mod, args, out: out * mod.embed_scale.to(out.dtype))
+    new.register_forward_hook(_scale_output)
     return new
+
+
+def _scale_output(mod: nn.Module, args, out):
+    """The forward hook of `keep_output_scale` (a module-level function, so the model pickles)."""
+    return out * mod.embed_scale.to(out.dtype)
 
 
 def is_per_channel(m: nn.Module) -> bool:

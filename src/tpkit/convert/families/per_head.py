@@ -19,7 +19,6 @@ from typing import Any, Iterator, Mapping
 from torch import nn
 
 from ...layout import HeadLayoutError, Piece, ShardLayout, head_columns
-from ...nn import mark_tensor_parallel
 from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal
 from ..modules import is_embedding, keep_output_scale, kind
@@ -77,7 +76,7 @@ class PerHead(Style):
                            norm_type=m.norm_type, scale_grad_by_freq=m.scale_grad_by_freq, sparse=m.sparse,
                            device="meta")
         w = nn.Parameter(lay.shard(m.weight.detach()).clone(), requires_grad=m.weight.requires_grad)
-        new.weight = mark_tensor_parallel(w, 1, lay.sizes())
+        new.weight = w
         new.train(m.training)
         return keep_output_scale(m, new)
 
@@ -91,16 +90,22 @@ def _slice_heads(x, layout: str, num_heads: int, first: int, count: int):
 def install_head_arg_slicers(attn: nn.Module, args: Mapping, num_heads: int, heads: tuple) -> None:
     """Give `attn` only this rank's heads of its per-head arguments (a forward pre-hook; `heads` are the rank's
     query heads, contiguous; `args`: position or keyword -> "flat" / "dim1")."""
-    first, count = heads[0], len(heads)
+    attn.register_forward_pre_hook(HeadArgSlicer(dict(args), num_heads, heads[0], len(heads)), with_kwargs=True)
 
-    def hook(mod, a, kw):
-        a = tuple(_slice_heads(v, args[i], num_heads, first, count) if i in args and v is not None else v
+
+class HeadArgSlicer:
+    """The pre-hook of `install_head_arg_slicers` (an object, so the model pickles and deep-copies)."""
+
+    def __init__(self, args: dict, num_heads: int, first: int, count: int):
+        self.args, self.num_heads, self.first, self.count = args, num_heads, first, count
+
+    def __call__(self, mod, a, kw):
+        args, n, first, count = self.args, self.num_heads, self.first, self.count
+        a = tuple(_slice_heads(v, args[i], n, first, count) if i in args and v is not None else v
                   for i, v in enumerate(a))
-        kw = {k: _slice_heads(v, args[k], num_heads, first, count) if k in args and v is not None else v
+        kw = {k: _slice_heads(v, args[k], n, first, count) if k in args and v is not None else v
               for k, v in kw.items()}
         return a, kw
-
-    attn.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 class PerHeadTensors(Family):

@@ -33,8 +33,8 @@ COLUMNS = (COLWISE, VOCAB_PARALLEL)
 
 class SequenceParallelNorm(Style):
     name = SEQUENCE_PARALLEL
-    description = ("a replicated per-token layer (norm) running on this rank's slice of the sequence; its gradient "
-                   "is a partial sum (tpkit.nn.sync_sequence_parallel_grads before the step)")
+    description = ("a replicated per-token layer (norm) running on this rank's slice of the sequence; its gradient, "
+                   "a partial sum, is summed over the ranks in the backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,17 @@ def _outermost_receiver(t, tensor_id: int, entry: str) -> tuple[str, int | str]:
 def install_entry(model: nn.Module, block: str, comm, arg: int | str = 0) -> None:
     """Split the hidden states along the sequence (dim -2) as they enter `block`, in the argument the trace
     saw them in (`arg`: a position or a keyword; the block may also take masks, which stay whole)."""
-    def pre(mod, args, kwargs):
+    model.get_submodule(block).register_forward_pre_hook(SequenceEntry(block, comm, arg), with_kwargs=True)
+
+
+class SequenceEntry:
+    """The pre-hook of `install_entry` (an object, so the model pickles and deep-copies)."""
+
+    def __init__(self, block: str, comm, arg: int | str):
+        self.block, self.comm, self.arg = block, comm, arg
+
+    def __call__(self, mod, args, kwargs):
+        arg, comm, block = self.arg, self.comm, self.block
         if isinstance(arg, int) and arg < len(args):
             x = args[arg]
             _check(block, x, comm.world_size)
@@ -120,8 +130,6 @@ def install_entry(model: nn.Module, block: str, comm, arg: int | str = 0) -> Non
                          f"but this call passes {len(args)} positional argument(s) and keywords {sorted(kwargs)}; "
                          f"call it the same way as the traced example")
 
-    model.get_submodule(block).register_forward_pre_hook(pre, with_kwargs=True)
-
 
 def install_gather(norm: nn.Module, comm) -> None:
     """All-gather a norm's output along the sequence for the block that reads it.
@@ -129,7 +137,17 @@ def install_gather(norm: nn.Module, comm) -> None:
     Attention and MLP modules of HF models take their shapes from their input, so they must see the whole
     sequence; the gather sits at the norm's output rather than inside the column layers. Its backward keeps
     this rank's slice: the column layers' input gradient is already summed over the ranks."""
-    norm.register_forward_hook(lambda mod, args, out: gather_from_region(out, comm, -2))
+    norm.register_forward_hook(SequenceGather(comm))
+
+
+class SequenceGather:
+    """The hook of `install_gather` (an object, so the model pickles and deep-copies)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def __call__(self, mod, args, out):
+        return gather_from_region(out, self.comm, -2)
 
 
 def _check(block: str, x, world: int) -> None:
@@ -177,6 +195,6 @@ class SequenceParallel(Family):
         region: SequenceRegion = checked.state
         install_entry(model, region.entry_block, comm, region.entry_arg)
         for n in region.norms:
-            mark_sequence_parallel(model.get_submodule(n))
+            mark_sequence_parallel(model.get_submodule(n), comm)
         for n in region.gathered:
             install_gather(model.get_submodule(n), comm)
