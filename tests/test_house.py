@@ -73,14 +73,15 @@ def test_every_family_is_registered_and_every_style_is_a_style():
 
 
 def test_records_between_steps_are_frozen():
-    from tpkit.convert.conversion import Conversion
     from tpkit.convert.family import Checked, Choice, Planned, Proposal
     from tpkit.convert.families.sequence import SequenceRegion
     from tpkit.convert.roles import Pair, Role
     from tpkit.convert.trace import Analysis, Call, Tag, Trace
     from tpkit.layout import HeadLayout, Piece, ShardLayout
 
-    for cls in (Analysis, Call, Checked, Choice, Conversion, HeadLayout, Pair, Piece, Planned, Proposal, Role,
+    # (`Conversion` is the converted model's record, not a record between steps: it follows the model through
+    # copies and data parallelism, `tpkit.nn.record`)
+    for cls in (Analysis, Call, Checked, Choice, HeadLayout, Pair, Piece, Planned, Proposal, Role,
                 SequenceRegion, ShardLayout, Tag, Trace):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, f"{cls.__name__} is not frozen"
 
@@ -91,3 +92,91 @@ def test_the_size_check_fails_on_a_long_function(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
     with pytest.raises(AssertionError, match="big.py:1 f: 82 lines"):
         test_no_module_over_400_lines_and_no_function_over_80()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One mechanism per concept (issue 46): one module changes classes, one module touches a third-party library, no
+# behaviour decided by what was imported first, one answer to "the communicator of this model".
+
+def _modules_where(predicate) -> dict[str, list[int]]:
+    """`{module path: [line, ...]}` of the AST nodes `predicate` accepts, over the package."""
+    out: dict[str, list[int]] = {}
+    for path in _sources():
+        tree = ast.parse(path.read_text())
+        lines = [n.lineno for n in ast.walk(tree) if predicate(n, tree)]
+        if lines:
+            out[str(path.relative_to(SRC))] = lines
+    return out
+
+
+def _assigns_class(node, tree) -> bool:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+        node, (ast.AugAssign, ast.AnnAssign)) else []
+    return any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in targets)
+
+
+def test_one_module_changes_the_class_of_a_module():
+    found = _modules_where(_assigns_class)
+    assert set(found) <= {"nn/rewrites.py"}, f"__class__ assigned outside nn/rewrites.py: {found}"
+
+
+def _third_party_roots(tree) -> set[str]:
+    """Names a module binds to another package's modules or classes (imports, and locals taken from them)."""
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {(a.asname or a.name).split(".")[0] for a in node.names if not a.name.startswith("tpkit")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and not (node.module or "").startswith("tpkit"):
+            roots |= {a.asname or a.name for a in node.names}
+    return roots
+
+
+def _patches(node, tree) -> bool:
+    """An assignment to an attribute of another package's module or class (`nn.Module.x = ...`,
+    `LoraModel.x = ...`, `module.PeftModel.x = ...`), or a change of `sys.meta_path`."""
+    roots = _third_party_roots(tree)
+    targets = node.targets if isinstance(node, ast.Assign) else []
+    for t in targets:
+        chain = []
+        while isinstance(t, ast.Attribute):
+            chain.append(t.attr)
+            t = t.value
+        if not chain or not isinstance(t, ast.Name):
+            continue
+        owners = [t.id] + chain[:0:-1]
+        if t.id in roots and t.id not in ("self",) or any(o[:1].isupper() for o in owners[1:]) or t.id == "cls":
+            return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("insert", "append") \
+            and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "meta_path":
+        return True
+    return False
+
+
+def test_one_module_changes_another_package():
+    found = _modules_where(_patches)
+    assert set(found) <= {"convert/peft_seam.py"}, f"another package's classes or modules changed outside the PEFT " \
+                                                   f"seam: {found}"
+
+
+def test_nothing_is_decided_by_what_was_imported_first():
+    found = _modules_where(lambda n, tree: isinstance(n, ast.Compare) and any(
+        isinstance(c, ast.Attribute) and c.attr == "modules" and isinstance(c.value, ast.Name) and c.value.id == "sys"
+        for c in n.comparators))
+    assert not found, f"`... in sys.modules` decides behaviour by import order: {found}"
+
+
+def test_one_lookup_of_the_communicator_of_a_model():
+    """Only `tpkit.nn.record.communicator_of` walks a model's modules for their communicator."""
+    def walks_for_comm(node, tree) -> bool:
+        if not isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            return False
+        text = ast.unparse(node)
+        return ".modules()" in text and ".comm" in text
+
+    found = _modules_where(walks_for_comm)
+    assert set(found) <= {"nn/record.py"}, f"a second lookup of a model's communicator: {found}"
+
+
+def test_the_conversion_folder_shows_its_steps():
+    flat = sorted(p.name for p in (SRC / "convert").glob("*.py"))
+    assert len(flat) <= 20, f"convert/ holds {len(flat)} modules at its root (at most 20): group them by step"

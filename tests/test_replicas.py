@@ -16,6 +16,7 @@ import torch
 import tpkit
 from tpkit.comm import run_threads
 from tpkit.nn import mappings
+from tpkit.nn.rewrites import base_class
 
 from tests.models.paths import ARCHS, ids, loss_of
 
@@ -54,7 +55,10 @@ def _fault(name: str, base, comm) -> str:
                 model.get_parameter(key)[0, 0] += 1e-3
     elif name == "grad_sum_removed":
         k = model.model.layers[0].self_attn.k_proj
-        k.__class__ = k.__dict__["tp_grad_sums_base"]  # the sum gone, as the meta path once lost it
+        k.__class__ = base_class(k)  # the sum gone, as the meta path once lost it
+    elif sp:  # a sequence-parallel norm's sum gone (a script once had to call it after backward)
+        norm = model.model.layers[0].post_attention_layernorm
+        norm.__class__ = base_class(norm)
     if name not in ("norm_weight_ulp", "shared_kv_row_moved"):
         _train_step(model)
     if name == "grad_scaled" and comm.rank == last:

@@ -1,8 +1,9 @@
 """Training through every entry path equals one process of plain transformers + torch (tests/models/paths.py).
 
-Each architecture x world size runs all six entry paths on thread-ranks: `parallelize` on a real model, meta +
-`load_sharded`, `from_pretrained`, `from_pretrained(device=)`, `apply_setup` of a search result, and a
-`Checkpointer` resume from a one-process save. The search runs once per architecture, at 3 devices: 3 ranks apply
+Each architecture x world size runs all seven entry paths on thread-ranks: `parallelize` on a real model, meta +
+`load_sharded`, `from_pretrained`, `from_pretrained(device=)`, `apply_setup` of a search result, a
+`Checkpointer` resume from a one-process save, and a converted model after `load_state_dict(assign=True)`,
+`copy.deepcopy` and `torch.save` / `torch.load`. The search runs once per architecture, at 3 devices: 3 ranks apply
 its best tensor-parallel candidate (its plan included), 2 ranks that candidate's setup at tp 2, which
 `apply_setup` plans itself (the search's choice among setups is the estimate's, tests/estimate/test_search.py). Every rank's gradient and updated parameter are compared with the
 single-process reference sliced by `shard_layouts`. Before the gradient sums moved into the modules' forward,

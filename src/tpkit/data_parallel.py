@@ -37,8 +37,9 @@ from .comm.groups import split
 from .comm.ops import ReduceOp
 from .convert.conversion import conversions_in
 from .convert.layouts import shard_layouts
-from .nn import TensorParallelModule, model_parallel_manual_seed
-from .nn.grad_clip import NORM_SOURCES, power_sum
+from .nn import model_parallel_manual_seed
+from .nn.grad_clip import power_sum
+from .nn.record import Holder, ModelRecord, attach_record, communicator_of, find_record
 from .layout import ShardLayout
 
 MODES = ("fsdp", "ddp")
@@ -48,16 +49,21 @@ DP_SEED_OFFSET = 1_000_003
 
 
 @dataclasses.dataclass(eq=False)
-class DataParallelRecord:
-    """What `data_parallel` did, kept on the returned module as `_tp_data_parallel` (the checkpoint code and
-    `clip_grad_norm_` read it): the engine, the model whose state_dict keys are the original's (DDP's inner
-    module), both communicators, and the TP layout of every state_dict key taken before torch wrapped it."""
+class DataParallel:
+    """What `data_parallel` did, kept in the model's record (`record.data_parallel`; the checkpoint code,
+    `clip_grad_norm_` and the replica sentinel read it): the engine, the model whose state_dict keys are the
+    original's (DDP's inner module), and the data-parallel communicator. The TP communicator and layouts are the
+    record's own."""
 
     mode: str
     module: nn.Module
     dp_comm: Communicator
-    tp_comm: Communicator | None
-    layouts: dict[str, ShardLayout]
+    record: ModelRecord = dataclasses.field(repr=False)
+
+    @property
+    def tp_comm(self) -> Communicator | None:
+        comm = self.record.comm
+        return comm if comm is not None and comm.world_size > 1 else None
 
     @property
     def tp_size(self) -> int:
@@ -66,6 +72,11 @@ class DataParallelRecord:
     @property
     def dp_size(self) -> int:
         return self.dp_comm.world_size
+
+    @property
+    def layouts(self) -> dict[str, ShardLayout]:
+        """The TP layout of every state-dict key of `module` (FSDP2 replaced the Parameters; the names stay)."""
+        return shard_layouts(self.module)
 
     def reshard(self) -> None:
         """Put FSDP2 back in its sharded state (a forward under `no_grad` leaves the root unsharded); anything
@@ -76,11 +87,15 @@ class DataParallelRecord:
             if isinstance(m, FSDPModule):
                 m.reshard()
 
-    def parameter_names(self) -> dict[int, str]:
-        return {id(p): n for n, p in self.module.named_parameters()}
+    def global_norm(self, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float):
+        """The norm source of `tpkit.clip_grad_norm_` for a model under data parallelism: over both dimensions."""
+        return _record_norm(self, params, held, norm_type)
 
 
-_RECORDS: "weakref.WeakSet[DataParallelRecord]" = weakref.WeakSet()
+def data_parallel_of(model: nn.Module) -> DataParallel | None:
+    """What `data_parallel` keeps for `model` (the wrapper it returned, or the model inside), or None."""
+    found = find_record(model, "data_parallel")
+    return found[1].data_parallel if found is not None else None
 
 
 def device_mesh(comm: Communicator, tp_size: int):
@@ -108,16 +123,15 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
     dimensions); save and load with `save_sharded` / `load_sharded` and the world communicator.
     """
     conversion = _check(model, dp_comm, mode)
-    tp_comm = _tp_comm(model)
-    layouts = shard_layouts(model)
+    found = find_record(model, "data_parallel")
+    record = found[1] if found is not None else attach_record(model, ModelRecord(communicator_of(model), {}))
     if mode == "fsdp":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         if conversion is not None and conversion.sequence_parallel:
-            raise ValueError("data_parallel: mode='fsdp' with sequence parallelism is not supported (the norms' "
-                             "partial gradients would be reduce-scattered before the TP sum); use mode='ddp' and "
-                             "tpkit.nn.sync_sequence_parallel_grads, or convert without sequence_parallel")
+            raise ValueError("data_parallel: mode='fsdp' with sequence parallelism is not supported; use mode='ddp', "
+                             "or convert without sequence_parallel")
         mesh = DeviceMesh.from_group(dp_comm.process_group, _device_type(dp_comm))
         for block in list(blocks) if blocks is not None else repeated_blocks(model):
             fully_shard(block, mesh=mesh, **torch_kwargs)
@@ -126,9 +140,7 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, process_group=dp_comm.process_group, **torch_kwargs)
-    record = DataParallelRecord(mode, model, dp_comm, tp_comm, layouts)
-    wrapped._tp_data_parallel = record
-    _RECORDS.add(record)
+    record.data_parallel = DataParallel(mode, model, dp_comm, record)
     return wrapped
 
 
@@ -148,7 +160,7 @@ def no_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     backward reduces the sum. TP collectives are part of each backward's math and always run. A model not under
     `data_parallel` needs nothing. `enabled=False` is a no-op, for loops:
     `with tpkit.no_sync(model, enabled=i < n - 1): (loss(mb) / n).backward()`."""
-    record = getattr(model, "_tp_data_parallel", None)
+    record = data_parallel_of(model)
     if not enabled or record is None:
         yield
     elif record.mode == "ddp":
@@ -170,7 +182,7 @@ def no_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Bytes of parameters (and optimizer state) this rank holds: FSDP2 shards counted by their local part,
     after resharding (a forward under `no_grad` leaves the root's parameters whole)."""
-    record = getattr(model, "_tp_data_parallel", None)
+    record = data_parallel_of(model)
     if record is not None:
         record.reshard()
     tensors = list(model.parameters())
@@ -199,23 +211,12 @@ def _check(model: nn.Module, dp_comm: Communicator, mode: str):
     if mode not in MODES:
         raise ValueError(f"data_parallel: mode {mode!r} is not one of {MODES}")
     _process_group(dp_comm, "data_parallel", "dp_comm")
-    if getattr(model, "_tp_data_parallel", None) is not None or any(
-            getattr(m, "_tp_data_parallel", None) is not None for m in model.modules()):
+    if data_parallel_of(model) is not None:
         raise ValueError("data_parallel: the model is already under data parallelism; wrap the converted model once")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("data_parallel: the model is a DistributedDataParallel wrapper already; pass the model")
     found = conversions_in(model)
     return found[0][1] if found else None
-
-
-def _tp_comm(model: nn.Module) -> Communicator | None:
-    """The communicator of the model's tpkit layers (None for an unconverted model); all must agree."""
-    comms = {id(m.comm): m.comm for m in model.modules() if isinstance(m, TensorParallelModule)}
-    if len(comms) > 1:
-        raise ValueError(f"data_parallel: the model's tensor-parallel layers use {len(comms)} different "
-                         f"communicators; convert it once, with one tp communicator")
-    comm = next(iter(comms.values()), None)
-    return comm if comm is not None and comm.world_size > 1 else None
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -264,27 +265,17 @@ def _replicas(lay: ShardLayout | None, p: torch.Tensor, local: torch.Tensor) -> 
     return reps[start:start + local.shape[dim]], dim
 
 
-def _global_norm(params: list[torch.Tensor], norm_type: float):
-    """The norm source for models under `data_parallel`: None unless every parameter belongs to one of them."""
-    if not params:
-        return None
-    for record in list(_RECORDS):
-        names = record.parameter_names()
-        if not all(id(p) in names for p in params):
-            record.reshard()
-            names = record.parameter_names()
-        if all(id(p) in names for p in params):
-            return _record_norm(record, params, names, norm_type)
-    return None
-
-
 @torch.no_grad()
-def _record_norm(record: DataParallelRecord, params: list[torch.Tensor], names: dict[int, str], norm_type: float):
+def _record_norm(record: DataParallel, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float):
     grads = [(p, _local(p.grad)) for p in params if p.grad is not None]
     dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in grads) else torch.float32
     split_items, replicated = [], []
     for p, g in grads:
-        lay = record.layouts.get(names[id(p)])
+        h = held.get(id(p))
+        lay = h.layout(p) if h is not None else None
+        if lay is None and h is not None and h.dim is not None:  # a layer built by hand, split along `dim`
+            split_items.append((g, None, h.dim))
+            continue
         held_once = lay is None or lay.dim is None or lay.is_replicated
         (replicated if held_once else split_items).append((g, *_replicas(lay, p, g)))
     op = ReduceOp.MAX if norm_type == math.inf else ReduceOp.SUM
@@ -300,6 +291,3 @@ def _record_norm(record: DataParallelRecord, params: list[torch.Tensor], names: 
         total = total.pow(1.0 / norm_type)
     device = grads[0][1].device if grads else torch.device("cpu")
     return total.to(device), [g for _, g in grads]
-
-
-NORM_SOURCES.append(_global_norm)

@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
+import inspect
 import types
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .data_parallel import repeated_blocks
-from .nn import TensorParallelModule, get_rng_tracker
+from .data_parallel import data_parallel_of, repeated_blocks
+from .nn import communicator_of, get_rng_tracker
 
 POLICIES = ("none", "selective", "full")
 ATTENTION = "tpkit_recompute"  # the name under which the checkpointed attention core is registered with transformers
@@ -110,15 +110,16 @@ def _hf_checkpoint(function, *args):
 
 
 def _hf_layer(block: nn.Module) -> bool:
-    layers = sys.modules.get("transformers.modeling_layers")
-    return layers is not None and isinstance(block, layers.GradientCheckpointingLayer)
+    """A Hugging Face layer (known by its class's name: transformers is not imported for a block that is not one)."""
+    return any(c.__name__ == "GradientCheckpointingLayer" and c.__module__ == "transformers.modeling_layers"
+               for c in type(block).__mro__)
 
 
 def _checkpointed_attention(module, query, key, value, attention_mask, **kwargs):
     """The attention interface entry: the module's own implementation, under checkpoint."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    eager = getattr(inspect.getmodule(type(module)), "eager_attention_forward")
     inner = ALL_ATTENTION_FUNCTIONS.get_interface(module._tpkit_recompute_attention, eager)
     if not torch.is_grad_enabled():
         return inner(module, query, key, value, attention_mask, **kwargs)
@@ -139,7 +140,7 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     for m in model.modules():
         config = getattr(m, "config", None)
         if "Attention" in type(m).__name__ and hasattr(config, "_attn_implementation") and \
-                hasattr(sys.modules.get(type(m).__module__), "eager_attention_forward"):
+                hasattr(inspect.getmodule(type(m)), "eager_attention_forward"):
             out.append(m)
     return out
 
@@ -158,11 +159,11 @@ def _undo(model: nn.Module) -> None:
 
 def _inner(model: nn.Module) -> nn.Module:
     """The model under a DDP wrapper (FSDP2 returns the model itself)."""
-    record = getattr(model, "_tp_data_parallel", None)
+    record = data_parallel_of(model)
     return record.module if record is not None else model
 
 
 def _tp_comm(model: nn.Module):
-    """The communicator whose RNG tracker dropout in `model` forks (its TP layers'); None: the default one. Looked up
-    at each call rather than stored: a deep copy of the model must not copy a communicator."""
-    return next((m.comm for m in model.modules() if isinstance(m, TensorParallelModule)), None)
+    """The communicator whose RNG tracker dropout in `model` forks (its TP group); None: the default one. Looked up
+    at each call, so a recomputed block of a deep copy forks its own group's tracker."""
+    return communicator_of(model)

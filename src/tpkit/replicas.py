@@ -37,7 +37,7 @@ from .comm.communicator import Communicator
 from .comm.debug import debug_enabled
 from .convert.layouts import shard_layouts
 from .layout import ShardLayout
-from .nn import TensorParallelModule
+from .nn.record import communicator_of, find_record
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -142,18 +142,6 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if t is not None and hasattr(t, "to_local") else t
 
 
-def _tp_comm(model: nn.Module, comm: Communicator | None) -> Communicator | None:
-    if comm is not None:
-        return comm
-    for m in model.modules():
-        if isinstance(m, TensorParallelModule):
-            return m.comm
-        state = m.__dict__.get("tp_grad_sums")
-        if state is not None:
-            return state.comm
-    return None
-
-
 def _tolerance(key: str, tolerance: Mapping[str, float] | None) -> float | None:
     for pattern, rel in (tolerance or {}).items():
         if fnmatch.fnmatchcase(key, pattern):
@@ -231,11 +219,12 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
     differs (state-dict key, param or grad, the ranks grouped by what they hold, the largest difference);
     returns a `ReplicaReport` otherwise. `tolerance`: `{glob of keys: relative difference allowed}` for tensors
     computed by nondeterministic kernels (see the module docstring)."""
-    record = getattr(model, "_tp_data_parallel", None)
+    found = find_record(model, "check_replicas")
+    record = found[1].data_parallel if found is not None else None
     inner = record.module if record is not None else model
     if record is not None:
         record.reshard()
-    tp = record.tp_comm if record is not None and comm is None else _tp_comm(inner, comm)
+    tp = comm if comm is not None else record.tp_comm if record is not None else communicator_of(inner)
     sharded = record is not None and record.mode == "fsdp"
     layouts = record.layouts if record is not None else shard_layouts(inner)
     named = dict(inner.named_parameters())

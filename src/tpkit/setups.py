@@ -32,7 +32,6 @@ from .estimate.pricing import machine_pricing
 from .estimate.search import SearchResult
 from .estimate.search import search as rank_setups
 from .launch import launch
-from .nn import sync_sequence_parallel_grads
 from .recompute import recompute
 
 
@@ -102,7 +101,6 @@ def _rank(model_or_config, setup: Setup, goal: str, batch: int, seq: int, steps:
     torch.set_num_threads(threads)
     comm = get_communicator()
     model = apply_setup(_build(model_or_config, dtype), setup, comm, goal)
-    tp = split(comm, setup.tp)[0] if setup.dp > 1 else comm
     local = -(-batch // setup.dp)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 100)
     ids = torch.randint(3, vocab, (local, seq), generator=torch.Generator().manual_seed(comm.rank // setup.tp))
@@ -112,8 +110,6 @@ def _rank(model_or_config, setup: Setup, goal: str, batch: int, seq: int, steps:
 
         def step():
             model(input_ids=ids, labels=ids).loss.backward()
-            if setup.sequence_parallel:
-                sync_sequence_parallel_grads(model, tp)
             opt.step()
             opt.zero_grad(set_to_none=True)
     elif goal == "prefill":

@@ -13,7 +13,7 @@ from tpkit.convert import (Choice, Family, PlanError, Proposal, Style, conversio
 from tpkit.convert.planner import propose
 from tpkit.convert.trace import analyze_structure
 from tpkit.layout import Piece, ShardLayout
-from tpkit.nn import copy_to_region, mark_tensor_parallel, reduce_from_region
+from tpkit.nn import copy_to_region, reduce_from_region
 
 
 class GatedMLP(nn.Module):
@@ -39,8 +39,8 @@ class ParallelGatedMLP(nn.Module):
         self.comm = comm
         w_in, w_out = layouts["w_in"], layouts["w_out"]
         self.local_ff = w_out.local_shape[1]
-        self.w_in = mark_tensor_parallel(nn.Parameter(w_in.shard(m.w_in.detach()).clone()), 0, w_in.sizes())
-        self.w_out = mark_tensor_parallel(nn.Parameter(w_out.shard(m.w_out.detach()).clone()), 1, w_out.sizes())
+        self.w_in = nn.Parameter(w_in.shard(m.w_in.detach()).clone())   # the layouts are the model's record:
+        self.w_out = nn.Parameter(w_out.shard(m.w_out.detach()).clone())  # nothing to set on the Parameters
 
     def forward(self, x):
         gate, up = F.linear(copy_to_region(x, self.comm), self.w_in).split(self.local_ff, dim=-1)

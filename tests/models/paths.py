@@ -14,7 +14,9 @@ Entry paths (`PATHS`):
   split over the vocabulary, the loss is `vocab_parallel_cross_entropy`);
 - `checkpointer_resume`: built on meta and converted, an optimizer made, then `Checkpointer.resume` from a
   version one process saved after step 1 (parameters and AdamW state resharded from 1 to N ranks); step 2 is
-  compared with the reference's step 2.
+  compared with the reference's step 2;
+- `assign+deepcopy+torch.save`: converted, then every path that replaces its Parameters or copies it, one after
+  the other: `load_state_dict(assign=True)`, `copy.deepcopy`, `torch.save` / `torch.load` of the whole module.
 
 Module level, so `bench/training_paths.py` prints the same table (before / after figures for the notes).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import json
 import os
 import threading
@@ -120,7 +123,7 @@ DEFAULT_TOL = 1e-9
 
 
 PATHS = ("parallelize", "meta+load_sharded", "from_pretrained", "from_pretrained(device=)", "apply_setup",
-         "checkpointer_resume")
+         "checkpointer_resume", "assign+deepcopy+torch.save")
 
 
 def ids() -> torch.Tensor:
@@ -139,7 +142,6 @@ def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def _step(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
     opt.zero_grad(set_to_none=True)
     loss_of(model(input_ids=tokens).logits, tokens).backward()
-    tpkit.nn.sync_sequence_parallel_grads(model)  # as a script must under sequence parallelism (no-op otherwise)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     opt.step()
     return grads
@@ -211,6 +213,13 @@ def reach(path: str, base: nn.Module, directory: str, comm, setup=None) -> tuple
         model = tpkit.from_pretrained(hf, comm=comm, dtype=torch.float64, device="cpu")
     elif path == "apply_setup":
         model = tpkit.apply_setup(copy.deepcopy(base), setup, comm)
+    elif path == "assign+deepcopy+torch.save":
+        model = tpkit.parallelize(copy.deepcopy(base), comm=comm)
+        model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+        buffer = io.BytesIO()
+        torch.save(copy.deepcopy(model), buffer)
+        buffer.seek(0)
+        model = torch.load(buffer, weights_only=False)
     elif path == "checkpointer_resume":
         model = tpkit.parallelize(_meta_model(base), comm=comm)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)

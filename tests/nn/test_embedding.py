@@ -54,7 +54,7 @@ def test_construction_slices_single_device_init(cls):
         layer = cls(10, 7, padding_idx=4, comm=comm)
         dim = cls.PARTITION_DIMS["weight"]
         assert torch.equal(layer.weight, local_slice(ref.weight, dim, layer.partition_sizes, comm.rank))
-        assert layer.weight.tensor_model_parallel and layer.weight.partition_dim == dim
+        assert layer.split_dims() == {"weight": dim} and not vars(layer.weight)
     meta = cls.from_module(nn.Embedding(10, 7, device="meta"), comm=create_communicators(4)[3])
     assert meta.weight.is_meta and meta.weight.shape == ((2, 7) if cls is VocabParallelEmbedding else (10, 1))
 

@@ -1,5 +1,5 @@
 """Whole blocks against their single-device twins: Column -> GELU -> Row MLP and a SwiGLU MLP, with and without
-sequence parallelism (norms on sequence shards, gradient sync), an embedding -> MLP -> LM head -> vocab-parallel
+sequence parallelism (norms on sequence shards, their gradients summed in the backward), an embedding -> MLP -> LM head -> vocab-parallel
 cross-entropy model, and three AdamW steps (with global-norm clipping) that leave every shard equal to the slice
 of the single-device weights."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 import tpkit
 from tpkit.nn import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, clip_grad_norm_,
                       mark_sequence_parallel, sync_sequence_parallel_grads, vocab_parallel_cross_entropy)
+from tpkit.nn.record import SplitsParameters
 
 from .helpers import FP64_TOL, THREAD_SIZES, assert_small, local_slice, randn, rel_err, run, seeded_embedding, \
     seeded_linear
@@ -46,14 +47,16 @@ def parallelize_mlp(mlp: Mlp, sequence_parallel: bool) -> Mlp:
         mlp.gate = ColumnParallelLinear.from_module(mlp.gate, **sp)
     mlp.down = RowParallelLinear.from_module(mlp.down, **sp)
     if sequence_parallel:
-        mark_sequence_parallel(mlp.norm)
+        mark_sequence_parallel(mlp.norm)  # its gradient summed over the ranks in every backward
     return mlp
 
 
-def _full_view(name: str, tp_param, ref_param, rank: int) -> torch.Tensor:
-    """The slice of the single-device tensor that `tp_param` should equal."""
-    if getattr(tp_param, "tensor_model_parallel", False):
-        return local_slice(ref_param, tp_param.partition_dim, tp_param.partition_sizes, rank)
+def _full_view(name: str, tp: nn.Module, ref_param, rank: int) -> torch.Tensor:
+    """The slice of the single-device tensor that `tp`'s parameter `name` should equal (its layer says which)."""
+    owner, _, pname = name.rpartition(".")
+    layer = tp.get_submodule(owner)
+    if isinstance(layer, SplitsParameters) and pname in layer.split_dims():
+        return local_slice(ref_param, layer.split_dims()[pname], layer.partition_sizes, rank)
     return ref_param
 
 
@@ -63,7 +66,7 @@ def _compare_params(tag: str, tp: nn.Module, ref: nn.Module, rank: int, grads: b
     for name, p in tp.named_parameters():
         want = ref_params[name].grad if grads else ref_params[name]
         errors[f"{tag} {'grad' if grads else 'param'} {name}"] = rel_err(p.grad if grads else p,
-                                                                         _full_view(name, p, want, rank))
+                                                                         _full_view(name, tp, want, rank))
     assert len(errors) == len(ref_params)
     return errors
 
@@ -89,9 +92,7 @@ def mlp_checks(dtype_name: str = "float64") -> dict:
                 x = (local_slice(x_full, 1, seq_sizes, r) if sp else x_full).clone().requires_grad_()
                 y = tp(x)
                 gy = local_slice(gy_full, 1, seq_sizes, r) if sp else gy_full
-                (y * gy).sum().backward()
-                if sp:
-                    sync_sequence_parallel_grads(tp)
+                (y * gy).sum().backward()  # under sp the norms' (and the row bias's) sums run in the backward
                 if step == 0:
                     errors[f"{tag} out"] = rel_err(y, local_slice(y_ref, 1, seq_sizes, r) if sp else y_ref)
                     want_dx = local_slice(x_ref.grad, 1, seq_sizes, r) if sp else x_ref.grad
@@ -130,8 +131,6 @@ def lm_checks(dtype_name: str = "float64") -> dict:
         logits = tp["head"](tp["mlp"](tp["emb"](ids)))
         loss = vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1, vocab_size=VOCAB)
         loss.backward()
-        if sp:
-            sync_sequence_parallel_grads(tp)
         errors[f"lm sp={sp} loss"] = rel_err(loss.double(), loss_ref.double())
         errors.update(_compare_params(f"lm sp={sp}", tp, ref, r, grads=True))
     return errors
@@ -143,22 +142,31 @@ def test_mlps_and_training_match_single_device_threads(world_size):
     assert_small(run(lm_checks, world_size, "threads"), FP64_TOL)
 
 
-def test_sequence_parallel_grads_are_partial_without_sync():
-    """The sync is what makes norm gradients right: without it they differ from the single-device ones."""
+def test_sequence_parallel_grads_are_partial_without_the_mark():
+    """The mark is what makes norm gradients right: without it they differ from the single-device ones; with it
+    the backward alone gives them, whatever Parameter the norm holds by then; the old post-backward sync has
+    nothing left to do."""
     def body():
-        ref, tp = Mlp(False, 3, torch.float64), parallelize_mlp(Mlp(False, 3, torch.float64), True)
-        x = randn((BATCH, SEQ, HIDDEN), 1)
-        ref(x).sum().backward()
-        tp(local_slice(x, 1, [SEQ // 2] * 2, tpkit.get_communicator().rank)).sum().backward()
-        before = rel_err(tp.norm.weight.grad, ref.norm.weight.grad)
-        synced = sync_sequence_parallel_grads(tp)
-        return before, synced, rel_err(tp.norm.weight.grad, ref.norm.weight.grad)
-    for before, synced, after in run(body, 2, "threads"):
-        assert before > 1e-3 and synced == 3 and after < FP64_TOL  # norm weight, norm bias, down bias
+        ref = Mlp(False, 3, torch.float64)
+        tp, unmarked = parallelize_mlp(Mlp(False, 3, torch.float64), True), Mlp(False, 3, torch.float64)
+        unmarked.up = ColumnParallelLinear.from_module(unmarked.up, sequence_parallel=True)
+        unmarked.down = RowParallelLinear.from_module(unmarked.down, sequence_parallel=True)
+        tp.load_state_dict({k: v.clone() for k, v in tp.state_dict().items()}, assign=True)
+        x = local_slice(randn((BATCH, SEQ, HIDDEN), 1), 1, [SEQ // 2] * 2, tpkit.get_communicator().rank)
+        ref(randn((BATCH, SEQ, HIDDEN), 1)).sum().backward()
+        tp(x).sum().backward()
+        unmarked(x).sum().backward()
+        with pytest.warns(DeprecationWarning, match="no longer needed"):
+            synced = sync_sequence_parallel_grads(tp)
+        return (rel_err(unmarked.norm.weight.grad, ref.norm.weight.grad), synced,
+                rel_err(tp.norm.weight.grad, ref.norm.weight.grad), rel_err(tp.down.bias.grad, ref.down.bias.grad))
+    for before, synced, after, bias in run(body, 2, "threads"):
+        assert before > 1e-3 and synced == 0 and after < FP64_TOL and bias < FP64_TOL
 
 
-def test_mark_sequence_parallel_rejects_shards():
-    layer = ColumnParallelLinear(4, 4)
-    layer.weight.tensor_model_parallel = True
-    with pytest.raises(ValueError, match=r"mark_sequence_parallel: a parameter of shape \(4, 4\) is a tensor-parallel"):
+def test_mark_sequence_parallel_rejects_shards_and_bare_parameters():
+    layer = ColumnParallelLinear(4, 4, comm=tpkit.comm.threads.create_communicators(2)[0])
+    with pytest.raises(ValueError, match=r"mark_sequence_parallel: ColumnParallelLinear.weight is a tensor-parallel"):
+        mark_sequence_parallel(layer)
+    with pytest.raises(TypeError, match=r"pass the module that holds the parameters"):
         mark_sequence_parallel([layer.weight])

@@ -11,9 +11,9 @@ from torch import nn
 
 import tpkit
 from tpkit.comm import run_threads
-from tpkit.nn import (DATA_PARALLEL_RNG, ColumnParallelLinear, RowParallelLinear, clip_grad_norm_, get_rng_tracker,
-                      mark_tensor_parallel,
-                      model_parallel_manual_seed)
+from tpkit.layout import Piece, ShardLayout
+from tpkit.nn import (DATA_PARALLEL_RNG, ColumnParallelLinear, ModelRecord, RowParallelLinear, attach_record,
+                      clip_grad_norm_, get_rng_tracker, model_parallel_manual_seed)
 
 from .helpers import FP64_TOL, THREAD_SIZES, assert_small, local_slice, randn, rel_err, run, seeded_linear
 
@@ -136,11 +136,12 @@ def test_clip_grad_norm_counts_replicated_slices_once():
         expected = torch.linalg.vector_norm(full, norm_type)
 
         def body(comm, norm_type=norm_type):
-            param = torch.nn.Parameter(full[rows[comm.rank]].clone())
-            param.grad = param.detach().clone()
-            mark_tensor_parallel(param, 0, (3, 3))
-            param.partition_replicas = (2, 2, 1)
-            return clip_grad_norm_([param], 1e9, norm_type, comm=comm)
+            holder = torch.nn.Module()
+            holder.w = torch.nn.Parameter(full[rows[comm.rank]].clone())
+            holder.w.grad = holder.w.detach().clone()
+            pieces = (Piece.whole(0, 2, 2), Piece(2, 2, ((0, 1), (1, 2))))  # rows 0, 1 on both; 2 on 0; 3 on 1
+            attach_record(holder, ModelRecord(comm, {"w": ShardLayout((4, 3), 2, comm.rank, 0, pieces)}))
+            return clip_grad_norm_([holder.w], 1e9, norm_type)
 
         for norm in run_threads(body, 2):
             torch.testing.assert_close(norm, expected, rtol=1e-12, atol=0)

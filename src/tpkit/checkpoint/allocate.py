@@ -34,20 +34,23 @@ def meta_parameters(dtype: torch.dtype | None) -> Iterator[None]:
 
     The default dtype is process-wide (torch has no per-thread one, and transformers sets it itself while it
     builds: passing it `dtype=` instead would switch it just the same), so the build holds `building`'s lock:
-    one build at a time, and the patch of nn.Module.register_parameter is one build's only."""
-    with building(dtype):  # read the original inside the lock, or a waiting build would restore our patch
-        original, builder = nn.Module.register_parameter, threading.get_ident()
+    one build at a time. Parameters go to meta through torch's own parameter-registration hook
+    (`register_module_parameter_registration_hook`), removed after the build."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
 
-        def register(self, name, param):
-            if param is not None and param.device.type != "meta" and threading.get_ident() == builder:
-                param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-            original(self, name, param)
+    builder = threading.get_ident()
 
-        nn.Module.register_parameter = register
+    def to_meta(module, name, param):
+        if param.device.type != "meta" and threading.get_ident() == builder:
+            return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        return None
+
+    with building(dtype):
+        handle = register_module_parameter_registration_hook(to_meta)
         try:
             yield
         finally:
-            nn.Module.register_parameter = original
+            handle.remove()
 
 
 def empty_on(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Checkpoints of models under data parallelism (`tpkit.data_parallel`): the TP layout spread over the world.
 
-Such a model carries a record (`model._tp_data_parallel`, read here by its attributes) with the inner model (the
-one whose state_dict keys are the original's), the tp communicator and the TP layout of every key. On disk the
+Such a model's record holds what `data_parallel` did (`record.data_parallel`, read here by its attributes): the
+inner model (the one whose state_dict keys are the original's), the tp communicator and the TP layout of every key. On disk the
 checkpoint is the ordinary one: world rank `w` holds TP rank `w % tp_size`'s part (ranks are laid out as
 `tpkit.comm.split` does), so spreading each TP layout over the world ranks makes every dp replica of a part a
 "lower rank already holds it" case, and the writer's usual rule writes it once. FSDP2's dp shards (DTensors)
@@ -15,13 +15,15 @@ import torch
 from torch import nn
 
 from ..layout import Piece, ShardLayout
+from ..nn.record import find_record
 from .errors import CheckpointError
 
 
 def unwrap(model: nn.Module, comm) -> tuple[nn.Module, object | None]:
     """`(the model to read keys from, its data-parallel record or None)`; resharded, and checked against the
     world communicator `comm`."""
-    record = getattr(model, "_tp_data_parallel", None)
+    found = find_record(model, "a checkpoint")
+    record = found[1].data_parallel if found is not None else None
     if record is None:
         return model, None
     if comm.world_size != record.tp_size * record.dp_size:

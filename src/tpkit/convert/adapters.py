@@ -6,19 +6,21 @@ model exactly as an unwrapped one would be converted (same trace, same plan: LoR
 column -> row pair), then puts each wrapper back around its new base layer, its factors split to match. The
 result is the model `peft.get_peft_model` gives on a converted model (the other order).
 
-PEFT is imported only when the model holds its layers (it is then already imported).
+PEFT's objects are recognised by their class names (`peft_seam.is_peft`): nothing here imports PEFT unless the
+model holds PEFT's objects, and then it is imported already.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from typing import Callable, Iterator
 
 from torch import nn
 
+from ..nn.rewrites import adopt
 from .errors import PlanError
 from .layouts import check_grad_sums
+from .peft_seam import is_peft
 from .plan import Plan
 from .planner import auto_plan
 from .registry import module_layouts
@@ -26,48 +28,20 @@ from .styles import REPLICATE
 from .trace import analyze_structure
 
 
-def _peft_loaded() -> bool:
-    return "peft" in sys.modules
-
-
-#: What else to install into PEFT with tpkit's layers (layers above convert register here: the stock adapter
-#: files of `tpkit.checkpoint.peft_adapter`).
-ON_PEFT: list[Callable[[], None]] = []
-
-
-def enable_peft() -> None:
-    """When PEFT is imported, make its LoRA dispatch know tpkit's layers (`tpkit.nn.lora.install`) and run what
-    registered in `ON_PEFT` (each idempotent)."""
-    if _peft_loaded():
-        from ..nn.lora import install
-
-        install()
-        for hook in ON_PEFT:
-            hook()
-
-
 def inner_model(model: nn.Module) -> nn.Module:
     """The model PEFT wraps (a `PeftModel`'s base model, a `LoraModel`'s model), or `model` itself."""
-    if _peft_loaded():
-        from peft import PeftModel
-        from peft.tuners.tuners_utils import BaseTuner
-
-        if isinstance(model, PeftModel):
-            model = model.base_model
-        if isinstance(model, BaseTuner):
-            model = model.model
+    if is_peft(model, "peft.peft_model", "PeftModel"):
+        model = model.base_model
+    if is_peft(model, "peft.tuners.tuners_utils", "BaseTuner"):
+        model = model.model
     return model
 
 
 def lora_wrapped(model: nn.Module) -> dict[str, nn.Module]:
     """`{name: wrapper}` of the outermost PEFT adapter layers in `model` (empty without PEFT)."""
-    if not _peft_loaded():
-        return {}
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     out: dict[str, nn.Module] = {}
     for name, m in model.named_modules():
-        if isinstance(m, BaseTunerLayer) and not any(name.startswith(n + ".") for n in out):
+        if is_peft(m, "peft.tuners.tuners_utils", "BaseTunerLayer") and not any(name.startswith(n + ".") for n in out):
             out[name] = m
     return out
 
@@ -99,11 +73,7 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def saved_wrapped(model: nn.Module) -> dict[str, nn.Module]:
     """`{name: wrapper}` of PEFT's `modules_to_save` wrappers in `model` (a module PEFT trains a copy of)."""
-    if not _peft_loaded():
-        return {}
-    from peft.utils.other import ModulesToSaveWrapper
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)}
+    return {name: m for name, m in model.named_modules() if is_peft(m, "peft.utils.other", "ModulesToSaveWrapper")}
 
 
 @contextlib.contextmanager
@@ -246,7 +216,7 @@ def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
             cls = lora_layer_for(new)
             if cls is None:
                 raise PlanError(f"{name}: its base layer became a {type(new).__name__}, which takes no LoRA adapter")
-            w.__class__ = cls
+            adopt(w, cls)
             w.__dict__["tp_name"] = name
             w._modules["base_layer"] = new
             w.fan_in_fan_out = False

@@ -1,7 +1,10 @@
 """`Conversion`: the record of what `parallelize` did on one rank, kept on the converted model.
 
-`model.tp_plan` is its plan; `tpkit.shard_layouts(model)` reads its layouts; checkpoints and `data_parallel`
-read it through `conversions_in(model)` (a model wrapped after conversion holds it on a submodule).
+It is the model's record (`tpkit.nn.record.ModelRecord`: the communicator, every state-dict key's layout, the
+data-parallel facts once `data_parallel` adds them) plus what only the converter knows: the plan it applied, the
+attributes it set to local values, what each family's validation settled. `model.tp_plan` is its plan;
+`tpkit.shard_layouts(model)` reads its layouts; checkpoints, `clip_grad_norm_`, the replica sentinel and
+`data_parallel` read it through `tpkit.nn.record` (a model wrapped after conversion holds it on a submodule).
 """
 from __future__ import annotations
 
@@ -10,24 +13,20 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from ..layout import ShardLayout
+from ..nn.record import ModelRecord, attach_record, record_of
 from .family import Checked
 from .plan import Plan
 from .styles import SEQUENCE_PARALLEL
 
-_ATTR = "_tp_conversion"
 
-
-@dataclasses.dataclass(frozen=True)
-class Conversion:
+@dataclasses.dataclass(eq=False)
+class Conversion(ModelRecord):
     """What `parallelize` did on one rank: the plan it applied and what each tensor now holds."""
 
-    plan: Plan
-    layouts: Mapping[str, ShardLayout]           # state_dict key -> layout (every key, replicated ones included)
-    updated_attributes: Mapping[str, Mapping[str, Any]]  # module -> attributes set to local values (head counts)
-    settled: Mapping[str, Checked]               # family name -> what its validation settled (the SP region)
-    world_size: int
-    rank: int
+    plan: Plan = dataclasses.field(kw_only=True)
+    updated_attributes: Mapping[str, Mapping[str, Any]] = dataclasses.field(kw_only=True)  # module -> attributes
+    #                                                                       set to local values (head counts)
+    settled: Mapping[str, Checked] = dataclasses.field(kw_only=True)  # family name -> what its validation settled
 
     @property
     def sequence_parallel(self) -> bool:
@@ -36,8 +35,8 @@ class Conversion:
 
 
 def attach(model: nn.Module, conversion: Conversion) -> None:
-    """Keep `conversion` on `model` and its plan as `model.tp_plan`."""
-    setattr(model, _ATTR, conversion)
+    """Keep `conversion` on `model` as its record, and its plan as `model.tp_plan`."""
+    attach_record(model, conversion)
     # Hugging Face models expose `tp_plan` as a validating property backed by `_tp_plan`.
     if isinstance(getattr(type(model), "tp_plan", None), property):
         model._tp_plan = conversion.plan
@@ -48,7 +47,8 @@ def attach(model: nn.Module, conversion: Conversion) -> None:
 def conversion_of(model: nn.Module) -> Conversion | None:
     """The conversion record `model` itself holds (None when it was not converted); its own attribute only, not one
     a wrapper forwards to the model it wraps (PEFT's `PeftModel` / `LoraModel` forward unknown attributes)."""
-    return model.__dict__.get(_ATTR)
+    record = record_of(model)
+    return record if isinstance(record, Conversion) else None
 
 
 def conversions_in(model: nn.Module) -> list[tuple[str, Conversion]]:

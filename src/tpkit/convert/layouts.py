@@ -14,8 +14,7 @@ from torch import nn
 
 from ..layout import ShardLayout
 from ..nn.grad_sums import grad_sums, unsummed
-from .adapter_layouts import adapter_layout
-from .conversion import conversions_in
+from ..nn.record import find_record
 from .errors import PlanError
 from .modules import kind
 from .registry import module_layouts, style
@@ -68,23 +67,14 @@ def shard_layouts(model: nn.Module) -> dict[str, ShardLayout]:
     """`{state_dict key: ShardLayout}` of a converted model: every parameter and persistent buffer, replicated
     ones included, keyed exactly as `model.state_dict()` (a model wrapped after conversion, e.g. under a
     `module.` prefix or by PEFT, is found by its submodule; PEFT's LoRA tensors follow their base layer's,
-    `adapter_layouts.py`). An unconverted model: every tensor whole, world size 1."""
-    found = conversions_in(model)
-    if len(found) > 1:
-        raise ValueError(f"shard_layouts: the model holds {len(found)} converted submodules ({[n for n, _ in found]}); "
-                         f"call it on each")
-    prefix, conversion = found[0] if found else ("", None)
-    world, rank = (conversion.world_size, conversion.rank) if conversion else (1, 0)
-    known = conversion.layouts if conversion else {}
+    `tpkit.nn.adapter_layouts`). An unconverted model: every tensor whole, world size 1."""
+    found = find_record(model, "shard_layouts")
+    if found is None:
+        return {key: ShardLayout.replicated(t.shape, 1, 0) for key, t in model.state_dict(keep_vars=True).items()}
+    prefix, record = found
     cut = len(prefix) + 1 if prefix else 0
-    out = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        inner = key[cut:] if prefix and key.startswith(prefix + ".") else key
-        lay = known.get(inner)
-        if lay is None and conversion is not None:  # a PEFT adapter's key: from its base layer's layout
-            lay = adapter_layout(inner, known, tuple(t.shape), world, rank)
-        out[key] = lay if lay is not None else ShardLayout.replicated(t.shape, world, rank)
-    return out
+    return {key: record.layout(key[cut:] if prefix and key.startswith(prefix + ".") else key, t.shape)
+            for key, t in model.state_dict(keep_vars=True).items()}
 
 
 def check_grad_sums(model: nn.Module, where: str) -> None:

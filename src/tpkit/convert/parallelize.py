@@ -32,8 +32,10 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from ..nn._layer import resolve_comm
+from ..nn.record import SplitsParameters, records_in
 from ..quant import Quantization
-from .adapters import enable_peft, inner_model, lora_wrapped, parallelize_wrapped
+from . import peft_seam
+from .adapters import inner_model, lora_wrapped, parallelize_wrapped
 from .conversion import Conversion, attach
 from .errors import PlanError
 from .dryrun import dry_run, fits_real_copy, real_first
@@ -90,7 +92,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
 
     `sequence_parallel=True` (or plan entries styled "sequence_parallel") also splits the residual stream
     along the sequence between row- and column-wise layers (see `sequence.py`; training mode, sequence length
-    a multiple of the world size; call `tpkit.nn.sync_sequence_parallel_grads(model)` after backward).
+    a multiple of the world size; the norms' partial gradients are summed in the backward).
 
     `recorded=True`: `plan` is the `Plan` this same model was converted with before at this world size (as a
     checkpoint records it); it is applied without tracing the model or re-checking the dataflow, which was
@@ -112,13 +114,14 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     refuse_quantized(model)
     comm = resolve_comm(comm)
     world, rank = comm.world_size, comm.rank
-    enable_peft()
+    peft_seam.install()  # PEFT's dispatch, files and loading know tpkit's layers, whenever PEFT is imported
     wrapped = lora_wrapped(inner_model(model))
     if wrapped:  # PEFT LoRA layers: convert the bare model, the adapters follow their base layers (adapters.py)
         return parallelize_wrapped(model, wrapped, lambda bare: parallelize(
             bare, plan, comm, mode=mode, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
             recorded=recorded, reuse=reuse), plan)
-    done = [n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)]
+    done = [n or "the model" for n, _ in records_in(model)] + [
+        n for n, m in model.named_modules() if isinstance(m, SplitsParameters) and m.split_dims()]
     if done:
         raise PlanError(f"parallelize: the model already holds tensor-parallel shards (e.g. {done[0]}); it was "
                         f"converted before (see its tp_plan). Convert the original model once per rank")
@@ -146,8 +149,8 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
             if n in analysis.leaves or n in per_module or style(s).region}
     record = Plan(kept, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
-    attach(model, Conversion(record, key_layouts(model, modules, per_module, world, rank), updates,
-                             prepared.checked, world, rank))
+    attach(model, Conversion(comm, key_layouts(model, modules, per_module, world, rank), plan=record,
+                             updated_attributes=updates, settled=prepared.checked))
     check_grad_sums(model, "parallelize")
     log_kept_whole(record, isinstance(plan, str) and plan in PLAN_WORDS, rank)
     return model

@@ -11,7 +11,6 @@ other tensor.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable
 
@@ -24,7 +23,7 @@ from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 from ..nn.quantized import dequantize_layer, quantize_linear, quant_state
 from ..quant import (Quantization, QuantizationError, WeightQuant, config_quantization, stored_layout,
                      stored_tensors)
-from .conversion import attach, conversion_of
+from .conversion import conversion_of
 from .plan import Plan
 from .roles import ATTENTION
 
@@ -109,7 +108,7 @@ def quantize_layers(model: nn.Module, quant: Quantization, dtype: torch.dtype,
         layouts[f"{name}.weight"] = dense
         layouts.update({f"{name}.{n}": lay for n, lay in stored.items()})
     if conv is not None:
-        attach(model, dataclasses.replace(conv, layouts=layouts))
+        conv.layouts = layouts
     return [n for n, *_ in todo]
 
 
@@ -146,7 +145,7 @@ def dequantize_layers(model: nn.Module, comm) -> None:
         if dense.shares_entries():
             sum_grads(m, {"weight": GradSum(tuple(dense.index()), dense.full_shape[dense.dim])}, comm)
     if conv is not None:
-        attach(model, dataclasses.replace(conv, layouts=layouts))
+        conv.layouts = layouts
 
 
 _QUANTIZED_NAMES = ("weight_packed", "qweight", "weight_scale_inv", "weight_scale", "SCB")

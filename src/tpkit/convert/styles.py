@@ -187,14 +187,12 @@ class ColWise(_FeatureSplit):
         if lay.is_plain_split() or self.gather:
             return ColumnParallelLinear.from_module(lin, comm, gather_output=self.gather, **sp)
         layer = ColumnParallelLinear.from_module(lin, comm, index=lay.index(), partition_sizes=lay.sizes(), **sp)
-        replicas = lay.replicas()
         # Some rows (replicated KV heads) live on several ranks: every rank joins the gradient sum, including
-        # one whose own rows are all single (KV heads 2 over 3 ranks: rank 0 holds head 0 alone).
+        # one whose own rows are all single (KV heads 2 over 3 ranks: rank 0 holds head 0 alone). How many ranks
+        # hold each row is the layout's fact (`replicas()`), which the model's record keeps by name.
         if lay.shares_entries():
             rows = GradSum(tuple(lay.index()), lay.full_shape[lay.dim])
             sum_grads(layer, {n: rows for n, p in layer.named_parameters(recurse=False)}, comm)
-            for p in layer.parameters(recurse=False):
-                p.partition_replicas = replicas  # type: ignore[attr-defined]
         return layer
 
     def check_dataflow(self, name: str, planned: Any, lookup: Lookup) -> None:
@@ -344,8 +342,6 @@ class ChannelWise(Style):
 
     def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
         """This rank's channels of a BatchNorm (weights, bias and running statistics), cut by `layouts`."""
-        from ..nn import mark_tensor_parallel
-
         n = layouts["running_mean"] if "running_mean" in layouts else layouts["weight"]
         new = type(m)(n.local_shape[0], eps=m.eps, momentum=m.momentum, affine=m.affine,
                       track_running_stats=m.track_running_stats, device="meta")
@@ -356,7 +352,7 @@ class ChannelWise(Style):
             p = getattr(m, pname)
             if p is not None:
                 q = nn.Parameter(layouts[pname].shard(p.detach()).clone(), requires_grad=p.requires_grad)
-                setattr(new, pname, mark_tensor_parallel(q, 0, layouts[pname].sizes()))
+                setattr(new, pname, q)
         for bname in ("running_mean", "running_var"):
             b = getattr(m, bname)
             if b is not None:

@@ -1,9 +1,10 @@
 """`tpkit.nn`: tensor-parallel layers whose forward and backward on N ranks equal one big layer on one device.
 
-Every communication is one of the conjugate autograd pairs in `mappings`; layers compose them. Sharded
-parameters are marked (`param.tensor_model_parallel`, `partition_dim`, `partition_sizes`; see `partition`),
-and each layer has `from_module(m, comm=None)` to shard an existing `nn.Linear` / `nn.Embedding` / `nn.Conv2d`.
-`comm=None` means `tpkit.get_communicator()` at construction time.
+Every communication is one of the conjugate autograd pairs in `mappings`; layers compose them. What each rank
+holds is said by the layers (`PARTITION_DIMS`, `partition_sizes`) and by the model's record (`record`: layouts by
+state-dict key, never attributes on Parameters), and each layer has `from_module(m, comm=None)` to shard an
+existing `nn.Linear` / `nn.Embedding` / `nn.Conv2d`. `comm=None` means `tpkit.get_communicator()` at construction
+time.
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from .mappings import (copy_rows_to_region, copy_to_region, gather_from_region, 
                        reduce_from_region, reduce_scatter_to_sequence_region, scatter_to_region,
                        scatter_to_sequence_region)
 from .grad_clip import clip_grad_norm_
-from .partition import is_tensor_parallel, mark_replicated, mark_tensor_parallel, partition_sizes, shard
+from .partition import partition_sizes, shard
+from .record import ModelRecord, attach_record, communicator_of, find_record, record_of
 from .random import (DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker,
                      model_parallel_manual_seed)
-from .sequence_parallel import mark_sequence_parallel, sequence_parallel_params, sync_sequence_parallel_grads
+from .sequence_parallel import mark_sequence_parallel, sync_sequence_parallel_grads
 
 __all__ = [
     # layers
@@ -32,9 +34,9 @@ __all__ = [
     "reduce_from_region", "reduce_scatter_to_sequence_region", "scatter_to_region", "scatter_to_sequence_region",
     # gradients summed over the ranks that share a parameter
     "GradSum", "grad_sums", "sum_grads", "unsummed",
-    # sharding and parameter marks
-    "is_tensor_parallel", "mark_replicated", "mark_tensor_parallel", "partition_sizes", "shard",
+    # sharding, and the record of a model's parameters
+    "partition_sizes", "shard", "ModelRecord", "attach_record", "communicator_of", "find_record", "record_of",
     # training helpers
     "DATA_PARALLEL_RNG", "MODEL_PARALLEL_RNG", "RNGStatesTracker", "clip_grad_norm_", "get_rng_tracker",
-    "mark_sequence_parallel", "model_parallel_manual_seed", "sequence_parallel_params", "sync_sequence_parallel_grads",
+    "mark_sequence_parallel", "model_parallel_manual_seed", "sync_sequence_parallel_grads",
 ]

@@ -12,54 +12,33 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
-from .partition import mark_replicated, mark_tensor_parallel, shard
+from .partition import shard
+from .record import SplitsParameters
 
 
-class TensorParallelModule(nn.Module):
-    """Base of every tpkit layer: holds the communicator its collectives run on (`comm`, `world_size`, `rank`).
+class TensorParallelModule(SplitsParameters, nn.Module):
+    """Base of every tpkit layer: holds the communicator its collectives run on (`comm`, `world_size`, `rank`)
+    and says which of its parameters are split (`PARTITION_DIMS`: name -> dim of the local tensor, None for whole).
 
-    `copy.deepcopy` of a layer shares the communicator instead of copying it: a communicator is a connection to
-    the other ranks, not data (and the threads backend's locks cannot be copied).
+    `copy.deepcopy` of a layer shares the communicator, and pickling it refers to the communicator as "rank r of
+    group g" and binds the live one on unpickling (`tpkit.comm.rebind`): a communicator is a connection to the
+    other ranks, not data.
     """
 
+    PARTITION_DIMS: dict[str, int | None] = {}
+    comm: Communicator
+
     def _set_comm(self, comm: Communicator | None) -> None:
-        self._comm_ref = SharedRef(resolve_comm(comm))
+        self.comm = resolve_comm(comm)
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
+        self._declare_split()
 
-    @property
-    def comm(self) -> Communicator:
-        return self._comm_ref.value
+    def split_dims(self) -> dict[str, int]:
+        return {n: d for n, d in self.PARTITION_DIMS.items() if d is not None and self.world_size > 1}
 
-
-class SharedRef:
-    """A reference to a communicator held by a layer or a mapping: copies share it, and pickling stores which rank
-    of how many it was, so unpickling binds the default communicator of the unpickling rank (the same world
-    size and rank, or an error that says so)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __copy__(self):
-        return self
-
-    def __reduce__(self):
-        return _rebind, (self.value.world_size, self.value.rank)
-
-
-def _rebind(world_size: int, rank: int) -> SharedRef:
-    from ..distributed import get_communicator
-
-    comm = get_communicator()
-    if (comm.world_size, comm.rank) != (world_size, rank):
-        raise RuntimeError(f"this tensor-parallel module was pickled on rank {rank} of {world_size}; the unpickling "
-                           f"process is rank {comm.rank} of {comm.world_size}. Unpickle it on the same rank after "
-                           f"tpkit.init() (or load a checkpoint with tpkit.load_sharded at any world size)")
-    return SharedRef(comm)
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._declare_split()
 
 
 def resolve_comm(comm: Communicator | None) -> Communicator:
@@ -90,12 +69,13 @@ def full_module(factory: Callable[..., nn.Module], device, dtype) -> nn.Module:
 
 def make_shard(full: torch.Tensor | None, dim: int | None, sizes: Sequence[int], rank: int, *, device=None,
                dtype=None, requires_grad: bool = True, index: Sequence[int] | None = None) -> nn.Parameter | None:
-    """A Parameter holding `rank`'s slice of `full` along `dim` (or all of it when `dim` is None), marked.
+    """A Parameter holding `rank`'s slice of `full` along `dim` (or all of it when `dim` is None).
 
     `index` picks explicit positions along `dim` instead of the contiguous slice (whole heads spread over the
-    ranks, a KV head several ranks hold, pieces of a packed projection); it is recorded as
-    `param.partition_index`. The slice is copied so the full tensor can be freed, except at world size 1 (one
-    entry in `sizes`) with the same device and dtype, where the layer simply holds the full module's own tensor.
+    ranks, a KV head several ranks hold, pieces of a packed projection). The slice is copied so the full tensor can
+    be freed, except at world size 1 (one entry in `sizes`) with the same device and dtype, where the layer simply
+    holds the full module's own tensor. Nothing is set on the Parameter: what it holds is the layer's fact
+    (`PARTITION_DIMS`, `partition_sizes`, `partition_index`) and the model record's (`record.py`).
     """
     if full is None:
         return None
@@ -109,13 +89,7 @@ def make_shard(full: torch.Tensor | None, dim: int | None, sizes: Sequence[int],
     target_dtype = piece.dtype if dtype is None else dtype
     if not (len(sizes) == 1 and piece.device == target_device and piece.dtype == target_dtype):
         piece = piece.to(device=target_device, dtype=target_dtype, copy=True, memory_format=torch.contiguous_format)
-    param = nn.Parameter(piece, requires_grad=requires_grad)
-    if dim is None:
-        return mark_replicated(param)
-    mark_tensor_parallel(param, dim, sizes)
-    if index is not None:
-        param.partition_index = tuple(int(i) for i in index)  # type: ignore[attr-defined]
-    return param
+    return nn.Parameter(piece, requires_grad=requires_grad)
 
 
 def check_index(layer: str, what: str, full_size: int, index: Sequence[int], sizes: Sequence[int], rank: int,

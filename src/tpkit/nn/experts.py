@@ -108,15 +108,17 @@ class BlockRegion:
     def __init__(self, comm: Communicator):
         self.comm = comm
 
-    def install(self, block: nn.Module) -> nn.Module:
+    def install(self, block: nn.Module, split: set[str] = frozenset()) -> nn.Module:
+        """Make `block` one region; `split`: its modules (names inside it) that hold shards (the experts'
+        projections), whose gradients are this rank's own; every other parameter's is summed."""
         from .grad_sums import sum_grads
-        from .partition import is_tensor_parallel
 
         block.register_forward_pre_hook(self.enter, with_kwargs=True)
         block.register_forward_hook(self.leave)
-        for m in block.modules():  # layers that compute partial results only run inside a region
+        for name, m in block.named_modules():  # layers that compute partial results only run inside a region
             m.tp_block_region = True
-            sum_grads(m, [n for n, p in m.named_parameters(recurse=False) if not is_tensor_parallel(p)], self.comm)
+            if name not in split:
+                sum_grads(m, [n for n, p in m.named_parameters(recurse=False)], self.comm)
         return block
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -2,25 +2,18 @@
 
 Some parameters are held by several ranks that each apply them to their own share of the work: a per-head norm
 every rank holds whole but applies to its own heads, KV-head rows held by the ranks whose query heads share them,
-the router of a MoE block whose experts are split. Each holder's gradient is then a partial sum; the gradient of
-the one-device model is the sum over the holders.
+the router of a MoE block whose experts are split, a norm running on a slice of the sequence. Each holder's gradient
+is then a partial sum; the gradient of the one-device model is the sum over the holders.
 
 The sum is the backward half of a conjugate pair (Megatron's mappings), applied to the parameter itself: while
-the module that owns it runs its forward, reading `module.weight` gives the parameter through
-`copy_to_region` (identity forward, all-reduce backward), or through `copy_rows_to_region` for rows held by
-some ranks only. Outside that forward the name gives the Parameter as usual (`.grad`, `.data`, optimizers, state dicts).
-
-Why not a hook on the tensor: a tensor hook belongs to one Parameter object, and every path that replaces the
-object drops it without a trace (a meta model materialised with `swap_tensors`, `to_empty`,
-`load_state_dict(assign=True)`, `deepcopy`); a dropped hook is a silently wrong gradient. Here the mapping
-belongs to the module: a subclass of its class made once per (class, names) (as `torch.nn.utils.parametrize`
-does, but state-dict keys unchanged), plus forward hooks that say when its forward runs. Whatever Parameter
-sits in `module._parameters` at forward time is summed, so the sum survives every such path, pickling, and
-`torch.compile` (the property and hooks trace like any module code).
+the module that owns it runs its forward, reading `module.weight` gives the parameter through `copy_to_region`
+(identity forward, all-reduce backward), or through `copy_rows_to_region` for rows held by some ranks only. Outside
+that forward the name gives the Parameter as usual (`.grad`, `.data`, optimizers, state dicts). It is a rewrite of
+how the parameter enters the forward (`rewrites.py`), registered on the module by name, so it survives every path
+that replaces the Parameter object, pickling, and `torch.compile`.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -28,8 +21,8 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
-from ._layer import SharedRef
 from .mappings import copy_rows_to_region, copy_to_region
+from .rewrites import Rewrite, rewrite, rewrites_of, unapplied
 
 
 @dataclass(frozen=True)
@@ -47,62 +40,14 @@ def summed(p: torch.Tensor, how: GradSum, comm: Communicator) -> torch.Tensor:
     return copy_to_region(p, comm) if how.rows is None else copy_rows_to_region(p, how.rows, how.full_rows, comm)
 
 
-class GradSums:
-    """What one module sums (`specs`: parameter name -> GradSum), over which communicator, and whether its
-    forward is running (`depth`, counted so a module that calls itself stays inside)."""
+class Summed(Rewrite):
+    """The rewrite: inside its module's forward, the parameter enters through the sum `how` over `comm`."""
 
-    def __init__(self, specs: Mapping[str, GradSum], comm: Communicator):
-        self.specs, self._comm, self.depth = dict(specs), SharedRef(comm), 0
+    def __init__(self, how: GradSum, comm: Communicator):
+        self.how, self.comm = how, comm
 
-    @property
-    def comm(self) -> Communicator:
-        return self._comm.value
-
-    def enter(self, module: nn.Module, args) -> None:
-        self.depth += 1
-
-    def leave(self, module: nn.Module, args, output) -> None:
-        self.depth -= 1
-
-
-_LOCK = threading.Lock()
-_CLASSES: dict[tuple[type, frozenset], type] = {}
-
-
-def _read(name: str):
-    def get(self):
-        p = self._parameters.get(name)
-        if p is None:
-            if name in self._parameters:
-                return None
-            return nn.Module.__getattr__(self, name)
-        sums = self.__dict__["tp_grad_sums"]
-        return summed(p, sums.specs[name], sums.comm) if sums.depth else p
-
-    return property(get)
-
-
-def _rebuild(base: type, names: frozenset) -> nn.Module:
-    """Unpickling: an empty instance of the summing class (its state follows through `__setstate__`)."""
-    return object.__new__(_summing_class(base, names))
-
-
-def _reduce_ex(self, protocol):
-    base, names = self.__dict__["tp_grad_sums_base"], frozenset(self.__dict__["tp_grad_sums"].specs)
-    return _rebuild, (base, names), self.__getstate__()
-
-
-def _summing_class(base: type, names: frozenset) -> type:
-    """The subclass of `base` whose `names` read through the gradient sum during its forward: one per pair, kept,
-    with the base's name (messages and `type(m).__name__` stay as they were)."""
-    with _LOCK:
-        cls = _CLASSES.get((base, names))
-        if cls is None:
-            body = {n: _read(n) for n in names}
-            body.update(__module__=base.__module__, __qualname__=base.__qualname__, __reduce_ex__=_reduce_ex,
-                        __doc__=base.__doc__)
-            cls = _CLASSES[(base, names)] = type(base.__name__, (base,), body)
-        return cls
+    def read(self, module: nn.Module, name: str, stored: torch.Tensor | None) -> torch.Tensor:
+        return summed(stored, self.how, self.comm)
 
 
 def sum_grads(module: nn.Module, params: Mapping[str, GradSum] | Iterable[str], comm: Communicator) -> None:
@@ -114,20 +59,16 @@ def sum_grads(module: nn.Module, params: Mapping[str, GradSum] | Iterable[str], 
     if missing:
         raise ValueError(f"sum_grads: {type(module).__name__} has no parameter(s) {missing}; its parameters are "
                          f"{sorted(module._parameters)}")
-    if comm.world_size == 1 or not specs:
+    if comm.world_size == 1:
         return
-    old = module.__dict__.get("tp_grad_sums")
-    if old is not None:
-        old.specs.update(specs)
-        specs = old.specs
-    base = module.__dict__.get("tp_grad_sums_base", type(module))
-    module.__class__ = _summing_class(base, frozenset(specs))
-    if old is None:
-        state = GradSums(specs, comm)
-        module.__dict__["tp_grad_sums_base"] = base
-        module.__dict__["tp_grad_sums"] = state
-        module.register_forward_pre_hook(state.enter)
-        module.register_forward_hook(state.leave, always_call=True)
+    for n, how in specs.items():
+        rewrite(module, n, Summed(how, comm))
+
+
+def sum_of(module: nn.Module, name: str) -> GradSum | None:
+    """How `module`'s parameter `name` has its gradient summed, or None."""
+    how = rewrites_of(module).get(name)
+    return how.how if isinstance(how, Summed) else None
 
 
 def _key(prefix: str, name: str) -> str:
@@ -136,27 +77,12 @@ def _key(prefix: str, name: str) -> str:
 
 def grad_sums(model: nn.Module) -> dict[str, GradSum]:
     """Every summed parameter of `model`, by state-dict key."""
-    out = {}
-    for prefix, m in model.named_modules():
-        state = m.__dict__.get("tp_grad_sums")
-        for n, how in (state.specs.items() if state is not None else ()):
-            out[_key(prefix, n)] = how
-    return out
+    return {_key(prefix, n): how.how for prefix, m in model.named_modules()
+            for n, how in rewrites_of(m).items() if isinstance(how, Summed)}
 
 
 def unsummed(model: nn.Module) -> list[str]:
     """State-dict keys of parameters recorded as summed whose module no longer sums them (its class or its hooks
     replaced): a gradient that would be silently partial."""
-    bad = []
-    for prefix, m in model.named_modules():
-        state = m.__dict__.get("tp_grad_sums")
-        if state is None or state.comm.world_size == 1:
-            continue
-        hooked = (any(getattr(h, "__self__", None) is state for h in m._forward_pre_hooks.values())
-                  and any(getattr(h, "__self__", None) is state for h in m._forward_hooks.values()))
-        for n in state.specs:
-            prop = getattr(type(m), n, None)
-            if not (hooked and isinstance(prop, property) and n in m._parameters):
-                bad.append(_key(prefix, n))
-    return bad
-
+    summing = set(grad_sums(model))
+    return [k for k in unapplied(model) if k in summing]

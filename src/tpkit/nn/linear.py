@@ -10,9 +10,9 @@ With `sequence_parallel=True` the activations outside the pair are split along t
 (`sequence_dim`, default -2: the dim before the features, so `[batch, seq, hidden]` and `[seq, hidden]` both
 work; use 0 for Megatron's `[seq, batch, hidden]`): Column all-gathers its input (backward reduce-scatter),
 Row reduce-scatters its output (backward all-gather); same bytes as the all-reduce, but the norms and dropout
-in between run on 1/N of the tokens. The sequence length must then be a multiple of the world size, and the
-gradients of replicated parameters used on sequence shards (the Row bias, norms) need
-`sync_sequence_parallel_grads` before the optimizer step.
+in between run on 1/N of the tokens. The sequence length must then be a multiple of the world size; the gradients
+of replicated parameters used on sequence shards (the Row bias, norms) are summed over the ranks in the backward
+(`mark_sequence_parallel`).
 
 At world size 1 `forward` is exactly `F.linear(x, weight, bias)`: no autograd Function, no copy.
 """
@@ -183,7 +183,7 @@ class RowParallelLinear(_ParallelLinear):
                              "index needs the matching slice of the input (input_is_parallel=True)")
         self.input_size_per_partition = self.partition_sizes[self.rank]
         if self.sequence_parallel and self.bias is not None:
-            mark_sequence_parallel([self.bias])
+            mark_sequence_parallel(self, self.comm, ["bias"])  # added to this rank's slice of the sequence
 
     def forward(self, x: torch.Tensor, adapter: Adapter | None = None) -> torch.Tensor:
         """`adapter` (a LoRA branch, `tpkit.nn.lora`): called on this rank's slice of the input; its result, a

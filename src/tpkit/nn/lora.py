@@ -13,7 +13,7 @@ rank's partial input): `sum_grads` sums it in the backward, as it does for KV ro
 hold (a shared KV head) are summed over their holders, as the base's rows are.
 
 The classes are PEFT's `lora.Linear` with their forward and initialisation changed: PEFT creates them through
-its custom-module dispatch (`register`), initialises each adapter full size under the same random draws as on
+its custom-module dispatch (`register`; `tpkit.convert.peft_seam` fills it into the configs PEFT dispatches with), initialises each adapter full size under the same random draws as on
 one process (so a seeded run starts from the one-process adapter), and this rank keeps its slice. Merging,
 unmerging, several adapters, `set_adapter` and `disable_adapter` are PEFT's own code on the local shards, which
 is exact: a row or column slice of `B @ A` is `B_rows @ A` or `B @ A_columns`, the same sums.
@@ -22,27 +22,24 @@ Imports PEFT (an optional dependency): nothing in `tpkit.nn` imports this module
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora import LoraConfig
 from peft.tuners.lora.layer import Linear as LoraLinear
-from peft.tuners.lora.model import LoraModel
 from torch import nn
 
 from .embedding import ParallelEmbedding, VocabParallelEmbedding
-from .grad_sums import GradSum, sum_grads, summed
+from .grad_sums import GradSum, sum_grads, sum_of, summed
 from .lora_checks import DORA_REASON, PLAIN_INITS, LoraTPError, check_config  # noqa: F401 (public here too)
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .lora_dropout import one_mask_dropout
 from .lora_embedding import VocabParallelLoraEmbedding
-from .partition import mark_replicated, mark_tensor_parallel
-from .sequence_parallel import mark_sequence_parallel
 from .quantized import quant_state
+from .record import SplitsParameters
 
-class _ParallelLoraLinear(LoraLinear):
+class _ParallelLoraLinear(LoraLinear, SplitsParameters):
     """PEFT's `lora.Linear` on a tpkit linear layer: `SPLIT` names the factor split with the base ('lora_B' on a
     column layer, 'lora_A' on a row layer); the other is whole, its gradient summed over the ranks."""
 
@@ -59,6 +56,20 @@ class _ParallelLoraLinear(LoraLinear):
         # tpkit's layers hold [out, in] whatever the original stored (GPT-2's Conv1D: [in, out]); the adapter's
         # factors are the same either way, only the merge's transpose depended on it.
         self.fan_in_fan_out = False
+        self._declare_split()
+
+    def split_dims(self) -> dict[str, int]:
+        """The split factor's tensors (a model built by hand holds no record that says so)."""
+        if self.get_base_layer().world_size == 1:
+            return {}
+        dim = self._slice_positions()[0]
+        factor = getattr(self, self.SPLIT)
+        return {f"{self.SPLIT}.{a}.{n}": dim if n == "weight" else 0 for a, m in factor.items()
+                for n, p in m.named_parameters(recurse=False) if not (n == "bias" and dim == 1)}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._declare_split()
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         """The full layer's sizes: PEFT builds and initialises the adapter full size, then it is sliced."""
@@ -100,20 +111,13 @@ class _ParallelLoraLinear(LoraLinear):
             self.__dict__["_tp_takes_slices"] = True
 
     def _cut(self, module: nn.Linear, name: str, dim: int, positions: tuple[int, ...]) -> None:
-        """Keep `positions` of `module.<name>` along `dim` (a new Parameter, marked as the base's shard)."""
+        """Keep `positions` of `module.<name>` along `dim` (a new Parameter: what it holds is the base's layout,
+        which the model's record derives the adapter's from, `adapter_layouts.py`)."""
         p = getattr(module, name)
         if p is None:
             return
         index = torch.tensor(positions, dtype=torch.long, device=p.device)
-        piece = nn.Parameter(p.detach().index_select(dim, index).clone(), requires_grad=p.requires_grad)
-        base_param = self.get_base_layer().weight
-        mark_tensor_parallel(piece, dim, getattr(base_param, "partition_sizes", ()))
-        if getattr(base_param, "partition_index", None) is not None:
-            piece.partition_index = tuple(positions)  # type: ignore[attr-defined]
-        replicas = getattr(base_param, "partition_replicas", None)
-        if replicas is not None:
-            piece.partition_replicas = replicas  # type: ignore[attr-defined]
-        setattr(module, name, piece)
+        setattr(module, name, nn.Parameter(p.detach().index_select(dim, index).clone(), requires_grad=p.requires_grad))
 
     def merge(self, *args: Any, **kwargs: Any) -> None:
         """PEFT's merge, refused on a quantized base: its weight is packed integers, and the dequantized tensor
@@ -192,7 +196,6 @@ class ColumnParallelLoraLinear(_ParallelLoraLinear):
             self._cut(b, name, 0, rows)
         b.out_features = len(rows)
         self._watch_loads()
-        mark_replicated(a.weight)
         comm = base.comm
         sum_grads(a, ["weight"], comm)
         spec = _base_rows_sum(base)
@@ -217,11 +220,7 @@ class RowParallelLoraLinear(_ParallelLoraLinear):
         self._cut(a, "weight", 1, self._local_positions(base.in_features))
         a.in_features = a.weight.shape[1]
         self._watch_loads()
-        for p in b.parameters(recurse=False):
-            mark_replicated(p)
         sum_grads(b, ["weight"], base.comm)
-        if b.bias is not None and base.sequence_parallel:
-            mark_sequence_parallel([b.bias])
 
     def _up(self, b: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         # B's bias is added once, after the reduction (forward below), so B's forward is not called: its weight
@@ -232,9 +231,11 @@ class RowParallelLoraLinear(_ParallelLoraLinear):
         out = super().forward(x, *args, **kwargs)
         if self.disable_adapters or self.merged:
             return out
+        sequence = self.get_base_layer().sequence_parallel
         for name in self._active():
             bias = self.lora_B[name].bias
-            if bias is not None:
+            if bias is not None:  # on a sequence slice under sequence parallelism: its gradient summed over ranks
+                bias = summed(bias, GradSum(), self.comm) if sequence else bias
                 out = out + (bias * self.scaling[name]).to(out.dtype)
         return out
 
@@ -261,8 +262,8 @@ def _base_dtype(base: nn.Module) -> torch.dtype:
 
 def _base_rows_sum(base: nn.Module) -> GradSum | None:
     """The base weight's per-row gradient sum (rows several ranks hold), which B's rows then share."""
-    state, quantized = base.__dict__.get("tp_grad_sums"), quant_state(base)
-    spec = quantized.weight_sum if quantized is not None else state.specs.get("weight") if state is not None else None
+    quantized = quant_state(base)
+    spec = quantized.weight_sum if quantized is not None else sum_of(base, "weight")
     return spec if spec is not None and spec.rows is not None else None
 
 
@@ -294,19 +295,3 @@ def register(config: LoraConfig) -> LoraConfig:
     if missing:
         config._register_custom_module(missing)
     return config
-
-
-@functools.lru_cache(maxsize=None)
-def install() -> None:
-    """Make every LoRA config PEFT applies know tpkit's layers (idempotent): PEFT's module factory registers
-    them in the config it is given before dispatching, so `peft.get_peft_model(tp_model, LoraConfig(...))` and
-    `PeftModel.from_pretrained(tp_model, directory)` work with stock configs."""
-    original = LoraModel._create_new_module
-
-    def _create_new_module(lora_config, adapter_name, target, **kwargs):
-        if isinstance(lora_config, LoraConfig):
-            register(lora_config)
-        return original(lora_config, adapter_name, target, **kwargs)
-
-    _create_new_module.tpkit_original = original  # type: ignore[attr-defined]
-    LoraModel._create_new_module = staticmethod(_create_new_module)

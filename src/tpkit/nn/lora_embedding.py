@@ -23,7 +23,6 @@ from torch import nn
 from .embedding import VocabParallelEmbedding
 from .grad_sums import GradSum, sum_grads, summed
 from .lora_checks import check_config
-from .partition import mark_replicated, mark_tensor_parallel
 
 
 class VocabParallelLoraEmbedding(LoraEmbedding):
@@ -57,15 +56,13 @@ class VocabParallelLoraEmbedding(LoraEmbedding):
         return 1, base.num_embeddings, tuple(range(base.vocab_start, base.vocab_end))
 
     def split_adapter(self, adapter_name: str) -> None:
-        """Keep this rank's vocabulary columns of A (marked as the base's shard) and sum B's gradient."""
+        """Keep this rank's vocabulary columns of A (the base's rows) and sum B's gradient."""
         base = self.get_base_layer()
         _, full, positions = self._slice_positions()
         a = self.lora_embedding_A[adapter_name]
         if a.shape[1] == full and len(positions) != full:
             piece = nn.Parameter(a.detach()[:, positions[0]:positions[-1] + 1].clone(), requires_grad=a.requires_grad)
-            mark_tensor_parallel(piece, 1, base.partition_sizes)
             self.lora_embedding_A[adapter_name] = piece
-        mark_replicated(self.lora_embedding_B[adapter_name])
         sum_grads(self.lora_embedding_B, [adapter_name], base.comm)
         if not self.__dict__.get("_tp_takes_slices"):
             self.register_load_state_dict_pre_hook(_take_columns)

@@ -5,25 +5,9 @@ every layer, mapping and checkpoint reader goes through `partition_sizes` / `sha
 line up. A `chunk` is a unit that must not be cut (a head of `head_dim` rows, a group of query heads per
 KV head): the dimension is split into whole chunks, the first ranks taking the spare ones.
 
-Marking (what the converter, the checkpoint code and `clip_grad_norm_` rely on), set on each Parameter:
-
-- ``param.tensor_model_parallel``: True when the parameter is a shard of a bigger tensor, False (or
-  absent) when every rank holds the whole tensor (replicated).
-- ``param.partition_dim``: the dimension of the full tensor that was cut (0 for a ColumnParallelLinear
-  weight, 1 for a RowParallelLinear weight, ...).
-- ``param.partition_sizes``: tuple of every rank's size along `partition_dim` (their sum is the full size;
-  this rank's start is the sum of the sizes before it).
-- ``param.partition_stride``: always 1 (kept for readers of Megatron checkpoints).
-- ``param.partition_replicas`` (optional): when some slices along `partition_dim` live on several ranks (KV
-  heads replicated because there are fewer KV heads than ranks), a tuple with, for each of this rank's
-  slices, the number of ranks holding it. `clip_grad_norm_` divides those slices' contribution by it so the
-  norm counts every element of the full tensor once.
-- ``param.sequence_parallel``: True on replicated parameters whose gradient is a partial sum under
-  sequence parallelism (LayerNorm/RMSNorm weights, a RowParallelLinear bias); see `sequence_parallel.py`.
-
-Layers also expose the same facts without the Parameter objects (which `load_state_dict(assign=True)` or
-`to_empty` may replace): `layer.partition_sizes` and the class mapping `layer.PARTITION_DIMS`
-(parameter name -> dim, or None for replicated).
+What a rank holds is said by the layer (`PARTITION_DIMS`, `partition_sizes`, `partition_index`) and, for a
+converted model, by its record (`record.py`: a `ShardLayout` per state-dict key); never by attributes on the
+Parameter objects, which `load_state_dict(assign=True)`, `to_empty` or FSDP2 replace.
 """
 from __future__ import annotations
 
@@ -66,23 +50,3 @@ def shard(tensor: torch.Tensor, dim: int, sizes: Sequence[int], rank: int) -> to
                          f"but the shard sizes {list(sizes)} add up to {sum(sizes)}")
     start = sum(sizes[:rank])
     return tensor.narrow(dim, start, sizes[rank])
-
-
-def mark_tensor_parallel(param: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
-    """Record on `param` that it is one rank's shard along `dim` of a tensor split as `sizes`."""
-    param.tensor_model_parallel = True  # type: ignore[attr-defined]
-    param.partition_dim = dim  # type: ignore[attr-defined]
-    param.partition_sizes = tuple(int(s) for s in sizes)  # type: ignore[attr-defined]
-    param.partition_stride = 1  # type: ignore[attr-defined]
-    return param
-
-
-def mark_replicated(param: torch.Tensor) -> torch.Tensor:
-    """Record on `param` that every rank holds all of it."""
-    param.tensor_model_parallel = False  # type: ignore[attr-defined]
-    return param
-
-
-def is_tensor_parallel(param: torch.Tensor) -> bool:
-    """True when `param` is a shard (marked by a tpkit layer), False when it is replicated or unmarked."""
-    return bool(getattr(param, "tensor_model_parallel", False))

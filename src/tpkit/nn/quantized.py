@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layout import ShardLayout
-from .grad_sums import GradSum
+from .grad_sums import GradSum, sum_of
+from .rewrites import remove_rewrite
 from ..quant import StoredTensor, WeightQuant, dequantize, positions, stored_layout, stored_tensors
 from ..quant.kernels import int4_linear, int8_linear, kernel_for
 from ..quant.packing import unpack_signed
@@ -40,8 +41,6 @@ class QuantState:
     dense: ShardLayout
     dtype: torch.dtype
     kernel: str | None = None  # "int4" / "int8": torch's CPU kernel computes the product (`tpkit.quant.kernels`)
-    attrs: tuple[tuple[str, object], ...] = ()  # the dense weight's tensor-parallel attributes (partition sizes,
-    #                                             index, replicas), which layers built on this one read from `weight`
     weight_sum: GradSum | None = None  # the dense weight's gradient sum (rows several ranks hold): a frozen weight
     #                                    needs none, an adapter whose rows follow it does (`tpkit.nn.lora`)
 
@@ -55,10 +54,7 @@ def _weight(self) -> torch.Tensor:
     b = self._buffers
     tensors = {n: b[n] for n in st.specs}
     maps = {(n, i): b.get(_MAP.format(n, i)) for n, s in st.specs.items() for i in range(len(s.dims))}
-    w = dequantize(st.scheme, st.specs, tensors, maps, st.shape, st.dtype)
-    for k, v in st.attrs:
-        setattr(w, k, v)
-    return w
+    return dequantize(st.scheme, st.specs, tensors, maps, st.shape, st.dtype)
 
 
 def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -141,13 +137,13 @@ def quantize_linear(layer: nn.Module, scheme: WeightQuant, dense: ShardLayout, d
                 mapped = True
                 layer.register_buffer(_MAP.format(n, i), m.to(device if device.type != "meta" else "cpu"),
                                       persistent=False)
-    sums = layer.__dict__.get("tp_grad_sums")
-    weight_sum = sums.specs.pop("weight", None) if sums is not None else None  # a frozen weight has no gradient
+    weight_sum = sum_of(layer, "weight")  # a frozen weight has no gradient to sum (an adapter on it may)
+    if weight_sum is not None:
+        remove_rewrite(layer, "weight")
     base = type(layer)
     layer.__dict__["tp_quant_base"] = base
     layer.__dict__["tp_quant"] = QuantState(scheme, specs, dense, dtype,
-                                            kernel_for(scheme, tuple(dense.local_shape), mapped),
-                                            tuple(w.__dict__.items()), weight_sum)
+                                            kernel_for(scheme, tuple(dense.local_shape), mapped), weight_sum)
     layer.__class__ = quantized_class(base)
     return layouts
 

@@ -1,56 +1,51 @@
-"""Gradients of replicated parameters under sequence parallelism.
+"""Gradients of replicated parameters under sequence parallelism, summed in the backward itself.
 
-With sequence parallelism a LayerNorm / RMSNorm (or a RowParallelLinear bias) sees only this rank's slice of
-the sequence, so its gradient on each rank is a partial sum over that slice. Summing the partial gradients
-over the tensor-parallel group gives the single-device gradient. Mark such parameters once
-(`mark_sequence_parallel`, which sets `param.sequence_parallel = True`; RowParallelLinear marks its own bias),
-then call `sync_sequence_parallel_grads(model)` after backward and before clipping / the optimizer step.
+With sequence parallelism a LayerNorm / RMSNorm (or a RowParallelLinear bias) sees only this rank's slice of the
+sequence, so its gradient on each rank is a partial sum over that slice; the single-device gradient is the sum over
+the tensor-parallel group. `mark_sequence_parallel(module, comm)` registers that sum on the module, by parameter
+name (`grad_sums.py`: the parameter enters the module's forward through `copy_to_region`, identity forward,
+all-reduce backward), so `backward()` leaves the full gradient, whatever Parameter object the name holds then, and
+no step of the training loop can forget it. The converter marks the norms of the sequence-parallel region and
+`RowParallelLinear(sequence_parallel=True)` marks its own bias.
+
+Megatron sums these gradients after the backward instead (one bucketed all-reduce the loop must call); tpkit used
+to as well. `sync_sequence_parallel_grads` stays for scripts written then: it has nothing left to do.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Iterable
 
 import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
+from .grad_sums import sum_grads
+from .record import SplitsParameters
 
 
-def mark_sequence_parallel(params: nn.Module | Iterable[torch.Tensor]) -> None:
-    """Mark replicated parameters (all of a module's, e.g. a norm's) whose gradients need the TP all-reduce."""
-    items = params.parameters() if isinstance(params, nn.Module) else params
-    for p in items:
-        if getattr(p, "tensor_model_parallel", False):
-            raise ValueError(f"mark_sequence_parallel: a parameter of shape {tuple(p.shape)} is a tensor-parallel "
-                             f"shard; only replicated parameters need the sequence-parallel gradient sync")
-        p.sequence_parallel = True  # type: ignore[attr-defined]
+def mark_sequence_parallel(module: nn.Module, comm: Communicator | None = None,
+                           names: Iterable[str] | None = None) -> None:
+    """Sum the gradients of `module`'s own parameters `names` (default all: a norm's, replicated on every rank)
+    over the ranks of `comm` (default: `tpkit.get_communicator()`) in every backward from now on. Collective in
+    effect: mark the same modules on every rank."""
+    from ._layer import resolve_comm
 
-
-def sequence_parallel_params(params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The parameters marked `sequence_parallel`."""
-    items = params.parameters() if isinstance(params, nn.Module) else params
-    return [p for p in items if getattr(p, "sequence_parallel", False)]
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"mark_sequence_parallel: pass the module that holds the parameters (a norm, a layer), not "
+                        f"{type(module).__name__}: the sum is registered on the module, by parameter name")
+    split = module.split_dims() if isinstance(module, SplitsParameters) else {}
+    names = [n for n, p in module.named_parameters(recurse=False)] if names is None else list(names)
+    bad = [n for n in names if n in split]
+    if bad:
+        raise ValueError(f"mark_sequence_parallel: {type(module).__name__}.{bad[0]} is a tensor-parallel shard; only "
+                         f"replicated parameters need the sequence-parallel gradient sum")
+    sum_grads(module, names, resolve_comm(comm))
 
 
 def sync_sequence_parallel_grads(params: nn.Module | Iterable[torch.Tensor], comm: Communicator | None = None) -> int:
-    """All-reduce (sum) the gradients of marked parameters over the TP group, in one collective per dtype.
-
-    Returns how many gradients were synchronised. Collective: every rank calls it with the same parameters.
-    """
-    from ._layer import resolve_comm
-
-    comm = resolve_comm(comm)
-    grads = [p.grad for p in sequence_parallel_params(params) if p.grad is not None]
-    if comm.world_size == 1 or not grads:
-        return len(grads)
-    by_dtype: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault((g.dtype, g.device), []).append(g)
-    for group in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in group])
-        total = comm.all_reduce(flat)
-        offset = 0
-        for g in group:
-            g.copy_(total[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
-    return len(grads)
+    """Nothing to do: the partial gradients of sequence-parallel parameters are summed in the backward itself
+    (`mark_sequence_parallel`). Kept so scripts written for the post-backward sum run unchanged; returns 0."""
+    warnings.warn("tpkit.nn.sync_sequence_parallel_grads is no longer needed: sequence-parallel gradients are summed "
+                  "in the backward; remove the call", DeprecationWarning, stacklevel=2)
+    return 0

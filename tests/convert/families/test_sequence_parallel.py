@@ -1,5 +1,5 @@
 """Sequence parallelism through `parallelize(..., sequence_parallel=True)`: the residual stream and its norms
-run on sequence shards; loss, every gradient (after `sync_sequence_parallel_grads`) and an optimizer step
+run on sequence shards; loss, every gradient (the norms' summed in the backward itself) and an optimizer step
 equal one device's."""
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ pytest.importorskip("transformers")
 
 import tpkit  # noqa: E402
 from tpkit.convert import PlanError, conversion_of, parallelize  # noqa: E402
-from tpkit.nn import sync_sequence_parallel_grads  # noqa: E402
 
 from tests.models.hf import hf_model  # noqa: E402
 
@@ -38,8 +37,7 @@ def test_training_step_equals_one_device(name, world):
     def body(comm):
         m = parallelize(copies[comm.rank], "auto", comm, mode="training", sequence_parallel=True)
         out = m(input_ids=IDS, labels=IDS)
-        out.loss.backward()
-        assert sync_sequence_parallel_grads(m, comm) > 0
+        out.loss.backward()  # the norms' partial gradients are summed in the backward itself
         lay = tpkit.shard_layouts(m)
         g_err = max(((p.grad - lay[n].shard(grads[n])).abs().max()
                      / grads[n].abs().max().clamp_min(1e-30)).item() for n, p in m.named_parameters())

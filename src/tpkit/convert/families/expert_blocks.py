@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from ...layout import ShardLayout
-from ...nn import mark_tensor_parallel
 from ...nn.experts import BlockRegion
 from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal
@@ -159,7 +158,7 @@ class ExpertColwise(Style):
         for pname, lay in layouts.items():
             p = getattr(m, pname)
             q = nn.Parameter(lay.shard(p.detach()).clone(), requires_grad=p.requires_grad)
-            setattr(new, pname, mark_tensor_parallel(q, lay.dim, lay.sizes()))
+            setattr(new, pname, q)
         return new.train(m.training)
 
 
@@ -216,6 +215,9 @@ class ExpertBlocks(Family):
 
     def install(self, model: nn.Module, planned: Planned, checked: Checked | None, comm) -> None:
         if comm.world_size > 1:
+            experts = [n for n, s in planned.styles.items() if s in (EXPERT_COLWISE, EXPERT_ROWWISE)]
             for name, s in planned.styles.items():
                 if s == MOE_BLOCK:
-                    BlockRegion(comm).install(model.get_submodule(name) if name else model)
+                    inside = name + "." if name else ""
+                    split = {n[len(inside):] for n in experts if n.startswith(inside)}
+                    BlockRegion(comm).install(model.get_submodule(name) if name else model, split)

@@ -25,7 +25,6 @@ from typing import Iterator
 from torch import nn
 
 from ...layout import Piece, ShardLayout
-from ...nn import mark_tensor_parallel
 from ...nn.experts import ExpertsRegion
 from ..errors import PlanError
 from ..family import Choice, Draft, Family, Proposal
@@ -134,7 +133,7 @@ def build_experts(m: nn.Module, layouts: Layouts, comm, expert_parallel: bool) -
     for pname, lay in layouts.items():
         p = getattr(m, pname)
         q = nn.Parameter(lay.shard(p.detach()).clone(), requires_grad=p.requires_grad)
-        setattr(new, pname, mark_tensor_parallel(q, lay.dim, lay.sizes()))
+        setattr(new, pname, q)
     experts = None
     if expert_parallel:
         seg = layouts["down_proj"].segments()

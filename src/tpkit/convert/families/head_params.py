@@ -16,7 +16,6 @@ from typing import Iterator
 from torch import nn
 
 from ...layout import HeadLayoutError, Piece, ShardLayout, head_columns, head_spans
-from ...nn import mark_tensor_parallel
 from ...nn.grad_sums import sum_grads
 from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal
@@ -89,7 +88,7 @@ def _cut(owner: nn.Module, role: Role, comm) -> None:
             shared.append(pname)
             continue
         w = nn.Parameter(lay.shard(p.detach()).clone(), requires_grad=p.requires_grad)
-        setattr(owner, pname, mark_tensor_parallel(w, 0, lay.sizes()))
+        setattr(owner, pname, w)
     sum_grads(owner, shared, comm)
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...layout import HeadLayoutError, Piece, ShardLayout, head_layout
-from ...nn import copy_to_region, gather_from_region, mark_tensor_parallel, reduce_from_region
+from ...nn import copy_to_region, gather_from_region, reduce_from_region
 from ..errors import PlanError
 from ..family import Choice, Draft, Family, Proposal
 from ..roles import ATTENTION, Role
@@ -89,12 +89,13 @@ class ParallelMultiheadAttention(nn.Module):
         self.embed_dim, self.num_heads = m.embed_dim, m.num_heads  # read by parents (TransformerEncoderLayer)
         self._qkv_same_embed_dim, self.bias_k, self.bias_v, self.add_zero_attn = True, None, None, False
         w = nn.Parameter(lay.shard(m.in_proj_weight.detach()).clone(), requires_grad=m.in_proj_weight.requires_grad)
-        self.in_proj_weight = mark_tensor_parallel(w, 0, lay.sizes())
+        self.in_proj_weight = w
+        self.head_sizes = [s // (3 * m.head_dim) for s in lay.sizes()]  # every rank's heads
         self.in_proj_bias = None
         if m.in_proj_bias is not None:
             b = layouts["in_proj_bias"]
             bias = nn.Parameter(b.shard(m.in_proj_bias.detach()).clone(), requires_grad=m.in_proj_bias.requires_grad)
-            self.in_proj_bias = mark_tensor_parallel(bias, 0, b.sizes())
+            self.in_proj_bias = bias
         self.out_proj = m.out_proj  # replaced by its own 'rowwise' layer in the same swap
         self.train(m.training)
 
@@ -149,8 +150,7 @@ class ParallelMultiheadAttention(nn.Module):
         if average_attn_weights:
             weights = reduce_from_region(weights.sum(1), self.comm) / self.total_heads
         else:
-            sizes = [s // (3 * self.head_dim) for s in self.in_proj_weight.partition_sizes]
-            weights = gather_from_region(weights, self.comm, dim=1, sizes=sizes)
+            weights = gather_from_region(weights, self.comm, dim=1, sizes=self.head_sizes)
         return out, (weights.squeeze(0) if unbatched else weights)
 
 

@@ -1,0 +1,253 @@
+"""The one place tpkit meets PEFT (Hugging Face's adapter library), and everything it changes there.
+
+A tensor-parallel model needs three things of PEFT, each through the narrowest point PEFT offers:
+1. its LoRA dispatch builds tpkit's LoRA layers on tpkit's split layers (`tpkit.nn.lora`): PEFT's own extension
+   point, the custom-module mapping of a `LoraConfig` (`_register_custom_module`), filled into any config PEFT
+   dispatches a tpkit layer with (`LoraModel._create_new_module`, wrapped), so stock configs and the configs
+   `PeftModel.from_pretrained` reads from a file work;
+2. `PeftModel.save_pretrained`, called on every rank, writes the files one process writes (`adapter_state_dict`:
+   PEFT's own selection of tensors, each gathered to full size by its layout; rank 0 writes through PEFT into a
+   temporary directory whose files are then renamed into place, so a reader never sees half a file);
+3. `set_peft_model_state_dict` (what `PeftModel.from_pretrained` / `load_adapter` load through) gives each rank its
+   slices of a stock file's full-size tensors (a `modules_to_save` copy split as its original; the LoRA layers cut
+   their own factors).
+Each wrap passes every call that involves no tpkit model to PEFT unchanged.
+
+`install()` puts them in; tpkit's entry points call it (`parallelize`, so `from_pretrained`; `lora_config`). PEFT
+is never imported for it: where PEFT's modules are loaded already they are wrapped at once, and otherwise as they
+load (an import hook for exactly those modules), so the order of `import peft` and tpkit's calls changes nothing.
+
+Tested with PEFT `TESTED_PEFT` (constraints.txt pins it): a tpkit model meeting another release raises
+`PeftVersionError` before PEFT touches it (`TPKIT_PEFT_UNTESTED=1` lets it through).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..comm.communicator import Communicator
+from ..layout import ShardLayout
+from ..nn.record import communicator_of
+from .layouts import shard_layouts
+
+TESTED_PEFT = ("0.21",)  # release series the seam was written and tested against
+_LOCK = threading.Lock()
+_WRAPPED: set[str] = set()
+
+
+class PeftVersionError(RuntimeError):
+    """A tpkit model met a PEFT release the seam was not tested with."""
+
+
+def is_peft(obj: Any, module: str, name: str) -> bool:
+    """Whether `obj` is an instance of PEFT's class `module.name`, known by name (PEFT is not imported for it: no
+    PEFT object exists unless PEFT is)."""
+    return any(c.__module__ == module and c.__name__ == name for c in type(obj).__mro__)
+
+
+def check_version() -> None:
+    """Raise `PeftVersionError` unless the installed PEFT is a tested release (or TPKIT_PEFT_UNTESTED=1)."""
+    import peft
+
+    version = getattr(peft, "__version__", "?")
+    if os.environ.get("TPKIT_PEFT_UNTESTED") == "1" or any(version == s or version.startswith(s + ".")
+                                                            for s in TESTED_PEFT):
+        return
+    raise PeftVersionError(f"tpkit's PEFT support was tested with PEFT {', '.join(s + '.x' for s in TESTED_PEFT)}; "
+                           f"this process has PEFT {version}, whose LoRA dispatch, adapter files or loading may "
+                           f"differ. Install the tested release (pip install 'tpkit[lora]'), or set "
+                           f"TPKIT_PEFT_UNTESTED=1 to try this one")
+
+
+# --------------------------------------------------------------------------------------------------- install
+
+def install() -> None:
+    """Put the seam into PEFT: now for PEFT modules already loaded, else when they load (idempotent)."""
+    with _LOCK:
+        for name, wrap in _WRAPS.items():
+            module = sys.modules.get(name)
+            if module is not None and name not in _WRAPPED:
+                wrap(module)
+                _WRAPPED.add(name)
+        if not all(n in _WRAPPED for n in _WRAPS) and not any(isinstance(f, _WrapOnLoad) for f in sys.meta_path):
+            sys.meta_path.insert(0, _WrapOnLoad())
+
+
+class _WrapOnLoad(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the PEFT modules the seam wraps, it lets the other finders find them and wraps the
+    module once it has executed."""
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if fullname not in _WRAPS or fullname in _WRAPPED:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _Loader(spec.loader, fullname)
+        return spec
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, name: str):
+        self.inner, self.name = inner, name
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.inner.exec_module(module)
+        with _LOCK:
+            if self.name not in _WRAPPED:
+                _WRAPS[self.name](module)
+                _WRAPPED.add(self.name)
+
+
+def _tpkit_layer(target: nn.Module) -> bool:
+    from ..nn.lora import LORA_LAYERS
+
+    base = target.get_base_layer() if hasattr(target, "get_base_layer") else target
+    return isinstance(base, tuple(LORA_LAYERS))
+
+
+def _wrap_dispatch(module) -> None:
+    """(1) A tpkit layer's LoRA layer comes from PEFT's custom-module dispatch: the config it dispatches with gets
+    tpkit's mapping first."""
+    cls = module.LoraModel
+    original = cls._create_new_module
+
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        if _tpkit_layer(target):
+            from ..nn.lora import register
+
+            check_version()
+            register(lora_config)
+        return original(lora_config, adapter_name, target, **kwargs)
+
+    _create_new_module.tpkit_original = original  # type: ignore[attr-defined]
+    cls._create_new_module = staticmethod(_create_new_module)
+
+
+def _wrap_files(module) -> None:
+    """(2) and (3): stock files from and onto a tensor-parallel model."""
+    save, load = module.PeftModel.save_pretrained, module.set_peft_model_state_dict
+
+    @functools.wraps(save)
+    def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> None:
+        comm = communicator_of(self)
+        if comm is None or comm.world_size == 1 or "state_dict" in kwargs or args:
+            return save(self, save_directory, *args, **kwargs)
+        check_version()
+        adapters = kwargs.get("selected_adapters") or list(self.peft_config)
+        full = adapter_state_dict(self, adapters, kwargs.get("save_embedding_layers", "auto"), comm)
+        if comm.rank == 0 and kwargs.get("is_main_process", True):
+            parent = os.path.dirname(os.path.abspath(save_directory)) or "."
+            os.makedirs(parent, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(save_directory)}.tmp-")
+            try:
+                save(self, tmp, state_dict=full, **kwargs)
+                _move_into(tmp, save_directory)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        comm.barrier()
+
+    @functools.wraps(load)
+    def set_peft_model_state_dict(model, *args: Any, **kwargs: Any):
+        comm = communicator_of(model)
+        if comm is None or comm.world_size == 1:
+            return load(model, *args, **kwargs)
+        check_version()
+        handle = model.register_load_state_dict_pre_hook(_full_to_local(shard_layouts(model)))
+        try:
+            return load(model, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    save_pretrained.tpkit_original = save  # type: ignore[attr-defined]
+    set_peft_model_state_dict.tpkit_original = load  # type: ignore[attr-defined]
+    module.PeftModel.save_pretrained = save_pretrained
+    module.set_peft_model_state_dict = set_peft_model_state_dict
+
+
+_WRAPS: dict[str, Callable[[Any], None]] = {"peft.tuners.lora.model": _wrap_dispatch, "peft.peft_model": _wrap_files}
+
+
+# --------------------------------------------------------------------------------------------------- the pieces
+
+def lora_config(**kwargs: Any):
+    """A `peft.LoraConfig(**kwargs)` with tpkit's LoRA layers in its custom-module mapping (the seam installed). A
+    stock `LoraConfig` works as well; this one also says so in code."""
+    install()
+    from peft import LoraConfig
+
+    from ..nn.lora import register
+
+    check_version()
+    return register(LoraConfig(**kwargs))
+
+
+def gather_full(local: torch.Tensor, layout: ShardLayout, comm: Communicator) -> torch.Tensor:
+    """The full tensor from every rank's slice (collective; a replicated tensor is returned as it is)."""
+    if layout.is_replicated:
+        return local
+    numels = [layout.for_rank(r).local_numel for r in range(comm.world_size)]
+    gathered = comm.all_gather(local.detach().reshape(-1), dim=0, sizes=numels)
+    pieces, at = [], 0
+    for r, n in enumerate(numels):
+        pieces.append(gathered.narrow(0, at, n).reshape(layout.for_rank(r).local_shape))
+        at += n
+    return layout.unshard(pieces)
+
+
+def adapter_state_dict(model: nn.Module, adapters: list[str], save_embedding_layers: Any = "auto",
+                       comm: Communicator | None = None) -> dict[str, torch.Tensor]:
+    """`{model state_dict key: full tensor}` of what PEFT saves for `adapters` (collective)."""
+    from peft.utils import get_peft_model_state_dict
+
+    local = model.state_dict()
+    key_of = {id(v): k for k, v in local.items()}
+    keys: dict[str, None] = {}
+    for adapter in adapters:
+        picked = get_peft_model_state_dict(model, state_dict=local, adapter_name=adapter,
+                                           save_embedding_layers=save_embedding_layers)
+        for saved, t in picked.items():
+            if id(t) not in key_of:
+                raise ValueError(f"save_pretrained: PEFT saves {saved!r} as a tensor the model's state dict does not "
+                                 f"hold; tpkit cannot tell which part of it this rank holds")
+            keys[key_of[id(t)]] = None
+    layouts = shard_layouts(model)
+    comm = comm or communicator_of(model)
+    return {k: gather_full(local[k], layouts[k], comm) for k in local if k in keys}
+
+
+def _move_into(src: str, dst: str) -> None:
+    """Every file under `src` renamed to the same place under `dst` (each replaced atomically)."""
+    for root, _, files in os.walk(src):
+        target = os.path.join(dst, os.path.relpath(root, src))
+        os.makedirs(target, exist_ok=True)
+        for f in files:
+            os.replace(os.path.join(root, f), os.path.join(target, f))
+
+
+def _full_to_local(layouts: dict[str, ShardLayout]):
+    """A load pre-hook for a whole model: each full-size tensor of a split key is replaced by this rank's slice."""
+    def hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        for key, t in list(state_dict.items()):
+            lay = layouts.get(key[len(prefix):]) if key.startswith(prefix) else None
+            if lay is not None and not lay.is_replicated and isinstance(t, torch.Tensor) and \
+                    tuple(t.shape) == tuple(lay.full_shape) != tuple(lay.local_shape):
+                state_dict[key] = lay.shard(t)
+    return hook
