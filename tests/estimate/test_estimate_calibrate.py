@@ -47,7 +47,7 @@ def test_calibrate_writes_a_profile_that_later_estimates_use(quick_calibration, 
     data = json.loads(capsys.readouterr().out)
     assert data["hardware"] == hw.name and data["profile"] == profile.name
     assert data["pricing"].startswith("priced by the measured profile")  # op by op, as the search prices it
-    assert data["speed"]["parts"] == ["kernels", "framework", "comm"]
+    assert data["speed"]["parts"] == ["compute", "memory", "framework", "comm"]
 
 
 def test_plot_writes_a_png(tmp_path, monkeypatch, capsys):

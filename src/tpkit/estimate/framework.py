@@ -36,7 +36,7 @@ from torch import nn
 from .calls import meta_copy
 from .cold import CacheFlush, flush_between_modules
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FrameworkCost
-from .ops import trace_step
+from .fake_step import trace_step
 from .predict import Setup, dp_seconds, kernel_seconds, skew_factor
 
 __all__ = ["FAMILIES", "FrameworkCost", "framework_costs", "generate_token_seconds",

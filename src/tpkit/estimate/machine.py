@@ -1,5 +1,6 @@
 """What one rank achieves on the machine at hand, measured with as many ranks running at once as the setup will
-have (they share cores, caches and memory bandwidth), as the op-level cost model (`predict.py`) reads it:
+have (they share cores, caches and memory bandwidth), as the op-level cost model (`predict.py`) reads it (a machine
+known only by its datasheet gets the same record from `hardware.datasheet_rates`):
 
 * `op_overhead_s` / `train_op_overhead_s`: the fixed cost of one aten op as a real model pays it (dispatch and
   the framework's Python around it). Measured on a small reference model whose kernels cost next to nothing:
@@ -45,7 +46,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveCost:
-    """The seconds of one call moving `n` bytes (one rank's input). From a datasheet: latency + n / bandwidth.
+    """The seconds of one call moving `n` bytes (one rank's input). From a datasheet (`hardware.datasheet_rates`):
+    latency + n / bandwidth.
     Measured: the timed `points` (bytes, seconds) joined by straight lines, past the last one at its last
     segment's rate, because a communicator is not one line: tpkit's own sends a call of at most 1 MiB through
     shared memory and a larger one through gloo, and on the 2-core box a 1 MiB all-reduce took 0.5 ms, a 2 MiB
@@ -198,27 +200,6 @@ class MachineRates:
                              f"world sizes >= 2")
         sizes = sorted(int(g) for g in per)
         return per[str(min((g for g in sizes if g >= group), default=sizes[-1]))]
-
-    @classmethod
-    def from_hardware(cls, hw, flops_efficiency: float, memory_efficiency: float, link, ranks: int,
-                      bytes_per_element: int = 2) -> "MachineRates":
-        """Rates from a datasheet (`hardware.Hardware`) and a profile's achieved fractions (`profile.LinkProfile`
-        for its link), for a machine measured nowhere: matmuls at the fraction of peak, weights and elementwise
-        work at the fraction of HBM bandwidth, no fixed cost per op (a GPU queues its kernels ahead; captured or
-        compiled decoding pays none), ring collectives with the link's fixed cost, hop latency and bandwidth."""
-        peak = hw.peak_flops(bytes_per_element) * flops_efficiency
-        hbm = hw.memory_bandwidth * memory_efficiency
-        link_bw = hw.interconnect.bandwidth * link.bandwidth_efficiency
-        collectives: dict[str, dict[str, CollectiveCost]] = {k: {} for k in COLLECTIVES}
-        for g in range(2, max(ranks, 2) + 1):
-            hops = g - 1
-            collectives["all_reduce"][str(g)] = CollectiveCost(link.collective_latency_s + 2 * hops * link.hop_latency_s,
-                                                               link_bw * g / (2 * hops))
-            collectives["all_gather"][str(g)] = CollectiveCost(link.collective_latency_s + hops * link.hop_latency_s,
-                                                               link_bw / hops)
-            collectives["reduce_scatter"][str(g)] = CollectiveCost(
-                link.collective_latency_s + hops * link.hop_latency_s, link_bw * g / hops)
-        return cls(ranks, 0, 0.0, 0.0, ((1, peak), (1024, peak)), hbm, hbm, collectives)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -13,8 +13,9 @@ size:
 profile (`tpkit estimate --calibrate`, `calibrate.py`) also carries the machine itself as a `Hardware` whose
 peaks are the measured figures (so its efficiencies are 1), and (format version 2) the op-level rates one rank
 achieves when 1, 2, ... ranks share the machine (`machine`: `MachineRates` keyed by the number of ranks), which
-the op-level predictions (`predict.py`) read. Profiles are JSON files, written atomically,
-read with `json` only; `load_profile()` looks at `$TPKIT_PROFILE`, then `~/.cache/tpkit/profile.json`
+the op-level predictions (`predict.py`) read; a profile measured nowhere gives them from a datasheet scaled by its
+fractions (`SpeedProfile.rates`, `hardware.datasheet_rates`): one composition prices both. Profiles are JSON files,
+written atomically, read with `json` only; `load_profile()` looks at `$TPKIT_PROFILE`, then `~/.cache/tpkit/profile.json`
 (`$XDG_CACHE_HOME/tpkit/profile.json`), then falls back to the default.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 
-from .hardware import Hardware, Interconnect
+from .hardware import Hardware, Interconnect, datasheet_rates, get_hardware
 from .machine import MachineRates
 
 VERSION = 3
@@ -58,11 +59,9 @@ class SpeedProfile:
         if self.machine:
             counts = sorted(int(k) for k in self.machine)
             return self.machine[str(min((c for c in counts if c >= ranks), default=counts[-1]))]
-        from .hardware import get_hardware
-
         hw = hardware or self.hardware or get_hardware("H100-SXM")
-        return MachineRates.from_hardware(hw, self.flops_efficiency, self.memory_efficiency,
-                                          self.link(hw.interconnect), ranks, bytes_per_element)
+        return datasheet_rates(hw, self.flops_efficiency, self.memory_efficiency, self.link(hw.interconnect), ranks,
+                               bytes_per_element)
 
     def link(self, interconnect: Interconnect) -> LinkProfile:
         """The calibrated figures for `interconnect`'s kind; the interconnect's own per-hop latency, no fixed
