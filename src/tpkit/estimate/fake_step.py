@@ -131,7 +131,7 @@ def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, 
     """One `goal` step of `model` as rank `rank` of `world_size` runs it (see the module docstring). `model` may
     be on the meta device; it is not changed. `example`: the forward's input (its shapes and dtypes), else token
     ids of `batch` x `seq`; `meta_example`: the example on the meta device, for the plan's trace of a module without
-    a config; `backward=False`: a training step's forward only (its saved bytes)."""
+    a config; `backward=False`: a training step's forward only (its saved bytes; no op recorded)."""
     if goal not in GOALS:
         raise ValueError(f"trace_step: goal must be one of {GOALS}, got {goal!r}")
     training = goal == "train"
@@ -177,17 +177,17 @@ def _decode(work: nn.Module, batch: int, seq: int, recorder: OpRecorder, comm: R
 def _train(work: nn.Module, batch: int, seq: int, example, recorder: OpRecorder, live: LiveBytes,
            backward: bool = True) -> int:
     """Forward with the loss (saved bytes counted), backward, one AdamW step; returns the saved bytes (`backward`
-    False: the forward alone). Then a second step, the steady one (its optimizer states exist from the start), runs
+    False: the forward alone, unrecorded). Then a second step, the steady one (its optimizer states exist from the start), runs
     under `live` alone, its optimizer ops recorded (the first step's include making the states, which a later step
     does not): its peak is the memory the step needs (the first one's is not: a real first step held 4.4 MB less
     than every later one on a 2.2 MB model). Two passes, because counting saved bytes keeps every saved tensor alive
     to the forward's end, which would move the peak."""
     args, kwargs = fake_inputs(work, batch, seq, example, labels=True)
+    if not backward:  # the memory estimate's forward: its saved bytes alone, no op recorded
+        return saved_bytes(work, args, kwargs)
     outputs: list = []
     with recorder:
         saved = saved_bytes(work, args, kwargs, outputs)
-        if not backward:
-            return saved
         loss_of(outputs[0]).backward()
     outputs.clear()
     optimizer = torch.optim.AdamW([p for p in work.parameters() if p.requires_grad], lr=1e-3)
