@@ -19,8 +19,8 @@ and times AdamW over many small tensors for `optimizer_tensor_s`, the optimizer'
 (taken out of the training terms, and composed back by each model's own tensor count). Converted over the
 ranks (`tp=True`), the same split measures tpkit's parallel layers' Python and the wait for the slower rank.
 Every run reads a buffer larger than a core's caches before each decoder layer, MLP and LM head, as a real model's
-weights flush them (`CacheFlush`, below). None of it is fitted to any model it will later price: a model's step is its kernels
-at the measured rates plus `step_s + layers * layer_s` of its family (`predict.price`).
+weights flush them (`CacheFlush`, below). None of it is fitted to any model it will later price: a model's step is
+its kernels at the measured rates plus `step_s + layers * layer_s` of its family (`predict.price`).
 
 Caches as a model's own modules leave them: a decoder layer's Python and dispatch cost what they cost when the CPU's
 caches hold them, and between the modules of a real model they do not: each module first streams its weights

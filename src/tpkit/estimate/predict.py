@@ -19,9 +19,8 @@ ops make while it is alive, optimizer states included), moved by what DP and rec
 adds what the machine measured a process holds besides (imports, runtime).
 
 Nothing overlaps: an eager step on a CPU does its ops one after another; on a GPU, tensor-parallel collectives
-sit on the critical path. Recompute adds the forward ops again
-(full) or the attention's (selective). A config with more than two layers is traced with one and two layers
-and extrapolated linearly (the layers are identical).
+sit on the critical path. Recompute adds the forward ops again (full) or the attention's (selective). A config
+with more than two layers is traced with one and two layers and extrapolated linearly (the layers are identical).
 """
 from __future__ import annotations
 
@@ -36,8 +35,8 @@ from ..convert.planner import propose
 from ..convert.trace import analyze_structure
 from .calls import meta_copy, with_layers
 from .config import own_dtype
-from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
 from .fake_step import GOALS, StepTrace, trace_step
+from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
 from .profile import SpeedProfile, load_profile
 
 DP_MODES = ("ddp", "fsdp", "replicas")  # replicas: inference copies that each take a share of the batch
