@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import re
 import sys
 
 import pytest
@@ -180,3 +181,37 @@ def test_one_lookup_of_the_communicator_of_a_model():
 def test_the_conversion_folder_shows_its_steps():
     flat = sorted(p.name for p in (SRC / "convert").glob("*.py"))
     assert len(flat) <= 20, f"convert/ holds {len(flat)} modules at its root (at most 20): group them by step"
+
+
+def fake_mode_calls(source: str) -> list[int]:
+    """Lines of `source` that make a `FakeTensorMode(...)` (by its name or as an attribute of a module)."""
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+            and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == "FakeTensorMode"]
+
+
+def named_modules(docstring: str) -> set[str]:
+    """The modules a package docstring lists: the first word of each indented line that starts with one."""
+    return {m.group(1) for m in re.finditer(r"^ {4}([a-z_][a-z0-9_]*) {2,}\S", docstring, re.MULTILINE)}
+
+
+def test_estimate_has_one_fake_run_and_its_docstring_names_every_module():
+    """estimate/ makes fake tensors in one place (memory and speed read one traced run), and its package docstring
+    says what each of its modules is for: every module listed, nothing listed that is not a module."""
+    package = SRC / "estimate"
+    sites = [f"{path.name}:{line}" for path in sorted(package.glob("*.py"))
+             for line in fake_mode_calls(path.read_text())]
+    assert len(sites) == 1 and sites[0].startswith("fake_step.py:"), (
+        f"FakeTensorMode is made at {sites}: run the step through estimate/fake_step.py (trace_step, fake_tensors)")
+    modules = {p.stem for p in package.glob("*.py")} - {"__init__"}
+    named = named_modules(ast.get_docstring(ast.parse((package / "__init__.py").read_text())))
+    assert not modules - named, f"estimate/__init__.py's docstring does not name {sorted(modules - named)}"
+    assert not named - modules, f"estimate/__init__.py's docstring names modules that are gone: {sorted(named - modules)}"
+
+
+def test_the_fake_run_and_docstring_checks_are_caught():
+    assert fake_mode_calls("from torch._subclasses.fake_tensor import FakeTensorMode\n"
+                           "with FakeTensorMode(allow_non_fake_inputs=True):\n    pass\n") == [2]
+    assert fake_mode_calls("import torch\nmode = torch._subclasses.fake_tensor.FakeTensorMode()\n") == [2]
+    assert fake_mode_calls("from x import FakeTensorMode\n# FakeTensorMode() in a comment\n") == []
+    doc = "Title.\n\nGroup\n    speed       what it is for\n                more of it\n    hardware    datasheets\n"
+    assert named_modules(doc) == {"speed", "hardware"}

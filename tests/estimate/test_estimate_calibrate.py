@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from tpkit.cli import main
-from tpkit.estimate.calibrate import _split_latency, measure_matmul_flops, measure_memory_bandwidth
+from tpkit.estimate.calibrate import _split_latency, measure_copy_bandwidth, measure_matmul_flops
 from tpkit.estimate.profile import load_profile
 
 pytest.importorskip("transformers")
@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 def test_measurements_are_positive_and_plausible():
     flops = measure_matmul_flops(n=128, repeats=2)
-    bw = measure_memory_bandwidth(4 * 2**20, repeats=2)
+    bw = measure_copy_bandwidth(4 * 2**20, repeats=2)
     assert 1e7 < flops < 1e14 and 1e8 < bw < 1e13
 
 
@@ -47,7 +47,7 @@ def test_calibrate_writes_a_profile_that_later_estimates_use(quick_calibration, 
     data = json.loads(capsys.readouterr().out)
     assert data["hardware"] == hw.name and data["profile"] == profile.name
     assert data["pricing"].startswith("priced by the measured profile")  # op by op, as the search prices it
-    assert data["speed"]["parts"] == ["kernels", "framework", "comm"]
+    assert data["speed"]["parts"] == ["compute", "memory", "framework", "comm"]
 
 
 def test_plot_writes_a_png(tmp_path, monkeypatch, capsys):

@@ -74,7 +74,8 @@ def test_tables_piped_and_at_80_columns(capsys, monkeypatch, columns):
     else:
         assert memory == ["world size", "params", "grads", "optimizer", "activations", "kv cache", "comm buf",
                           "total", "saves", "fits H100-SXM"]
-        assert speed == ["world size", "compute", "memory", "comm", "time/step", "tokens/s", "speedup", "bound"]
+        assert speed == ["world size", "compute", "memory", "framework", "comm", "time/step", "tokens/s", "speedup",
+                         "bound"]
         assert "left out" not in out
     fields = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer_states", "total": "total",
               "activations": "activations", "kv cache": "kv_cache", "comm buf": "communication_buffers"}

@@ -18,7 +18,8 @@ import tpkit
 from tpkit.comm import run_threads
 from tpkit.estimate import estimate_memory, optimizer_bytes_per_parameter
 from tpkit.comm.shapes import ShapeCommunicator
-from tpkit.estimate.traced import saved_bytes, trace_rank
+from tpkit.estimate.fake_step import saved_bytes
+from tpkit.estimate.traced import trace_rank
 
 transformers = pytest.importorskip("transformers")
 V = 100

@@ -162,7 +162,10 @@ def test_estimate_and_search_give_one_figure(capsys):
     tp2 = next(c for c in res.candidates if c.setup == Setup(2))
     assert est.row(2).total_s == pytest.approx(tp2.prediction.seconds)
     assert json.dumps(est.to_dict())  # serialisable, parts named
-    assert est.parts == ("kernels", "framework", "comm")
+    assert est.parts == ("compute", "memory", "framework", "comm")
+    row = est.row(2)  # the parts are the prediction's: kernels (by arithmetic, by bytes), framework, communication
+    assert row.compute_s + row.memory_s == pytest.approx(tp2.prediction.kernels_s)
+    assert row.framework_s == tp2.prediction.overhead_s and row.communication_s == tp2.prediction.tp_communication_s
 
 
 def test_the_framework_terms_are_solved_from_their_runs_exactly():

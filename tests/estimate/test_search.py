@@ -15,8 +15,9 @@ pytest.importorskip("transformers")
 import transformers as tr  # noqa: E402
 
 import tpkit  # noqa: E402
-from tpkit.estimate.machine import CollectiveCost, MachineRates, fit_collective  # noqa: E402
-from tpkit.estimate.ops import trace_step  # noqa: E402
+from tpkit.estimate.calibrate import fit_collective  # noqa: E402
+from tpkit.estimate.machine import CollectiveCost, MachineRates  # noqa: E402
+from tpkit.estimate.fake_step import trace_step  # noqa: E402
 from tpkit.estimate.predict import Setup, predict  # noqa: E402
 from tpkit.estimate.profile import SpeedProfile, load_profile, save_profile  # noqa: E402
 from tpkit.estimate.search import candidates, search  # noqa: E402

@@ -18,7 +18,7 @@ from tpkit.estimate.hardware import HARDWARE, Hardware, Interconnect
 from tpkit.estimate.presets import preset_config
 from tpkit.estimate.profile import (DEFAULT_PROFILE, IDEAL_PROFILE, LinkProfile, SpeedProfile, default_profile_path,
                                    load_profile, save_profile)
-from tpkit.estimate.speed import estimate_speed, ring_all_reduce_seconds
+from tpkit.estimate.speed import estimate_speed
 
 pytest.importorskip("transformers")
 
@@ -53,18 +53,16 @@ def test_llama_2_70b_a100_decode_within_15_percent_held_out(vocab_parallel):
 def test_profile_is_a_few_physical_parameters():
     """One HBM fraction and one link model for every TP size: the collective cost grows with t only through
     the ring's 2(t-1) hops."""
-    link = DEFAULT_PROFILE.link(HARDWARE["A100-80GB"].interconnect)
+    a100 = HARDWARE["A100-80GB"]
+    link = DEFAULT_PROFILE.link(a100.interconnect)
     assert link == DEFAULT_PROFILE.links["nvlink"]
     small = 4096 * 2  # one token's hidden state, bf16
-    bw = HARDWARE["A100-80GB"].interconnect.bandwidth * link.bandwidth_efficiency
-    costs = [ring_all_reduce_seconds(small, t, bw, link.hop_latency_s, link.collective_latency_s) for t in (2, 4, 8)]
+    bw = a100.interconnect.bandwidth * link.bandwidth_efficiency
+    rates = DEFAULT_PROFILE.rates(8, a100)  # the datasheet's rates the estimate prices a step with
+    costs = [rates.collective("all_reduce", t).seconds(small) for t in (2, 4, 8)]
     assert costs[0] < costs[1] < costs[2] < 2 * costs[0]
+    assert costs[0] == pytest.approx(link.collective_latency_s + 2 * link.hop_latency_s + small / bw)
     assert costs[1] - costs[0] == pytest.approx(4 * link.hop_latency_s + small * (3 / 4 - 1 / 2) * 2 / bw)
-
-
-def test_ring_fixed_cost_by_hand():
-    assert ring_all_reduce_seconds(1e9, 4, 100e9, 1e-6, 5e-6) == pytest.approx(5e-6 + 2 * 3 / 4 * 0.01 + 6e-6)
-    assert ring_all_reduce_seconds(1e9, 1, 100e9, 1e-6, 5e-6) == 0.0
 
 
 def test_profile_round_trip_and_default_location(tmp_path, monkeypatch):

@@ -95,7 +95,7 @@ def _memory_table(target: str, estimates, device_bytes: int, device_name: str, w
 
 
 def _speed_table(speed, width: int | None) -> str:
-    """`SpeedEstimate.summary()`'s table, fitted to `width` (compute, memory and comm time go first)."""
+    """`SpeedEstimate.summary()`'s table, fitted to `width` (the time's parts go first, comm last of them)."""
     from tpkit.tables import Column, render_table, wrap_text
 
     def ms(seconds: float) -> str:
@@ -105,10 +105,10 @@ def _speed_table(speed, width: int | None) -> str:
     seq = f" x seq {speed.seq_len}" if speed.seq_len else ""
     title = (f"speed: {speed.mode}, {speed.dtype}, batch {speed.batch_size}{seq}, {speed.hardware} over "
              f"{speed.interconnect}")
-    columns = [Column("world size"), Column(speed.parts[0], drop=3), Column(speed.parts[1], drop=4),
-               Column(speed.parts[2], drop=2),
+    drops = {"compute": 3, "memory": 4, "framework": 5, "comm": 2}
+    columns = [Column("world size"), *(Column(part, drop=drops[part]) for part in speed.parts),
                Column(f"time/{unit}"), Column(f"{speed.unit}/s"), Column("speedup"), Column("bound", drop=1)]
-    rows = [[str(r.world_size), ms(r.compute_s), ms(r.memory_s), ms(r.communication_s), ms(r.total_s),
+    rows = [[str(r.world_size), *(ms(s) for s in r.parts_s()), ms(r.total_s),
              f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", r.bound] for r in speed.rows]
     notes = [wrap_text(note, width, "note: ", "      ") for note in speed.notes]
     return "\n".join([render_table(title, columns, rows, width), *notes])
@@ -156,7 +156,6 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from tpkit.estimate import estimate_memory, transformer_shape
-    from tpkit.estimate.machine_speed import speed_on_machine
     from tpkit.estimate.presets import load_target
     from tpkit.estimate.pricing import machine_pricing
     from tpkit.estimate.speed import estimate_speed
@@ -193,14 +192,10 @@ def _run(args: argparse.Namespace) -> int:
         decodes = transformer and transformer_shape(config).is_decoder
         mode = "training" if args.mode == "training" else "decode" if decodes else "prefill"
         seq = estimates[0].seq_len or 2048
-        if pricing.measured and transformer:
-            speed = speed_on_machine(config, sizes, pricing, mode, args.batch_size, seq, dtype,
-                                     args.sequence_parallel, args.recompute)
-        else:
-            speed = estimate_speed(subject if not transformer else config, sizes, hardware=hardware,
-                                   dtype=dtype, mode=mode, batch_size=args.batch_size, seq_len=seq,
-                                   sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                                   attention=args.attention, profile=pricing.profile, **extra)
+        speed = estimate_speed(subject if not transformer else config, sizes, hardware=pricing.hardware,
+                               dtype=dtype, mode=mode, batch_size=args.batch_size, seq_len=seq,
+                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                               attention=args.attention, profile=pricing.profile, **extra)
     if args.plot:
         from .estimate_plot import plot_estimate
 

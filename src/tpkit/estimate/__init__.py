@@ -1,17 +1,46 @@
-"""`tpkit.estimate`: the figures to decide with before any hardware is at hand, read off the converter's plans.
+"""`tpkit.estimate`: the figures to decide with before any hardware is at hand (memory per rank, time per step or
+token, the fastest setup), read off the converter's plans. One fake run of a converted copy feeds memory and speed;
+one composition prices every machine, measured or known by its datasheet.
 
-    config         TransformerShape, read from a Hugging Face config; what an estimate was asked about
-    ranks          heads, MLP width and vocabulary one rank holds (the converter's head layout)
-    params         parameter counts per rank, optimizer state bytes
-    activations    the Korthikanti et al. 2022 formula and its per-architecture terms; inference working set
-    traced         activations traced off a weightless copy converted per rank (exact for any module)
-    communication  the largest collective buffer
-    calls, step, measure   any other module: one small real step, measured and attributed to a rank by the plan
-    report         MemoryEstimate / Breakdown, the result, and its table
-    memory         estimate_memory, the entry that picks the formula, the traced or the measured path
-    hardware, profile, calibrate   what a device and its links do, fitted to measurements (speed profiles)
-    speed          estimate_speed: decode / prefill / training time from the same shapes
-    presets        published model configs by name, and CLI targets
+What is asked about
+    config          TransformerShape, read from a Hugging Face config; what an estimate was asked about
+    presets         published model configs by name, and CLI targets (a preset, a config file, module:factory)
+    calls           how a model is called: an example as (args, kwargs), weightless copies, a config at n layers
+    step            a plain module's example call (given, from a shape, or implied by its first layer)
+
+The one fake run
+    fake_step       one step of a weightless copy converted for one rank, on fake tensors (the estimates' only
+                    FakeTensorMode): the op trace, the bytes saved for backward, the peak, the parameter shapes
+    ops             what it writes down: every aten op (FLOPs, bytes, phase) and every collective the plan adds
+    peak            the most tensor bytes a step holds at once (LiveBytes)
+
+Memory
+    memory          estimate_memory, the entry that picks the traced, the formula or the measured path
+    traced          activations and parameter shapes per rank from the fake run's training forward, extrapolated
+    activations     the Korthikanti et al. 2022 formula and its per-architecture terms; inference working set
+    params          parameter counts per rank, optimizer state bytes
+    ranks           heads, MLP width and vocabulary one rank holds (the converter's head layout)
+    communication   the largest collective buffer
+    measure         a plain module's forward followed leaf by leaf: activations attributed to a rank by the plan
+    report          MemoryEstimate / Breakdown, the result, and its table
+
+Speed: one pricing engine
+    predict         Setup and Prediction: a setup's traced step priced op by op at a machine's rates
+    speed           estimate_speed: each world size a Setup through predict; SpeedEstimate and its table
+    search          the setup search: every setup tpkit can build, predicted, filtered by memory, ranked
+    pricing         which machine every command prices: a measured profile, a named or detected datasheet, or
+                    this machine measured now
+    machine         MachineRates: what a rank achieves (per-op cost, matmul tables, bandwidths, collectives,
+                    framework terms), the one record predict prices with
+    hardware        datasheets (A100, H100, H200 and their links), and datasheet_rates: a datasheet as MachineRates
+    profile         SpeedProfile: a datasheet's achieved fractions (DEFAULT_PROFILE) or measured rates; JSON files
+
+Measuring this machine (`tpkit estimate --calibrate`)
+    calibrate       calibrate_profile: matmul, bandwidth, collective and skew measurements over 1 .. N ranks
+    reference       the per-op fixed cost and a collective's in-step cost, on a small reference model
+    framework       the framework's own time per module of each family, caches flushed between modules
+    process_memory  what this process holds (/proc): imports, a step's runtime
+    terms           a measured profile's terms, one line each (what --calibrate prints)
 """
 from __future__ import annotations
 

@@ -1,25 +1,22 @@
-"""Measure this machine for the speed estimate: matmul FLOP/s, memory bandwidth and all-reduce latency and
-bandwidth over a backend, into a `SpeedProfile` (`tpkit estimate --calibrate` writes it as JSON).
+"""Measure this machine for the speed estimate into a `SpeedProfile` (`tpkit estimate --calibrate` writes it as JSON).
 
-Why measured rather than looked up: a CPU box, a power-capped GPU or an unusual link is on no datasheet,
-and the estimate is only as good as the three numbers it divides by. Each figure is the best of a few
-repeats (the machine's capability, not its noise); the all-reduce is timed on real ranks started by
-`tpkit.launch` (processes for gloo, threads for "threads"), a small message for latency and a large one for
-bandwidth, as the alpha-beta model of `speed.py` reads them: time(n) = alpha + 2(t-1)/t * n / bandwidth.
+Why measured rather than looked up: a CPU box, a power-capped GPU or an unusual link is on no datasheet, and a
+step is only as fast as the rates its ops run at. The op-level rates (`machine.MachineRates`, what `predict.py`
+prices every op and collective with) are measured for 1 up to the largest world size of ranks running at once,
+`threads` threads each (default: the cores shared out over the largest world size, one device per rank): each rank
+measures its matmul and memory rates, a reference model's per-op cost and the framework's per-module terms
+(`framework.py`) while the others do the same, then the collectives through tpkit's communicator, alone and inside
+the steps of the reference model converted over those ranks (`reference.py`), and the skew of ranks meeting at
+collectives; the slowest rank's figures are kept (a step ends when its slowest rank does).
 
-With one world size the latency is booked as ring hops (2(t-1) of them); with several (`world_sizes`) it is
-split by least squares into a fixed cost per collective and a per-hop latency.
-
-The op-level rates (`machine.MachineRates`, what `predict.py` reads) are measured for 1 up to the largest world
-size of ranks running at once, `threads` threads each (default: the cores shared out over the largest world
-size, one device per rank): each rank measures its matmul and memory rates and a reference model's per-op cost
-while the others do the same, then the collectives through tpkit's communicator, alone and inside the steps of
-the reference model converted over those ranks; the slowest rank's figures are kept (a step ends when its
-slowest rank does).
+The profile also names the machine as a `Hardware` read off those rates (its fastest one-rank matmul, its one-rank
+streaming bandwidth, the all-reduce line fitted at each world size, split by least squares into a fixed cost per
+collective and a per-hop latency), for the tables' titles and the memory that fits; it prices nothing itself.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import statistics
@@ -28,21 +25,27 @@ import time
 import torch
 
 from ..comm.shm import SLOT_BYTES
-from .hardware import Hardware, Interconnect
 from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
-from .machine import (COLD_BYTES, FINE_ROWS, GEMM_ROWS, GEMM_WIDTHS, MachineRates, measure_collectives,
-                      measure_copy_bandwidth, measure_gemm, measure_shared_stream_bandwidth, measure_stream_bandwidth)
+from .hardware import Hardware, Interconnect
+from .machine import COLLECTIVES, CollectiveCost, MachineRates
 from .process_memory import reset_peak_rss, rss_bytes
 from .profile import LinkProfile, SpeedProfile
 from .reference import collective_overheads, op_overheads
 
-_SIZES = {True: dict(matmul=256, copy=8 * 2**20, small=8, large=2**20, repeats=3),
-          False: dict(matmul=1024, copy=256 * 2**20, small=8, large=32 * 2**20, repeats=10)}
+GEMM_ROWS = (1, 4, 8, 16, 32, 64, 256, 1024)
+GEMM_WIDTHS = (256, 1024, 4096)  # 4096: a 64 MiB weight, as large as LM heads are
+# Bytes of weights a matmul or streaming measurement rotates through: past the caches. A model's step reads its
+# weights once each, layer after layer, so by the time a layer comes round again the others have evicted it: on
+# this 2-core box (480 MiB of L3 reported, shared with the host) a [16000 x 640] LM head at 13 rows took 22 ms in
+# a model's decode step and 8-9 ms repeated alone, and a rotation through 128 MiB or more reproduced the 22 ms.
+COLD_BYTES = 128 << 20
+FINE_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)  # a batched decode's rows
+_SIZES = {True: dict(matmul=256, repeats=3), False: dict(matmul=1024, repeats=10)}
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # warm up (allocation, first-call dispatch)
-    best = float("inf")
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
@@ -50,46 +53,128 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
+def _median(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls of `fn` after an untimed one: what a step sees among other ranks."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 10) -> float:
     """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) on this process's threads."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), repeats)
+    return 2 * n**3 / _best(lambda: torch.mm(a, b), repeats)
 
 
-def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
-    """Bytes/s of a large copy (read + write: 2 x nbytes moved), the figure a weight-streaming decode sees."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), repeats)
-
-
-def _time_all_reduce(small: int, large: int, repeats: int) -> tuple[float, float]:
-    """On one rank: best seconds of an all-reduce of `small` and of `large` bytes (fp32), barrier first."""
-    from ..distributed import get_communicator
-
-    comm = get_communicator()
+def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool = False) -> tuple[tuple[int, float], ...]:
+    """(m, FLOP/s) of fp32 `m x n` by `n x n` matmuls, the weight read as stored (`x @ W`) or, `linear`,
+    transposed (`x @ W.T`, nn.Linear); below 1024 rows the weights rotate through a set larger than the caches
+    (`COLD_BYTES`: each product reads its matrix from memory, as each layer of a model reads its own after the
+    others evicted it), so memory-bound rows read as what they are."""
     out = []
-    for nbytes in (small, large):
-        x = torch.ones(max(1, nbytes // 4))
+    # made once per table (filling 128 MiB per row took longer than the products), values away from denormals
+    pool = [torch.empty(n, n).uniform_(0.5, 1.0) for _ in range(max(1, COLD_BYTES // (n * n * 4)))]
+    for m in rows:
+        total = COLD_BYTES if m < 256 else COLD_BYTES // 4  # from 256 rows a product reuses its matrix enough
+        count = max(1, total // (n * n * 4)) if m < 1024 else 1
+        ws = pool[:count]
+        x = torch.randn(m, n)
+        if linear:
+            seconds = _median(lambda: [torch.mm(x, w.t()) for w in ws], repeats) / count
+        else:
+            seconds = _median(lambda: [torch.mm(x, w) for w in ws], repeats) / count
+        out.append((m, 2.0 * m * n * n / seconds))
+    return tuple(out)
 
-        def once():
-            comm.all_reduce(x)
+
+def measure_stream_bandwidth(n: int = 1024, total: int = COLD_BYTES, repeats: int = 5,
+                             stored: bool = False) -> float:
+    """Bytes/s of weights read by matrix-vector products over a set of matrices larger than the caches, each
+    read transposed (`x @ W.T`, nn.Linear) or, with `stored`, as stored (`x @ W`, Conv1D)."""
+    ws = [torch.randn(n, n) for _ in range(max(1, total // (n * n * 4)))]
+    x = torch.randn(1, n)
+    if stored:
+        return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w) for w in ws], repeats)
+    return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w.t()) for w in ws], repeats)
+
+
+def measure_shared_stream_bandwidth(comm, n: int = 1024, total: int = COLD_BYTES, repeats: int = 5) -> float:
+    """Bytes/s one rank gets streaming weights (`x @ W.T` over matrices larger than the caches) while every rank of
+    `comm` streams at the same time (call on all): a barrier before each repeat keeps them in step, and the median
+    is kept, not the best (a best-of would catch a moment when the others were not reading). Ranks on one socket
+    share its memory bus: two ranks each get about half of what one gets alone."""
+    ws = [torch.randn(n, n) for _ in range(max(1, total // (n * n * 4)))]
+    x = torch.randn(1, n)
+
+    def once() -> float:
         comm.barrier()
-        out.append(_best_seconds(once, repeats))
-    return out[0], out[1]
+        start = time.perf_counter()
+        for w in ws:
+            torch.mm(x, w.t())
+        return time.perf_counter() - start
+    once()
+    return len(ws) * n * n * 4 / sorted(once() for _ in range(repeats))[repeats // 2]
 
 
-def measure_all_reduce(backend: str = "gloo", world_size: int = 2, small: int = 8, large: int = 2**25,
-                       repeats: int = 10) -> tuple[float, float]:
-    """(latency seconds of a tiny all-reduce, bus bandwidth bytes/s) over `backend` on `world_size` local
-    ranks started by `tpkit.launch`; the slowest rank's figures (a collective ends when its last rank does)."""
-    from ..launch import launch
+def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Bytes/s of an elementwise op over a large tensor (read + write counted, as the op trace counts them)."""
+    a = torch.ones(nbytes // 4)
+    b = torch.empty_like(a)
+    return 2 * nbytes / _best(lambda: torch.mul(a, 1.0, out=b), repeats)
 
-    timings = launch(_time_all_reduce, world_size, backend=backend, args=(small, large, repeats))
-    t_small = max(t[0] for t in timings)
-    t_large = max(t[1] for t in timings)
-    moved = 2 * (world_size - 1) / world_size * (max(1, large // 4) * 4)
-    return t_small, moved / max(t_large - t_small, 1e-9)
+
+def fit_collective(points: list[tuple[int, float]]) -> CollectiveCost:
+    """The measured (bytes, seconds) points, and the line time = latency + bytes / bandwidth fitted to them by
+    least squares of the relative error (weights 1 / seconds^2), so small messages count as much as large ones."""
+    w = [1.0 / max(s, 1e-12) ** 2 for _, s in points]
+    x = [float(b) for b, _ in points]
+    y = [s for _, s in points]
+    sw, sx, sy = sum(w), sum(wi * xi for wi, xi in zip(w, x)), sum(wi * yi for wi, yi in zip(w, y))
+    sxx = sum(wi * xi * xi for wi, xi in zip(w, x))
+    sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    slope = max(slope, 1e-15)
+    latency = max((sy - slope * sx) / sw, 0.0)
+    return CollectiveCost(latency, 1.0 / slope, _never_cheaper_when_larger(points))
+
+
+def _never_cheaper_when_larger(points: list[tuple[int, float]]) -> tuple[tuple[float, float], ...]:
+    """The points by size, each no slower than any larger one: a message never costs more than a larger one, so a
+    slow outlier at a small size (a 2.3 ms 1 KiB reduce-scatter among 0.8 ms ones) is not what small calls cost."""
+    out: list[tuple[float, float]] = []
+    for b, s in sorted(((float(b), float(s)) for b, s in points), reverse=True):
+        out.append((b, min(s, out[-1][1]) if out else s))
+    return tuple(reversed(out))
+
+
+def measure_collectives(comm, sizes: tuple[int, ...], repeats: int = 7) -> dict[str, CollectiveCost]:
+    """On every rank of `comm` (call on all): each collective kind timed at `sizes` bytes of fp32 input (the
+    calibration's `collective_sizes`) through the communicator's own methods, in `repeats` rounds that each time
+    every size once after a barrier (a slow spell weighs on all sizes alike: two calibrations timed one 2 MiB
+    all-reduce at 3.8 and 8.1 ms when each size ran its repeats back to back); the slowest rank's medians."""
+    out = {}
+    for kind in COLLECTIVES:
+        tensors = [torch.ones(max(comm.world_size, n // 4 // comm.world_size * comm.world_size)) for n in sizes]
+        call = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather,
+                "reduce_scatter": comm.reduce_scatter}[kind]
+        for x in tensors:  # warm: the first call of a size sets up its buffers
+            call(x)
+        times: list[list[float]] = [[] for _ in sizes]
+        for _ in range(repeats):
+            for x, seen in zip(tensors, times):
+                comm.barrier()
+                start = time.perf_counter()
+                call(x)
+                seen.append(time.perf_counter() - start)
+        medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+        worst = comm.all_reduce(medians, "max")
+        out[kind] = fit_collective([(x.numel() * 4, float(s)) for x, s in zip(tensors, worst)])
+    return out
 
 
 def measure_rank_skew(comm, rows: int = 1, pieces: int = 48, repeats: int = 7, n: int = 1024) -> float:

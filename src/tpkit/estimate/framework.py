@@ -19,12 +19,21 @@ and times AdamW over many small tensors for `optimizer_tensor_s`, the optimizer'
 (taken out of the training terms, and composed back by each model's own tensor count). Converted over the
 ranks (`tp=True`), the same split measures tpkit's parallel layers' Python and the wait for the slower rank.
 Every run reads a buffer larger than a core's caches before each decoder layer, MLP and LM head, as a real model's
-weights flush them (`cold.py`). None of it is fitted to any model it will later price: a model's step is its kernels
-at the measured rates plus `step_s + layers * layer_s` of its family (`predict.price`).
+weights flush them (`CacheFlush`, below). None of it is fitted to any model it will later price: a model's step is
+its kernels at the measured rates plus `step_s + layers * layer_s` of its family (`predict.price`).
+
+Caches as a model's own modules leave them: a decoder layer's Python and dispatch cost what they cost when the CPU's
+caches hold them, and between the modules of a real model they do not: each module first streams its weights
+(megabytes) through those caches. On the 2-core box (4 MiB of L2 per core) one decoder layer's framework time in
+`generate` at a batch of 8 was 0.26-0.32 ms on a tiny model that fits in the caches, and 0.74-0.75 ms with 8 MiB
+read before each layer and its MLP, as a layer of a model at hidden 384 reads its weights; batched decoding of such
+models came out 21-35% fast without it. So the calibration reads `FLUSH_BYTES` before each decoder layer, MLP and
+LM head of its tiny models and leaves the time of those reads out of what it measures.
 """
 from __future__ import annotations
 
 import copy
+import re
 import statistics
 import time
 import warnings
@@ -34,13 +43,12 @@ import torch
 from torch import nn
 
 from .calls import meta_copy
-from .cold import CacheFlush, flush_between_modules
+from .fake_step import trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FrameworkCost
-from .ops import trace_step
 from .predict import Setup, dp_seconds, kernel_seconds, skew_factor
 
-__all__ = ["FAMILIES", "FrameworkCost", "framework_costs", "generate_token_seconds",
-           "optimizer_tensor_seconds", "tiny_config", "tiny_model", "train_step_seconds"]
+__all__ = ["FAMILIES", "FLUSH_BYTES", "CacheFlush", "FrameworkCost", "flush_between_modules", "framework_costs",
+           "generate_token_seconds", "optimizer_tensor_seconds", "tiny_config", "tiny_model", "train_step_seconds"]
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 FRAMEWORK_GOALS = ("decode", "train")
@@ -48,6 +56,28 @@ LAYERS = (1, 3)
 CONTEXT = 32
 ROWS = 8  # the batch of the decode runs that measure what a row and a logit add
 WIDE_VOCAB = 8192  # the vocabulary of the run that measures what a logit adds
+FLUSH_BYTES = 8 << 20  # more than a server core's private caches (1-4 MiB), as one layer's weights of a real model
+_MODULES = re.compile(r"(^|\.)(layers|h)\.\d+$|(^|\.)(mlp|lm_head)$")  # decoder layers, their MLPs, the LM head
+
+
+class CacheFlush:
+    """A forward pre-hook that reads `nbytes` (evicting what the caches held) and keeps the seconds it took in
+    `spent`, so a timing can leave them out."""
+
+    def __init__(self, nbytes: int = FLUSH_BYTES):
+        self.buffer = torch.ones(max(1, nbytes // 4))
+        self.spent = 0.0
+
+    def __call__(self, module: nn.Module, args) -> None:
+        start = time.perf_counter()
+        self.buffer.sum()
+        self.spent += time.perf_counter() - start
+
+
+def flush_between_modules(model: nn.Module, flush: CacheFlush) -> list:
+    """`flush` before each decoder layer, MLP and LM head of a transformers `model` (also inside DDP's `.module`);
+    the hook handles."""
+    return [m.register_forward_pre_hook(flush) for name, m in model.named_modules() if _MODULES.search(name)]
 
 
 def tiny_config(family: str, layers: int, vocab: int = FRAMEWORK_LOGITS):
@@ -74,7 +104,7 @@ def generate_token_seconds(model: nn.Module, context: int, repeats: int, comm=No
     """Seconds per generated token of greedy `generate` after a `context`-token prompt: the time of 9 new tokens
     less that of 1, over 8 (the prompt's prefill cancels); `pick` of `repeats` (default the least: what the
     framework costs, a busy machine only adds to it), every rank of `comm` in step; `excluded`: a clock of
-    seconds to leave out (`cold.CacheFlush.spent`)."""
+    seconds to leave out (`CacheFlush.spent`)."""
     excluded = excluded or (lambda: 0.0)
     ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
     model.eval()
@@ -147,7 +177,7 @@ def _explained(model: nn.Module, plain: nn.Module, goal: str, rates, comm, tenso
 
 def _measured(model: nn.Module, goal: str, comm, repeats: int, batch: int, flush: CacheFlush) -> float:
     """The median of `repeats` timings (the terms price the step a user sees, not the machine's best moment),
-    the caches flushed between the modules as a real model's weights flush them (`cold.py`)."""
+    the caches flushed between the modules as a real model's weights flush them (`CacheFlush`)."""
     if goal == "decode":
         return generate_token_seconds(model, CONTEXT, repeats, comm, batch=batch, pick=statistics.median,
                                       excluded=lambda: flush.spent)

@@ -10,10 +10,17 @@ Latencies (`latency_s`, the per-hop alpha of the alpha-beta model) are not on da
 typical per-hop figures of NCCL rings (a few microseconds over NVLink, more through PCIe and the host). What
 kernels and collectives actually reach (a fraction of these peaks, a fixed cost per collective, the per-hop
 latency calibrated against published runs) lives in the speed profile (`profile.py`), keyed by `kind`.
+
+`datasheet_rates` turns a datasheet and those fractions into the rates a calibration measures on a machine at hand
+(`machine.MachineRates`), so a GPU known only by its datasheet is priced by the same op-by-op composition as a
+measured machine (`predict.py`): matmuls at the fraction of peak, every other op at the fraction of HBM bandwidth,
+ring collectives, no fixed cost per op.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from .machine import COLLECTIVES, CollectiveCost, MachineRates
 
 GB = 1e9
 TB = 1e12
@@ -87,6 +94,27 @@ def get_hardware(hardware: str | Hardware, interconnect: str | Interconnect | No
                              "or pass tpkit.estimate.hardware.Hardware(...) with your own figures")
         hw = by_lower[hardware.lower()]
     return hw if interconnect is None else hw.with_interconnect(interconnect)
+
+
+def datasheet_rates(hw: Hardware, flops_efficiency: float, memory_efficiency: float, link, ranks: int,
+                    bytes_per_element: int = 2) -> MachineRates:
+    """One rank's rates on `hw` from its datasheet and a profile's achieved fractions (`link`: the profile's
+    `LinkProfile` for `hw`'s link), for a machine measured nowhere: matmuls at the fraction of peak for the element
+    size, weights and elementwise work at the fraction of HBM bandwidth, no fixed cost per op (a GPU queues its
+    kernels ahead; captured or compiled decoding pays none), and ring collectives over g ranks: the link's fixed
+    cost per collective, then an all-reduce of n bytes in 2(g-1) hops moving 2(g-1)/g n, an all-gather of an n-byte
+    input in g-1 hops moving (g-1) n, a reduce-scatter of an n-byte input in g-1 hops moving (g-1)/g n."""
+    peak = hw.peak_flops(bytes_per_element) * flops_efficiency
+    hbm = hw.memory_bandwidth * memory_efficiency
+    link_bw = hw.interconnect.bandwidth * link.bandwidth_efficiency
+    collectives: dict[str, dict[str, CollectiveCost]] = {k: {} for k in COLLECTIVES}
+    for g in range(2, max(ranks, 2) + 1):
+        hops = g - 1
+        fixed, ring = link.collective_latency_s, hops * link.hop_latency_s
+        collectives["all_reduce"][str(g)] = CollectiveCost(fixed + 2 * ring, link_bw * g / (2 * hops))
+        collectives["all_gather"][str(g)] = CollectiveCost(fixed + ring, link_bw / hops)
+        collectives["reduce_scatter"][str(g)] = CollectiveCost(fixed + ring, link_bw * g / hops)
+    return MachineRates(ranks, 0, 0.0, 0.0, ((1, peak), (1024, peak)), hbm, hbm, collectives)
 
 
 def detect_hardware() -> Hardware | None:

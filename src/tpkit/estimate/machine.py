@@ -1,5 +1,6 @@
 """What one rank achieves on the machine at hand, measured with as many ranks running at once as the setup will
-have (they share cores, caches and memory bandwidth), as the op-level cost model (`predict.py`) reads it:
+have (they share cores, caches and memory bandwidth), as the op-level cost model (`predict.py`) reads it (a machine
+known only by its datasheet gets the same record from `hardware.datasheet_rates`):
 
 * `op_overhead_s` / `train_op_overhead_s`: the fixed cost of one aten op as a real model pays it (dispatch and
   the framework's Python around it). Measured on a small reference model whose kernels cost next to nothing:
@@ -21,31 +22,22 @@ have (they share cores, caches and memory bandwidth), as the op-level cost model
   step beyond that isolated call: the Python of the parallel layer around it and the wait for the slower rank
   (isolated calls start together after a barrier; in a step the ranks arrive apart). Measured on the reference
   model converted at this many ranks (`reference.collective_overheads`).
+
+How each one is measured is in `calibrate.py`; the framework's per-module terms (`FrameworkCost`) in `framework.py`.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 from typing import Any, Mapping
 
-import torch
-
-GEMM_ROWS = (1, 4, 8, 16, 32, 64, 256, 1024)
-GEMM_WIDTHS = (256, 1024, 4096)  # 4096: a 64 MiB weight, as large as LM heads are
-# Bytes of weights a matmul or streaming measurement rotates through: past the caches. A model's step reads its
-# weights once each, layer after layer, so by the time a layer comes round again the others have evicted it: on
-# this 2-core box (480 MiB of L3 reported, shared with the host) a [16000 x 640] LM head at 13 rows took 22 ms in
-# a model's decode step and 8-9 ms repeated alone, and a rotation through 128 MiB or more reproduced the 22 ms.
-COLD_BYTES = 128 << 20
-FINE_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)  # a batched decode's rows
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveCost:
-    """The seconds of one call moving `n` bytes (one rank's input). From a datasheet: latency + n / bandwidth.
+    """The seconds of one call moving `n` bytes (one rank's input). From a datasheet (`hardware.datasheet_rates`):
+    latency + n / bandwidth.
     Measured: the timed `points` (bytes, seconds) joined by straight lines, past the last one at its last
     segment's rate, because a communicator is not one line: tpkit's own sends a call of at most 1 MiB through
     shared memory and a larger one through gloo, and on the 2-core box a 1 MiB all-reduce took 0.5 ms, a 2 MiB
@@ -141,9 +133,9 @@ class MachineRates:
     # "family/train/ddp" (or fsdp) -> the framework's time under torch's DDP / FSDP2 over these ranks
     dp_framework: Mapping[str, FrameworkCost] = dataclasses.field(default_factory=dict)
     # matmul FLOP/s by rows at each width with the weight read transposed (nn.Linear's `x @ W.T`), from 1024 wide
-    # at every row count to 32 (`FINE_ROWS`): BLAS is not log-linear in the rows there (a 64 MiB weight ran at 13.7
-    # GFLOP/s with 13 rows and 27.8 with 16 on this box); () in profiles measured before it was (the tables read
-    # as stored price both orientations then)
+    # at every row count to 32 (`calibrate.FINE_ROWS`): BLAS is not log-linear in the rows there (a 64 MiB weight
+    # ran at 13.7 GFLOP/s with 13 rows and 27.8 with 16 on this box); () in profiles measured before it was (the
+    # tables read as stored price both orientations then)
     linear_gemm: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
     # the fraction work between collectives takes longer when ranks meet at each (`calibrate.measure_rank_skew`):
     skew: float = 0.0  # pieces streamed from memory, as decoding's; 0 in profiles measured before
@@ -199,27 +191,6 @@ class MachineRates:
         sizes = sorted(int(g) for g in per)
         return per[str(min((g for g in sizes if g >= group), default=sizes[-1]))]
 
-    @classmethod
-    def from_hardware(cls, hw, flops_efficiency: float, memory_efficiency: float, link, ranks: int,
-                      bytes_per_element: int = 2) -> "MachineRates":
-        """Rates from a datasheet (`hardware.Hardware`) and a profile's achieved fractions (`profile.LinkProfile`
-        for its link), for a machine measured nowhere: matmuls at the fraction of peak, weights and elementwise
-        work at the fraction of HBM bandwidth, no fixed cost per op (a GPU queues its kernels ahead; captured or
-        compiled decoding pays none), ring collectives with the link's fixed cost, hop latency and bandwidth."""
-        peak = hw.peak_flops(bytes_per_element) * flops_efficiency
-        hbm = hw.memory_bandwidth * memory_efficiency
-        link_bw = hw.interconnect.bandwidth * link.bandwidth_efficiency
-        collectives: dict[str, dict[str, CollectiveCost]] = {k: {} for k in COLLECTIVES}
-        for g in range(2, max(ranks, 2) + 1):
-            hops = g - 1
-            collectives["all_reduce"][str(g)] = CollectiveCost(link.collective_latency_s + 2 * hops * link.hop_latency_s,
-                                                               link_bw * g / (2 * hops))
-            collectives["all_gather"][str(g)] = CollectiveCost(link.collective_latency_s + hops * link.hop_latency_s,
-                                                               link_bw / hops)
-            collectives["reduce_scatter"][str(g)] = CollectiveCost(
-                link.collective_latency_s + hops * link.hop_latency_s, link_bw * g / hops)
-        return cls(ranks, 0, 0.0, 0.0, ((1, peak), (1024, peak)), hbm, hbm, collectives)
-
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["gemm"] = [list(p) for p in self.gemm]
@@ -251,131 +222,3 @@ class MachineRates:
 
 def _tables(data) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:
     return tuple((int(w), tuple((int(m), float(f)) for m, f in t)) for w, t in data)
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _median(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls of `fn` after an untimed one: what a step sees among other ranks."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool = False) -> tuple[tuple[int, float], ...]:
-    """(m, FLOP/s) of fp32 `m x n` by `n x n` matmuls, the weight read as stored (`x @ W`) or, `linear`,
-    transposed (`x @ W.T`, nn.Linear); below 1024 rows the weights rotate through a set larger than the caches
-    (`COLD_BYTES`: each product reads its matrix from memory, as each layer of a model reads its own after the
-    others evicted it), so memory-bound rows read as what they are."""
-    out = []
-    # made once per table (filling 128 MiB per row took longer than the products), values away from denormals
-    pool = [torch.empty(n, n).uniform_(0.5, 1.0) for _ in range(max(1, COLD_BYTES // (n * n * 4)))]
-    for m in rows:
-        total = COLD_BYTES if m < 256 else COLD_BYTES // 4  # from 256 rows a product reuses its matrix enough
-        count = max(1, total // (n * n * 4)) if m < 1024 else 1
-        ws = pool[:count]
-        x = torch.randn(m, n)
-        if linear:
-            seconds = _median(lambda: [torch.mm(x, w.t()) for w in ws], repeats) / count
-        else:
-            seconds = _median(lambda: [torch.mm(x, w) for w in ws], repeats) / count
-        out.append((m, 2.0 * m * n * n / seconds))
-    return tuple(out)
-
-
-def measure_stream_bandwidth(n: int = 1024, total: int = COLD_BYTES, repeats: int = 5,
-                             stored: bool = False) -> float:
-    """Bytes/s of weights read by matrix-vector products over a set of matrices larger than the caches, each
-    read transposed (`x @ W.T`, nn.Linear) or, with `stored`, as stored (`x @ W`, Conv1D)."""
-    ws = [torch.randn(n, n) for _ in range(max(1, total // (n * n * 4)))]
-    x = torch.randn(1, n)
-    if stored:
-        return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w) for w in ws], repeats)
-    return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w.t()) for w in ws], repeats)
-
-
-def measure_shared_stream_bandwidth(comm, n: int = 1024, total: int = COLD_BYTES, repeats: int = 5) -> float:
-    """Bytes/s one rank gets streaming weights (`x @ W.T` over matrices larger than the caches) while every rank of
-    `comm` streams at the same time (call on all): a barrier before each repeat keeps them in step, and the median
-    is kept, not the best (a best-of would catch a moment when the others were not reading). Ranks on one socket
-    share its memory bus: two ranks each get about half of what one gets alone."""
-    ws = [torch.randn(n, n) for _ in range(max(1, total // (n * n * 4)))]
-    x = torch.randn(1, n)
-
-    def once() -> float:
-        comm.barrier()
-        start = time.perf_counter()
-        for w in ws:
-            torch.mm(x, w.t())
-        return time.perf_counter() - start
-    once()
-    return len(ws) * n * n * 4 / sorted(once() for _ in range(repeats))[repeats // 2]
-
-
-def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
-    """Bytes/s of an elementwise op over a large tensor (read + write counted, as the op trace counts them)."""
-    a = torch.ones(nbytes // 4)
-    b = torch.empty_like(a)
-    return 2 * nbytes / _best(lambda: torch.mul(a, 1.0, out=b), repeats)
-
-
-def fit_collective(points: list[tuple[int, float]]) -> CollectiveCost:
-    """The measured (bytes, seconds) points, and the line time = latency + bytes / bandwidth fitted to them by
-    least squares of the relative error (weights 1 / seconds^2), so small messages count as much as large ones."""
-    w = [1.0 / max(s, 1e-12) ** 2 for _, s in points]
-    x = [float(b) for b, _ in points]
-    y = [s for _, s in points]
-    sw, sx, sy = sum(w), sum(wi * xi for wi, xi in zip(w, x)), sum(wi * yi for wi, yi in zip(w, y))
-    sxx = sum(wi * xi * xi for wi, xi in zip(w, x))
-    sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
-    det = sw * sxx - sx * sx
-    slope = (sw * sxy - sx * sy) / det if det > 0 else 0.0
-    slope = max(slope, 1e-15)
-    latency = max((sy - slope * sx) / sw, 0.0)
-    return CollectiveCost(latency, 1.0 / slope, _never_cheaper_when_larger(points))
-
-
-def _never_cheaper_when_larger(points: list[tuple[int, float]]) -> tuple[tuple[float, float], ...]:
-    """The points by size, each no slower than any larger one: a message never costs more than a larger one, so a
-    slow outlier at a small size (a 2.3 ms 1 KiB reduce-scatter among 0.8 ms ones) is not what small calls cost."""
-    out: list[tuple[float, float]] = []
-    for b, s in sorted(((float(b), float(s)) for b, s in points), reverse=True):
-        out.append((b, min(s, out[-1][1]) if out else s))
-    return tuple(reversed(out))
-
-
-def measure_collectives(comm, sizes: tuple[int, ...], repeats: int = 7) -> dict[str, CollectiveCost]:
-    """On every rank of `comm` (call on all): each collective kind timed at `sizes` bytes of fp32 input (the
-    calibration's `collective_sizes`) through the communicator's own methods, in `repeats` rounds that each time
-    every size once after a barrier (a slow spell weighs on all sizes alike: two calibrations timed one 2 MiB
-    all-reduce at 3.8 and 8.1 ms when each size ran its repeats back to back); the slowest rank's medians."""
-    out = {}
-    for kind in COLLECTIVES:
-        tensors = [torch.ones(max(comm.world_size, n // 4 // comm.world_size * comm.world_size)) for n in sizes]
-        call = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather,
-                "reduce_scatter": comm.reduce_scatter}[kind]
-        for x in tensors:  # warm: the first call of a size sets up its buffers
-            call(x)
-        times: list[list[float]] = [[] for _ in sizes]
-        for _ in range(repeats):
-            for x, seen in zip(tensors, times):
-                comm.barrier()
-                start = time.perf_counter()
-                call(x)
-                seen.append(time.perf_counter() - start)
-        medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
-        worst = comm.all_reduce(medians, "max")
-        out[kind] = fit_collective([(x.numel() * 4, float(s)) for x, s in zip(tensors, worst)])
-    return out

@@ -1,6 +1,7 @@
-"""Any other module is measured (`measure_step`): one forward of a weightless copy on fake tensors, the bytes autograd saves for backward
-deduplicated by storage, attributed to a rank by the converter's plan (between a column and a row layer the
-activations are split) and scaled linearly with the batch.
+"""Any other module is measured (`measure_step`): one forward of a weightless copy on fake tensors (the estimates'
+one fake mode, `fake_step.fake_tensors`), the bytes autograd saves for backward deduplicated by storage,
+attributed to a rank by the converter's plan (between a column and a row layer the activations are split) and
+scaled linearly with the batch.
 
 The split is followed leaf by leaf with forward hooks: after a column layer the activations are split over the
 ranks until the row layer (or gather) that makes them whole again, which is where the plan's collectives sit.
@@ -183,14 +184,13 @@ def measure_step(model: nn.Module, args=(), kwargs=None, styles=None, world_size
 
     `styles` maps module names to plan styles; None applies the type rule of `_fallback_style`.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from .calls import meta_copy
+    from .fake_step import fake_tensors
 
     kwargs = kwargs or {}
     t = world_size
     model = meta_copy(model)  # never the user's weights, never real data: shapes are all it needs
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_tensors(model):
         model = model.to_empty(device="cpu")
         args = tuple(_fake(a) for a in args)
         kwargs = {k: _fake(v) for k, v in kwargs.items()}

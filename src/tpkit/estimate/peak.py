@@ -3,13 +3,13 @@ followed until Python lets it go, so the peak counts what a sum of parts misses 
 alive together, gradients appearing while activations are still held, the optimizer's temporaries).
 
 Why: a sum of parameters, gradients, optimizer states and saved activations came out 0.4 GiB under the peak RSS of
-a 100M Llama's training step (2.27 GiB measured, 1.63 predicted, 0.24 of it imports). `ops.trace_step` runs its
-step under this mode (a weightless copy converted for the rank, `FakeTensorMode`: the same tensors a real step
-makes, none allocated); storages are counted once however many views share them. Training is followed over a
+a 100M Llama's training step (2.27 GiB measured, 1.63 predicted, 0.24 of it imports). `fake_step.trace_step`
+runs its step under this mode (a weightless copy converted for the rank, `FakeTensorMode`: the same tensors a real
+step makes, none allocated); storages are counted once however many views share them. Training is followed over a
 second step, the steady one, whose optimizer states exist from its start (on real tensors the count equals the
-fake one to the byte: tests/estimate/test_pricing.py). What a process holds on top (the interpreter and its imports, the allocator's and autograd's own
-objects) is measured on the machine (`machine.MachineRates.import_bytes`, `runtime_bytes`) and added apart
-(`predict.Prediction.process_bytes`).
+fake one to the byte: tests/estimate/test_search.py). What a process holds on top (the interpreter and its
+imports, the allocator's and autograd's own objects) is measured on the machine (`machine.MachineRates.import_bytes`,
+`runtime_bytes`) and added apart (`predict.Prediction.process_bytes`).
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ A `Setup` is how a model runs on `tp x dp` devices: the tensor-parallel size, da
 over the rest, sequence parallelism, recompute, and the architecture families' alternatives (attention split by
 heads or whole, the LM head vocab-parallel or replicated, experts TP or EP). `predict` converts a weightless copy
 of the model for rank 0 with that setup's plan (`convert.planner.propose` with the setup's choices), traces one
-step op by op (`ops.trace_step`) and prices it with the measured rates of `tp x dp` ranks sharing the machine
-(`machine.MachineRates`):
+step op by op (`fake_step.trace_step`) and prices it with the rates of `tp x dp` ranks sharing the machine
+(`machine.MachineRates`: measured by the calibration, or read off a datasheet by `hardware.datasheet_rates`, which
+has no fixed cost per op and ring collectives; one composition for both):
 
     step = sum over ops (fixed cost per op + max(FLOPs / matmul rate at its rows, bytes / bandwidth))
          + every tensor-parallel collective (measured latency + bytes / bandwidth at its group size, plus what a
@@ -17,9 +18,9 @@ Memory is the most tensor bytes the traced step holds at once (`peak.LiveBytes`:
 ops make while it is alive, optimizer states included), moved by what DP and recompute change; `process_bytes`
 adds what the machine measured a process holds besides (imports, runtime).
 
-Nothing overlaps: an eager step on a CPU does its ops one after another. Recompute adds the forward ops again
-(full) or the attention's (selective). A config with more than two layers is traced with one and two layers
-and extrapolated linearly (the layers are identical).
+Nothing overlaps: an eager step on a CPU does its ops one after another; on a GPU, tensor-parallel collectives
+sit on the critical path. Recompute adds the forward ops again (full) or the attention's (selective). A config
+with more than two layers is traced with one and two layers and extrapolated linearly (the layers are identical).
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from ..convert.planner import propose
 from ..convert.trace import analyze_structure
 from .calls import meta_copy, with_layers
 from .config import own_dtype
+from .fake_step import GOALS, StepTrace, trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
-from .ops import GOALS, StepTrace, trace_step
 from .profile import SpeedProfile, load_profile
 
 DP_MODES = ("ddp", "fsdp", "replicas")  # replicas: inference copies that each take a share of the batch
@@ -98,6 +99,10 @@ class Prediction:
     ops: int
     collectives: int
     process_bytes: float = 0.0  # what the rank's process holds at its peak: memory_bytes + imports + runtime
+    compute_s: float = 0.0      # the part of kernels_s bound by arithmetic (the rest is bound by bytes)
+    flops: float = 0.0          # the step's FLOPs on the device (recompute's again included)
+    nbytes: float = 0.0         # bytes its kernels read and write
+    collective_bytes: float = 0.0  # bytes of its tensor-parallel collectives' inputs
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "setup": self.setup.to_dict()}
@@ -107,18 +112,28 @@ def kernel_seconds(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...
                    names: tuple[str, ...] | None = None) -> float:
     """What the step's kernels take at `rates` (matmuls: FLOPs or streamed bytes, whichever is slower; other ops:
     their bytes), with no fixed cost; only ops of `phases` / whose name starts with one of `names` when given."""
-    total = 0.0
+    return sum(kernel_times(trace, rates, phases, names))
+
+
+def kernel_times(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...] | None = None,
+                 names: tuple[str, ...] | None = None) -> tuple[float, float]:
+    """`kernel_seconds` in two parts: (the ops bound by arithmetic, the ops bound by the bytes they move)."""
+    compute = memory = 0.0
     for op in _ops(trace, phases, names):
         if op.view:
             continue
         if op.mnk is not None or op.flops:
             m = op.mnk[0] if op.mnk is not None else 1024
             width = math.sqrt(op.mnk[1] * op.mnk[2]) if op.mnk is not None else None
-            total += max(op.flops / rates.flops_rate(m, width, op.stored),
-                         op.nbytes / rates.weight_bandwidth(op.stored))
+            arithmetic = op.flops / rates.flops_rate(m, width, op.stored)
+            streamed = op.nbytes / rates.weight_bandwidth(op.stored)
+            if arithmetic > streamed:
+                compute += arithmetic
+            else:
+                memory += streamed
         else:
-            total += op.nbytes / rates.copy_bandwidth
-    return total
+            memory += op.nbytes / rates.copy_bandwidth
+    return compute, memory
 
 
 def skew_factor(rates: MachineRates, goal: str, tp: bool) -> float:
@@ -139,6 +154,10 @@ class _Priced:
     comm: float
     ops: int
     collectives: int
+    compute: float = 0.0  # the part of `kernels` bound by arithmetic
+    flops: float = 0.0
+    nbytes: float = 0.0
+    comm_bytes: float = 0.0
 
 
 def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers: int | None = None,
@@ -156,12 +175,13 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers
     tp = trace.world_size > 1 if tp is None else tp
     per_op = rates.train_op_overhead_s if trace.goal == "train" else rates.op_overhead_s
     skew = skew_factor(rates, trace.goal, tp)
-    kernels, n = kernel_seconds(trace, rates) * skew, len(trace.ops)
-    again = []
+    compute, memory = kernel_times(trace, rates)
+    n, again = len(trace.ops), []
     if trace.goal == "train" and recompute != "none":
         names = None if recompute == "full" else ATTENTION_CORE
         again = _ops(trace, ("forward",), names)
-        kernels += kernel_seconds(trace, rates, ("forward",), names) * skew
+        compute, memory = (a + b for a, b in zip((compute, memory), kernel_times(trace, rates, ("forward",), names)))
+    kernels, compute = (compute + memory) * skew, compute * skew
     in_step = rates.train_collective_overhead_s if trace.goal == "train" else rates.collective_overhead_s
     cost = rates.framework_cost(family, trace.goal, tp, dp_mode) if layers is not None else None
     if cost is not None:  # measured per module: the in-step cost of a collective is inside its layer's term
@@ -173,23 +193,27 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers
     else:
         overhead = (n + len(again)) * per_op
     comm = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) + in_step for c in trace.collectives)
-    return _Priced(kernels, overhead, comm, n + len(again), len(trace.collectives))
+    work = [o for o in (*trace.ops, *again) if not o.view]
+    return _Priced(kernels, overhead, comm, n + len(again), len(trace.collectives), compute,
+                   sum(o.flops for o in work), sum(o.nbytes for o in work), sum(c.nbytes for c in trace.collectives))
 
 
-def _models(model_or_config, dtype: torch.dtype | None = None) -> tuple[list[tuple[int, nn.Module]], int]:
+def _models(model_or_config, dtype: torch.dtype | None = None,
+            attention: str | None = None) -> tuple[list[tuple[int, nn.Module]], int]:
     """Weightless models to trace, with their layer counts, and the layer count to extrapolate to (a config in
-    `dtype`, default bfloat16 as the other estimates; a module keeps its own unless `dtype` says otherwise)."""
+    `dtype`, default bfloat16 as the other estimates; a module keeps its own unless `dtype` says otherwise; a
+    config rebuilt with `attention`'s kernel when given: "eager", else sdpa)."""
     config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config, "config",
                                                                                         None)
     layers = getattr(config, "num_hidden_layers", None) if config is not None else None
     cls = type(model_or_config) if isinstance(model_or_config, nn.Module) else None
     dtype = dtype or own_dtype(model_or_config)
     if isinstance(layers, int) and layers > 2 and hasattr(config, "model_type"):
-        return [(n, with_layers(config, cls, n, dtype)) for n in (1, 2)], layers
+        return [(n, with_layers(config, cls, n, dtype, attention)) for n in (1, 2)], layers
     if isinstance(model_or_config, nn.Module):
         return [(0, meta_copy(model_or_config).to(dtype))], 0
     if config is not None and hasattr(config, "model_type"):
-        return [(layers or 0, with_layers(config, None, layers, dtype))], layers or 0
+        return [(layers or 0, with_layers(config, None, layers, dtype, attention))], layers or 0
     raise TypeError(f"predict needs an nn.Module or a Hugging Face config, got {type(model_or_config).__name__}")
 
 
@@ -202,7 +226,7 @@ def plan_for(model: nn.Module, setup: Setup, goal: str, example=None):
 def _trace(model: nn.Module, setup: Setup, goal: str, batch: int, seq: int, example) -> StepTrace:
     plan = plan_for(model, setup, goal, example) if setup.tp > 1 else "auto"
     return trace_step(model, goal, setup.tp, 0, batch, seq, plan=plan,
-                      sequence_parallel=setup.sequence_parallel, meta_example=example)
+                      sequence_parallel=setup.sequence_parallel, example=example, meta_example=example)
 
 
 def _extrapolate(values: list[tuple[int, float]], layers: int) -> float:
@@ -223,26 +247,28 @@ class Traced:
 
 
 def trace_setup(model_or_config, setup: Setup, goal: str, batch_size: int, seq_len: int, example=None,
-                dtype: torch.dtype | None = None) -> Traced:
+                dtype: torch.dtype | None = None, attention: str | None = None) -> Traced:
     """Trace rank 0's step under `setup` (its local batch: the batch shared out over dp)."""
     if goal not in GOALS:
         raise ValueError(f"predict: goal must be one of {GOALS}, got {goal!r}")
     local = -(-batch_size // setup.dp)
-    models, layers = _models(model_or_config, dtype)
+    models, layers = _models(model_or_config, dtype, attention)
     rows = tuple((n, _trace(model, setup, goal, local, seq_len, example)) for n, model in models)
     return Traced(rows, layers, models[0][1])
 
 
 def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int = 1, seq_len: int = 128,
             profile: SpeedProfile | str | None = None, ranks: int | None = None, example=None,
-            traced: Traced | None = None, dtype: torch.dtype | None = None, hardware=None) -> Prediction:
+            traced: Traced | None = None, dtype: torch.dtype | None = None, hardware=None,
+            attention: str | None = None) -> Prediction:
     """Time and memory of `setup` for `goal` on this machine (see the module docstring). `profile`: a measured
     profile (`tpkit estimate --calibrate`); `ranks`: how many ranks share the machine (default: the setup's
-    devices); `example`: a meta-device example input for a module without a config; `traced`: the step traced
-    for an equivalent setup (`trace_setup`); `dtype`: the weights' (default: a config's bfloat16, a module's
-    own); `hardware`: the `Hardware` to price on when the profile was not measured op by op."""
+    devices); `example`: a meta-device example input for a module without a config (its batch is the step's);
+    `traced`: the step traced for an equivalent setup (`trace_setup`); `dtype`: the weights' (default: a config's
+    bfloat16, a module's own); `hardware`: the `Hardware` whose datasheet prices the step when the profile was not
+    measured op by op; `attention`: a config's attention kernel ("eager", else sdpa; default the config's)."""
     profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
-    traced = traced or trace_setup(model_or_config, setup, goal, batch_size, seq_len, example, dtype)
+    traced = traced or trace_setup(model_or_config, setup, goal, batch_size, seq_len, example, dtype, attention)
     item = next((p.element_size() for p in traced.model.parameters()), 2)
     rates = profile.rates(ranks or setup.devices, hardware, item)
     config = getattr(traced.model, "config", None)
@@ -266,7 +292,8 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
         memory = peak + memory - _memory(Setup(setup.tp), goal, *parts)
     return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm, kernels, overhead, tp_comm, dp_comm,
                       memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))),
-                      memory + rates.import_bytes + rates.runtime_bytes)
+                      memory + rates.import_bytes + rates.runtime_bytes, ex(lambda t, p: p.compute),
+                      ex(lambda t, p: p.flops), ex(lambda t, p: p.nbytes), ex(lambda t, p: p.comm_bytes))
 
 
 def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:

@@ -13,8 +13,9 @@ size:
 profile (`tpkit estimate --calibrate`, `calibrate.py`) also carries the machine itself as a `Hardware` whose
 peaks are the measured figures (so its efficiencies are 1), and (format version 2) the op-level rates one rank
 achieves when 1, 2, ... ranks share the machine (`machine`: `MachineRates` keyed by the number of ranks), which
-the op-level predictions (`predict.py`) read. Profiles are JSON files, written atomically,
-read with `json` only; `load_profile()` looks at `$TPKIT_PROFILE`, then `~/.cache/tpkit/profile.json`
+the op-level predictions (`predict.py`) read; a profile measured nowhere gives them from a datasheet scaled by its
+fractions (`SpeedProfile.rates`, `hardware.datasheet_rates`): one composition prices both. Profiles are JSON files,
+written atomically, read with `json` only; `load_profile()` looks at `$TPKIT_PROFILE`, then `~/.cache/tpkit/profile.json`
 (`$XDG_CACHE_HOME/tpkit/profile.json`), then falls back to the default.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 
-from .hardware import Hardware, Interconnect
+from .hardware import Hardware, Interconnect, datasheet_rates, get_hardware
 from .machine import MachineRates
 
 VERSION = 3
@@ -58,11 +59,9 @@ class SpeedProfile:
         if self.machine:
             counts = sorted(int(k) for k in self.machine)
             return self.machine[str(min((c for c in counts if c >= ranks), default=counts[-1]))]
-        from .hardware import get_hardware
-
         hw = hardware or self.hardware or get_hardware("H100-SXM")
-        return MachineRates.from_hardware(hw, self.flops_efficiency, self.memory_efficiency,
-                                          self.link(hw.interconnect), ranks, bytes_per_element)
+        return datasheet_rates(hw, self.flops_efficiency, self.memory_efficiency, self.link(hw.interconnect), ranks,
+                               bytes_per_element)
 
     def link(self, interconnect: Interconnect) -> LinkProfile:
         """The calibrated figures for `interconnect`'s kind; the interconnect's own per-hop latency, no fixed
@@ -104,10 +103,13 @@ class SpeedProfile:
 
 # Calibrated on gpt-fast's published Llama-2-7B bf16 batch-1 decode on 8xA100-80GB (NVLink, 330 W, torch.compile):
 # 104.9 / 168.84 / 254.02 / 328.43 tok/s at TP 1/2/4/8 (github.com/pytorch-labs/gpt-fast, README, "Tensor
-# Parallelism"). Least squares over those four points with three parameters: memory efficiency 0.696, a fixed
-# 15.6 us per all-reduce, 1.22 us per (t - 1), i.e. 0.61 us per ring step (2(t - 1) steps), rounded below. Held out,
-# the same README's Llama-2-70B at TP 2/4/8 (21.32 / 38.01 / 62.50 tok/s) comes out 9%, 6% and 4% low.
-_A100_NVLINK = LinkProfile(collective_latency_s=16e-6, hop_latency_s=0.6e-6,
+# Parallelism"), each priced as the estimate prices it (the step traced op by op with gpt-fast's layout, embedding
+# and LM head whole: `vocab_parallel=False`). Least squares over those four points (relative errors) with three
+# parameters: memory efficiency 0.695, a fixed 17.1 us per all-reduce, 0.67 us per ring step (2(t - 1) steps),
+# rounded below: +1.2%, -1.1%, +2.0%, -0.7%. Held out, the same README's Llama-2-70B at TP 2/4/8 (21.32 / 38.01 /
+# 62.50 tok/s) comes out 9%, 6% and 4% low. (Priced by a roofline of the whole step, where the embedding's whole
+# table counted as read, the same fit gave 0.70, 16 us and 0.6 us.)
+_A100_NVLINK = LinkProfile(collective_latency_s=17e-6, hop_latency_s=0.7e-6,
                            # nccl-tests all_reduce_perf bus bandwidth on 8xA100 NVLink is commonly reported around
                            # 230-240 GB/s of the 300 GB/s one-way NVLink 3 figure; not validated by tpkit's tests
                            # (the decode messages above are 8-16 KB: latency-bound).

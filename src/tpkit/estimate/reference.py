@@ -4,7 +4,7 @@ An op's fixed cost is not that of a bare `x + 1` in a loop (~5 us here): a model
 each op (modules, hooks, the framework's own glue), and a training step's backward and optimizer ops pay less of
 it. So the cost is read off a model: a reference Llama small enough that its kernels cost next to nothing is
 timed for real (a decode step, a prefill, a training step), its step is traced with the same op recorder the
-predictions use (`ops.trace_step`), and the time its kernels would take at the measured rates is subtracted;
+predictions use (`fake_step.trace_step`), and the time its kernels would take at the measured rates is subtracted;
 what is left, divided by the ops counted, is the fixed cost per op. `--model` measures the user's own model
 shrunk the same way instead.
 """
@@ -20,7 +20,7 @@ from torch import nn
 
 from .calls import meta_copy
 from .machine import MachineRates
-from .ops import trace_step
+from .fake_step import trace_step
 from .predict import kernel_seconds
 
 

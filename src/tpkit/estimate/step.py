@@ -1,7 +1,6 @@
-"""The one small real step a non-transformer module is measured on: its example call, the plan styles the
-converter would apply, and a runnable copy of the model.
-
-Shared by the memory and the speed estimate, so both measure the very same step.
+"""The one small step a non-transformer module is measured on: its example call (`module_example`, which the speed
+estimate traces too, so both estimate the very same call), the plan styles the converter would apply, and a
+weightless copy of the model to run.
 """
 from __future__ import annotations
 
@@ -93,18 +92,9 @@ def infer_input(model: nn.Module) -> torch.Tensor | None:
 def prepare_module_step(model: nn.Module, world_size: int, dtype: torch.dtype, mode: str, example_input=None,
                         input_shape=None, seq_len: int | None = None) -> dict[str, Any]:
     """Everything a measured step needs: the example call, its batch, the plan styles (or why not), a
-    runnable copy of the model. Shared by the memory and the speed estimate of non-transformer modules."""
-    if example_input is None and input_shape is None and getattr(model, "main_input_name", "") == "input_ids":
-        example_input = {"input_ids": torch.zeros(1, seq_len or 128, dtype=torch.long)}
-    notes, styles, planned = [], None, ()
-    if example_input is None and input_shape is None:
-        guessed = infer_input(model)
-        if guessed is not None:
-            example_input = guessed
-            notes.append(f"input inferred from the first layer: {tuple(guessed.shape)} {str(guessed.dtype)[6:]} "
-                         f"(pass example_input= or input_shape= for the real one)")
-    args, kwargs = _example(model, dtype, example_input, input_shape)
-    first = _first_tensor(args) if args else _first_tensor(kwargs)
+    runnable copy of the model. The memory estimate of non-transformer modules reads it."""
+    args, kwargs, batch, notes = module_example(model, dtype, example_input, input_shape, seq_len)
+    styles, planned = None, ()
     if world_size > 1:
         first_param = next(model.parameters(), None)
         device = first_param.device if first_param is not None else torch.device("cpu")
@@ -123,5 +113,24 @@ def prepare_module_step(model: nn.Module, world_size: int, dtype: torch.dtype, m
             notes.append(why)
     work = _runnable_copy(model, dtype)
     work.train(mode == "training")
-    return {"args": args, "kwargs": kwargs, "batch": int(first.shape[0]) if first is not None and first.dim() else 1,
-            "styles": styles, "planned_inputs": planned, "work": work, "notes": notes}
+    return {"args": args, "kwargs": kwargs, "batch": batch, "styles": styles, "planned_inputs": planned, "work": work,
+            "notes": notes}
+
+
+def module_example(model: nn.Module, dtype: torch.dtype, example_input=None, input_shape=None,
+                   seq_len: int | None = None) -> tuple[tuple, dict, int, list[str]]:
+    """The example call a non-transformer module is estimated on, as (args, kwargs, its batch, notes): the given
+    example (floating tensors in `dtype`), else an input of `input_shape`, else token ids of `seq_len` for a model
+    that reads them, else the input its first layer implies (`infer_input`, said in a note); ValueError when none."""
+    if example_input is None and input_shape is None and getattr(model, "main_input_name", "") == "input_ids":
+        example_input = {"input_ids": torch.zeros(1, seq_len or 128, dtype=torch.long)}
+    notes = []
+    if example_input is None and input_shape is None:
+        guessed = infer_input(model)
+        if guessed is not None:
+            example_input = guessed
+            notes.append(f"input inferred from the first layer: {tuple(guessed.shape)} {str(guessed.dtype)[6:]} "
+                         f"(pass example_input= or input_shape= for the real one)")
+    args, kwargs = _example(model, dtype, example_input, input_shape)
+    first = _first_tensor(args) if args else _first_tensor(kwargs)
+    return args, kwargs, int(first.shape[0]) if first is not None and first.dim() else 1, notes

@@ -10,10 +10,10 @@ the input dtype), and a formula per architecture is only as good as the last blo
 2. for rank r of t, `parallelize` with a `ShapeCommunicator`: the very layers, head layout, sequence
    parallel region and vocab-parallel loss a real rank gets, so per-rank shapes are exact, uneven splits
    included;
-3. under `FakeTensorMode` the copy is moved to fake CPU tensors and one training forward (with labels, so the
-   loss counts) runs under `saved_tensors_hooks`; saved tensors are counted once per storage, parameters and
-   buffers excluded - exactly how the tests measure a real forward. No data is computed: a 70B layer costs
-   what a 70-parameter one does.
+3. one training forward (with labels, so the loss counts) of that copy on fake tensors, run by the estimates'
+   one fake run (`fake_step.trace_step`, which the speed estimate's op trace runs too) under
+   `saved_tensors_hooks`; saved tensors are counted once per storage, parameters and buffers excluded - exactly
+   how the tests measure a real forward. No data is computed: a 70B layer costs what a 70-parameter one does.
 
 A config is traced with 1 and 2 layers: the difference is one layer's bytes (per layer, per rank), and the
 stack is extrapolated linearly (`outside + L * per_layer`), which is exact for the identical layers of these
@@ -26,20 +26,14 @@ is kept as a cross-check.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from ..convert import parallelize, quiet_conversions
-from ..convert.trace.structure import traceable_experts
 from .calls import as_call, meta_copy, with_layers
-from ..comm.shapes import ShapeCommunicator
+from .fake_step import trace_step
 
 
 @dataclass(frozen=True)
@@ -84,22 +78,6 @@ def _fsdp_rows(rows: int, dp_size: int) -> int:
     return -(-rows // dp_size)
 
 
-def _fake_inputs(model: nn.Module, batch: int, seq: int, example) -> tuple[tuple, dict]:
-    """The forward's arguments as fake tensors (call inside the fake mode): the example's shapes and dtypes,
-    else token ids (and labels when the forward takes them, so the loss counts)."""
-    if example is not None:
-        args, kwargs = as_call(example)
-
-        def fake(v):
-            return torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
-        return tuple(fake(a) for a in args), {k: fake(v) for k, v in kwargs.items()}
-    ids = torch.zeros(batch, seq, dtype=torch.long)
-    kwargs = {"input_ids": ids}
-    if "labels" in inspect.signature(model.forward).parameters:
-        kwargs["labels"] = ids
-    return (), kwargs
-
-
 def _meta_example(example):
     """The example call on the meta device, for the planner's trace of a module without a config."""
     if example is None:
@@ -110,58 +88,12 @@ def _meta_example(example):
     return {k: meta(v) for k, v in kwargs.items()} if kwargs else tuple(meta(a) for a in args)
 
 
-@contextlib.contextmanager
-def fake_tensors(model: nn.Module) -> Iterator[None]:
-    """Fake tensors for a meta `model`'s estimate run, with transformers' experts through batched_mm as in the
-    planner's trace: their eager loop asks which experts got tokens (`nonzero`), which fake tensors cannot
-    answer (the estimate and the setup search failed on every MoE model)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with traceable_experts(model), FakeTensorMode(allow_non_fake_inputs=True):
-        yield
-
-
-def saved_bytes(model: nn.Module, args=(), kwargs=None, outputs: list | None = None) -> int:
-    """Bytes `model(*args, **kwargs)` saves for backward: distinct storages, parameters and buffers excluded
-    (the forward's output is appended to `outputs` when given, for a backward after).
-
-    The measurement itself (the tests run it on real tensors, the estimate on fake ones)."""
-    skip = {p.untyped_storage()._cdata for p in model.parameters()}
-    skip |= {b.untyped_storage()._cdata for b in model.buffers()}
-    seen: dict[int, int] = {}
-    alive = []  # keep every saved tensor alive, so no storage address is reused while counting
-
-    def pack(x):
-        storage = x.untyped_storage()
-        alive.append(x)
-        if storage._cdata not in skip:
-            seen[storage._cdata] = storage.nbytes()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        out = model(*args, **(kwargs or {}))
-    if outputs is not None:
-        outputs.append(out)
-    return sum(seen.values())
-
-
 def _trace_one(model: nn.Module, rank: int, world_size: int, sequence_parallel: bool, batch: int, seq: int,
                example) -> tuple[int, tuple[tuple[int, ...], ...]]:
-    """(saved bytes, local parameter shapes) of `model` (meta, consumed) as rank `rank` of `world_size`."""
-    if world_size > 1:
-        with quiet_conversions():  # an estimate's own conversion: what stays whole is in its report
-            parallelize(model, comm=ShapeCommunicator(rank, world_size), mode="training",
-                        sequence_parallel=sequence_parallel, example_inputs=_meta_example(example))
-    seen, shapes = set(), []
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            shapes.append(tuple(p.shape))
-    model.train()
-    with fake_tensors(model):
-        model = model.to_empty(device="cpu")
-        args, kwargs = _fake_inputs(model, batch, seq, example)
-        return saved_bytes(model, args, kwargs), tuple(shapes)
+    """(saved bytes, local parameter shapes) of a training forward of `model` (meta) as rank `rank` of `world_size`."""
+    step = trace_step(model, "train", world_size, rank, batch, seq, sequence_parallel=sequence_parallel,
+                      example=example, meta_example=_meta_example(example), backward=False)
+    return step.saved_bytes, step.parameter_shapes
 
 
 def trace_rank(model_or_config, world_size: int, rank: int, dtype: torch.dtype, batch_size: int = 1,

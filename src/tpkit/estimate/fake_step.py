@@ -1,0 +1,204 @@
+"""The one fake run of the estimates: one step of a weightless copy of a model, converted for one rank, on fake
+tensors. Every figure read off a model's step comes from here: the speed estimate's op trace (`predict.py`), the
+memory estimate's activations and parameter shapes (`traced.py`), and a plain module's measured step (`measure.py`,
+through `fake_tensors`). It is the only place the estimates make fake tensors.
+
+How: a weightless (meta) copy of the model is converted for rank r of t by `parallelize` (the converter's plan: the
+same layers, head layout, sequence parallel region and vocab-parallel loss a real rank gets), with a communicator
+that moves no data but writes down every collective (`ops.RecordingCommunicator`), and one step runs under
+`FakeTensorMode` (shapes and dtypes, no data: a 70B layer costs what a 70-parameter one does) with the op recorder
+(`ops.OpRecorder`) and the live-bytes counter (`peak.LiveBytes`) on. Steps: "decode" (one token after a context of
+`seq` tokens in the KV cache), "prefill" (one forward of `seq` tokens), "train" (forward with the loss, backward, an
+AdamW step; `backward=False` stops after the forward, all the memory estimate needs). Training counts the bytes
+autograd saves for backward (`saved_bytes`: distinct storages, parameters and buffers excluded, exactly as the
+tests measure a real forward).
+
+Transformers' experts run through batched_mm here, as in the planner's trace (`traceable_experts`): their eager
+loop asks which experts got tokens (`nonzero`), which fake tensors cannot answer.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ..convert import parallelize, quiet_conversions
+from ..convert.trace.structure import traceable_experts
+from .calls import as_call, meta_copy, to_empty_tied
+from .ops import Collective, Op, OpRecorder, RecordingCommunicator
+from .peak import LiveBytes
+
+GOALS = ("decode", "prefill", "train")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """Everything one step of rank `rank` of `world_size` does (see the module docstring)."""
+
+    goal: str
+    world_size: int
+    rank: int
+    ops: tuple[Op, ...]
+    collectives: tuple[Collective, ...]
+    parameter_bytes: int     # this rank's parameters
+    saved_bytes: int         # what the training forward keeps for backward (0 for inference)
+    cache_bytes: int         # the KV cache after the step (decode)
+    tokens: int              # tokens the step processes (decode: the batch)
+    parameter_tensors: int = 0  # this rank's parameter tensors the optimizer steps (training)
+    peak_bytes: int = 0         # the most tensor bytes held at once in a steady step (`peak.LiveBytes`)
+    parameter_shapes: tuple[tuple[int, ...], ...] = ()  # this rank's parameters, each once (tied ones too)
+
+
+@contextlib.contextmanager
+def fake_tensors(model: nn.Module) -> Iterator[None]:
+    """Fake tensors for a meta `model`'s estimate run (the one `FakeTensorMode` of the estimates), with
+    transformers' experts through batched_mm as in the planner's trace."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with traceable_experts(model), FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+def saved_bytes(model: nn.Module, args=(), kwargs=None, outputs: list | None = None) -> int:
+    """Bytes `model(*args, **kwargs)` saves for backward: distinct storages, parameters and buffers excluded
+    (the forward's output is appended to `outputs` when given, for a backward after).
+
+    The measurement itself (the tests run it on real tensors, the estimate on fake ones)."""
+    skip = {p.untyped_storage()._cdata for p in model.parameters()}
+    skip |= {b.untyped_storage()._cdata for b in model.buffers()}
+    seen: dict[int, int] = {}
+    alive = []  # keep every saved tensor alive, so no storage address is reused while counting
+
+    def pack(x):
+        storage = x.untyped_storage()
+        alive.append(x)
+        if storage._cdata not in skip:
+            seen[storage._cdata] = storage.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = model(*args, **(kwargs or {}))
+    if outputs is not None:
+        outputs.append(out)
+    return sum(seen.values())
+
+
+def fake_inputs(model: nn.Module, batch: int, seq: int, example=None, labels: bool = False) -> tuple[tuple, dict]:
+    """The forward's arguments (call inside the fake mode): the example's shapes and dtypes, else token ids
+    (with labels when asked and the forward takes them)."""
+    if example is not None:
+        args, kwargs = as_call(example)
+
+        def fake(v):
+            return torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+        return tuple(fake(a) for a in args), {k: fake(v) for k, v in kwargs.items()}
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    kwargs = {"input_ids": ids}
+    if labels and "labels" in inspect.signature(model.forward).parameters:
+        kwargs["labels"] = ids
+    return (), kwargs
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The loss a training step differentiates: the output's `.loss`, else the sum of its first tensor."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = out if isinstance(out, torch.Tensor) else (out[0] if isinstance(out, (tuple, list)) else out.logits)
+    return first.float().sum()
+
+
+def convert_for_rank(model: nn.Module, rank: int, world_size: int, plan: Any = "auto", mode: str = "inference",
+                     sequence_parallel: bool = False, example_inputs: Any = None) -> tuple[nn.Module, RecordingCommunicator]:
+    """A weightless copy of `model` converted for `rank` of `world_size` with `plan`, and the communicator that
+    records its collectives."""
+    comm = RecordingCommunicator(rank, world_size)
+    copy_ = meta_copy(model)
+    if world_size > 1:
+        with quiet_conversions():  # an estimate's own conversion: what stays whole is in its report
+            parallelize(copy_, plan, comm=comm, mode=mode, sequence_parallel=sequence_parallel,
+                        example_inputs=example_inputs)
+    return copy_, comm
+
+
+def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, batch: int = 1, seq: int = 128,
+               plan: Any = "auto", sequence_parallel: bool = False, example=None,
+               meta_example: Any = None, backward: bool = True) -> StepTrace:
+    """One `goal` step of `model` as rank `rank` of `world_size` runs it (see the module docstring). `model` may
+    be on the meta device; it is not changed. `example`: the forward's input (its shapes and dtypes), else token
+    ids of `batch` x `seq`; `meta_example`: the example on the meta device, for the plan's trace of a module without
+    a config; `backward=False`: a training step's forward only (its saved bytes; no op recorded)."""
+    if goal not in GOALS:
+        raise ValueError(f"trace_step: goal must be one of {GOALS}, got {goal!r}")
+    training = goal == "train"
+    work, comm = convert_for_rank(model, rank, world_size, plan, "training" if training else "inference",
+                                  sequence_parallel and training, meta_example)
+    unique = list({id(p): p for p in work.parameters()}.values())
+    params, shapes = sum(p.numel() * p.element_size() for p in unique), tuple(tuple(p.shape) for p in unique)
+    work.train(training)
+    with fake_tensors(work):
+        work = to_empty_tied(work)
+        recorder, saved, cache = OpRecorder(), 0, 0
+        live = LiveBytes([*work.parameters(), *work.buffers()])
+        if goal == "decode":
+            with live:
+                cache = _decode(work, batch, seq, recorder, comm)
+        elif goal == "prefill":
+            args, kwargs = fake_inputs(work, batch, seq, example)
+            with torch.no_grad(), recorder, live:
+                work(*args, **kwargs)
+        else:
+            saved = _train(work, batch, seq, example, recorder, live, backward)
+    tokens = batch if goal == "decode" else batch * seq
+    tensors = sum(1 for p in unique if p.requires_grad)
+    return StepTrace(goal, world_size, rank, tuple(recorder.ops), tuple(comm.calls), params, saved, cache, tokens,
+                     tensors, live.peak, shapes)
+
+
+def _decode(work: nn.Module, batch: int, seq: int, recorder: OpRecorder, comm: RecordingCommunicator) -> int:
+    """One decoded token after a prefill of `seq` tokens (only the token's ops and collectives are kept);
+    returns the KV cache's bytes."""
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    with torch.no_grad():
+        out = work(input_ids=ids, use_cache=True)
+        comm.calls.clear()
+        with recorder:
+            out = work(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+    cache = out.past_key_values
+    tensors = [t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None),
+                                                                     getattr(layer, "values", None))]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _train(work: nn.Module, batch: int, seq: int, example, recorder: OpRecorder, live: LiveBytes,
+           backward: bool = True) -> int:
+    """Forward with the loss (saved bytes counted), backward, one AdamW step; returns the saved bytes (`backward`
+    False: the forward alone, unrecorded). Then a second step, the steady one (its optimizer states exist from the start), runs
+    under `live` alone, its optimizer ops recorded (the first step's include making the states, which a later step
+    does not): its peak is the memory the step needs (the first one's is not: a real first step held 4.4 MB less
+    than every later one on a 2.2 MB model). Two passes, because counting saved bytes keeps every saved tensor alive
+    to the forward's end, which would move the peak."""
+    args, kwargs = fake_inputs(work, batch, seq, example, labels=True)
+    if not backward:  # the memory estimate's forward: its saved bytes alone, no op recorded
+        return saved_bytes(work, args, kwargs)
+    outputs: list = []
+    with recorder:
+        saved = saved_bytes(work, args, kwargs, outputs)
+        loss_of(outputs[0]).backward()
+    outputs.clear()
+    optimizer = torch.optim.AdamW([p for p in work.parameters() if p.requires_grad], lr=1e-3)
+    optimizer.step()  # makes the states (zeros_like per tensor): a first step's work, not a step's
+    optimizer.zero_grad(set_to_none=True)
+    live.hold(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    step = OpRecorder("optimizer")
+    with live:
+        loss_of(work(*args, **kwargs)).backward()
+        with step:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    recorder.ops.extend(step.ops)
+    return saved
