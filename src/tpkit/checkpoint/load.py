@@ -117,7 +117,9 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
     Tensors are filled where they are (a device destination through pinned staging buffers); a model
     converted on the meta device is first given memory on `device` (default: the rank's device), with its
     non-persistent buffers computed as its class computes them (`allocate.py`), or refused when they cannot
-    be. Returns the manifest metadata: {"step", "extra", "config", "plan", "world_size"}."""
+    be. Each tensor keeps the model's dtype: floating tensors are cast into it (`castable`), optimizer state into
+    its parameter's (`optimizer.state_targets`), as torch's `load_state_dict`s do. Returns the manifest metadata:
+    {"step", "extra", "config", "plan", "world_size"}."""
     comm = resolve_comm(comm)
     model, record = unwrap(model, comm)
     device = load_device(device, comm)

@@ -7,6 +7,10 @@ then allocated at its local shape on the load's device (tied parameters stay one
 buffers are moved there, and everything is filled from the files through the shared loader (`load.py`, which
 validates everything and agrees across ranks before reading; `fill.py`, which keeps several reads in flight
 and, for a device, goes through pinned staging buffers).
+
+The build is in the dtype asked for, as transformers builds for `from_pretrained(dtype=...)`: its `_from_config`
+gets `dtype=` (without it, it builds in the config's dtype whatever was asked, and a bf16 checkpoint asked for
+float32 stayed bf16), and the load casts each stored tensor into the model's tensor.
 """
 from __future__ import annotations
 
@@ -156,10 +160,15 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     eval mode. `reuse`: as for `parallelize` (default on; `TPKIT_PLAN_REUSE=0` turns it off): repeated blocks are
     planned from the distinct ones without tracing them.
 
+    `dtype`, as transformers' `from_pretrained(path, dtype=...)`: None or "auto" is the checkpoint's (its config's
+    `dtype`, else its first floating tensor's); a floating torch dtype or its name casts every parameter and
+    persistent buffer the file holds to it (tensors transformers keeps in float32 at that dtype stay float32), and
+    `model.config.dtype` records it. Anything else is a `ValueError`.
+
     A quantized checkpoint (its config has a `quantization_config`: compressed-tensors, FP8 block, GPTQ, AWQ;
     `tpkit.quant.SUPPORTED`) loads packed: each rank reads its slice of the packed weights and of their scales,
-    zero points and `g_idx`, split in whole groups where the split can, and its quantized layers dequantize per call
-    in `dtype` (`tpkit.nn.quantized`). `dequantize=True` holds the dequantized weights instead (dense, trainable).
+    zero points and `g_idx`, split in whole groups where the split can, and its quantized layers compute in `dtype`
+    (`tpkit.nn.quantized`), their weights those transformers' load holds at that dtype (`tpkit.quant.dequant`). `dequantize=True` holds the dequantized weights instead (dense, trainable).
     An unsupported method or scheme raises `QuantizationError` before any weight is read."""
     path, comm = os.fspath(path), resolve_comm(comm)
     device = load_device(device, comm)
