@@ -253,6 +253,19 @@ def test_a_dtype_that_is_not_a_compute_dtype_is_refused(refs):
                          backend="threads")
 
 
+def test_no_dtype_follows_the_installed_transformers(refs, monkeypatch):
+    """transformers 5 reads dtype=None as "auto" (the cases above: None gives transformers' own load); 4.x loaded in
+    torch's default dtype, float32, and "auto" in the checkpoint's."""
+    from tpkit.checkpoint import pretrained
+
+    paths, _ = refs
+    assert pretrained.none_means_auto()
+    monkeypatch.setattr(pretrained, "none_means_auto", lambda: False)
+    dtypes = [tpkit.launch(lambda: tpkit.from_pretrained(paths["llama-bf16"], dtype=d, progress=False).dtype, 1,
+                           backend="threads")[0] for d in (None, "auto")]
+    assert dtypes == [torch.float32, torch.bfloat16]
+
+
 def test_load_sharded_never_casts_fp8_or_integers(tmp_path):
     """Floating tensors cast into the model's dtype; FP8 values (meaningless without their scales) and integers
     do not, and the model is left as it was."""

@@ -42,10 +42,13 @@ from .staging import load_device, staging_for
 
 
 def resolve_dtype(dtype, config, source: Source | None = None) -> torch.dtype:
-    """`dtype` as transformers' `from_pretrained` resolves it: a floating torch.dtype or its name; None or "auto"
-    (transformers 5 reads None as "auto"): the config's `dtype` (`torch_dtype` in older configs), else the first
-    floating, non-FP8 tensor of the checkpoint, else float32. Raises ValueError for anything else."""
+    """`dtype` as the installed transformers' `from_pretrained` resolves it: a floating torch.dtype or its name;
+    "auto": the config's `dtype` (`torch_dtype` in older configs), else the first floating, non-FP8 tensor of the
+    checkpoint, else float32; None: "auto" under transformers 5, torch's default dtype (float32) under 4.x.
+    Raises ValueError for anything else."""
     given = dtype
+    if dtype is None and not none_means_auto():
+        dtype = torch.get_default_dtype()
     if dtype in (None, "auto"):
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or _stored_dtype(source)
     if isinstance(dtype, str):
@@ -54,6 +57,12 @@ def resolve_dtype(dtype, config, source: Source | None = None) -> torch.dtype:
         raise ValueError(f"from_pretrained: dtype={given!r} is not a dtype to compute in; pass a floating torch dtype "
                          f"or its name (torch.bfloat16, 'float32', ...), or 'auto' / None for the checkpoint's")
     return dtype
+
+
+def none_means_auto() -> bool:
+    """Whether the installed transformers loads `from_pretrained(path)` (no dtype) in the checkpoint's dtype: 5.0 on
+    (None becomes "auto"); 4.x loads in torch's default dtype."""
+    return int(str(transformers_name("__version__")).split(".")[0]) >= 5
 
 
 def _stored_dtype(source: Source | None) -> torch.dtype:
@@ -160,8 +169,8 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     eval mode. `reuse`: as for `parallelize` (default on; `TPKIT_PLAN_REUSE=0` turns it off): repeated blocks are
     planned from the distinct ones without tracing them.
 
-    `dtype`, as transformers' `from_pretrained(path, dtype=...)`: None or "auto" is the checkpoint's (its config's
-    `dtype`, else its first floating tensor's); a floating torch dtype or its name casts every parameter and
+    `dtype`, as the installed transformers' `from_pretrained(path, dtype=...)`: "auto" is the checkpoint's (its
+    config's `dtype`, else its first floating tensor's), and so is None under transformers 5 (4.x: float32); a floating torch dtype or its name casts every parameter and
     persistent buffer the file holds to it (tensors transformers keeps in float32 at that dtype stay float32), and
     `model.config.dtype` records it. Anything else is a `ValueError`.
 
