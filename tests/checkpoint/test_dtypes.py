@@ -13,8 +13,8 @@ Every state-dict tensor has transformers' dtype and equals the slice of transfor
 cast of the same stored values); `config.dtype` is what transformers records; the logits are within float32 rel 1e-5
 (float64: 1e-10) of transformers' load of the same directory in the same dtype. In bf16 / fp16 the bound is 3x the
 reference's own half-precision error (its logits against its float64 load of the same directory): the TP spread
-measured on these models at 2 and 3 ranks is 0.9-1.6x that error (tp-vs-one-process 4.9e-3-9.2e-3, the reference's
-own 3.1e-3-7.7e-3). Thread-ranks at 2 and 3; gloo processes at 3, one launch for `from_pretrained` in each dtype and
+measured on these models at 2 and 3 ranks is 1.0-1.4x that error (bf16: 7.2e-3-1.3e-2 against 6.5e-3-1.2e-2; fp16:
+7.5e-4-1.6e-3 against 6.7e-4-1.3e-3; `python bench/dtypes.py`, BENCHMARKS.md). Thread-ranks at 2 and 3; gloo processes at 3, one launch for `from_pretrained` in each dtype and
 the Checkpointer (what differs between processes: collectives in each dtype, forward and backward)."""
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ at the default dtype (bf16, the config's) and at float32; the float32 model's at
 unquantized tensor's dtype and value (its slice, bit for bit), every quantized layer's dequantized weight in the
 compute dtype (bit for bit: the same elementwise dequantization of the same stored values), and the logits:
 float32 rel 1e-5; bf16 3x the reference's own bf16 error against its float64 load (the spread measured at 2 and 3
-ranks is 0.9-1.8x that error, 3.1e-3-1.0e-2). Before the fix the bf16 checkpoints at float32 either failed in the
+ranks is 0.8-1.8x that error: 3.1e-3-1.0e-2 against 2.7e-3-1.2e-2; `python bench/dtypes.py`, BENCHMARKS.md). Before the fix the bf16 checkpoints at float32 either failed in the
 forward (a bf16 embedding meeting a float32 weight) or computed the unquantized tensors in bf16 (7e-3 off).
 The int8 checkpoint of the bf16 model is rewritten with its int8 values off a 64-byte boundary in the file: a
 view of the mapping fed to the int8 kernel at bf16 crashed the process."""
