@@ -1,6 +1,7 @@
 """The newcomer's examples under real torchrun (2 gloo processes) on a tiny Llama saved with a word-level tokenizer:
 examples/finetune.py at tp2 trains as one process would (losses and weights against plain transformers + AdamW),
-resumes to the end of an uninterrupted run bit for bit, and its --consolidate directory loads in transformers;
+resumes to the end of an uninterrupted run bit for bit, and its --consolidate directory loads in transformers; a
+bf16 checkpoint trains in the --dtype asked for;
 at tp1 x dp2 under FSDP2 it trains the same; examples/generate.py at tp2 gives transformers' own greedy tokens;
 examples/lora.py at tp2 trains a LoRA adapter as one PEFT process does and saves the stock adapter files."""
 from __future__ import annotations
@@ -124,6 +125,35 @@ def test_finetune_at_tp2_resumes_as_an_uninterrupted_run_and_consolidates_for_tr
     original = tr.AutoModelForCausalLM.from_pretrained(llama)
     assert {k: v.shape for k, v in tuned.state_dict().items()} == {k: v.shape for k, v in original.state_dict().items()}
     assert tr.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))("w1 w2").input_ids == [4, 5]
+
+
+@pytest.mark.slow
+def test_finetune_trains_a_bf16_checkpoint_in_the_dtype_asked_for(llama, tmp_path):
+    """A bf16 checkpoint with `--dtype float32` (the default) trains in float32: the losses and weights of one
+    float32 process of transformers (its float32 load of the same bf16 directory), and the consolidated directory
+    is float32, config.json included. It used to train in bf16, silently (losses 1e-2 off)."""
+    import json
+
+    import transformers as tr
+    from safetensors import safe_open
+
+    half = os.path.join(os.path.dirname(llama), "llama-bf16")
+    if not os.path.isdir(half):
+        tr.AutoModelForCausalLM.from_pretrained(llama).to(torch.bfloat16).save_pretrained(half)
+        tr.AutoTokenizer.from_pretrained(llama).save_pretrained(half)
+    data, out = os.path.join(os.path.dirname(llama), "train.txt"), str(tmp_path / "hf")
+    output = _run("finetune.py", "--model", half, "--tp", "2", "--data", data, *TRAIN, "--steps", "2",
+                  "--save", str(tmp_path / "ckpt"), "--consolidate", out)
+    losses, state = _reference(half, data, 2)
+    printed = _losses(output)
+    assert all(abs(float(printed[s + 1]) - want) < 2e-4 for s, want in enumerate(losses)), (printed, losses)
+    got = _weights(out)
+    for k, want in state.items():  # AdamW moves a weight whose gradient is within rounding of 0 by up to lr
+        assert got[k].dtype == torch.float32 and torch.allclose(got[k], want, rtol=0, atol=1e-3), k
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["dtype"] == "float32"
 
 
 @pytest.mark.slow

@@ -163,8 +163,13 @@ def test_wider_mlp_fails_on_shape_before_touching_the_embeddings(tmp_path):
 
 
 def test_dtype_mismatch(tmp_path):
-    tpkit.save_sharded(hf_model("llama").double(), str(tmp_path))
-    _check_bad(tmp_path, "float64")
+    """Floating tensors are cast into the model's dtype (as torch's load_state_dict does: tests/checkpoint/
+    test_dtypes.py); FP8 values, which mean nothing without their scales, are refused."""
+    model = hf_model("llama")
+    w = model.model.layers[1].mlp.down_proj.weight
+    w.data = w.data.to(torch.float8_e4m3fn)
+    tpkit.save_sharded(model, str(tmp_path))
+    _check_bad(tmp_path, "down_proj.weight", "float8_e4m3fn", "the model's")
 
 
 def test_another_models_checkpoint(tmp_path):

@@ -208,15 +208,17 @@ def to_awq(ct_dir: str, directory: str, group: int = 128) -> str:
                                          "zero_point": True, "version": "gemm"}, layer)
 
 
-def reference(directory: str, ct_dir: str | None = None):
-    """transformers' single-process load of the directory, dequantized (of `ct_dir` for GPTQ / AWQ)."""
+def reference(directory: str, ct_dir: str | None = None, dtype=None):
+    """transformers' single-process load of the directory, dequantized (of `ct_dir` for GPTQ / AWQ), at `dtype`
+    (None: transformers' default, the config's)."""
     import transformers as tr
 
     path = ct_dir or directory
     with open(os.path.join(path, "config.json")) as f:
         method = json.load(f)["quantization_config"]["quant_method"]
     qc = tr.FineGrainedFP8Config(dequantize=True) if method == "fp8" else tr.CompressedTensorsConfig(dequantize=True)
-    return tr.AutoModelForCausalLM.from_pretrained(path, quantization_config=qc).eval()
+    kw = {} if dtype is None else {"dtype": dtype}
+    return tr.AutoModelForCausalLM.from_pretrained(path, quantization_config=qc, **kw).eval()
 
 
 def copy_with_config(src: str, dst: str, change) -> str:
@@ -229,3 +231,27 @@ def copy_with_config(src: str, dst: str, change) -> str:
     with open(path, "w") as f:
         json.dump(config, f)
     return dst
+
+
+# ------------------------------------------------------------------------------------ the formats the tests make
+IDS = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+INT4 = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128)
+FORMATS = {  # name -> (model, maker(directory, base, made) -> (directory, reference directory or None))
+    "ct-int4-group-asym": ("llama", lambda d, m, made: (compressed_tensors(m, d, "pack-quantized", **INT4), None)),
+    "ct-int4-group-sym": ("qwen2", lambda d, m, made: (compressed_tensors(
+        m, d, "pack-quantized", num_bits=4, type="int", symmetric=True, strategy="group", group_size=64), None)),
+    "ct-int4-phi3-fused": ("phi3", lambda d, m, made: (compressed_tensors(m, d, "pack-quantized", **INT4), None)),
+    "ct-int8-channel-pack": ("llama", lambda d, m, made: (compressed_tensors(
+        m, d, "pack-quantized", num_bits=8, type="int", symmetric=True, strategy="channel"), None)),
+    "ct-w8a16-int": ("qwen2", lambda d, m, made: (compressed_tensors(
+        m, d, "int-quantized", num_bits=8, type="int", symmetric=True, strategy="channel"), None)),
+    "ct-fp8-channel": ("llama", lambda d, m, made: (compressed_tensors(
+        m, d, "float-quantized", num_bits=8, type="float", strategy="channel"), None)),
+    "ct-fp8-block": ("llama", lambda d, m, made: (compressed_tensors(
+        m, d, "float-quantized", num_bits=8, type="float", strategy="block", block_structure=[128, 128]), None)),
+    "hf-fp8-block": ("llama", lambda d, m, made: (hf_fp8(m, d), None)),
+    "gptq": ("llama", lambda d, m, made: (to_gptq(made("ct-int4-group-asym"), d), made("ct-int4-group-asym"))),
+    "gptq-desc-act": ("llama", lambda d, m, made: (to_gptq(made("ct-int4-group-asym"), d, desc_act=True),
+                                                   made("ct-int4-group-asym"))),
+    "awq": ("llama", lambda d, m, made: (to_awq(made("ct-int4-group-asym"), d), made("ct-int4-group-asym"))),
+}

@@ -24,27 +24,7 @@ from tests.quant import checkpoints as C
 
 pytest.importorskip("compressed_tensors")
 
-IDS = torch.randint(0, C.VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
-INT4 = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128)
-FORMATS = {  # name -> (model, maker(directory, base, made) -> (directory, reference directory or None))
-    "ct-int4-group-asym": ("llama", lambda d, m, made: (C.compressed_tensors(m, d, "pack-quantized", **INT4), None)),
-    "ct-int4-group-sym": ("qwen2", lambda d, m, made: (C.compressed_tensors(
-        m, d, "pack-quantized", num_bits=4, type="int", symmetric=True, strategy="group", group_size=64), None)),
-    "ct-int4-phi3-fused": ("phi3", lambda d, m, made: (C.compressed_tensors(m, d, "pack-quantized", **INT4), None)),
-    "ct-int8-channel-pack": ("llama", lambda d, m, made: (C.compressed_tensors(
-        m, d, "pack-quantized", num_bits=8, type="int", symmetric=True, strategy="channel"), None)),
-    "ct-w8a16-int": ("qwen2", lambda d, m, made: (C.compressed_tensors(
-        m, d, "int-quantized", num_bits=8, type="int", symmetric=True, strategy="channel"), None)),
-    "ct-fp8-channel": ("llama", lambda d, m, made: (C.compressed_tensors(
-        m, d, "float-quantized", num_bits=8, type="float", strategy="channel"), None)),
-    "ct-fp8-block": ("llama", lambda d, m, made: (C.compressed_tensors(
-        m, d, "float-quantized", num_bits=8, type="float", strategy="block", block_structure=[128, 128]), None)),
-    "hf-fp8-block": ("llama", lambda d, m, made: (C.hf_fp8(m, d), None)),
-    "gptq": ("llama", lambda d, m, made: (C.to_gptq(made("ct-int4-group-asym"), d), made("ct-int4-group-asym"))),
-    "gptq-desc-act": ("llama", lambda d, m, made: (C.to_gptq(made("ct-int4-group-asym"), d, desc_act=True),
-                                                   made("ct-int4-group-asym"))),
-    "awq": ("llama", lambda d, m, made: (C.to_awq(made("ct-int4-group-asym"), d), made("ct-int4-group-asym"))),
-}
+IDS, INT4, FORMATS = C.IDS, C.INT4, C.FORMATS
 
 
 @pytest.fixture(scope="module")

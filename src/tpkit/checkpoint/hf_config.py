@@ -18,9 +18,17 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 def config_dict(model) -> dict | None:
-    """The model's config as `save_pretrained` writes it, or None."""
+    """The model's config as `save_pretrained` writes it, or None: its `dtype` is the dtype the weights are in (the
+    first floating parameter's, transformers' `model.dtype`), so the directory `consolidate` writes loads in the dtype
+    it was saved in whatever the config said before (a model cast after loading)."""
     config = getattr(model, "config", None)
-    return json.loads(config.to_json_string(use_diff=True)) if hasattr(config, "to_json_string") else None
+    if not hasattr(config, "to_json_string"):
+        return None
+    d = json.loads(config.to_json_string(use_diff=True))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is not None:
+        d["dtype"] = str(dtype).removeprefix("torch.")
+    return d
 
 
 def generation_dict(model) -> dict | None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..convert.layouts import check_grad_sums, shard_layouts
+from ..quant.schemes import FP8_DTYPES
 from ..nn._layer import resolve_comm
 from ..nn.random import DATA_PARALLEL_RNG, get_rng_tracker
 from . import optimizer as optim_state
@@ -54,9 +55,10 @@ def open_source(path: str, rank: int = 0, world: int = 1) -> Source:
 
 
 def model_targets(model: nn.Module, source: Source, find: Callable[[str], str | None], strict: bool,
-                  convert: bool, missing_ok: Callable[[str], bool] = lambda k: False) -> list[Target]:
-    """A Target per distinct model tensor (tied keys share one). Raises CheckpointError for missing keys
-    (strict, or always when `missing_ok` says no) and, when strict, for unexpected ones."""
+                  missing_ok: Callable[[str], bool] = lambda k: False) -> list[Target]:
+    """A Target per distinct model tensor (tied keys share one), in the model tensor's dtype (`castable`). Raises
+    CheckpointError for missing keys (strict, or always when `missing_ok` says no) and, when strict, for
+    unexpected ones."""
     layouts = shard_layouts(model)
     sd = model.state_dict(keep_vars=True)
     targets, by_id, missing, used = [], {}, [], set()
@@ -81,20 +83,27 @@ def model_targets(model: nn.Module, source: Source, find: Callable[[str], str | 
             raise CheckpointError(f"{source.root}: checkpoint has {len(extra)} tensor(s) the model does not: "
                                   f"{extra[:5]}{' ...' if len(extra) > 5 else ''} (a checkpoint of another model?)")
     for t in targets:
-        check_target(source, t, convert)
+        check_target(source, t)
     return targets
 
 
-def check_target(source: Source, t: Target, convert: bool) -> None:
-    """Full shape (before any slicing: a slice of the right local shape can still be the wrong tensor), dtype,
-    and that the pieces cover this rank's region."""
+def castable(stored: torch.dtype, wanted: torch.dtype) -> bool:
+    """Whether a stored tensor loads into a tensor of dtype `wanted`: the same dtype, or both floating and neither
+    FP8 (cast on the way in, as torch's `load_state_dict` and transformers do: a bf16 checkpoint into a float32
+    model is upcast exactly). FP8 values mean nothing without their scales, and integers are never cast."""
+    return stored == wanted or (stored.is_floating_point and wanted.is_floating_point
+                                and stored not in FP8_DTYPES and wanted not in FP8_DTYPES)
+
+
+def check_target(source: Source, t: Target) -> None:
+    """Full shape (before any slicing: a slice of the right local shape can still be the wrong tensor), dtype
+    (`castable`), and that the pieces cover this rank's region."""
     e = source.entries[t.key]
     where = e.pieces[0].path if e.pieces else source.root
     if e.shape != t.layout.full_shape:
         raise CheckpointError(f"{where}: tensor {t.key!r} has shape {list(e.shape)}, the model's {t.name} is "
                               f"{list(t.layout.full_shape)}")
-    ok = e.dtype == t.dtype or (convert and e.dtype.is_floating_point and t.dtype.is_floating_point)
-    if not ok:
+    if not castable(e.dtype, t.dtype):
         raise CheckpointError(f"{where}: tensor {t.key!r} is {e.dtype}, the model's {t.name} is {t.dtype}")
     if uncovered(e, t.layout):
         raise CheckpointError(f"{where}: tensor {t.key!r}: the checkpoint's pieces do not cover the region rank "
@@ -108,7 +117,9 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
     Tensors are filled where they are (a device destination through pinned staging buffers); a model
     converted on the meta device is first given memory on `device` (default: the rank's device), with its
     non-persistent buffers computed as its class computes them (`allocate.py`), or refused when they cannot
-    be. Returns the manifest metadata: {"step", "extra", "config", "plan", "world_size"}."""
+    be. Each tensor keeps the model's dtype: floating tensors are cast into it (`castable`), optimizer state into
+    its parameter's (`optimizer.state_targets`), as torch's `load_state_dict`s do. Returns the manifest metadata:
+    {"step", "extra", "config", "plan", "world_size"}."""
     comm = resolve_comm(comm)
     model, record = unwrap(model, comm)
     device = load_device(device, comm)
@@ -119,7 +130,7 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
         # or rebuilds them (NeoX's embed_out, experts one tensor per expert)
         find = (lambda k: k if k in source.entries else None) if source.manifest is not None else \
             key_finder(model, source)
-        targets = model_targets(model, source, find, strict, convert=False)
+        targets = model_targets(model, source, find, strict)
         if optimizer is not None:
             section = (source.manifest or {}).get("optimizer") or {}
             if not section and strict:
@@ -165,7 +176,7 @@ def optimizer_targets(model: nn.Module, source: Source, section: dict) -> list[T
     out = []
     for key, lay, dtype in optim_state.state_targets(model, section, layouts, source.entries):
         t = Target(key, key, lay, dtype)
-        check_target(source, t, convert=False)
+        check_target(source, t)
         out.append(t)
     return out
 

@@ -47,7 +47,9 @@ def state_tensors(model: nn.Module, optimizer, layouts: dict[str, ShardLayout]):
 
 def state_targets(model: nn.Module, section: dict, layouts: dict[str, ShardLayout], entries: dict):
     """`[(key, layout, dtype)]` of every saved state tensor this model's parameters need (the parameter's
-    layout when the saved tensor has the parameter's full shape, replicated otherwise)."""
+    layout when the saved tensor has the parameter's full shape, replicated otherwise). The dtype is the one
+    torch's `Optimizer.load_state_dict` gives: a floating parameter's (a run saved in bf16 resumes in float32
+    with float32 moments), except for `step`, which keeps its own."""
     out = []
     params = dict(named_params(model))
     for name, rec in section.get("state", {}).items():
@@ -58,7 +60,9 @@ def state_targets(model: nn.Module, section: dict, layouts: dict[str, ShardLayou
                 e = entries[d["tensor"]]
                 lay = layouts[name] if e.shape == layouts[name].full_shape else ShardLayout.replicated(
                     e.shape, layouts[name].world_size, layouts[name].rank)
-                out.append((d["tensor"], lay, e.dtype))
+                p = params[name]
+                cast = sname != "step" and p.is_floating_point() and e.dtype.is_floating_point
+                out.append((d["tensor"], lay, p.dtype if cast else e.dtype))
     return out
 
 

@@ -7,10 +7,15 @@ then allocated at its local shape on the load's device (tied parameters stay one
 buffers are moved there, and everything is filled from the files through the shared loader (`load.py`, which
 validates everything and agrees across ranks before reading; `fill.py`, which keeps several reads in flight
 and, for a device, goes through pinned staging buffers).
+
+The build is in the dtype asked for, as transformers builds for `from_pretrained(dtype=...)`: its `_from_config`
+gets `dtype=` (without it, it builds in the config's dtype whatever was asked, and a bf16 checkpoint asked for
+float32 stayed bf16), and the load casts each stored tensor into the model's tensor.
 """
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch import nn
@@ -20,9 +25,11 @@ from ..convert.parallelize import parallelize
 from ..convert.plan import Plan
 from ..convert.quantized import dequantize_layers, quantize_layers
 from ..quant import read_quantization
+from ..quant.kernels import aligned
 from ..quant.schemes import FP8_DTYPES
 from ..convert.transformers_threads import transformers_name
 from ..nn._layer import resolve_comm
+from ..nn.quantized import quant_state
 from .agree import agree
 from .allocate import materialize, meta_parameters, place_buffers
 from .errors import CheckpointError
@@ -33,21 +40,89 @@ from .load import Source, model_targets, open_source
 from .progress import Progress
 from .staging import load_device, staging_for
 
-def resolve_dtype(dtype, config) -> torch.dtype:
-    """`dtype` (a torch.dtype, its name, or "auto"/None for the config's `dtype`/`torch_dtype`, else float32),
-    as transformers resolves it."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
+
+def resolve_dtype(dtype, config, source: Source | None = None) -> torch.dtype:
+    """`dtype` as the installed transformers' `from_pretrained` resolves it: a floating torch.dtype or its name;
+    "auto": the config's `dtype` (`torch_dtype` in older configs), else the first floating, non-FP8 tensor of the
+    checkpoint, else float32; None: "auto" under transformers 5, torch's default dtype (float32) under 4.x.
+    Raises ValueError for anything else."""
+    given = dtype
+    if dtype is None and not none_means_auto():
+        dtype = torch.get_default_dtype()
     if dtype in (None, "auto"):
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or _stored_dtype(source)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in FP8_DTYPES:
+        raise ValueError(f"from_pretrained: dtype={given!r} is not a dtype to compute in; pass a floating torch dtype "
+                         f"or its name (torch.bfloat16, 'float32', ...), or 'auto' / None for the checkpoint's")
+    return dtype
+
+
+def none_means_auto() -> bool:
+    """Whether the installed transformers loads `from_pretrained(path)` (no dtype) in the checkpoint's dtype: 5.0 on
+    (None becomes "auto"); 4.x loads in torch's default dtype."""
+    return int(str(transformers_name("__version__")).split(".")[0]) >= 5
+
+
+def _stored_dtype(source: Source | None) -> torch.dtype:
+    """The dtype transformers takes when the config names none: in the first file (by name), the first tensor (by
+    name) that is floating and not FP8 (a quantized layer's values); float32 when there is none."""
+    entries = source.entries.values() if source is not None else ()
+    floating = [(e.pieces[0].path if e.pieces else "", e.key, e.dtype) for e in entries
+                if e.dtype.is_floating_point and e.dtype not in FP8_DTYPES]
+    return min(floating)[2] if floating else torch.float32
 
 
 def build(config, model_cls, dtype: torch.dtype) -> nn.Module:
+    """The model of `config` with parameters on meta in `dtype` (buffers real). A transformers class builds through
+    `_from_config(config, dtype=dtype)`, which builds in `dtype` and records it as `config.dtype`, as
+    `from_pretrained(dtype=...)` does; without `dtype=` it would build in the config's dtype whatever was asked.
+    Tensors the model keeps in float32 at this dtype (`_keep_in_fp32_modules`) go to float32 (`keep_float32`)."""
     with meta_parameters(dtype):
-        if model_cls is not None:
-            return model_cls(config) if not hasattr(model_cls, "_from_config") else model_cls._from_config(config)
-        return transformers_name("AutoModelForCausalLM").from_config(config)
+        if model_cls is not None and not hasattr(model_cls, "_from_config"):
+            return model_cls(config)
+        cls = model_cls if model_cls is not None else transformers_name("AutoModelForCausalLM")
+        model = cls._from_config(config, dtype=dtype) if model_cls is not None else cls.from_config(config, dtype=dtype)
+    keep_float32(model, dtype)
+    return model
+
+
+def keep_float32(model: nn.Module, dtype: torch.dtype) -> None:
+    """The tensors transformers loads in float32 at `dtype` (its `_get_dtype_plan`: `_keep_in_fp32_modules` at
+    float16, `_keep_in_fp32_modules_strict` at float16 and bfloat16; a state-dict key matches a pattern anywhere,
+    `*` any run) made float32 on the built model, so the load reads them as transformers does. Ties stay ties."""
+    plan = getattr(model, "_get_dtype_plan", None)
+    patterns = [re.compile(k.replace("*", ".*")) for k, v in (plan(dtype) if plan is not None else {}).items()
+                if v == torch.float32]
+    if not patterns:
+        return
+    holders: dict[int, list[tuple[dict, str]]] = {}
+    chosen: dict[int, torch.Tensor] = {}
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_floating_point() or t.dtype == torch.float32 or \
+                        name in m._non_persistent_buffers_set and table is m._buffers:  # never in a file
+                    continue
+                holders.setdefault(id(t), []).append((table, name))
+                if any(p.search(f"{prefix}{'.' if prefix else ''}{name}") for p in patterns):
+                    chosen[id(t)] = t
+    for key, t in chosen.items():
+        new = t.detach().to(torch.float32)
+        new = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        for table, name in holders[key]:
+            table[name] = new
+
+
+def align_kernel_inputs(model: nn.Module) -> None:
+    """The stored tensors of each layer a CPU kernel computes start on a 64-byte boundary (`quant.kernels.aligned`:
+    a view of the file's mapping may not, and the int8 kernel faults on it), copied once here where needed."""
+    for m in model.modules():
+        st = quant_state(m)
+        if st is not None and st.kernel is not None:
+            for name in st.specs:
+                m._buffers[name] = aligned(m._buffers[name])
 
 
 def load_config(source: Source, path: str):
@@ -94,10 +169,15 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     eval mode. `reuse`: as for `parallelize` (default on; `TPKIT_PLAN_REUSE=0` turns it off): repeated blocks are
     planned from the distinct ones without tracing them.
 
+    `dtype`, as the installed transformers' `from_pretrained(path, dtype=...)`: "auto" is the checkpoint's (its
+    config's `dtype`, else its first floating tensor's), and so is None under transformers 5 (4.x: float32); a floating torch dtype or its name casts every parameter and
+    persistent buffer the file holds to it (tensors transformers keeps in float32 at that dtype stay float32), and
+    `model.config.dtype` records it. Anything else is a `ValueError`.
+
     A quantized checkpoint (its config has a `quantization_config`: compressed-tensors, FP8 block, GPTQ, AWQ;
     `tpkit.quant.SUPPORTED`) loads packed: each rank reads its slice of the packed weights and of their scales,
-    zero points and `g_idx`, split in whole groups where the split can, and its quantized layers dequantize per call
-    in `dtype` (`tpkit.nn.quantized`). `dequantize=True` holds the dequantized weights instead (dense, trainable).
+    zero points and `g_idx`, split in whole groups where the split can, and its quantized layers compute in `dtype`
+    (`tpkit.nn.quantized`), their weights those transformers' load holds at that dtype (`tpkit.quant.dequant`). `dequantize=True` holds the dequantized weights instead (dense, trainable).
     An unsupported method or scheme raises `QuantizationError` before any weight is read."""
     path, comm = os.fspath(path), resolve_comm(comm)
     device = load_device(device, comm)
@@ -110,7 +190,7 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     except Exception as exc:  # every rank reaches agree(), whatever failed
         error = exc
     agree(comm, error)
-    target_dtype = resolve_dtype(dtype, config)
+    target_dtype = resolve_dtype(dtype, config, source)
     model = build(config, model_cls, target_dtype)
     generation = load_generation_config(path, source.manifest)  # as transformers does: generation_config.json
     if generation is not None and getattr(model, "generation_config", None) is not None:
@@ -134,7 +214,7 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     buffers = {n for n, _ in model.named_buffers() if not n.startswith(tuple(stored))}
     error, targets = None, []
     try:
-        targets = model_targets(model, source, find, strict=False, convert=True, missing_ok=lambda k: k in buffers)
+        targets = model_targets(model, source, find, strict=False, missing_ok=lambda k: k in buffers)
     except CheckpointError as exc:
         error = CheckpointError(f"{exc}; transformers rebuilds {notes[:2]} in ways tpkit does not read") if notes \
             else exc
@@ -149,6 +229,7 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
         except Exception as exc:
             error = exc
     agree(comm, error)
+    align_kernel_inputs(model)
     if dequantize and quantized:
         dequantize_layers(model, comm)
     check_grad_sums(model, f"from_pretrained({path!r})")

@@ -127,10 +127,9 @@ def quantize_linear(layer: nn.Module, scheme: WeightQuant, dense: ShardLayout, d
     layouts = {n: stored_layout(dense, s, where) for n, s in specs.items()}  # raises before anything changes
     device = w.device
     del layer._parameters["weight"]
-    mapped = False
+    mapped, dtypes = False, {n: s.dtype or stored_dtypes.get(n, dtype) for n, s in specs.items()}
     for n, s in specs.items():
-        dt = s.dtype or stored_dtypes.get(n, dtype)
-        layer.register_buffer(n, torch.empty(layouts[n].local_shape, dtype=dt, device=device))
+        layer.register_buffer(n, torch.empty(layouts[n].local_shape, dtype=dtypes[n], device=device))
         for i in range(len(s.dims)):
             m = positions(dense, s, i)
             if m is not None:
@@ -143,7 +142,8 @@ def quantize_linear(layer: nn.Module, scheme: WeightQuant, dense: ShardLayout, d
     base = type(layer)
     layer.__dict__["tp_quant_base"] = base
     layer.__dict__["tp_quant"] = QuantState(scheme, specs, dense, dtype,
-                                            kernel_for(scheme, tuple(dense.local_shape), mapped), weight_sum)
+                                            kernel_for(scheme, tuple(dense.local_shape), mapped, dtype,
+                                                       dtypes.get(scheme.scale_name)), weight_sum)
     layer.__class__ = quantized_class(base)
     return layouts
 

@@ -1,8 +1,9 @@
 """The dense `[out, in]` weight of a quantized layer (a rank's part of it), from its stored tensors.
 
 `w = (q - z) * s` in the scale's dtype, then cast to the compute dtype, as compressed-tensors dequantizes (and
-GPTQ / AWQ with their zero points: GPTQ's v1 format stores `z - 1`); FP8 `w = q * s` (Hugging Face's FP8 loader
-multiplies in the compute dtype). Scales and zero points reach every feature through the `positions` maps
+GPTQ / AWQ with their zero points: GPTQ's v1 format stores `z - 1`); Hugging Face FP8 `w = q * s` in float32, then
+cast (transformers' `Fp8Dequantize`). Either way the weight is the one transformers' load of the directory holds,
+at any compute dtype: a bf16 checkpoint's scales make a bf16-rounded weight even when the layer computes in float32. Scales and zero points reach every feature through the `positions` maps
 (`layouts.py`), or through `g_idx` under act-order, so a group cut by a split costs nothing special.
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ def dequantize(q: WeightQuant, specs: Mapping[str, StoredTensor], tensors: Mappi
     gname = "g_idx" if q.layout == "gptq" else "weight_g_idx"
     w = _grid(specs[wname], _values(q, wname, tensors[wname]), maps, shape)
     scale = tensors[sname]
-    math_dtype = dtype if q.method == "fp8" else scale.dtype
+    math_dtype = torch.float32 if q.method == "fp8" else scale.dtype
     s = _grid(specs[sname], scale, maps, shape).to(math_dtype)
     z = _grid(specs[zname], _values(q, zname, tensors[zname]), maps, shape) if zname in tensors else None
     if q.act_order:  # scales and zero points whole along the groups; each column reads its own group

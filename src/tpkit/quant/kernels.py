@@ -8,9 +8,15 @@
 - int8 per channel, symmetric (`pack-quantized` 8-bit or `int-quantized`): `_weight_int8pack_mm` on the int8
   values (a packed word's bytes are the values plus 128: one XOR gives them).
 
-Both compute in a different order than dequantize-then-matmul (a few float32 ulps). `kernel_for` says which
-applies to a layer's local slice (the scales must cover whole groups from its first feature on: no `positions`
-map); every other case, and any input that needs a gradient (the kernels have none), dequantizes per call.
+Both compute in a different order than dequantize-then-matmul (a few float32 ulps), and in the activations'
+dtype: they equal the format's dense weight only when the scales are stored in the dtype the layer computes in.
+A bf16 checkpoint's weight is `(q - z) * s` rounded to bf16 (compressed-tensors dequantizes in the scale's dtype,
+and transformers' load does): computed in float32 by a kernel, it would be 2e-3 off that load's logits. So
+`kernel_for` says which applies to a layer's local slice (the scales must cover whole groups from its first
+feature on: no `positions` map; the scales' dtype the compute dtype); every other case, and any input that needs
+a gradient (the kernels have none), dequantizes per call. The int8 kernel reads the stored values in place, and
+faults on bf16 activations when they do not start on a 64-byte boundary (a view of the file's mapping may not):
+`aligned` gives a load such a tensor to copy once.
 """
 from __future__ import annotations
 
@@ -21,11 +27,16 @@ from .schemes import WeightQuant
 INT4_GROUPS = (32, 64, 128, 256)
 
 
-def kernel_for(q: WeightQuant, local_shape: tuple[int, int], mapped: bool) -> str | None:
+KERNEL_ALIGNMENT = 64  # bytes: where torch's CPU allocator starts a tensor, and the int8 kernel's loads assume
+
+
+def kernel_for(q: WeightQuant, local_shape: tuple[int, int], mapped: bool, dtype: torch.dtype | None = None,
+               scale_dtype: torch.dtype | None = None) -> str | None:
     """"int4", "int8" or None for a layer of scheme `q` holding `local_shape` (`[out, in]`); `mapped`: some
-    stored tensor needs a `positions` map (a split cut its groups)."""
+    stored tensor needs a `positions` map (a split cut its groups); `dtype` the layer computes in, `scale_dtype` the
+    scales' stored dtype (a kernel only where they are the same: the module docstring)."""
     out, in_ = local_shape
-    if mapped or q.act_order or q.method != "compressed-tensors":
+    if mapped or q.act_order or q.method != "compressed-tensors" or dtype != scale_dtype:
         return None
     if q.layout == "ct_pack" and q.bits == 4 and q.strategy == "group" and q.group_size in INT4_GROUPS \
             and out % 64 == 0 and in_ % q.group_size == 0:
@@ -74,3 +85,8 @@ def int8_linear(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor) -> t
     flat = x.reshape(-1, x.shape[-1])
     y = torch.ops.aten._weight_int8pack_mm(flat, int8_values(stored), scale.reshape(-1).to(x.dtype))
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when its data does not start on a `KERNEL_ALIGNMENT` boundary."""
+    return t if t.data_ptr() % KERNEL_ALIGNMENT == 0 else t.clone(memory_format=torch.contiguous_format)
