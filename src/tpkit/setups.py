@@ -19,7 +19,7 @@ from torch import nn
 
 from .comm.groups import split
 from .convert import parallelize
-from .convert.analyze import AnalysisReport, _budget, parse_bytes
+from .convert.analyze import AnalysisReport, detected_device_memory, parse_bytes
 from .convert.analyze import analyze as analyze_plan
 from .convert.planner import propose
 from .convert.trace import analyze_structure
@@ -222,20 +222,21 @@ def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128, hardwa
                    f"{batch_size} x seq {seq_len}: {best[w].setup.label()} predicted "
                    f"{best[w].prediction.seconds * 1e3:.2f} {unit}"
                    + (f"; other sizes {others} {unit}" if others else "") + "; `tpkit search` shows every setup); "
-                   + _budget_line(device_memory, best[w].prediction.memory_bytes, best[w].setup.label()))
+                   + _budget_line(memory, device_memory, best[w].prediction.memory_bytes, best[w].setup.label()))
     return advise
 
 
-def _budget_line(device_memory: Any, needed: int, label: str) -> str:
-    """The memory budget a suggestion assumed, and where it comes from (given, the detected GPU's, else this host's
-    memory, said so: a CPU host has no device memory of its own), with what the suggested setup needs of it."""
-    dev, source = _budget(device_memory)
-    if dev is None:
+def _budget_line(budget: int | None, device_memory: Any, needed: int, label: str) -> str:
+    """The memory budget per device a suggestion assumed (`budget`, what `tpkit.convert.analyze` passed the advisor)
+    and where it comes from: given, the detected GPU's, else this host's memory, said so (a CPU host has no device
+    memory of its own); with what the suggested setup needs of it."""
+    if budget is None:
         return ("no memory budget: no GPU detected, no device_memory given and this host's memory is unknown; pass "
                 "device_memory='80GB' (CLI: --device-memory 80GB)")
-    where = (f"{source} pass device_memory='80GB' for GPUs, CLI: --device-memory 80GB)" if source.startswith("host")
-             else "as given" if source == "given" else f"the {source}")
-    return f"memory budget {human(dev)} per device: {where}; {label} needs {human(needed)} per device"
+    where = ("as given" if device_memory is not None else "the detected GPU's" if detected_device_memory() is not None
+             else "host memory (no GPU detected and no device_memory given; assumed as one device's budget: pass "
+                  "device_memory='80GB' for GPUs, CLI: --device-memory 80GB)")
+    return f"memory budget {human(budget)} per device: {where}; {label} needs {human(needed)} per device"
 
 
 def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int = 8, device_memory: Any = None,
