@@ -137,7 +137,7 @@ def test_demo_without_a_profile_runs_no_calibration_and_says_how(capsys, monkeyp
     assert main(["demo", "--backend", "threads", "--steps", "1"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert f"no calibration ran: no speed profile at {missing}, so the world size above is suggested by memory" in text
-    assert "`tpkit estimate --calibrate --quick` measures this machine once" in text
+    assert "`tpkit estimate --calibrate` measures this machine once" in text
     assert re.search(r"suggested world size: 1 \([\d.]+ \w+ of inference memory per rank fits [\d.]+ GiB of host memory "
                      r"\(no GPU detected", text), text
     assert "PASS" in text and not missing.exists()

@@ -2,7 +2,8 @@
 
 1. the analysis table (which layers split, how, and why the rest stay replicated), its world size suggested by the
    setup search where this machine is priced already (a speed profile, a GPU of a known kind), else by memory: the
-   demo never runs a calibration (about 2 minutes on a 2-core host, longer than the demo), it says how to run one;
+   demo never runs a calibration (a quick one took 107 s of the first demo's 118 s on the 2-core development box,
+   BENCHMARKS.md), it says how to run one;
 2. the conversion on each rank (the `parallelize` call alone is timed), and its logits against the original
    model's;
 3. a few AdamW training steps on each rank, whose losses match one device's step for step;
@@ -108,10 +109,9 @@ def _unpriced_note() -> str | None:
         machine_pricing(calibrate=False)
     except NotPriced:
         return (f"no calibration ran: no speed profile at {default_profile_path()}, so the world size above is "
-                f"suggested by memory alone. `tpkit estimate --calibrate --quick` measures this machine once (about 2 "
-                f"minutes on a 2-core host; without --quick, longer and finer) and writes that file; `tpkit analyze`, "
-                f"`estimate` and `search` then rank world sizes by predicted time (they run the quick calibration "
-                f"themselves on first use)")
+                f"suggested by memory alone. `tpkit estimate --calibrate` measures this machine once (minutes on a "
+                f"small CPU host; --quick: fewer repeats) and writes that file; `tpkit analyze`, `estimate` and "
+                f"`search` then rank world sizes by predicted time (with no file they run a quick calibration first)")
     return None
 
 
