@@ -201,6 +201,14 @@ def test_a_directory_without_a_tokenizer_is_refused_before_anything_is_written(w
     assert f"no tokenizer files copied: no tokenizer files in {hf}, the model directory the checkpoint records" in \
         capsys.readouterr().out
     assert sorted(os.listdir(tmp_path / "plain")) == ["config.json", "generation_config.json", "model.safetensors"]
+    # a model built in code records no directory
+    import copy
+
+    built = hf_model("llama", num_key_value_heads=2)
+    tpkit.launch(lambda: tpkit.save_sharded(tpkit.parallelize(copy.deepcopy(built)), str(tmp_path / "c")), 2,
+                 backend="threads")
+    assert main(["consolidate", str(tmp_path / "c"), str(tmp_path / "code")]) == 0
+    assert "no tokenizer files copied: the checkpoint records no model directory" in capsys.readouterr().out
 
 
 def test_python_consolidate_copies_the_recorded_tokenizer_too(with_tokenizer, tmp_path):

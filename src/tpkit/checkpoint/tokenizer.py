@@ -52,23 +52,30 @@ def recorded_tokenizer(manifest: dict) -> tuple[str | None, str]:
     following the recorded source through tpkit checkpoints that were themselves loaded from a directory."""
     source = manifest.get("name_or_path")
     if not source:
-        return None, "the checkpoint records no model directory (its model was not loaded from one)"
+        return None, ("the checkpoint records no model directory (its model was not loaded from one, or it was saved "
+                      "before tpkit recorded it)")
     for _ in range(_HOPS):
         if not os.path.isdir(source):
             return None, f"the model directory the checkpoint records, {source}, is not a directory here"
         if tokenizer_files(source):
             return source, f"from {source}, the model directory the checkpoint records"
-        try:
-            version = find_version(source)
-        except CheckpointError:
-            version = None
-        if version is None:
+        further = _recorded_source(source)
+        if not further:
             break
-        with open(os.path.join(version, MANIFEST)) as f:
-            source = json.load(f).get("name_or_path")
-        if not source:
-            break
+        source = further
     return None, f"no tokenizer files in {source}, the model directory the checkpoint records"
+
+
+def _recorded_source(directory: str) -> str | None:
+    """The model directory a tpkit checkpoint at `directory` records, or None (not a checkpoint, or none recorded)."""
+    try:
+        version = find_version(directory)
+    except CheckpointError:
+        return None
+    if version is None:
+        return None
+    with open(os.path.join(version, MANIFEST)) as f:
+        return json.load(f).get("name_or_path")
 
 
 def require_tokenizer(source: str | os.PathLike) -> list[str]:
