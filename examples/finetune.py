@@ -28,13 +28,13 @@ import torch
 import transformers as tr
 
 import tpkit
+from tpkit.checkpoint.tokenizer import tokenizer_files
 from tpkit.launch import set_threads
 
 
 def tokenizer_in(directory: str):
-    """The directory's tokenizer, or None when it has none."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any(os.path.exists(os.path.join(directory, n)) for n in names):
+    """The directory's tokenizer, or None when it has none (the files `tpkit consolidate` copies)."""
+    if not tokenizer_files(directory):
         return None
     return tr.AutoTokenizer.from_pretrained(directory)
 
@@ -137,9 +137,8 @@ def main() -> None:
     comm.barrier()  # every rank's part of the last checkpoint is written
     tpkit.shutdown()
     if args.consolidate and rank == 0:  # one process reads the pieces back: no collective, no timeout
-        tpkit.consolidate(args.save, args.consolidate)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(args.consolidate)
+        # the model directory's tokenizer files beside the weights, as `tpkit consolidate` copies them
+        tpkit.consolidate(args.save, args.consolidate, tokenizer=args.model if tokenizer is not None else None)
         print(f"wrote {args.consolidate} (a Hugging Face directory)", flush=True)
 
 

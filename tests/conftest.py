@@ -1,6 +1,6 @@
 """Every test prices the same made-up measured machine unless it names its own profile: with no profile,
-`tpkit estimate`, `search`, `analyze` and the demo measure this machine first (`tpkit.estimate.pricing`), which
-takes half a minute and would write the developer's ~/.cache. A test that wants that path sets $TPKIT_PROFILE
+`tpkit estimate`, `search` and `analyze` measure this machine first (`tpkit.estimate.pricing`; the demo never does),
+which takes minutes and would write the developer's ~/.cache. A test that wants that path sets $TPKIT_PROFILE
 itself (monkeypatch wins over this fixture)."""
 from __future__ import annotations
 

@@ -173,3 +173,22 @@ def test_example_scripts_and_flags_exist():
                         seen += 1
                         assert f'"{flag}"' in source, f"{_name(page)}:{line + k}: {script} has no {flag}"
     assert seen >= 10
+
+
+def test_every_extra_is_named_where_installing_is_explained():
+    """Each extra pyproject.toml defines is named in the README's install line (`... (extras: hf, ...)`) and in the
+    getting-started page's paragraph "The extras: ..." (issue 49: the README left out `lora`, so a newcomer found
+    and installed PEFT by hand)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    assert {"hf", "lora", "dev"} <= extras
+    readme = (ROOT / "README.md").read_text()
+    assert "(extras:" in readme, "README.md's install line no longer lists the extras"
+    readme_named = set(re.findall(r"[\w-]+", readme.split("(extras:", 1)[1].split(")", 1)[0]))
+    start = (DOCS / "getting-started.md").read_text()
+    assert "The extras:" in start, "docs/getting-started.md no longer lists the extras"
+    paragraph = start.split("The extras:", 1)[1].split("\n\n", 1)[0]
+    page_named = set(re.findall(r"`([\w-]+)`", paragraph))
+    assert not extras - readme_named, f"README.md's install line leaves out the extras {sorted(extras - readme_named)}"
+    assert not extras - page_named, f"docs/getting-started.md's list of extras leaves out {sorted(extras - page_named)}"

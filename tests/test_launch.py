@@ -141,3 +141,49 @@ def test_thread_ranks_share_the_pool_and_get_it_back(no_thread_settings):
     before = torch.get_num_threads()
     assert tpkit.launch(_threads, 2, backend="threads", threads=1) == [1, 1]
     assert torch.get_num_threads() == before
+
+
+
+_SCRIPT = """
+import tpkit
+
+
+def body():
+    return tpkit.get_communicator().rank
+
+
+{main}
+"""
+_MAIN = """print("model built", flush=True)
+print(tpkit.launch(body, 2, backend="gloo", timeout=30), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_unguarded_script_gets_the_guard_named_and_a_guarded_one_runs(tmp_path):
+    """Process ranks are spawned: each imports the script again. A script calling `launch` on its top level gets, in
+    each rank, a RuntimeError naming the `if __name__ == "__main__":` guard (not multiprocessing's generic text), and
+    in the parent a LaunchError saying the rank failed while starting, with the same hint (issue 49 item 3). The
+    same script guarded builds its model once and returns the ranks' results."""
+    import os
+    import subprocess
+    import textwrap
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+
+    def run(main: str) -> subprocess.CompletedProcess:
+        script = tmp_path / "script.py"
+        script.write_text(_SCRIPT.format(main=main))
+        return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+
+    bad = run(_MAIN)
+    assert bad.returncode != 0
+    assert bad.stdout.count("model built") == 3  # the parent's and each rank's: what the guard saves
+    assert bad.stderr.count("RuntimeError: launch: called while a rank process was starting") == 2, bad.stderr
+    assert "bootstrapping phase" not in bad.stderr  # tpkit's error comes before multiprocessing's generic one
+    parent = bad.stderr.strip().splitlines()[-2]
+    assert parent.startswith("tpkit.launch.LaunchError: rank") and "while starting, before it ran body" in parent
+    assert 'if __name__ == "__main__":' in parent
+    good = run('if __name__ == "__main__":\n' + textwrap.indent(_MAIN, "    "))
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.splitlines() == ["model built", "[0, 1]"]

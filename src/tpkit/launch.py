@@ -10,6 +10,12 @@ peer that merely saw it die).
 (each rank's default pool has a thread per core, so N ranks run N x cores threads: on 2 cores, a run with 2
 threads per rank was measured 5x slower than with 1), unless the user said otherwise. `launch` calls it in
 every process rank; scripts under torchrun or mpirun call it first thing (the examples do).
+
+Process ranks are started with "spawn" (a fresh interpreter each, as CUDA needs): each imports the calling script
+again, as module `__mp_main__`, to find `fn`. A script whose top level calls `launch` must guard that call (and the
+model building before it) with `if __name__ == "__main__":`, or every rank re-runs it; `launch` called while a
+rank is importing the script raises `RuntimeError` saying so, and the parent's error names the rank that failed
+while starting.
 """
 from __future__ import annotations
 
@@ -39,6 +45,9 @@ class LaunchError(RuntimeError):
 
 
 THREADS_VARIABLE = "TPKIT_THREADS"
+
+GUARD_HINT = ("guard the script's top level with `if __name__ == \"__main__\":` (the function the ranks run stays at "
+              "module level): process ranks are started with spawn, and each imports the script again to find it")
 
 
 def set_threads(threads: int | None = None, local_ranks: int | None = None) -> int:
@@ -103,7 +112,9 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
     of `comm` (`TypeError` saying to pass `pass_comm=True`).
 
     `backend`: "gloo" or "nccl" (one process per rank; `fn` must be picklable, i.e. defined at module
-    level) or "threads". `timeout` bounds every collective (seconds) and, for processes, the whole run
+    level) or "threads". Process ranks are spawned and import the calling script again: a script keeps its model
+    building and this call under `if __name__ == "__main__":`, or every rank re-runs them (a `launch` reached that
+    way raises RuntimeError naming the guard). `timeout` bounds every collective (seconds) and, for processes, the whole run
     waits at most that long after the first failure for the other ranks to notice it.
 
     `threads`: intra-op CPU threads of each process rank. Default: `set_threads`'s rule with `world_size` ranks on
@@ -113,6 +124,7 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
+    _check_not_starting_a_rank()
     args = tuple(args)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"launch: threads must be a positive int (intra-op threads per rank), got {threads!r}")
@@ -133,6 +145,17 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"launch: unknown backend {backend!r}; valid: gloo, nccl, threads")
     return _launch_processes(fn, world_size, backend, args, timeout, pass_comm, threads)
+
+
+def _check_not_starting_a_rank() -> None:
+    """Raise RuntimeError when this process is a spawned rank still importing the calling script (`__mp_main__`):
+    the script's top level calls `launch` unguarded, so every rank re-runs it (the model building before it
+    included). multiprocessing's own check would fire later, from inside `launch`, with a generic message."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(f"launch: called while a rank process was starting, from the top level of the script "
+                           f"it was importing again (as __mp_main__); {GUARD_HINT}")
 
 
 def _check_comm_is_not_missing(fn: Callable[..., Any], args: tuple) -> None:
@@ -172,6 +195,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeo
                       TORCHELASTIC_USE_AGENT_STORE="True")
     from . import distributed
 
+    results.put((rank, "started", None))  # a rank that dies before this failed while starting (see the module doc)
     try:
         set_threads(threads, local_ranks=world_size)
         comm = distributed.init(backend, timeout)
@@ -227,6 +251,7 @@ def _launch_processes(fn, world_size, backend, args, timeout, pass_comm, threads
     values: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
     reported = [False] * world_size
+    started = [False] * world_size
     grace = 30.0 if timeout is None else float(timeout) + 10.0
     first_failure: float | None = None
     try:
@@ -235,6 +260,9 @@ def _launch_processes(fn, world_size, backend, args, timeout, pass_comm, threads
                 rank, status, payload = results.get(timeout=0.1)
             except queue_module.Empty:
                 rank = None
+            if rank is not None and status == "started":
+                started[rank] = True
+                continue
             if rank is not None:
                 reported[rank] = True
                 if status == "ok":
@@ -249,7 +277,11 @@ def _launch_processes(fn, world_size, backend, args, timeout, pass_comm, threads
                     time.sleep(0.2)
                     if results.empty() and not reported[r]:
                         reported[r] = True
-                        errors[r] = LaunchError(f"rank {r} died with exit code {p.exitcode} without reporting", r)
+                        errors[r] = LaunchError(f"rank {r} died with exit code {p.exitcode} without reporting"
+                                                + ("" if started[r] else f", while starting, before it ran "
+                                                   f"{getattr(fn, '__qualname__', 'fn')} (its traceback is above, "
+                                                   f"on stderr); if it says the script was imported again: "
+                                                   f"{GUARD_HINT}"), r)
                         first_failure = first_failure or time.monotonic()
             if first_failure is not None and time.monotonic() - first_failure > grace:
                 for r in range(world_size):

@@ -19,7 +19,7 @@ from torch import nn
 
 from .comm.groups import split
 from .convert import parallelize
-from .convert.analyze import AnalysisReport, parse_bytes
+from .convert.analyze import AnalysisReport, detected_device_memory, parse_bytes
 from .convert.analyze import analyze as analyze_plan
 from .convert.planner import propose
 from .convert.trace import analyze_structure
@@ -28,11 +28,12 @@ from .distributed import get_communicator
 from .estimate.framework import generate_token_seconds
 from .estimate.hardware import detect_hardware
 from .estimate.predict import Setup
-from .estimate.pricing import machine_pricing
+from .estimate.pricing import NotPriced, machine_pricing
 from .estimate.search import SearchResult
 from .estimate.search import search as rank_setups
 from .launch import launch
 from .recompute import recompute
+from .tables import format_bytes as human
 
 
 def _build(model_or_config, dtype: torch.dtype | None) -> nn.Module:
@@ -179,13 +180,19 @@ def detected_hardware():
     return detect_hardware()
 
 
-def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128, hardware=None, devices: int | None = None):
+def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128, hardware=None, devices: int | None = None,
+                   device_memory: Any = None, calibrate: bool = True):
     """An `analyze` advisor: the world size whose best setup is predicted fastest (the fewest devices within 5% of
-    it), among those that fit and that this machine has (`devices`, default its GPUs, else its cores; larger
+    it), among those that fit `device_memory` (default the detected GPU's, else this host's memory: the suggestion
+    names the budget it assumed) and that this machine has (`devices`, default its GPUs, else its cores; larger
     sizes are shown, said to be for another machine); priced by `machine_pricing(profile, hardware)` as `tpkit
-    estimate` and `tpkit search` are."""
+    estimate` and `tpkit search` are. `calibrate=False`: where nothing prices this machine (no profile, no GPU of a
+    known kind), the memory rule suggests instead of a quick calibration (minutes on a small CPU host)."""
     def advise(model: nn.Module, sizes: list[int], mode: str, memory: int | None):
-        pricing = machine_pricing(profile, hardware, dp_wrappers=DP_WRAPPERS)
+        try:
+            pricing = machine_pricing(profile, hardware, calibrate=calibrate, dp_wrappers=DP_WRAPPERS)
+        except NotPriced:  # not measured and not asked to measure: the memory rule, which names its budget
+            return None
         present = devices or (pricing.devices if pricing.this_machine else max(sizes))
         goal = "decode" if mode == "inference" else "train"
         dtype = torch.float32 if pricing.measured else None
@@ -210,17 +217,35 @@ def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128, hardwa
         return w, (f"suggested world size: {w} of the {present} {kind} here ({pricing.origin}; setup search, batch "
                    f"{batch_size} x seq {seq_len}: {best[w].setup.label()} predicted "
                    f"{best[w].prediction.seconds * 1e3:.2f} {unit}"
-                   + (f"; other sizes {others} {unit}" if others else "") + "; `tpkit search` shows every setup)")
+                   + (f"; other sizes {others} {unit}" if others else "") + "; `tpkit search` shows every setup); "
+                   + _budget_line(memory, device_memory, best[w].prediction.memory_bytes, best[w].setup.label()))
     return advise
+
+
+def _budget_line(budget: int | None, device_memory: Any, needed: int, label: str) -> str:
+    """The memory budget per device a suggestion assumed (`budget`, what `tpkit.convert.analyze` passed the advisor)
+    and where it comes from: given, the detected GPU's, else this host's memory, said so (a CPU host has no device
+    memory of its own); with what the suggested setup needs of it."""
+    if budget is None:
+        return ("no memory budget: no GPU detected, no device_memory given and this host's memory is unknown; pass "
+                "device_memory='80GB' (CLI: --device-memory 80GB)")
+    where = ("as given" if device_memory is not None else "the detected GPU's" if detected_device_memory() is not None
+             else "host memory (no GPU detected and no device_memory given; assumed as one device's budget: pass "
+                  "device_memory='80GB' for GPUs, CLI: --device-memory 80GB)")
+    return f"memory budget {human(budget)} per device: {where}; {label} needs {human(needed)} per device"
 
 
 def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int = 8, device_memory: Any = None,
             mode: str = "inference", example_inputs: Any = None, profile=None, batch_size: int = 1,
-            seq_len: int = 128, devices_per_node: int | None = None, hardware=None) -> AnalysisReport:
+            seq_len: int = 128, devices_per_node: int | None = None, hardware=None,
+            calibrate: bool = True) -> AnalysisReport:
     """`tpkit.convert.analyze` (which layers split, memory per rank, recommendations) with the world size
     suggested by the setup search on the machine `machine_pricing(profile, hardware)` prices (the one `tpkit
     estimate` and `tpkit search` price): never more devices than one machine holds (`devices_per_node`, default
-    this machine's GPUs, else its cores) unless priced for another machine (`hardware`)."""
+    this machine's GPUs, else its cores) unless priced for another machine (`hardware`). With no profile and no GPU
+    of a known kind this machine is measured first (a quick calibration, written for the next call), unless
+    `calibrate=False`: then the memory rule suggests (as the demo does)."""
     return analyze_plan(model, world_size, max_world_size, device_memory, mode, example_inputs,
-                        advisor=search_advisor(profile, batch_size, seq_len, hardware, devices_per_node),
+                        advisor=search_advisor(profile, batch_size, seq_len, hardware, devices_per_node, device_memory,
+                                               calibrate),
                         devices_per_node=devices_per_node)

@@ -1,6 +1,7 @@
 """`tpkit analyze` and `tpkit verify` from the command line (in-process through `tpkit.cli.main`)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -118,6 +119,55 @@ def test_demo_on_threads(capsys, monkeypatch, tmp_path):
     inference = [seconds for mode, seconds in timed if mode == "inference"]
     assert len(inference) == 2  # one conversion per rank
     assert max(inference) - 0.001 <= reported <= max(inference) + 0.1 < total
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU of a known kind prices the machine without a profile")
+def test_demo_without_a_profile_runs_no_calibration_and_says_how(capsys, monkeypatch, tmp_path):
+    """`make demo` on a fresh CPU host: no speed profile, so the suggestion is by memory (this host's, said so); no
+    calibration runs (it took 107 of the demo's 118 s on the 2-core box, issue 49 item 1), and the output says none
+    ran and how to run one. Nothing is written to the profile's place."""
+    from tpkit.estimate import calibrate
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("the demo ran a calibration")
+
+    missing = tmp_path / "cache" / "profile.json"
+    monkeypatch.setenv("TPKIT_PROFILE", str(missing))
+    monkeypatch.setattr(calibrate, "calibrate_profile", no_calibration)
+    assert main(["demo", "--backend", "threads", "--steps", "1"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"no calibration ran: no speed profile at {missing}, so the world size above is suggested by memory" in text
+    assert "`tpkit estimate --calibrate` measures this machine once" in text
+    assert re.search(r"suggested world size: 1 \([\d.]+ \w+ of inference memory per rank fits [\d.]+ GiB of host memory "
+                     r"\(no GPU detected", text), text
+    assert "PASS" in text and not missing.exists()
+
+
+def test_analyze_profile_option_and_the_budget_it_assumed(capsys, tmp_path):
+    """`tpkit analyze --profile FILE` prices by that file, as `estimate` and `search` do (the environment names
+    another); the suggestion names the memory budget it assumed: as given, else the GPU's, else this host's memory,
+    said so (issue 49 item 4); a missing profile is one clear line."""
+    from tests.conftest import synthetic_profile
+    from tpkit.convert.analyze import host_memory
+    from tpkit.estimate.profile import save_profile
+    from tpkit.tables import format_bytes
+
+    other = save_profile(dataclasses.replace(synthetic_profile(), sources={"measured": "the --profile one"}),
+                         str(tmp_path / "other.json"))
+    assert os.environ["TPKIT_PROFILE"] != other
+    assert main(["analyze", "gpt2", "--max-world-size", "2", "--profile", other]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"suggested world size: 1 of the {os.cpu_count()} cores here" in text or torch.cuda.is_available()
+    assert f"(priced by the measured profile {other} (the --profile one); setup search" in text
+    assert re.search(r"`tpkit search` shows every setup\); memory budget [\d.]+ \w+ per device: .*; tp\d needs "
+                     r"[\d.]+ \w+ per device", text), text
+    if not torch.cuda.is_available():
+        assert (f"memory budget {format_bytes(host_memory())} per device: host memory (no GPU detected and no "
+                f"device_memory given; assumed as one device's budget") in text
+    assert main(["analyze", "gpt2", "--max-world-size", "2", "--device-memory", "24GB", "--profile", other]) == 0
+    assert "memory budget 24.00 GiB per device: as given;" in " ".join(capsys.readouterr().out.split())
+    assert main(["analyze", "gpt2", "--profile", str(tmp_path / "missing.json")]) == 2
+    assert f"speed profile {tmp_path / 'missing.json'} does not exist" in capsys.readouterr().err
 
 
 def test_analyze_help_says_device_memory_units_are_binary(capsys):

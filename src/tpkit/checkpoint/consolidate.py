@@ -4,7 +4,8 @@ One process, one full tensor in memory at a time: the output header is known fro
 tensor is assembled from its pieces (the same reader the loaders use, with a world-size-1 layout) and
 streamed into the file in order. Tied keys (saved as aliases) are written once, as `save_pretrained` does;
 above `max_shard_bytes` the output is split into shards with a `model.safetensors.index.json`. `config.json` and
-`generation_config.json` are written as the model held them (`hf_config.py`: transformers' own form).
+`generation_config.json` are written as the model held them (`hf_config.py`: transformers' own form), and the
+tokenizer files beside them (`tokenizer.py`): by default those of the directory the model was loaded from.
 
 The output is always one complete model: a non-empty `out_dir` is refused (writing beside an existing index and
 shards would leave transformers and tpkit loading different weights from one directory) unless
@@ -31,22 +32,33 @@ from .optimizer import PREFIX
 from .progress import Progress
 from .reader import read_region
 from .safetensors_file import write_stream
+from .tokenizer import copy_tokenizer, recorded_tokenizer, require_tokenizer
 
 
 def consolidate(directory: str | os.PathLike, out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 2**30,
-                progress: bool | None = None, overwrite: bool = False) -> str:
+                progress: bool | None = None, overwrite: bool = False,
+                tokenizer: str | os.PathLike | None = "auto") -> str:
     """Write `out_dir/config.json`, `generation_config.json` (models that generate) and `model.safetensors` (or
-    shards + index); returns `out_dir`. A non-empty `out_dir` is refused unless `overwrite=True`, which replaces
-    it as a whole."""
+    shards + index), with the tokenizer files beside them; returns `out_dir`. A non-empty `out_dir` is refused
+    unless `overwrite=True`, which replaces it as a whole. `tokenizer`: "auto" copies those of the model directory
+    the checkpoint records (none when it records none, or that directory has none: `tokenizer.recorded_tokenizer`
+    says why); a directory copies its tokenizer files (CheckpointError, before anything is written, if it has
+    none); None copies none."""
     directory, out_dir = os.fspath(directory), os.path.normpath(os.fspath(out_dir))
     source = open_source(directory)
     if source.manifest is None:
         raise CheckpointError(f"{directory}: not a tpkit checkpoint (no manifest)")
     _check_out_dir(directory, out_dir, overwrite)
+    if isinstance(tokenizer, str) and tokenizer == "auto":
+        tokenizer = recorded_tokenizer(source.manifest)[0]
+    if tokenizer is not None:
+        require_tokenizer(tokenizer)  # before anything is written
     tmp = f"{out_dir}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
     try:
         _write(source, tmp, max_shard_bytes, progress)
+        if tokenizer is not None:
+            copy_tokenizer(tokenizer, tmp)
         _swap_in(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the new files on failure; the old directory after a swap

@@ -132,7 +132,11 @@ def load_config(source: Source, path: str):
     model_type = d.pop("model_type", None)
     if model_type is None:
         raise CheckpointError(f"{path}: config has no model_type")
-    return transformers_name("AutoConfig").for_model(model_type, **d)
+    config = transformers_name("AutoConfig").for_model(model_type, **d)
+    # as transformers' from_pretrained records where it loaded from (the model copies it as `name_or_path`): PEFT
+    # writes it into adapter_config.json as base_model_name_or_path
+    config.name_or_path = path
+    return config
 
 
 def recorded_plan(source: Source, plan, world: int, mode: str):

@@ -37,6 +37,7 @@ from .manifest import (FORMAT, LATEST, MANIFEST, fsync_dir, next_version, point_
                        remove_version, write_json)
 from .progress import Progress
 from .safetensors_file import NAMES, write_file
+from .tokenizer import model_source
 
 # Called with the bytes written so far while a rank writes its file (tests kill a save halfway with it).
 WRITE_HOOK: Callable[[int], None] | None = None
@@ -213,6 +214,7 @@ def _manifest(model, tensors, aliases, section, world, step, extra, digests, rng
     plan = getattr(model, "tp_plan", None)
     return {"format": FORMAT, "version": 2, "tpkit_version": _tpkit_version(), "world_size": world, "step": step,
             "extra": extra, "config": config_dict(model), "generation_config": generation_dict(model),
+            "name_or_path": model_source(model),  # where its tokenizer is: consolidate copies it
             "plan": plan.to_dict() if hasattr(plan, "to_dict") else None,
             "files": {rank_file(r): {"bytes": os.path.getsize(os.path.join(version, rank_file(r)))}
                       for r in range(world)},

@@ -1,5 +1,6 @@
 """`tpkit analyze TARGET`: which layers split and how, what stays replicated and why, memory per rank, and
-the smallest world size that fits a device.
+the world size to run: the fastest the setup search predicts on this machine (`--profile`, as `estimate` and
+`search` price it) among those that fit the memory budget, which the suggestion names.
 
 TARGET is a preset (`llama-2-7b`, built with no weights on the meta device), an HF config.json or model
 directory, or `module:factory`.
@@ -23,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(likewise MB/MiB, TB/TiB); a plain number is bytes")
     parser.add_argument("--devices-per-node", type=int, default=None, help="devices of one machine (default: "
                         "this machine's GPU count); a suggestion beyond it is advised as a multi-node setup")
+    parser.add_argument("--profile", default=None, metavar="FILE", help="speed profile the suggested world size is "
+                        "priced by (default: $TPKIT_PROFILE or ~/.cache/tpkit/profile.json; with none there and no "
+                        "GPU, this machine is measured first: `tpkit estimate --calibrate`)")
     parser.add_argument("--mode", default="inference", choices=["inference", "training"])
     parser.add_argument("--plan-out", default=None, help="also write the plan as JSON to this file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -44,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         report = analyze(model, world_size=args.world_size, max_world_size=args.max_world_size,
-                         device_memory=args.device_memory, mode=args.mode,
+                         device_memory=args.device_memory, mode=args.mode, profile=args.profile,
                          devices_per_node=args.devices_per_node)
     except ValueError as exc:
         print(f"tpkit analyze: {exc}", file=sys.stderr)

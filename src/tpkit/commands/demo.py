@@ -1,6 +1,9 @@
 """`tpkit demo`: tensor parallelism end to end on a small Llama-style model, on 2 local gloo ranks.
 
-1. the analysis table (which layers split, how, and why the rest stay replicated);
+1. the analysis table (which layers split, how, and why the rest stay replicated), its world size suggested by the
+   setup search where this machine is priced already (a speed profile, a GPU of a known kind), else by memory: the
+   demo never runs a calibration (a quick one took 107 s of the first demo's 118 s on the 2-core development box,
+   BENCHMARKS.md), it says how to run one;
 2. the conversion on each rank (the `parallelize` call alone is timed), and its logits against the original
    model's;
 3. a few AdamW training steps on each rank, whose losses match one device's step for step;
@@ -96,6 +99,22 @@ def _rank_body(state, ref_logits, steps):
             "layers": len(styles), "local_logits": trainee.lm_head.weight.shape[0]}
 
 
+def _unpriced_note() -> str | None:
+    """What the demo says when nothing prices this machine (so its suggestion was by memory): no calibration ran,
+    and how to run one; None when a profile or a known GPU prices it."""
+    from tpkit.estimate.pricing import NotPriced, machine_pricing
+    from tpkit.estimate.profile import default_profile_path
+
+    try:
+        machine_pricing(calibrate=False)
+    except NotPriced:
+        return (f"no calibration ran: no speed profile at {default_profile_path()}, so the world size above is "
+                f"suggested by memory alone. `tpkit estimate --calibrate` measures this machine once (minutes on a "
+                f"small CPU host; --quick: fewer repeats) and writes that file; `tpkit analyze`, `estimate` and "
+                f"`search` then rank world sizes by predicted time (with no file they run a quick calibration first)")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     try:  # the demo model is a Hugging Face Llama; transformers is an optional extra
         import transformers  # noqa: F401
@@ -108,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     import tpkit
     from tpkit.setups import analyze
     from tpkit.tables import format_bytes as human
-    from tpkit.tables import Column, output_width, render_table
+    from tpkit.tables import Column, output_width, render_table, wrap_text
 
     width = output_width(wide=args.wide)  # a terminal's (or 100 piped): tables leave out columns to fit; --wide: none
     console = Console(width=width, soft_wrap=width is None)
@@ -122,8 +141,12 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]tpkit {tpkit.__version__}: tensor-parallel demo[/bold] - a small Llama (4 layers, hidden "
                   f"128, 8 query / 4 KV heads, vocab 1000) on {w} {args.backend} ranks\n")
     model = _model()
-    report = analyze(model, world_size=w, max_world_size=4)  # the budget: a GPU's, else this host's, said so
+    # the budget: a GPU's, else this host's, said so; never a calibration here (see the module doc)
+    report = analyze(model, world_size=w, max_world_size=4, calibrate=False)
     show(report.summary(width=width).rstrip("\n"))
+    unpriced = _unpriced_note()
+    if unpriced:
+        show(wrap_text(unpriced, width))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         ref_logits = model.eval()(input_ids=_batch()).logits

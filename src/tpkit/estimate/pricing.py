@@ -17,6 +17,11 @@ from .hardware import Hardware, detect_hardware, get_hardware, local_devices
 from .profile import DEFAULT_PROFILE, SpeedProfile, default_profile_path, load_profile, save_profile
 
 
+class NotPriced(ValueError):
+    """Nothing prices this machine (no profile, no hardware named, no GPU of a known kind) and measuring it was not
+    asked for (`calibrate=False`): the caller falls back (the demo's memory rule) or says how to measure."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Pricing:
     """The machine the figures are for: the profile to price with, a datasheet `hardware` when that is what
@@ -49,7 +54,7 @@ def machine_pricing(profile: SpeedProfile | str | None = None, hardware: str | H
                     dp_wrappers=None) -> Pricing:
     """The machine to price (see the module doc). `profile`: a `SpeedProfile` or a path; `hardware`: a preset
     name or `Hardware` (prices that datasheet, not this machine); `calibrate`: measure this machine when nothing
-    else prices it (False: ValueError instead), with `dp_wrappers` (`calibrate_profile`'s) when given."""
+    else prices it (False: `NotPriced`, a ValueError, instead), with `dp_wrappers` (`calibrate_profile`'s) when given."""
     devices, kind = local_devices()
     if hardware is not None:
         hw = get_hardware(hardware, interconnect)
@@ -70,8 +75,8 @@ def machine_pricing(profile: SpeedProfile | str | None = None, hardware: str | H
                        f"priced for this machine's {gpu.name} from its datasheet x profile {DEFAULT_PROFILE.name!r}; "
                        f"`tpkit estimate --calibrate` measures it")
     if not calibrate:
-        raise ValueError(f"no speed profile at {path} and no GPU of a known kind: run `tpkit estimate --calibrate` "
-                         f"to measure this machine, or name the hardware to price (e.g. H100-SXM)")
+        raise NotPriced(f"no speed profile at {path} and no GPU of a known kind: run `tpkit estimate --calibrate` "
+                        f"to measure this machine, or name the hardware to price (e.g. H100-SXM)")
     from .calibrate import calibrate_profile
 
     began = time.perf_counter()
