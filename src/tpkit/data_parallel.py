@@ -59,6 +59,8 @@ class DataParallel:
     module: nn.Module
     dp_comm: Communicator
     record: ModelRecord = dataclasses.field(repr=False)
+    roots: tuple[nn.Module, ...] = dataclasses.field(default=(), repr=False)  # engines' roots outside `module`
+    #                                                 (a pipeline's stage modules), resharded with it
 
     @property
     def tp_comm(self) -> Communicator | None:
@@ -83,13 +85,15 @@ class DataParallel:
         that reads parameters by name (save, load, byte counts, the norm) calls this first."""
         from torch.distributed.fsdp import FSDPModule
 
-        for m in self.module.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        for root in (self.module, *self.roots):
+            for m in root.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
-    def global_norm(self, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float):
-        """The norm source of `tpkit.clip_grad_norm_` for a model under data parallelism: over both dimensions."""
-        return _record_norm(self, params, held, norm_type)
+    def global_norm(self, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float, root: bool = True):
+        """The norm source of `tpkit.clip_grad_norm_` for a model under data parallelism: over both dimensions
+        (`root=False`: the sum of |g|^p before the root, for a pipeline to add its stages' sums)."""
+        return _record_norm(self, params, held, norm_type, root)
 
 
 def data_parallel_of(model: nn.Module) -> DataParallel | None:
@@ -107,7 +111,7 @@ def device_mesh(comm: Communicator, tp_size: int):
     _process_group(comm, "device_mesh", "comm")
     tp_comm, dp_comm = split(comm, tp_size)
     layout = torch.arange(comm.world_size).reshape(comm.world_size // tp_size, tp_size)
-    return DeviceMesh.from_group([dp_comm.process_group, tp_comm.process_group], _device_type(comm), mesh=layout,
+    return DeviceMesh.from_group([dp_comm.process_group, tp_comm.process_group], device_type(comm), mesh=layout,
                                  mesh_dim_names=("dp", "tp"))
 
 
@@ -132,7 +136,7 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
         if conversion is not None and conversion.sequence_parallel:
             raise ValueError("data_parallel: mode='fsdp' with sequence parallelism is not supported; use mode='ddp', "
                              "or convert without sequence_parallel")
-        mesh = DeviceMesh.from_group(dp_comm.process_group, _device_type(dp_comm))
+        mesh = DeviceMesh.from_group(dp_comm.process_group, device_type(dp_comm))
         for block in list(blocks) if blocks is not None else repeated_blocks(model):
             fully_shard(block, mesh=mesh, **torch_kwargs)
         wrapped = fully_shard(model, mesh=mesh, **torch_kwargs)
@@ -203,7 +207,8 @@ def _process_group(comm: Any, where: str, what: str):
     return group
 
 
-def _device_type(comm: Communicator) -> str:
+def device_type(comm: Communicator) -> str:
+    """The device type of `comm`'s tensors: "cuda" under nccl, else "cpu"."""
     return "cuda" if getattr(comm, "torch_backend", "gloo") == "nccl" else "cpu"
 
 
@@ -266,7 +271,8 @@ def _replicas(lay: ShardLayout | None, p: torch.Tensor, local: torch.Tensor) -> 
 
 
 @torch.no_grad()
-def _record_norm(record: DataParallel, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float):
+def _record_norm(record: DataParallel, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float,
+                 root: bool = True):
     grads = [(p, _local(p.grad)) for p in params if p.grad is not None]
     dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in grads) else torch.float32
     split_items, replicated = [], []
@@ -287,7 +293,7 @@ def _record_norm(record: DataParallel, params: list[torch.Tensor], held: dict[in
     total = torch.maximum(total, mine) if op is ReduceOp.MAX else total + mine
     if record.mode == "fsdp":  # dp shards hold disjoint parts; under DDP every dp rank holds the same gradients
         total = record.dp_comm.all_reduce(total, op)
-    if op is not ReduceOp.MAX:
+    if op is not ReduceOp.MAX and root:
         total = total.pow(1.0 / norm_type)
     device = grads[0][1].device if grads else torch.device("cpu")
     return total.to(device), [g for _, g in grads]
