@@ -25,7 +25,7 @@ from ..nn.record import find_record
 from .compose import convert_part, converted_plan, data_parallel_stages
 from .layout import PipelineGroups, pipeline_groups
 from .parallel import PipelineParallel
-from .schedule import check_schedule, make_schedule, rank_stages, stage_rank
+from .schedule import V_SHAPED, check_schedule, make_schedule, rank_stages, stage_rank
 from .split import StageSplit, split_stages
 from .stage import StageModule, model_output, prune, stage_modules
 from .tied import TiedCopies, tied_groups, tied_pairs, untie
@@ -43,14 +43,25 @@ class CausalLMLoss:
         return self.part.loss_function(logits=logits, labels=labels, vocab_size=self.part.config.vocab_size)
 
 
+class SwitchedLoss:
+    """The schedule's loss function, switched off for a forward without labels (torch's schedules compute a loss on
+    the last stage whenever they hold a loss function; they are then given the inputs as stand-in targets)."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.loss_fn, self.enabled = loss_fn, True
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) if self.enabled else output.new_zeros(())
+
+
 class Pipeline:
     """This rank's view of a pipeline: `model` (its part: the parameters, state dict, checkpoints and
     `tpkit.clip_grad_norm_` of the whole model's keys it holds), `stages` (the modules torch runs), `schedule`
     (torch's), `groups`, `split`."""
 
     def __init__(self, model: nn.Module, stages: list[nn.Module], schedule: Any, facts: PipelineParallel,
-                 microbatches: int):
-        self.model, self.stages, self.schedule, self.facts = model, stages, schedule, facts
+                 microbatches: int, loss: SwitchedLoss):
+        self.model, self.stages, self.schedule, self.facts, self.loss = model, stages, schedule, facts, loss
         self.microbatches = microbatches
         self.last_rank = stage_rank(facts.split.num_stages - 1, facts.split.num_stages, facts.pp_size,
                                     facts.schedule)
@@ -84,9 +95,17 @@ class Pipeline:
     @torch.no_grad()
     def eval(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor | None:
         """A forward only: with `labels`, the mean loss (on every rank); without, the last stage's output (the
-        logits, whole batch) on the ranks running the last stage, None elsewhere."""
+        logits, whole batch) on the ranks running the last stage, None elsewhere. Not under "zbv": torch 2.13's
+        ZBV schedule fails a forward without backward (ValueError, before anything runs)."""
+        if self.facts.schedule in V_SHAPED:
+            raise ValueError(f"Pipeline.eval: torch's {self.facts.schedule!r} schedule cannot run a forward without "
+                             f"its backward; evaluate under another schedule (the checkpoint loads at any)")
         losses: list[torch.Tensor] = []
-        out = self._run(self.schedule.eval, inputs, labels, losses if labels is not None else None)
+        self.loss.enabled = labels is not None
+        try:
+            out = self._run(self.schedule.eval, inputs, labels if labels is not None else inputs, losses)
+        finally:
+            self.loss.enabled = True
         if labels is not None:
             return self._mean(losses)
         return model_output(out) if self.holds_last else None
@@ -189,6 +208,6 @@ def _run_stages(part: nn.Module, facts: PipelineParallel, groups: PipelineGroups
     n = facts.split.num_stages
     stages = [PipelineStage(mod, s, n, device, group=groups.pp.process_group)
               for mod, s in zip(modules, facts.stages)]
-    loss = loss_fn if loss_fn is not None else CausalLMLoss(part)
+    loss = SwitchedLoss(loss_fn if loss_fn is not None else CausalLMLoss(part))
     schedule = make_schedule(facts.schedule, stages, microbatches, loss)
-    return Pipeline(part, views, schedule, facts, microbatches)
+    return Pipeline(part, views, schedule, facts, microbatches, loss)

@@ -77,6 +77,9 @@ def data_parallel_stages(part: nn.Module, stages: list[StageModule], split: Stag
     else:
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = [DistributedDataParallel(s, process_group=dp.process_group) for s in stages]
+        # find_unused_parameters=True: DDP then never rebuilds its buckets, which torch 2.13 gets wrong under a
+        # pipeline schedule (it counts the parameters of every micro-batch's backward and fails the second step)
+        wrapped = [DistributedDataParallel(s, process_group=dp.process_group, find_unused_parameters=True)
+                   for s in stages]
     record.data_parallel = DataParallel(mode, part, dp, record, roots=tuple(stages))
     return wrapped
