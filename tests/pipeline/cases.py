@@ -125,6 +125,38 @@ def run_case(comm, case: Case) -> dict:
         out["losses"].append(loss.item())
     out["params"] = _snapshot(pipe.model, grads=False)
     out["replicas"] = tpkit.check_replicas(pipe.model).tensors
+    if case.model == "qwen_tied":  # the last stage's copy of the tied weight drifts: every rank raises
+        if pipe.holds_last:
+            with torch.no_grad():
+                tpkit_local(pipe.model.lm_head.weight).add_(1e-3)
+        try:
+            tpkit.check_replicas(pipe.model, grads=False)
+        except tpkit.ReplicaError as exc:
+            out["divergence"] = str(exc)
+    return out
+
+
+def tpkit_local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def bad_inputs(world) -> dict:
+    """Models that cannot be cut as asked: refused before anything changes (no collective: every rank refuses)."""
+    import tpkit
+    from torch import nn
+
+    out = {}
+    for key, model, kwargs in (("pp", llama(2), {"pp": 4}), ("blocks", nn.Sequential(nn.Linear(4, 4)), {"pp": 2}),
+                               ("schedule", llama(2), {"pp": 2, "schedule": "gpipe", "stages_per_rank": 2}),
+                               ("layout", llama(5), {"pp": 3})):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            tpkit.pipeline(model, world, **kwargs)
+        except ValueError as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+        after = model.state_dict()
+        out[key + "_unchanged"] = after.keys() == before.keys() and all(torch.equal(after[k], v)
+                                                                       for k, v in before.items())
     return out
 
 
@@ -136,4 +168,5 @@ def run_cases(world, cases: list[Case]) -> dict:
         if comm is not None:
             out[case.name] = run_case(comm, case)
         world.barrier()
+    out["bad_inputs"] = bad_inputs(world)
     return out

@@ -46,6 +46,28 @@ def results() -> dict:
     return out
 
 
+@pytest.mark.slow
+def test_bad_input_is_refused_before_anything_changes(results):
+    for r in results["bad_inputs"]:
+        assert "SplitError: cannot cut LlamaForCausalLM into 4 pipeline stages: it has 2 blocks" in r["pp"]
+        assert "SplitError: cannot cut Sequential into pipeline stages: it has no repeated blocks" in r["blocks"]
+        assert "schedule 'gpipe' runs one stage per rank" in r["schedule"]
+        assert "pp 3 x tp 1 = 3 does not divide the world size 4" in r["layout"]
+        assert all(r[k] for k in r if k.endswith("_unchanged"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen_tied_pp2", "qwen_tied_pp2_tp2", "qwen_tied_zbv"])
+def test_the_sentinel_compares_the_tied_copies_across_stages(results, name):
+    """After training the copies agree (the check passed); a drift of the last stage's copy raises on every rank."""
+    for r in results[name]:  # ranks holding a copy name it; the others learn that another rank found one
+        d = r["divergence"]
+        if 0 in r["stages"] or len(r["starts"]) - 1 in r["stages"]:
+            assert ("model.embed_tokens.weight" in d or "lm_head.weight" in d) and "tied" in d, d
+        else:
+            assert "other rank(s) of this model found copies that differ" in d, d
+
+
 @pytest.fixture(scope="module")
 def references() -> dict:
     return {name: reference(name) for name in ("llama", "qwen_tied")}
