@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Callable
 
 import torch
 from torch import nn
@@ -165,7 +166,7 @@ def stored_keys(source: Source, quant) -> list[str]:
 def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str = "inference", dtype=None,
                     model_cls=None, progress: bool | None = None,
                     device: torch.device | str | int | None = None, reuse: bool | None = None,
-                    dequantize: bool = False) -> nn.Module:
+                    dequantize: bool = False, convert: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """A Hugging Face directory (single file or index + shards) or a tpkit checkpoint, built and converted
     for this rank, each rank reading only its slices. Equals `transformers...from_pretrained(path)` followed
     by `tpkit.parallelize(model, plan, comm, mode=mode)`, with every parameter and buffer on `device` (default:
@@ -182,7 +183,11 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     `tpkit.quant.SUPPORTED`) loads packed: each rank reads its slice of the packed weights and of their scales,
     zero points and `g_idx`, split in whole groups where the split can, and its quantized layers compute in `dtype`
     (`tpkit.nn.quantized`), their weights those transformers' load holds at that dtype (`tpkit.quant.dequant`). `dequantize=True` holds the dequantized weights instead (dense, trainable).
-    An unsupported method or scheme raises `QuantizationError` before any weight is read."""
+    An unsupported method or scheme raises `QuantizationError` before any weight is read.
+
+    `convert(model)`: converts the model built on the meta device in place of `parallelize(model, plan, comm, ...)`,
+    e.g. cut to one rank's pipeline stages and converted on its tp group (`tpkit.pipeline` of a path; `comm` is then
+    the world); only the tensors the converted model holds are read."""
     path, comm = os.fspath(path), resolve_comm(comm)
     device = load_device(device, comm)
     error, source, config = None, None, None
@@ -200,7 +205,13 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     if generation is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config = generation
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
-    parallelize(model, plan, comm, mode=mode, recorded=recorded, reuse=reuse, quantization=quant)
+    if convert is not None:
+        if quant is not None:
+            raise CheckpointError(f"{path}: a quantized checkpoint is converted by from_pretrained's own path; "
+                                  f"load it without convert=")
+        convert(model)
+    else:
+        parallelize(model, plan, comm, mode=mode, recorded=recorded, reuse=reuse, quantization=quant)
     notes: list[str] = []
     find = key_finder(model, source, notes)
     quantized: list[str] = []

@@ -7,11 +7,13 @@
     schedule    torch's schedules by name, stage-to-rank placement, the bubble
     compose     each rank's part converted on its tp group, its stages under FSDP2 / DDP over dp
     parallel    the facts kept in the model's record (norm, checkpoints, sentinel)
-    build       pipeline(model, comm, pp=..., ...) -> Pipeline
+    build       pipeline(model or path, comm, pp=..., ...) -> Pipeline
+    run         Pipeline: step (training), eval (forward), the loss, failures as CommError
 """
 from __future__ import annotations
 
-from .build import CausalLMLoss, Pipeline, pipeline
+from .build import pipeline
+from .run import CausalLMLoss, Pipeline
 from .layout import PipelineGroups, pipeline_groups
 from .parallel import PipelineParallel
 from .schedule import SCHEDULES, bubble_fraction

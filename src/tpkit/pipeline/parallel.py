@@ -7,8 +7,8 @@ of several, by attribute (as `record.data_parallel` is):
   over the pipeline group (each stage's parameters are disjoint); a weight tied across the first and last stage
   counted once (`tied.py`);
 - the checkpoints: a world rank holds its stage's keys (`stage_size` consecutive ranks per pipeline rank, tp
-  innermost), a tied copy on the last stage is an alias, and the checkpoint's other keys are the other stages'
-  (`keys`: every key of the whole model);
+  innermost), a tied copy on the last stage is an alias, the checkpoint's other keys are the other stages'
+  (`keys`: every key of the whole model), and its plan is the whole model's (`plan`);
 - the replica sentinel: the tied copies compared over their group of two, and a divergence found anywhere
   raised everywhere (the pipeline group joins the tp and dp groups).
 """
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..comm.ops import ReduceOp
+from ..convert import Plan
 from ..nn.grad_clip import partial_norm
 from ..nn.record import Holder, ModelRecord
 from .layout import PipelineGroups
@@ -40,6 +41,7 @@ class PipelineParallel:
     tied: TiedCopies | None
     keys: frozenset[str]
     record: ModelRecord = dataclasses.field(repr=False)
+    plan: Plan | None = dataclasses.field(default=None, repr=False)  # the whole model's tensor-parallel plan
 
     @property
     def pp_comm(self):

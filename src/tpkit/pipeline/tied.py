@@ -81,6 +81,13 @@ class TiedCopies:
         """`{key: key it copies}` of the copies held apart on the last stage (saved as aliases, left out of the norm)."""
         return {p.last: p.first for p in self.pairs} if self.role != "first" else {}
 
+    def own_memory(self, part: nn.Module) -> None:
+        """Give the last stage's copies memory of their own when both stages are on this rank (a load that maps the
+        checkpoint's bytes gives two tensors read from one stored tensor one memory)."""
+        if self.role != "both":
+            return
+        untie(part, list(self.pairs))
+
     @torch.no_grad()
     def sum_gradients(self, part: nn.Module) -> None:
         """Sum each pair's two gradients (over the two ranks: FSDP2's local shards, both ranks holding the same one;
