@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..estimate.pipeline import bubble_fraction  # the one formula, which the estimate prices
+
+__all__ = ["SCHEDULES", "SINGLE", "V_SHAPED", "bubble_fraction", "check_schedule", "make_schedule", "rank_stages",
+           "stage_rank"]
+
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
@@ -57,9 +62,3 @@ def make_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable[
     if name in SINGLE:
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-
-
-def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """The idle fraction of a step, (p - 1) / (v m + p - 1) for p ranks, m micro-batches and v stages per rank
-    (GPipe and 1F1B: v = 1; interleaving divides the warm-up and cool-down by v)."""
-    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)

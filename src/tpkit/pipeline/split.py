@@ -43,6 +43,7 @@ class StageSplit:
     first: tuple[str, ...]
     last: tuple[str, ...]
     loads: tuple[float, ...] = ()
+    stage_bytes: tuple[float, ...] = ()  # parameter bytes each stage holds (a tied weight on both ends)
 
     @property
     def num_stages(self) -> int:
@@ -69,14 +70,15 @@ class StageSplit:
         return None
 
     def describe(self) -> str:
-        """One line per stage: its blocks, its extra modules and its load."""
+        """One line per stage: its blocks, its extra modules, its load and its parameter bytes."""
         out = []
         for s in range(self.num_stages):
             r = self.stage_blocks(s)
             extra = (list(self.first) if s == 0 else []) + (list(self.last) if s == self.num_stages - 1 else [])
             load = f", load {self.loads[s]:.2f}" if self.loads else ""
+            held = f", {self.stage_bytes[s] / 2**20:.1f} MiB of parameters" if self.stage_bytes else ""
             out.append(f"stage {s}: {self.blocks}.{r.start}..{r.stop - 1}"
-                       f"{' + ' + ', '.join(extra) if extra else ''}{load}")
+                       f"{' + ' + ', '.join(extra) if extra else ''}{load}{held}")
         return "\n".join(out)
 
     def to_dict(self) -> dict:
@@ -220,5 +222,8 @@ def split_stages(model: nn.Module, stages: int, starts: Sequence[int] | None = N
                              f"first 0 and the last below {n} (the blocks of {name}); e.g. {list(auto)}")
     chosen = starts if starts is not None else auto
     load = stage_load(per_block, head, tail)
-    loads = tuple(load(a, b) for a, b in zip(chosen, chosen[1:] + (n,)))
-    return StageSplit(name, n, chosen, first, last, loads)
+    ends = chosen[1:] + (n,)
+    loads = tuple(load(a, b) for a, b in zip(chosen, ends))
+    held = tuple(sum(per_block[i][1] for i in range(a, b)) + (head[1] if a == 0 else 0.0) + (tail[1] if b == n else 0.0)
+                 for a, b in zip(chosen, ends))
+    return StageSplit(name, n, chosen, first, last, loads, held)
