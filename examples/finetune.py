@@ -37,6 +37,7 @@ import torch
 import transformers as tr
 
 import tpkit
+from tpkit import faults
 from tpkit.checkpoint.tokenizer import tokenizer_files
 from tpkit.launch import set_threads
 from tpkit.pipeline import SCHEDULES
@@ -146,6 +147,7 @@ def main() -> None:
               f"starting at step {start}", flush=True)
 
     for step in range(start, args.steps):
+        faults.at("step", rank, step)  # TPKIT_FAULTS: the restart tests kill a rank here
         begin = time.perf_counter()
         mine = batch(step, tokens, vocab, args).chunk(dp.world_size)[dp.rank].to(device)
         if pipe is not None:  # forward and backward of every micro-batch; the mean loss, on every rank

@@ -4,7 +4,9 @@ process of plain transformers + torch doing the example's documented steps (its 
 per-step loss and gradient norm equal the reference's to their 4 printed decimals: a 5-layer Llama at pp2, pp3
 (uneven), pp2 x tp2, pp2 x dp2 under DDP and FSDP2, interleaved 1F1B with 2 stages per rank; a tied Qwen2 at pp2
 and pp2 x tp2. A pp2 x tp2 run stopped after 2 steps resumes to the uninterrupted run's weights bit for bit, and
-its checkpoint resumes at tp2 alone."""
+its checkpoint resumes at tp2 alone. Under `torchrun --max-restarts 1`, a stage rank killed at step 2 (`TPKIT_FAULTS`)
+takes its generation down and the next one resumes from the last complete checkpoint, to the uninterrupted run's
+weights bit for bit."""
 from __future__ import annotations
 
 import argparse
@@ -45,8 +47,9 @@ def models(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _run(*args: str, nproc: int) -> str:
-    code, output, _ = torchrun(os.path.join(EXAMPLES, "finetune.py"), *args, nproc=nproc, env=ENV, timeout=300)
+def _run(*args: str, nproc: int, env: dict | None = None, max_restarts: int = 0) -> str:
+    code, output, _ = torchrun(os.path.join(EXAMPLES, "finetune.py"), *args, nproc=nproc, env={**ENV, **(env or {})},
+                               timeout=300, max_restarts=max_restarts)
     assert code == 0, output
     return output
 
@@ -130,3 +133,18 @@ def test_finetune_at_pp2_tp2_resumes_as_the_uninterrupted_run_and_at_tp2_alone(m
                  str(tmp_path / "ck-tp2"), "--resume", "--consolidate", str(tmp_path / "hf-tp2"), nproc=2)
     assert "world 2 = tp2 x dp1" in alone and "starting at step 2" in alone
     _equals_reference(alone, str(tmp_path / "hf-tp2"), _reference(models["llama"], STEPS), first=3)
+
+
+@pytest.mark.slow
+def test_finetune_at_pp2_survives_a_killed_stage_rank_under_torchrun_restarts(models, tmp_path):
+    common = ("--model", models["llama"], *TRAIN, "--pp", "2", "--microbatches", "2", "--steps", str(STEPS),
+              "--every", "1", "--resume")
+    clean = _run(*common, "--save", str(tmp_path / "clean"), "--consolidate", str(tmp_path / "hf-clean"), nproc=2)
+    hurt = _run(*common, "--save", str(tmp_path / "ck"), "--consolidate", str(tmp_path / "hf"), nproc=2,
+                env={"TPKIT_FAULTS": "step:rank=1:step=2"}, max_restarts=1)
+    assert "killing rank 1 at step (step 2" in hurt and "starting at step 2" in hurt, hurt
+    assert _printed(hurt)[3] == _printed(clean)[3]
+    survived, uninterrupted = _weights(str(tmp_path / "hf")), _weights(str(tmp_path / "hf-clean"))
+    assert survived.keys() == uninterrupted.keys() and all(torch.equal(survived[k], uninterrupted[k])
+                                                           for k in survived)
+

@@ -74,8 +74,10 @@ class Pipeline:
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the batch `inputs` in `microbatches` micro-batches (split along dim 0); the
-        gradients are those of the mean of the micro-batches' losses, accumulated into `.grad`. Returns that mean
-        on every rank of the pipeline. Every rank passes the same batch (only the first and last stage read it)."""
+        gradients are those of the mean of the micro-batches' losses. Returns that mean on every rank of the
+        pipeline. Every rank passes the same batch (only the first and last stage read it). Zero the gradients
+        between steps: torch's schedules divide every `.grad` by the micro-batch count at the end of a step, so
+        gradients left from an earlier step would be divided again (accumulate with more micro-batches instead)."""
         losses: list[torch.Tensor] = []
         self._run(self.schedule.step, inputs, labels, losses)
         if self.facts.tied is not None:

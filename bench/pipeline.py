@@ -1,0 +1,104 @@
+"""Pipeline parallelism on this machine: step time and measured bubble per schedule at pp2 against the formula, and
+pp2 against tp2 and dp2 at one training shape drawn from a seed, with the setup search's pick against the measured
+best. Every run is `tpkit.setups.run_setup` (fresh gloo processes, one thread each: a device is a core; median of
+`--steps` steps after 2 warm-up steps, the slowest rank's; AdamW included), float32.
+
+Bubble: with T1 the step of the whole model on one rank (one thread), an ideal 2-stage pipeline takes T1 / 2; the
+measured bubble is 1 - (T1 / 2) / T, against (p - 1) / (v m + p - 1). What it adds beyond the formula is the stages'
+sends and each micro-batch's fixed costs (smaller matmuls, more Python).
+
+    PYTHONPATH=src python bench/pipeline.py [--seed 0] [--steps 5] [--microbatches 2,4,8] [--profile FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+
+import torch
+
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2))
+
+
+def config(hidden: int, layers: int, vocab: int = 8000):
+    import transformers as tr
+
+    return tr.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 8 * 8,
+                          num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 2),
+                          num_key_value_heads=max(hidden // 128, 1), max_position_embeddings=1024)
+
+
+def _load() -> str:
+    return open("/proc/loadavg").read().split()[0]
+
+
+def bubbles(args) -> None:
+    from tpkit.estimate.pipeline import bubble_fraction
+    from tpkit.estimate.predict import Setup
+    from tpkit.setups import run_setup
+
+    cfg, batch, seq = config(512, 8), 8, 128
+    one = run_setup(cfg, Setup(1), "train", batch, seq, args.steps, threads=1, dtype=torch.float32)
+    print(f"\nbubble at pp2: Llama hidden 512, 8 layers, vocab 8000, batch {batch} x seq {seq}; one rank: "
+          f"{one * 1e3:.1f} ms per step (load {_load()})\n")
+    print("| schedule | stages per rank | micro-batches | step ms | measured bubble | formula | step / (T1 / 2) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, v in SCHEDULES:
+        for m in args.microbatches:
+            setup = Setup(1, pp=2, microbatches=m, stages_per_rank=v, schedule=name)
+            t = run_setup(cfg, setup, "train", batch, seq, args.steps, threads=1, dtype=torch.float32)
+            print(f"| {name} | {v} | {m} | {t * 1e3:.1f} | {1 - one / 2 / t:.3f} | {bubble_fraction(2, m, v):.3f} "
+                  f"| {t / (one / 2):.2f} |", flush=True)
+
+
+def layouts(args) -> None:
+    from tpkit.estimate.predict import Setup
+    from tpkit.setups import run_setup, search
+
+    rng = random.Random(args.seed)
+    hidden, layers = rng.choice((256, 384, 512)), rng.choice((4, 6, 8))
+    batch, seq = rng.choice((4, 8)), rng.choice((64, 128))
+    cfg = config(hidden, layers)
+    print(f"\npp2 / tp2 / dp2, seed {args.seed}: Llama hidden {hidden}, {layers} layers, vocab 8000, batch {batch} "
+          f"x seq {seq} (load {_load()})\n")
+    result = search(cfg, 2, "train", batch_size=batch, seq_len=seq, profile=args.profile, dtype=torch.float32)
+    setups = [Setup(2), Setup(1, 2, "ddp"), Setup(1, 2, "fsdp"), Setup(1, pp=2, microbatches=min(4, batch)),
+              Setup(1, pp=2, microbatches=batch)]
+    predicted = {c.setup: c.prediction.seconds for c in result.candidates}
+    measured = {}
+    print("| setup | measured ms | predicted ms |")
+    print("|---|---|---|")
+    for s in setups:
+        measured[s] = run_setup(cfg, s, "train", batch, seq, args.steps, threads=1, dtype=torch.float32)
+        guess = predicted.get(s)
+        print(f"| {s.label()} | {measured[s] * 1e3:.1f} | {guess * 1e3:.1f} |" if guess else
+              f"| {s.label()} | {measured[s] * 1e3:.1f} | - |", flush=True)
+    pick = result.best.setup
+    if pick not in measured:
+        measured[pick] = run_setup(cfg, pick, "train", batch, seq, args.steps, threads=1, dtype=torch.float32)
+    best = min(measured, key=measured.get)
+    print(f"\nsearch picks {pick.label()} ({measured[pick] * 1e3:.1f} ms measured); measured best {best.label()} "
+          f"({measured[best] * 1e3:.1f} ms): pick / best = {measured[pick] / measured[best]:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--microbatches", default="2,4,8")
+    parser.add_argument("--profile", default=None, help="speed profile for the search (default: the cached one)")
+    parser.add_argument("--part", choices=("bubble", "layouts", "both"), default="both")
+    args = parser.parse_args()
+    args.microbatches = [int(m) for m in args.microbatches.split(",")]
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    print(f"bench/pipeline.py at {rev}, torch {torch.__version__}, {os.cpu_count()} cores, load {_load()}")
+    if args.part in ("bubble", "both"):
+        bubbles(args)
+    if args.part in ("layouts", "both"):
+        layouts(args)
+
+
+if __name__ == "__main__":
+    main()
