@@ -183,11 +183,8 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     `tpkit.quant.SUPPORTED`) loads packed: each rank reads its slice of the packed weights and of their scales,
     zero points and `g_idx`, split in whole groups where the split can, and its quantized layers compute in `dtype`
     (`tpkit.nn.quantized`), their weights those transformers' load holds at that dtype (`tpkit.quant.dequant`). `dequantize=True` holds the dequantized weights instead (dense, trainable).
-    An unsupported method or scheme raises `QuantizationError` before any weight is read.
-
-    `convert(model)`: converts the model built on the meta device in place of `parallelize(model, plan, comm, ...)`,
-    e.g. cut to one rank's pipeline stages and converted on its tp group (`tpkit.pipeline` of a path; `comm` is then
-    the world); only the tensors the converted model holds are read."""
+    An unsupported method or scheme raises `QuantizationError` before any weight is read. `convert(model)` converts the
+    meta-built model instead of `parallelize` (`tpkit.pipeline` of a path: one rank's stages, their tensors read)."""
     path, comm = os.fspath(path), resolve_comm(comm)
     device = load_device(device, comm)
     error, source, config = None, None, None
@@ -205,13 +202,10 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     if generation is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config = generation
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
-    if convert is not None:
-        if quant is not None:
-            raise CheckpointError(f"{path}: a quantized checkpoint is converted by from_pretrained's own path; "
-                                  f"load it without convert=")
-        convert(model)
-    else:
-        parallelize(model, plan, comm, mode=mode, recorded=recorded, reuse=reuse, quantization=quant)
+    if convert is None:  # (a pipeline's `convert` refuses quantized models itself)
+        convert = lambda m: parallelize(m, plan, comm, mode=mode, recorded=recorded, reuse=reuse,  # noqa: E731
+                                        quantization=quant)
+    convert(model)
     notes: list[str] = []
     find = key_finder(model, source, notes)
     quantized: list[str] = []

@@ -165,7 +165,9 @@ def block_costs(model: nn.Module, blocks: str, first: Sequence[str], last: Seque
     """`(per-block costs, first modules' cost, last modules' cost)`, each `(flops, bytes)`."""
     lst = model.get_submodule(blocks)
     per_block = [module_cost(b) for b in lst]
-    add = lambda names: tuple(map(sum, zip((0.0, 0.0), *[module_cost(model.get_submodule(n)) for n in names])))  # noqa: E731
+    def add(names: Sequence[str]) -> tuple[float, float]:
+        costs = [module_cost(model.get_submodule(n)) for n in names]
+        return sum(c[0] for c in costs), sum(c[1] for c in costs)
     return per_block, add(first), add(last)
 
 

@@ -78,7 +78,7 @@ class TiedCopies:
 
     @property
     def aliases(self) -> dict[str, str]:
-        """`{key: key it copies}` of the copies held apart on the last stage (saved as aliases, left out of the norm)."""
+        """`{key: key it copies}` of the copies held apart on the last stage (saved as aliases, out of the norm)."""
         return {p.last: p.first for p in self.pairs} if self.role != "first" else {}
 
     def own_memory(self, part: nn.Module) -> None:
