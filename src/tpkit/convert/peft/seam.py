@@ -35,10 +35,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..comm.communicator import Communicator
-from ..layout import ShardLayout
-from ..nn.record import communicator_of
-from .layouts import shard_layouts
+from ...comm.communicator import Communicator
+from ...layout import ShardLayout
+from ...nn.record import communicator_of
+from ..layouts import shard_layouts
 
 TESTED_PEFT = ("0.21",)  # release series the seam was written and tested against
 _LOCK = threading.Lock()
@@ -117,7 +117,7 @@ class _Loader(importlib.abc.Loader):
 
 
 def _tpkit_layer(target: nn.Module) -> bool:
-    from ..nn.lora import LORA_LAYERS
+    from ...nn.lora import LORA_LAYERS
 
     base = target.get_base_layer() if hasattr(target, "get_base_layer") else target
     return isinstance(base, tuple(LORA_LAYERS))
@@ -131,7 +131,7 @@ def _wrap_dispatch(module) -> None:
 
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
         if _tpkit_layer(target):
-            from ..nn.lora import register
+            from ...nn.lora import register
 
             check_version()
             register(lora_config)
@@ -193,7 +193,7 @@ def lora_config(**kwargs: Any):
     install()
     from peft import LoraConfig
 
-    from ..nn.lora import register
+    from ...nn.lora import register
 
     check_version()
     return register(LoraConfig(**kwargs))

@@ -1,4 +1,4 @@
-"""The one seam to PEFT (`tpkit.convert.peft_seam`): the same behaviour whatever was imported first, nothing changed
+"""The one seam to PEFT (`tpkit.convert.peft.seam`): the same behaviour whatever was imported first, nothing changed
 for models without tpkit layers, and a clear error on a PEFT release it was not tested with."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tpkit
-from tpkit.convert import peft_seam
+from tpkit.convert.peft import seam as peft_seam
 
 peft = pytest.importorskip("peft")
 
