@@ -32,7 +32,7 @@ from .estimate import (MemoryEstimate, SpeedEstimate, SpeedProfile, calibrate_pr
                        load_profile, save_profile)
 from .checkpoint import CheckpointError, Checkpointer, consolidate, from_pretrained, load_sharded, save_sharded
 from .quant import QuantizationError
-from .convert.peft_seam import lora_config
+from .convert.peft.seam import lora_config
 from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh, no_sync
 from .recompute import recompute
 from .pipeline import Pipeline, PipelineGroups, SplitError, StageSplit, pipeline, pipeline_groups, split_stages

@@ -56,11 +56,35 @@ class DataParallel:
     record's own."""
 
     mode: str
-    module: nn.Module
+    _module: Any = dataclasses.field(repr=False)  # weakrefs: the model holds its record, which holds this
     dp_comm: Communicator
-    record: ModelRecord = dataclasses.field(repr=False)
-    roots: tuple[nn.Module, ...] = dataclasses.field(default=(), repr=False)  # engines' roots outside `module`
-    #                                                 (a pipeline's stage modules), resharded with it
+    _record: Any = dataclasses.field(repr=False)
+    _roots: tuple = dataclasses.field(default=(), repr=False)  # engines' roots outside `module` (a pipeline's stage
+    #                                                          modules), resharded with it
+
+    @classmethod
+    def of(cls, mode: str, module: nn.Module, dp_comm: Communicator, record: ModelRecord,
+           roots: tuple[nn.Module, ...] = ()) -> "DataParallel":
+        return cls(mode, weakref.ref(module), dp_comm, weakref.ref(record), tuple(weakref.ref(r) for r in roots))
+
+    @property
+    def roots(self) -> tuple[nn.Module, ...]:
+        return tuple(r for r in (w() for w in self._roots) if r is not None)
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module()
+
+    @property
+    def record(self) -> ModelRecord:
+        return self._record()
+
+    def __getstate__(self) -> dict:  # copies and pickles refer to the copied model and record
+        return {**self.__dict__, "_module": self.module, "_record": self.record, "_roots": self.roots}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _module=weakref.ref(state["_module"]), _record=weakref.ref(state["_record"]),
+                             _roots=tuple(weakref.ref(r) for r in state.get("_roots", ())))
 
     @property
     def tp_comm(self) -> Communicator | None:
@@ -144,7 +168,7 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, process_group=dp_comm.process_group, **torch_kwargs)
-    record.data_parallel = DataParallel(mode, model, dp_comm, record)
+    record.data_parallel = DataParallel.of(mode, model, dp_comm, record)
     return wrapped
 
 

@@ -19,9 +19,9 @@ from torch import nn
 
 from .comm.groups import split
 from .convert import parallelize
-from .convert.analyze import AnalysisReport, detected_device_memory, parse_bytes
-from .convert.analyze import analyze as analyze_plan
-from .convert.planner import propose
+from .convert.advice.analyze import AnalysisReport, detected_device_memory, parse_bytes
+from .convert.advice.analyze import analyze as analyze_plan
+from .convert.planning.planner import propose
 from .convert.trace import analyze_structure
 from .data_parallel import data_parallel
 from .distributed import get_communicator

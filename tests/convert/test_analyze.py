@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 import tpkit  # noqa: E402
 from tpkit.convert import analyze, parallelize  # noqa: E402
-from tpkit.convert.analyze import parse_bytes  # noqa: E402
+from tpkit.convert.advice.analyze import parse_bytes  # noqa: E402
 
 from tests.models.hf import VOCAB, hf_model  # noqa: E402
 from tests.models.custom import mlp  # noqa: E402

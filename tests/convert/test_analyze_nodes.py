@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from tpkit.cli import main  # noqa: E402
 from tpkit.convert import analyze  # noqa: E402
-from tpkit.convert.multinode import multi_node_advice  # noqa: E402
+from tpkit.convert.advice.multinode import multi_node_advice  # noqa: E402
 
 from tests.models.hf import hf_model  # noqa: E402
 

@@ -148,7 +148,7 @@ def test_analyze_profile_option_and_the_budget_it_assumed(capsys, tmp_path):
     another); the suggestion names the memory budget it assumed: as given, else the GPU's, else this host's memory,
     said so (issue 49 item 4); a missing profile is one clear line."""
     from tests.conftest import synthetic_profile
-    from tpkit.convert.analyze import host_memory
+    from tpkit.convert.advice.analyze import host_memory
     from tpkit.estimate.profile import save_profile
     from tpkit.tables import format_bytes
 

@@ -181,7 +181,7 @@ def test_a_model_that_cannot_be_copied_is_converted_without_a_dry_run():
 
 def test_a_forward_that_needs_values_on_a_large_model_is_not_dry_run(monkeypatch):
     """Its forward cannot run on meta tensors and a real copy would cost too much: converted as planned."""
-    dryrun = importlib.import_module("tpkit.convert.dryrun")
+    dryrun = importlib.import_module("tpkit.convert.planning.dryrun")
     monkeypatch.setattr(dryrun, "REAL_COPY_BYTES", 1)
     torch.manual_seed(0)
     model, x = nn.Sequential(NeedsValues(), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).double(), \
@@ -192,7 +192,7 @@ def test_a_forward_that_needs_values_on_a_large_model_is_not_dry_run(monkeypatch
 
 def _copies_run(monkeypatch) -> list[bool]:
     """Records, for each forward the dry run makes, whether it ran on meta tensors."""
-    dryrun = importlib.import_module("tpkit.convert.dryrun")
+    dryrun = importlib.import_module("tpkit.convert.planning.dryrun")
     kinds, run = [], dryrun._run
 
     def recorded(model, inputs, on_meta):
@@ -205,7 +205,7 @@ def _copies_run(monkeypatch) -> list[bool]:
 def test_a_tiny_model_is_dry_run_on_a_real_copy_first_meta_weights_as_zeros(monkeypatch):
     """Meta kernels are Python: a tiny model's forward is ~15x cheaper on real tensors. A model on the meta device is
     run there with zeros for weights; above `REAL_FIRST_BYTES` the meta run alone, and the same plan either way."""
-    dryrun = importlib.import_module("tpkit.convert.dryrun")
+    dryrun = importlib.import_module("tpkit.convert.planning.dryrun")
     kinds = _copies_run(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).double()

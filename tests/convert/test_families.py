@@ -10,7 +10,7 @@ from torch import nn
 import tpkit
 from tpkit.convert import (Choice, Family, PlanError, Proposal, Style, conversion_of, register_family,
                            unregister_family, verify)
-from tpkit.convert.planner import propose
+from tpkit.convert.planning.planner import propose
 from tpkit.convert.trace import analyze_structure
 from tpkit.layout import Piece, ShardLayout
 from tpkit.nn import copy_to_region, reduce_from_region

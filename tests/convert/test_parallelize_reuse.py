@@ -225,7 +225,7 @@ def test_the_real_copy_rule_goes_by_the_whole_model(monkeypatch):
     """A model too large for a real-copy dry run is not dry-run, though its cut would be small enough."""
     torch.manual_seed(0)
     model, x = _ValueStack().double(), torch.randn(2, 5, 32, dtype=torch.double)
-    dryrun = importlib.import_module("tpkit.convert.dryrun")
+    dryrun = importlib.import_module("tpkit.convert.planning.dryrun")
     whole = sum(p.nbytes for p in model.parameters())
     for limit, dry_run in ((dryrun.REAL_COPY_BYTES, True), (whole // 2, False)):
         monkeypatch.setattr(dryrun, "REAL_COPY_BYTES", limit)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpkit
-from tpkit.convert.planner import _reused_plan
+from tpkit.convert.planning.planner import _reused_plan
 from tpkit.convert.trace.blocks import analyze_blocks, repeated_blocks
 
 from ..models.custom import Block
@@ -81,7 +81,7 @@ def test_training_mode_and_the_switches(monkeypatch):
     _same(model, worlds=(2,), modes=("training",))
     monkeypatch.setenv("TPKIT_PLAN_REUSE", "0")
     calls = []
-    import tpkit.convert.planner as planner
+    import tpkit.convert.planning.planner as planner
 
     monkeypatch.setattr(planner, "_reused_plan", lambda *a: calls.append(a))
     tpkit.plan(model, 2)

@@ -16,7 +16,8 @@ Entry paths (`PATHS`):
   version one process saved after step 1 (parameters and AdamW state resharded from 1 to N ranks); step 2 is
   compared with the reference's step 2;
 - `assign+deepcopy+torch.save`: converted, then every path that replaces its Parameters or copies it, one after
-  the other: `load_state_dict(assign=True)`, `copy.deepcopy`, `torch.save` / `torch.load` of the whole module.
+  the other: `load_state_dict(assign=True)` (then `tie_weights()`, as transformers re-ties after a load),
+  `copy.deepcopy`, `torch.save` / `torch.load` of the whole module.
 
 Module level, so `bench/training_paths.py` prints the same table (before / after figures for the notes).
 """
@@ -215,8 +216,11 @@ def reach(path: str, base: nn.Module, directory: str, comm, setup=None) -> tuple
         model = tpkit.apply_setup(copy.deepcopy(base), setup, comm)
     elif path == "assign+deepcopy+torch.save":
         model = tpkit.parallelize(copy.deepcopy(base), comm=comm)
-        model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
-        buffer = io.BytesIO()
+        clones: dict[int, torch.Tensor] = {}  # a tensor two keys share stays one (as a state dict read from a file)
+        model.load_state_dict({k: clones.setdefault(id(v), v.detach().clone()) for k, v in model.state_dict().items()},
+                              assign=True)
+        model.tie_weights()  # assign=True gives each key its own Parameter: tied ones are tied again, as transformers
+        buffer = io.BytesIO()  # does after its own loads
         torch.save(copy.deepcopy(model), buffer)
         buffer.seek(0)
         model = torch.load(buffer, weights_only=False)

@@ -162,3 +162,24 @@ def test_unpickling_without_the_group_says_what_to_create(base):
     saved = tpkit.run_threads(body, 4)[2]  # rank 2: rank 0 of the group world[2, 3]
     with pytest.raises(RuntimeError, match=r"pickled on rank 0 of group world\[2, 3\]"):
         torch.load(io.BytesIO(saved), weights_only=False)
+
+
+def test_a_converted_model_is_freed_when_dropped(base):
+    """The record refers to its model weakly: `del model` frees it at once (no cycle for the collector to find),
+    under data parallelism's facts too; copies and pickles still refer to their own model."""
+    import gc
+    import weakref
+
+    def body(comm):
+        gc.disable()
+        try:
+            model = tpkit.parallelize(copy.deepcopy(base), comm=comm, mode="training")
+            twin = copy.deepcopy(model)
+            assert tpkit.nn.record_of(twin).owner is twin and tpkit.nn.record_of(model).owner is model
+            gone = weakref.ref(model)
+            del model
+            return gone() is None
+        finally:
+            gc.enable()
+
+    assert all(tpkit.run_threads(body, 2))

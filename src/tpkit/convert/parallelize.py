@@ -14,7 +14,7 @@ Between 2 and 3 the dry run (`dryrun.dry_run`) runs the converted structure once
 whole what its forward fails in (a user's plan that fails there is a PlanError).
 
 A model whose blocks repeat (`trace/blocks.py`) is traced, planned, dry-run and dataflow-checked cut to its distinct
-blocks, and that plan is expanded to every block (`reuse.py`; `_reused` below), as `plan()` does: the trace and the
+blocks, and that plan is expanded to every block (`planning/reuse.py`; `_reused` below), as `plan()` does: the trace and the
 dry run then cost what two blocks cost, not what the whole stack costs. Wherever the renaming cannot vouch for the
 result it gives None and the whole model is traced.
 
@@ -34,18 +34,18 @@ from torch import nn
 from ..nn._layer import resolve_comm
 from ..nn.record import SplitsParameters, records_in
 from ..quant import Quantization
-from . import peft_seam
-from .adapters import inner_model, lora_wrapped, parallelize_wrapped
+from .peft import seam as peft_seam
+from .peft.adapters import inner_model, lora_wrapped, parallelize_wrapped
 from .conversion import Conversion, attach
 from .errors import PlanError
-from .dryrun import dry_run, fits_real_copy, real_first
+from .planning.dryrun import dry_run, fits_real_copy, real_first
 from .layouts import check_grad_sums, key_layouts
-from .notices import log_kept_whole
+from .advice.notices import log_kept_whole
 from .plan import PLAN_WORDS, Plan, check_plan_argument
 from .quantized import refuse_quantized, with_units
-from .planner import auto_plan
+from .planning.planner import auto_plan
 from .registry import style
-from .reuse import enabled, expand, outside_blocks
+from .planning.reuse import enabled, expand, outside_blocks
 from .steps import apply, prepare
 from .styles import SEQUENCE_PARALLEL
 from .trace import Analysis, analyze_structure, untraced_structure
@@ -116,7 +116,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     world, rank = comm.world_size, comm.rank
     peft_seam.install()  # PEFT's dispatch, files and loading know tpkit's layers, whenever PEFT is imported
     wrapped = lora_wrapped(inner_model(model))
-    if wrapped:  # PEFT LoRA layers: convert the bare model, the adapters follow their base layers (adapters.py)
+    if wrapped:  # PEFT LoRA layers: convert the bare model, the adapters follow their base layers (`peft/adapters.py`)
         return parallelize_wrapped(model, wrapped, lambda bare: parallelize(
             bare, plan, comm, mode=mode, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
             recorded=recorded, reuse=reuse), plan)

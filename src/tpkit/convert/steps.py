@@ -1,5 +1,5 @@
 """Steps 3 to 5 of `parallelize` on one model: layouts, validate, build and swap, as two functions the real
-conversion and its dry run (`dryrun.py`, on a meta copy) share.
+conversion and its dry run (`planning/dryrun.py`, on a meta copy) share.
 
 `prepare` only reads (a failure is a PlanError with the model untouched); `apply` builds every new layer, then
 changes the model.

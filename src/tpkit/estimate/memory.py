@@ -16,8 +16,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..convert.adapters import adapter_tensors, bare_model, inner_model, lora_wrapped
-from ..convert.planner import plan
+from ..convert.peft.adapters import adapter_tensors, bare_model, inner_model, lora_wrapped
+from ..convert.planning.planner import plan
 from ..quant import config_quantization
 from .activations import normalise_recompute, transformer_activation_bytes, transformer_inference_bytes
 from .communication import largest_collective_bytes

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..convert.planner import propose
+from ..convert.planning.planner import propose
 from ..convert.trace import analyze_structure
 from .calls import meta_copy, with_layers
 from .config import own_dtype

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..convert.errors import PlanError
-from ..convert.planner import propose
+from ..convert.planning.planner import propose
 from ..convert.trace import analyze_structure
 from ..tables import Column, format_bytes, render_table, wrap_text
 from .calls import meta_copy, with_layers

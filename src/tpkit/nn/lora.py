@@ -13,7 +13,7 @@ rank's partial input): `sum_grads` sums it in the backward, as it does for KV ro
 hold (a shared KV head) are summed over their holders, as the base's rows are.
 
 The classes are PEFT's `lora.Linear` with their forward and initialisation changed: PEFT creates them through
-its custom-module dispatch (`register`; `tpkit.convert.peft_seam` fills it into the configs PEFT dispatches with), initialises each adapter full size under the same random draws as on
+its custom-module dispatch (`register`; `tpkit.convert.peft.seam` fills it into the configs PEFT dispatches with), initialises each adapter full size under the same random draws as on
 one process (so a seeded run starts from the one-process adapter), and this rank keeps its slice. Merging,
 unmerging, several adapters, `set_adapter` and `disable_adapter` are PEFT's own code on the local shards, which
 is exact: a row or column slice of `B @ A` is `B_rows @ A` or `B @ A_columns`, the same sums.

@@ -111,7 +111,7 @@ def prepare(model: nn.Module, cut: Cut) -> PipelineParallel:
     prune(model, split, mine)
     record = convert_part(model, plan, groups.tp, cut.mode)
     tied = _tied(pairs, tied_comm, groups.pp_rank, first, last)
-    facts = PipelineParallel(groups, split, tuple(mine), cut.schedule, tied, keys, record, plan=plan)
+    facts = PipelineParallel.of(groups, split, tuple(mine), cut.schedule, tied, keys, record, plan)
     record.pipeline = facts
     return facts
 

@@ -81,5 +81,5 @@ def data_parallel_stages(part: nn.Module, stages: list[StageModule], split: Stag
         # pipeline schedule (it counts the parameters of every micro-batch's backward and fails the second step)
         wrapped = [DistributedDataParallel(s, process_group=dp.process_group, find_unused_parameters=True)
                    for s in stages]
-    record.data_parallel = DataParallel(mode, part, dp, record, roots=tuple(stages))
+    record.data_parallel = DataParallel.of(mode, part, dp, record, roots=tuple(stages))
     return wrapped

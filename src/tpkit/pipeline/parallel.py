@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,8 +42,23 @@ class PipelineParallel:
     schedule: str
     tied: TiedCopies | None
     keys: frozenset[str]
-    record: ModelRecord = dataclasses.field(repr=False)
+    _record: Any = dataclasses.field(repr=False)  # a weakref: the record holds these facts
     plan: Plan | None = dataclasses.field(default=None, repr=False)  # the whole model's tensor-parallel plan
+
+    @classmethod
+    def of(cls, groups: PipelineGroups, split: StageSplit, stages: tuple[int, ...], schedule: str,
+           tied: TiedCopies | None, keys: frozenset[str], record: ModelRecord, plan: Plan | None) -> "PipelineParallel":
+        return cls(groups, split, stages, schedule, tied, keys, weakref.ref(record), plan)
+
+    @property
+    def record(self) -> ModelRecord:
+        return self._record()
+
+    def __getstate__(self) -> dict:  # copies and pickles refer to the copied record
+        return {**self.__dict__, "_record": self.record}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _record=weakref.ref(state["_record"]))
 
     @property
     def pp_comm(self):

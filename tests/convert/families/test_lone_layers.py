@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpkit.convert import plan
-from tpkit.convert.planner import propose
+from tpkit.convert.planning.planner import propose
 from tpkit.convert.styles import ALONE
 from tpkit.convert.trace import analyze_structure
 

@@ -7,7 +7,7 @@ they are, other objects by identity), plus the model config's settings for that 
 mlp_only_layers`, every v-th layer for periodic settings, `i < first_k_dense_replace`). `cut` picks the shortest
 prefix to trace whose blocks stand for all the others (the last traced block for the last block, an earlier one
 with the same signature for each block in between); `analyze_blocks` traces the model with each list cut there
-(a prefix, so every traced block keeps its index), and `convert/reuse.py` copies the traced blocks' plan entries.
+(a prefix, so every traced block keeps its index), and `convert/planning/reuse.py` copies the traced blocks' plan entries.
 Anything it cannot vouch for (weights shared with a block past the cut, a trace that fails when shortened, a block
 layer the trace did not run) gives None: the caller traces the whole model.
 """

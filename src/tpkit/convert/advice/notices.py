@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Iterator
 
-from .plan import Plan
+from ..plan import Plan
 
 logger = logging.getLogger("tpkit.convert")
 _quiet = [0]  # open quiet_conversions() blocks, in any thread

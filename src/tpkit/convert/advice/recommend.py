@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..layout import valid_world_sizes
-from ..tables import format_bytes as human
-from .plan import Plan
-from .planner import propose
-from .trace import Analysis
+from ...layout import valid_world_sizes
+from ...tables import format_bytes as human
+from ..plan import Plan
+from ..planning.planner import propose
+from ..trace import Analysis
 
 
 def _heads_text(pair, n: int) -> str:

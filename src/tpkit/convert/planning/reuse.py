@@ -14,9 +14,9 @@ import os
 import re
 from typing import Iterable
 
-from .plan import Plan
-from .roles import Role
-from .trace.blocks import Blocks
+from ..plan import Plan
+from ..roles import Role
+from ..trace.blocks import Blocks
 
 
 class _Unsure(Exception):

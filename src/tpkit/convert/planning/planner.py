@@ -11,13 +11,13 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from .family import Draft, Proposal
-from .plan import Plan
-from .registry import STYLES, families
+from ..family import Draft, Proposal
+from ..plan import Plan
+from ..registry import STYLES, families
 from .reuse import enabled, expand, outside_blocks
-from .styles import REPLICATE
-from .trace import Analysis, analyze_structure, parameterised_leaves
-from .trace.blocks import analyze_blocks, shortened
+from ..styles import REPLICATE
+from ..trace import Analysis, analyze_structure, parameterised_leaves
+from ..trace.blocks import analyze_blocks, shortened
 
 MODES = ("inference", "training")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tables import format_bytes as human
+from ...tables import format_bytes as human
 
 
 def local_device_count() -> int | None:

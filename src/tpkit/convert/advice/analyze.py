@@ -15,16 +15,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..tables import format_bytes as human
-from .adapters import adapter_memory, adapter_tensors, bare_model, inner_model, lora_wrapped
-from .modules import kind
+from ...tables import format_bytes as human
+from ..peft.adapters import adapter_memory, adapter_tensors, bare_model, inner_model, lora_wrapped
+from ..modules import kind
 from .multinode import local_device_count, multi_node_advice
-from .quantized import model_quantization, quantized_note, scheme_of, stored_weight_bytes
-from .planner import auto_plan
+from ..quantized import model_quantization, quantized_note, scheme_of, stored_weight_bytes
+from ..planning.planner import auto_plan
 from .recommend import recommendations
-from .registry import module_layouts
-from .styles import REPLICATE
-from .trace import Analysis, analyze_structure
+from ..registry import module_layouts
+from ..styles import REPLICATE
+from ..trace import Analysis, analyze_structure
 
 # Binary throughout: device memory is sold in binary units under decimal names (an "80GB" H100 holds 80 GiB).
 UNITS = {"b": 1, **{f"{p}{suffix}": 2 ** (10 * (i + 1)) for i, p in enumerate("kmgt") for suffix in ("", "b", "ib")}}
@@ -113,7 +113,7 @@ class AnalysisReport:
         width, for files and pipes. A terminal's width (`tpkit.convert.tables.output_width()`) leaves out the least
         important columns first (params, type, weight, bytes), then wraps reasons between words and breaks long
         module names after a dot; no word or number is cut."""
-        from ..tables import Column, render_table, wrap_text
+        from ...tables import Column, render_table, wrap_text
 
         columns = [Column("layer", "left", wrap="names"), Column("type", "left", drop=3), Column("weight", drop=2),
                    Column("params", drop=4), Column("bytes", drop=1), Column(f"per rank @{self.world_size}"),
@@ -212,7 +212,7 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     by predicted time); it returns (world size, why) or None to keep the memory rule.
 
     `devices_per_node` (default: this machine's GPU count, unknown without a GPU) is what one machine holds:
-    where the suggestion needs more, the recommendations name the multi-node setup (`convert/multinode.py`)."""
+    where the suggestion needs more, the recommendations name the multi-node setup (`convert/advice/multinode.py`)."""
     if mode not in ("inference", "training"):
         raise ValueError(f"analyze: mode must be 'inference' or 'training', got {mode!r}")
     if devices_per_node is not None and (not isinstance(devices_per_node, int) or devices_per_node < 1):

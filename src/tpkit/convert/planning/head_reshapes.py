@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .roles import ATTENTION, Pair
+from ..roles import ATTENTION, Pair
 
 _RESHAPES = frozenset(("view", "reshape", "unflatten"))
 

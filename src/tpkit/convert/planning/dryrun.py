@@ -25,14 +25,14 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..comm.shapes import ShapeCommunicator
-from .errors import PlanError
+from ...comm.shapes import ShapeCommunicator
+from ..errors import PlanError
 from .head_reshapes import HeadReshapes, changed, watched
-from .plan import Plan
-from .layouts import plan_layouts
-from .steps import apply, plan_styles, prepare
-from .styles import REPLICATE
-from .trace import Analysis, traceable_experts
+from ..plan import Plan
+from ..layouts import plan_layouts
+from ..steps import apply, plan_styles, prepare
+from ..styles import REPLICATE
+from ..trace import Analysis, traceable_experts
 
 MAX_ROUNDS = 8
 REAL_COPY_BYTES = 1 << 30  # a model whose forward needs values (`.item()`) is dry-run on a real copy up to this

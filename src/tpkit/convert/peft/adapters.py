@@ -6,7 +6,7 @@ model exactly as an unwrapped one would be converted (same trace, same plan: LoR
 column -> row pair), then puts each wrapper back around its new base layer, its factors split to match. The
 result is the model `peft.get_peft_model` gives on a converted model (the other order).
 
-PEFT's objects are recognised by their class names (`peft_seam.is_peft`): nothing here imports PEFT unless the
+PEFT's objects are recognised by their class names (`seam.is_peft`): nothing here imports PEFT unless the
 model holds PEFT's objects, and then it is imported already.
 """
 from __future__ import annotations
@@ -17,15 +17,15 @@ from typing import Callable, Iterator
 
 from torch import nn
 
-from ..nn.rewrites import adopt
-from .errors import PlanError
-from .layouts import check_grad_sums
-from .peft_seam import is_peft
-from .plan import Plan
-from .planner import auto_plan
-from .registry import module_layouts
-from .styles import REPLICATE
-from .trace import analyze_structure
+from ...nn.rewrites import adopt
+from ..errors import PlanError
+from ..layouts import check_grad_sums
+from .seam import is_peft
+from ..plan import Plan
+from ..planning.planner import auto_plan
+from ..registry import module_layouts
+from ..styles import REPLICATE
+from ..trace import analyze_structure
 
 
 def inner_model(model: nn.Module) -> nn.Module:
@@ -51,7 +51,7 @@ def _check_wrapper(name: str, w: nn.Module) -> None:
     from peft.tuners.lora.layer import Embedding as LoraEmbedding
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    from ..nn.lora import DORA_REASON
+    from ...nn.lora import DORA_REASON
 
     if type(w) not in (LoraLinear, LoraEmbedding):
         raise PlanError(f"{name}: its LoRA adapter is on a {type(w).__name__}, which tpkit does not split with an "
@@ -101,7 +101,7 @@ def split_saved_copies(target: nn.Module, saved: dict[str, nn.Module], originals
     copy's values (the original's layouts), so the copy is split exactly as the original."""
     import copy
 
-    from .layouts import shard_layouts
+    from ..layouts import shard_layouts
 
     layouts = shard_layouts(target)
     for name, w in saved.items():
@@ -198,7 +198,7 @@ def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
                         convert: Callable[[nn.Module], nn.Module], plan=None) -> nn.Module:
     """Convert a model holding LoRA wrappers (`wrapped`, names inside `inner_model(model)`): the bare model by
     `convert`, then each wrapper around its new base layer. A failure leaves the model as it was."""
-    from ..nn.lora import lora_layer_for
+    from ...nn.lora import lora_layer_for
 
     for name, w in wrapped.items():
         _check_wrapper(name, w)
