@@ -217,7 +217,7 @@ def test_analyze_suggests_the_world_size_the_search_finds_fastest():
     assert "setup search" in report.suggestion and report.suggested_world_size in (1, 2)
     ms = {w: float(x) for w, x in __import__("re").findall(r"(?:other sizes )?(\d): ([\d.]+)", report.suggestion)}
     assert f"suggested world size: {report.suggested_world_size}" in report.suggestion
-    plain = tpkit.convert.advice.analyze(model, max_world_size=2)  # the memory rule, without the search
+    plain = tpkit.convert.analyze(model, max_world_size=2)  # the memory rule, without the search
     assert "setup search" not in plain.suggestion and ms is not None
 
 
