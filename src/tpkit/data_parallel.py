@@ -157,9 +157,6 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        if conversion is not None and conversion.sequence_parallel:
-            raise ValueError("data_parallel: mode='fsdp' with sequence parallelism is not supported; use mode='ddp', "
-                             "or convert without sequence_parallel")
         mesh = DeviceMesh.from_group(dp_comm.process_group, device_type(dp_comm))
         for block in list(blocks) if blocks is not None else repeated_blocks(model):
             fully_shard(block, mesh=mesh, **torch_kwargs)

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 import tpkit
 
+from .helpers import copied
+
 transformers = pytest.importorskip("transformers")
 
 TOL, VOCAB, SEQ, MAX_NORM = 1e-6, 96, 6, 0.05
@@ -51,13 +53,8 @@ def through(model: torch.nn.Module, path: str) -> torch.nn.Module:
     """The converted `model` after a path users take."""
     if path == "assign=True":
         model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
-    elif path == "deepcopy":
-        model = copy.deepcopy(model)
-    elif path == "torch.save":
-        buffer = io.BytesIO()
-        torch.save(model, buffer)
-        buffer.seek(0)
-        model = torch.load(buffer, weights_only=False)
+    elif path != "as converted":
+        model = copied(model, path)
     return model
 
 
