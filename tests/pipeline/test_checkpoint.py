@@ -1,4 +1,4 @@
-"""Checkpoints of pipeline stages, on 4 gloo processes: each stage writes its own keys under the whole model's names,
+"""Checkpoints of pipeline stages, on 4 gloo processes (the checkpoint part of the launch `conftest.launched` shares): each stage writes its own keys under the whole model's names,
 so the directory is the ordinary one. From a Hugging Face directory each rank reads its part (`tpkit.pipeline(path,
 ...)`); a pp2 x tp2 checkpoint resumes at pp2 x tp2 (bit for bit the uninterrupted run), at tp2 alone, and a tp2
 checkpoint back at pp2 x tp2; a tied Qwen2 saved at pp2 x dp2 (FSDP2, optimizer state of the tied weight once)
@@ -13,74 +13,7 @@ import pytest
 import torch
 
 import tpkit
-from tests.pipeline.cases import LR, MAX_NORM, MODELS, _snapshot, batch
-
-
-def _train_pipe(pipe, opt, steps) -> None:
-    dp = pipe.groups.dp
-    for step in steps:
-        mine = batch(step).chunk(dp.world_size)[dp.rank]
-        pipe.step(mine, mine)
-        tpkit.clip_grad_norm_(pipe.model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-
-
-def _train_model(model, opt, steps) -> None:
-    for step in steps:
-        x = batch(step)
-        model(input_ids=x, labels=x).loss.backward()
-        tpkit.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-
-
-def _pipe(path, comm, **kw):
-    pipe = tpkit.pipeline(path, comm, dtype=torch.float64, **kw)
-    pipe.model.train()
-    return pipe, torch.optim.AdamW(pipe.model.parameters(), lr=LR)
-
-
-def run(world, llama_dir: str, qwen_dir: str, root: str) -> dict:
-    out = {}
-    # Llama at pp2 x tp2 from the HF directory: one step, saved; a second step (the uninterrupted run)
-    pipe, opt = _pipe(llama_dir, world, pp=2, tp=2)
-    out["part_keys"] = sorted(pipe.model.state_dict())
-    _train_pipe(pipe, opt, [0])
-    v1 = tpkit.save_sharded(pipe.model, os.path.join(root, "llama"), optimizer=opt, step=1, comm=world)
-    _train_pipe(pipe, opt, [1])
-    out["uninterrupted"] = _snapshot(pipe.model, grads=False)
-    # resumed at the same layout: bit for bit
-    pipe, opt = _pipe(llama_dir, world, pp=2, tp=2)
-    assert tpkit.load_sharded(pipe.model, v1, optimizer=opt, comm=world)["step"] == 1
-    _train_pipe(pipe, opt, [1])
-    out["resumed_same"] = _snapshot(pipe.model, grads=False)
-    # resumed at tp2 alone (ranks 0 and 1), one step, saved there; back at pp2 x tp2 for a third step
-    tp2 = world.new_group([0, 1])
-    if tp2 is not None:
-        model = tpkit.parallelize(MODELS["llama"](), comm=tp2, mode="training")
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        tpkit.load_sharded(model, v1, optimizer=opt, comm=tp2)
-        _train_model(model, opt, [1])
-        out["tp2_step2"] = _snapshot(model, grads=False)
-        tpkit.save_sharded(model, os.path.join(root, "llama-tp2"), optimizer=opt, step=2, comm=tp2)
-    world.barrier()
-    pipe, opt = _pipe(llama_dir, world, pp=2, tp=2)
-    tpkit.Checkpointer(os.path.join(root, "llama-tp2"), every=1, comm=world).resume(pipe.model, opt)
-    _train_pipe(pipe, opt, [2])
-    out["pp2tp2_step3"] = _snapshot(pipe.model, grads=False)
-    # tied Qwen2 at pp2 x dp2 under FSDP2, saved by the Checkpointer; resumed under ZBV on ranks 0 and 1
-    pipe, opt = _pipe(qwen_dir, world, pp=2, dp_mode="fsdp")
-    _train_pipe(pipe, opt, [0])
-    tpkit.Checkpointer(os.path.join(root, "qwen"), every=1, comm=world).maybe_save(1, pipe.model, opt)
-    pair = world.new_group([0, 1])
-    if pair is not None:
-        pipe, opt = _pipe(qwen_dir, pair, pp=2, schedule="zbv", stages_per_rank=2)
-        assert tpkit.Checkpointer(os.path.join(root, "qwen"), every=1, comm=pair).resume(pipe.model, opt) == 1
-        _train_pipe(pipe, opt, [1])
-        out["qwen_zbv_step2"] = _snapshot(pipe.model, grads=False)
-    world.barrier()
-    return out
+from tests.pipeline.cases import LR, MAX_NORM, MODELS, _train_model, batch
 
 
 def _reference_states(name: str, steps: int) -> list[dict[str, torch.Tensor]]:
@@ -106,15 +39,9 @@ def _close(snapshot: dict, want: dict[str, torch.Tensor], rel: float = 1e-4) -> 
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline-ckpt")
-    dirs = {}
-    for name in ("llama", "qwen_tied"):
-        dirs[name] = str(root / f"hf-{name}")
-        MODELS[name]().save_pretrained(dirs[name])
-    per_rank = tpkit.launch(run, 4, backend="gloo", args=(dirs["llama"], dirs["qwen_tied"], str(root / "ck")),
-                            pass_comm=True, timeout=120)
-    return per_rank, str(root / "ck")
+def saved(launched):
+    """What the checkpoint part of the shared launch (`cases.run_checkpoints`) kept, and its directory."""
+    return [r["checkpoint"] for r in launched["per_rank"]], launched["checkpoints"]
 
 
 @pytest.mark.slow

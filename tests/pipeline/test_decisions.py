@@ -1,6 +1,6 @@
 """Deciding on pipeline parallelism: the estimate prices a pp setup from the same setup without stages (its bubble,
 (p - 1) / (v m + p - 1), and its stage sends at the calibrated 2-rank cost), the search ranks pp setups and picks
-one where it wins (under a memory cap only it fits), `apply_setup` runs a pp setup for real, and `tpkit analyze
+one where it wins (under a memory cap only it fits), `apply_setup` runs a pp setup on gloo ranks, and `tpkit analyze
 --pp` shows the split and each stage's memory."""
 from __future__ import annotations
 
@@ -69,25 +69,36 @@ def test_the_search_ranks_pp_setups_and_picks_one_where_only_it_fits():
 
 
 @pytest.mark.slow
-def test_a_pp_setup_runs_for_real():
-    from tpkit.setups import run_setup
+def test_apply_setup_runs_a_pp_setup(launched):
+    """The search's pp setup applied on 2 of the shared launch's gloo ranks: a `tpkit.Pipeline` whose first step's
+    loss is one process's."""
+    from tests.pipeline.cases import reference
 
-    seconds = run_setup(_config(2), Setup(1, pp=2, microbatches=2), "train", 4, 16, steps=2, timeout=120)
-    assert seconds > 0
+    want = reference("llama")["losses"][0]
+    for rank, r in enumerate(launched["per_rank"][:2]):
+        assert r["apply_setup"]["type"] == "Pipeline" and r["apply_setup"]["stages"] == (rank,)
+        assert r["apply_setup"]["loss"] == pytest.approx(want, rel=1e-6)
 
 
 def test_analyze_shows_the_split_and_each_stages_memory(tmp_path, capsys):
+    """The text `analyze --pp` prints for training, from `pipeline_stages`; then the command itself, once (JSON, in
+    inference: the world-size suggestion, a search per size, is not what is tested here)."""
     from tpkit.cli import main
+    from tpkit.commands.analyze import pipeline_stages
+    from tpkit.estimate.presets import load_target
 
     path = tmp_path / "config.json"
     path.write_text(_config(6).to_json_string())
-    assert main(["analyze", str(path), "--pp", "3", "--world-size", "2", "--mode", "training",
-                 "--device-memory", "1GB"]) == 0
-    out = capsys.readouterr().out
-    assert "pipeline: 3 stages at tp 2 (weights, gradients and AdamW states per rank)" in out
-    assert "stage 0: model.layers.0.." in out and "+ model.norm, lm_head" in out and out.count("GiB per rank") == 3
-    assert main(["analyze", str(path), "--pp", "3", "--json", "--device-memory", "1GB"]) == 0
-    stages = json.loads(capsys.readouterr().out)["pipeline"]
-    assert len(stages["starts"]) == 3 and len(stages["bytes_per_rank"]) == 3
-    assert main(["analyze", str(path), "--pp", "7", "--device-memory", "1GB"]) == 2
+    model, _ = load_target(str(path), device="meta")
+    split, text = pipeline_stages(model, 3, 2, "training")
+    assert "pipeline: 3 stages at tp 2 (weights, gradients and AdamW states per rank)" in text
+    assert "stage 0: model.layers.0.." in text and "+ model.norm, lm_head" in text and text.count("GiB per rank") == 3
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(split["bytes_per_rank"]) == pytest.approx(weights * 4 / 2)  # float32: + gradients + 2 AdamW states
+    common = (str(path), "--max-world-size", "1", "--device-memory", "1GB")
+    assert main(["analyze", *common, "--pp", "7"]) == 2  # refused before the analysis runs
     assert "at most 6 stages" in capsys.readouterr().err
+    assert main(["analyze", *common, "--pp", "3", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["pipeline"]
+    assert len(stages["starts"]) == 3 and len(stages["bytes_per_rank"]) == 3 and stages["tp"] == 1
+    assert sum(stages["bytes_per_rank"]) == pytest.approx(weights)  # inference: the weights alone

@@ -1,12 +1,18 @@
 """examples/finetune.py with --pp under real torchrun, in float64: the directory --consolidate writes equals one
 process of plain transformers + torch doing the example's documented steps (its batch rule,
 `model(input_ids=x, labels=x).loss`, backward, `clip_grad_norm_`, AdamW), rel 1e-4 per tensor, and the printed
-per-step loss and gradient norm equal the reference's to their 4 printed decimals: a 5-layer Llama at pp2, pp3
-(uneven), pp2 x tp2, pp2 x dp2 under DDP and FSDP2, interleaved 1F1B with 2 stages per rank; a tied Qwen2 at pp2
-and pp2 x tp2. A pp2 x tp2 run stopped after 2 steps resumes to the uninterrupted run's weights bit for bit, and
-its checkpoint resumes at tp2 alone. Under `torchrun --max-restarts 1`, a stage rank killed at step 2 (`TPKIT_FAULTS`)
-takes its generation down and the next one resumes from the last complete checkpoint, to the uninterrupted run's
-weights bit for bit."""
+per-step loss and gradient norm equal the reference's to their 4 printed decimals.
+
+In `make test`, one run (a torchrun launch costs 10-30 s on this 2-core box; every layout is proven through the
+library in test_train.py and test_checkpoint.py, in one launch): a tied Qwen2 at pp2 whose stage rank 1 is killed at
+step 2 (`TPKIT_FAULTS`) under `torchrun --max-restarts 1`: the next generation resumes from the last complete
+checkpoint and ends at the reference.
+
+With `TPKIT_ACCEPTANCE=1` (issue 48's acceptance, about 5 minutes here), the example at every layout: a 5-layer Llama
+at pp2, pp3 (uneven), pp2 x tp2, pp2 x dp2 under DDP and FSDP2, interleaved 1F1B with 2 stages per rank; a tied Qwen2
+at pp2 and pp2 x tp2. A pp2 x tp2 run stopped after 2 steps resumes to the uninterrupted run's weights bit for bit,
+and its checkpoint resumes at tp2 alone; the killed-rank run above ends at the uninterrupted run's weights bit for
+bit."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +28,9 @@ from tests.test_examples import EXAMPLES, ENV, _example
 from tests.torchrun import torchrun
 
 STEPS, SEQ, BATCH, LR, MAX_NORM = 3, 8, 4, 1e-3, 1.0
+acceptance = pytest.mark.skipif(os.environ.get("TPKIT_ACCEPTANCE") != "1", reason=(
+    "the example at every layout of issue 48's acceptance (about 5 min here; each layout is proven in one launch "
+    "in test_train.py): TPKIT_ACCEPTANCE=1 pytest tests/pipeline/test_finetune.py"))
 TRAIN = ("--seq", str(SEQ), "--global-batch", str(BATCH), "--lr", str(LR), "--max-norm", str(MAX_NORM),
          "--dtype", "float64")
 RUNS = {  # name: (model, ranks, arguments)
@@ -106,6 +115,7 @@ def _equals_reference(output: str, out_dir: str, reference, first: int = 1) -> N
 
 
 @pytest.mark.slow
+@acceptance
 @pytest.mark.parametrize("name", list(RUNS))
 def test_finetune_under_pipeline_parallelism_equals_one_process(models, tmp_path, name):
     model, nproc, extra = RUNS[name]
@@ -118,6 +128,7 @@ def test_finetune_under_pipeline_parallelism_equals_one_process(models, tmp_path
 
 
 @pytest.mark.slow
+@acceptance
 def test_finetune_at_pp2_tp2_resumes_as_the_uninterrupted_run_and_at_tp2_alone(models, tmp_path):
     common = ("--model", models["llama"], *TRAIN, "--pp", "2", "--tp", "2", "--microbatches", "2")
     clean = _run(*common, "--steps", str(STEPS), "--save", str(tmp_path / "clean"), "--consolidate",
@@ -137,14 +148,15 @@ def test_finetune_at_pp2_tp2_resumes_as_the_uninterrupted_run_and_at_tp2_alone(m
 
 @pytest.mark.slow
 def test_finetune_at_pp2_survives_a_killed_stage_rank_under_torchrun_restarts(models, tmp_path):
-    common = ("--model", models["llama"], *TRAIN, "--pp", "2", "--microbatches", "2", "--steps", str(STEPS),
+    common = ("--model", models["qwen"], *TRAIN, "--pp", "2", "--microbatches", "2", "--steps", str(STEPS),
               "--every", "1", "--resume")
-    clean = _run(*common, "--save", str(tmp_path / "clean"), "--consolidate", str(tmp_path / "hf-clean"), nproc=2)
     hurt = _run(*common, "--save", str(tmp_path / "ck"), "--consolidate", str(tmp_path / "hf"), nproc=2,
                 env={"TPKIT_FAULTS": "step:rank=1:step=2"}, max_restarts=1)
     assert "killing rank 1 at step (step 2" in hurt and "starting at step 2" in hurt, hurt
-    assert _printed(hurt)[3] == _printed(clean)[3]
-    survived, uninterrupted = _weights(str(tmp_path / "hf")), _weights(str(tmp_path / "hf-clean"))
-    assert survived.keys() == uninterrupted.keys() and all(torch.equal(survived[k], uninterrupted[k])
-                                                           for k in survived)
-
+    assert "world 2 = pp2 x dp1 x tp1" in hurt, hurt
+    _equals_reference(hurt, str(tmp_path / "hf"), _reference(models["qwen"], STEPS))
+    if os.environ.get("TPKIT_ACCEPTANCE") == "1":  # and bit for bit the uninterrupted run
+        _run(*common, "--save", str(tmp_path / "clean"), "--consolidate", str(tmp_path / "hf-clean"), nproc=2)
+        survived, uninterrupted = _weights(str(tmp_path / "hf")), _weights(str(tmp_path / "hf-clean"))
+        assert survived.keys() == uninterrupted.keys() and all(torch.equal(survived[k], uninterrupted[k])
+                                                               for k in survived)

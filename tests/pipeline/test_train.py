@@ -1,7 +1,7 @@
 """Pipeline training on real gloo processes equals one process of plain transformers + torch.
 
-One launch of 4 processes runs every case in turn (gloo launches are slow here), each case on the first `world`
-ranks: float64 Llama (5 layers) at pp3 (an uneven split), pp2, pp2 x tp2, pp2 x dp2 under DDP and FSDP2,
+One launch of 4 processes (`conftest.launched`, shared with test_checkpoint.py) runs every case of `cases.CASES` in
+turn, each on the first `world` ranks: float64 Llama (5 layers) at pp3 (an uneven split), pp2, pp2 x tp2, pp2 x dp2 under DDP and FSDP2,
 interleaved 1F1B and zero bubble with 2 stages per rank; a tied-embedding Qwen2 at pp2, pp2 x tp2 and ZBV (first and
 last stage on one rank). For each: the evaluation loss and logits before training, then per step the loss and the
 clipped global norm, the gradients of the first step (before clipping), and the parameters after AdamW, against
@@ -13,22 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tpkit
-from tests.pipeline.cases import Case, reference, run_cases
+from tests.pipeline.cases import CASES, reference
 
-CASES = [
-    Case("llama_pp3_gpipe", "llama", 3, pp=3, schedule="gpipe", microbatches=4),
-    Case("llama_pp2", "llama", 2, pp=2),
-    Case("llama_pp2_tp2", "llama", 4, pp=2, tp=2),
-    Case("llama_pp2_dp2_ddp", "llama", 4, pp=2, dp_mode="ddp"),
-    Case("llama_pp2_dp2_fsdp", "llama", 4, pp=2, dp_mode="fsdp"),
-    Case("llama_interleaved", "llama", 2, pp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=2,
-         starts=(0, 1, 2, 4)),
-    Case("llama_interleaved_zb", "llama", 2, pp=2, schedule="interleaved_zb", stages_per_rank=2),
-    Case("qwen_tied_pp2", "qwen_tied", 2, pp=2),
-    Case("qwen_tied_pp2_tp2", "qwen_tied", 4, pp=2, tp=2),
-    Case("qwen_tied_zbv", "qwen_tied", 2, pp=2, schedule="zbv", stages_per_rank=2),
-]
 BY_NAME = {c.name: c for c in CASES}
 # Relative error allowed on gradients (per tensor, of its largest entry): float64 throughout, but the loss is
 # computed in float32 (transformers upcasts logits with `.float()`) and Llama / Qwen2 RMSNorm round to float32
@@ -37,11 +23,11 @@ GRAD_REL = {1: 1e-9, 2: 5e-6}
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    per_rank = tpkit.launch(run_cases, 4, backend="gloo", args=(CASES,), pass_comm=True, timeout=120)
+def results(launched) -> dict:
+    """Per case, every rank's result (the training part of the launch `conftest.launched` shares)."""
     out: dict[str, list[dict]] = {}
-    for rank_results in per_rank:
-        for name, r in rank_results.items():
+    for rank_results in launched["per_rank"]:
+        for name, r in rank_results["cases"].items():
             out.setdefault(name, []).append(r)
     return out
 

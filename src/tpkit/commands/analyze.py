@@ -48,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"tpkit analyze: {args.target!r} gave a config without a model type ({type(config).__name__}); "
               f"pass an HF config or a factory returning an nn.Module", file=sys.stderr)
         return 2
+    try:  # a --pp the model cannot take is refused before the (slower) analysis and search run
+        stages = pipeline_stages(model, args.pp, args.world_size or 1, args.mode) if args.pp else None
+    except ValueError as exc:
+        print(f"tpkit analyze: {exc}", file=sys.stderr)
+        return 2
     try:
         report = analyze(model, world_size=args.world_size, max_world_size=args.max_world_size,
                          device_memory=args.device_memory, mode=args.mode, profile=args.profile,
@@ -57,11 +62,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.plan_out:
         report.plan.save(args.plan_out)
-    try:
-        stages = pipeline_stages(model, args.pp, args.world_size or 1, args.mode) if args.pp else None
-    except ValueError as exc:
-        print(f"tpkit analyze: {exc}", file=sys.stderr)
-        return 2
     if args.json:
         print(json.dumps({**report.to_dict(), **({"pipeline": stages[0]} if stages else {})}, indent=2))
     else:
