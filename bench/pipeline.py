@@ -82,7 +82,7 @@ def layouts(args) -> None:
           f"x seq {seq} (load {_load()})\n")
     result = search(cfg, 2, "train", batch_size=batch, seq_len=seq, profile=args.profile, dtype=torch.float32)
     pick = result.best.setup
-    setups = [Setup(2), Setup(1, 2, "ddp"), Setup(1, 2, "fsdp"), Setup(1, pp=2, microbatches=min(4, batch)),
+    setups = [Setup(2), Setup(1, 2, "ddp"), Setup(1, 2, "fsdp"), Setup(1, pp=2, microbatches=2),
               Setup(1, pp=2, microbatches=batch)]
     setups += [pick] if pick not in setups else []
     predicted = {c.setup: c.prediction.seconds for c in result.candidates}
