@@ -218,3 +218,16 @@ def test_an_unknown_start_method_is_refused(monkeypatch):
     monkeypatch.setenv("TPKIT_START_METHOD", "fork")
     with pytest.raises(ValueError, match="TPKIT_START_METHOD='fork' is not one of forkserver, spawn"):
         tpkit.launch(_threads, 2)
+
+
+def _count(tensors: list) -> int:
+    return len(tensors)
+
+
+def test_more_tensors_than_a_fork_server_hands_over_start_spawned(monkeypatch):
+    """Each tensor argument is one shared-memory file descriptor; a fork server hands over at most 256 a rank."""
+    import torch
+
+    monkeypatch.setenv("TPKIT_START_METHOD", "forkserver")
+    many = [torch.full((2,), float(i)) for i in range(300)]
+    assert tpkit.launch(_count, 2, args=(many,)) == [300, 300]

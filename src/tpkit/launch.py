@@ -289,24 +289,35 @@ def _inherit(environ: dict, stdout, stderr) -> None:
             os.close(handed)
 
 
-def _launch_processes(fn, world_size, backend, args, timeout, pass_comm, threads) -> list:
-    import torch.distributed as dist
+def _start_ranks(method: str, rank_args: tuple) -> tuple:
+    """Start one process per rank with `method` (see the module doc): (the results queue, the processes)."""
     import torch.multiprocessing as mp
 
-    method = start_method(backend)
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first launch), ignored after
     results = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    port = store.port
     inherited = _Inherited() if method == "forkserver" else None
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(inherited, r, world_size, port, backend, fn, args, timeout, pass_comm, threads,
-                               results))
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, daemon=True, args=(inherited, r, *rank_args, results))
+             for r in range(rank_args[0])]
     for p in procs:
         p.start()
+    return results, procs
+
+
+def _launch_processes(fn, world_size, backend, args, timeout, pass_comm, threads) -> list:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    rank_args = (world_size, store.port, backend, fn, args, timeout, pass_comm, threads)
+    try:
+        results, procs = _start_ranks(start_method(backend), rank_args)
+    except ValueError as error:
+        if "too many fds" not in str(error):
+            raise
+        # `args` hold more tensors than a fork server can hand over (each shared storage is a file descriptor,
+        # at most 256 a rank): start this launch's ranks spawned, as nccl's are (none had started).
+        results, procs = _start_ranks("spawn", rank_args)
     values: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
     reported = [False] * world_size
