@@ -1,9 +1,14 @@
-"""Fine-tune a Hugging Face causal LM with tensor parallelism (and data parallelism across tp groups).
+"""Fine-tune a Hugging Face causal LM with tensor parallelism (and data and pipeline parallelism).
 
 4 ranks as tp2 x dp2, on the text of train.txt; a checkpoint every 20 steps, a Hugging Face directory at the end:
 
     torchrun --nproc-per-node 4 examples/finetune.py --model ./my-llama --tp 2 --data train.txt \\
              --steps 100 --save run/ckpt --every 20 --consolidate run/my-llama-tuned
+
+The same 4 ranks as 2 pipeline stages of tp2 each, 4 micro-batches per step under 1F1B:
+
+    torchrun --nproc-per-node 4 examples/finetune.py --model ./my-llama --pp 2 --tp 2 --schedule 1f1b \\
+             --microbatches 4 --data train.txt --steps 100 --save run/ckpt --consolidate run/my-llama-tuned
 
 Stopped (or a rank died)? The same command with --resume continues from the newest complete checkpoint, and
 under `torchrun --max-restarts 3` that happens by itself. The result loads like any checkpoint:
@@ -11,7 +16,11 @@ under `torchrun --max-restarts 3` that happens by itself. The result loads like 
 
 Each rank reads only its slices of the checkpoint (`tpkit.from_pretrained(..., mode="training")`: the LM head
 keeps its logits split over the vocabulary and the model's loss is computed on them, never gathered). With
-world > tp, the tp groups are data-parallel replicas (FSDP2 or DDP over the dp groups). `--data FILE` is text
+world > tp, the tp groups are data-parallel replicas (FSDP2 or DDP over the dp groups). With `--pp P` the layers are
+cut into P stages (`tpkit.pipeline`: world = pp x dp x tp, tp innermost; each rank reads only its stage's tensors),
+each step runs `--microbatches` micro-batches through torch's `--schedule`, and the loss is the mean of the
+micro-batches' losses (equal to the batch's: every window has `--seq` tokens). The checkpoints are the ordinary ones:
+a run saved at one pp x tp x dp resumes at another. `--data FILE` is text
 tokenized with the model directory's tokenizer when it has one, else whitespace-separated integer token ids;
 without it, random tokens (the mechanics, not a recipe). The batch of step s is `--global-batch` windows of
 `--seq` tokens at offsets drawn from a generator seeded by s alone: a resumed run sees the batches an
@@ -28,8 +37,10 @@ import torch
 import transformers as tr
 
 import tpkit
+from tpkit import faults
 from tpkit.checkpoint.tokenizer import tokenizer_files
 from tpkit.launch import set_threads
+from tpkit.pipeline import SCHEDULES
 
 
 def tokenizer_in(directory: str):
@@ -72,6 +83,13 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size); "
                                                              "dp = world / tp")
     parser.add_argument("--dp-mode", choices=("fsdp", "ddp"), default="fsdp", help="engine of the dp dimension")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks); dp = world / (pp x tp)")
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
+                        help="torch's pipeline schedule (with --pp)")
+    parser.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: pp x "
+                                                                      "stages per rank)")
+    parser.add_argument("--stages-per-rank", type=int, default=None, help="stages per rank for the interleaved and "
+                                                                          "zero-bubble schedules (default 2)")
     parser.add_argument("--data", default=None, help="training text, tokenized with --model's tokenizer; without "
                                                      "one, whitespace-separated integer token ids (default: random)")
     parser.add_argument("--steps", type=int, default=100)
@@ -96,16 +114,24 @@ def main() -> None:
 
     set_threads()
     comm = tpkit.init()
-    tp, dp = tpkit.comm.split(comm, args.tp or comm.world_size)
-    if args.global_batch % dp.world_size:
-        raise SystemExit(f"--global-batch {args.global_batch} must divide by the dp size {dp.world_size}")
     tokenizer = tokenizer_in(args.model)
-    model = tpkit.from_pretrained(args.model, comm=tp, mode="training", dtype=args.dtype).train()
+    pipe = None
+    if args.pp > 1:  # each rank builds, reads and converts only its stages; dp groups under FSDP2 or DDP
+        pipe = tpkit.pipeline(args.model, comm, pp=args.pp, tp=args.tp or comm.world_size // args.pp,
+                              schedule=args.schedule, microbatches=args.microbatches,
+                              stages_per_rank=args.stages_per_rank, dp_mode=args.dp_mode, dtype=args.dtype)
+        model, tp, dp = pipe.model.train(), pipe.groups.tp, pipe.groups.dp
+    else:
+        tp, dp = tpkit.comm.split(comm, args.tp or comm.world_size)
+        model = tpkit.from_pretrained(args.model, comm=tp, mode="training", dtype=args.dtype).train()
+    if args.global_batch % dp.world_size or pipe is not None and args.global_batch // dp.world_size % pipe.microbatches:
+        raise SystemExit(f"--global-batch {args.global_batch} must divide by the dp size {dp.world_size}"
+                         + (f" times the micro-batches {pipe.microbatches}" if pipe is not None else ""))
     vocab, device, rank = model.config.vocab_size, next(model.parameters()).device, comm.rank
     tokens = load_tokens(args.data, tokenizer, vocab) if args.data else None
     if tokens is not None and len(tokens) < args.seq:
         raise SystemExit(f"--data {args.data}: {len(tokens)} tokens, fewer than --seq {args.seq}")
-    if dp.world_size > 1:
+    if dp.world_size > 1 and pipe is None:
         model = tpkit.data_parallel(model, dp, mode=args.dp_mode)
     tpkit.data_parallel_manual_seed(1234, tp, dp)  # dropout: the same where tp ranks hold the same activations
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -115,14 +141,20 @@ def main() -> None:
         tpkit.watch_replicas(model, opt, every=args.check_replicas)
     start = ckpt.resume(model, opt) if args.resume else 0
     if comm.rank == 0:
-        print(f"{args.model}: world {comm.world_size} = tp{tp.world_size} x dp{dp.world_size}, "
-              f"{torch.get_num_threads()} thread(s) per rank, starting at step {start}", flush=True)
+        layout = f"pp{args.pp} x dp{dp.world_size} x tp{tp.world_size} ({args.schedule}, {pipe.microbatches} " \
+                 f"micro-batches)" if pipe is not None else f"tp{tp.world_size} x dp{dp.world_size}"
+        print(f"{args.model}: world {comm.world_size} = {layout}, {torch.get_num_threads()} thread(s) per rank, "
+              f"starting at step {start}", flush=True)
 
     for step in range(start, args.steps):
+        faults.at("step", rank, step)  # TPKIT_FAULTS: the restart tests kill a rank here
         begin = time.perf_counter()
         mine = batch(step, tokens, vocab, args).chunk(dp.world_size)[dp.rank].to(device)
-        loss = model(input_ids=mine, labels=mine).loss  # labels are shifted inside, as in transformers
-        loss.backward()
+        if pipe is not None:  # forward and backward of every micro-batch; the mean loss, on every rank
+            loss = pipe.step(mine, mine)
+        else:
+            loss = model(input_ids=mine, labels=mine).loss  # labels are shifted inside, as in transformers
+            loss.backward()
         norm = tpkit.clip_grad_norm_(model.parameters(), args.max_norm)  # the norm of the whole model
         opt.step()
         opt.zero_grad()

@@ -23,7 +23,7 @@ ROOT = "tpkit"
 # Top to bottom. Modules of layers that do not exist yet are listed so that their first import is checked.
 LAYERS: list[tuple[str, ...]] = [
     ("tpkit.cli", "tpkit.commands"),
-    ("tpkit.data_parallel", "tpkit.recompute", "tpkit.setups"),
+    ("tpkit.data_parallel", "tpkit.recompute", "tpkit.setups", "tpkit.pipeline"),
     ("tpkit.checkpoint", "tpkit.estimate", "tpkit.replicas"),
     ("tpkit.convert",),
     ("tpkit.nn",),

@@ -35,6 +35,7 @@ from .quant import QuantizationError
 from .convert.peft.seam import lora_config
 from .data_parallel import data_parallel, data_parallel_manual_seed, device_mesh, no_sync
 from .recompute import recompute
+from .pipeline import Pipeline, PipelineGroups, SplitError, StageSplit, pipeline, pipeline_groups, split_stages
 from .replicas import ReplicaError, ReplicaReport, check_replicas, watch_replicas
 from .estimate.predict import Setup
 from .estimate.search import SearchResult
@@ -56,6 +57,7 @@ __all__ = [
     "CheckpointError", "Checkpointer", "consolidate", "from_pretrained", "load_sharded", "save_sharded", "lora_config",
     "QuantizationError",
     "data_parallel", "data_parallel_manual_seed", "device_mesh", "no_sync", "recompute",
+    "Pipeline", "PipelineGroups", "SplitError", "StageSplit", "pipeline", "pipeline_groups", "split_stages",
     "ReplicaError", "ReplicaReport", "check_replicas", "watch_replicas",
     "SearchResult", "Setup", "apply_setup", "search",
     "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",

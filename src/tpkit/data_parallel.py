@@ -59,10 +59,17 @@ class DataParallel:
     _module: Any = dataclasses.field(repr=False)  # weakrefs: the model holds its record, which holds this
     dp_comm: Communicator
     _record: Any = dataclasses.field(repr=False)
+    _roots: tuple = dataclasses.field(default=(), repr=False)  # engines' roots outside `module` (a pipeline's stage
+    #                                                          modules), resharded with it
 
     @classmethod
-    def of(cls, mode: str, module: nn.Module, dp_comm: Communicator, record: ModelRecord) -> "DataParallel":
-        return cls(mode, weakref.ref(module), dp_comm, weakref.ref(record))
+    def of(cls, mode: str, module: nn.Module, dp_comm: Communicator, record: ModelRecord,
+           roots: tuple[nn.Module, ...] = ()) -> "DataParallel":
+        return cls(mode, weakref.ref(module), dp_comm, weakref.ref(record), tuple(weakref.ref(r) for r in roots))
+
+    @property
+    def roots(self) -> tuple[nn.Module, ...]:
+        return tuple(r for r in (w() for w in self._roots) if r is not None)
 
     @property
     def module(self) -> nn.Module:
@@ -73,10 +80,11 @@ class DataParallel:
         return self._record()
 
     def __getstate__(self) -> dict:  # copies and pickles refer to the copied model and record
-        return {**self.__dict__, "_module": self.module, "_record": self.record}
+        return {**self.__dict__, "_module": self.module, "_record": self.record, "_roots": self.roots}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _module=weakref.ref(state["_module"]), _record=weakref.ref(state["_record"]))
+        self.__dict__.update(state, _module=weakref.ref(state["_module"]), _record=weakref.ref(state["_record"]),
+                             _roots=tuple(weakref.ref(r) for r in state.get("_roots", ())))
 
     @property
     def tp_comm(self) -> Communicator | None:
@@ -101,13 +109,15 @@ class DataParallel:
         that reads parameters by name (save, load, byte counts, the norm) calls this first."""
         from torch.distributed.fsdp import FSDPModule
 
-        for m in self.module.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        for root in (self.module, *self.roots):
+            for m in root.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
-    def global_norm(self, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float):
-        """The norm source of `tpkit.clip_grad_norm_` for a model under data parallelism: over both dimensions."""
-        return _record_norm(self, params, held, norm_type)
+    def global_norm(self, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float, root: bool = True):
+        """The norm source of `tpkit.clip_grad_norm_` for a model under data parallelism: over both dimensions
+        (`root=False`: the sum of |g|^p before the root, for a pipeline to add its stages' sums)."""
+        return _record_norm(self, params, held, norm_type, root)
 
 
 def data_parallel_of(model: nn.Module) -> DataParallel | None:
@@ -125,7 +135,7 @@ def device_mesh(comm: Communicator, tp_size: int):
     _process_group(comm, "device_mesh", "comm")
     tp_comm, dp_comm = split(comm, tp_size)
     layout = torch.arange(comm.world_size).reshape(comm.world_size // tp_size, tp_size)
-    return DeviceMesh.from_group([dp_comm.process_group, tp_comm.process_group], _device_type(comm), mesh=layout,
+    return DeviceMesh.from_group([dp_comm.process_group, tp_comm.process_group], device_type(comm), mesh=layout,
                                  mesh_dim_names=("dp", "tp"))
 
 
@@ -147,7 +157,7 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = DeviceMesh.from_group(dp_comm.process_group, _device_type(dp_comm))
+        mesh = DeviceMesh.from_group(dp_comm.process_group, device_type(dp_comm))
         for block in list(blocks) if blocks is not None else repeated_blocks(model):
             fully_shard(block, mesh=mesh, **torch_kwargs)
         wrapped = fully_shard(model, mesh=mesh, **torch_kwargs)
@@ -218,7 +228,8 @@ def _process_group(comm: Any, where: str, what: str):
     return group
 
 
-def _device_type(comm: Communicator) -> str:
+def device_type(comm: Communicator) -> str:
+    """The device type of `comm`'s tensors: "cuda" under nccl, else "cpu"."""
     return "cuda" if getattr(comm, "torch_backend", "gloo") == "nccl" else "cpu"
 
 
@@ -281,7 +292,8 @@ def _replicas(lay: ShardLayout | None, p: torch.Tensor, local: torch.Tensor) -> 
 
 
 @torch.no_grad()
-def _record_norm(record: DataParallel, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float):
+def _record_norm(record: DataParallel, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float,
+                 root: bool = True):
     grads = [(p, _local(p.grad)) for p in params if p.grad is not None]
     dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in grads) else torch.float32
     split_items, replicated = [], []
@@ -302,7 +314,7 @@ def _record_norm(record: DataParallel, params: list[torch.Tensor], held: dict[in
     total = torch.maximum(total, mine) if op is ReduceOp.MAX else total + mine
     if record.mode == "fsdp":  # dp shards hold disjoint parts; under DDP every dp rank holds the same gradients
         total = record.dp_comm.all_reduce(total, op)
-    if op is not ReduceOp.MAX:
+    if op is not ReduceOp.MAX and root:
         total = total.pow(1.0 / norm_type)
     device = grads[0][1].device if grads else torch.device("cpu")
     return total.to(device), [g for _, g in grads]

@@ -23,6 +23,10 @@ Under `data_parallel`: DDP keeps a whole copy of every TP-local tensor on each d
 tensor is also compared across the data-parallel group. FSDP2 holds a different dim-0 shard on each data-parallel
 rank; the tensor-parallel check then runs on those local shards (the shard of a TP-replicated tensor is the same
 on every TP rank of one data-parallel index), and pieces split along dim 0 by tensor parallelism are skipped.
+
+Under `tpkit.pipeline`: each stage's tp and dp groups are checked as above, a weight tied across the first and the
+last stage (each holds a copy) is compared over its group of two (or on the one rank holding both stages), and a
+divergence any stage finds is raised on every rank (the pipeline group joins the flag's sum).
 """
 from __future__ import annotations
 
@@ -221,6 +225,7 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
     computed by nondeterministic kernels (see the module docstring)."""
     found = find_record(model, "check_replicas")
     record = found[1].data_parallel if found is not None else None
+    pipe = found[1].pipeline if found is not None else None
     inner = record.module if record is not None else model
     if record is not None:
         record.reshard()
@@ -244,6 +249,9 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
         groups.append((tp, items, "tp"))
     if record is not None and record.mode == "ddp" and record.dp_size > 1:
         groups.append((record.dp_comm, [_Item(k, tuple(range(record.dp_size))) for k in named], "dp"))
+    tied = getattr(pipe, "tied", None)
+    if tied is not None and tied.comm is not None:  # this rank's copy of each tied pair, the other stage's rank
+        groups.append((tied.comm, [_Item(k, (0, 1)) for k in tied.keys], "tied"))
     count, nbytes, bad, tolerated = 0, 0, [], []
     for what, tensors in kinds:
         for group, items, name in groups:
@@ -251,7 +259,10 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
             count, nbytes = count + len(items), nbytes + n
             bad += b
             tolerated += t
-    spread = [g for g in (tp, record.dp_comm if record is not None else None) if g is not None and g.world_size > 1]
+        if tied is not None and tied.comm is None:
+            count, bad = count + len(tied.pairs), bad + _tied_here(tensors, tied.pairs, what)
+    spread = [g for g in (tp, record.dp_comm if record is not None else None, getattr(pipe, "pp_comm", None))
+              if g is not None and g.world_size > 1]
     elsewhere = _found_elsewhere(bool(bad), spread, _device(local))
     if elsewhere and not bad:
         raise ReplicaError(f"{elsewhere} other rank(s) of this model found copies that differ (their ReplicaError "
@@ -263,10 +274,24 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
     return ReplicaReport(count, nbytes, tuple(tolerated), skipped * len(kinds))
 
 
+def _tied_here(tensors: dict[str, torch.Tensor | None], pairs, what: str) -> list[Divergence]:
+    """The tied pairs whose two copies (both stages on this rank) differ."""
+    out = []
+    for pair in pairs:
+        a, b = tensors.get(pair.first), tensors.get(pair.last)
+        if a is not None and b is not None and not torch.equal(a, b):  # the same update of the same values
+            diff = (a.double() - b.double()).abs().max().item()
+            scale = a.double().abs().max().item()
+            out.append(Divergence(f"{pair.first} / {pair.last}", what, None, ((0,), (1,)), diff,
+                                  diff / scale if scale > 0 else float("inf"), "tied copy"))
+    return out
+
+
 def _found_elsewhere(mine: bool, groups: list[Communicator], device: torch.device) -> int:
     """How many other ranks of the whole model found a divergence: the flag summed over the tp group, then over
-    the dp group (one member of every tp group), so every rank learns of one any group found and all raise
-    together. On the tensors' device (NCCL takes no CPU tensors)."""
+    the dp group (one member of every tp group), then over the pipeline group (one member of every stage), so every
+    rank learns of one any group found and all raise together. On the tensors' device (NCCL takes no CPU
+    tensors)."""
     total = torch.tensor([float(mine)], dtype=torch.float64, device=device)
     for g in groups:
         total = g.all_reduce(total)

@@ -32,6 +32,7 @@ from .estimate.pricing import NotPriced, machine_pricing
 from .estimate.search import SearchResult
 from .estimate.search import search as rank_setups
 from .launch import launch
+from .pipeline import Pipeline, pipeline
 from .recompute import recompute
 from .tables import format_bytes as human
 
@@ -51,7 +52,8 @@ def _build(model_or_config, dtype: torch.dtype | None) -> nn.Module:
 def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None, plan: Any = None) -> nn.Module:
     """Run `model` under a setup (the search's `result.best`, or a `Setup`) on `comm`'s ranks (default the world):
     split them into tp x dp groups, convert with the setup's plan, recompute, wrap in DDP / FSDP2. `goal` (a
-    candidate knows its own; default "train") decides training or inference mode. Returns the model to use."""
+    candidate knows its own; default "train") decides training or inference mode. Returns the model to use; for a
+    setup with pipeline stages (`pp > 1`), the `tpkit.Pipeline` (`tpkit.pipeline`: train with `.step`)."""
     comm = comm or get_communicator()
     if hasattr(setup, "prediction"):  # a search candidate
         goal, plan = goal or setup.prediction.goal, plan if plan is not None else setup.plan
@@ -60,8 +62,12 @@ def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None
     if setup.devices != comm.world_size:
         raise ValueError(f"apply_setup: {setup.label()} needs {setup.devices} ranks, the communicator has "
                          f"{comm.world_size}")
-    tp, dp = split(comm, setup.tp) if setup.dp > 1 else (comm, None)
     mode = "training" if goal == "train" else "inference"
+    if getattr(setup, "pp", 1) > 1:  # stages: a `tpkit.Pipeline` (its `.model` is this rank's part)
+        return pipeline(model, comm, pp=setup.pp, tp=setup.tp, schedule=setup.schedule,
+                        microbatches=setup.microbatches, stages_per_rank=setup.stages_per_rank,
+                        dp_mode=setup.dp_mode or "fsdp", mode=mode)
+    tp, dp = split(comm, setup.tp) if setup.dp > 1 else (comm, None)
     if setup.tp > 1:
         plan = plan if plan is not None else propose(analyze_structure(model), setup.tp, mode, setup.choose())[0]
         model = parallelize(model, plan, tp, mode=mode, sequence_parallel=setup.sequence_parallel)
@@ -102,15 +108,20 @@ def _rank(model_or_config, setup: Setup, goal: str, batch: int, seq: int, steps:
     torch.set_num_threads(threads)
     comm = get_communicator()
     model = apply_setup(_build(model_or_config, dtype), setup, comm, goal)
+    pipe, model = (model, model.model) if isinstance(model, Pipeline) else (None, model)
     local = -(-batch // setup.dp)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 100)
-    ids = torch.randint(3, vocab, (local, seq), generator=torch.Generator().manual_seed(comm.rank // setup.tp))
+    dp_rank = comm.rank // setup.tp % setup.dp  # the ranks of one pipeline and tp group take one batch
+    ids = torch.randint(3, vocab, (local, seq), generator=torch.Generator().manual_seed(dp_rank))
     if goal == "train":
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
         def step():
-            model(input_ids=ids, labels=ids).loss.backward()
+            if pipe is not None:
+                pipe.step(ids, ids)
+            else:
+                model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
     elif goal == "prefill":

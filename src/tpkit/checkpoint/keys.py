@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from .conversions import transformers_keys
+from .mesh import pipeline_of
 from .sources import Source
 
 _LEGACY = {"gamma": "weight", "beta": "bias"}
@@ -20,7 +21,8 @@ def key_finder(model: nn.Module, source: Source, notes: list[str] | None = None)
     bare `LlamaModel` checkpoint loads into `LlamaForCausalLM`); else as transformers renames or rebuilds it
     (`conversions.py`, which adds fused entries to `source`). transformers' table is built (~0.5 s: a
     thousand regexes) only when a key is not found otherwise, which a checkpoint saved by tpkit never needs.
-    `notes` receives the conversions tpkit could not read."""
+    `notes` receives the conversions tpkit could not read. A pipeline stage's copy of a tied weight (the last
+    stage's LM head) is read as the tensor it copies (a tied model's checkpoint stores it once)."""
     names = {}
     for k in source.entries:
         head, _, last = k.rpartition(".")
@@ -29,9 +31,13 @@ def key_finder(model: nn.Module, source: Source, notes: list[str] | None = None)
     names.update({k: k for k in source.entries})
     prefix = getattr(model, "base_model_prefix", "") or ""
     renamed: dict[str, str] | None = None if source.manifest is None else {}
+    pipe = pipeline_of(model)
+    copies = pipe.aliases if pipe is not None else {}
 
     def find(key: str) -> str | None:
         nonlocal renamed
+        if key in copies and key not in names:
+            return find(copies[key])
         options = [key]
         if prefix:
             options += [key[len(prefix) + 1:]] if key.startswith(prefix + ".") else [f"{prefix}.{key}"]

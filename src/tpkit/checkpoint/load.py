@@ -26,7 +26,7 @@ from .errors import CheckpointError
 from .fill import Target, check_targets, read_targets
 from .keys import key_finder
 from .manifest import check_checksums, find_version, read_manifest
-from .mesh import like, unwrap
+from .mesh import like, pipeline_of, rng_comm, unwrap
 from .progress import Progress
 from .reader import uncovered
 from .sources import Source, hf_files, manifest_source, whole_files
@@ -55,10 +55,11 @@ def open_source(path: str, rank: int = 0, world: int = 1) -> Source:
 
 
 def model_targets(model: nn.Module, source: Source, find: Callable[[str], str | None], strict: bool,
-                  missing_ok: Callable[[str], bool] = lambda k: False) -> list[Target]:
+                  missing_ok: Callable[[str], bool] = lambda k: False,
+                  elsewhere: frozenset[str] = frozenset()) -> list[Target]:
     """A Target per distinct model tensor (tied keys share one), in the model tensor's dtype (`castable`). Raises
     CheckpointError for missing keys (strict, or always when `missing_ok` says no) and, when strict, for
-    unexpected ones."""
+    unexpected ones (`elsewhere`: keys other ranks' parts of the model hold, a pipeline's other stages)."""
     layouts = shard_layouts(model)
     sd = model.state_dict(keep_vars=True)
     targets, by_id, missing, used = [], {}, [], set()
@@ -77,7 +78,8 @@ def model_targets(model: nn.Module, source: Source, find: Callable[[str], str | 
                               f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if strict:  # a stored tensor is used when a target reads it, itself or as a piece of one transformers fuses
         read = used | {piece.name for k in used for piece in source.entries[k].pieces}
-        extra = [k for k in source.entries if k not in read and not k.startswith(optim_state.PREFIX)
+        extra = [k for k in source.entries if k not in read and k not in elsewhere
+                 and not k.startswith(optim_state.PREFIX)
                  and not any(piece.name in read for piece in source.entries[k].pieces)]
         if extra:
             raise CheckpointError(f"{source.root}: checkpoint has {len(extra)} tensor(s) the model does not: "
@@ -122,6 +124,8 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
     {"step", "extra", "config", "plan", "world_size"}."""
     comm = resolve_comm(comm)
     model, record = unwrap(model, comm)
+    pipe = pipeline_of(model)
+    elsewhere, copies = (pipe.keys, pipe.aliases) if pipe is not None else (frozenset(), {})
     device = load_device(device, comm)
     error, source, targets, section, computed, fills = None, None, [], {}, {}, None
     try:
@@ -130,12 +134,12 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
         # or rebuilds them (NeoX's embed_out, experts one tensor per expert)
         find = (lambda k: k if k in source.entries else None) if source.manifest is not None else \
             key_finder(model, source)
-        targets = model_targets(model, source, find, strict)
+        targets = model_targets(model, source, find, strict, elsewhere=elsewhere)
         if optimizer is not None:
             section = (source.manifest or {}).get("optimizer") or {}
             if not section and strict:
                 raise CheckpointError(f"{source.root}: the checkpoint holds no optimizer state")
-            targets += optimizer_targets(model, source, section)
+            targets += optimizer_targets(model, source, section, copies)
         computed = computed_buffers(model, source.root)
         fills = target_device(targets, device)
         check_targets(source, targets)  # before anything changes: the model is the caller's
@@ -152,10 +156,10 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
     with Progress(f"loading {os.path.basename(directory.rstrip('/'))}", total, progress, comm.rank) as bar:
         values = read_targets(source, targets, bar, staging=staging_for(fills))
     if optimizer is not None and section:
-        optim_state.restore(model, optimizer, section, values, place=like)
+        optim_state.restore(model, optimizer, section, values, place=like, copies=copies)
     check_grad_sums(model, f"load_sharded({directory!r})")
     manifest = source.manifest or {}
-    restore_rng(manifest, comm, record.tp_comm if record is not None else None)
+    restore_rng(manifest, comm, rng_comm(record, pipe, comm))
     return {"step": manifest.get("step"), "extra": manifest.get("extra"), "config": manifest.get("config"),
             "plan": manifest.get("plan"), "world_size": manifest.get("world_size")}
 
@@ -171,10 +175,11 @@ def target_device(targets: list[Target], meta_to: torch.device) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-def optimizer_targets(model: nn.Module, source: Source, section: dict) -> list[Target]:
+def optimizer_targets(model: nn.Module, source: Source, section: dict,
+                      copies: dict[str, str] | None = None) -> list[Target]:
     layouts = shard_layouts(model)
     out = []
-    for key, lay, dtype in optim_state.state_targets(model, section, layouts, source.entries):
+    for key, lay, dtype in optim_state.state_targets(model, section, layouts, source.entries, copies):
         t = Target(key, key, lay, dtype)
         check_target(source, t)
         out.append(t)

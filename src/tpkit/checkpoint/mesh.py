@@ -6,6 +6,10 @@ checkpoint is the ordinary one: world rank `w` holds TP rank `w % tp_size`'s par
 `tpkit.comm.split` does), so spreading each TP layout over the world ranks makes every dp replica of a part a
 "lower rank already holds it" case, and the writer's usual rule writes it once. FSDP2's dp shards (DTensors)
 are gathered to the TP-local tensor for writing, and cut back to this rank's shard after reading.
+
+A model that is one rank's stages of a pipeline (`tpkit.pipeline`: `record.pipeline`) holds only its stages' keys:
+world ranks are laid out pp x dp x tp (tp innermost), so the `stage_size` consecutive ranks of its pipeline rank
+hold each of its keys, spread over them as above, and every other rank holds none of it.
 """
 from __future__ import annotations
 
@@ -24,19 +28,49 @@ def unwrap(model: nn.Module, comm) -> tuple[nn.Module, object | None]:
     world communicator `comm`."""
     found = find_record(model, "a checkpoint")
     record = found[1].data_parallel if found is not None else None
+    pipe = found[1].pipeline if found is not None else None
+    pp = pipe.pp_size if pipe is not None else 1
+    if record is not None and comm.world_size != record.tp_size * record.dp_size * pp:
+        raise CheckpointError(f"a {f'pp{pp} x ' if pipe is not None else ''}tp{record.tp_size} x dp{record.dp_size} "
+                              f"model is saved and loaded with the world communicator "
+                              f"({record.tp_size * record.dp_size * pp} ranks); got one of {comm.world_size}")
+    if record is None and pipe is not None and comm.world_size != pipe.stage_size * pp:
+        raise CheckpointError(f"a pp{pp} x tp{found[1].world_size} model is saved and loaded with the world "
+                              f"communicator ({pipe.stage_size * pp} ranks); got one of {comm.world_size}")
     if record is None:
         return model, None
-    if comm.world_size != record.tp_size * record.dp_size:
-        raise CheckpointError(f"a tp{record.tp_size} x dp{record.dp_size} model is saved and loaded with the world "
-                              f"communicator ({record.tp_size * record.dp_size} ranks); got one of {comm.world_size}")
     record.reshard()
     return record.module, record
 
 
-def spread(layout: ShardLayout, tp_size: int, world: int, rank: int) -> ShardLayout:
-    """`layout` (over the tp ranks) as a layout over `world` ranks, rank `w` holding TP rank `w % tp_size`'s part."""
-    pieces = tuple(Piece(p.offset, p.size, tuple(p.spans[w % tp_size] for w in range(world))) for p in layout.pieces)
+def pipeline_of(model: nn.Module):
+    """The pipeline facts of `model` (one rank's stages: `record.pipeline`), or None."""
+    found = find_record(model, "a checkpoint")
+    return found[1].pipeline if found is not None else None
+
+
+def rng_comm(record, pipe, comm):
+    """The communicator whose RNG tracker a checkpoint keeps: the tp group of a data-parallel model or a pipeline
+    stage (its tracker seeds their dropout), else `comm`."""
+    if record is not None and record.tp_comm is not None:
+        return record.tp_comm
+    return pipe.record.comm if pipe is not None and pipe.record.comm is not None else comm
+
+
+def spread(layout: ShardLayout, tp_size: int, world: int, rank: int, stage_size: int | None = None) -> ShardLayout:
+    """`layout` (over the tp ranks) as a layout over `world` ranks, rank `w` holding TP rank `w % tp_size`'s part;
+    with `stage_size` (a pipeline stage's tensor), only the ranks of this rank's pipeline rank hold a split one (a
+    whole one is written by the stage's first rank: `writer`)."""
+    group = stage_size or world
+    pieces = tuple(Piece(p.offset, p.size, tuple(p.spans[w % tp_size] if w // group == rank // group else (0, 0)
+                                                 for w in range(world))) for p in layout.pieces)
     return dataclasses.replace(layout, world_size=world, rank=rank, pieces=pieces)
+
+
+def writer(rank: int, stage_size: int | None) -> int:
+    """The world rank that writes the whole (replicated) tensors of `rank`'s model: 0, or the first rank of its
+    pipeline stage."""
+    return 0 if stage_size is None else rank // stage_size * stage_size
 
 
 def whole_local(t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Callable
 
 import torch
 from torch import nn
@@ -165,7 +166,7 @@ def stored_keys(source: Source, quant) -> list[str]:
 def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str = "inference", dtype=None,
                     model_cls=None, progress: bool | None = None,
                     device: torch.device | str | int | None = None, reuse: bool | None = None,
-                    dequantize: bool = False) -> nn.Module:
+                    dequantize: bool = False, convert: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """A Hugging Face directory (single file or index + shards) or a tpkit checkpoint, built and converted
     for this rank, each rank reading only its slices. Equals `transformers...from_pretrained(path)` followed
     by `tpkit.parallelize(model, plan, comm, mode=mode)`, with every parameter and buffer on `device` (default:
@@ -182,7 +183,8 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     `tpkit.quant.SUPPORTED`) loads packed: each rank reads its slice of the packed weights and of their scales,
     zero points and `g_idx`, split in whole groups where the split can, and its quantized layers compute in `dtype`
     (`tpkit.nn.quantized`), their weights those transformers' load holds at that dtype (`tpkit.quant.dequant`). `dequantize=True` holds the dequantized weights instead (dense, trainable).
-    An unsupported method or scheme raises `QuantizationError` before any weight is read."""
+    An unsupported method or scheme raises `QuantizationError` before any weight is read. `convert(model)` converts the
+    meta-built model instead of `parallelize` (`tpkit.pipeline` of a path: one rank's stages, their tensors read)."""
     path, comm = os.fspath(path), resolve_comm(comm)
     device = load_device(device, comm)
     error, source, config = None, None, None
@@ -200,7 +202,10 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     if generation is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config = generation
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
-    parallelize(model, plan, comm, mode=mode, recorded=recorded, reuse=reuse, quantization=quant)
+    if convert is None:  # (a pipeline's `convert` refuses quantized models itself)
+        convert = lambda m: parallelize(m, plan, comm, mode=mode, recorded=recorded, reuse=reuse,  # noqa: E731
+                                        quantization=quant)
+    convert(model)
     notes: list[str] = []
     find = key_finder(model, source, notes)
     quantized: list[str] = []

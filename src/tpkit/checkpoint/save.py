@@ -11,7 +11,11 @@ everywhere; a rank that dies leaves its peers a CommError and the partial versio
 Fault points (`tpkit.faults`: save-start, write, save-files, save-latest) let tests kill or fail a save at
 each of these moments in real processes. A
 model under `tpkit.data_parallel` is saved with the world communicator: its TP layouts are spread over the
-world ranks (`mesh.py`), so dp replicas are written once and the files look like any TP checkpoint's.
+world ranks (`mesh.py`), so dp replicas are written once and the files look like any TP checkpoint's. One stage
+of a pipeline (`tpkit.pipeline`) writes its own keys under their full-model names; its ranks know only those, so
+the manifest's entries (and optimizer section) are gathered from every stage, a weight tied across the first and
+last stage is written once (the last stage's key an alias, as a tied model's state dict has it), and the plan is
+the whole model's: the directory is the ordinary checkpoint, whatever the pp x tp x dp it was saved at.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from . import optimizer as optim_state
 from .agree import agree, gather_bytes
 from .errors import CheckpointError
 from .hf_config import config_dict, generation_dict
-from .mesh import spread, unwrap, whole_local
+from .mesh import pipeline_of, rng_comm, spread, unwrap, whole_local, writer
 from .manifest import (FORMAT, LATEST, MANIFEST, fsync_dir, next_version, point_latest, prune, rank_file, read_latest,
                        remove_version, write_json)
 from .progress import Progress
@@ -43,11 +47,12 @@ from .tokenizer import model_source
 WRITE_HOOK: Callable[[int], None] | None = None
 
 
-def owned_spans(layout: ShardLayout, rank: int) -> list[tuple[int, int, int]]:
+def owned_spans(layout: ShardLayout, rank: int, writer: int = 0) -> list[tuple[int, int, int]]:
     """`(start, stop, position in the rank's local tensor)` along `dim` of what `rank` writes: its segments
-    minus what lower ranks hold. A replicated tensor: rank 0 writes `(0, size, 0)`."""
+    minus what lower ranks hold. A replicated tensor: rank `writer` (0; a pipeline stage's first rank) writes
+    `(0, size, 0)`."""
     if layout.dim is None or layout.is_replicated:
-        return [(0, layout.full_shape[layout.dim] if layout.dim is not None else 0, 0)] if rank == 0 else []
+        return [(0, layout.full_shape[layout.dim] if layout.dim is not None else 0, 0)] if rank == writer else []
     lower = sorted(s for r in range(rank) for s in layout.segments(r))
     out, at = [], 0
     for a, b in layout.segments(rank):
@@ -64,10 +69,10 @@ def owned_spans(layout: ShardLayout, rank: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def rank_pieces(key: str, layout: ShardLayout, rank: int) -> list[dict]:
+def rank_pieces(key: str, layout: ShardLayout, rank: int, writer: int = 0) -> list[dict]:
     """The manifest pieces `rank` writes for `key` (tensor names in its file, offsets in the full tensor)."""
     out = []
-    for i, (a, b, _) in enumerate(owned_spans(layout, rank)):
+    for i, (a, b, _) in enumerate(owned_spans(layout, rank, writer)):
         offsets = [0] * len(layout.full_shape)
         if layout.dim is not None and not layout.is_replicated:
             offsets[layout.dim] = a
@@ -75,21 +80,25 @@ def rank_pieces(key: str, layout: ShardLayout, rank: int) -> list[dict]:
     return out
 
 
-def local_pieces(key: str, tensor: torch.Tensor, layout: ShardLayout) -> dict[str, torch.Tensor]:
+def local_pieces(key: str, tensor: torch.Tensor, layout: ShardLayout, writer: int = 0) -> dict[str, torch.Tensor]:
     """This rank's pieces of `key` as tensors in the stored orientation, named as in `rank_pieces`."""
     stored = tensor.detach().t() if layout.transposed else tensor.detach()
     out = {}
-    for i, (a, b, at) in enumerate(owned_spans(layout, layout.rank)):
+    for i, (a, b, at) in enumerate(owned_spans(layout, layout.rank, writer)):
         whole = layout.dim is None or layout.is_replicated
         out[key if i == 0 else f"{key}#{i}"] = stored if whole else stored.narrow(layout.dim, at, b - a)
     return out
 
 
-def collect(model: nn.Module, optimizer) -> tuple[dict[str, tuple[torch.Tensor, ShardLayout]], dict, dict]:
-    """`({key: (tensor, layout)}, {alias key: key} for tied keys, optimizer manifest section)`."""
+def collect(model: nn.Module, optimizer, copies: dict[str, str] | None = None) -> tuple[
+        dict[str, tuple[torch.Tensor, ShardLayout]], dict, dict]:
+    """`({key: (tensor, layout)}, {alias key: key} for tied keys, optimizer manifest section)`. `copies`: keys
+    holding a copy of another key's tensor (a pipeline's tied weight on its last stage), saved as aliases."""
     layouts = shard_layouts(model)
-    tensors, aliases, seen = {}, {}, {}
+    tensors, aliases, seen = {}, dict(copies or {}), {}
     for key, t in model.state_dict(keep_vars=True).items():
+        if key in aliases:
+            continue
         if id(t) in seen:
             aliases[key] = seen[id(t)]
             continue
@@ -97,7 +106,7 @@ def collect(model: nn.Module, optimizer) -> tuple[dict[str, tuple[torch.Tensor, 
         tensors[key] = (t, layouts[key])
     section = {}
     if optimizer is not None:
-        extra, section = optim_state.state_tensors(model, optimizer, layouts)
+        extra, section = optim_state.state_tensors(model, optimizer, layouts, skip=set(copies or ()))
         tensors.update(extra)
     return tensors, aliases, section
 
@@ -115,10 +124,15 @@ def save_sharded(model: nn.Module, directory: str, optimizer=None, step: int | N
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"save_sharded: keep must be a positive int (versions to keep) or None, got {keep!r}")
     model, record = unwrap(model, comm)
-    tensors, aliases, section = collect(model, optimizer)
-    if record is not None:  # FSDP2 shards gathered to TP-local tensors (collective, same order on every rank)
-        tensors = {k: (whole_local(t), spread(lay, record.tp_size, comm.world_size, comm.rank))
+    pipe = pipeline_of(model)
+    tensors, aliases, section = collect(model, optimizer, pipe.aliases if pipe is not None else None)
+    if record is not None or pipe is not None:  # FSDP2 shards gathered to TP-local tensors (collective, same order
+        # on every rank), layouts spread over the world (a pipeline stage's over its own ranks)
+        tp_size = record.tp_size if record is not None else pipe.record.world_size
+        group = pipe.stage_size if pipe is not None else None
+        tensors = {k: (whole_local(t), spread(lay, tp_size, comm.world_size, comm.rank, group))
                    for k, (t, lay) in tensors.items()}
+    first = writer(comm.rank, pipe.stage_size if pipe is not None else None)  # of whole tensors
     json.dumps(extra)  # fail before writing anything
     version = _agree_version(comm, directory, step)
     name, rank = os.path.basename(version), comm.rank
@@ -129,7 +143,7 @@ def save_sharded(model: nn.Module, directory: str, optimizer=None, step: int | N
         os.makedirs(version, exist_ok=True)
         mine = {}
         for key, (t, lay) in tensors.items():
-            mine.update(local_pieces(key, t, lay))
+            mine.update(local_pieces(key, t, lay, first))
         total = sum(v.numel() * v.element_size() for v in mine.values())
         with Progress(f"saving {name}", total, progress, rank) as bar:
             def hook(n: int) -> None:
@@ -143,12 +157,15 @@ def save_sharded(model: nn.Module, directory: str, optimizer=None, step: int | N
     _settle(comm, directory, name, error)
     faults.at("save-files", rank, step)
     digests = [json.loads(d) for d in gather_bytes(comm, json.dumps(digest).encode())]
-    rng_comm = record.tp_comm if record is not None and record.tp_comm is not None else comm
-    rng = [json.loads(r) for r in gather_bytes(comm, json.dumps(_rng_states(rng_comm)).encode())]
+    rng = [json.loads(r) for r in gather_bytes(comm, json.dumps(_rng_states(rng_comm(record, pipe, comm))).encode())]
+    entries = _entries(tensors, comm.world_size, digests, first)
+    if pipe is not None:  # each stage knows its own keys
+        entries, aliases, section = _merged(comm, entries, aliases, section)
     if rank == 0:
         target = os.path.join(version, MANIFEST)
         try:
-            manifest = _manifest(model, tensors, aliases, section, comm.world_size, step, extra, digests, rng, version)
+            plan = pipe.plan if pipe is not None else getattr(model, "tp_plan", None)
+            manifest = _manifest(model, entries, aliases, section, plan, comm.world_size, step, extra, rng, version)
             write_json(target, manifest)
             fsync_dir(version)
             faults.at("save-latest", rank, step)
@@ -203,15 +220,32 @@ def _rng_states(comm) -> dict:
     return {name: {dev: bytes(s.tolist()).hex() for dev, s in d.items()} for name, d in states.items()}
 
 
-def _manifest(model, tensors, aliases, section, world, step, extra, digests, rng, version) -> dict:
+def _entries(tensors, world: int, digests: list[dict], first: int) -> dict:
+    """The manifest entry of every tensor in `tensors`: its full shape, dtype, and every rank's pieces (`first`
+    writes the whole tensors)."""
     entries = {}
     for key, (t, lay) in tensors.items():
         pieces = [dict(p, sha256=digests[r][p["name"]])
-                  for r in range(world) for p in rank_pieces(key, lay.for_rank(r), r)]
+                  for r in range(world) for p in rank_pieces(key, lay.for_rank(r), r, first)]
         entries[key] = {"shape": list(lay.full_shape), "dtype": NAMES[t.dtype], "pieces": pieces}
+    return entries
+
+
+def _merged(comm, entries: dict, aliases: dict, section: dict) -> tuple[dict, dict, dict]:
+    """Every stage's entries, aliases and optimizer section (each rank's own, gathered: collective)."""
+    mine = json.dumps({"entries": entries, "aliases": aliases, "section": section}).encode()
+    out_entries, out_aliases, out_section = {}, {}, {}
+    for part in (json.loads(b) for b in gather_bytes(comm, mine)):
+        out_entries.update(part["entries"])
+        out_aliases.update(part["aliases"])
+        out_section = optim_state.merge_sections(out_section, part["section"])
+    return out_entries, out_aliases, out_section
+
+
+def _manifest(model, entries, aliases, section, plan, world, step, extra, rng, version) -> dict:
+    entries = dict(entries)
     for alias, key in aliases.items():
         entries[alias] = dict(entries[key], alias_of=key)
-    plan = getattr(model, "tp_plan", None)
     return {"format": FORMAT, "version": 2, "tpkit_version": _tpkit_version(), "world_size": world, "step": step,
             "extra": extra, "config": config_dict(model), "generation_config": generation_dict(model),
             "name_or_path": model_source(model),  # where its tokenizer is: consolidate copies it

@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "priced by (default: $TPKIT_PROFILE or ~/.cache/tpkit/profile.json; with none there and no "
                         "GPU, this machine is measured first: `tpkit estimate --calibrate`)")
     parser.add_argument("--mode", default="inference", choices=["inference", "training"])
+    parser.add_argument("--pp", type=int, default=None, metavar="P", help="also show where P pipeline stages cut the "
+                        "model (`tpkit.split_stages`) and what each stage holds per rank")
     parser.add_argument("--plan-out", default=None, help="also write the plan as JSON to this file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--wide", action="store_true", help=WIDE_HELP)
@@ -46,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"tpkit analyze: {args.target!r} gave a config without a model type ({type(config).__name__}); "
               f"pass an HF config or a factory returning an nn.Module", file=sys.stderr)
         return 2
+    try:  # a --pp the model cannot take is refused before the (slower) analysis and search run
+        stages = pipeline_stages(model, args.pp, args.world_size or 1, args.mode) if args.pp else None
+    except ValueError as exc:
+        print(f"tpkit analyze: {exc}", file=sys.stderr)
+        return 2
     try:
         report = analyze(model, world_size=args.world_size, max_world_size=args.max_world_size,
                          device_memory=args.device_memory, mode=args.mode, profile=args.profile,
@@ -56,11 +63,28 @@ def run(args: argparse.Namespace) -> int:
     if args.plan_out:
         report.plan.save(args.plan_out)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps({**report.to_dict(), **({"pipeline": stages[0]} if stages else {})}, indent=2))
     else:
         from tpkit.tables import output_width
 
         print(report.summary(width=output_width(wide=args.wide)), end="")
+        if stages:
+            print(stages[1])
         if args.plan_out:
             print(f"plan written to {args.plan_out}")
     return 0
+
+
+def pipeline_stages(model, pp: int, tp: int, mode: str) -> tuple[dict, str]:
+    """`(the split as a dict with each stage's bytes per rank, its text)` of `pp` stages at `tp`: weights, and in
+    training their gradients and AdamW's two float32 states."""
+    from tpkit import split_stages
+
+    split = split_stages(model, pp)
+    item = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    factor = (2 + 8 / item) if mode == "training" else 1
+    per_rank = [b * factor / tp for b in split.stage_bytes]
+    what = "weights, gradients and AdamW states" if mode == "training" else "weights"
+    lines = [f"pipeline: {pp} stages at tp {tp} ({what} per rank)"]
+    lines += [f"  {line}; {b / 2**30:.2f} GiB per rank" for line, b in zip(split.describe().splitlines(), per_rank)]
+    return {**split.to_dict(), "bytes_per_rank": per_rank, "tp": tp}, "\n".join(lines)

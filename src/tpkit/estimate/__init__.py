@@ -27,6 +27,7 @@ Memory
 Speed: one pricing engine
     predict         Setup and Prediction: a setup's traced step priced op by op at a machine's rates
     speed           estimate_speed: each world size a Setup through predict; SpeedEstimate and its table
+    pipeline        a setup with pipeline stages, priced from the same setup without them: the bubble, the sends
     search          the setup search: every setup tpkit can build, predicted, filtered by memory, ranked
     pricing         which machine every command prices: a measured profile, a named or detected datasheet, or
                     this machine measured now

@@ -1,8 +1,9 @@
 """Time and memory of one setup on the machine at hand, from the plan the converter makes for it.
 
-A `Setup` is how a model runs on `tp x dp` devices: the tensor-parallel size, data parallelism (DDP or FSDP2)
-over the rest, sequence parallelism, recompute, and the architecture families' alternatives (attention split by
-heads or whole, the LM head vocab-parallel or replicated, experts TP or EP). `predict` converts a weightless copy
+A `Setup` is how a model runs on `pp x tp x dp` devices: the tensor-parallel size, data parallelism (DDP or FSDP2)
+over the rest, sequence parallelism, recompute, the architecture families' alternatives (attention split by
+heads or whole, the LM head vocab-parallel or replicated, experts TP or EP), and pipeline stages (`pp`, priced from
+the same setup without them by `pipeline.py`: the bubble and the stage sends). `predict` converts a weightless copy
 of the model for rank 0 with that setup's plan (`convert.planner.propose` with the setup's choices), traces one
 step op by op (`fake_step.trace_step`) and prices it with the rates of `tp x dp` ranks sharing the machine
 (`machine.MachineRates`: measured by the calibration, or read off a datasheet by `hardware.datasheet_rates`, which
@@ -37,6 +38,7 @@ from .calls import meta_copy, with_layers
 from .config import own_dtype
 from .fake_step import GOALS, StepTrace, trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
+from .pipeline import pipelined
 from .profile import SpeedProfile, load_profile
 
 DP_MODES = ("ddp", "fsdp", "replicas")  # replicas: inference copies that each take a share of the batch
@@ -56,10 +58,16 @@ class Setup:
     sequence_parallel: bool = False
     recompute: str = "none"
     choices: tuple[tuple[str, str], ...] = ()
+    pp: int = 1
+    microbatches: int = 1
+    stages_per_rank: int = 1
+    schedule: str = "1f1b"
 
     def __post_init__(self):
-        if self.tp < 1 or self.dp < 1:
-            raise ValueError(f"Setup: tp and dp must be >= 1, got tp={self.tp}, dp={self.dp}")
+        if self.tp < 1 or self.dp < 1 or self.pp < 1 or self.microbatches < 1 or self.stages_per_rank < 1:
+            raise ValueError(f"Setup: tp, dp, pp, microbatches and stages_per_rank must be >= 1, got tp={self.tp}, "
+                             f"dp={self.dp}, pp={self.pp}, microbatches={self.microbatches}, "
+                             f"stages_per_rank={self.stages_per_rank}")
         if self.dp > 1 and self.dp_mode not in DP_MODES:
             raise ValueError(f"Setup: dp={self.dp} needs dp_mode in {DP_MODES}, got {self.dp_mode!r}")
         if self.recompute not in RECOMPUTE:
@@ -67,13 +75,14 @@ class Setup:
 
     @property
     def devices(self) -> int:
-        return self.tp * self.dp
+        return self.pp * self.tp * self.dp
 
     def choose(self) -> dict[str, str]:
         return dict(self.choices)
 
     def label(self) -> str:
-        parts = [f"tp{self.tp}"] + ([f"dp{self.dp} {self.dp_mode}"] if self.dp > 1 else [])
+        parts = [f"pp{self.pp} {self.schedule} m{self.microbatches}"] if self.pp > 1 else []
+        parts += [f"tp{self.tp}"] + ([f"dp{self.dp} {self.dp_mode}"] if self.dp > 1 else [])
         parts += ["sp"] if self.sequence_parallel else []
         parts += [f"recompute {self.recompute}"] if self.recompute != "none" else []
         parts += [f"{family} {label}" for family, label in self.choices]
@@ -103,6 +112,9 @@ class Prediction:
     flops: float = 0.0          # the step's FLOPs on the device (recompute's again included)
     nbytes: float = 0.0         # bytes its kernels read and write
     collective_bytes: float = 0.0  # bytes of its tensor-parallel collectives' inputs
+    activation_bytes: float = 0.0  # the part of memory_bytes that is activations kept for the backward (train)
+    bubble_s: float = 0.0          # pipelining: the stages' idle time in the step
+    pp_communication_s: float = 0.0  # pipelining: the activations and gradients sent between stages
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "setup": self.setup.to_dict()}
@@ -268,6 +280,9 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     bfloat16, a module's own); `hardware`: the `Hardware` whose datasheet prices the step when the profile was not
     measured op by op; `attention`: a config's attention kernel ("eager", else sdpa; default the config's)."""
     profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
+    if setup.pp > 1:
+        return _pipelined(model_or_config, setup, goal, batch_size, seq_len, profile, ranks, example, traced, dtype,
+                          hardware, attention)
     traced = traced or trace_setup(model_or_config, setup, goal, batch_size, seq_len, example, dtype, attention)
     item = next((p.element_size() for p in traced.model.parameters()), 2)
     rates = profile.rates(ranks or setup.devices, hardware, item)
@@ -290,10 +305,29 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     peak = ex(lambda t, p: t.peak_bytes)
     if peak:  # the traced peak of the plain step, moved by what DP and recompute change (the sum of parts' delta)
         memory = peak + memory - _memory(Setup(setup.tp), goal, *parts)
+    saved = min(ex(lambda t, p: t.saved_bytes), memory) if goal == "train" else 0.0
     return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm, kernels, overhead, tp_comm, dp_comm,
                       memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))),
                       memory + rates.import_bytes + rates.runtime_bytes, ex(lambda t, p: p.compute),
-                      ex(lambda t, p: p.flops), ex(lambda t, p: p.nbytes), ex(lambda t, p: p.comm_bytes))
+                      ex(lambda t, p: p.flops), ex(lambda t, p: p.nbytes), ex(lambda t, p: p.comm_bytes), saved)
+
+
+def _pipelined(model_or_config, setup: Setup, goal, batch_size, seq_len, profile, ranks, example, traced, dtype,
+               hardware, attention) -> Prediction:
+    """`setup` with pipeline stages: the same setup without them, priced at the same batch, then its bubble and
+    stage sends (`pipeline.pipelined`); training only (torch's schedules run a training step)."""
+    if goal != "train":
+        raise ValueError(f"predict: pipeline parallelism (pp={setup.pp}) is priced for training steps, not {goal!r}")
+    flat = dataclasses.replace(setup, pp=1, microbatches=1, stages_per_rank=1)
+    base = predict(model_or_config, flat, goal, batch_size, seq_len, profile, ranks or setup.devices, example,
+                   traced, dtype, hardware, attention)
+    item = (dtype or own_dtype(model_or_config)).itemsize
+    config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config, "config",
+                                                                                        None)
+    hidden = getattr(config, "hidden_size", 0) or 0
+    activation = -(-batch_size // setup.dp) * seq_len * hidden * item  # one dp rank's batch, at a stage boundary
+    rates = profile.rates(ranks or setup.devices, hardware, item)
+    return pipelined(base, setup, rates, activation)
 
 
 def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:

@@ -3,7 +3,8 @@ the machine at hand, the ones that do not fit memory dropped, the rest ranked by
 
 Candidates (`candidates`): every tensor-parallel size dividing the devices, data parallelism over the rest
 (DDP or FSDP2 for training; independent replicas for inference, each taking its share of the batch), sequence
-parallelism and recompute (training), and each architecture family's alternatives as its proposals offer them
+parallelism and recompute (training), pipeline stages (training: pp x tp x dp, priced with their bubble and sends,
+`pipeline.py`), and each architecture family's alternatives as its proposals offer them
 (attention split by heads or whole, MLP pairs split or whole, the LM head vocab-parallel or replicated, experts
 TP, EP or whole): one family's alternative at a time over the defaults, so the count stays linear in the
 alternatives. Each is predicted by `predict.predict` (one traced step per distinct conversion, reused for the
@@ -49,7 +50,8 @@ class Candidate:
         return self.prediction.setup
 
     def __getattr__(self, name: str):
-        if name in ("tp", "dp", "dp_mode", "sequence_parallel", "recompute", "devices", "choices"):
+        if name in ("tp", "dp", "dp_mode", "sequence_parallel", "recompute", "devices", "choices", "pp",
+                    "microbatches", "stages_per_rank", "schedule"):
             return getattr(self.prediction.setup, name)
         raise AttributeError(name)
 
@@ -198,10 +200,12 @@ def family_alternatives(model, tp: int, goal: str) -> list[tuple[str, str]]:
     return out
 
 
-def candidates(model, devices: int, goal: str, alternatives: bool = True) -> list[Setup]:
+def candidates(model, devices: int, goal: str, alternatives: bool = True, layers: int | None = None,
+               batch_size: int = 1) -> list[Setup]:
     """Every setup tpkit can build for `goal` on `devices` devices (see the module docstring); without
-    `alternatives`, only the TP / DP layouts with the families' defaults, no sequence parallel, no recompute."""
-    out = []
+    `alternatives`, only the TP / DP layouts with the families' defaults, no sequence parallel, no recompute. For
+    training, pipeline stages too (`pipeline_candidates`: a model of `layers` blocks)."""
+    out = pipeline_candidates(devices, layers, batch_size) if goal == "train" else []
     for tp in [t for t in range(1, devices + 1) if devices % t == 0]:
         dp = devices // tp
         modes = ([None] if dp == 1 else ["ddp", "fsdp"] if goal == "train" else ["replicas"])
@@ -213,6 +217,20 @@ def candidates(model, devices: int, goal: str, alternatives: bool = True) -> lis
             for sp in ([False, True] if goal == "train" and tp > 1 and mode != "fsdp" else [False]):
                 for recompute in (("none", "selective", "full") if goal == "train" else ("none",)):
                     out += [Setup(tp, dp, mode, sp, recompute, choice) for choice in choices]
+    return out
+
+
+def pipeline_candidates(devices: int, layers: int | None, batch_size: int) -> list[Setup]:
+    """pp x tp x dp layouts with 2 or more stages (at most one per layer), 1F1B, as many micro-batches as divide a
+    dp rank's batch up to 4 per stage (more shrink the bubble, smaller ones run slower kernels); families'
+    defaults, no sequence parallel, no recompute."""
+    out = []
+    for pp in [p for p in range(2, devices + 1) if devices % p == 0 and (layers is None or p <= layers)]:
+        for tp in [t for t in range(1, devices // pp + 1) if (devices // pp) % t == 0]:
+            dp = devices // pp // tp
+            local = -(-batch_size // dp)
+            m = max(d for d in range(1, min(local, 4 * pp) + 1) if local % d == 0)
+            out += [Setup(tp, dp, mode, pp=pp, microbatches=m) for mode in ([None] if dp == 1 else ["ddp", "fsdp"])]
     return out
 
 
@@ -240,7 +258,8 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
     model = _weightless(model_or_config)
     traces: dict[tuple, Any] = {}
     preds, unbuildable = [], {}
-    for s in candidates(model, devices, goal, alternatives):
+    layers = getattr(getattr(model_or_config, "config", model_or_config), "num_hidden_layers", None)
+    for s in candidates(model, devices, goal, alternatives, layers if isinstance(layers, int) else None, batch_size):
         key = (s.tp, s.dp, s.sequence_parallel, s.choices)  # DP mode and recompute price the same trace
         if key not in traces:
             try:

@@ -62,8 +62,18 @@ def global_norm(params: list[torch.Tensor], norm_type: float,
             settle(pending)
             held = holders(params)
     record = _one_record(held.values(), comm)
+    if record is not None and record.pipeline is not None:  # one stage of several: its facts add the pp dimension
+        return record.pipeline.global_norm(params, held, norm_type)
+    total, grads = partial_norm(params, held, norm_type, record, comm)
+    return (total if norm_type == math.inf else total.pow(1.0 / norm_type)), grads
+
+
+def partial_norm(params: list[torch.Tensor], held: dict[int, Holder], norm_type: float, record: ModelRecord | None,
+                 comm: Communicator | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`(the sum of |g|^p over the model's tp and dp dimensions, or their maximum for the inf norm; the gradients)`:
+    the norm before its root, so a pipeline can add its stages' sums."""
     if record is not None and record.data_parallel is not None:
-        return record.data_parallel.global_norm(params, held, norm_type)
+        return record.data_parallel.global_norm(params, held, norm_type, root=False)
     group = record.comm if record is not None and record.comm is not None else resolve_comm(comm)
     split, whole = norm_items(params, held)
     grads = [p.grad for p in params if p.grad is not None]
@@ -73,7 +83,7 @@ def global_norm(params: list[torch.Tensor], norm_type: float,
     shards, mine = power_sum(split, norm_type, dtype, device), power_sum(whole, norm_type, dtype, device)
     if norm_type == math.inf:
         return torch.maximum(group.all_reduce(shards, ReduceOp.MAX), mine), grads
-    return (group.all_reduce(shards) + mine).pow(1.0 / norm_type), grads
+    return group.all_reduce(shards) + mine, grads
 
 
 def _one_record(found: Iterable[Holder], comm: Communicator | None) -> ModelRecord | None:

@@ -11,7 +11,9 @@ which is one) and holds:
 - `layouts`: state-dict key -> `ShardLayout` (which part of the full tensor this rank holds; the entries several
   ranks hold, such as KV rows, follow from it); a PEFT adapter's keys follow their base layer's
   (`adapter_layouts.py`);
-- `data_parallel`: what `tpkit.data_parallel` keeps (engine, dp communicator), or None.
+- `data_parallel`: what `tpkit.data_parallel` keeps (engine, dp communicator), or None;
+- `pipeline`: what `tpkit.pipeline` keeps when the model is this rank's stages of a pipeline (pipeline group,
+  split, tied copies), or None.
 How a parameter enters its module's forward (a gradient summed over ranks, a weight stored quantized) is a rewrite
 registered on the module that owns it, by name (`rewrites.py`): the mechanism must sit where the forward runs.
 
@@ -49,6 +51,7 @@ class ModelRecord:
     comm: Communicator | None
     layouts: Mapping[str, ShardLayout]
     data_parallel: Any = dataclasses.field(default=None, kw_only=True)
+    pipeline: Any = dataclasses.field(default=None, kw_only=True)  # `tpkit.pipeline`'s facts: the model is one stage
     _owner: Any = dataclasses.field(default=None, repr=False, kw_only=True)  # a weakref to the module
 
     @property
