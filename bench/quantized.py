@@ -159,7 +159,7 @@ def formats() -> str:
     weight (1.0: no overhead beyond the split itself; the worst rank)."""
     import tpkit
     from tpkit.comm import run_threads
-    from tpkit.nn.quantized import quant_state
+    from tpkit.nn.quantized import quant_method_of
     from tests.quant import test_checkpoints as T
 
     rows = ["| format | ranks | logits rel err | weights exact | stored bytes / its dense share of the file's | kernel |",
@@ -187,7 +187,7 @@ def formats() -> str:
                         err = T._rel(model(T.IDS).logits, want)
                     exact, local, full, kernels = True, 0, 0, set()
                     for n, m in model.named_modules():
-                        st = quant_state(m)
+                        st = quant_method_of(m)
                         if st is not None:
                             exact &= torch.equal(m.weight, st.dense.shard(dense[f"{n}.weight"]))
                             kernels.add(st.kernel)

@@ -2,7 +2,7 @@
 
 Every format (`checkpoints.py` makes them the ecosystem's way) at 2 and 3 ranks on thread-ranks: the logits equal
 the reference's within float32 rounding, every rank's dequantized weight equals the slice of the reference's
-dense weight bit for bit (`QuantState.dense` is the dense layout the stored slices follow), and each rank holds
+dense weight bit for bit (`QuantMethod.dense` is the dense layout the stored slices follow), and each rank holds
 at most 1.15 x the stored bytes of the part of each weight it holds (its dense share: whole heads, KV heads held by
 two ranks and whole groups make shares uneven; the stored tensors add at most 15% to that). Llama's MLP has 640 = 5 groups of 128
 features (3 / 2 at 2 ranks, 2 / 2 / 1 at 3), its o_proj 256 = 2 groups over 3 ranks of whole heads (a group two
@@ -18,7 +18,7 @@ import torch
 
 import tpkit
 from tpkit.comm import run_threads
-from tpkit.nn.quantized import quant_state
+from tpkit.nn.quantized import quant_method_of
 from tpkit.quant import QuantizationError
 from tests.quant import checkpoints as C
 
@@ -71,7 +71,7 @@ def _check(directory: str, ref, want: torch.Tensor, world: int, kernel: str | No
             got = model(IDS).logits
         bad, packed, local, quantized, kernels = [], 0, 0, 0, set()
         for name, m in model.named_modules():
-            st = quant_state(m)
+            st = quant_method_of(m)
             if st is None:
                 continue
             quantized += 1
@@ -171,7 +171,7 @@ def test_dequantize_loads_dense_trainable_weights(made):
         model = tpkit.from_pretrained(directory, comm=comm, progress=False, dequantize=True)
         lays = tpkit.shard_layouts(model)
         w = model.model.layers[0].self_attn.k_proj.weight
-        assert w.requires_grad and quant_state(model.model.layers[0].self_attn.k_proj) is None
+        assert w.requires_grad and quant_method_of(model.model.layers[0].self_attn.k_proj) is None
         assert torch.equal(w, lays["model.layers.0.self_attn.k_proj.weight"].shard(
             dense["model.layers.0.self_attn.k_proj.weight"]))
         with torch.no_grad():
@@ -232,7 +232,7 @@ def test_groups_that_do_not_divide_split_whole(made, world, sizes):
     def body(comm):
         model = tpkit.from_pretrained(directory, comm=comm, progress=False)
         mlp = model.model.layers[0].mlp
-        return [quant_state(m).dense.sizes() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+        return [quant_method_of(m).dense.sizes() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
 
     for per_rank in run_threads(body, world):
         assert per_rank == [sizes] * 3
@@ -249,3 +249,62 @@ def test_quantized_layers_compile_without_graph_breaks(made):
             return _rel(torch.compile(model, fullgraph=True, backend="eager")(IDS).logits, want)
 
     assert max(run_threads(body, 2)) < 1e-5
+
+
+def test_one_rank_builds_whole_quantized_layers_and_a_copy_computes_the_same(made):
+    """World size 1: every quantized layer is built as tpkit's whole quantized layer (no `nn.Linear` swapped), with
+    the checkpoint's keys; `deepcopy` and a `torch.save` / `torch.load` round trip of the model compute the same."""
+    import io
+
+    from tpkit.nn.quantized import QuantizedLinear
+
+    directory, ref, want = made("ct-int4-group-asym")
+    model = tpkit.from_pretrained(directory, progress=False)
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, QuantizedLinear) and type(layer).__name__ == "QuantizedLinear"
+    assert quant_method_of(layer).kernel == "int4" and "weight" not in layer._parameters
+    assert {"model.layers.0.mlp.down_proj.weight_packed", "model.layers.0.mlp.down_proj.weight_scale"} <= set(
+        model.state_dict())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    with torch.no_grad():
+        for m in (model, copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+            assert _rel(m(IDS).logits, want) < 1e-5
+
+
+def test_a_quantized_load_attaches_the_record_once_and_checks_it_once(made, monkeypatch):
+    """config -> plan -> build -> read slices -> check: the conversion record is attached once and the gradient
+    sums checked once (before, the layers were built dense, swapped, and both happened again)."""
+    import importlib
+
+    P = importlib.import_module("tpkit.convert.parallelize")  # the module (the package exports the function)
+    calls = {"attach": 0, "check": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(P, "attach", counted("attach", P.attach))
+    monkeypatch.setattr(P, "check_grad_sums", counted("check", P.check_grad_sums))
+    directory, _, want = made("ct-int4-group-asym")
+    model = tpkit.from_pretrained(directory, progress=False)
+    with torch.no_grad():
+        assert _rel(model(IDS).logits, want) < 1e-5
+    assert calls == {"attach": 1, "check": 1}
+
+
+def test_a_deep_copy_of_a_split_quantized_model_computes_the_same(made):
+    directory, _, want = made("gptq-desc-act")
+
+    def body(comm):
+        model = tpkit.from_pretrained(directory, comm=comm, progress=False)
+        twin = copy.deepcopy(model)
+        layer = twin.model.layers[0].self_attn.k_proj  # KV rows two of the three ranks hold
+        assert quant_method_of(layer) is not quant_method_of(model.model.layers[0].self_attn.k_proj)
+        with torch.no_grad():
+            return _rel(twin(IDS).logits, want)
+
+    assert max(run_threads(body, 3)) < 1e-5

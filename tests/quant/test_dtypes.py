@@ -24,7 +24,7 @@ import torch
 
 import tpkit
 from tpkit.comm import run_threads
-from tpkit.nn.quantized import quant_state
+from tpkit.nn.quantized import quant_method_of
 from tests.quant import checkpoints as C
 
 pytest.importorskip("compressed_tensors")
@@ -99,7 +99,7 @@ def _problems(model, ref: dict, where: str) -> list[str]:
     layouts = tpkit.shard_layouts(model)
     stored = set()
     for name, m in model.named_modules():
-        st = quant_state(m)
+        st = quant_method_of(m)
         if st is None:
             continue
         stored |= {f"{name}.{s}" for s in st.specs}
