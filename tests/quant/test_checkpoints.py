@@ -308,3 +308,20 @@ def test_a_deep_copy_of_a_split_quantized_model_computes_the_same(made):
             return _rel(twin(IDS).logits, want)
 
     assert max(run_threads(body, 3)) < 1e-5
+
+
+def test_layers_a_plan_keeps_whole_are_built_whole_quantized(made):
+    from tpkit.nn.quantized import QuantizedLinear
+
+    directory, _, want = made("ct-int8-channel-pack")
+
+    def body(comm):
+        model = tpkit.from_pretrained(directory, comm=comm, progress=False, plan={"model.layers.0.mlp.*": "replicate"})
+        mlp, lays = model.model.layers[0].mlp, tpkit.shard_layouts(model)
+        assert all(isinstance(m, QuantizedLinear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        assert lays["model.layers.0.mlp.down_proj.weight_packed"].is_replicated
+        assert not isinstance(model.model.layers[1].mlp.down_proj, QuantizedLinear)
+        with torch.no_grad():
+            return _rel(model(IDS).logits, want)
+
+    assert max(run_threads(body, 2)) < 1e-5
