@@ -19,7 +19,7 @@ import torch
 import tpkit
 from tpkit.comm import run_threads
 from tpkit.nn.quantized import quant_method_of
-from tpkit.quant import QuantizationError
+from tpkit.quant import QuantizationError, native
 from tests.quant import checkpoints as C
 
 pytest.importorskip("compressed_tensors")
@@ -57,12 +57,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-#: formats torch's CPU weight-only kernels compute (`tpkit.quant.kernels`) on layers whose slice maps onto them
-KERNELS = {"ct-int4-group-asym": "int4", "ct-int4-group-sym": "int4", "ct-int8-channel-pack": "int8",
-           "ct-w8a16-int": "int8"}
+#: formats whose layers compute with a fast product where their slice maps onto one (`tpkit.quant.products`): tpkit's
+#: compiled product (where a C compiler built it) and torch's weight-only kernels (`tpkit.quant.kernels`); the
+#: candidates each layer measured, any of which it may keep
+FAST = {"ct-int4-group-asym": {"int4", "native uint4"}, "ct-int4-group-sym": {"int4", "native uint4"},
+        "ct-int8-channel-pack": {"int8", "native uint8"}, "ct-w8a16-int": {"int8", "native int8"}}
+if native.available():
+    FAST.update({"ct-fp8-block": {"native fp8"}, "ct-fp8-channel": {"native fp8"}, "hf-fp8-block": {"native fp8"}})
 
 
-def _check(directory: str, ref, want: torch.Tensor, world: int, kernel: str | None = None) -> list[str]:
+def _check(directory: str, ref, want: torch.Tensor, world: int, fast: set | None = None) -> list[str]:
     dense = {k: v for k, v in ref.state_dict().items()}
 
     def body(comm):
@@ -87,8 +91,8 @@ def _check(directory: str, ref, want: torch.Tensor, world: int, kernel: str | No
                 packed += torch.Size(st.specs[s].shape).numel() * t.element_size() * share
         if quantized == 0:
             bad.append("no layer was loaded quantized")
-        if kernel is not None and kernel not in kernels:
-            bad.append(f"rank {comm.rank}: no layer computes with the {kernel} kernel ({kernels})")
+        if fast is not None and not kernels & fast:
+            bad.append(f"rank {comm.rank}: no layer computes with a fast product ({fast}; they use {kernels})")
         if local > 1.15 * packed + 16 * quantized:  # + weight_shape, the one tensor every rank holds whole
             bad.append(f"rank {comm.rank} holds {local} bytes of quantized tensors, over 1.15 x its share of the "
                        f"weights' stored bytes ({packed:.0f})")
@@ -104,7 +108,7 @@ def _check(directory: str, ref, want: torch.Tensor, world: int, kernel: str | No
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_each_rank_reads_its_packed_slice_and_equals_transformers(made, fmt, world):
     directory, ref, want = made(fmt)
-    bad = _check(directory, ref, want, world, KERNELS.get(fmt))
+    bad = _check(directory, ref, want, world, FAST.get(fmt))
     assert not bad, f"{fmt} at {world} ranks:\n" + "\n".join(bad[:8])
 
 
@@ -262,7 +266,7 @@ def test_one_rank_builds_whole_quantized_layers_and_a_copy_computes_the_same(mad
     model = tpkit.from_pretrained(directory, progress=False)
     layer = model.model.layers[0].mlp.down_proj
     assert isinstance(layer, QuantizedLinear) and type(layer).__name__ == "QuantizedLinear"
-    assert quant_method_of(layer).kernel == "int4" and "weight" not in layer._parameters
+    assert quant_method_of(layer).kernel in FAST["ct-int4-group-asym"] and "weight" not in layer._parameters
     assert {"model.layers.0.mlp.down_proj.weight_packed", "model.layers.0.mlp.down_proj.weight_scale"} <= set(
         model.state_dict())
     buffer = io.BytesIO()
@@ -325,3 +329,34 @@ def test_layers_a_plan_keeps_whole_are_built_whole_quantized(made):
             return _rel(model(IDS).logits, want)
 
     assert max(run_threads(body, 2)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", sorted(FAST))
+def test_every_fast_product_a_layer_may_keep_equals_its_dequantized_product(made, fmt):
+    """Each candidate product of each layer (not only the one the measurement kept) computes `x W^T` of the layer's
+    dequantized slice, at one and at several rows, at 2 and 3 ranks (slices that cut groups have none)."""
+    directory = made(fmt)[0]
+    x = torch.randn(3, 1, 1024, generator=torch.Generator().manual_seed(1))
+
+    def body(comm):
+        model = tpkit.from_pretrained(directory, comm=comm, progress=False)
+        bad, seen = [], set()
+        for name, m in model.named_modules():
+            method = quant_method_of(m)
+            if method is None:
+                continue
+            w = method.weight(m)
+            stored = {n: m._buffers[n] for n in method.specs}
+            for p in method.candidates:
+                seen.add(p.name)
+                resident = p.resident(stored)
+                for rows in (x[0, :, :w.shape[1]], x[:, 0, :w.shape[1]]):
+                    got, want = p(rows, resident), rows @ w.t()
+                    err = float((got - want).abs().max() / want.abs().max())
+                    if not err < 1e-5:
+                        bad.append(f"rank {comm.rank} {name} {p.name} at {rows.shape[0]} rows: rel {err:.2e}")
+        return bad, seen
+
+    results = [r for world in (2, 3) for r in run_threads(body, world)]
+    assert not [b for bad, _ in results for b in bad], [b for bad, _ in results for b in bad][:6]
+    assert set().union(*(seen for _, seen in results)) == FAST[fmt]

@@ -27,10 +27,12 @@ from torch import nn
 
 from ..layout import Piece, ShardLayout
 from ..quant import WeightQuant, dequantize, positions, stored_layout, stored_tensors
+from ..quant.products import fastest
 from .grad_sums import GradSum, rows_sum
 from .rewrites import Rewrite, rewrite
 
 _MAP = "tp_qmap_{}_{}"  # a non-persistent buffer: for each local dense feature, the stored entry that covers it
+_KEPT = "tp_kernel_"  # non-persistent buffers: what the layer's fast product reads on every call
 
 
 class QuantMethod(Rewrite):
@@ -82,11 +84,13 @@ class QuantMethod(Rewrite):
                     layer.register_buffer(_MAP.format(n, i), m.to(device if device.type != "meta" else "cpu"),
                                           persistent=False)
         self.specs, self.layouts, self.dense, self.maps = specs, layouts, dense, tuple(maps)
-        self.product = self.format.product(self.scheme, self.shape, bool(maps), self.dtype,
-                                           dtypes.get(self.format.roles(self.scheme).scale))
+        self.candidates = self.format.products(self.scheme, self.shape, bool(maps), self.dtype,
+                                               dtypes.get(self.format.roles(self.scheme).scale))
+        self.product, self.resident = None, ()
         self.weight_sum = rows_sum(dense) if dense.dim == 0 else None
         layer.quant_method = self
         rewrite(layer, "weight", self)
+        layer.register_load_state_dict_post_hook(self._loaded)  # new stored values: the product's tensors anew
         return layouts
 
     # ------------------------------------------------------------------------------------------------ reading
@@ -102,16 +106,41 @@ class QuantMethod(Rewrite):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x W^T + bias` with the layer's local weight (see the module docstring for the path taken)."""
-        if self.product is None or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+        p = self.product
+        if p is None or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad) or \
+                (p.max_rows is not None and x.numel() > p.max_rows * x.shape[-1]):
             return F.linear(x, self.weight(layer), bias)
-        y = self.product(x, {n: layer._buffers[n] for n in self.specs})
+        b = layer._buffers
+        y = p(x, {key: b[name] for key, name in self.resident})
         return y if bias is None else y + bias
 
     def after_loading(self, layer: nn.Module) -> None:
-        """Once the stored tensors hold their values: keep them as the fast product reads them on every call."""
-        if self.product is not None:
-            b = layer._buffers
-            b.update(self.product.resident({n: b[n] for n in self.specs}))
+        """Once the stored tensors hold their values: pick the fastest product measured on this layer's shape
+        (`tpkit.quant.products.fastest`) and keep the tensors it reads on every call: a stored tensor itself where
+        the product reads it in place (or in its place, the same values on a 64-byte boundary), else a
+        non-persistent buffer (scales as float32 tables)."""
+        b = layer._buffers
+        for n in [n for n in b if n.startswith(_KEPT)]:
+            del b[n]
+            layer._non_persistent_buffers_set.discard(n)
+        stored = {n: b[n] for n in self.specs}
+        self.product = fastest(self.candidates, stored, self.shape[1], self.dtype)
+        resident = self.product.resident(stored) if self.product is not None else {}
+        kept = []
+        for key, t in resident.items():
+            same = next((n for n, s in stored.items() if s is t), None)
+            if key in self.specs:
+                b[key] = t  # the same values (on a 64-byte boundary)
+                kept.append((key, key))
+            elif same is not None:
+                kept.append((key, same))
+            else:
+                layer.register_buffer(_KEPT + key, t, persistent=False)
+                kept.append((key, _KEPT + key))
+        self.resident = tuple(kept)
+
+    def _loaded(self, layer: nn.Module, incompatible) -> None:
+        self.after_loading(layer)
 
     def describe(self) -> str:
         return self.scheme.describe()

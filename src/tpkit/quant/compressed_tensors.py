@@ -11,11 +11,13 @@ Refused: activation quantization (W8A8, FP8 dynamic activations: its outputs dep
 inputs, which a weight-only layer would silently not reproduce), dynamic weights, sparsity, transforms, a
 quantized KV cache, checkpoints not stored compressed.
 
-The fast products (`tpkit.quant.kernels`): torch's int4 kernel for `pack-quantized` int4 groups of 32 to 256
-whose local slice holds whole groups and output rows in blocks of 64, torch's int8 kernel for int8 per channel,
-symmetric. Both compute in the activations' dtype, so they apply where the scales are stored in the dtype the
-layer computes in (a bf16 checkpoint's weight is `(q - z) * s` rounded to bf16, which a float32 kernel would not
-reproduce).
+The fast products, for a local slice that holds whole groups from its first feature (no act-order): tpkit's
+compiled product on the stored values in place (`products.Native`: FP8, int8, int4 and int8 packed), torch's int4
+kernel for `pack-quantized` int4 groups of 32 to 256 with output rows in blocks of 64, torch's int8 kernel for int8
+per channel, symmetric; the layer keeps the fastest it measured (`products.fastest`). torch's kernels compute in the
+activations' dtype, so they apply where the scales are stored in the dtype the layer computes in (a bf16
+checkpoint's weight is `(q - z) * s` rounded to bf16, which a float32 kernel would not reproduce); the compiled one
+where the arithmetic is float32 or the layer computes in half precision (`products.native_applies`).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Mapping
 import torch
 
 from .format import Format, Product, Refused, Roles
+from .products import Native, native_applies
 from .kernels import INT4_GROUPS, int4_linear, int8_linear
 from .packing import unpack_signed
 from .schemes import DimRule, Quantization, StoredTensor, WeightQuant, groups
@@ -147,17 +150,35 @@ class CompressedTensors(Format):
             return unpack_signed(t, q.bits, 0)
         return t
 
-    def product(self, q: WeightQuant, local_shape: tuple[int, int], mapped: bool, dtype: torch.dtype,
-                scale_dtype: torch.dtype | None) -> Product | None:
+    def products(self, q: WeightQuant, local_shape: tuple[int, int], mapped: bool, dtype: torch.dtype,
+                 scale_dtype: torch.dtype | None) -> list[Product]:
         out, in_ = local_shape
-        if mapped or q.act_order or dtype != scale_dtype:
-            return None
+        if mapped or q.act_order:
+            return []
+        found = [p for p in [_native(q, out, in_)] if p is not None and native_applies(dtype, scale_dtype)]
+        if dtype != scale_dtype:  # torch's kernels compute in the activations' dtype (the module docstring)
+            return found
         if q.layout == "ct_pack" and q.bits == 4 and q.strategy == "group" and q.group_size in INT4_GROUPS \
                 and out % 64 == 0 and in_ % q.group_size == 0:
-            return _Int4(q.group_size, q.bits)
+            found.append(_Int4(q.group_size, q.bits))
         if q.layout in ("ct_pack", "ct_int") and q.bits == 8 and q.strategy == "channel" and q.symmetric:
-            return _Int8("weight_packed" if q.layout == "ct_pack" else "weight")
-        return None
+            found.append(_Int8("weight_packed" if q.layout == "ct_pack" else "weight"))
+        return found
+
+
+def _native(q: WeightQuant, out: int, in_: int) -> Native | None:
+    """tpkit's compiled product on the stored values in place (`products.Native`), where their layout is one it
+    reads: FP8, int8 values, int4 and int8 packed along the input."""
+    block = {"group": (1, q.group_size), "channel": (1, in_), "tensor": (out, in_)}.get(q.strategy, q.block)
+    if q.layout == "float":
+        return Native("fp8", "weight", out, q.scale_name, block)
+    zero = None if q.symmetric else "weight_zero_point"
+    if q.layout == "ct_int":
+        return Native("int8", "weight", out, q.scale_name, block, zero)
+    if q.bits in (4, 8):
+        return Native("uint4" if q.bits == 4 else "uint8", "weight_packed", out, q.scale_name, block, zero,
+                      zero_bits=q.bits, offset=1 << (q.bits - 1))
+    return None
 
 
 FORMAT = CompressedTensors()

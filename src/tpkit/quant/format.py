@@ -8,8 +8,8 @@ picks), a format here says four things, and nothing about layers or models (`tpk
 - `stored_tensors(q, out, in_)`: the tensors a layer of its scheme `q` stores (names, shapes, dtypes, dim rules);
 - its dequantization: which stored tensor holds the values, scales, zero points and `g_idx` (`Roles`), how a
   stored tensor unpacks (`values`) and the dtype its `(q - z) * s` is computed in (`math_dtype`);
-- `product(...)`: the fast product for a layer's local slice where one applies (a `Product`), else None (the layer
-  then multiplies by its dequantized slice).
+- `products(...)`: the fast products for a layer's local slice (`Product`s; the layer keeps the fastest measured,
+  `products.py`), or none (the layer then multiplies by its dequantized slice).
 """
 from __future__ import annotations
 
@@ -42,11 +42,17 @@ class Roles:
 
 
 class Product:
-    """A layer's fast product `x W^T` from its stored tensors (by name), in `x`'s dtype. `resident(tensors)` gives
-    the tensors as the product reads them on every call, once after a load: here the same values starting on a
-    64-byte boundary (`kernels.aligned`: a view of a file's mapping may not, and torch's int8 kernel faults on it)."""
+    """A layer's fast product `x W^T` from its stored tensors (by name), in `x`'s dtype. `resident(tensors)` gives,
+    once after a load, the tensors the product reads on every call (`products.py`: kept by the layer); here the
+    stored ones, starting on a 64-byte boundary (`kernels.aligned`: a view of a file's mapping may not, and torch's
+    int8 kernel faults on it). `max_rows`: the most activation rows it is used for (None: any)."""
 
     name = ""  # what computes it, for reports ("int4": torch's int4 kernel)
+    max_rows: int | None = None
+
+    def key(self) -> tuple:
+        """What distinguishes it among a layer's candidates (`products.fastest` keeps its choice by these)."""
+        return (self.name,)
 
     def resident(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {n: aligned(t) for n, t in tensors.items()}
@@ -79,8 +85,10 @@ class Format:
         library dequantizes)."""
         return scale_dtype
 
-    def product(self, q: WeightQuant, local_shape: tuple[int, int], mapped: bool, dtype: torch.dtype,
-                scale_dtype: torch.dtype | None) -> Product | None:
-        """The fast product of a layer of scheme `q` holding `local_shape` (`[out, in]`) computing in `dtype`, or
-        None; `mapped`: some stored tensor needs a `positions` map (a split cut its groups)."""
-        return None
+    def products(self, q: WeightQuant, local_shape: tuple[int, int], mapped: bool, dtype: torch.dtype,
+                 scale_dtype: torch.dtype | None) -> list[Product]:
+        """The fast products that compute a layer of scheme `q` holding `local_shape` (`[out, in]`) in `dtype`
+        exactly as its dequantized weight would (to the rounding of the compute dtype); `mapped`: some stored tensor
+        needs a `positions` map (a split cut its groups). The layer measures them and keeps the fastest
+        (`products.fastest`); none: it multiplies by its dequantized slice."""
+        return []

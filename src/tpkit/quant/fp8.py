@@ -2,14 +2,16 @@
 
 Each quantized linear layer stores its `weight` as FP8 (e4m3) values and one `weight_scale_inv` per block of
 `weight_block_size` (e.g. 128 x 128; the last block of a dim may be partial). `w = q * s` in float32, then cast
-to the compute dtype, as transformers' `Fp8Dequantize` does. `modules_to_not_convert` stay dense. Per-tensor FP8
+to the compute dtype, as transformers' `Fp8Dequantize` does; decode multiplies by the FP8 values in place
+(`products.Native`). `modules_to_not_convert` stay dense. Per-tensor FP8
 (no `weight_block_size`) is refused: tpkit reads the block-scaled format.
 """
 from __future__ import annotations
 
 import torch
 
-from .format import Format, Refused
+from .format import Format, Product, Refused
+from .products import Native, native_applies
 from .schemes import DimRule, Quantization, StoredTensor, WeightQuant, groups
 
 METHOD = "fp8"
@@ -35,6 +37,14 @@ class HuggingFaceFP8(Format):
 
     def math_dtype(self, q: WeightQuant, scale_dtype: torch.dtype) -> torch.dtype:
         return torch.float32
+
+    def products(self, q: WeightQuant, local_shape: tuple[int, int], mapped: bool, dtype: torch.dtype,
+                 scale_dtype: torch.dtype | None) -> list[Product]:
+        """tpkit's compiled product on the FP8 values in place, the block scales as float32 (the format's own
+        arithmetic: `products.Native`)."""
+        if mapped or not native_applies(dtype, torch.float32):
+            return []
+        return [Native("fp8", "weight", local_shape[0], q.scale_name, q.block)]
 
 
 FORMAT = HuggingFaceFP8()

@@ -50,7 +50,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     s = scale.to(x.dtype)
     zero = torch.zeros_like(s) if zero_point is None else -(zero_point.to(x.dtype) * s)
     sz = torch.stack((s.t(), zero.t()), -1).contiguous()
-    flat = x.reshape(-1, x.shape[-1])
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows in place
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, int4_kernel_layout(packed), group, sz)
     return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -64,7 +64,7 @@ def int8_values(stored: torch.Tensor) -> torch.Tensor:
 
 def int8_linear(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x W^T` for per-channel symmetric int8 weights (`scale` `[N, 1]`), in `x`'s dtype."""
-    flat = x.reshape(-1, x.shape[-1])
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows in place
     y = torch.ops.aten._weight_int8pack_mm(flat, int8_values(stored), scale.reshape(-1).to(x.dtype))
     return y.view(*x.shape[:-1], y.shape[-1])
 
