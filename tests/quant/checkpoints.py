@@ -76,8 +76,9 @@ def _minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     return b.amin((-1, -2)), b.amax((-1, -2))
 
 
-def compressed_tensors(model, directory: str, fmt: str, **weights) -> str:
-    """`model` quantized by compressed-tensors with `weights` (QuantizationArgs fields), saved in `fmt`."""
+def compressed_tensors(model, directory: str, fmt: str | None, **weights) -> str:
+    """`model` quantized by compressed-tensors with `weights` (QuantizationArgs fields), saved in `fmt` (None: the
+    format compressed-tensors picks itself)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
@@ -86,7 +87,7 @@ def compressed_tensors(model, directory: str, fmt: str, **weights) -> str:
     m = copy.deepcopy(model)
     args = QuantizationArgs(**weights)
     qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-                            ignore=["lm_head"], format=fmt)
+                            ignore=["lm_head"], **({} if fmt is None else {"format": fmt}))
     apply_quantization_config(m, qc)
     for mod in m.modules():
         if hasattr(mod, "weight_scale"):
@@ -247,6 +248,9 @@ FORMATS = {  # name -> (model, maker(directory, base, made) -> (directory, refer
         m, d, "int-quantized", num_bits=8, type="int", symmetric=True, strategy="channel"), None)),
     "ct-fp8-channel": ("llama", lambda d, m, made: (compressed_tensors(
         m, d, "float-quantized", num_bits=8, type="float", strategy="channel"), None)),
+    # weight-only FP8 as compressed-tensors writes it when given no format: `naive-quantized`, FP8 `weight`
+    "ct-fp8-naive": ("llama", lambda d, m, made: (compressed_tensors(
+        m, d, None, num_bits=8, type="float", strategy="channel"), None)),
     "ct-fp8-block": ("llama", lambda d, m, made: (compressed_tensors(
         m, d, "float-quantized", num_bits=8, type="float", strategy="block", block_structure=[128, 128]), None)),
     "hf-fp8-block": ("llama", lambda d, m, made: (hf_fp8(m, d), None)),

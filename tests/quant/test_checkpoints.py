@@ -63,7 +63,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 FAST = {"ct-int4-group-asym": {"int4", "native uint4"}, "ct-int4-group-sym": {"int4", "native uint4"},
         "ct-int8-channel-pack": {"int8", "native uint8"}, "ct-w8a16-int": {"int8", "native int8"}}
 if native.available():
-    FAST.update({"ct-fp8-block": {"native fp8"}, "ct-fp8-channel": {"native fp8"}, "hf-fp8-block": {"native fp8"}})
+    FAST.update({"ct-fp8-block": {"native fp8"}, "ct-fp8-channel": {"native fp8"}, "ct-fp8-naive": {"native fp8"},
+                 "hf-fp8-block": {"native fp8"}})
 
 
 def _check(directory: str, ref, want: torch.Tensor, world: int, fast: set | None = None) -> list[str]:
