@@ -361,3 +361,19 @@ def test_every_fast_product_a_layer_may_keep_equals_its_dequantized_product(made
     results = [r for world in (2, 3) for r in run_threads(body, world)]
     assert not [b for bad, _ in results for b in bad], [b for bad, _ in results for b in bad][:6]
     assert set().union(*(seen for _, seen in results)) == FAST[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["ct-int8-channel-pack", "ct-fp8-channel"])
+def test_row_parallel_layers_with_per_channel_scales_compute_with_a_fast_product(made, fmt):
+    """A row split's slice of a per-channel scale is the whole scale (one entry covers all its features): no map,
+    so `o_proj` and `down_proj` reach a fast product as the column layers do (they used to dequantize per call)."""
+    if fmt not in FAST:
+        pytest.skip("no fast product for this format here")
+    directory = made(fmt)[0]
+
+    def body(comm):
+        model = tpkit.from_pretrained(directory, comm=comm, progress=False)
+        return {n: quant_method_of(m).kernel for n, m in model.named_modules() if quant_method_of(m) is not None}
+
+    for kernels in run_threads(body, 2):
+        assert all(k is not None for k in kernels.values()), kernels
