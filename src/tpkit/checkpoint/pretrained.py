@@ -28,16 +28,17 @@ from torch import nn
 
 from ..convert.parallelize import parallelize
 from ..convert.plan import Plan
-from ..convert.quantized import plan_quantized
+from ..convert.quantized import plan_quantized, record_layouts
 from ..quant import read_quantization
 from ..quant.schemes import FP8_DTYPES
 from ..convert.transformers_threads import transformers_name
 from ..nn._layer import resolve_comm
-from ..nn.quantized import finish_loading, quant_method_of
+from ..nn.quantized import finish_loading
 from . import dequantized
 from .agree import agree
 from .allocate import materialize, meta_parameters, place_buffers
 from .errors import CheckpointError
+from .conversions import quantized_expert_entries
 from .fill import map_weights, read_targets
 from .hf_config import load_generation_config
 from .keys import key_finder
@@ -197,16 +198,19 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
         model.generation_config = generation
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
     notes: list[str] = []
-    find = key_finder(model, source, notes)
-    quantized = None
+    quantized, error = None, None
     if quant is not None:  # which layers the checkpoint stores quantized: built so by the conversion
-        error = None
         try:
+            experts, taken = quantized_expert_entries(model, source, quant)  # stacked per-expert tensors
+            find = key_finder(model, source, notes)
             quantized = plan_quantized(model, quant, target_dtype, find, lambda k: _entry_dtype(source, k),
-                                       stored_keys(source, quant), packed=not dequantize)
+                                       stored_keys(source, quant), packed=not dequantize, experts=experts,
+                                       taken=taken)
         except Exception as exc:
             error = exc
         agree(comm, error)
+    else:
+        find = key_finder(model, source, notes)
     parallelize(model, plan, comm, mode=mode, recorded=recorded, reuse=reuse, quantization=quantized)
     materialize(model, device)
     place_buffers(model, device)
@@ -238,6 +242,6 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
 def _not_in_files(model: nn.Module, held: dict[str, nn.Module]):
     """Which model keys a checkpoint need not hold: buffers computed by the model (not a quantized layer's stored
     tensors), and the dense weights of layers loaded dequantized (computed from their stored tensors)."""
-    stored = {f"{n}.{s}" for n, m in model.named_modules() if (q := quant_method_of(m)) is not None for s in q.specs}
-    computed = {n for n, _ in model.named_buffers() if n not in stored} | {f"{n}.weight" for n in held}
+    stored = set(record_layouts(model))
+    computed = {n for n, _ in model.named_buffers() if n not in stored} | {k for k, _ in dequantized.dense_keys(held)}
     return computed.__contains__

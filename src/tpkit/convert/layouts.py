@@ -15,6 +15,7 @@ from torch import nn
 from ..layout import ShardLayout
 from ..nn.grad_sums import grad_sums, unsummed
 from ..nn.quantized import quant_method_of
+from ..nn.rewrites import rewrites_of
 from ..nn.record import find_record
 from .errors import PlanError
 from .modules import kind
@@ -65,11 +66,13 @@ def key_layouts(model: nn.Module, modules: Mapping[str, nn.Module], layouts: Map
 
 
 def _held(module: nn.Module, name: str):
-    """The tensor `module` holds under `name` (None where a quantized layer computes its `weight`)."""
+    """The tensor `module` holds under `name` (None where a quantized layer computes it from stored tensors)."""
     t = module._parameters.get(name)
     if t is None:
         t = module._buffers.get(name)
-    return t if t is not None or quant_method_of(module) is not None else getattr(module, name, None)
+    if t is not None or quant_method_of(module) is not None or name in rewrites_of(module):
+        return t  # (a rewritten name is computed when read: nothing held under it)
+    return getattr(module, name, None)
 
 
 def shard_layouts(model: nn.Module) -> dict[str, ShardLayout]:

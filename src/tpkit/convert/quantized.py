@@ -27,6 +27,7 @@ from torch import nn
 from ..layout import ShardLayout
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 from ..nn.quantized import QuantMethod, QuantizedLinear, quant_method_of
+from ..nn.quantized_experts import ExpertsQuantMethod, copy_with, experts_methods_of
 from ..quant import (Quantization, QuantizationError, WeightQuant, config_quantization, stored_layout,
                      stored_tensors)
 from .plan import Plan
@@ -36,17 +37,27 @@ from .roles import ATTENTION
 @dataclasses.dataclass(frozen=True)
 class QuantizedLayers:
     """What a conversion needs to build a checkpoint's quantized layers: its `quantization`, the compute `dtype`,
-    and per layer the checkpoint stores quantized (module name) the file dtypes of its floating stored tensors
-    (scales). `packed=False` (`from_pretrained(dequantize=True)`): the layers are built dense, split as the packed
-    ones would be."""
+    per linear layer the checkpoint stores quantized (module name) the file dtypes of its floating stored tensors
+    (scales), and per fused experts module the parameters it stores quantized with their scheme and file dtypes.
+    `packed=False` (`from_pretrained(dequantize=True)`): the layers are built dense, split as the packed ones would
+    be."""
 
     quantization: Quantization
     dtype: torch.dtype
     layers: Mapping[str, Mapping[str, torch.dtype]]
     packed: bool = True
+    experts: Mapping[str, Mapping[str, tuple[WeightQuant, Mapping[str, torch.dtype]]]] = dataclasses.field(
+        default_factory=dict)
 
-    def method(self, name: str, module: nn.Module) -> QuantMethod:
-        """A new quantization method for layer `name`."""
+    def names(self) -> list[str]:
+        """Every module built quantized: linear layers and fused experts."""
+        return list(self.layers) + list(self.experts)
+
+    def method(self, name: str, module: nn.Module):
+        """A new quantization method for module `name`: a `QuantMethod` for a linear layer, `{parameter:
+        ExpertsQuantMethod}` for fused experts."""
+        if name in self.experts:
+            return {p: ExpertsQuantMethod(q, self.dtype, d) for p, (q, d) in self.experts[name].items()}
         return QuantMethod(scheme_of(self.quantization, name, module), self.dtype, self.layers[name])
 
 
@@ -91,11 +102,14 @@ def _in_features(m: nn.Module) -> int:
 
 def plan_quantized(model: nn.Module, quant: Quantization, dtype: torch.dtype, find: Callable[[str], str | None],
                    file_dtype: Callable[[str], torch.dtype | None], stored_keys: list[str],
-                   packed: bool = True) -> QuantizedLayers:
+                   packed: bool = True, experts: Mapping[str, Mapping[str, WeightQuant]] | None = None,
+                   taken: set[str] = frozenset()) -> QuantizedLayers:
     """The layers of `model` (built, not converted) that the checkpoint stores quantized: each linear layer the
-    config's schemes match whose scale the checkpoint holds. `find`: model key -> checkpoint key (None when
-    absent); `file_dtype`: a checkpoint key's dtype; `stored_keys`: the checkpoint's keys that are quantized
-    tensors, every one of which must land in such a layer. Raises `QuantizationError` naming the layer or keys."""
+    config's schemes match whose scale the checkpoint holds, and the fused experts `experts` says (module ->
+    {parameter: scheme}: read as stacked entries, which take the stored keys `taken`). `find`: model key ->
+    checkpoint key (None when absent); `file_dtype`: a checkpoint key's dtype; `stored_keys`: the checkpoint's keys
+    that are quantized tensors, every one of which must land in such a layer. Raises `QuantizationError` naming the
+    layer or keys."""
     layers = {}
     for name, m in model.named_modules():
         scheme = scheme_of(quant, name, m)
@@ -113,13 +127,16 @@ def plan_quantized(model: nn.Module, quant: Quantization, dtype: torch.dtype, fi
     modules = dict(model.named_modules())
     claimed = {find(f"{n}.{s.name}") for n in layers
                for s in stored_tensors(scheme_of(quant, n, modules[n]), *modules[n].weight.shape)}
-    stray = [k for k in stored_keys if k not in claimed]
+    stray = [k for k in stored_keys if k not in claimed and k not in taken]
     if stray:
         raise QuantizationError(f"the checkpoint stores {len(stray)} quantized tensor(s) for layers tpkit does not "
                                 f"read as quantized linear layers: {stray[:4]}{' ...' if len(stray) > 4 else ''} "
                                 f"({quant.describe()}; tpkit reads quantized nn.Linear layers, not "
                                 f"{_kinds(model, stray)}); load with transformers instead")
-    return QuantizedLayers(quant, dtype, layers, packed)
+    stacked = {m: {p: (q, {s.name: d for s in stored_tensors(q, 8, 8) if s.dtype is None and
+                           (d := file_dtype(find(f"{m}.{p}.{s.name}") or "")) is not None}) for p, q in params.items()}
+               for m, params in (experts or {}).items()}
+    return QuantizedLayers(quant, dtype, layers, packed, stacked)
 
 
 def build_layer(name: str, m: nn.Module, style, layouts, comm, options: Mapping, quantized: QuantizedLayers,
@@ -131,9 +148,12 @@ def build_layer(name: str, m: nn.Module, style, layouts, comm, options: Mapping,
     if style is not None and style.splits and world > 1:
         if not style.builds_quantized:
             raise QuantizationError(f"{name}: style {style.name!r} cannot build a layer the checkpoint stores "
-                                    f"quantized ({method.describe()}); plan it 'colwise', 'rowwise' or 'replicate', "
-                                    f"or load with dequantize=True")
+                                    f"quantized ({quantized.quantization.describe()}); plan it 'colwise', 'rowwise' "
+                                    f"or 'replicate', or load with dequantize=True")
         return style.build(m, layouts, comm, **options, quant_method=method)
+    if isinstance(method, dict):  # fused experts every rank holds whole
+        return copy_with(m, {p: ShardLayout.replicated(tuple(getattr(m, p).shape), world, rank) for p in method},
+                         method, name)
     return QuantizedLinear.from_module(m, method, ShardLayout.replicated(tuple(m.weight.shape), world, rank), name)
 
 
@@ -143,11 +163,14 @@ def record_layouts(model: nn.Module) -> dict[str, ShardLayout]:
     a LoRA adapter's factors, reads it there as for a dense layer)."""
     out = {}
     for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
         method = quant_method_of(m)
         if method is not None:
-            prefix = f"{name}." if name else ""
             out[f"{prefix}weight"] = method.dense
             out.update({f"{prefix}{n}": lay for n, lay in method.layouts.items()})
+        for param, stacked in experts_methods_of(m).items():
+            out[f"{prefix}{param}"] = stacked.dense
+            out.update({f"{prefix}{param}.{n}": lay for n, lay in stacked.layouts.items()})
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from ..nn.quantized import quant_method_of
+from ..nn.rewrites import rewrites_of
 from .family import Checked, Planned
 from .modules import is_embedding
 from .quantized import QuantizedLayers, build_layer
@@ -28,7 +29,7 @@ def build(modules: Mapping[str, nn.Module], styles: Mapping[str, str], layouts: 
     built holding its stored tensors, split or whole (`quantized.build_layer`), at any world size. Nothing is
     changed."""
     world, rank = comm.world_size, comm.rank
-    packed = quantized.layers if quantized is not None and quantized.packed else {}
+    packed = quantized.names() if quantized is not None and quantized.packed else ()
     built = {}
     for name, s in styles.items():
         if world > 1 and name in layouts and name not in packed:
@@ -88,7 +89,8 @@ def _repoint_shared_parameters(model: nn.Module, before: Mapping[str, nn.Module]
     replaced = {}
     for name, new in built.items():
         for pname, old in before[name].named_parameters(recurse=False):
-            shard = new._parameters.get(pname) if quant_method_of(new) is not None else getattr(new, pname, None)
+            shard = new._parameters.get(pname) if pname in rewrites_of(new) or quant_method_of(new) is not None \
+                else getattr(new, pname, None)
             if isinstance(shard, nn.Parameter):
                 replaced[id(old)] = shard
     if not replaced:
