@@ -1,7 +1,8 @@
 """Tensor parallel x data parallel (`tpkit.data_parallel`) on 4 gloo ranks, tp2 x dp2, against one device.
 
 One launch does everything (the box has 2 cores and 4 processes take a while to start): the mesh's groups,
-3 AdamW steps with global clipping under FSDP2 and under DDP with the global batch split over dp, the dropout
+3 AdamW steps with global clipping under FSDP2 (with and without sequence parallelism) and under DDP with the global
+batch split over dp, the dropout
 streams, and a 2-D checkpoint reloaded at tp2 x dp2, at tp4 and at tp2 without dp, each followed by one more
 step. The single-device reference runs here, on a deep copy of the same model, with the whole global batch.
 """
@@ -90,8 +91,8 @@ def _replicated_grad_gap(model, tp) -> float:
     return worst
 
 
-def _train(model0, mode, tp, dp):
-    model = tpkit.parallelize(copy.deepcopy(model0), comm=tp, mode="training")
+def _train(model0, mode, tp, dp, sp=False):
+    model = tpkit.parallelize(copy.deepcopy(model0), comm=tp, mode="training", sequence_parallel=sp)
     wrapped = tpkit.data_parallel(model, dp, mode=mode)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
     losses, norms, gap = [], [], None
@@ -142,6 +143,8 @@ def body_2d(model0, directory):
                       dist.get_process_group_ranks(mesh.get_group("dp")), dist.get_process_group_ranks(dp.process_group))}
     out["rng"] = _rng(tp, dp)
     _, _, out["ddp"] = _train(model0, "ddp", tp, dp)
+    _, _, out["fsdp_sp"] = _train(model0, "fsdp", tp, dp, sp=True)  # the norms' sums run inside the backward,
+    #                                                                  before FSDP2 reduce-scatters over dp
     wrapped, opt, out["fsdp"] = _train(model0, "fsdp", tp, dp)
     tpkit.save_sharded(wrapped, directory, optimizer=opt, step=STEPS, comm=world)
     out["resume_2d"] = _resume(model0, directory, tp, dp, world, mode="fsdp")
@@ -161,7 +164,7 @@ def test_tp2_dp2_equals_one_device_and_checkpoints_reshard(tmp_path):
         tp_ranks, split_tp, dp_ranks, split_dp = r["groups"]
         assert tp_ranks == split_tp == [rank - rank % 2, rank - rank % 2 + 1]
         assert dp_ranks == split_dp == [rank % 2, rank % 2 + 2]
-        for mode in ("fsdp", "ddp"):
+        for mode in ("fsdp", "ddp", "fsdp_sp"):
             got = r[mode]
             assert got["gap"] == 0.0, (mode, got["gap"])  # TP-replicated gradients equal on both TP ranks
             for a, b in zip(got["loss"], ref["loss"]):

@@ -56,9 +56,27 @@ class DataParallel:
     record's own."""
 
     mode: str
-    module: nn.Module
+    _module: Any = dataclasses.field(repr=False)  # weakrefs: the model holds its record, which holds this
     dp_comm: Communicator
-    record: ModelRecord = dataclasses.field(repr=False)
+    _record: Any = dataclasses.field(repr=False)
+
+    @classmethod
+    def of(cls, mode: str, module: nn.Module, dp_comm: Communicator, record: ModelRecord) -> "DataParallel":
+        return cls(mode, weakref.ref(module), dp_comm, weakref.ref(record))
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module()
+
+    @property
+    def record(self) -> ModelRecord:
+        return self._record()
+
+    def __getstate__(self) -> dict:  # copies and pickles refer to the copied model and record
+        return {**self.__dict__, "_module": self.module, "_record": self.record}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _module=weakref.ref(state["_module"]), _record=weakref.ref(state["_record"]))
 
     @property
     def tp_comm(self) -> Communicator | None:
@@ -129,9 +147,6 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        if conversion is not None and conversion.sequence_parallel:
-            raise ValueError("data_parallel: mode='fsdp' with sequence parallelism is not supported; use mode='ddp', "
-                             "or convert without sequence_parallel")
         mesh = DeviceMesh.from_group(dp_comm.process_group, _device_type(dp_comm))
         for block in list(blocks) if blocks is not None else repeated_blocks(model):
             fully_shard(block, mesh=mesh, **torch_kwargs)
@@ -140,7 +155,7 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, process_group=dp_comm.process_group, **torch_kwargs)
-    record.data_parallel = DataParallel(mode, model, dp_comm, record)
+    record.data_parallel = DataParallel.of(mode, model, dp_comm, record)
     return wrapped
 
 

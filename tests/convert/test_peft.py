@@ -108,3 +108,64 @@ def test_peft_is_wrapped_once_and_only_where_it_says():
                .set_peft_model_state_dict]
     assert all(hasattr(f, "tpkit_original") and not hasattr(f.tpkit_original, "tpkit_original") for f in wrapped)
     assert set_peft_model_state_dict is wrapped[2] or hasattr(wrapped[2], "tpkit_original")
+
+
+def _embedding_llama(hidden: int = 64):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+_RNG = __import__("threading").Lock()  # thread-ranks share torch's RNG: PEFT's draws serialised and seeded
+
+
+def _with_adapter(model, targets=("embed_tokens", "lm_head", "q_proj")):
+    with _RNG:
+        torch.manual_seed(3)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=list(targets), init_lora_weights=False))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_adapter_on_the_embeddings_saves_the_file_stock_peft_writes(world, tmp_path):
+    """LoRA on embed_tokens and lm_head: PEFT also saves their base weights (`save_embedding_layers="auto"`); the
+    file every rank writes together holds exactly the tensors one process of PEFT writes, and loads back."""
+    from safetensors.torch import load_file
+
+    base = _embedding_llama()
+    stock = _with_adapter(copy.deepcopy(base))
+    stock.save_pretrained(str(tmp_path / "stock"))
+    want = load_file(str(tmp_path / "stock" / "adapter_model.safetensors"))
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    logits = stock(input_ids=ids).logits
+
+    def body(comm):
+        model = _with_adapter(tpkit.parallelize(copy.deepcopy(base), comm=comm))
+        model.save_pretrained(str(tmp_path / "tp"))
+        again = peft.PeftModel.from_pretrained(tpkit.parallelize(copy.deepcopy(base), comm=comm), str(tmp_path / "tp"))
+        return float((again(input_ids=ids).logits - logits).abs().max())
+
+    errors = tpkit.run_threads(body, world)
+    got = load_file(str(tmp_path / "tp" / "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want) and "base_model.model.lm_head.base_layer.weight" in got
+    assert all(torch.equal(got[k], want[k]) for k in want)  # gathered, not computed: bit for bit
+    assert max(errors) < 1e-12
+
+
+def test_an_adapter_made_for_another_model_is_refused_with_full_shapes(tmp_path):
+    """A rank's slice of this model's tensor may have the shape of another model's whole one (q_proj's B at 2 ranks
+    of a 128-wide model is [64, 4], a 64-wide model's full B): refused before anything loads, with full shapes."""
+    small = _with_adapter(_embedding_llama(64), targets=("q_proj",))
+    small.save_pretrained(str(tmp_path / "small"))
+    big = _embedding_llama(128)
+
+    def body(comm):
+        model = tpkit.parallelize(copy.deepcopy(big), comm=comm)
+        with pytest.raises(ValueError, match=r"q_proj.lora_B.default.weight: the file holds \[64, 4\], this model "
+                                             r"\[128, 4\]"):
+            peft.PeftModel.from_pretrained(model, str(tmp_path / "small"))
+        return True
+
+    assert all(tpkit.run_threads(body, 2))

@@ -10,8 +10,9 @@ import pytest
 @pytest.fixture(scope="session")
 def quick_calibration(tmp_path_factory) -> tuple[str, str]:
     """`tpkit estimate --calibrate --quick --backend gloo` with $TPKIT_PROFILE set, run once for the session (it
-    measures this machine: ~25 s) and shared by the tests that check what a quick calibration prints and writes:
-    (the profile path, $TPKIT_PROFILE's, it wrote; its stdout). Tests copy the profile before using it."""
+    measures this machine: 60-110 s here), shared by the tests that check what a quick calibration prints and writes
+    and by the user sequence, whose first estimate would make the same measurement: (the profile path,
+    $TPKIT_PROFILE's, it wrote; its stdout). Tests copy the profile before using it."""
     from tpkit.cli import main
 
     path = str(tmp_path_factory.mktemp("calibrated") / "profile.json")

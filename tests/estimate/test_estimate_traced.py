@@ -217,3 +217,24 @@ def test_fsdp_of_a_plain_module_and_bad_dp_arguments():
         estimate_memory(mlp, 2, input_shape=(4, 16), dp_size=2, dp_mode="zero3")
     with pytest.raises(ValueError, match="dp_size must be a positive int"):
         estimate_memory(mlp, 2, input_shape=(4, 16), dp_size=0, dp_mode="ddp")
+
+
+def test_a_training_trace_records_each_collective_of_its_step_once():
+    """A Llama layer at TP 2 adds 2 all-reduces to a training forward (attention and MLP outputs) and 5 to the
+    backward (the q, k, v, gate and up layers' input gradients): the steady second step the trace runs for the
+    peak memory calls them again, and must not be counted."""
+    import collections
+
+    import transformers as tr
+
+    from tpkit.estimate.fake_step import trace_step
+
+    def counts(layers):
+        config = tr.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                num_attention_heads=4, num_key_value_heads=4)
+        with torch.device("meta"):
+            model = tr.LlamaForCausalLM(config)
+        return collections.Counter(c.phase for c in trace_step(model, "train", 2, 0, 2, 16).collectives)
+
+    one, two = counts(1), counts(2)
+    assert two["forward"] - one["forward"] == 2 and two["backward"] - one["backward"] == 5, (one, two)

@@ -217,7 +217,7 @@ def test_analyze_suggests_the_world_size_the_search_finds_fastest():
     assert "setup search" in report.suggestion and report.suggested_world_size in (1, 2)
     ms = {w: float(x) for w, x in __import__("re").findall(r"(?:other sizes )?(\d): ([\d.]+)", report.suggestion)}
     assert f"suggested world size: {report.suggested_world_size}" in report.suggestion
-    plain = tpkit.convert.advice.analyze(model, max_world_size=2)  # the memory rule, without the search
+    plain = tpkit.convert.analyze(model, max_world_size=2)  # the memory rule, without the search
     assert "setup search" not in plain.suggestion and ms is not None
 
 
@@ -241,3 +241,26 @@ def test_the_best_reads_as_a_setup_and_applies():
     assert max(tpkit.run_threads(body, 2)) < 1e-4
     with pytest.raises(ValueError, match="needs 2 ranks, the communicator has 1"):
         tpkit.apply_setup(copy.deepcopy(model), tp2.setup, tpkit.get_communicator())
+
+
+def test_setups_within_the_estimates_error_are_called_a_tie():
+    """Two setups predicted within `NOISE` of each other: the explanation says they tie and how to choose (measure
+    them), rather than presenting the first as the winner; measured times decide the same way."""
+    import dataclasses
+
+    from tpkit.estimate.search import NOISE, SearchResult
+
+    found = tpkit.search(tiny_model(), 2, "train", batch_size=2, seq_len=8, profile=PROFILE)
+    best, *rest = found.fitting
+    scaled = [dataclasses.replace(c, prediction=dataclasses.replace(c.prediction, seconds=best.prediction.seconds * f))
+              for c, f in zip(rest[:2], (1 + NOISE / 2, 1 + 4 * NOISE))]
+    result = dataclasses.replace(found, candidates=(best, *scaled))
+    assert result.tied == [scaled[0]]
+    assert "a tie: 1 other setup(s) predicted within 5% of the best" in result.explain() and "--measure 2" in \
+        result.explain()
+    measured = dataclasses.replace(result, candidates=(dataclasses.replace(best, measured_s=1.0),
+                                                       dataclasses.replace(scaled[0], measured_s=1.2),
+                                                       dataclasses.replace(scaled[1], measured_s=1.01)))
+    assert measured.tied == [measured.candidates[2]] and "measured within 5%" in measured.explain()
+    apart = dataclasses.replace(result, candidates=(best, scaled[1]))
+    assert not apart.tied and "a tie" not in apart.explain()

@@ -57,3 +57,19 @@ def assert_small(results: list[dict], tol: float) -> None:
     for rank, errors in enumerate(results):
         for name, err in errors.items():
             assert err < tol, f"rank {rank}: {name}: relative error {err:.3g} >= {tol:g}"
+
+
+def copied(model: nn.Module, how: str) -> nn.Module:
+    """`model` after one of the paths users take that copy a module whole: `copy.deepcopy`, or `torch.save` then
+    `torch.load` of the module (a pickle of it, through a buffer)."""
+    import copy
+    import io
+
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how in ("torch.save", "pickle"):
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+    raise ValueError(how)

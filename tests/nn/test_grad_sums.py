@@ -8,7 +8,6 @@ per-head-norm gradients off by 35-100%); each case here fails with one.
 from __future__ import annotations
 
 import copy
-import io
 import pickle
 
 import pytest
@@ -21,7 +20,7 @@ from tpkit.convert.layouts import check_grad_sums
 from tpkit.nn import GradSum, grad_sums, sum_grads, unsummed
 from tpkit.nn.rewrites import remove_rewrite
 
-from tests.nn.helpers import randn
+from tests.nn.helpers import copied, randn
 
 
 def _norm(device=None) -> nn.LayerNorm:
@@ -55,13 +54,8 @@ def _replace(m: nn.Module, how: str) -> nn.Module:
             torch.utils.swap_tensors(p, nn.Parameter(state[name].clone()))
     elif how == "assign":
         m.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
-    elif how == "deepcopy":
-        m = copy.deepcopy(m)
-    elif how == "pickle":
-        buf = io.BytesIO()
-        torch.save(m, buf)
-        buf.seek(0)
-        m = torch.load(buf, weights_only=False)
+    elif how in ("deepcopy", "pickle"):
+        m = copied(m, how)
     return m
 
 

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 import tpkit
 
+from .helpers import copied
+
 transformers = pytest.importorskip("transformers")
 
 TOL, VOCAB, SEQ, MAX_NORM = 1e-6, 96, 6, 0.05
@@ -51,13 +53,8 @@ def through(model: torch.nn.Module, path: str) -> torch.nn.Module:
     """The converted `model` after a path users take."""
     if path == "assign=True":
         model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
-    elif path == "deepcopy":
-        model = copy.deepcopy(model)
-    elif path == "torch.save":
-        buffer = io.BytesIO()
-        torch.save(model, buffer)
-        buffer.seek(0)
-        model = torch.load(buffer, weights_only=False)
+    elif path != "as converted":
+        model = copied(model, path)
     return model
 
 
@@ -162,3 +159,24 @@ def test_unpickling_without_the_group_says_what_to_create(base):
     saved = tpkit.run_threads(body, 4)[2]  # rank 2: rank 0 of the group world[2, 3]
     with pytest.raises(RuntimeError, match=r"pickled on rank 0 of group world\[2, 3\]"):
         torch.load(io.BytesIO(saved), weights_only=False)
+
+
+def test_a_converted_model_is_freed_when_dropped(base):
+    """The record refers to its model weakly: `del model` frees it at once (no cycle for the collector to find),
+    under data parallelism's facts too; copies and pickles still refer to their own model."""
+    import gc
+    import weakref
+
+    def body(comm):
+        gc.disable()
+        try:
+            model = tpkit.parallelize(copy.deepcopy(base), comm=comm, mode="training")
+            twin = copy.deepcopy(model)
+            assert tpkit.nn.record_of(twin).owner is twin and tpkit.nn.record_of(model).owner is model
+            gone = weakref.ref(model)
+            del model
+            return gone() is None
+        finally:
+            gc.enable()
+
+    assert all(tpkit.run_threads(body, 2))

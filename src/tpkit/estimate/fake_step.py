@@ -152,7 +152,7 @@ def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, 
             with torch.no_grad(), recorder, live:
                 work(*args, **kwargs)
         else:
-            saved = _train(work, batch, seq, example, recorder, live, backward)
+            saved = _train(work, batch, seq, example, recorder, live, backward, comm)
     tokens = batch if goal == "decode" else batch * seq
     tensors = sum(1 for p in unique if p.requires_grad)
     return StepTrace(goal, world_size, rank, tuple(recorder.ops), tuple(comm.calls), params, saved, cache, tokens,
@@ -175,13 +175,14 @@ def _decode(work: nn.Module, batch: int, seq: int, recorder: OpRecorder, comm: R
 
 
 def _train(work: nn.Module, batch: int, seq: int, example, recorder: OpRecorder, live: LiveBytes,
-           backward: bool = True) -> int:
+           backward: bool = True, comm: RecordingCommunicator | None = None) -> int:
     """Forward with the loss (saved bytes counted), backward, one AdamW step; returns the saved bytes (`backward`
     False: the forward alone, unrecorded). Then a second step, the steady one (its optimizer states exist from the start), runs
     under `live` alone, its optimizer ops recorded (the first step's include making the states, which a later step
     does not): its peak is the memory the step needs (the first one's is not: a real first step held 4.4 MB less
     than every later one on a 2.2 MB model). Two passes, because counting saved bytes keeps every saved tensor alive
-    to the forward's end, which would move the peak."""
+    to the forward's end, which would move the peak. The collectives are the recorded step's: the steady step's
+    are the same calls again, dropped from `comm`'s record."""
     args, kwargs = fake_inputs(work, batch, seq, example, labels=True)
     if not backward:  # the memory estimate's forward: its saved bytes alone, no op recorded
         return saved_bytes(work, args, kwargs)
@@ -190,6 +191,7 @@ def _train(work: nn.Module, batch: int, seq: int, example, recorder: OpRecorder,
         saved = saved_bytes(work, args, kwargs, outputs)
         loss_of(outputs[0]).backward()
     outputs.clear()
+    recorded = len(comm.calls) if comm is not None else 0
     optimizer = torch.optim.AdamW([p for p in work.parameters() if p.requires_grad], lr=1e-3)
     optimizer.step()  # makes the states (zeros_like per tensor): a first step's work, not a step's
     optimizer.zero_grad(set_to_none=True)
@@ -201,4 +203,6 @@ def _train(work: nn.Module, batch: int, seq: int, example, recorder: OpRecorder,
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     recorder.ops.extend(step.ops)
+    if comm is not None:
+        del comm.calls[recorded:]
     return saved

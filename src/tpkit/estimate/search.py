@@ -27,6 +27,9 @@ from .predict import Prediction, Setup, predict, trace_setup
 from .profile import SpeedProfile, load_profile
 
 GOALS = ("decode", "prefill", "train")
+#: Two predictions closer than this (relative) are a tie: the estimate's own error on shapes it was never fitted on is
+#: a few percent (median 3-8% on this project's CPU box, BENCHMARKS.md), so it cannot rank them.
+NOISE = 0.05
 Runner = Callable[[Any, Setup, str, int, int], float]  # (model, setup, goal, batch, seq) -> measured seconds
 
 
@@ -82,6 +85,16 @@ class SearchResult:
         return [c for c in self.candidates if c.fits]
 
     @property
+    def tied(self) -> list[Candidate]:
+        """The fitting setups other than the best whose time is within `NOISE` of its (measured when the best was
+        measured, else predicted): the estimate cannot tell them apart."""
+        b = self.best
+        if b.measured_s is not None:
+            return [c for c in self.fitting[1:]
+                    if c.measured_s is not None and c.measured_s <= b.measured_s * (1 + NOISE)]
+        return [c for c in self.fitting[1:] if c.prediction.seconds <= b.prediction.seconds * (1 + NOISE)]
+
+    @property
     def table(self) -> str:
         return self.summary()
 
@@ -118,6 +131,13 @@ class SearchResult:
             r = self.fitting[1]
             lines.append(f"runner-up: {r.setup.label()}: {r.prediction.seconds * 1e3:.2f} ms "
                          f"({r.prediction.seconds / max(p.seconds, 1e-12):.2f}x)")
+        if self.tied:
+            what = "measured" if b.measured_s is not None else "predicted"
+            lines.append(f"a tie: {len(self.tied)} other setup(s) {what} within {NOISE:.0%} of the best ("
+                         + "; ".join(c.setup.label() for c in self.tied[:3]) + (" ..." if len(self.tied) > 3 else "")
+                         + "), within the estimate's own error: either will do"
+                         + ("" if b.measured_s is not None else f"; `search --measure {len(self.tied) + 1}` runs them"
+                                                                 f" to choose"))
         dropped = [c for c in self.candidates if not c.fits]
         if dropped:
             lines.append(f"{len(dropped)} setups do not fit {format_bytes(self.memory_per_device)} per device; the "
@@ -159,6 +179,7 @@ class SearchResult:
     def to_dict(self) -> dict[str, Any]:
         return {"goal": self.goal, "devices": self.devices, "batch_size": self.batch_size, "seq_len": self.seq_len,
                 "memory_per_device": self.memory_per_device, "notes": list(self.notes),
+                "tied": [c.setup.label() for c in self.tied],
                 "candidates": [{**c.prediction.to_dict(), "fits": c.fits, "measured_s": c.measured_s}
                                for c in self.candidates]}
 

@@ -18,7 +18,8 @@ registered on the module that owns it, by name (`rewrites.py`): the mechanism mu
 Bare parameters (`clip_grad_norm_(model.parameters())`) find their record by identity: every live record is
 registered (weakly), and a parameter belongs to the record whose owner holds it now, under the key it holds it by.
 `copy.deepcopy` and pickling carry the record with the model (its `owner` follows the copy) and the copy registers
-itself. A tpkit layer used outside any record (a model built from `tpkit.nn` layers by hand) declares which of its
+itself. The record refers to its model weakly: a model that holds its record strongly and is held by it would be
+freed only by the cycle collector, and `del model` must give its memory back at once. A tpkit layer used outside any record (a model built from `tpkit.nn` layers by hand) declares which of its
 parameters are split and along which dim (`split_dims()`); everything else is whole on every rank.
 """
 from __future__ import annotations
@@ -48,7 +49,16 @@ class ModelRecord:
     comm: Communicator | None
     layouts: Mapping[str, ShardLayout]
     data_parallel: Any = dataclasses.field(default=None, kw_only=True)
-    owner: nn.Module | None = dataclasses.field(default=None, repr=False, kw_only=True)
+    _owner: Any = dataclasses.field(default=None, repr=False, kw_only=True)  # a weakref to the module
+
+    @property
+    def owner(self) -> nn.Module | None:
+        """The module the record is attached to (None once it is gone)."""
+        return self._owner() if self._owner is not None else None
+
+    @owner.setter
+    def owner(self, module: nn.Module | None) -> None:
+        self._owner = weakref.ref(module) if module is not None else None
 
     @property
     def world_size(self) -> int:
@@ -79,8 +89,15 @@ class ModelRecord:
                 out.setdefault(id(p), key)
         return out
 
+    def __getstate__(self) -> dict:  # the owner itself: a copy of the model refers to the copy (memo), a pickle to
+        state = dict(self.__dict__)   # the unpickled model
+        state["_owner"] = self.owner
+        return state
+
     def __setstate__(self, state: dict) -> None:  # a deep copy or an unpickled model's record: findable again
+        owner = state.pop("_owner", None)
         self.__dict__.update(state)
+        self.owner = owner
         _register(self)
 
 

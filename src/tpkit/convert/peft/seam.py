@@ -6,11 +6,13 @@ A tensor-parallel model needs three things of PEFT, each through the narrowest p
    dispatches a tpkit layer with (`LoraModel._create_new_module`, wrapped), so stock configs and the configs
    `PeftModel.from_pretrained` reads from a file work;
 2. `PeftModel.save_pretrained`, called on every rank, writes the files one process writes (`adapter_state_dict`:
-   PEFT's own selection of tensors, each gathered to full size by its layout; rank 0 writes through PEFT into a
+   PEFT's own selection of tensors, each gathered to full size by its layout, plus the base weights of targeted
+   embeddings and heads PEFT saves but does not recognise on tpkit's layers; rank 0 writes through PEFT into a
    temporary directory whose files are then renamed into place, so a reader never sees half a file);
 3. `set_peft_model_state_dict` (what `PeftModel.from_pretrained` / `load_adapter` load through) gives each rank its
    slices of a stock file's full-size tensors (a `modules_to_save` copy split as its original; the LoRA layers cut
-   their own factors).
+   their own factors), and refuses, before anything loads, a file whose tensors are not this model's full shapes
+   (an adapter made for another model), naming both.
 Each wrap passes every call that involves no tpkit model to PEFT unchanged.
 
 `install()` puts them in; tpkit's entry points call it (`parallelize`, so `from_pretrained`; `lora_config`). PEFT
@@ -26,6 +28,7 @@ import functools
 import importlib.abc
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -159,6 +162,10 @@ def _wrap_files(module) -> None:
             tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(save_directory)}.tmp-")
             try:
                 save(self, tmp, state_dict=full, **kwargs)
+                for adapter in adapters:  # what PEFT's own selection leaves out on tpkit's layers
+                    _add_to_file(tmp if adapter == "default" else os.path.join(tmp, adapter), {
+                        k: full[k] for k in _embedding_bases(self, adapter, kwargs.get("save_embedding_layers",
+                                                                                         "auto"), full)})
                 _move_into(tmp, save_directory)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -170,7 +177,11 @@ def _wrap_files(module) -> None:
         if comm is None or comm.world_size == 1:
             return load(model, *args, **kwargs)
         check_version()
-        handle = model.register_load_state_dict_pre_hook(_full_to_local(shard_layouts(model)))
+        adapter = kwargs.get("adapter_name", args[1] if len(args) > 1 else "default")
+        config = getattr(model, "peft_config", {}).get(adapter)
+        made_for = getattr(config, "base_model_name_or_path", None)
+        handle = model.register_load_state_dict_pre_hook(_full_to_local(shard_layouts(model), made_for,
+                                                                        getattr(model, "name_or_path", None)))
         try:
             return load(model, *args, **kwargs)
         finally:
@@ -228,9 +239,46 @@ def adapter_state_dict(model: nn.Module, adapters: list[str], save_embedding_lay
                 raise ValueError(f"save_pretrained: PEFT saves {saved!r} as a tensor the model's state dict does not "
                                  f"hold; tpkit cannot tell which part of it this rank holds")
             keys[key_of[id(t)]] = None
+        keys.update(dict.fromkeys(_embedding_bases(model, adapter, save_embedding_layers, local)))
     layouts = shard_layouts(model)
     comm = comm or communicator_of(model)
     return {k: gather_full(local[k], layouts[k], comm) for k in local if k in keys}
+
+
+def _embedding_bases(model: nn.Module, adapter: str, save_embedding_layers: Any, local: dict) -> list[str]:
+    """The base weights of LoRA-wrapped embeddings PEFT also saves (`save_embedding_layers`: True, or "auto" with an
+    embedding among the targets), which PEFT's own check skips on tpkit's split embeddings and heads (it asks for
+    `nn.Embedding` / `nn.Linear` bases): the keys under `<wrapper>.base_layer.` of the input and output embeddings."""
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
+    from ...nn.lora import LORA_LAYERS
+
+    config = model.peft_config[adapter]
+    targets = getattr(config, "target_modules", None) or ()
+    targeted = any(re.search(rf"(^|\.){e}$", n) for n, _ in model.named_modules() for e in EMBEDDING_LAYER_NAMES
+                   if (re.fullmatch(targets, n) if isinstance(targets, str) else any(n == t or n.endswith("." + t)
+                                                                                   for t in targets)))
+    if getattr(config, "trainable_token_indices", None) is not None or save_embedding_layers is False or \
+            not targeted or not hasattr(model, "get_input_embeddings"):
+        return []
+    wrappers = {id(m.base_layer): n for n, m in model.named_modules()
+                if isinstance(getattr(m, "base_layer", None), tuple(LORA_LAYERS))}
+    names = [wrappers.get(id(getattr(layer, "base_layer", None))) for layer in
+             (model.get_input_embeddings(), model.get_output_embeddings())]
+    return [k for n in names if n for k in local if k.startswith(f"{n}.base_layer.")]
+
+
+def _add_to_file(directory: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Add `tensors` to the adapter file PEFT wrote in `directory` (a temporary one), keeping its metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = os.path.join(directory, "adapter_model.safetensors")
+    if not tensors or not os.path.exists(path):
+        return
+    with safe_open(path, "pt") as f:
+        held, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file({**held, **{k: v.contiguous() for k, v in tensors.items()}}, path, metadata=metadata)
 
 
 def _move_into(src: str, dst: str) -> None:
@@ -242,12 +290,24 @@ def _move_into(src: str, dst: str) -> None:
             os.replace(os.path.join(root, f), os.path.join(target, f))
 
 
-def _full_to_local(layouts: dict[str, ShardLayout]):
-    """A load pre-hook for a whole model: each full-size tensor of a split key is replaced by this rank's slice."""
+def _full_to_local(layouts: dict[str, ShardLayout], made_for: str | None, model_name: str | None):
+    """A load pre-hook for a whole model, for a stock adapter file (full-size tensors): each tensor of a split key is
+    replaced by this rank's slice. A tensor whose shape is not the full tensor's (an adapter made for another model)
+    is refused before anything is copied, naming the full shapes: a rank's slice may happen to have the shape of
+    another model's tensor, and would load silently wrong."""
     def hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        wrong = []
         for key, t in list(state_dict.items()):
             lay = layouts.get(key[len(prefix):]) if key.startswith(prefix) else None
-            if lay is not None and not lay.is_replicated and isinstance(t, torch.Tensor) and \
-                    tuple(t.shape) == tuple(lay.full_shape) != tuple(lay.local_shape):
+            if lay is None or not isinstance(t, torch.Tensor):
+                continue
+            if tuple(t.shape) != tuple(lay.full_shape):
+                wrong.append(f"{key[len(prefix):]}: the file holds {list(t.shape)}, this model {list(lay.full_shape)}")
+            elif not lay.is_replicated and tuple(lay.full_shape) != tuple(lay.local_shape):
                 state_dict[key] = lay.shard(t)
+        if wrong:
+            raise ValueError(f"the adapter does not fit this model (full shapes, all ranks together): "
+                             f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}. It was made for "
+                             f"{made_for or 'a model it does not name'}; this model is {model_name or 'unnamed'}. "
+                             f"Load an adapter trained on this model")
     return hook
