@@ -117,14 +117,19 @@ def test_processes_greedy_generate_gives_transformers_tokens(made):
     directory, ref, _ = made("ct-int4-group-asym")
     with torch.no_grad():
         want = ref.generate(IDS[:1, :5], max_new_tokens=6, do_sample=False)
-    got = tpkit.launch(_generate, 3, args=(directory, IDS[:1, :5]))
-    assert all(torch.equal(g, want) for g in got), (got, want)
+    got = tpkit.launch(_generate, 3, args=(directory, IDS[:1, :5]))  # and of both copies of it
+    assert all(torch.equal(g, want) for rank in got for g in rank), (got, want)
 
 
-def _generate(directory: str, ids: torch.Tensor) -> torch.Tensor:
+def _generate(directory: str, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The tokens of the loaded model, of its deep copy and of its `torch.save` / `torch.load` copy (each gloo rank
+    rebinds its communicator)."""
+    from tests.nn.helpers import copied
+
     model = tpkit.from_pretrained(directory, progress=False)
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=6, do_sample=False)
+        return [m.generate(ids, max_new_tokens=6, do_sample=False)
+                for m in (model, copied(model, "deepcopy"), copied(model, "torch.save"))]
 
 
 def test_save_at_two_ranks_reload_at_three_and_consolidate_in_the_original_format(made, tmp_path):
@@ -301,18 +306,59 @@ def test_a_quantized_load_attaches_the_record_once_and_checks_it_once(made, monk
     assert calls == {"attach": 1, "check": 1}
 
 
-def test_a_deep_copy_of_a_split_quantized_model_computes_the_same(made):
-    directory, _, want = made("gptq-desc-act")
+@pytest.mark.parametrize("fmt,world", [("ct-int4-group-asym", 2), ("gptq-desc-act", 3)])
+def test_the_quantization_state_survives_deepcopy_and_torch_save(made, fmt, world):
+    """A split quantized model after `copy.deepcopy` and after `torch.save` / `torch.load` of the module: each
+    quantized layer has its own method (not the original's) with the same scheme, layouts, maps and kept product,
+    applied through the rewrite protocol; the stored tensors and layouts are the original's; the logits equal
+    transformers' load, the input's gradient equals the original's, and a `load_state_dict` into the copy picks its
+    product anew (the load hook travels with it). int4 at 2 ranks keeps a fast product (resident tensors);
+    act-order GPTQ at 3 has maps (`g_idx`) and KV rows two ranks hold."""
+    from tests.nn.helpers import copied
+    from tpkit.nn.rewrites import rewrites_of
+
+    directory, _, want = made(fmt)
+    embeds = torch.randn(1, IDS.shape[1], 256, generator=torch.Generator().manual_seed(2), dtype=torch.float32)
+
+    def grad(model):
+        x = embeds.clone().requires_grad_(True)
+        model(inputs_embeds=x).logits.square().sum().backward()
+        return x.grad
 
     def body(comm):
         model = tpkit.from_pretrained(directory, comm=comm, progress=False)
-        twin = copy.deepcopy(model)
-        layer = twin.model.layers[0].self_attn.k_proj  # KV rows two of the three ranks hold
-        assert quant_method_of(layer) is not quant_method_of(model.model.layers[0].self_attn.k_proj)
-        with torch.no_grad():
-            return _rel(twin(IDS).logits, want)
+        methods = {n: quant_method_of(m) for n, m in model.named_modules() if quant_method_of(m) is not None}
+        base_grad, bad = grad(model), []
+        for how in ("deepcopy", "torch.save"):
+            twin = copied(model, how)
+            mods = dict(twin.named_modules())
+            for name, old in methods.items():
+                m = mods[name]
+                new = quant_method_of(m)
+                if new is None or new is old or rewrites_of(m).get("weight") is not new:
+                    bad.append(f"{how} {name}: no method of its own through the rewrite protocol ({new})")
+                    continue
+                same = (new.scheme == old.scheme, new.layouts == old.layouts, new.dense == old.dense,
+                        new.maps == old.maps, new.kernel == old.kernel,
+                        [k for k, _ in new.resident] == [k for k, _ in old.resident])
+                if not all(same):
+                    bad.append(f"{how} {name}: state differs (scheme, layouts, dense, maps, kernel, resident): {same}")
+            if tpkit.shard_layouts(twin) != tpkit.shard_layouts(model):
+                bad.append(f"{how}: shard layouts differ")
+            if not all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(), model.state_dict().values())):
+                bad.append(f"{how}: stored values differ")
+            with torch.no_grad():
+                err = _rel(twin(IDS).logits, want)
+            gerr = _rel(grad(twin), base_grad)
+            twin.load_state_dict(model.state_dict())
+            with torch.no_grad():
+                lerr = _rel(twin(IDS).logits, want)
+            if not max(err, gerr, lerr) < 1e-5:
+                bad.append(f"{how}: logits {err:.2e}, input gradient {gerr:.2e}, after load_state_dict {lerr:.2e}")
+        return bad
 
-    assert max(run_threads(body, 3)) < 1e-5
+    bad = [b for r in run_threads(body, world) for b in r]
+    assert not bad, "\n".join(bad[:8])
 
 
 def test_layers_a_plan_keeps_whole_are_built_whole_quantized(made):
