@@ -77,3 +77,17 @@ def test_the_op_traces_under_compile():
     f = torch.compile(lambda x: native.gemv(x, w, "fp8", 64, s, None, (64, 128)) * 2, fullgraph=True, backend="eager")
     x = torch.randn(1, 128, generator=g)
     assert _rel(f(x), 2 * x @ (w.float() * s).t()) < 1e-5
+
+
+def test_fake_tensors_are_never_read():
+    """A traced step (FakeTensorMode: the sizing tools') holds no data: the product gives its shape through the op's
+    fake implementation, and a dense half layer prices torch's product instead of measuring (reading the fake
+    tensors' addresses crashed the process)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        w = torch.empty(96, 256, dtype=torch.bfloat16)
+        x = torch.empty(1, 1, 256, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            assert half_linear(x, w) is None
+        assert native.gemv(x, w, "bf16", 96).shape == (1, 1, 96)

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from . import native
 from .format import Product
@@ -129,8 +130,10 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     once per shape), or None where the native product does not apply (no compiler, not the CPU, more than a few
     rows, a gradient asked for) or was slower: the caller uses `F.linear`. Under `torch.compile` only a choice made
     before is used."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    fake = not torch.compiler.is_compiling() and (is_fake(x) or is_fake(weight))  # a traced step: no data to read
     if weight.dtype not in (torch.bfloat16, torch.float16) or x.device.type != "cpu" or \
-            x.numel() > MAX_ROWS * x.shape[-1] or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            x.numel() > MAX_ROWS * x.shape[-1] or grad or fake:
         return None
     n, k = weight.shape
     kind = "bf16" if weight.dtype == torch.bfloat16 else "fp16"
