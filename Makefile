@@ -48,7 +48,7 @@ demo: $(BASE_STAMP)
 	$(PY) -m tpkit.cli demo
 
 test: venv mpi
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" tests

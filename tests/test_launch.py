@@ -161,7 +161,7 @@ print(tpkit.launch(body, 2, backend="gloo", timeout=30), flush=True)
 
 @pytest.mark.slow
 def test_an_unguarded_script_gets_the_guard_named_and_a_guarded_one_runs(tmp_path):
-    """Process ranks are spawned: each imports the script again. A script calling `launch` on its top level gets, in
+    """Process ranks import the script again (forked or spawned). A script calling `launch` on its top level gets, in
     each rank, a RuntimeError naming the `if __name__ == "__main__":` guard (not multiprocessing's generic text), and
     in the parent a LaunchError saying the rank failed while starting, with the same hint (issue 49 item 3). The
     same script guarded builds its model once and returns the ranks' results."""
@@ -187,3 +187,47 @@ def test_an_unguarded_script_gets_the_guard_named_and_a_guarded_one_runs(tmp_pat
     good = run('if __name__ == "__main__":\n' + textwrap.indent(_MAIN, "    "))
     assert good.returncode == 0, good.stderr
     assert good.stdout.splitlines() == ["model built", "[0, 1]"]
+
+
+def _environment_and_output(name: str) -> str | None:
+    import os
+
+    print(f"rank says {os.environ.get(name)}", flush=True)
+    print("rank on stderr", file=sys.stderr, flush=True)
+    return os.environ.get(name)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_process_rank_gets_the_callers_environment_and_streams_of_now(method, monkeypatch, capfd):
+    """Ranks forked from the fork server (started by an earlier launch, under an earlier environment and earlier
+    output streams) see what a spawned rank sees: the caller's environment and stdout / stderr at this launch."""
+    from tpkit.launch import start_method
+
+    monkeypatch.setenv("TPKIT_START_METHOD", method)
+    assert start_method("gloo") == method and start_method("nccl") == "spawn"
+    tpkit.launch(_threads, 1)  # the server (forkserver) exists before the variable below is set
+    capfd.readouterr()
+    monkeypatch.setenv("TPKIT_TEST_LATE", "set after the server started")
+    monkeypatch.delenv("TPKIT_THREADS", raising=False)
+    assert tpkit.launch(_environment_and_output, 2, args=("TPKIT_TEST_LATE",)) == ["set after the server started"] * 2
+    out, err = capfd.readouterr()
+    assert out.count("rank says set after the server started") == 2 and err.count("rank on stderr") == 2
+
+
+def test_an_unknown_start_method_is_refused(monkeypatch):
+    monkeypatch.setenv("TPKIT_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="TPKIT_START_METHOD='fork' is not one of forkserver, spawn"):
+        tpkit.launch(_threads, 2)
+
+
+def _count(tensors: list) -> int:
+    return len(tensors)
+
+
+def test_more_tensors_than_a_fork_server_hands_over_start_spawned(monkeypatch):
+    """Each tensor argument is one shared-memory file descriptor; a fork server hands over at most 256 a rank."""
+    import torch
+
+    monkeypatch.setenv("TPKIT_START_METHOD", "forkserver")
+    many = [torch.full((2,), float(i)) for i in range(300)]
+    assert tpkit.launch(_count, 2, args=(many,)) == [300, 300]

@@ -11,11 +11,17 @@ peer that merely saw it die).
 threads per rank was measured 5x slower than with 1), unless the user said otherwise. `launch` calls it in
 every process rank; scripts under torchrun or mpirun call it first thing (the examples do).
 
-Process ranks are started with "spawn" (a fresh interpreter each, as CUDA needs): each imports the calling script
-again, as module `__mp_main__`, to find `fn`. A script whose top level calls `launch` must guard that call (and the
-model building before it) with `if __name__ == "__main__":`, or every rank re-runs it; `launch` called while a
-rank is importing the script raises `RuntimeError` saying so, and the parent's error names the rank that failed
-while starting.
+Process ranks start as fresh interpreters would (none inherits the caller's state), each importing the calling
+script again, as module `__mp_main__`, to find `fn`. gloo ranks come from a fork server that imported torch and tpkit
+once (`TPKIT_START_METHOD`, default "forkserver" where the platform has one): a rank then starts in 0.2 s instead
+of the 5 s a fresh interpreter spends importing them (2-core box), which is most of a short run. What a spawned
+rank would get from the caller at this moment, a forked one gets too: the environment and the caller's stdout and
+stderr are handed over before anything is unpickled (the server was started earlier, with what was current then).
+nccl ranks, and `TPKIT_START_METHOD=spawn`, use "spawn" (CUDA must not meet a forked process).
+
+A script whose top level calls `launch` must guard that call (and the model building before it) with
+`if __name__ == "__main__":`, or every rank re-runs it; `launch` called while a rank is importing the script raises
+`RuntimeError` saying so, and the parent's error names the rank that failed while starting.
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ class LaunchError(RuntimeError):
 THREADS_VARIABLE = "TPKIT_THREADS"
 
 GUARD_HINT = ("guard the script's top level with `if __name__ == \"__main__\":` (the function the ranks run stays at "
-              "module level): process ranks are started with spawn, and each imports the script again to find it")
+              "module level): each process rank imports the script again to find it")
 
 
 def set_threads(threads: int | None = None, local_ranks: int | None = None) -> int:
@@ -186,8 +192,9 @@ def _check_comm_is_not_missing(fn: Callable[..., Any], args: tuple) -> None:
                     f"pass_comm=True (launch(fn, n, pass_comm=True) calls fn(comm, *args))")
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, timeout, pass_comm, threads,
-            results) -> None:
+def _worker(inherited: None, rank: int, world_size: int, port: int, backend: str, fn, args, timeout, pass_comm,
+            threads, results) -> None:
+    # `inherited` did its work while this call's arguments were unpickled (`_Inherited`): nothing left to read.
     # The parent hosts the rendezvous store, as torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE): its port
     # stays bound for the whole run, so a concurrent launch can never pick the same one.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -235,19 +242,82 @@ def _exit_quickly(results) -> None:
     os._exit(0)
 
 
-def _launch_processes(fn, world_size, backend, args, timeout, pass_comm, threads) -> list:
-    import torch.distributed as dist
+START_METHODS = ("forkserver", "spawn")
+PRELOAD = ["torch", "torch.distributed", "tpkit"]  # what every rank imports first: imported once, by the server
+
+
+def start_method(backend: str) -> str:
+    """How process ranks start (see the module doc): "spawn" for nccl, else `TPKIT_START_METHOD` (default
+    "forkserver", or "spawn" where the platform has no fork server)."""
+    import multiprocessing
+
+    chosen = os.environ.get("TPKIT_START_METHOD", "forkserver")
+    if chosen not in START_METHODS:
+        raise ValueError(f"launch: TPKIT_START_METHOD={chosen!r} is not one of {', '.join(START_METHODS)}")
+    if backend == "nccl" or chosen not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    return chosen
+
+
+class _Inherited:
+    """What a rank takes from the caller at launch: pickled first among the rank's arguments, it is applied while
+    they are unpickled, before `fn` (and the module that defines it) is imported. A forked rank otherwise holds the
+    fork server's environment and output streams, those of whatever test or cell first started it."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        streams = tuple(reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+        return _inherit, (dict(os.environ), *streams)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _inherit(environ: dict, stdout, stderr) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, stream in ((1, stdout), (2, stderr)):
+        if stream is not None:
+            handed = stream.detach()
+            os.dup2(handed, fd)
+            os.close(handed)
+
+
+def _start_ranks(method: str, rank_args: tuple) -> tuple:
+    """Start one process per rank with `method` (see the module doc): (the results queue, the processes)."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first launch), ignored after
     results = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    port = store.port
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, port, backend, fn, args, timeout, pass_comm, threads, results))
-             for r in range(world_size)]
+    inherited = _Inherited() if method == "forkserver" else None
+    procs = [ctx.Process(target=_worker, daemon=True, args=(inherited, r, *rank_args, results))
+             for r in range(rank_args[0])]
     for p in procs:
         p.start()
+    return results, procs
+
+
+def _launch_processes(fn, world_size, backend, args, timeout, pass_comm, threads) -> list:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    rank_args = (world_size, store.port, backend, fn, args, timeout, pass_comm, threads)
+    try:
+        results, procs = _start_ranks(start_method(backend), rank_args)
+    except ValueError as error:
+        if "too many fds" not in str(error):
+            raise
+        # `args` hold more tensors than a fork server can hand over (each shared storage is a file descriptor,
+        # at most 256 a rank): start this launch's ranks spawned, as nccl's are (none had started).
+        results, procs = _start_ranks("spawn", rank_args)
     values: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
     reported = [False] * world_size
