@@ -1,22 +1,23 @@
-"""Decode speed and load time of a quantized checkpoint at TP2, against the same model in float32 at TP2 and
-against transformers' single-process load of the quantized directory.
+"""Greedy decode at TP2 of one model in five formats: float32, bf16, and compressed-tensors int8 per channel (W8A16),
+int4 group 128 (W4A16) and FP8 per channel of the bf16 model; each against float32 and against the memory limit.
 
-A random Llama (hidden `--hidden`, MLP 2.75 x hidden, head dim 128, `--layers` layers, vocabulary 8000, fp32) is
-quantized by compressed-tensors to int4, group 128, asymmetric (`pack-quantized`; lm_head left dense, as
-llm-compressor's recipes do) and also saved dense, once, to a temporary directory (shapes drawn from nothing
-tuned: the defaults are the issue's). Then, in 2 gloo processes (`tpkit.launch`, one thread each), each rank
-loads both with `tpkit.from_pretrained` (load time: the slower rank) and alternates their greedy decode timing
-(ms/token = (generate N tokens - generate 1) / (N - 1), median of `--repeats`); in one process, transformers
-loads the quantized directory (`CompressedTensorsConfig(dequantize=True)`: its CPU path) and decodes likewise.
-Prints a markdown block for BENCHMARKS.md.
+A random Llama is drawn from `--seed` (hidden, MLP width, layers; head dim 128, 4 query heads per KV head,
+vocabulary 8000; the seed and shape are printed; `--issue-shape` takes issue 47's: hidden 2048, MLP 5632, 8
+layers), saved as float32 and bf16, and the bf16 model quantized by compressed-tensors (llm-compressor's W8A16 /
+W4A16 / FP8 presets: int8 channel and int4 group 128 symmetric `pack-quantized`, FP8 channel `float-quantized`; the
+LM head left dense bf16, as they do). In 2 gloo processes (`tpkit.launch`, one thread each), each rank loads all
+five with `tpkit.from_pretrained` (each at its checkpoint's dtype) and times their greedy decode alternately:
+ms/token = (generate N tokens - generate 1) / (N - 1), the median of `--repeats` rounds. The memory limit of a
+format is the bytes a rank reads per token (every tensor it holds, less the embedding table it reads one row of)
+over the streaming bandwidth a rank gets while the other streams too (measured here: both ranks summing a 512 MiB
+float32 tensor at once). Prints a markdown block for BENCHMARKS.md, with the load average.
 
-    python bench/quantized.py [--hidden 2048] [--layers 2] [--tokens 9] [--repeats 3]
+    python bench/quantized.py [--seed N] [--issue-shape] [--tokens 9] [--repeats 5]
     python bench/quantized.py --kernels [--hidden 2048]   # one MLP-sized layer, batch 1, 1 thread
     python bench/quantized.py --formats                   # exactness and bytes per format, 2 and 3 thread-ranks
 
-`--kernels` times what a decode step of one layer (`out` = 2.75 x hidden, `in` = hidden, group 128) can cost per
-call: tpkit's dequantization of the packed int4 slice, torch's CPU weight-only kernels on their own packed layouts
-(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), and the float32 matrix-vector product they replace.
+`--kernels` times one decode product of an MLP-sized layer (`out` = 2.75 x hidden, `in` = hidden, its weights
+rotated over more than the last-level cache, as a model's are) by each path a layer can take.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -36,21 +38,40 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 8000
 
 
-def make(directory: str, hidden: int, layers: int) -> tuple[str, str]:
+FORMATS = ("float32", "bf16", "int8", "int4", "fp8")
+
+
+def draw(seed: int, issue: bool) -> dict:
+    """A Llama shape drawn from `seed` (or issue 47's)."""
+    if issue:
+        return {"hidden": 2048, "mlp": 5632, "layers": 8}
+    rng = random.Random(seed)
+    hidden = rng.choice([1536, 2048, 2304, 2560])
+    return {"hidden": hidden, "mlp": int(hidden * rng.uniform(2.5, 3.5)) // 256 * 256, "layers": rng.randint(4, 8)}
+
+
+def make(directory: str, shape: dict) -> dict[str, str]:
+    """The five checkpoints of one random Llama of `shape`, by format."""
     import transformers as tr
 
     from tests.quant.checkpoints import compressed_tensors
 
-    config = tr.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 128 * 128,
-                            num_hidden_layers=layers, num_attention_heads=hidden // 128,
-                            num_key_value_heads=max(hidden // 512, 1), max_position_embeddings=256)
+    heads = shape["hidden"] // 128
+    config = tr.LlamaConfig(vocab_size=VOCAB, hidden_size=shape["hidden"], intermediate_size=shape["mlp"],
+                            num_hidden_layers=shape["layers"], num_attention_heads=heads,
+                            num_key_value_heads=max(heads // 4, 1), max_position_embeddings=256)
     torch.manual_seed(0)
     model = tr.LlamaForCausalLM(config).eval()
-    dense = os.path.join(directory, "fp32")
-    model.save_pretrained(dense)
-    int4 = compressed_tensors(model, os.path.join(directory, "int4"), "pack-quantized", num_bits=4, type="int",
-                              symmetric=False, strategy="group", group_size=128)
-    return dense, int4
+    out = {f: os.path.join(directory, f) for f in FORMATS}
+    model.save_pretrained(out["float32"])
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out["bf16"])
+    compressed_tensors(model, out["int8"], "pack-quantized", num_bits=8, type="int", symmetric=True,
+                       strategy="channel")
+    compressed_tensors(model, out["int4"], "pack-quantized", num_bits=4, type="int", symmetric=True, strategy="group",
+                       group_size=128)
+    compressed_tensors(model, out["fp8"], "float-quantized", num_bits=8, type="float", strategy="channel")
+    return out
 
 
 def ms_per_token(model, tokens: int) -> float:
@@ -65,32 +86,46 @@ def ms_per_token(model, tokens: int) -> float:
     return (run(tokens) - run(1)) / (tokens - 1) * 1e3
 
 
-def _status(field: str) -> int:
-    """A byte figure of /proc/self/status (VmRSS: resident now; VmHWM: the peak since the last reset)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+def bytes_per_token(model) -> int:
+    """The bytes a rank reads per decoded token: every tensor it holds, less the input embedding table (one row of
+    it is read; the table counts when it is the LM head's weight too)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and "weight" in head._parameters and head._parameters["weight"] is embedding
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return total if tied else total - embedding.numel() * embedding.element_size() + embedding[0].nbytes
 
 
-def _reset_peak() -> int:
-    """Reset the process's peak RSS to its current RSS (Linux: clear_refs 5) and return the current RSS; a process
-    forked from one that built the model starts with that model's peak, which would hide the load's."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
+def streaming(seconds: float = 1.0) -> float:
+    """Bytes per second this rank reads from memory while the other ranks do the same (a float32 sum over 512 MiB,
+    after a barrier)."""
+    import tpkit
+
+    t = torch.ones(128 * 2 ** 20)
+    t.sum()
+    comm = tpkit.get_communicator()
+    rates = []
+    for _ in range(5):
+        comm.barrier()
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds / 5:
+            t.sum()
+            n += 1
+        rates.append(n * t.nbytes / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
-def _tp_rank(dense: str, int4: str, tokens: int, repeats: int) -> dict:
+def _tp_rank(paths: dict, tokens: int, repeats: int) -> dict:
     import tpkit
 
     torch.set_num_threads(1)
-    out = {}
+    out = {"bandwidth": streaming()}
     models = {}
-    for name, path in (("int4", int4), ("fp32", dense)):
-        before = _reset_peak()
+    for name, path in paths.items():
         start = time.perf_counter()
         models[name] = tpkit.from_pretrained(path, progress=False)
         out[f"load_{name}"] = time.perf_counter() - start
-        out[f"rss_{name}"] = _status("VmHWM") - before
+        out[f"bytes_{name}"] = bytes_per_token(models[name])
     for m in models.values():
         ms_per_token(m, 3)  # warm-up
     samples = {n: [] for n in models}
@@ -98,58 +133,63 @@ def _tp_rank(dense: str, int4: str, tokens: int, repeats: int) -> dict:
         for n, m in models.items():  # alternating
             samples[n].append(ms_per_token(m, tokens))
     out.update({f"decode_{n}": statistics.median(v) for n, v in samples.items()})
-    out["bytes_int4"] = sum(t.numel() * t.element_size() for t in models["int4"].state_dict().values())
-    out["bytes_fp32"] = sum(t.numel() * t.element_size() for t in models["fp32"].state_dict().values())
     return out
 
 
-def transformers_one_process(int4: str, tokens: int, repeats: int) -> dict:
-    import transformers as tr
-
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    model = tr.AutoModelForCausalLM.from_pretrained(
-        int4, quantization_config=tr.CompressedTensorsConfig(dequantize=True)).eval()
-    load = time.perf_counter() - start
-    ms_per_token(model, 3)
-    return {"load": load, "decode": statistics.median(ms_per_token(model, tokens) for _ in range(repeats))}
-
-
 def kernels(hidden: int, repeats: int = 20) -> str:
-    from tpkit.quant import WeightQuant, dequantize, stored_tensors
-    from tpkit.quant.kernels import int4_linear
-    from tpkit.quant.packing import unpack_signed
+    from tpkit.quant import native
+    from tpkit.quant.kernels import int4_kernel_layout
 
     torch.set_num_threads(1)
     O, I, g = int(hidden * 2.75) // 128 * 128, hidden, 128
     gen = torch.Generator().manual_seed(0)
-    q = WeightQuant("compressed-tensors", "ct_pack", 4, False, "group", group_size=g)
-    specs = {s.name: s for s in stored_tensors(q, O, I)}
-    t = {"weight_packed": torch.randint(-2 ** 31, 2 ** 31 - 1, (O, I // 8), dtype=torch.int32, generator=gen),
-         "weight_scale": torch.rand(O, I // g, generator=gen),
-         "weight_zero_point": torch.randint(-2 ** 31, 2 ** 31 - 1, (O // 8, I // g), dtype=torch.int32, generator=gen),
-         "weight_shape": torch.tensor([O, I])}
-    x, w = torch.randn(1, I, generator=gen), torch.randn(O, I, generator=gen)
-    int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (O, I), dtype=torch.int32), 1)
-    sz, w8, s8 = torch.rand(I // g, O, 2), torch.randint(-128, 127, (O, I), dtype=torch.int8), torch.rand(O)
-    calls = {"float32 x @ W.T": lambda: x @ w.t(),
-             "tpkit dequantize int4 g128 + matmul": lambda: x @ dequantize(q, specs, t, {}, (O, I), torch.float32).t(),
-             "tpkit int4 layer (words rearranged + torch's int4 kernel)": lambda: int4_linear(
-                 x, t["weight_packed"], t["weight_scale"], unpack_signed(t["weight_zero_point"], 4, 0), g),
-             "torch _weight_int4pack_mm_for_cpu": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, g, sz),
-             "torch _weight_int8pack_mm": lambda: torch.ops.aten._weight_int8pack_mm(x, w8, s8)}
+    copies = max(2, 96 * 2 ** 20 // (O * I))  # the weights rotated: more bytes than the last-level cache
+    x = torch.randn(1, I, generator=gen).bfloat16()
+    w32 = [torch.randn(O, I, generator=gen) for _ in range(copies)]
+    wbf = [w.bfloat16() for w in w32]
+    q8 = [torch.randint(-127, 127, (O, I), dtype=torch.int8, generator=gen) for _ in range(copies)]
+    s8 = torch.rand(O, 1, generator=gen)
+    p4 = [torch.randint(-2 ** 31, 2 ** 31 - 1, (O, I // 8), dtype=torch.int32, generator=gen) for _ in range(copies)]
+    t4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (O, I), dtype=torch.int32,
+                                                                            generator=gen), 1) for _ in range(copies)]
+    s4, z4, sz = torch.rand(O, I // g, generator=gen), torch.full((O, I // g), 8.0), torch.rand(I // g, O, 2).bfloat16()
+    f8 = [w.to(torch.float8_e4m3fn) for w in w32]
+    i = [0]
+
+    def rot(f):
+        def call():
+            i[0] = (i[0] + 1) % copies
+            return f(i[0])
+        return call
+
+    calls = {"float32 F.linear": (rot(lambda k: torch.nn.functional.linear(x.float(), w32[k])), 4),
+             "bf16 F.linear": (rot(lambda k: torch.nn.functional.linear(x, wbf[k])), 2),
+             "torch _weight_int8pack_mm (bf16 x)": (rot(lambda k: torch.ops.aten._weight_int8pack_mm(
+                 x, q8[k], s8[:, 0].bfloat16())), 1),
+             "torch _weight_int4pack_mm_for_cpu (bf16 x, layout kept)": (rot(
+                 lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t4[k], g, sz)), 0.5),
+             "torch int4 with the layout rebuilt per call": (rot(
+                 lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4_kernel_layout(p4[k]), g, sz)), 0.5)}
+    if native.available():
+        calls.update({"tpkit native bf16": (rot(lambda k: native.gemv(x, wbf[k], "bf16", O)), 2),
+                      "tpkit native int8": (rot(lambda k: native.gemv(x, q8[k], "int8", O, s8, None, (1, I))), 1),
+                      "tpkit native int4 g128": (rot(lambda k: native.gemv(x, p4[k], "uint4", O, s4, z4, (1, g))),
+                                                 0.5),
+                      "tpkit native FP8 channel": (rot(lambda k: native.gemv(x, f8[k], "fp8", O, s8, None, (1, I))),
+                                                   1)})
     times = {}
-    for _ in range(3):  # alternating rounds, the median of each
-        for name, f in calls.items():
+    for _ in range(5):  # alternating rounds, the median of each
+        for name, (f, _b) in calls.items():
             f()
             start = time.perf_counter()
             for _ in range(repeats):
                 f()
             times.setdefault(name, []).append((time.perf_counter() - start) / repeats * 1e3)
-    base = statistics.median(times["float32 x @ W.T"])
-    rows = [f"| {n} | {statistics.median(v):.2f} | {statistics.median(v) / base:.1f}x |" for n, v in times.items()]
-    return "\n".join([f"One layer [{O} x {I}], batch 1, 1 thread:", "", "| call | ms | / float32 |", "|---|---|---|"]
-                     + rows)
+    base = statistics.median(times["float32 F.linear"])
+    rows = [f"| {n} | {statistics.median(v):.3f} | {O * I * calls[n][1] / statistics.median(v) / 1e6:.1f} | "
+            f"{statistics.median(v) / base:.2f}x |" for n, v in times.items()]
+    return "\n".join([f"One layer [{O} x {I}], batch 1, 1 thread, {copies} weights rotated:", "",
+                      "| call | ms | GB/s of weight | / float32 |", "|---|---|---|---|"] + rows)
 
 
 def formats() -> str:
@@ -159,7 +199,7 @@ def formats() -> str:
     weight (1.0: no overhead beyond the split itself; the worst rank)."""
     import tpkit
     from tpkit.comm import run_threads
-    from tpkit.nn.quantized import quant_state
+    from tpkit.nn.quantized import quant_method_of
     from tests.quant import test_checkpoints as T
 
     rows = ["| format | ranks | logits rel err | weights exact | stored bytes / its dense share of the file's | kernel |",
@@ -187,7 +227,7 @@ def formats() -> str:
                         err = T._rel(model(T.IDS).logits, want)
                     exact, local, full, kernels = True, 0, 0, set()
                     for n, m in model.named_modules():
-                        st = quant_state(m)
+                        st = quant_method_of(m)
                         if st is not None:
                             exact &= torch.equal(m.weight, st.dense.shard(dense[f"{n}.weight"]))
                             kernels.add(st.kernel)
@@ -210,10 +250,11 @@ def main() -> None:
     import tpkit
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=None, help="the shape's seed (default: drawn now, printed)")
+    ap.add_argument("--issue-shape", action="store_true", help="issue 47's Llama: hidden 2048, MLP 5632, 8 layers")
+    ap.add_argument("--hidden", type=int, default=2048, help="--kernels: the layer's input features")
     ap.add_argument("--tokens", type=int, default=9)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--formats", action="store_true")
     args = ap.parse_args()
@@ -223,26 +264,29 @@ def main() -> None:
     if args.formats:
         print(formats())
         return
+    seed = args.seed if args.seed is not None else int(time.time()) % 10000
+    shape = draw(seed, args.issue_shape)
+    print(f"seed {seed}: {shape}", flush=True)
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        dense, int4 = make(tmp, args.hidden, args.layers)
-        ranks = tpkit.launch(_tp_rank, 2, args=(dense, int4, args.tokens, args.repeats))
-        hf = transformers_one_process(int4, args.tokens, args.repeats)
-    r = {k: max(x[k] for x in ranks) for k in ranks[0]}
-    rows = [("tpkit TP2 int4 g128 (packed; int4 kernel where a layer maps onto it)", r["decode_int4"], r["load_int4"],
-             r["bytes_int4"]),
-            ("tpkit TP2 float32", r["decode_fp32"], r["load_fp32"], r["bytes_fp32"]),
-            ("transformers 1 process int4 (dequantize=True)", hf["decode"], hf["load"], None)]
-    lines = [f"| {n} | {d:.1f} | {l:.2f} | {'' if b is None else f'{b / 2 ** 20:.0f} MiB'} |" for n, d, l, b in rows]
-    table = "\n".join(["| setup | decode ms/token | load s | bytes per rank |", "|---|---|---|---|"] + lines)
-    ratio = r["decode_int4"] / r["decode_fp32"]
-    table += (f"\n\nPeak RSS added while loading, the worse rank: int4 {r['rss_int4'] / 2 ** 20:.0f} MiB (its tensors "
-              f"{r['bytes_int4'] / 2 ** 20:.0f} MiB), float32 {r['rss_fp32'] / 2 ** 20:.0f} MiB (its tensors "
-              f"{r['bytes_fp32'] / 2 ** 20:.0f} MiB)")
-    text = (f"{table}\n\nint4 decode at TP2 / float32 at TP2: **{ratio:.2f}x** (target <= 1.00); hidden {args.hidden}, "
-            f"{args.layers} layers, {args.tokens} tokens, median of {args.repeats}, 1 thread per rank; "
-            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"{datetime.date.today().isoformat()}.")
-    print(text)
+        paths = make(tmp, shape)
+        ranks = tpkit.launch(_tp_rank, 2, args=(paths, args.tokens, args.repeats), timeout=3600)
+    load = max(load[0], os.getloadavg()[0])
+    r = {k: max(x[k] for x in ranks) for k in ranks[0] if k != "bandwidth"}
+    bw = min(x["bandwidth"] for x in ranks)
+    rows = []
+    for f in FORMATS:
+        limit = r[f"bytes_{f}"] / bw * 1e3
+        rows.append(f"| {f} | {r[f'decode_{f}']:.1f} | {r[f'decode_{f}'] / r['decode_float32']:.2f}x | "
+                    f"{r[f'bytes_{f}'] / 2 ** 20:.0f} MiB | {limit:.1f} | {r[f'decode_{f}'] / limit:.2f}x | "
+                    f"{r[f'load_{f}']:.1f} |")
+    table = "\n".join(["| format | decode ms/token | / float32 | read per rank per token | memory limit ms | "
+                       "/ limit | load s |", "|---|---|---|---|---|---|---|"] + rows)
+    print(f"{table}\n\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, "
+          f"{shape['hidden'] // 128} / {max(shape['hidden'] // 512, 1)} heads, vocabulary {VOCAB} (seed {seed}); TP2, "
+          f"2 gloo processes, 1 thread each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "
+          f"streaming bandwidth per rank with both reading {bw / 1e9:.1f} GB/s; load average {load:.2f}; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {datetime.date.today().isoformat()}.")
 
 
 if __name__ == "__main__":

@@ -221,3 +221,82 @@ def test_the_fake_run_and_docstring_checks_are_caught():
     assert fake_mode_calls("from x import FakeTensorMode\n# FakeTensorMode() in a comment\n") == []
     doc = "Title.\n\nGroup\n    speed       what it is for\n                more of it\n    hardware    datasheets\n"
     assert named_modules(doc) == {"speed", "hardware"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Private attributes tpkit keeps on modules (issue 46): each one read by the module that owns it and at most one
+# other, so a fact about a module has one home and its readers can be found.
+
+PRIVATE = re.compile(r"^_?tp_[a-z0-9_]+$")
+#: `tp_plan` is the public record of a conversion's plan (CONVENTIONS.md); `_tp_plan` is transformers' own attribute
+#: behind its `tp_plan` property
+PUBLIC_MODULE_ATTRIBUTES = frozenset({"tp_plan", "_tp_plan"})
+
+
+def _constants(tree) -> dict[str, str]:
+    """Module-level names bound to a string (`_ATTR = "_tp_record"`)."""
+    return {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+            and isinstance(n.value.value, str) for t in n.targets if isinstance(t, ast.Name)}
+
+
+def kept_on_modules(source: str) -> set[str]:
+    """The private attributes `source` keeps on objects (modules): the keys of `x.__dict__[...]`,
+    `x.__dict__.get / pop / setdefault(...)`, `setattr / getattr / hasattr / delattr(x, ...)`, and the targets
+    of `x.name = ...` other than on `self` / `cls`, named `tp_*` / `_tp_*`."""
+    tree = ast.parse(source)
+    consts = _constants(tree)
+
+    def key(node) -> str | None:
+        value = node.value if isinstance(node, ast.Constant) else consts.get(getattr(node, "id", None))
+        return value if isinstance(value, str) and PRIVATE.match(value) else None
+
+    def on_dict(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "__dict__"
+
+    found = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and on_dict(n.value):
+            found.add(key(n.slice))
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and on_dict(n.func.value) and n.args \
+                and n.func.attr in ("get", "pop", "setdefault"):
+            found.add(key(n.args[0]))
+        elif isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("setattr", "getattr", "hasattr", "delattr") \
+                and len(n.args) >= 2:
+            found.add(key(n.args[1]))
+        elif isinstance(n, ast.Assign):
+            for t in n.targets:
+                if isinstance(t, ast.Attribute) and PRIVATE.match(t.attr) and getattr(t.value, "id", None) not in (
+                        "self", "cls"):
+                    found.add(t.attr)
+    return {k for k in found if k and k not in PUBLIC_MODULE_ATTRIBUTES}
+
+
+def mentions(source: str, name: str) -> bool:
+    """Whether `source` reads or writes attribute `name` (as an attribute, or a string naming it)."""
+    tree = ast.parse(source)
+    return any((isinstance(n, ast.Attribute) and n.attr == name) or (isinstance(n, ast.Constant) and n.value == name)
+               for n in ast.walk(tree))
+
+
+def private_attribute_users(sources: dict[str, str]) -> dict[str, list[str]]:
+    """`{attribute: [modules that mention it]}` for every private attribute some module keeps on a module."""
+    names = set().union(*(kept_on_modules(s) for s in sources.values()))
+    return {name: sorted(m for m, s in sources.items() if mentions(s, name)) for name in sorted(names)}
+
+
+def test_each_private_module_attribute_has_its_owner_and_at_most_one_other_reader():
+    sources = {str(p.relative_to(SRC)): p.read_text() for p in _sources()}
+    users = private_attribute_users(sources)
+    crowded = {name: mods for name, mods in users.items() if len(mods) > 2}
+    assert not crowded, (f"private module attributes read by more than their owner and one other module: {crowded}; "
+                         f"give the owner a function that answers the question and call it")
+    assert "_tp_record" in users and "_tp_rewrites" in users  # the scan sees the attributes it is about
+
+
+def test_the_private_attribute_scan_is_caught():
+    owner = "_ATTR = '_tp_fact'\ndef put(m):\n    m.__dict__[_ATTR] = 1\n"
+    readers = {f"r{i}.py": f"def get(m):\n    return m.__dict__.get('_tp_fact')\n" for i in range(2)}
+    assert kept_on_modules(owner) == {"_tp_fact"}
+    assert kept_on_modules("def f(m):\n    m.tp_flag = True\n    self.tp_x = 1\n") == {"tp_flag"}
+    assert kept_on_modules("def f(m):\n    return getattr(m, 'tp_name', None), m.tp_plan\n") == {"tp_name"}
+    assert private_attribute_users({"owner.py": owner, **readers}) == {"_tp_fact": ["owner.py", "r0.py", "r1.py"]}

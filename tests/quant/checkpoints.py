@@ -76,8 +76,9 @@ def _minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     return b.amin((-1, -2)), b.amax((-1, -2))
 
 
-def compressed_tensors(model, directory: str, fmt: str, **weights) -> str:
-    """`model` quantized by compressed-tensors with `weights` (QuantizationArgs fields), saved in `fmt`."""
+def compressed_tensors(model, directory: str, fmt: str | None, **weights) -> str:
+    """`model` quantized by compressed-tensors with `weights` (QuantizationArgs fields), saved in `fmt` (None: the
+    format compressed-tensors picks itself)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
@@ -86,7 +87,7 @@ def compressed_tensors(model, directory: str, fmt: str, **weights) -> str:
     m = copy.deepcopy(model)
     args = QuantizationArgs(**weights)
     qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-                            ignore=["lm_head"], format=fmt)
+                            ignore=["lm_head"], **({} if fmt is None else {"format": fmt}))
     apply_quantization_config(m, qc)
     for mod in m.modules():
         if hasattr(mod, "weight_scale"):
@@ -247,6 +248,9 @@ FORMATS = {  # name -> (model, maker(directory, base, made) -> (directory, refer
         m, d, "int-quantized", num_bits=8, type="int", symmetric=True, strategy="channel"), None)),
     "ct-fp8-channel": ("llama", lambda d, m, made: (compressed_tensors(
         m, d, "float-quantized", num_bits=8, type="float", strategy="channel"), None)),
+    # weight-only FP8 as compressed-tensors writes it when given no format: `naive-quantized`, FP8 `weight`
+    "ct-fp8-naive": ("llama", lambda d, m, made: (compressed_tensors(
+        m, d, None, num_bits=8, type="float", strategy="channel"), None)),
     "ct-fp8-block": ("llama", lambda d, m, made: (compressed_tensors(
         m, d, "float-quantized", num_bits=8, type="float", strategy="block", block_structure=[128, 128]), None)),
     "hf-fp8-block": ("llama", lambda d, m, made: (hf_fp8(m, d), None)),
@@ -254,4 +258,124 @@ FORMATS = {  # name -> (model, maker(directory, base, made) -> (directory, refer
     "gptq-desc-act": ("llama", lambda d, m, made: (to_gptq(made("ct-int4-group-asym"), d, desc_act=True),
                                                    made("ct-int4-group-asym"))),
     "awq": ("llama", lambda d, m, made: (to_awq(made("ct-int4-group-asym"), d), made("ct-int4-group-asym"))),
+}
+
+
+# ------------------------------------------------------------------------------------ MoE: per-expert checkpoints
+def mixtral():
+    """4 experts of intermediate 256 (2 groups of 128), 2 per token; hidden 128."""
+    import transformers as tr
+
+    cfg = tr.MixtralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64)
+    with _LOCK:
+        torch.manual_seed(10)
+        return tr.MixtralForCausalLM(cfg).eval()
+
+
+def qwen3_moe():
+    """6 experts of moe intermediate 128, 2 per token, q/k norms; hidden 128."""
+    import transformers as tr
+
+    cfg = tr.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=6,
+                            num_experts_per_tok=2, max_position_embeddings=64, head_dim=32)
+    with _LOCK:
+        torch.manual_seed(11)
+        return tr.Qwen3MoeForCausalLM(cfg).eval()
+
+
+def _shadow(state: dict, keep) -> torch.nn.Module:
+    """A module tree holding an `nn.Linear` at the path of every 2-D `.weight` of `state` that `keep(path)` accepts,
+    with that weight: the checkpoint's layout, one Linear per expert projection (as llm-compressor sees a model)."""
+    root = torch.nn.Module()
+    for key, t in state.items():
+        path = key[:-len(".weight")] if key.endswith(".weight") else None
+        if path is None or t.dim() != 2 or not keep(path):
+            continue
+        parent = root
+        for part in path.split(".")[:-1]:
+            if part not in parent._modules:
+                parent.add_module(part, torch.nn.Module())
+            parent = parent._modules[part]
+        lin = torch.nn.Linear(t.shape[1], t.shape[0], bias=False, dtype=t.dtype)
+        lin.weight.data.copy_(t)
+        parent.add_module(path.split(".")[-1], lin)
+    return root
+
+
+def compressed_moe(model, directory: str, fmt: str, **weights) -> str:
+    """`model` (a transformers MoE) saved in its checkpoint layout (one tensor per expert projection, as
+    `save_pretrained` writes it), every linear layer but the routers and the LM head quantized by compressed-tensors
+    with `weights`, in `fmt` (what llm-compressor's MoE recipes give)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model.save_pretrained(directory)
+    path = os.path.join(directory, "model.safetensors")
+    state = load_file(path)
+    shadow = _shadow(state, lambda p: not p.endswith(("lm_head", "embed_tokens", ".gate")))
+    args = QuantizationArgs(**weights)
+    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                            ignore=["lm_head", "re:.*gate$"], format=fmt)
+    apply_quantization_config(shadow, qc)
+    for mod in shadow.modules():
+        if hasattr(mod, "weight_scale"):
+            s, z = calculate_qparams(*_minmax(mod.weight.data, args), args)
+            mod.weight_scale.data.copy_(s)
+            if hasattr(mod, "weight_zero_point"):
+                mod.weight_zero_point.data.copy_(z)
+    compressor = ModelCompressor.from_pretrained_model(shadow, quantization_format=fmt)
+    compressor.compress_model(shadow)
+    quantized = {k: v.detach().clone().contiguous() for k, v in shadow.state_dict().items()}
+    state = {k: v for k, v in state.items() if not (k.endswith(".weight") and k[:-len(".weight")] in
+                                                    {n for n, _ in shadow.named_modules()})}
+    save_file({**state, **quantized}, path, metadata={"format": "pt"})
+    compressor.update_config(directory)
+    return directory
+
+
+def _fp8_blocks(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's FP8 of one weight: FP8 values and one float32 `weight_scale_inv` per block (amax / 448)."""
+    bh, bw = block
+    o, i = w.shape
+    rows, cols = math.ceil(o / bh), math.ceil(i / bw)
+    amax = torch.stack([torch.stack([w[r * bh:(r + 1) * bh, c * bw:(c + 1) * bw].abs().amax() for c in range(cols)])
+                        for r in range(rows)])
+    scale = (amax.float() / 448.0).clamp(min=1e-12)
+    full = scale.repeat_interleave(bh, 0)[:o].repeat_interleave(bw, 1)[:, :i]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale
+
+
+def hf_fp8_moe(model, directory: str, block=(128, 128)) -> str:
+    """A MoE model in DeepSeek-V3's / Qwen3-30B-A3B-FP8's format, in its checkpoint layout (one tensor per expert
+    projection): every linear weight but the routers' and the LM head's as FP8 blocks."""
+    model.save_pretrained(directory)
+    path = os.path.join(directory, "model.safetensors")
+    state = load_file(path)
+    for key in [k for k, t in state.items() if k.endswith(".weight") and t.dim() == 2
+                and not k[:-len(".weight")].endswith(("lm_head", "embed_tokens", ".gate"))]:
+        state[key], state[key + "_scale_inv"] = _fp8_blocks(state[key], block)
+    save_file(state, path, metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block), "modules_to_not_convert": ["lm_head", "gate"]}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return directory
+
+
+#: llm-compressor's W4A16 (symmetric: transformers' loader of quantized experts reads no zero points)
+INT4_SYM = dict(INT4, symmetric=True)
+MOE_FORMATS = {  # name -> (model, maker(directory, base))
+    "mixtral-int4": ("mixtral", lambda d, m: compressed_moe(m, d, "pack-quantized", **INT4_SYM)),
+    "mixtral-int8": ("mixtral", lambda d, m: compressed_moe(m, d, "pack-quantized", num_bits=8, type="int",
+                                                            symmetric=True, strategy="channel")),
+    "mixtral-fp8-block": ("mixtral", lambda d, m: hf_fp8_moe(m, d)),
+    "qwen3-moe-int4": ("qwen3_moe", lambda d, m: compressed_moe(m, d, "pack-quantized", **INT4_SYM)),
+    "qwen3-moe-fp8-block": ("qwen3_moe", lambda d, m: hf_fp8_moe(m, d)),
 }

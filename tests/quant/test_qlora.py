@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import tpkit
 from tpkit.comm import run_threads
-from tpkit.nn.quantized import quant_state
+from tpkit.nn.quantized import quant_method_of
 from tests.quant import checkpoints as C
 
 peft = pytest.importorskip("peft")
@@ -69,7 +69,7 @@ def test_lora_on_a_packed_base_trains_like_stock_peft(quantized, world):
     def body(comm):
         model = peft_model(tpkit.from_pretrained(directory, comm=comm, progress=False))
         down = model.base_model.model.model.layers[0].mlp.down_proj.base_layer
-        assert quant_state(down) is not None and not any(p.requires_grad for p in down.parameters())
+        assert quant_method_of(down) is not None and not any(p.requires_grad for p in down.parameters())
         grads: dict = {}
         losses = train(model, grads)
         lays, bad = tpkit.shard_layouts(model), []

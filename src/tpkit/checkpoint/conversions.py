@@ -16,6 +16,7 @@ import re
 from torch import nn
 
 from ..convert.transformers_threads import transformers_name
+from ..quant import stored_tensors
 from .errors import CheckpointError
 from .sources import Entry, Piece, Source
 
@@ -59,17 +60,16 @@ def transformers_keys(model: nn.Module, source: Source) -> tuple[dict[str, str],
         if ops not in _READABLE or target in source.entries:
             notes.append(f"{target} (stored as {members[0][0]}..., rebuilt by {'+'.join(ops)})")
             continue
-        source.entries[target] = fused_entry(source, target, converters[i], members)
+        cat = next((op.dim for op in converters[i].operations if type(op).__name__ == "Concatenate"), None)
+        source.entries[target] = fused_entry(source, target, converters[i].source_patterns, cat, members)
         names.setdefault(target, target)
     return names, notes
 
 
-def fused_entry(source: Source, target: str, converter, members: list[tuple[str, str]]) -> Entry:
-    """The entry `MergeModulelist(dim=0)` (+ `Concatenate(dim=d)`) builds: stored tensor `e` of source pattern
-    `j` sits at expert `e` and, along `d`, after patterns 0..j-1."""
-    patterns = converter.source_patterns
+def fused_entry(source: Source, target: str, patterns, cat: int | None, members: list[tuple[str, str]]) -> Entry:
+    """The entry `MergeModulelist(dim=0)` (+ `Concatenate(dim=cat)`) builds: stored tensor `e` of source pattern
+    `j` sits at expert `e` and, along `cat`, after patterns 0..j-1."""
     rx = {p: re.compile(re.escape(p).replace(r"\*", r"(\d+)")) for p in patterns}
-    cat = next((op.dim for op in converter.operations if type(op).__name__ == "Concatenate"), None)
     per: dict[str, dict[int, Entry]] = {p: {} for p in patterns}
     for key, pattern in members:
         m = rx[pattern].search(key)
@@ -98,3 +98,45 @@ def fused_entry(source: Source, target: str, converter, members: list[tuple[str,
         raise CheckpointError(f"{source.root}: the stored tensors {[k for k, _ in members][:3]}... do not tile "
                               f"{target}'s shape {shape} in one dtype")
     return full
+
+
+def quantized_expert_entries(model: nn.Module, source: Source, quant) -> tuple[dict[str, dict], set[str]]:
+    """A quantized MoE checkpoint's experts, stored one tensor per expert projection (`experts.{e}.w1.weight_packed`,
+    `...weight_scale`, ...), as fused entries of the model's fused experts: for every converter that stacks (and
+    concatenates) an expert projection's `weight` into a fused parameter, each tensor the projection stores
+    quantized becomes the entry `<fused parameter>.<stored name>` (stacked over the experts, gate and up
+    concatenated along the dim that runs with the weight's output), added to `source.entries`. Returns
+    `({experts module: {parameter: scheme}}, the keys they take: the stored ones and the stacked entries)`;
+    `weight_shape` (one per expert, not stacked) is taken and not read."""
+    found = _converters(model)
+    if found is None or quant is None:
+        return {}, set()
+    renamings, converters, rename = found
+    names = quant.stored_names
+    groups: dict[tuple[str, int, str], list[tuple[str, str]]] = {}
+    for key in list(source.entries):
+        head, _, last = key.rpartition(".")
+        if last not in names:
+            continue
+        target, pattern = rename(f"{head}.weight", renamings, converters)
+        if pattern is not None and pattern.endswith(".weight"):
+            i = next(j for j, c in enumerate(converters) if pattern in c.source_patterns)
+            groups.setdefault((target, i, last), []).append((key, pattern[:-len("weight")] + last))
+    experts: dict[str, dict] = {}
+    taken: set[str] = set()
+    for (target, i, last), members in groups.items():
+        scheme = quant.scheme_for(members[0][0].rpartition(".")[0], "Linear")
+        if scheme is None:
+            continue
+        spec = next((s for s in stored_tensors(scheme, 8, 8) if s.name == last), None)
+        taken.update(k for k, _ in members)
+        out_dim = next((d for d, r in enumerate(spec.dims) if r.dense == 0), None) if spec is not None else None
+        if out_dim is None:
+            continue  # weight_shape: per expert, nothing to stack
+        cat = out_dim + 1 if len(converters[i].source_patterns) > 1 else None
+        patterns = [p[:-len("weight")] + last for p in converters[i].source_patterns]
+        source.entries[f"{target}.{last}"] = fused_entry(source, f"{target}.{last}", patterns, cat, members)
+        taken.add(f"{target}.{last}")
+        module, _, param = target.rpartition(".")
+        experts.setdefault(module, {})[param] = scheme
+    return experts, taken

@@ -18,6 +18,7 @@ from torch import nn
 from ..convert.layouts import check_grad_sums, shard_layouts
 from ..quant.schemes import FP8_DTYPES
 from ..nn._layer import resolve_comm
+from ..nn.quantized import finish_loading
 from ..nn.random import DATA_PARALLEL_RNG, get_rng_tracker
 from . import optimizer as optim_state
 from .agree import agree
@@ -155,6 +156,7 @@ def load_sharded(model: nn.Module, directory: str, optimizer=None, comm=None, st
     total = sum(t.layout.local_numel * source.entries[t.key].dtype.itemsize for t in targets)
     with Progress(f"loading {os.path.basename(directory.rstrip('/'))}", total, progress, comm.rank) as bar:
         values = read_targets(source, targets, bar, staging=staging_for(fills))
+    finish_loading(model)  # quantized layers: what their products read, from the values just read
     if optimizer is not None and section:
         optim_state.restore(model, optimizer, section, values, place=like, copies=copies)
     check_grad_sums(model, f"load_sharded({directory!r})")

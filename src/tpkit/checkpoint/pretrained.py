@@ -11,6 +11,12 @@ and, for a device, goes through pinned staging buffers).
 The build is in the dtype asked for, as transformers builds for `from_pretrained(dtype=...)`: its `_from_config`
 gets `dtype=` (without it, it builds in the config's dtype whatever was asked, and a bf16 checkpoint asked for
 float32 stayed bf16), and the load casts each stored tensor into the model's tensor.
+
+A quantized checkpoint passes through once: its config is read (`tpkit.quant`), the layers it stores quantized are
+found from its keys (`convert.quantized.plan_quantized`), the conversion plans and builds those layers holding the
+stored tensors (`tpkit.nn.quantized`) and attaches the record and checks the gradient sums once; then the slices
+are read and each layer keeps its tensors as its product reads them (`finish_loading`). `dequantize=True` builds
+the layers dense and computes their weights from the stored slices read beside them (`dequantized.py`).
 """
 from __future__ import annotations
 
@@ -21,19 +27,19 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..convert.layouts import check_grad_sums
 from ..convert.parallelize import parallelize
 from ..convert.plan import Plan
-from ..convert.quantized import dequantize_layers, quantize_layers
+from ..convert.quantized import plan_quantized, record_layouts
 from ..quant import read_quantization
-from ..quant.kernels import aligned
 from ..quant.schemes import FP8_DTYPES
 from ..convert.transformers_threads import transformers_name
 from ..nn._layer import resolve_comm
-from ..nn.quantized import quant_state
+from ..nn.quantized import finish_loading
+from . import dequantized
 from .agree import agree
 from .allocate import materialize, meta_parameters, place_buffers
 from .errors import CheckpointError
+from .conversions import quantized_expert_entries
 from .fill import map_weights, read_targets
 from .hf_config import load_generation_config
 from .keys import key_finder
@@ -116,16 +122,6 @@ def keep_float32(model: nn.Module, dtype: torch.dtype) -> None:
             table[name] = new
 
 
-def align_kernel_inputs(model: nn.Module) -> None:
-    """The stored tensors of each layer a CPU kernel computes start on a 64-byte boundary (`quant.kernels.aligned`:
-    a view of the file's mapping may not, and the int8 kernel faults on it), copied once here where needed."""
-    for m in model.modules():
-        st = quant_state(m)
-        if st is not None and st.kernel is not None:
-            for name in st.specs:
-                m._buffers[name] = aligned(m._buffers[name])
-
-
 def load_config(source: Source, path: str):
     if source.config is None:
         raise CheckpointError(f"{path}: no config.json (or manifest config) to build the model from")
@@ -182,9 +178,10 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     A quantized checkpoint (its config has a `quantization_config`: compressed-tensors, FP8 block, GPTQ, AWQ;
     `tpkit.quant.SUPPORTED`) loads packed: each rank reads its slice of the packed weights and of their scales,
     zero points and `g_idx`, split in whole groups where the split can, and its quantized layers compute in `dtype`
-    (`tpkit.nn.quantized`), their weights those transformers' load holds at that dtype (`tpkit.quant.dequant`). `dequantize=True` holds the dequantized weights instead (dense, trainable).
-    An unsupported method or scheme raises `QuantizationError` before any weight is read. `convert(model)` converts the
-    meta-built model instead of `parallelize` (`tpkit.pipeline` of a path: one rank's stages, their tensors read)."""
+    (`tpkit.nn.quantized`), their weights those transformers' load holds at that dtype (`tpkit.quant.dequant`).
+    `dequantize=True` builds dense layers holding the dequantized weights instead (trainable).
+    An unsupported method or scheme raises `QuantizationError` before any weight is read. `convert(model)` converts
+    the meta-built model instead of `parallelize` (`tpkit.pipeline` of a path: one rank's stages, their tensors read)."""
     path, comm = os.fspath(path), resolve_comm(comm)
     device = load_device(device, comm)
     error, source, config = None, None, None
@@ -202,28 +199,32 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     if generation is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config = generation
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
-    if convert is None:  # (a pipeline's `convert` refuses quantized models itself)
-        convert = lambda m: parallelize(m, plan, comm, mode=mode, recorded=recorded, reuse=reuse,  # noqa: E731
-                                        quantization=quant)
-    convert(model)
     notes: list[str] = []
-    find = key_finder(model, source, notes)
-    quantized: list[str] = []
-    if quant is not None:
-        error = None
+    quantized, error = None, None
+    if quant is not None:  # which layers the checkpoint stores quantized: built so by the conversion
         try:
-            quantized = quantize_layers(model, quant, target_dtype, find, lambda k: _entry_dtype(source, k),
-                                        stored_keys(source, quant))
+            experts, taken = quantized_expert_entries(model, source, quant)  # stacked per-expert tensors
+            find = key_finder(model, source, notes)
+            quantized = plan_quantized(model, quant, target_dtype, find, lambda k: _entry_dtype(source, k),
+                                       stored_keys(source, quant), packed=not dequantize, experts=experts,
+                                       taken=taken)
         except Exception as exc:
             error = exc
         agree(comm, error)
+    else:
+        find = key_finder(model, source, notes)
+    if convert is None:  # (a pipeline's `convert` refuses quantized models itself)
+        convert = lambda m: parallelize(m, plan, comm, mode=mode, recorded=recorded, reuse=reuse,  # noqa: E731
+                                        quantization=quantized)
+    convert(model)
     materialize(model, device)
     place_buffers(model, device)
-    stored = {f"{n}." for n in quantized}
-    buffers = {n for n, _ in model.named_buffers() if not n.startswith(tuple(stored))}
-    error, targets = None, []
+    error, targets, held = None, [], {}
     try:
-        targets = model_targets(model, source, find, strict=False, missing_ok=lambda k: k in buffers)
+        if quantized is not None and dequantize:
+            held = dequantized.holders(model, quantized, device)
+        targets = model_targets(model, source, find, strict=False, missing_ok=_not_in_files(model, held))
+        targets += dequantized.targets(source, held, find)
     except CheckpointError as exc:
         error = CheckpointError(f"{exc}; transformers rebuilds {notes[:2]} in ways tpkit does not read") if notes \
             else exc
@@ -238,8 +239,14 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
         except Exception as exc:
             error = exc
     agree(comm, error)
-    align_kernel_inputs(model)
-    if dequantize and quantized:
-        dequantize_layers(model, comm)
-    check_grad_sums(model, f"from_pretrained({path!r})")
+    dequantized.fill_weights(model, held)
+    finish_loading(model)
     return model.eval()
+
+
+def _not_in_files(model: nn.Module, held: dict[str, nn.Module]):
+    """Which model keys a checkpoint need not hold: buffers computed by the model (not a quantized layer's stored
+    tensors), and the dense weights of layers loaded dequantized (computed from their stored tensors)."""
+    stored = set(record_layouts(model))
+    computed = {n for n, _ in model.named_buffers() if n not in stored} | {k for k, _ in dequantized.dense_keys(held)}
+    return computed.__contains__

@@ -14,6 +14,8 @@ from torch import nn
 
 from ..layout import ShardLayout
 from ..nn.grad_sums import grad_sums, unsummed
+from ..nn.quantized import quant_method_of
+from ..nn.rewrites import rewrites_of
 from ..nn.record import find_record
 from .errors import PlanError
 from .modules import kind
@@ -56,11 +58,21 @@ def key_layouts(model: nn.Module, modules: Mapping[str, nn.Module], layouts: Map
     for name, lays in layouts.items():
         new = model.get_submodule(name) if name else model
         for tname, lay in lays.items():
-            t = getattr(new, tname, None)
+            t = _held(new, tname)
             if t is not None:
                 by_id.setdefault(id(t), lay)
     return {key: by_id.get(id(t)) or ShardLayout.replicated(t.shape, world, rank)
             for key, t in model.state_dict(keep_vars=True).items()}
+
+
+def _held(module: nn.Module, name: str):
+    """The tensor `module` holds under `name` (None where a quantized layer computes it from stored tensors)."""
+    t = module._parameters.get(name)
+    if t is None:
+        t = module._buffers.get(name)
+    if t is not None or quant_method_of(module) is not None or name in rewrites_of(module):
+        return t  # (a rewritten name is computed when read: nothing held under it)
+    return getattr(module, name, None)
 
 
 def shard_layouts(model: nn.Module) -> dict[str, ShardLayout]:

@@ -42,7 +42,7 @@ from .planning.dryrun import dry_run, fits_real_copy, real_first
 from .layouts import check_grad_sums, key_layouts
 from .advice.notices import log_kept_whole
 from .plan import PLAN_WORDS, Plan, check_plan_argument
-from .quantized import refuse_quantized, with_units
+from .quantized import QuantizedLayers, record_layouts, refuse_quantized, with_units
 from .planning.planner import auto_plan
 from .registry import style
 from .planning.reuse import enabled, expand, outside_blocks
@@ -78,7 +78,7 @@ def _names(model: nn.Module) -> list[str]:
 
 def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = "inference",
                 example_inputs: Any = None, sequence_parallel: bool = False, recorded: bool = False,
-                reuse: bool | None = None, quantization: Quantization | None = None) -> nn.Module:
+                reuse: bool | None = None, quantization: Quantization | QuantizedLayers | None = None) -> nn.Module:
     """Convert `model` in place to this rank's tensor-parallel shard and return it.
 
     `plan`: "auto" (the planner's), a `Plan` (applied as is), a path to a plan JSON, or a mapping of user
@@ -107,8 +107,9 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     to the others; the result equals the whole trace's (which is made instead wherever that is unsure, and always
     with sequence parallelism).
 
-    `quantization` (`tpkit.from_pretrained` passes a quantized checkpoint's): column / row pairs split in whole
-    quantization groups where they can (`quantized.py`); the layers stay dense here.
+    `quantization`: a checkpoint's `QuantizedLayers` (`from_pretrained` passes it), whose layers are built holding
+    the stored tensors, empty for a load to fill (`quantized.py`); or a bare `Quantization` (layers stay dense).
+    Either way column / row pairs split in whole quantization groups where they can.
     """
     check_plan_argument(plan)
     refuse_quantized(model)
@@ -139,18 +140,19 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
         the_plan = resolve_plan(model, plan, world, analysis, mode)                       # 2. plan
         if not recorded:                                                                  # 2b. dry run
             the_plan = dry_run(model, the_plan, analysis, comm, sequence_parallel, _user_named(model, plan, analysis))
+    quantized = quantization if isinstance(quantization, QuantizedLayers) else None
     if quantization is not None:
-        the_plan = with_units(the_plan, model, quantization, world)
+        the_plan = with_units(the_plan, model, quantized.quantization if quantized else quantization, world)
     # 3., 4. (after reuse step 4 ran on the cut, whose blocks stand for all; the analysis here has no trace)
     prepared = prepare(model, the_plan, analysis, world, rank, sequence_parallel, recorded or reused is not None)
-    updates = apply(model, prepared, comm)                                                # 5. swap
+    updates = apply(model, prepared, comm, quantized)                                     # 5. build, swap
     styles, per_module, modules = prepared.styles, prepared.layouts, prepared.modules
     kept = {n: s for n, s in styles.items()  # leaves, modules with layouts, containers acting as regions
             if n in analysis.leaves or n in per_module or style(s).region}
     record = Plan(kept, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
-    attach(model, Conversion(comm, key_layouts(model, modules, per_module, world, rank), plan=record,
-                             updated_attributes=updates, settled=prepared.checked))
+    layouts = {**key_layouts(model, modules, per_module, world, rank), **record_layouts(model)}
+    attach(model, Conversion(comm, layouts, plan=record, updated_attributes=updates, settled=prepared.checked))
     check_grad_sums(model, "parallelize")
     log_kept_whole(record, isinstance(plan, str) and plan in PLAN_WORDS, rank)
     return model

@@ -1,31 +1,64 @@
-"""Converting a model whose linear layers a checkpoint stores quantized (`tpkit.quant`).
+"""Converting a model whose linear layers a checkpoint stores quantized (`tpkit.quant`): planned in whole units,
+built quantized.
 
-Two steps around the usual conversion. Before the layouts (`with_units`): a column / row pair whose layers are
-quantized splits its shared features in whole quantization units (groups times packed words) where the split
-can (5 groups of 128 over 2 ranks: 3 / 2), else in whole packed words, so no rank's slice cuts a group that the
-pair could keep whole. Attention splits stay whole heads: a group the heads cut is held by both ranks
-(`tpkit.quant.layouts`). After the swap (`quantize_layers`): each quantized layer's `weight` becomes the
-format's stored tensors (`tpkit.nn.quantized`), their layouts derived from the dense weight's, and the
-conversion record lists them under their stored keys, so loading, saving and `shard_layouts` read them as any
-other tensor.
+`from_pretrained` reads the checkpoint's config and keys and says which layers it stores quantized
+(`plan_quantized`: a `QuantizedLayers`, checked before anything is built: a tied weight, stored tensors no linear
+layer takes); `parallelize(..., quantization=that)` then plans, and builds each of those layers holding the
+format's stored tensors (`tpkit.nn.quantized`: its `QuantMethod`, chosen here): column / row layers through their
+styles, a layer every rank holds whole as a `QuantizedLinear` (`build_layer`). The conversion record gets their
+layouts once, when it is attached (`record_layouts`: each stored tensor's, and the dense weight's under
+`<layer>.weight`, which a LoRA adapter's factors follow, `tpkit.nn.adapter_layouts`), so loading, saving and
+`shard_layouts` read them as any other tensor.
+
+Planning (`with_units`): a column / row pair whose layers are quantized splits its shared features in whole
+quantization units (groups times packed words) where the split can (5 groups of 128 over 2 ranks: 3 / 2), else in
+whole packed words, so no rank's slice cuts a group that the pair could keep whole. Attention splits stay whole
+heads: a group the heads cut is held by both ranks (`tpkit.quant.layouts`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
 from ..layout import ShardLayout
-from ..nn.grad_sums import GradSum, sum_grads
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
-from ..nn.quantized import dequantize_layer, quantize_linear, quant_state
+from ..nn.quantized import QuantMethod, QuantizedLinear, quant_method_of
+from ..nn.quantized_experts import ExpertsQuantMethod, copy_with, experts_methods_of
 from ..quant import (Quantization, QuantizationError, WeightQuant, config_quantization, stored_layout,
                      stored_tensors)
-from .conversion import conversion_of
 from .plan import Plan
 from .roles import ATTENTION
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedLayers:
+    """What a conversion needs to build a checkpoint's quantized layers: its `quantization`, the compute `dtype`,
+    per linear layer the checkpoint stores quantized (module name) the file dtypes of its floating stored tensors
+    (scales), and per fused experts module the parameters it stores quantized with their scheme and file dtypes.
+    `packed=False` (`from_pretrained(dequantize=True)`): the layers are built dense, split as the packed ones would
+    be."""
+
+    quantization: Quantization
+    dtype: torch.dtype
+    layers: Mapping[str, Mapping[str, torch.dtype]]
+    packed: bool = True
+    experts: Mapping[str, Mapping[str, tuple[WeightQuant, Mapping[str, torch.dtype]]]] = dataclasses.field(
+        default_factory=dict)
+
+    def names(self) -> list[str]:
+        """Every module built quantized: linear layers and fused experts."""
+        return list(self.layers) + list(self.experts)
+
+    def method(self, name: str, module: nn.Module):
+        """A new quantization method for module `name`: a `QuantMethod` for a linear layer, `{parameter:
+        ExpertsQuantMethod}` for fused experts."""
+        if name in self.experts:
+            return {p: ExpertsQuantMethod(q, self.dtype, d) for p, (q, d) in self.experts[name].items()}
+        return QuantMethod(scheme_of(self.quantization, name, module), self.dtype, self.layers[name])
 
 
 def is_linear_layer(m: nn.Module) -> bool:
@@ -67,49 +100,78 @@ def _in_features(m: nn.Module) -> int:
     return int(getattr(m, "in_features", 0) or m.weight.shape[1])
 
 
-def quantize_layers(model: nn.Module, quant: Quantization, dtype: torch.dtype,
-                    find: Callable[[str], str | None], file_dtype: Callable[[str], torch.dtype | None],
-                    stored_keys: list[str]) -> list[str]:
-    """Make each linear layer the checkpoint stores quantized hold the stored tensors (empty: the load fills
-    them). `find`: model key -> checkpoint key (None when absent); `file_dtype`: a checkpoint key's dtype;
-    `stored_keys`: the checkpoint's keys that are quantized tensors, every one of which must land in a layer.
-    Checks every layer first (raising `QuantizationError`), then changes them; returns the layers' names."""
-    conv = conversion_of(model)
-    layouts = dict(conv.layouts) if conv is not None else {}
-    world, rank = (conv.world_size, conv.rank) if conv is not None else (1, 0)
-    todo = []
+def plan_quantized(model: nn.Module, quant: Quantization, dtype: torch.dtype, find: Callable[[str], str | None],
+                   file_dtype: Callable[[str], torch.dtype | None], stored_keys: list[str],
+                   packed: bool = True, experts: Mapping[str, Mapping[str, WeightQuant]] | None = None,
+                   taken: set[str] = frozenset()) -> QuantizedLayers:
+    """The layers of `model` (built, not converted) that the checkpoint stores quantized: each linear layer the
+    config's schemes match whose scale the checkpoint holds, and the fused experts `experts` says (module ->
+    {parameter: scheme}: read as stacked entries, which take the stored keys `taken`). `find`: model key ->
+    checkpoint key (None when absent); `file_dtype`: a checkpoint key's dtype; `stored_keys`: the checkpoint's keys
+    that are quantized tensors, every one of which must land in such a layer. Raises `QuantizationError` naming the
+    layer or keys."""
+    layers = {}
     for name, m in model.named_modules():
         scheme = scheme_of(quant, name, m)
         if scheme is None or m._parameters.get("weight") is None:
             continue
-        marker = next(s.name for s in stored_tensors(scheme, 8, 8) if s.name in ("scales", scheme.scale_name))
+        specs = stored_tensors(scheme, 8, 8)
+        marker = next(s.name for s in specs if s.name == scheme.format.roles(scheme).scale)
         if find(f"{name}.{marker}") is None:
             continue  # the checkpoint stores this layer dense
         if _shared_weight(model, m):
             raise QuantizationError(f"{name}: its weight is tied to another module's, and the checkpoint stores it "
                                     f"quantized ({scheme.describe()}); load with dequantize=True")
-        dense = layouts.get(f"{name}.weight") or ShardLayout.replicated(m.weight.shape, world, rank)
-        out, in_ = dense.full_shape
-        for s in stored_tensors(scheme, out, in_):
-            stored_layout(dense, s, name)  # raises on a split the format cannot follow
-        todo.append((name, m, scheme, dense))
-    claimed = {find(f"{n}.{s.name}") for n, _, scheme, dense in todo for s in stored_tensors(scheme, *dense.full_shape)}
-    stray = [k for k in stored_keys if k not in claimed]
+        dtypes = {s.name: file_dtype(find(f"{name}.{s.name}") or "") for s in specs if s.dtype is None}
+        layers[name] = {k: v for k, v in dtypes.items() if v is not None}
+    modules = dict(model.named_modules())
+    claimed = {find(f"{n}.{s.name}") for n in layers
+               for s in stored_tensors(scheme_of(quant, n, modules[n]), *modules[n].weight.shape)}
+    stray = [k for k in stored_keys if k not in claimed and k not in taken]
     if stray:
         raise QuantizationError(f"the checkpoint stores {len(stray)} quantized tensor(s) for layers tpkit does not "
                                 f"read as quantized linear layers: {stray[:4]}{' ...' if len(stray) > 4 else ''} "
                                 f"({quant.describe()}; tpkit reads quantized nn.Linear layers, not "
                                 f"{_kinds(model, stray)}); load with transformers instead")
-    for name, m, scheme, dense in todo:
-        dtypes = {s.name: file_dtype(find(f"{name}.{s.name}") or "") for s in stored_tensors(scheme, 8, 8)}
-        stored = quantize_linear(m, scheme, dense, dtype, {k: v for k, v in dtypes.items() if v is not None}, name)
-        # the dense weight's layout stays under `.weight` (no state-dict key now): what follows the base's split
-        # (a LoRA adapter's factors, `adapter_layouts.py`) reads it there as for a dense layer
-        layouts[f"{name}.weight"] = dense
-        layouts.update({f"{name}.{n}": lay for n, lay in stored.items()})
-    if conv is not None:
-        conv.layouts = layouts
-    return [n for n, *_ in todo]
+    stacked = {m: {p: (q, {s.name: d for s in stored_tensors(q, 8, 8) if s.dtype is None and
+                           (d := file_dtype(find(f"{m}.{p}.{s.name}") or "")) is not None}) for p, q in params.items()}
+               for m, params in (experts or {}).items()}
+    return QuantizedLayers(quant, dtype, layers, packed, stacked)
+
+
+def build_layer(name: str, m: nn.Module, style, layouts, comm, options: Mapping, quantized: QuantizedLayers,
+                world: int, rank: int) -> nn.Module:
+    """Layer `name` (the model's `m`, planned `style` with `layouts`, or None when every rank holds it whole) built
+    holding the checkpoint's stored tensors: by its style, or as a `QuantizedLinear` where it stays whole. A style
+    that splits but cannot build a quantized layer raises `QuantizationError` (before anything changes)."""
+    method = quantized.method(name, m)
+    if style is not None and style.splits and world > 1:
+        if not style.builds_quantized:
+            raise QuantizationError(f"{name}: style {style.name!r} cannot build a layer the checkpoint stores "
+                                    f"quantized ({quantized.quantization.describe()}); plan it 'colwise', 'rowwise' "
+                                    f"or 'replicate', or load with dequantize=True")
+        return style.build(m, layouts, comm, **options, quant_method=method)
+    if isinstance(method, dict):  # fused experts every rank holds whole
+        return copy_with(m, {p: ShardLayout.replicated(tuple(getattr(m, p).shape), world, rank) for p in method},
+                         method, name)
+    return QuantizedLinear.from_module(m, method, ShardLayout.replicated(tuple(m.weight.shape), world, rank), name)
+
+
+def record_layouts(model: nn.Module) -> dict[str, ShardLayout]:
+    """The layouts the conversion record holds for the quantized layers of `model`: each stored tensor's under its
+    state-dict key, and the dense weight's under `<layer>.weight` (no state-dict key: what follows the base's split,
+    a LoRA adapter's factors, reads it there as for a dense layer)."""
+    out = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        method = quant_method_of(m)
+        if method is not None:
+            out[f"{prefix}weight"] = method.dense
+            out.update({f"{prefix}{n}": lay for n, lay in method.layouts.items()})
+        for param, stacked in experts_methods_of(m).items():
+            out[f"{prefix}{param}"] = stacked.dense
+            out.update({f"{prefix}{param}.{n}": lay for n, lay in stacked.layouts.items()})
+    return out
 
 
 def _kinds(model: nn.Module, keys: list[str]) -> str:
@@ -127,27 +189,6 @@ def _shared_weight(model: nn.Module, layer: nn.Module) -> bool:
     return sum(1 for m in model.modules() if m._parameters.get("weight") is w) > 1
 
 
-def dequantize_layers(model: nn.Module, comm) -> None:
-    """Every quantized layer of `model` dense again (its `weight` a trainable Parameter, this rank's slice), the
-    conversion record back to the dense layouts; rows several ranks hold get their gradient sum back."""
-    conv = conversion_of(model)
-    layouts = dict(conv.layouts) if conv is not None else {}
-    for name, m in list(model.named_modules()):
-        st = quant_state(m)
-        if st is None:
-            continue
-        dense = st.dense
-        dequantize_layer(m)
-        m.weight.requires_grad_(True)
-        for s in st.specs:
-            layouts.pop(f"{name}.{s}", None)
-        layouts[f"{name}.weight"] = dense
-        if dense.shares_entries():
-            sum_grads(m, {"weight": GradSum(tuple(dense.index()), dense.full_shape[dense.dim])}, comm)
-    if conv is not None:
-        conv.layouts = layouts
-
-
 _QUANTIZED_NAMES = ("weight_packed", "qweight", "weight_scale_inv", "weight_scale", "SCB")
 
 
@@ -159,7 +200,7 @@ def refuse_quantized(model: nn.Module) -> None:
     method = method.get("quant_method") if isinstance(method, dict) else getattr(method, "quant_method", None)
     method = getattr(method, "value", method)
     for name, m in model.named_modules():
-        if quant_state(m) is not None:
+        if quant_method_of(m) is not None:
             continue
         own = [n for n, _ in m.named_parameters(recurse=False)] + [n for n, _ in m.named_buffers(recurse=False)]
         odd = [n for n, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))

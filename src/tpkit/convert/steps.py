@@ -14,6 +14,7 @@ from torch import nn
 from .family import Checked, Planned
 from .layouts import plan_layouts
 from .plan import Plan
+from .quantized import QuantizedLayers
 from .registry import STYLES, for_module
 from .styles import COLWISE, ROWWISE, Layouts
 from .swap import attribute_updates, build, swap
@@ -51,9 +52,10 @@ def prepare(model: nn.Module, the_plan: Plan, analysis: Analysis, world: int, ra
     return Prepared(modules, styles, per_module, planned, checked, options)
 
 
-def apply(model: nn.Module, p: Prepared, comm) -> dict[str, dict]:
-    """Step 5: build every new layer, then swap them in; returns the attribute updates made."""
-    built = build(p.modules, p.styles, p.layouts, comm, p.options)
+def apply(model: nn.Module, p: Prepared, comm, quantized: QuantizedLayers | None = None) -> dict[str, dict]:
+    """Step 5: build every new layer (`quantized`: the layers a checkpoint stores quantized), then swap them in;
+    returns the attribute updates made."""
+    built = build(p.modules, p.styles, p.layouts, comm, p.options, quantized)
     updates = attribute_updates(p.planned)
     swap(model, p.modules, p.planned, built, updates, p.checked, comm)
     return updates

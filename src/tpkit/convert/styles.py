@@ -17,7 +17,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ..layout import HeadLayoutError, Piece, ShardLayout, group_pieces, head_columns, head_spans
-from ..nn.grad_sums import GradSum, sum_grads
+from ..nn.grad_sums import rows_sum, sum_grads
 from .errors import PlanError
 from .modules import (as_linear, is_conv2d, is_embedding, is_linear, is_per_channel, is_plain_conv2d,
                       is_transposed_linear, keep_output_scale, kind, linear_dims)
@@ -65,6 +65,7 @@ class Style:
     split_output = False  # its output stays split over features, for layers that take a split input
     split_input = False   # it takes a feature-split input
     splits = False        # it splits some tensor (False: every rank holds the module whole)
+    builds_quantized = False  # its `build` takes `quant_method=` (a linear layer a checkpoint stores quantized)
 
     def check(self, name: str, m: nn.Module, role: Role | None, world: int) -> None:
         """Raise PlanError if this style cannot be applied to `m` at this world size."""
@@ -73,7 +74,8 @@ class Style:
         return replicated_layouts(m, world, rank)
 
     def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module | None:
-        """This rank's replacement for `m`, or None when `m` stays as it is."""
+        """This rank's replacement for `m`, or None when `m` stays as it is. A style that `builds_quantized` also
+        takes `quant_method=`: the layer is built holding the checkpoint's stored tensors (`tpkit.nn.quantized`)."""
         return None
 
     def check_dataflow(self, name: str, planned: Any, lookup: Lookup) -> None:
@@ -176,22 +178,26 @@ class ColWise(_FeatureSplit):
     description = ("split output features (attention: whole heads; packed projections: piece by piece); output "
                    "stays split for the row-wise layer that follows")
     gather = False
+    builds_quantized = True
 
-    def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
+    def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False,
+              quant_method=None) -> nn.Module:
         from ..nn import ColumnParallelConv2d, ColumnParallelLinear
 
         if is_conv2d(m):
             return ColumnParallelConv2d.from_module(m, comm, gather_output=self.gather)
         lay = layouts["weight"]
         lin, sp = as_linear(m), _sp(sequence_parallel)
+        if quant_method is not None:
+            sp.update(quant_method=quant_method, weight_layout=lay)
         if lay.is_plain_split() or self.gather:
             return ColumnParallelLinear.from_module(lin, comm, gather_output=self.gather, **sp)
         layer = ColumnParallelLinear.from_module(lin, comm, index=lay.index(), partition_sizes=lay.sizes(), **sp)
         # Some rows (replicated KV heads) live on several ranks: every rank joins the gradient sum, including
         # one whose own rows are all single (KV heads 2 over 3 ranks: rank 0 holds head 0 alone). How many ranks
         # hold each row is the layout's fact (`replicas()`), which the model's record keeps by name.
-        if lay.shares_entries():
-            rows = GradSum(tuple(lay.index()), lay.full_shape[lay.dim])
+        rows = rows_sum(lay)
+        if rows is not None:
             sum_grads(layer, {n: rows for n, p in layer.named_parameters(recurse=False)}, comm)
         return layer
 
@@ -241,14 +247,18 @@ class RowWise(_FeatureSplit):
     column = False
     input_is_parallel = True
     split_input = True
+    builds_quantized = True
 
-    def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
+    def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False,
+              quant_method=None) -> nn.Module:
         from ..nn import RowParallelConv2d, RowParallelLinear
 
         if is_conv2d(m):
             return RowParallelConv2d.from_module(m, comm, input_is_parallel=self.input_is_parallel)
         lay = layouts["weight"]
         lin, sp = as_linear(m), _sp(sequence_parallel)
+        if quant_method is not None:
+            sp.update(quant_method=quant_method, weight_layout=lay)
         if lay.is_plain_split() or not self.input_is_parallel:
             return RowParallelLinear.from_module(lin, comm, input_is_parallel=self.input_is_parallel, **sp)
         return RowParallelLinear.from_module(lin, comm, index=lay.index(), partition_sizes=lay.sizes(), **sp)

@@ -12,25 +12,34 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from ..nn.quantized import quant_method_of
+from ..nn.rewrites import rewrites_of
 from .family import Checked, Planned
 from .modules import is_embedding
+from .quantized import QuantizedLayers, build_layer
 from .registry import families, style
 from .styles import Layouts
 from .trace import Analysis
 
 
 def build(modules: Mapping[str, nn.Module], styles: Mapping[str, str], layouts: Mapping[str, Layouts], comm,
-          options: Mapping[str, Mapping[str, Any]]) -> dict[str, nn.Module]:
+          options: Mapping[str, Mapping[str, Any]], quantized: QuantizedLayers | None = None) -> dict[str, nn.Module]:
     """Every module's replacement on this rank (modules a style keeps are absent); `options`: extra keyword
-    arguments of a module's build (sequence-parallel rows). Nothing is changed."""
-    if comm.world_size == 1:
-        return {}
+    arguments of a module's build (sequence-parallel rows); `quantized`: the layers a checkpoint stores quantized,
+    built holding its stored tensors, split or whole (`quantized.build_layer`), at any world size. Nothing is
+    changed."""
+    world, rank = comm.world_size, comm.rank
+    packed = quantized.names() if quantized is not None and quantized.packed else ()
     built = {}
     for name, s in styles.items():
-        if name in layouts:
+        if world > 1 and name in layouts and name not in packed:
             new = style(s).build(modules[name], layouts[name], comm, **options.get(name, {}))
             if new is not None:
                 built[name] = new
+    for name in packed:
+        planned = style(styles[name]) if name in styles and name in layouts else None
+        built[name] = build_layer(name, modules[name], planned, layouts.get(name), comm, options.get(name, {}),
+                                  quantized, world, rank)
     return built
 
 
@@ -80,7 +89,8 @@ def _repoint_shared_parameters(model: nn.Module, before: Mapping[str, nn.Module]
     replaced = {}
     for name, new in built.items():
         for pname, old in before[name].named_parameters(recurse=False):
-            shard = getattr(new, pname, None)
+            shard = new._parameters.get(pname) if pname in rewrites_of(new) or quant_method_of(new) is not None \
+                else getattr(new, pname, None)
             if isinstance(shard, nn.Parameter):
                 replaced[id(old)] = shard
     if not replaced:

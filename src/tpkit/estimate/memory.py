@@ -23,7 +23,7 @@ from .activations import normalise_recompute, transformer_activation_bytes, tran
 from .communication import largest_collective_bytes
 from .config import attention_kind, config_value, own_dtype, resolve_target
 from .measure import measure_step
-from .params import (OPTIMIZERS, analysed_parameters, fullest_rank, optimizer_bytes_per_parameter,
+from .params import (OPTIMIZERS, analysed_parameters, fullest_quantized, optimizer_bytes_per_parameter,
                      parameter_counts, quantized_weights)
 from .ranks import rank_heads
 from .report import MODES, Breakdown, MemoryEstimate
@@ -228,8 +228,7 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
         kv = [one["kv_cache"], many["kv_cache"]]
     quant = config_quantization(config)
     if quant is not None:
-        extra["quantized"] = (quantized_weights(shape, quant, 1, 0, B), quantized_weights(
-            shape, quant, world_size, fullest_rank(shape, world_size) if world_size > 1 else 0, B))
+        extra["quantized"] = (quantized_weights(shape, quant, 1, 0, B), fullest_quantized(shape, quant, world_size, B))
         w, b = extra["quantized"][0]
         notes.append(f"linear layers stored quantized ({quant.describe()}): {b / max(w, 1):.3f} bytes per weight as "
                      f"stored, frozen in training (no gradient or optimizer state)")

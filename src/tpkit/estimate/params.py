@@ -126,24 +126,58 @@ def analysed_parameters(model: nn.Module, world_size: int, mode: str, example=No
 
 def quantized_weights(shape: TransformerShape, quant, world_size: int, rank: int, scale_bytes: int) -> tuple[int, int]:
     """(weights, bytes) `rank` holds of the block linear layers a quantized checkpoint stores packed (`quant`, a
-    `tpkit.quant.Quantization`): each layer's stored tensors (packed values, scales, zero points) at the rank's
-    width, as `tpkit.quant.stored_tensors` lists them. Embeddings and the LM head count as the dense parameters
-    they are unless the checkpoint's scheme names them."""
+    `tpkit.quant.Quantization`): `weights` at the dense split `parameter_counts` counts (what the stored tensors
+    replace), `bytes` the layers' stored tensors (packed values, scales, zero points) at the rank's width, as
+    `tpkit.quant.stored_tensors` lists them, the MLP's features split in whole groups as the load splits them
+    (`mlp_unit`). Embeddings and the LM head count as the dense parameters they are unless the checkpoint's scheme
+    names them."""
     from ..quant import stored_tensors
 
     q_heads, kv_heads, f, _ = rank_widths(shape, world_size, rank)
+    unit = mlp_unit(shape, quant, world_size)
+    held_f = split_sizes(shape.intermediate_size // unit, world_size)[rank] * unit if unit else f
     h, d = shape.hidden_size, shape.head_dim
     q, kv = q_heads * d, kv_heads * d
-    attention = [("self_attn.q_proj", q, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
-                 ("self_attn.o_proj", h, q)]
-    mlp = ([("mlp.gate_proj", f, h), ("mlp.up_proj", f, h)] if shape.gated_mlp else [("mlp.up_proj", f, h)])
-    mlp.append(("mlp.down_proj", h, f))
+    attention = [("self_attn.q_proj", q, h, q), ("self_attn.k_proj", kv, h, kv), ("self_attn.v_proj", kv, h, kv),
+                 ("self_attn.o_proj", h, q, h)]
+    up = [("mlp.gate_proj", f, h, held_f), ("mlp.up_proj", f, h, held_f)] if shape.gated_mlp else \
+        [("mlp.up_proj", f, h, held_f)]
     weights = stored = 0
-    for name, out, in_ in attention + mlp:
+    for name, out, in_, held_out in attention + up + [("mlp.down_proj", h, f, h)]:
         scheme = quant.scheme_for(f"model.layers.0.{name}", "Linear")
         if scheme is None or out == 0 or in_ == 0:
             continue
         weights += out * in_
+        held_in = held_f if name == "mlp.down_proj" else in_
         stored += sum(math.prod(s.shape) * (s.dtype.itemsize if s.dtype else scale_bytes)
-                      for s in stored_tensors(scheme, out, in_))
+                      for s in stored_tensors(scheme, held_out, held_in))
     return weights * shape.num_layers, stored * shape.num_layers
+
+
+def fullest_quantized(shape, quant, world_size: int, B: int) -> tuple[int, int]:
+    """(weights, stored bytes) for the per-rank breakdown of a quantized checkpoint: of the rank that holds the most
+    bytes once its layers are stored quantized (whole groups move the fullest rank: not always the dense one). The
+    breakdown subtracts `weights` from the dense fullest rank's count, so the other rank's dense difference is
+    folded into it: its parameters, gradients and optimizer states are then that rank's."""
+    if world_size == 1:
+        return quantized_weights(shape, quant, 1, 0, B)
+    dense = [sum(parameter_counts(shape, world_size, r).values()) for r in range(world_size)]
+    held = [quantized_weights(shape, quant, world_size, r, B) for r in range(world_size)]
+    r = max(range(world_size), key=lambda r: (dense[r] - held[r][0]) * B + held[r][1])
+    return held[r][0] + max(dense) - dense[r], held[r][1]
+
+
+def mlp_unit(shape: TransformerShape, quant, world_size: int) -> int | None:
+    """The features a quantized MLP's split keeps whole (`tpkit.convert.quantized.with_units`, the load's rule:
+    the lcm of its layers' groups and packed words, else of their packed words, where every rank gets one), or
+    None for the plain split."""
+    names = (["mlp.gate_proj", "mlp.up_proj"] if shape.gated_mlp else ["mlp.up_proj"]) + ["mlp.down_proj"]
+    unit = pack = 1
+    for name in names:
+        scheme = quant.scheme_for(f"model.layers.0.{name}", "Linear")
+        if scheme is not None:
+            dim = 1 if name == "mlp.down_proj" else 0
+            unit, pack = math.lcm(unit, scheme.units()[dim]), math.lcm(pack, scheme.packing()[dim])
+    f = shape.intermediate_size
+    chosen = next((u for u in (unit, pack) if f % u == 0 and f // u >= world_size), None)
+    return chosen if world_size > 1 and chosen not in (None, 1) else None

@@ -305,6 +305,7 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     peak = ex(lambda t, p: t.peak_bytes)
     if peak:  # the traced peak of the plain step, moved by what DP and recompute change (the sum of parts' delta)
         memory = peak + memory - _memory(Setup(setup.tp), goal, *parts)
+    memory -= _quantized_saving(config, setup, goal, item)
     saved = min(ex(lambda t, p: t.saved_bytes), memory) if goal == "train" else 0.0
     return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm, kernels, overhead, tp_comm, dp_comm,
                       memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))),
@@ -328,6 +329,25 @@ def _pipelined(model_or_config, setup: Setup, goal, batch_size, seq_len, profile
     activation = -(-batch_size // setup.dp) * seq_len * hidden * item  # one dp rank's batch, at a stage boundary
     rates = profile.rates(ranks or setup.devices, hardware, item)
     return pipelined(base, setup, rates, activation)
+
+
+def _quantized_saving(config, setup: Setup, goal: str, item: int) -> float:
+    """Bytes a rank does not hold because a quantized checkpoint stores its block linear layers packed: the traced
+    model is dense, so its weights (and, training, their gradients and AdamW states: the packed base is frozen) less
+    the stored tensors (`params.quantized_weights`, the rank with the most bytes). 0 for a dense config. The speed
+    is still priced as the dense product's (the quantized products are not in the traced step)."""
+    from ..quant import config_quantization
+    from .config import transformer_shape
+    from .params import fullest_quantized
+
+    quant = config_quantization(config) if config is not None else None
+    if quant is None:
+        return 0.0
+    weights, stored = fullest_quantized(transformer_shape(config), quant, setup.tp, item)
+    frozen = weights * (item + 8) if goal == "train" else 0.0
+    if goal == "train" and setup.dp_mode == "fsdp" and setup.dp > 1:
+        frozen /= setup.dp
+    return weights * item - stored + frozen
 
 
 def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:

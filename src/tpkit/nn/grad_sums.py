@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
+from ..layout import ShardLayout
 from .mappings import copy_rows_to_region, copy_to_region
 from .rewrites import Rewrite, rewrite, rewrites_of, unapplied
 
@@ -33,6 +34,14 @@ class GradSum:
 
     rows: tuple[int, ...] | None = None
     full_rows: int = 0
+
+
+def rows_sum(layout: ShardLayout) -> GradSum | None:
+    """The gradient sum of a tensor whose rows (dim `layout.dim`, the rows of a column split) several ranks hold,
+    each for its own part of the work (a KV head two ranks' query heads read), or None when no row is shared."""
+    if not layout.shares_entries():
+        return None
+    return GradSum(tuple(layout.index()), layout.full_shape[layout.dim])
 
 
 def summed(p: torch.Tensor, how: GradSum, comm: Communicator) -> torch.Tensor:

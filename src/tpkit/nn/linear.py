@@ -25,11 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.communicator import Communicator
+from ..layout import ShardLayout
 from ._layer import (TensorParallelModule, check_index, check_last_dim, check_module, check_positive,
                      check_sequence_divisible, full_module, make_shard)
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
                        reduce_scatter_to_sequence_region, scatter_to_region)
 from .partition import partition_sizes
+from ..quant.products import half_linear
+from .quantized import QuantMethod, plain_layout
 from .sequence_parallel import mark_sequence_parallel
 
 #: A branch added to a layer's local product (a LoRA adapter): the region's input in, a local output out.
@@ -45,7 +48,8 @@ class _ParallelLinear(TensorParallelModule):
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: Communicator | None,
                  sequence_parallel: bool, sequence_dim: int, chunk: int, even: bool, device, dtype,
                  _full: nn.Linear | None = None, _index: Sequence[int] | None = None,
-                 _sizes: Sequence[int] | None = None):
+                 _sizes: Sequence[int] | None = None, quant_method: QuantMethod | None = None,
+                 weight_layout: ShardLayout | None = None):
         super().__init__()
         name = type(self).__name__
         check_positive(name, in_features=in_features, out_features=out_features)
@@ -63,18 +67,29 @@ class _ParallelLinear(TensorParallelModule):
         self.partition_index = None if _index is None else tuple(_index)
         if _full is None:
             _full = full_module(lambda **kw: nn.Linear(in_features, out_features, bias, **kw), device, dtype)
-        for pname in ("weight", "bias"):
+        for pname in ("weight", "bias") if quant_method is None else ("bias",):
             dim = self.PARTITION_DIMS[pname]
             tensor = getattr(_full, pname)
             param = make_shard(tensor, dim, self.partition_sizes, self.rank, device=device, dtype=dtype,
                                requires_grad=True if tensor is None else tensor.requires_grad,
                                index=None if dim is None else _index)
             self.register_parameter(pname, param)
+        self.quant_method = None
+        if quant_method is not None:  # the weight stored in the checkpoint's format (`tpkit.nn.quantized`)
+            if weight_layout is None and _index is not None:
+                raise TypeError(f"{name}: a quantized layer with an explicit index needs its dense weight_layout")
+            dense_dim = self.PARTITION_DIMS["weight"]
+            full = (out_features, in_features)
+            quant_method.create_weights(self, weight_layout or plain_layout(full, dense_dim, self.partition_sizes,
+                                                                            self.rank),
+                                        device if device is not None else _full.weight.device, name)
 
     @classmethod
     def from_module(cls, module: nn.Linear, comm: Communicator | None = None, *, device=None, dtype=None,
                     index: Sequence[int] | None = None, partition_sizes: Sequence[int] | None = None, **kwargs):
-        """This rank's shard of an existing `nn.Linear` (meta modules give meta shards).
+        """This rank's shard of an existing `nn.Linear` (meta modules give meta shards); with `quant_method` (a
+        `tpkit.nn.quantized.QuantMethod`, and the dense `weight_layout` for an explicit index) the layer holds the
+        format's stored tensors instead of a weight, empty (a load fills them).
 
         The shard is a copy, so the full module can be freed; at world size 1 the layer holds the module's own
         tensors. `device` / `dtype` move the shards; other keywords are the constructor's. `index` (with every
@@ -89,26 +104,38 @@ class _ParallelLinear(TensorParallelModule):
                    dtype=dtype, _full=module, _index=index, _sizes=partition_sizes, **kwargs)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x W^T + bias` with this rank's weight: the one product the forward computes (a quantized layer computes
-        it from its packed weights, `tpkit.nn.quantized`)."""
-        return F.linear(x, self.weight, bias)
+        """`x W^T + bias` with this rank's weight: the one product the forward computes (a quantized layer's method
+        computes it from the stored weights, `tpkit.nn.quantized`; a bf16 / fp16 weight at a few rows goes through
+        the faster of `F.linear` and tpkit's compiled product, `tpkit.quant.products.half_linear`)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        weight = self.weight
+        y = half_linear(x, weight)  # a bf16 / fp16 weight at decode: the faster product measured
+        if y is not None:
+            return y if bias is None else y + bias
+        return F.linear(x, weight, bias)
 
     @property
     def in_features_local(self) -> int:
         """Input features this rank's shard multiplies (the seed's name): all of them for a column layer, this
         rank's slice for a row layer. Read from the weight (`[out, in]`), so it is what the rank holds, explicit
         index and uneven splits included."""
-        return int(self.weight.shape[1])
+        return self._local_shape()[1]
 
     @property
     def out_features_local(self) -> int:
         """Output features this rank's shard produces (the seed's name): this rank's slice for a column layer,
         all of them for a row layer (before its all-reduce they are partial sums). Read from the weight."""
-        return int(self.weight.shape[0])
+        return self._local_shape()[0]
+
+    def _local_shape(self) -> tuple[int, int]:
+        """The local weight's `[out, in]` (a quantized layer's without dequantizing it)."""
+        return self.quant_method.shape if self.quant_method is not None else tuple(self.weight.shape)
 
     def extra_repr(self) -> str:
+        quant = f", quantized={self.quant_method.describe()}" if self.quant_method is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"world_size={self.world_size}, rank={self.rank}, local_weight={tuple(self.weight.shape)}"
+                f"world_size={self.world_size}, rank={self.rank}, local_weight={self._local_shape()}{quant}"
                 + (", sequence_parallel=True" if self.sequence_parallel else ""))
 
 

@@ -36,7 +36,7 @@ from .lora_checks import DORA_REASON, PLAIN_INITS, LoraTPError, check_config  # 
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .lora_dropout import one_mask_dropout
 from .lora_embedding import VocabParallelLoraEmbedding
-from .quantized import quant_state
+from .quantized import quant_method_of
 from .record import SplitsParameters
 
 class _ParallelLoraLinear(LoraLinear, SplitsParameters):
@@ -123,10 +123,10 @@ class _ParallelLoraLinear(LoraLinear, SplitsParameters):
         """PEFT's merge, refused on a quantized base: its weight is packed integers, and the dequantized tensor
         `weight` gives is a copy, so adding the delta to it would merge nothing while the adapter stops running."""
         base = self.get_base_layer()
-        st = quant_state(base)
-        if st is not None:
+        method = quant_method_of(base)
+        if method is not None:
             raise LoraTPError(f"{type(base).__name__}: cannot merge a LoRA adapter into a quantized base layer "
-                              f"({st.scheme.describe()}): its weight is stored packed. Keep the adapter unmerged, "
+                              f"({method.describe()}): its weight is stored packed. Keep the adapter unmerged, "
                               f"or load the checkpoint with tpkit.from_pretrained(path, dequantize=True) to merge "
                               f"into dense weights")
         super().merge(*args, **kwargs)
@@ -256,14 +256,14 @@ def take_slices(module: _ParallelLoraLinear, state_dict: dict, prefix: str, *arg
 
 def _base_dtype(base: nn.Module) -> torch.dtype:
     """The base layer's compute dtype, without dequantizing a quantized base's weight to read it."""
-    st = quant_state(base)
-    return st.dtype if st is not None else base.weight.dtype
+    method = quant_method_of(base)
+    return method.dtype if method is not None else base.weight.dtype
 
 
 def _base_rows_sum(base: nn.Module) -> GradSum | None:
     """The base weight's per-row gradient sum (rows several ranks hold), which B's rows then share."""
-    quantized = quant_state(base)
-    spec = quantized.weight_sum if quantized is not None else sum_of(base, "weight")
+    method = quant_method_of(base)
+    spec = method.weight_sum if method is not None else sum_of(base, "weight")
     return spec if spec is not None and spec.rows is not None else None
 
 

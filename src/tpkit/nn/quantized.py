@@ -1,162 +1,200 @@
-"""Quantized linear layers: a linear layer (whole, column- or row-parallel) whose weight is stored packed.
+"""Quantized linear layers: the quantization method of a layer, chosen when the layer is built.
 
-`quantize_linear(layer, scheme, dense_layout, dtype)` replaces the layer's `weight` Parameter by the tensors
-its checkpoint format stores (`tpkit.quant.stored_tensors`: packed integers or FP8 values, scales, zero points,
-`g_idx`) as buffers under their stored names, each holding this rank's slice (`tpkit.quant.stored_layout` of the
-dense weight's layout), so the state dict keeps the format's keys and a save keeps the format. No dense copy is
-held: reading `layer.weight` dequantizes this rank's slice in the compute dtype, and the layer's product
-(`matmul`, inside its own forward and communication) is torch's weight-only CPU kernel where one maps onto the
-format (`tpkit.quant.kernels`), else `F.linear` of that dequantized slice. The weight is frozen (a buffer): gradients reach the input and the
-bias, as for a quantized base under an adapter.
+A `QuantMethod` (vLLM's per-layer `LinearMethod`) is how one linear layer stores and computes its weight in a
+checkpoint's format (`tpkit.quant`): `create_weights(layer, dense, device)` registers on the layer, under their
+stored names, the tensors the format stores in place of `weight` (packed integers or FP8 values, scales, zero
+points, `g_idx`), each holding this rank's slice (`tpkit.quant.stored_layout` of the dense weight's layout `dense`),
+so the state dict keeps the format's keys and a save keeps the format; `apply(layer, x, bias)` is the layer's
+product: the format's fast product where one applies to the local slice (`Format.product`: torch's weight-only CPU
+kernels) and the input needs no gradient (the kernels have none), else `F.linear` of the dequantized slice. No
+dense copy is held: reading `layer.weight` dequantizes this rank's slice in the compute dtype, through the one
+rewrite protocol (`rewrites.py`: the method is the `weight`'s rewrite, `in_forward_only = False`). The weight is
+frozen (buffers): gradients reach the input and the bias, as for a quantized base under an adapter; the dense
+weight's gradient sum (rows several ranks hold) is kept as `weight_sum`, for an adapter whose rows follow it
+(`tpkit.nn.lora`).
 
-The layer's class becomes a subclass made once per class (the `weight` property), with the base's behaviour
-otherwise; `isinstance(layer, ColumnParallelLinear)` still holds.
+The layers take their method when they are built: `ColumnParallelLinear` / `RowParallelLinear` (`quant_method=`,
+their `matmul` calls it) and, for a layer every rank holds whole (world size 1, a layer a plan keeps whole),
+`QuantizedLinear` in place of the `nn.Linear`. `quant_method_of(layer)` is the one way to ask a layer for it.
 """
 from __future__ import annotations
 
-import dataclasses
-import threading
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layout import ShardLayout
-from .grad_sums import GradSum, sum_of
-from .rewrites import remove_rewrite
-from ..quant import StoredTensor, WeightQuant, dequantize, positions, stored_layout, stored_tensors
-from ..quant.kernels import int4_linear, int8_linear, kernel_for
-from ..quant.packing import unpack_signed
+from ..layout import Piece, ShardLayout
+from ..quant import WeightQuant, dequantize, positions, stored_layout, stored_tensors
+from ..quant.products import fastest
+from .grad_sums import GradSum, rows_sum
+from .rewrites import Rewrite, rewrite
 
-_MAP = "tp_qmap_{}_{}"
+_MAP = "tp_qmap_{}_{}"  # a non-persistent buffer: for each local dense feature, the stored entry that covers it
+_KEPT = "tp_kernel_"  # non-persistent buffers: what the layer's fast product reads on every call
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantState:
-    """What a quantized layer needs besides its tensors: the scheme, its stored tensors' specs (full shapes), the
-    dense weight's layout (`shape`: its local `[out, in]`) and the compute dtype."""
+class QuantMethod(Rewrite):
+    """How one linear layer stores and computes its weight (see the module docstring). Built with the layer's
+    scheme, its compute dtype and the file dtypes of its floating stored tensors (scales; default `dtype`); filled
+    in by `create_weights`."""
 
-    scheme: WeightQuant
-    specs: dict[str, StoredTensor]
-    dense: ShardLayout
-    dtype: torch.dtype
-    kernel: str | None = None  # "int4" / "int8": torch's CPU kernel computes the product (`tpkit.quant.kernels`)
-    weight_sum: GradSum | None = None  # the dense weight's gradient sum (rows several ranks hold): a frozen weight
-    #                                    needs none, an adapter whose rows follow it does (`tpkit.nn.lora`)
+    in_forward_only = False  # every read of `weight` is the dequantized slice
+
+    def __init__(self, scheme: WeightQuant, dtype: torch.dtype, stored_dtypes: Mapping[str, torch.dtype] = None):
+        self.scheme, self.dtype, self.format = scheme, dtype, scheme.format
+        self.stored_dtypes = dict(stored_dtypes or {})
+        self.specs: dict = {}
+        self.layouts: dict[str, ShardLayout] = {}
+        self.dense: ShardLayout | None = None
+        self.maps: tuple[tuple[str, int], ...] = ()
+        self.product = None
+        self.weight_sum: GradSum | None = None
+
+    @property
+    def kernel(self) -> str | None:
+        """What computes the product where the input needs no gradient: the fast product's name, or None (the
+        dequantized slice)."""
+        return None if self.product is None else self.product.name
 
     @property
     def shape(self) -> tuple[int, int]:
+        """The layer's local dense `[out, in]`."""
         return tuple(self.dense.local_shape)
 
+    def create_weights(self, layer: nn.Module, dense: ShardLayout, device, where: str = "") -> dict[str, ShardLayout]:
+        """Register the stored tensors on `layer` (empty, at this rank's local shapes, on `device`, meta included)
+        for the dense weight's layout `dense`, and this method as its `weight`; returns their layouts by stored name.
+        `where`: the layer's name, for messages. Checks everything first."""
+        if "weight" in layer._parameters or dense.transposed or len(dense.full_shape) != 2:
+            raise TypeError(f"{where or type(layer).__name__}: a quantized layer is built without a dense weight "
+                            f"Parameter and with an [out, in] dense layout")
+        specs = {s.name: s for s in stored_tensors(self.scheme, *dense.full_shape)}
+        layouts = {n: stored_layout(dense, s, where) for n, s in specs.items()}  # raises before anything changes
+        device = torch.device(device if device is not None else "meta")
+        dtypes = {n: s.dtype or self.stored_dtypes.get(n, self.dtype) for n, s in specs.items()}
+        maps = []
+        for n, s in specs.items():
+            layer.register_buffer(n, torch.empty(layouts[n].local_shape, dtype=dtypes[n], device=device))
+            for i in range(len(s.dims)):
+                m = positions(dense, s, i)
+                if m is not None:
+                    maps.append((n, i))
+                    layer.register_buffer(_MAP.format(n, i), m.to(device if device.type != "meta" else "cpu"),
+                                          persistent=False)
+        self.specs, self.layouts, self.dense, self.maps = specs, layouts, dense, tuple(maps)
+        self.candidates = self.format.products(self.scheme, self.shape, bool(maps), self.dtype,
+                                               dtypes.get(self.format.roles(self.scheme).scale))
+        self.product, self.resident = None, ()
+        self.weight_sum = rows_sum(dense) if dense.dim == 0 else None
+        layer.quant_method = self
+        rewrite(layer, "weight", self)
+        layer.register_load_state_dict_post_hook(self._loaded)  # new stored values: the product's tensors anew
+        return layouts
 
-def _weight(self) -> torch.Tensor:
-    st: QuantState = self.__dict__["tp_quant"]
-    b = self._buffers
-    tensors = {n: b[n] for n in st.specs}
-    maps = {(n, i): b.get(_MAP.format(n, i)) for n, s in st.specs.items() for i in range(len(s.dims))}
-    return dequantize(st.scheme, st.specs, tensors, maps, st.shape, st.dtype)
+    # ------------------------------------------------------------------------------------------------ reading
+    def read(self, module: nn.Module, name: str, stored: torch.Tensor | None) -> torch.Tensor:
+        return self.weight(module)
 
+    def weight(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's dense local weight `[out, in]` in the compute dtype, dequantized from its stored tensors."""
+        b = layer._buffers
+        tensors = {n: b[n] for n in self.specs}
+        maps = {key: b[_MAP.format(*key)] for key in self.maps}
+        return dequantize(self.scheme, self.specs, tensors, maps, self.shape, self.dtype, self.format)
 
-def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The layer's product: torch's weight-only CPU kernel where one maps onto the stored format and no gradient
-    is asked of the input (the kernels have no backward), else the dequantized slice through `F.linear`."""
-    st: QuantState = self.__dict__["tp_quant"]
-    if st.kernel is None or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
-        return F.linear(x, self.weight, bias)
-    b = self._buffers
-    if st.kernel == "int4":
-        y = int4_linear(x, b["weight_packed"], b["weight_scale"], _signed_zero_point(st, b), st.scheme.group_size)
-    else:
-        y = int8_linear(x, b[_weight_name(st.scheme)], b["weight_scale"])
-    return y if bias is None else y + bias
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x W^T + bias` with the layer's local weight (see the module docstring for the path taken)."""
+        p = self.product
+        if p is None or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad) or \
+                (p.max_rows is not None and x.numel() > p.max_rows * x.shape[-1]):
+            return F.linear(x, self.weight(layer), bias)
+        b = layer._buffers
+        y = p(x, {key: b[name] for key, name in self.resident})
+        return y if bias is None else y + bias
 
+    def after_loading(self, layer: nn.Module) -> None:
+        """Once the stored tensors hold their values: pick the fastest product measured on this layer's shape
+        (`tpkit.quant.products.fastest`) and keep the tensors it reads on every call: a stored tensor itself where
+        the product reads it in place (or in its place, the same values on a 64-byte boundary), else a
+        non-persistent buffer (scales as float32 tables)."""
+        b = layer._buffers
+        for n in [n for n in b if n.startswith(_KEPT)]:
+            del b[n]
+            layer._non_persistent_buffers_set.discard(n)
+        stored = {n: b[n] for n in self.specs}
+        self.product = fastest(self.candidates, stored, self.shape[1], self.dtype)
+        resident = self.product.resident(stored) if self.product is not None else {}
+        kept = []
+        for key, t in resident.items():
+            same = next((n for n, s in stored.items() if s is t), None)
+            if key in self.specs:
+                b[key] = t  # the same values (on a 64-byte boundary)
+                kept.append((key, key))
+            elif same is not None:
+                kept.append((key, same))
+            else:
+                layer.register_buffer(_KEPT + key, t, persistent=False)
+                kept.append((key, _KEPT + key))
+        self.resident = tuple(kept)
 
-def _weight_name(q: WeightQuant) -> str:
-    return "weight_packed" if q.layout == "ct_pack" else "weight"
+    def _loaded(self, layer: nn.Module, incompatible) -> None:
+        self.after_loading(layer)
 
-
-def _signed_zero_point(st: QuantState, b) -> torch.Tensor | None:
-    z = b.get("weight_zero_point")
-    return None if z is None else unpack_signed(z, st.scheme.bits, 0)
-
-
-def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.matmul(x, self.bias)
-
-
-_LOCK = threading.Lock()
-_CLASSES: dict[type, type] = {}
-
-
-def _rebuild(base: type) -> nn.Module:
-    return object.__new__(quantized_class(base))
-
-
-def _reduce_ex(self, protocol):
-    return _rebuild, (self.__dict__["tp_quant_base"],), self.__getstate__()
-
-
-def quantized_class(base: type) -> type:
-    """The subclass of `base` whose `weight` is dequantized from its stored tensors (one per base, kept)."""
-    with _LOCK:
-        cls = _CLASSES.get(base)
-        if cls is None:
-            body = {"weight": property(_weight), "matmul": _matmul, "__module__": base.__module__,
-                    "__reduce_ex__": _reduce_ex, "__qualname__": "Quantized" + base.__qualname__,
-                    "__doc__": base.__doc__}
-            if not hasattr(base, "matmul"):  # nn.Linear: its forward is the product
-                body["forward"] = _forward
-            cls = _CLASSES[base] = type("Quantized" + base.__name__, (base,), body)
-        return cls
-
-
-def quant_state(module: nn.Module) -> QuantState | None:
-    return module.__dict__.get("tp_quant")
-
-
-def quantize_linear(layer: nn.Module, scheme: WeightQuant, dense: ShardLayout, dtype: torch.dtype,
-                    stored_dtypes: dict[str, torch.dtype], where: str) -> dict[str, ShardLayout]:
-    """Replace `layer.weight` (a Parameter of the dense layout `dense`, on any device, meta included) by the
-    scheme's stored tensors, empty, at this rank's local shapes, on its device; returns their layouts by name.
-    `stored_dtypes`: the file's dtype of each stored floating tensor (scales). Checks everything first."""
-    w = layer._parameters.get("weight")
-    if w is None or dense.transposed or len(dense.full_shape) != 2:
-        raise TypeError(f"{where}: quantize_linear needs a linear layer holding a [out, in] weight Parameter")
-    out, in_ = dense.full_shape
-    specs = {s.name: s for s in stored_tensors(scheme, out, in_)}
-    layouts = {n: stored_layout(dense, s, where) for n, s in specs.items()}  # raises before anything changes
-    device = w.device
-    del layer._parameters["weight"]
-    mapped, dtypes = False, {n: s.dtype or stored_dtypes.get(n, dtype) for n, s in specs.items()}
-    for n, s in specs.items():
-        layer.register_buffer(n, torch.empty(layouts[n].local_shape, dtype=dtypes[n], device=device))
-        for i in range(len(s.dims)):
-            m = positions(dense, s, i)
-            if m is not None:
-                mapped = True
-                layer.register_buffer(_MAP.format(n, i), m.to(device if device.type != "meta" else "cpu"),
-                                      persistent=False)
-    weight_sum = sum_of(layer, "weight")  # a frozen weight has no gradient to sum (an adapter on it may)
-    if weight_sum is not None:
-        remove_rewrite(layer, "weight")
-    base = type(layer)
-    layer.__dict__["tp_quant_base"] = base
-    layer.__dict__["tp_quant"] = QuantState(scheme, specs, dense, dtype,
-                                            kernel_for(scheme, tuple(dense.local_shape), mapped, dtype,
-                                                       dtypes.get(scheme.scale_name)), weight_sum)
-    layer.__class__ = quantized_class(base)
-    return layouts
+    def describe(self) -> str:
+        return self.scheme.describe()
 
 
-def dequantize_layer(layer: nn.Module) -> None:
-    """Turn a quantized layer back into its dense class, its `weight` the dequantized local slice (a Parameter);
-    the stored tensors are dropped."""
-    weight = layer.weight
-    st: QuantState = layer.__dict__.pop("tp_quant")
-    layer.__class__ = layer.__dict__.pop("tp_quant_base")
-    for n, s in st.specs.items():
-        del layer._buffers[n]
-        for i in range(len(s.dims)):
-            layer._buffers.pop(_MAP.format(n, i), None)
-            layer._non_persistent_buffers_set.discard(_MAP.format(n, i))
-    layer.register_parameter("weight", nn.Parameter(weight.detach(), requires_grad=False))
+def quant_method_of(layer: nn.Module) -> QuantMethod | None:
+    """The quantization method `layer` itself was built with (not one a wrapper forwards to: PEFT's LoRA layers
+    forward attributes to their base), or None for a dense layer."""
+    method = layer.__dict__.get("quant_method")
+    return method if isinstance(method, QuantMethod) else None
+
+
+def plain_layout(full: tuple[int, int], dim: int, sizes: tuple[int, ...], rank: int) -> ShardLayout:
+    """The layout of a weight `full` split along `dim` into consecutive `sizes` per rank (the split rule's)."""
+    spans, start = [], 0
+    for n in sizes:
+        spans.append((start, start + n))
+        start += n
+    return ShardLayout(tuple(full), len(sizes), rank, dim, (Piece(0, full[dim], tuple(spans)),))
+
+
+class QuantizedLinear(nn.Linear):
+    """A linear layer every rank holds whole (world size 1, or a layer the plan keeps whole) whose weight is stored
+    quantized: the `nn.Linear` it replaces, with the format's stored tensors in place of `weight` (same state-dict
+    keys as the checkpoint) and `quant_method` computing its product."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant_method: QuantMethod,
+                 dense: ShardLayout | None = None, device=None, dtype: torch.dtype | None = None, where: str = ""):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.register_parameter("bias", nn.Parameter(torch.empty(out_features, device=device, dtype=dtype or
+                                                                 quant_method.dtype)) if bias else None)
+        dense = dense or ShardLayout.replicated((out_features, in_features), 1, 0)
+        quant_method.create_weights(self, dense, device, where)
+
+    @classmethod
+    def from_module(cls, module: nn.Linear, quant_method: QuantMethod, dense: ShardLayout | None = None,
+                    where: str = "") -> "QuantizedLinear":
+        """The quantized layer in place of `module` (its bias Parameter kept: values, device, dtype), the stored
+        tensors empty on `module`'s device (a load fills them)."""
+        new = cls(module.in_features, module.out_features, False, quant_method, dense, module.weight.device,
+                  where=where)
+        if module.bias is not None:
+            new.bias = module.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """After a load filled the stored tensors: each quantized layer of `model` keeps them as its product reads them
+    (`QuantMethod.after_loading`)."""
+    for m in model.modules():
+        method = quant_method_of(m)
+        if method is not None:
+            method.after_loading(m)

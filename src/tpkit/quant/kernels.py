@@ -11,10 +11,10 @@
 Both compute in a different order than dequantize-then-matmul (a few float32 ulps), and in the activations'
 dtype: they equal the format's dense weight only when the scales are stored in the dtype the layer computes in.
 A bf16 checkpoint's weight is `(q - z) * s` rounded to bf16 (compressed-tensors dequantizes in the scale's dtype,
-and transformers' load does): computed in float32 by a kernel, it would be 2e-3 off that load's logits. So
-`kernel_for` says which applies to a layer's local slice (the scales must cover whole groups from its first
-feature on: no `positions` map; the scales' dtype the compute dtype); every other case, and any input that needs
-a gradient (the kernels have none), dequantizes per call. The int8 kernel reads the stored values in place, and
+and transformers' load does): computed in float32 by a kernel, it would be 2e-3 off that load's logits. So a
+format's `product` (`compressed_tensors.py`) says which applies to a layer's local slice (the scales must cover
+whole groups from its first feature on: no `positions` map; the scales' dtype the compute dtype); every other
+case, and any input that needs a gradient (the kernels have none), dequantizes per call. The int8 kernel reads the stored values in place, and
 faults on bf16 activations when they do not start on a 64-byte boundary (a view of the file's mapping may not):
 `aligned` gives a load such a tensor to copy once.
 """
@@ -22,28 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from .schemes import WeightQuant
-
 INT4_GROUPS = (32, 64, 128, 256)
 
 
 KERNEL_ALIGNMENT = 64  # bytes: where torch's CPU allocator starts a tensor, and the int8 kernel's loads assume
-
-
-def kernel_for(q: WeightQuant, local_shape: tuple[int, int], mapped: bool, dtype: torch.dtype | None = None,
-               scale_dtype: torch.dtype | None = None) -> str | None:
-    """"int4", "int8" or None for a layer of scheme `q` holding `local_shape` (`[out, in]`); `mapped`: some
-    stored tensor needs a `positions` map (a split cut its groups); `dtype` the layer computes in, `scale_dtype` the
-    scales' stored dtype (a kernel only where they are the same: the module docstring)."""
-    out, in_ = local_shape
-    if mapped or q.act_order or q.method != "compressed-tensors" or dtype != scale_dtype:
-        return None
-    if q.layout == "ct_pack" and q.bits == 4 and q.strategy == "group" and q.group_size in INT4_GROUPS \
-            and out % 64 == 0 and in_ % q.group_size == 0:
-        return "int4"
-    if q.layout in ("ct_pack", "ct_int") and q.bits == 8 and q.strategy == "channel" and q.symmetric:
-        return "int8"
-    return None
 
 
 def int4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
@@ -68,7 +50,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     s = scale.to(x.dtype)
     zero = torch.zeros_like(s) if zero_point is None else -(zero_point.to(x.dtype) * s)
     sz = torch.stack((s.t(), zero.t()), -1).contiguous()
-    flat = x.reshape(-1, x.shape[-1])
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows in place
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, int4_kernel_layout(packed), group, sz)
     return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -82,7 +64,7 @@ def int8_values(stored: torch.Tensor) -> torch.Tensor:
 
 def int8_linear(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x W^T` for per-channel symmetric int8 weights (`scale` `[N, 1]`), in `x`'s dtype."""
-    flat = x.reshape(-1, x.shape[-1])
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows in place
     y = torch.ops.aten._weight_int8pack_mm(flat, int8_values(stored), scale.reshape(-1).to(x.dtype))
     return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -47,7 +47,8 @@ def stored_layout(dense: ShardLayout, spec: StoredTensor, where: str) -> ShardLa
 def positions(dense: ShardLayout, spec: StoredTensor, dim: int) -> torch.Tensor | None:
     """For each of the rank's dense features along the dense dim that `spec`'s `dim` runs with, the index of the
     entry that covers it in the rank's local `spec` tensor after unpacking; None when the features are whole groups
-    from the first entry on (entry `k` covers features `k*group .. (k+1)*group - 1`: the identity for group 1)."""
+    from the first entry on (entry `k` covers features `k*group .. (k+1)*group - 1`: the identity for group 1), or
+    all covered by the first entry."""
     rule: DimRule = spec.dims[dim]
     d = rule.dense
     if d is None:
@@ -60,6 +61,7 @@ def positions(dense: ShardLayout, spec: StoredTensor, dim: int) -> torch.Tensor 
         first = a // rule.unit
         out.extend(base + x // rule.group - first * rule.pack for x in range(a, b))
         base += (_ceil(b, rule.unit) - first) * rule.pack
-    if out == [x // rule.group for x in range(len(out))] and len(out) % rule.group == 0:
-        return None  # whole groups from the first: one entry per group, broadcast (`dequant._apply`)
+    if out == [x // rule.group for x in range(len(out))] and len(out) % rule.group == 0 or not any(out):
+        return None  # whole groups from the first, or one entry for all (a per-channel scale of a row split's
+        #              slice): one entry per group, broadcast (`dequant._apply`)
     return torch.tensor(out, dtype=torch.long)

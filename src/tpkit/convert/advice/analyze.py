@@ -19,7 +19,7 @@ from ...tables import format_bytes as human
 from ..peft.adapters import adapter_memory, adapter_tensors, bare_model, inner_model, lora_wrapped
 from ..modules import kind
 from .multinode import local_device_count, multi_node_advice
-from ..quantized import model_quantization, quantized_note, scheme_of, stored_weight_bytes
+from ..quantized import model_quantization, quantized_note, scheme_of, stored_weight_bytes, with_units
 from ..planning.planner import auto_plan
 from .recommend import recommendations
 from ..registry import module_layouts
@@ -168,6 +168,13 @@ def _module_bytes(m: nn.Module, params, style: str, details, world: int, scheme=
     return out
 
 
+def _planned(a: Analysis, world: int, mode: str, quant) -> Any:
+    """The plan `parallelize` makes at `world`: a quantized checkpoint's column / row pairs split their shared
+    features in whole groups (`with_units`), as its load does, so the bytes counted are the bytes a rank holds."""
+    plan = auto_plan(a, world, mode)
+    return with_units(plan, a.model, quant, world) if quant is not None and world > 1 else plan
+
+
 def _holders(a: Analysis) -> dict[str, nn.Module]:
     """Every module that holds parameters itself: the planned layers, and containers with parameters of their
     own (nn.MultiheadAttention's in_proj, ViT's class token), so every parameter is counted once: layers
@@ -228,7 +235,7 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     a = analyze_structure(model, example_inputs)
     sizes = sorted({w for w in [1, 2, 4, 8, 16, 32, 64, 128, 256] if w <= max_world_size} | {max_world_size}
                    | ({world_size} if world_size else set()))
-    plans = {w: auto_plan(a, w, mode) for w in sizes}
+    plans = {w: _planned(a, w, mode, quant) for w in sizes}
     per_rank = {w: _rank_bytes(a, plans[w], w, quant) for w in sizes}
     memory = {w: per_rank[w] if mode == "inference" else _training_bytes(a, per_rank[w]) for w in sizes}
     dev, source = _budget(device_memory)
@@ -237,7 +244,7 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     if advice is not None:
         suggested, suggestion = advice
     shown = world_size or suggested or (2 if 2 in plans else sizes[-1])
-    plan = plans.get(shown) or auto_plan(a, shown, mode)
+    plan = plans.get(shown) or _planned(a, shown, mode, quant)
     rows, seen = [], set()
     total_bytes = parallel_bytes = total_params = 0
     for name, m in _holders(a).items():

@@ -17,7 +17,6 @@ left whole, with the reason in the plan.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 from typing import Iterator
@@ -26,6 +25,7 @@ from torch import nn
 
 from ...layout import Piece, ShardLayout
 from ...nn.experts import ExpertsRegion
+from ...nn.quantized_experts import copy_with
 from ..errors import PlanError
 from ..family import Choice, Draft, Family, Proposal
 from ..roles import Role
@@ -123,17 +123,11 @@ def expert_layouts(m: nn.Module, world: int, rank: int, expert_parallel: bool) -
             "down_proj": ShardLayout(down_shape, world, rank, down_dim, (Piece.split(0, i, world, unit),))}
 
 
-def build_experts(m: nn.Module, layouts: Layouts, comm, expert_parallel: bool) -> nn.Module:
-    """A copy of `m` holding this rank's shards, its forward wrapped in one experts region."""
+def build_experts(m: nn.Module, layouts: Layouts, comm, expert_parallel: bool, quant=None) -> nn.Module:
+    """A copy of `m` holding this rank's shards (`quant`: the parameters a checkpoint stores quantized, by name,
+    held as its stored tensors: `tpkit.nn.quantized_experts`), its forward wrapped in one experts region."""
     info = _info(type(m).__name__, m)
-    keep = {id(t): t for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
-    if getattr(m, "config", None) is not None:
-        keep[id(m.config)] = m.config
-    new = copy.deepcopy(m, keep)  # the module's settings, not its weights (they are cut below)
-    for pname, lay in layouts.items():
-        p = getattr(m, pname)
-        q = nn.Parameter(lay.shard(p.detach()).clone(), requires_grad=p.requires_grad)
-        setattr(new, pname, q)
+    new = copy_with(m, layouts, quant or {})
     experts = None
     if expert_parallel:
         seg = layouts["down_proj"].segments()
@@ -161,6 +155,7 @@ class ExpertsTP(Style):
     collectives = ("all_reduce",)
     expert_parallel = False
     splits = True
+    builds_quantized = True  # `quant_method`: {parameter: ExpertsQuantMethod}
 
     def check(self, name: str, m: nn.Module, role: Role | None, world: int) -> None:
         info = _info(name, m)
@@ -174,8 +169,9 @@ class ExpertsTP(Style):
     def layouts(self, m: nn.Module, role: Role | None, world: int, rank: int) -> Layouts:
         return expert_layouts(m, world, rank, self.expert_parallel)
 
-    def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False) -> nn.Module:
-        return build_experts(m, layouts, comm, self.expert_parallel)
+    def build(self, m: nn.Module, layouts: Layouts, comm, sequence_parallel: bool = False,
+              quant_method=None) -> nn.Module:
+        return build_experts(m, layouts, comm, self.expert_parallel, quant_method)
 
 
 class ExpertsEP(ExpertsTP):

@@ -1,0 +1,196 @@
+/* tpkit's small-batch products from stored weights: y[m, n] = sum_k x[m, k] * W[n, k], W decoded as it streams.
+
+   Decode multiplies a few activation rows by the whole weight: the time is reading the weight from memory, so each
+   weight row is read once, decoded in registers (no dense copy), and multiplied by every activation row while it is
+   in the cache. Plain C that the compiler vectorizes (`native.py` builds it with `-O3 -march=native`): each dot
+   product keeps 64 independent float32 lanes (several vector registers, so the multiply-adds overlap) and sums them
+   at the end.
+
+   Weight kinds (`kind`), each `[N, K]` row-major in its stored bytes:
+     0  bf16 bits                                 1  fp16 bits
+     2  int8 values                               3  uint8 values (compressed-tensors' packed 8-bit words: value+128)
+     4  uint4 pairs: byte j of a row holds k = 2j (low nibble) and 2j + 1 (high nibble), values unsigned 0..15
+     5  FP8 e4m3fn bits
+   fp16 and FP8 bits are placed in a float32's exponent and mantissa (normal and subnormal values alike): that float
+   is the value times 2^-112 (fp16) or 2^-120 (FP8), and each output is multiplied back once at the end.
+   Scales and zero points (float32, optional) cover blocks of `bh` rows x `bw` columns: entry (n / bh, k / bw) of a
+   `[ceil(N / bh), KB]` table. The product is factored per block, y += s * (sum_k x q - z * sum_k x), so the inner
+   loop is a decode and a multiply-add. Integers and FP8 values are exact in float32; the sums are float32. */
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 32
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FP16_FACTOR 1.0f /* _mm512_cvtph_ps converts fp16 exactly */
+#else
+#define FP16_FACTOR 0x1p112f
+#endif
+
+static inline float bits_float(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float decode(int kind, const uint8_t *w, int64_t k) {
+    switch (kind) {
+    case 0: { uint16_t h; memcpy(&h, w + 2 * k, 2); return bits_float((uint32_t)h << 16); }
+    case 1: { uint16_t h; memcpy(&h, w + 2 * k, 2);
+              return bits_float(((uint32_t)(h & 0x7FFFu) << 13) | ((uint32_t)(h & 0x8000u) << 16)); }
+    case 2: return (float)(int8_t)w[k];
+    case 3: return (float)w[k];
+    default: { uint32_t b = w[k]; return bits_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)); }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* AVX-512: 16 weights per step, decoded from their bytes to float32 in registers, two accumulators; acc[0..15]
+   gets s times the block's lane sums, and the tail (k past the last whole 32) is returned times s. */
+static inline __m512 decode16(int kind, const uint8_t *w, int64_t k) {
+    switch (kind) {
+    case 0: return _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + 2 * k))), 16));
+    case 1: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * k)));
+    case 2: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k))));
+    case 3: return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k))));
+    default: {
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k)));
+        __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20),
+                                       _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24));
+        return _mm512_castsi512_ps(bits);
+    }
+    }
+}
+
+static inline float block_any(int kind, const float *restrict x, const uint8_t *restrict w, int64_t k0, int64_t k1,
+                              float s, float *restrict acc) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), decode16(kind, w, k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), decode16(kind, w, k + 16), a1);
+    }
+    __m512 sum = _mm512_add_ps(a0, a1);
+    _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_set1_ps(s), sum, _mm512_loadu_ps(acc)));
+    float tail = 0.0f;
+    for (; k < k1; k++) tail += x[k] * decode(kind, w, k);
+    return s * tail;
+}
+
+static inline float block_uint4(const float *restrict xe, const float *restrict xo, const uint8_t *restrict w,
+                                int64_t j0, int64_t j1, float s, float *restrict acc) {
+    __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+    const __m512i mask = _mm512_set1_epi32(15);
+    int64_t j = j0;
+    for (; j + 16 <= j1; j += 16) {
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + j)));
+        lo = _mm512_fmadd_ps(_mm512_loadu_ps(xe + j), _mm512_cvtepi32_ps(_mm512_and_si512(b, mask)), lo);
+        hi = _mm512_fmadd_ps(_mm512_loadu_ps(xo + j), _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), hi);
+    }
+    _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_add_ps(lo, hi), _mm512_loadu_ps(acc)));
+    float tail = 0.0f;
+    for (; j < j1; j++) tail += xe[j] * (float)(w[j] & 15) + xo[j] * (float)(w[j] >> 4);
+    return s * tail;
+}
+
+static float block(int kind, const float *x, const float *xe, const float *xo, const uint8_t *row, int64_t k0,
+                   int64_t k1, float s, float *acc) {
+    switch (kind) {  /* a constant per call site once inlined: each case its own loop */
+    case 0: return block_any(0, x, row, k0, k1, s, acc);
+    case 1: return block_any(1, x, row, k0, k1, s, acc);
+    case 2: return block_any(2, x, row, k0, k1, s, acc);
+    case 3: return block_any(3, x, row, k0, k1, s, acc);
+    case 4: return block_uint4(xe, xo, row, k0 / 2, k1 / 2, s, acc);
+    default: return block_any(5, x, row, k0, k1, s, acc);
+    }
+}
+#else
+/* acc[l] += s * (sum over k in [k0, k1), k = l mod LANES, of x[k] * decode(w, k)), and the returned tail (k past the
+   last whole run of LANES) times s: the kind is a constant in each instance (inlined per case) */
+#define BLOCK(NAME, KIND)                                                                                   \
+    static float NAME(const float *restrict x, const uint8_t *restrict w, int64_t k0, int64_t k1, float s,  \
+                      float *restrict acc) {                                                                \
+        float part[LANES] = {0};                                                                            \
+        int64_t k = k0;                                                                                     \
+        for (; k + LANES <= k1; k += LANES)                                                                 \
+            for (int l = 0; l < LANES; l++) part[l] += x[k + l] * decode(KIND, w, k + l);                   \
+        for (int l = 0; l < LANES; l++) acc[l] += s * part[l];                                              \
+        float tail = 0.0f;                                                                                  \
+        for (; k < k1; k++) tail += x[k] * decode(KIND, w, k);                                              \
+        return s * tail;                                                                                    \
+    }
+BLOCK(block_bf16, 0)
+BLOCK(block_fp16, 1)
+BLOCK(block_int8, 2)
+BLOCK(block_uint8, 3)
+BLOCK(block_fp8, 5)
+
+/* packed pairs over bytes [j0, j1): xe / xo are x's even / odd entries, so byte j meets xe[j] (low nibble) and
+   xo[j] (high) */
+static float block_uint4(const float *restrict xe, const float *restrict xo, const uint8_t *restrict w, int64_t j0,
+                         int64_t j1, float s, float *restrict acc) {
+    float lo[LANES / 2] = {0}, hi[LANES / 2] = {0};
+    int64_t j = j0;
+    for (; j + LANES / 2 <= j1; j += LANES / 2)
+        for (int l = 0; l < LANES / 2; l++) {
+            lo[l] += xe[j + l] * (float)(w[j + l] & 15);
+            hi[l] += xo[j + l] * (float)(w[j + l] >> 4);
+        }
+    for (int l = 0; l < LANES / 2; l++) acc[l] += s * (lo[l] + hi[l]);
+    float tail = 0.0f;
+    for (; j < j1; j++) tail += xe[j] * (float)(w[j] & 15) + xo[j] * (float)(w[j] >> 4);
+    return s * tail;
+}
+
+static float block(int kind, const float *x, const float *xe, const float *xo, const uint8_t *row, int64_t k0,
+                   int64_t k1, float s, float *acc) {
+    switch (kind) {
+    case 0: return block_bf16(x, row, k0, k1, s, acc);
+    case 1: return block_fp16(x, row, k0, k1, s, acc);
+    case 2: return block_int8(x, row, k0, k1, s, acc);
+    case 3: return block_uint8(x, row, k0, k1, s, acc);
+    case 4: return block_uint4(xe, xo, row, k0 / 2, k1 / 2, s, acc);
+    default: return block_fp8(x, row, k0, k1, s, acc);
+    }
+}
+#endif
+
+/* Rows [n0, n1) of y (`[M, N]` float32) for x `[M, K]` float32. `sums`: M x KB scratch (the blocks' sums of x, when
+   there are zero points); `halves`: M x K scratch (x de-interleaved into even / odd k, for kind 4). */
+void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const void *w, const float *scale,
+             const float *zero, int64_t bh, int64_t bw, int64_t KB, float *y, int64_t n0, int64_t n1,
+             float *sums, float *halves) {
+    int64_t row_bytes = kind == 4 ? K / 2 : (kind <= 1 ? 2 * K : K);
+    int64_t size = scale ? bw : K;
+    if (zero)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t b = 0; b < KB; b++) {
+                float s = 0.0f;
+                for (int64_t k = b * bw; k < K && k < (b + 1) * bw; k++) s += x[m * K + k];
+                sums[m * KB + b] = s;
+            }
+    if (kind == 4)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < K / 2; j++) {
+                halves[m * K + j] = x[m * K + 2 * j];
+                halves[m * K + K / 2 + j] = x[m * K + 2 * j + 1];
+            }
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = (const uint8_t *)w + n * row_bytes;
+        const float *s_row = scale ? scale + (n / bh) * KB : 0;
+        const float *z_row = zero ? zero + (n / bh) * KB : 0;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            const float *xe = halves ? halves + m * K : 0, *xo = halves ? halves + m * K + K / 2 : 0;
+            float acc[LANES] = {0}, out = 0.0f;
+            for (int64_t k0 = 0, b = 0; k0 < K; k0 += size, b++) {
+                float s = s_row ? s_row[b] : 1.0f;
+                out += block(kind, xm, xe, xo, row, k0, k0 + size < K ? k0 + size : K, s, acc);
+                if (z_row) out -= s * z_row[b] * sums[m * KB + b];
+            }
+            for (int l = 0; l < LANES; l++) out += acc[l];
+            y[m * N + n] = kind == 1 ? out * FP16_FACTOR : kind == 5 ? out * 0x1p120f : out;
+        }
+    }
+}

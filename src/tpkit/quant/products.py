@@ -1,0 +1,152 @@
+"""The fast products a layer can compute with, and the choice among them: measured once per shape, kept.
+
+A `Product` computes `x W^T` from a layer's stored tensors (`format.Product`). Two families here:
+
+- `Native`: tpkit's compiled small-batch product (`native.py`, `gemv.c`), reading the stored values in place (bf16 /
+  fp16 bits, int8 or uint8 values, packed int4 pairs, FP8 bits) with the scales and zero points as float32 tables
+  made once at load (`resident`). Used for a few activation rows (decode); a longer input (prefill) multiplies by the
+  dequantized slice. Its sums are float32 whatever the activations' dtype, and the weights are the format's values
+  times their scales unrounded, so it applies where that is the weight the layer computes with: scales in float32
+  (or the format's arithmetic in float32, HF FP8), or a half-precision compute dtype (whose own rounding is larger).
+- torch's weight-only kernels (`kernels.py`, through `compressed_tensors.py`).
+
+`fastest` times the candidates a format offers for one layer on its own shape (one activation row, a few calls
+each, alternating) and returns the fastest; the choice is kept per (products, shape, dtype, threads), so a model's
+repeated layers measure once. `half_linear` is the same choice for a dense bf16 / fp16 weight (a half-precision
+model's layers): torch's `F.linear` or the native product.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+from . import native
+from .format import Product
+from .packing import unpack_signed
+
+MAX_ROWS = 8  # activation rows (batch x new tokens) up to which a decode product is used
+_CHOSEN: dict[tuple, int] = {}
+_LOCK = threading.Lock()
+
+
+class Native(Product):
+    """The compiled product on a layer's values (`kind`: `native.KINDS`; `rows`: the local output features), scales
+    covering `block` = (rows, columns) of the local weight (`scale`: its stored name; None: none), zero points
+    (`zero`: their stored name, `[rows / block[0], columns / block[1]]` once unpacked, packed `zero_bits` to a word
+    along the rows when not 0) and `offset` (the values' storage offset: 8 for compressed-tensors' int4, 128 for its
+    packed int8)."""
+
+    max_rows = MAX_ROWS
+
+    def __init__(self, kind: str, values: str, rows: int, scale: str | None = None, block: tuple[int, int] = (1, 1),
+                 zero: str | None = None, zero_bits: int = 0, offset: int = 0):
+        self.kind, self.values, self.rows, self.scale = kind, values, rows, scale
+        self.block, self.zero, self.zero_bits, self.offset = (int(block[0]), int(block[1])), zero, zero_bits, offset
+        self.name = f"native {kind}"
+
+    def key(self) -> tuple:
+        return (self.name, self.block, self.offset, self.zero)
+
+    def _zero_points(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        z = tensors[self.zero]
+        return unpack_signed(z, self.zero_bits, 0)[:self.rows] if self.zero_bits else z
+
+    def resident(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {"values": tensors[self.values].contiguous()}  # read as bytes: the stored tensor itself
+        if self.scale is not None:
+            s = tensors[self.scale].to(torch.float32)
+            out["scales"] = s.reshape(-1, s.shape[-1] if s.dim() > 1 else 1).contiguous()
+        if self.zero is not None or self.offset:
+            z = self._zero_points(tensors).to(torch.float32) if self.zero is not None else \
+                torch.zeros_like(out["scales"])
+            out["zeros"] = (z + self.offset).contiguous()
+        return out
+
+    def __call__(self, x: torch.Tensor, t: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return native.gemv(x, t["values"], self.kind, self.rows, t.get("scales"), t.get("zeros"),
+                           self.block)
+
+
+def native_applies(dtype: torch.dtype, scale_dtype: torch.dtype | None) -> bool:
+    """Whether the compiled product computes a layer's weight as the format defines it (see the module docstring):
+    float32 scales (arithmetic in float32), or a half-precision compute dtype; and a compiler built it here."""
+    return (scale_dtype == torch.float32 or dtype in (torch.bfloat16, torch.float16)) and native.available()
+
+
+def _time(product: Product, tensors: Mapping[str, torch.Tensor], x: torch.Tensor, calls: int = 5) -> list[float]:
+    resident = product.resident(tensors)
+    product(x, resident)
+    start = time.perf_counter()
+    for _ in range(calls):
+        product(x, resident)
+    return [(time.perf_counter() - start) / calls]
+
+
+def fastest(products: Sequence[Product], tensors: Mapping[str, torch.Tensor], in_features: int,
+            dtype: torch.dtype) -> Product | None:
+    """The fastest of `products` (a layer's candidates, given its stored tensors) at one activation row of `dtype`,
+    or None when there is none; measured once per (candidates, shape, dtype, threads)."""
+    if len(products) <= 1:
+        return products[0] if products else None
+    shapes = tuple(tuple(t.shape) for t in tensors.values())
+    key = (tuple(p.key() for p in products), shapes, dtype, torch.get_num_threads())
+    with _LOCK:
+        chosen = _CHOSEN.get(key)
+    if chosen is None:
+        x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+        times = [[] for _ in products]
+        with torch.inference_mode():
+            for _ in range(3):  # alternating rounds, the best of each
+                for i, p in enumerate(products):
+                    times[i] += _time(p, tensors, x)
+        chosen = min(range(len(products)), key=lambda i: min(times[i]))
+        with _LOCK:
+            _CHOSEN[key] = chosen
+    return products[chosen]
+
+
+class _Torch(Product):
+    """`F.linear` on a dense weight (the candidate `half_linear` measures the native product against)."""
+
+    name = "torch"
+
+    def key(self) -> tuple:
+        return (self.name,)
+
+    def resident(self, tensors):
+        return dict(tensors)
+
+    def __call__(self, x, t):
+        return F.linear(x, t["weight"])
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`x weight^T` for a dense bf16 / fp16 `weight` by the faster of `F.linear` and the native product (measured
+    once per shape), or None where the native product does not apply (no compiler, not the CPU, more than a few
+    rows, a gradient asked for) or was slower: the caller uses `F.linear`. Under `torch.compile` only a choice made
+    before is used."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    fake = not torch.compiler.is_compiling() and (is_fake(x) or is_fake(weight))  # a traced step: no data to read
+    if weight.dtype not in (torch.bfloat16, torch.float16) or x.device.type != "cpu" or \
+            x.numel() > MAX_ROWS * x.shape[-1] or grad or fake:
+        return None
+    n, k = weight.shape
+    kind = "bf16" if weight.dtype == torch.bfloat16 else "fp16"
+    key = ("half", kind, n, k, x.dtype, torch.get_num_threads())
+    with _LOCK:
+        chosen = _CHOSEN.get(key)
+    if chosen is None:
+        if torch.compiler.is_compiling() or not native.available():
+            return None
+        candidate = Native(kind, "weight", n)
+        chosen = 1 if fastest([_Torch(), candidate], {"weight": weight}, k, x.dtype) is candidate else 0
+        with _LOCK:
+            _CHOSEN[key] = chosen
+    if not chosen or not native.available():
+        return None
+    return native.gemv(x, weight, kind, n)

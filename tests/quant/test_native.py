@@ -1,0 +1,93 @@
+"""tpkit's compiled small-batch product (`tpkit.quant.native`, `gemv.c`) against the plain torch product of the
+decoded weight: every weight kind, block scales and zero points, one and several rows, odd shapes (tails past the
+vector width), inputs of every floating dtype; and its use by dense half-precision layers (`products.half_linear`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpkit.quant import native
+from tpkit.quant.products import half_linear
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler built tpkit's native product here")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _blocks(t: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    return t.repeat_interleave(block[0], 0)[:shape[0]].repeat_interleave(block[1], 1)[:, :shape[1]]
+
+
+@pytest.mark.parametrize("n,k", [(64, 256), (37, 320), (5, 96)])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_each_kind_equals_the_product_of_its_decoded_weight(n, k, rows):
+    g = torch.Generator().manual_seed(n * k + rows)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    block = (4, 32)
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    s = torch.rand(nb, kb, generator=g) + 0.1
+    z = torch.randint(0, 16, (nb, kb), generator=g).float()
+    cases = {"bf16": (w.bfloat16(), w.bfloat16().float(), None, None),
+             "fp16": (w.half(), w.half().float(), None, None)}
+    q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    cases["int8"] = (q8, (q8.float() - _blocks(z, block, (n, k))) * _blocks(s, block, (n, k)), s, z)
+    u8 = q8.view(torch.uint8)
+    cases["uint8"] = (u8, (u8.float() - _blocks(z, block, (n, k))) * _blocks(s, block, (n, k)), s, z)
+    u4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    cases["uint4"] = ((u4[:, 0::2] | (u4[:, 1::2] << 4)).contiguous(),
+                      (u4.float() - _blocks(z, block, (n, k))) * _blocks(s, block, (n, k)), s, z)
+    f8 = (w * 64).to(torch.float8_e4m3fn)  # normal and subnormal FP8 values
+    f8[0, :8] = torch.tensor([0.0, -0.0, 2 ** -9, -(2 ** -7), 448.0, -448.0, 0.001953125, 1.0]).to(f8.dtype)
+    cases["fp8"] = (f8, f8.float() * _blocks(s, block, (n, k)), s, None)
+    for kind, (stored, dense, scale, zero) in cases.items():
+        got = native.gemv(x, stored, kind, n, scale, zero, block if scale is not None else (1, 1))
+        assert _rel(got, x @ dense.t()) < 1e-5, kind
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_inputs_of_each_dtype_and_layout_give_the_dtype_back(dtype):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 128, generator=g).bfloat16()
+    x = torch.randn(2, 5, 3, 128, generator=g).to(dtype)[:, 1]  # [2, 3, 128], not contiguous
+    got = native.gemv(x, w, "bf16", 48)
+    assert got.dtype == dtype and got.shape == (2, 3, 48)
+    assert _rel(got.float(), x.float() @ w.float().t()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_a_dense_half_layer_at_decode_computes_its_product():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 256, generator=g).bfloat16()
+    x = torch.randn(1, 1, 256, generator=g).bfloat16()
+    with torch.inference_mode():
+        got = half_linear(x, w)
+    want = torch.nn.functional.linear(x.float(), w.float())
+    assert got is None or (got.dtype == torch.bfloat16 and _rel(got.float(), want) < 1e-2)
+    x.requires_grad_(True)
+    assert half_linear(x, w) is None  # a gradient asked for: torch's product
+    assert half_linear(torch.randn(16, 256).bfloat16(), w) is None  # a long input (prefill): torch's product
+
+
+def test_the_op_traces_under_compile():
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(64, 128, generator=g) * 8).to(torch.float8_e4m3fn)
+    s = torch.rand(1, 1, generator=g)
+    f = torch.compile(lambda x: native.gemv(x, w, "fp8", 64, s, None, (64, 128)) * 2, fullgraph=True, backend="eager")
+    x = torch.randn(1, 128, generator=g)
+    assert _rel(f(x), 2 * x @ (w.float() * s).t()) < 1e-5
+
+
+def test_fake_tensors_are_never_read():
+    """A traced step (FakeTensorMode: the sizing tools') holds no data: the product gives its shape through the op's
+    fake implementation, and a dense half layer prices torch's product instead of measuring (reading the fake
+    tensors' addresses crashed the process)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        w = torch.empty(96, 256, dtype=torch.bfloat16)
+        x = torch.empty(1, 1, 256, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            assert half_linear(x, w) is None
+        assert native.gemv(x, w, "bf16", 96).shape == (1, 1, 96)
