@@ -200,19 +200,7 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
         model.generation_config = generation
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
     notes: list[str] = []
-    quantized, error = None, None
-    if quant is not None:  # which layers the checkpoint stores quantized: built so by the conversion
-        try:
-            experts, taken = quantized_expert_entries(model, source, quant)  # stacked per-expert tensors
-            find = key_finder(model, source, notes)
-            quantized = plan_quantized(model, quant, target_dtype, find, lambda k: _entry_dtype(source, k),
-                                       stored_keys(source, quant), packed=not dequantize, experts=experts,
-                                       taken=taken)
-        except Exception as exc:
-            error = exc
-        agree(comm, error)
-    else:
-        find = key_finder(model, source, notes)
+    quantized, find = _quantized_layers(model, source, quant, target_dtype, dequantize, comm, notes)
     if convert is None:  # (a pipeline's `convert` refuses quantized models itself)
         convert = lambda m: parallelize(m, plan, comm, mode=mode, recorded=recorded, reuse=reuse,  # noqa: E731
                                         quantization=quantized)
@@ -242,6 +230,24 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     dequantized.fill_weights(model, held)
     finish_loading(model)
     return model.eval()
+
+
+def _quantized_layers(model: nn.Module, source, quant, dtype, dequantize: bool, comm, notes: list[str]):
+    """(which layers the checkpoint stores quantized, built so by the conversion: planned once on every rank, None
+    for a dense checkpoint; the key finder). The stacked per-expert tensors join `source` first: the finder reads
+    them."""
+    if quant is None:
+        return None, key_finder(model, source, notes)
+    error, quantized, find = None, None, None
+    try:
+        experts, taken = quantized_expert_entries(model, source, quant)
+        find = key_finder(model, source, notes)
+        quantized = plan_quantized(model, quant, dtype, find, lambda k: _entry_dtype(source, k),
+                                   stored_keys(source, quant), packed=not dequantize, experts=experts, taken=taken)
+    except Exception as exc:  # every rank reaches agree(), whatever failed
+        error = exc
+    agree(comm, error)
+    return quantized, find
 
 
 def _not_in_files(model: nn.Module, held: dict[str, nn.Module]):
