@@ -34,3 +34,27 @@ def test_kernels_compute_the_dequantized_product():
     s8 = torch.rand(n, 1, generator=g)
     assert torch.equal(int8_values(pack_to_int32(q8, 8)), q8)
     assert torch.allclose(int8_linear(x, pack_to_int32(q8, 8), s8), x @ (q8.float() * s8).t(), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_int8_kernel_is_offered_only_on_widths_it_computes(dtype):
+    """torch's int8 kernel sums bf16 inputs in blocks of 16 features with no tail: 40 features gave wrong sums and
+    43 (a row split of 128 over 3 ranks) a segfault. A layer is offered it only where its width is whole blocks,
+    and there it equals the dequantized product at each dtype."""
+    from tpkit.quant.compressed_tensors import CompressedTensors
+    from tpkit.quant.kernels import INT8_K_MULTIPLE
+    from tpkit.quant.schemes import WeightQuant
+
+    q = WeightQuant("compressed-tensors", "ct_int", 8, True, "channel")
+    offered = {k: [p.name for p in CompressedTensors().products(q, (64, k), False, dtype, dtype)]
+               for k in (16, 40, 43, 48, 128)}
+    assert {k for k, names in offered.items() if "int8" in names} == {16, 48, 128}, offered
+    g = torch.Generator().manual_seed(1)
+    for k in (INT8_K_MULTIPLE, 3 * INT8_K_MULTIPLE, 208):
+        q8 = torch.randint(-128, 128, (43, k), dtype=torch.int8, generator=g)
+        s8 = torch.rand(43, 1, generator=g).to(dtype)
+        x = torch.randn(5, k, generator=g).to(dtype)
+        dense = q8.double() * s8.double()
+        want, size = x.double() @ dense.t(), x.double().abs() @ dense.abs().t()
+        err = (int8_linear(x, q8, s8).double() - want).abs()
+        assert (err <= (1e-2 if dtype == torch.bfloat16 else 1e-5) * size).all(), (k, err.max())

@@ -27,7 +27,7 @@ import torch
 
 from .format import Format, Product, Refused, Roles
 from .products import Native, native_applies
-from .kernels import INT4_GROUPS, int4_linear, int8_linear
+from .kernels import INT4_GROUPS, INT8_K_MULTIPLE, int4_linear, int8_linear
 from .packing import unpack_signed
 from .schemes import DimRule, Quantization, StoredTensor, WeightQuant, groups
 
@@ -161,7 +161,8 @@ class CompressedTensors(Format):
         if q.layout == "ct_pack" and q.bits == 4 and q.strategy == "group" and q.group_size in INT4_GROUPS \
                 and out % 64 == 0 and in_ % q.group_size == 0:
             found.append(_Int4(q.group_size, q.bits))
-        if q.layout in ("ct_pack", "ct_int") and q.bits == 8 and q.strategy == "channel" and q.symmetric:
+        if q.layout in ("ct_pack", "ct_int") and q.bits == 8 and q.strategy == "channel" and q.symmetric \
+                and in_ % INT8_K_MULTIPLE == 0:
             found.append(_Int8("weight_packed" if q.layout == "ct_pack" else "weight"))
         return found
 

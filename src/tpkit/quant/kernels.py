@@ -6,7 +6,8 @@
   kernel's `w = (q - 8) * scale + zero` takes compressed-tensors' `(q_signed - zp) * scale` as
   `zero = -zp * scale`.
 - int8 per channel, symmetric (`pack-quantized` 8-bit or `int-quantized`): `_weight_int8pack_mm` on the int8
-  values (a packed word's bytes are the values plus 128: one XOR gives them).
+  values (a packed word's bytes are the values plus 128: one XOR gives them), where the input features are a
+  multiple of `INT8_K_MULTIPLE`.
 
 Both compute in a different order than dequantize-then-matmul (a few float32 ulps), and in the activations'
 dtype: they equal the format's dense weight only when the scales are stored in the dtype the layer computes in.
@@ -26,6 +27,8 @@ INT4_GROUPS = (32, 64, 128, 256)
 
 
 KERNEL_ALIGNMENT = 64  # bytes: where torch's CPU allocator starts a tensor, and the int8 kernel's loads assume
+INT8_K_MULTIPLE = 16  # input features: the int8 kernel's bf16 path reads whole blocks of 16 and has no tail (torch
+# 2.13: 40 features gave wrong sums, 43 at a row split over 3 ranks a segfault), so other widths dequantize
 
 
 def int4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
