@@ -205,6 +205,7 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
         convert = lambda m: parallelize(m, plan, comm, mode=mode, recorded=recorded, reuse=reuse,  # noqa: E731
                                         quantization=quantized)
     convert(model)
+    find = find or key_finder(model, source, notes)  # after the conversion: a pipeline stage's copies of tied weights
     materialize(model, device)
     place_buffers(model, device)
     error, targets, held = None, [], {}
@@ -233,11 +234,11 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
 
 
 def _quantized_layers(model: nn.Module, source, quant, dtype, dequantize: bool, comm, notes: list[str]):
-    """(which layers the checkpoint stores quantized, built so by the conversion: planned once on every rank, None
-    for a dense checkpoint; the key finder). The stacked per-expert tensors join `source` first: the finder reads
-    them."""
+    """(which layers the checkpoint stores quantized, built so by the conversion: planned once on every rank; the key
+    finder it planned with), or (None, None) for a dense checkpoint. The stacked per-expert tensors join `source`
+    first: the finder reads them."""
     if quant is None:
-        return None, key_finder(model, source, notes)
+        return None, None
     error, quantized, find = None, None, None
     try:
         experts, taken = quantized_expert_entries(model, source, quant)
