@@ -76,3 +76,15 @@ def spawn_world(script: str, *args: str, nproc: int = 2, env: dict | None = None
         out.append((p.returncode if ended[r] is not None else -1, text, ended[r] if ended[r] is not None else timeout))
     del store
     return out
+
+
+def assert_peers_raise_comm_error(ranks: list, killed: int, where: str, timeout: float) -> None:
+    """`spawn_world`'s results when rank `killed` was killed by `TPKIT_FAULTS` at `where` (the scripts print
+    "rank r: CommError after ..." on a CommError and "finished" on success): it died with SIGKILL, and every other
+    rank exited 1 on a CommError within `timeout` of its death."""
+    code, output, died_at = ranks[killed]
+    assert code == -9 and f"killing rank {killed} at {where}" in output, output
+    for rank, (code, output, exited_at) in enumerate(ranks):
+        if rank != killed:
+            assert code == 1 and f"rank {rank}: CommError after" in output and "finished" not in output, output
+            assert exited_at - died_at < timeout, (rank, exited_at, died_at)

@@ -35,12 +35,13 @@ _MAP = "tp_qmap_{}_{}"  # a non-persistent buffer: for each local dense feature,
 _KEPT = "tp_kernel_"  # non-persistent buffers: what the layer's fast product reads on every call
 
 
-class QuantMethod(Rewrite):
-    """How one linear layer stores and computes its weight (see the module docstring). Built with the layer's
-    scheme, its compute dtype and the file dtypes of its floating stored tensors (scales; default `dtype`); filled
-    in by `create_weights`."""
+class StoredWeight(Rewrite):
+    """What a quantized parameter's rewrite knows of its stored tensors, for a linear layer's weight
+    (`QuantMethod`) and a stack of experts' (`quantized_experts.ExpertsQuantMethod`): the scheme, the compute
+    dtype, the file dtypes of its floating stored tensors (scales; default `dtype`), and what `create_weights`
+    fills in (the stored tensors' specs and layouts, the dense layout, the maps)."""
 
-    in_forward_only = False  # every read of `weight` is the dequantized slice
+    in_forward_only = False  # every read of the parameter is the dequantized slice
 
     def __init__(self, scheme: WeightQuant, dtype: torch.dtype, stored_dtypes: Mapping[str, torch.dtype] = None):
         self.scheme, self.dtype, self.format = scheme, dtype, scheme.format
@@ -49,6 +50,15 @@ class QuantMethod(Rewrite):
         self.layouts: dict[str, ShardLayout] = {}
         self.dense: ShardLayout | None = None
         self.maps: tuple[tuple[str, int], ...] = ()
+
+
+class QuantMethod(StoredWeight):
+    """How one linear layer stores and computes its weight (see the module docstring). Built with the layer's
+    scheme, its compute dtype and the file dtypes of its floating stored tensors (scales; default `dtype`); filled
+    in by `create_weights`."""
+
+    def __init__(self, scheme: WeightQuant, dtype: torch.dtype, stored_dtypes: Mapping[str, torch.dtype] = None):
+        super().__init__(scheme, dtype, stored_dtypes)
         self.product = None
         self.weight_sum: GradSum | None = None
 

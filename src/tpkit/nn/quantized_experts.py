@@ -21,7 +21,8 @@ from torch import nn
 
 from ..layout import ShardLayout
 from ..quant import QuantizationError, WeightQuant, dequantize, positions, stored_layout, stored_tensors
-from .rewrites import Rewrite, rewrite, rewrites_of
+from .quantized import StoredWeight
+from .rewrites import rewrite, rewrites_of
 
 _MAP = "tp_qmap_{}_{}"
 
@@ -46,18 +47,8 @@ def _stacked(dense: ShardLayout, per_expert: ShardLayout, shape: tuple[int, ...]
     return ShardLayout(full, dense.world_size, dense.rank, per_expert.dim + 1, per_expert.pieces)
 
 
-class ExpertsQuantMethod(Rewrite):
+class ExpertsQuantMethod(StoredWeight):
     """How one stacked expert parameter is stored and read (see the module docstring)."""
-
-    in_forward_only = False
-
-    def __init__(self, scheme: WeightQuant, dtype: torch.dtype, stored_dtypes: Mapping[str, torch.dtype] = None):
-        self.scheme, self.dtype, self.format = scheme, dtype, scheme.format
-        self.stored_dtypes = dict(stored_dtypes or {})
-        self.specs: dict = {}
-        self.layouts: dict[str, ShardLayout] = {}
-        self.dense: ShardLayout | None = None
-        self.maps: tuple[tuple[str, int], ...] = ()
 
     def create_weights(self, module: nn.Module, name: str, dense: ShardLayout, device,
                        where: str = "") -> dict[str, ShardLayout]:
