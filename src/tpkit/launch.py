@@ -13,10 +13,10 @@ every process rank; scripts under torchrun or mpirun call it first thing (the ex
 
 Process ranks start as fresh interpreters would (none inherits the caller's state), each importing the calling
 script again, as module `__mp_main__`, to find `fn`. gloo ranks come from a fork server that imported torch and tpkit
-once (`TPKIT_START_METHOD`, default "forkserver" where the platform has one): a rank then starts in 0.2 s instead
-of the 5 s a fresh interpreter spends importing them (2-core box), which is most of a short run. What a spawned
-rank would get from the caller at this moment, a forked one gets too: the environment and the caller's stdout and
-stderr are handed over before anything is unpickled (the server was started earlier, with what was current then).
+once (`TPKIT_START_METHOD`, default "forkserver" where the platform has one): a 2-rank launch then takes 0.09 s instead
+of the 1.9 s fresh interpreters spend importing them (`bench/launch.py`, 2-core box), most of a short run. What a
+spawned rank would get from the caller at this moment, a forked one gets too: the environment and the caller's stdout
+and stderr are handed over before anything is unpickled (the server was started earlier, with what was current then).
 nccl ranks, and `TPKIT_START_METHOD=spawn`, use "spawn" (CUDA must not meet a forked process).
 
 A script whose top level calls `launch` must guard that call (and the model building before it) with
