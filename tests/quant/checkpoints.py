@@ -76,18 +76,18 @@ def _minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     return b.amin((-1, -2)), b.amax((-1, -2))
 
 
-def compressed_tensors(model, directory: str, fmt: str | None, **weights) -> str:
-    """`model` quantized by compressed-tensors with `weights` (QuantizationArgs fields), saved in `fmt` (None: the
-    format compressed-tensors picks itself)."""
+def _compress(m, fmt: str | None, ignore: list[str], weights: dict):
+    """compressed-tensors' scheme with `weights` (QuantizationArgs fields) applied to `m`'s linear layers but
+    `ignore`, each group's scale and zero point from its min and max, the weights compressed in place in `fmt`
+    (None: the format compressed-tensors picks): the compressor, which writes the config's quantization_config."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    m = copy.deepcopy(model)
     args = QuantizationArgs(**weights)
     qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-                            ignore=["lm_head"], **({} if fmt is None else {"format": fmt}))
+                            ignore=ignore, **({} if fmt is None else {"format": fmt}))
     apply_quantization_config(m, qc)
     for mod in m.modules():
         if hasattr(mod, "weight_scale"):
@@ -97,6 +97,14 @@ def compressed_tensors(model, directory: str, fmt: str | None, **weights) -> str
                 mod.weight_zero_point.data.copy_(z)
     compressor = ModelCompressor.from_pretrained_model(m, quantization_format=fmt)
     compressor.compress_model(m)
+    return compressor
+
+
+def compressed_tensors(model, directory: str, fmt: str | None, **weights) -> str:
+    """`model` quantized by compressed-tensors with `weights` (QuantizationArgs fields), saved in `fmt` (None: the
+    format compressed-tensors picks itself)."""
+    m = copy.deepcopy(model)
+    compressor = _compress(m, fmt, ["lm_head"], weights)
     m.save_pretrained(directory)
     compressor.update_config(directory)
     return directory
@@ -309,27 +317,11 @@ def compressed_moe(model, directory: str, fmt: str, **weights) -> str:
     """`model` (a transformers MoE) saved in its checkpoint layout (one tensor per expert projection, as
     `save_pretrained` writes it), every linear layer but the routers and the LM head quantized by compressed-tensors
     with `weights`, in `fmt` (what llm-compressor's MoE recipes give)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
-    from compressed_tensors.quantization.utils import calculate_qparams
-
     model.save_pretrained(directory)
     path = os.path.join(directory, "model.safetensors")
     state = load_file(path)
     shadow = _shadow(state, lambda p: not p.endswith(("lm_head", "embed_tokens", ".gate")))
-    args = QuantizationArgs(**weights)
-    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-                            ignore=["lm_head", "re:.*gate$"], format=fmt)
-    apply_quantization_config(shadow, qc)
-    for mod in shadow.modules():
-        if hasattr(mod, "weight_scale"):
-            s, z = calculate_qparams(*_minmax(mod.weight.data, args), args)
-            mod.weight_scale.data.copy_(s)
-            if hasattr(mod, "weight_zero_point"):
-                mod.weight_zero_point.data.copy_(z)
-    compressor = ModelCompressor.from_pretrained_model(shadow, quantization_format=fmt)
-    compressor.compress_model(shadow)
+    compressor = _compress(shadow, fmt, ["lm_head", "re:.*gate$"], weights)
     quantized = {k: v.detach().clone().contiguous() for k, v in shadow.state_dict().items()}
     state = {k: v for k, v in state.items() if not (k.endswith(".weight") and k[:-len(".weight")] in
                                                     {n for n, _ in shadow.named_modules()})}
