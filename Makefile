@@ -47,11 +47,15 @@ mpi: $(MPI_STAMP)
 demo: $(BASE_STAMP)
 	$(PY) -m tpkit.cli demo
 
+# TEST_WORKERS pytest-xdist workers (tests/conftest.py keeps each file, and the files that share a session fixture,
+# on one worker); TEST_WORKERS=0 runs everything in this one process.
+TEST_WORKERS ?= 2
+
 test: venv mpi
-	$(PY) -m pytest -q --durations=40 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=40 tests
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
 
 # The site: docs/*.md, the API reference from the docstrings (mkdocstrings), the CLI reference generated from
 # tpkit's own parsers at build time (docs/hooks/cli_reference.py). --strict: a broken link or reference fails.

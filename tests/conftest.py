@@ -39,6 +39,39 @@ def _hermetic_profile(monkeypatch, synthetic_profile_path):
     monkeypatch.setenv("TPKIT_PROFILE", synthetic_profile_path)
 
 
+# `make test` runs the files on two pytest-xdist workers (`-n 2 --dist loadgroup`): the suite keeps about one of the
+# box's two cores busy on its own (processes that wait on each other, Python between the ops). A file stays on one
+# worker (its module fixtures are built once); files that share a session fixture stay together (it is built once);
+# the slowest files are handed out first, so that no worker is left with a long file at the end.
+SHARED_FIXTURE_GROUPS = {
+    "tests/estimate/test_estimate_calibrate.py": "quick_calibration",  # estimate/conftest.py quick_calibration
+    "tests/estimate/test_user_sequence.py": "quick_calibration",
+    "tests/pipeline/": "pipeline_launch",  # pipeline/conftest.py launched: one launch of 4 gloo processes
+    "tests/models/": "model_references",  # models/conftest.py hf_reference, moe_reference
+}
+SLOWEST_FIRST = ("tests/test_training_paths.py", "tests/test_docs.py", "quick_calibration", "tests/test_examples.py",
+                 "tests/test_lora.py", "tests/quant/test_checkpoints.py", "tests/convert/test_cli.py")
+
+
+def _group(path: str) -> str:
+    for prefix, group in SHARED_FIXTURE_GROUPS.items():
+        if path.startswith(prefix):
+            return group
+    return path
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """With xdist: each test's group (its file, or the group of files that share a session fixture), and the
+    groups in the order to hand them out. Without xdist the order changes and nothing else does."""
+    groups = [_group(item.nodeid.split("::", 1)[0]) for item in items]
+    if config.pluginmanager.hasplugin("xdist"):
+        for item, group in zip(items, groups):
+            item.add_marker(pytest.mark.xdist_group(group))
+    rank = {group: i for i, group in enumerate(SLOWEST_FIRST)}
+    order = sorted(range(len(items)), key=lambda i: (rank.get(groups[i], len(rank)), i))
+    items[:] = [items[i] for i in order]
+
+
 _FILE_SECONDS: dict[str, float] = {}
 
 
