@@ -52,10 +52,10 @@ demo: $(BASE_STAMP)
 TEST_WORKERS ?= 2
 
 test: venv mpi
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=40 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=40 tests
 
 test-fast: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
 # The site: docs/*.md, the API reference from the docstrings (mkdocstrings), the CLI reference generated from
 # tpkit's own parsers at build time (docs/hooks/cli_reference.py). --strict: a broken link or reference fails.

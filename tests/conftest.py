@@ -39,10 +39,10 @@ def _hermetic_profile(monkeypatch, synthetic_profile_path):
     monkeypatch.setenv("TPKIT_PROFILE", synthetic_profile_path)
 
 
-# `make test` runs the files on two pytest-xdist workers (`-n 2 --dist loadgroup`): the suite keeps about one of the
-# box's two cores busy on its own (processes that wait on each other, Python between the ops). A file stays on one
-# worker (its module fixtures are built once); files that share a session fixture stay together (it is built once);
-# the slowest files are handed out first, so that no worker is left with a long file at the end.
+# `make test` runs the files on two pytest-xdist workers (`-n 2`): the suite keeps about one of the box's two cores
+# busy on its own (processes that wait on each other, Python between the ops). A file stays on one worker (its module
+# fixtures are built once); files that share a session fixture stay together (it is built once); the slowest files
+# are handed out first, so that no worker is left with a long file at the end.
 SHARED_FIXTURE_GROUPS = {
     "tests/estimate/test_estimate_calibrate.py": "quick_calibration",  # estimate/conftest.py quick_calibration
     "tests/estimate/test_user_sequence.py": "quick_calibration",
@@ -53,23 +53,33 @@ SLOWEST_FIRST = ("tests/test_training_paths.py", "tests/test_docs.py", "quick_ca
                  "tests/test_lora.py", "tests/quant/test_checkpoints.py", "tests/convert/test_cli.py")
 
 
-def _group(path: str) -> str:
+def _group(nodeid: str) -> str:
+    """The worker unit of a test: its file, or the name of the files that share a session fixture with it."""
+    path = nodeid.split("::", 1)[0]
     for prefix, group in SHARED_FIXTURE_GROUPS.items():
         if path.startswith(prefix):
             return group
     return path
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """With xdist: each test's group (its file, or the group of files that share a session fixture), and the
-    groups in the order to hand them out. Without xdist the order changes and nothing else does."""
-    groups = [_group(item.nodeid.split("::", 1)[0]) for item in items]
-    if config.pluginmanager.hasplugin("xdist"):
-        for item, group in zip(items, groups):
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_collection_modifyitems(items) -> None:
+    """The slowest groups first (each worker collects, and the scheduler hands the groups out in this order); the
+    rest keep their order. Without xdist only the order changes."""
     rank = {group: i for i, group in enumerate(SLOWEST_FIRST)}
-    order = sorted(range(len(items)), key=lambda i: (rank.get(groups[i], len(rank)), i))
-    items[:] = [items[i] for i in order]
+    items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))  # stable: files stay in order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduler with `_group` as the scope. (Not `--dist loadgroup`: its marks rename the test ids,
+    which pytest 9 no longer lets a plugin do.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return FileGroupScheduling(config, log)
 
 
 _FILE_SECONDS: dict[str, float] = {}
@@ -90,3 +100,4 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section(f"seconds per test file (top 30 of {len(_FILE_SECONDS)}; all files {total:.0f} s)")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:30]:
         terminalreporter.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}%  {path}")
+
