@@ -10,6 +10,7 @@ step op by op (`fake_step.trace_step`) and prices it with the rates of `tp x dp`
 has no fixed cost per op and ring collectives; one composition for both):
 
     step = sum over ops (fixed cost per op + max(FLOPs / matmul rate at its rows, bytes / bandwidth))
+           (a linear layer a quantized checkpoint stores packed: its product as the load runs it, `quantized.py`)
          + every tensor-parallel collective (measured latency + bytes / bandwidth at its group size, plus what a
            collective costs inside a step beyond an isolated call: `MachineRates.collective_overhead_s`)
          + data parallelism's collectives (DDP: gradients all-reduced in 25 MB buckets; FSDP2: each block's
@@ -40,6 +41,7 @@ from .fake_step import GOALS, StepTrace, trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
 from .pipeline import pipelined
 from .profile import SpeedProfile, load_profile
+from .quantized import quantized_note, quantized_times
 
 DP_MODES = ("ddp", "fsdp", "replicas")  # replicas: inference copies that each take a share of the batch
 RECOMPUTE = ("none", "selective", "full")
@@ -115,6 +117,7 @@ class Prediction:
     activation_bytes: float = 0.0  # the part of memory_bytes that is activations kept for the backward (train)
     bubble_s: float = 0.0          # pipelining: the stages' idle time in the step
     pp_communication_s: float = 0.0  # pipelining: the activations and gradients sent between stages
+    quantized: str = ""  # what the quantized layers were priced as (`quantized.quantized_note`); "" for a dense model
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "setup": self.setup.to_dict()}
@@ -134,7 +137,10 @@ def kernel_times(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...] 
     for op in _ops(trace, phases, names):
         if op.view:
             continue
-        if op.mnk is not None or op.flops:
+        if op.quantized is not None:  # a quantized layer's product, as its load runs it
+            arithmetic, streamed = quantized_times(op, rates)
+            compute, memory = compute + arithmetic, memory + streamed
+        elif op.mnk is not None or op.flops:
             m = op.mnk[0] if op.mnk is not None else 1024
             width = math.sqrt(op.mnk[1] * op.mnk[2]) if op.mnk is not None else None
             arithmetic = op.flops / rates.flops_rate(m, width, op.stored)
@@ -307,10 +313,12 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
         memory = peak + memory - _memory(Setup(setup.tp), goal, *parts)
     memory -= _quantized_saving(config, setup, goal, item)
     saved = min(ex(lambda t, p: t.saved_bytes), memory) if goal == "train" else 0.0
+    note = quantized_note({q.name: q for q in traced.rows[-1][1].quantized}, rates) or ""
     return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm, kernels, overhead, tp_comm, dp_comm,
                       memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))),
                       memory + rates.import_bytes + rates.runtime_bytes, ex(lambda t, p: p.compute),
-                      ex(lambda t, p: p.flops), ex(lambda t, p: p.nbytes), ex(lambda t, p: p.comm_bytes), saved)
+                      ex(lambda t, p: p.flops), ex(lambda t, p: p.nbytes), ex(lambda t, p: p.comm_bytes), saved,
+                      quantized=note)
 
 
 def _pipelined(model_or_config, setup: Setup, goal, batch_size, seq_len, profile, ranks, example, traced, dtype,
