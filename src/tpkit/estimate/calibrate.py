@@ -7,7 +7,8 @@ prices every op and collective with) are measured for 1 up to the largest world 
 measures its matmul and memory rates, a quantized checkpoint's layers as a load builds them (`quantized.py`), a
 reference model's per-op cost and the framework's per-module terms (`framework.py`) while the others do the same,
 then the collectives through tpkit's communicator, alone and inside the steps of the reference model converted over
-those ranks (`reference.py`), and the skew of ranks meeting at collectives; the slowest rank's figures are kept (a step ends when its slowest rank does).
+those ranks (`reference.py`), and the skew of ranks meeting at collectives; the slowest rank's figures are kept (a
+step ends when its slowest rank does).
 
 The profile also names the machine as a `Hardware` read off those rates (its fastest one-rank matmul, its one-rank
 streaming bandwidth, the all-reduce line fitted at each world size, split by least squares into a fixed cost per

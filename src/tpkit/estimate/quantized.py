@@ -151,7 +151,8 @@ def quantized_times(op, rates: MachineRates) -> tuple[float, float]:
 
 
 def quantized_note(layers: Mapping[str, QuantizedLayer], rates: MachineRates) -> str | None:
-    """What the estimate priced for a quantized checkpoint's layers (one line), or None when it has none."""
+    """What the estimate priced for a quantized checkpoint's layers (one line, the same for every number of ranks
+    sharing a profile's rates: the figures are in `tpkit estimate --calibrate`'s terms), or None for none."""
     if not layers:
         return None
     parts = []
@@ -159,16 +160,15 @@ def quantized_note(layers: Mapping[str, QuantizedLayer], rates: MachineRates) ->
         some = next(layer for layer in layers.values() if layer.key == key)
         rate = rates.quantized.get(key)
         if some.path == "kernel":
-            what = (f"its kernel as calibrated ({rate.product}: {rate.fixed_s * 1e6:.0f} us + stored bytes at "
-                    f"{rate.bandwidth(1) / 1e9:.2f} GB/s at 1 row)" if rate is not None else
-                    f"the fastest of its products ({', '.join(some.products)}), not calibrated: stored bytes at the "
-                    f"weight-streaming bandwidth ({rates.stream_bandwidth / 1e9:.2f} GB/s, a rule)")
+            what = (f"its kernel as calibrated ({rate.product}: a fixed cost per call + the stored bytes at the rate "
+                    f"measured at its rows)" if rate is not None else
+                    f"the fastest of its products ({', '.join(some.products)}), not calibrated: the stored bytes at "
+                    f"the measured weight-streaming bandwidth (a rule)")
         else:
             what = ("dequantized per call, then the dense product" + (
-                f" (dequantization as calibrated: {rate.fixed_s * 1e6:.0f} us + stored bytes at "
-                f"{rate.bandwidth(1) / 1e9:.2f} GB/s)" if rate is not None else
-                f" (dequantization not calibrated: {DEQUANTIZE_PASSES} elementwise passes over stored + dense bytes, "
-                f"a rule)") + ": no product of the format applies to the slice at this dtype")
+                " (the dequantization as calibrated)" if rate is not None else
+                f" (the dequantization not calibrated: {DEQUANTIZE_PASSES} elementwise passes over the stored and "
+                f"dense bytes, a rule)") + ": no product of its format applies to the slice at this dtype")
         parts.append(f"{some.scheme} in {some.dtype}: {what}")
     return "linear layers stored quantized, each priced as the product a rank runs (stored bytes, not dense): " + \
         "; ".join(parts)
