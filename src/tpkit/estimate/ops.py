@@ -147,6 +147,9 @@ class OpRecorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         flops, mnk, stored = _matmul(name, args, out)
         layer = self.layer if mnk is not None and name in _LINEAR else None
+        x = args[1] if name == "addmm" else args[0]
+        if layer is not None and torch.is_grad_enabled() and getattr(x, "requires_grad", False):
+            layer = dataclasses.replace(layer, path="dequantize")  # the kernels have no backward
         view = name in VIEWS or func.namespace == "prim"  # prim ops read metadata (a tensor's device)
         if view:
             nbytes = 0

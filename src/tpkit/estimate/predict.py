@@ -343,7 +343,8 @@ def _quantized_saving(config, setup: Setup, goal: str, item: int) -> float:
     """Bytes a rank does not hold because a quantized checkpoint stores its block linear layers packed: the traced
     model is dense, so its weights (and, training, their gradients and AdamW states: the packed base is frozen) less
     the stored tensors (`params.quantized_weights`, the rank with the most bytes). 0 for a dense config. The speed
-    is still priced as the dense product's (the quantized products are not in the traced step)."""
+    is priced on the quantized products themselves: the traced step records each such layer's matmul as the product
+    the rank's load runs, on its stored bytes (`quantized.py`)."""
     from ..quant import config_quantization
     from .config import transformer_shape
     from .params import fullest_quantized
