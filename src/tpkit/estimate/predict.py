@@ -311,7 +311,7 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     peak = ex(lambda t, p: t.peak_bytes)
     if peak:  # the traced peak of the plain step, moved by what DP and recompute change (the sum of parts' delta)
         memory = peak + memory - _memory(Setup(setup.tp), goal, *parts)
-    memory -= _quantized_saving(config, setup, goal, item)
+    memory -= ex(lambda t, p: _quantized_saving(t, setup, goal, item))
     saved = min(ex(lambda t, p: t.saved_bytes), memory) if goal == "train" else 0.0
     note = quantized_note({q.name: q for q in traced.rows[-1][1].quantized}, rates) or ""
     return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm, kernels, overhead, tp_comm, dp_comm,
@@ -339,24 +339,16 @@ def _pipelined(model_or_config, setup: Setup, goal, batch_size, seq_len, profile
     return pipelined(base, setup, rates, activation)
 
 
-def _quantized_saving(config, setup: Setup, goal: str, item: int) -> float:
-    """Bytes a rank does not hold because a quantized checkpoint stores its block linear layers packed: the traced
-    model is dense, so its weights (and, training, their gradients and AdamW states: the packed base is frozen) less
-    the stored tensors (`params.quantized_weights`, the rank with the most bytes). 0 for a dense config. The speed
-    is priced on the quantized products themselves: the traced step records each such layer's matmul as the product
-    the rank's load runs, on its stored bytes (`quantized.py`)."""
-    from ..quant import config_quantization
-    from .config import transformer_shape
-    from .params import fullest_quantized
-
-    quant = config_quantization(config) if config is not None else None
-    if quant is None:
-        return 0.0
-    weights, stored = fullest_quantized(transformer_shape(config), quant, setup.tp, item)
-    frozen = weights * (item + 8) if goal == "train" else 0.0
+def _quantized_saving(trace: StepTrace, setup: Setup, goal: str, item: int) -> float:
+    """Bytes the traced rank does not hold because a quantized checkpoint stores its linear layers packed: the traced
+    model is dense, so the dense weights of those layers (and, training, their gradients and AdamW states: the packed
+    base is frozen) less the stored tensors the rank holds (`quantized.QuantizedLayer`: the load's split, in whole
+    groups). 0 for a dense config. Their speed is priced on those stored tensors too (`quantized_times`)."""
+    dense = sum(q.dense_bytes for q in trace.quantized)
+    frozen = dense / item * (item + 8) if goal == "train" else 0.0
     if goal == "train" and setup.dp_mode == "fsdp" and setup.dp > 1:
         frozen /= setup.dp
-    return weights * item - stored + frozen
+    return dense - sum(q.stored_bytes for q in trace.quantized) + frozen
 
 
 def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:
