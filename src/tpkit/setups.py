@@ -29,6 +29,7 @@ from .estimate.framework import generate_token_seconds
 from .estimate.hardware import detect_hardware
 from .estimate.predict import Setup
 from .estimate.pricing import NotPriced, machine_pricing
+from .estimate.quantized import loaded_dtype
 from .estimate.search import SearchResult
 from .estimate.search import search as rank_setups
 from .launch import launch
@@ -157,14 +158,15 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
     each architecture family's alternatives), priced on this machine by a measured profile (`tpkit estimate
     --calibrate`), those that need more than `memory_per_device` ("80GB", bytes) dropped, the rest ranked; with
     `measure=K` the top K run `steps` steps on local ranks and the measured best wins. `dtype`: the weights'
-    (default: a config's bfloat16 on a datasheet machine, float32 on a measured one, a module's own). The machine
+    (default: a quantized checkpoint's config its own, as `from_pretrained` loads it; a config's bfloat16 on a
+    datasheet machine, float32 on a measured one; a module's own). The machine
     priced is `tpkit.estimate.pricing.machine_pricing(profile, hardware)`'s, as `tpkit estimate`'s: with no
     profile and no GPU of a known kind, this machine is measured first. `progress(text)` is told of each measured
     setup before and after it runs; `timeout`: seconds per measured setup. See `SearchResult`."""
     memory = parse_bytes(memory_per_device) if memory_per_device is not None else None
     pricing = machine_pricing(profile, hardware, dp_wrappers=DP_WRAPPERS)
-    if dtype is None and pricing.measured and not isinstance(model_or_config, nn.Module):
-        dtype = torch.float32  # what a CPU runs a config's model in (`_build`)
+    if dtype is None and not isinstance(model_or_config, nn.Module):  # what a CPU runs a config's model in (`_build`),
+        dtype = loaded_dtype(model_or_config, torch.float32 if pricing.measured else None)  # a quantized one its own
     counter = iter(range(1, max(measure, 1) + 1))
 
     def runner(model, setup: Setup, goal_: str, batch: int, seq: int) -> float:
@@ -180,6 +182,7 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
     result = rank_setups(model_or_config, devices, goal, memory, batch_size, seq_len, pricing.profile, measure,
                          runner if measure else None, dtype, hardware=pricing.hardware)
     notes = [pricing.origin] + [n for n in result.notes if not n.startswith("predicted with profile")]
+    notes += [result.best.prediction.quantized] if result.best.prediction.quantized else []  # priced as it runs
     if pricing.this_machine and devices > pricing.devices:
         notes.append(f"{devices} devices exceed this machine's {pricing.devices} {pricing.device_kind}: the ranking "
                      f"is for a larger machine like this one")
@@ -206,7 +209,7 @@ def search_advisor(profile=None, batch_size: int = 1, seq_len: int = 128, hardwa
             return None
         present = devices or (pricing.devices if pricing.this_machine else max(sizes))
         goal = "decode" if mode == "inference" else "train"
-        dtype = torch.float32 if pricing.measured else None
+        dtype = loaded_dtype(getattr(model, "config", None), torch.float32 if pricing.measured else None)
         best = {}
         for w in sizes:
             try:

@@ -42,6 +42,10 @@ def test_calibrate_writes_a_profile_that_later_estimates_use(quick_calibration, 
     two = profile.machine["2"]  # the in-step cost of a collective, measured on the converted reference model
     assert 0 <= two.collective_overhead_s < 0.1 and 0 <= two.train_collective_overhead_s < 0.1
     assert profile.machine["1"].collective_overhead_s == 0
+    for rates in profile.machine.values():  # a quantized layer's call as the load builds it (quick: int4, int8)
+        assert {"int4/bfloat16", "int8/bfloat16"} <= set(rates.quantized)
+        assert all(q.fixed_s >= 0 and 1e7 < q.bandwidth(1) < 1e13 for q in rates.quantized.values())
+    assert "quantized layer int4/bfloat16" in out
     # A later estimate (default location via $TPKIT_PROFILE) runs on the measured machine.
     assert main(["estimate", "gpt2", "--world-size", "1,2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

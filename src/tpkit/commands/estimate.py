@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated (default: 1, 2, 4, ... up to this machine's devices (GPUs, else cores) "
                              "when it is what is priced, else 1,2,4,8)")
     parser.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
-                        help="default fp32 on a measured CPU machine, else bf16")
+                        help="default: a quantized checkpoint's own (as tpkit.from_pretrained loads it); else fp32 on "
+                             "a measured CPU machine, else bf16")
     parser.add_argument("--mode", default="inference", choices=["inference", "training"])
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
     parser.add_argument("--batch-size", type=int, default=1)
@@ -158,6 +159,7 @@ def _run(args: argparse.Namespace) -> int:
     from tpkit.estimate import estimate_memory, transformer_shape
     from tpkit.estimate.presets import load_target
     from tpkit.estimate.pricing import machine_pricing
+    from tpkit.estimate.quantized import loaded_dtype
     from tpkit.estimate.speed import estimate_speed
 
     if args.target is None and not args.calibrate:
@@ -174,10 +176,11 @@ def _run(args: argparse.Namespace) -> int:
         from tpkit.tables import output_width, wrap_text
 
         print(wrap_text(pricing.origin, output_width(wide=args.wide), "", "  "))
-    dtype = getattr(torch, _DTYPES[args.dtype or ("fp32" if pricing.measured else "bf16")])
     hardware = pricing.hardware or pricing.profile.hardware
     sizes = _world_sizes(args, pricing)
     model, config = load_target(args.target, build=False)
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else \
+        loaded_dtype(config, torch.float32 if pricing.measured else torch.bfloat16)  # quantized: the checkpoint's
     subject = model if model is not None else config
     extra = {}
     if args.input_shape:

@@ -31,6 +31,8 @@ Speed: one pricing engine
     search          the setup search: every setup tpkit can build, predicted, filtered by memory, ranked
     pricing         which machine every command prices: a measured profile, a named or detected datasheet, or
                     this machine measured now
+    quantized       a quantized checkpoint's linear layers: the product each rank's load runs, its stored bytes,
+                    its price (a calibrated table, else a stated rule), and the calibration that times them
     machine         MachineRates: what a rank achieves (per-op cost, matmul tables, bandwidths, collectives,
                     framework terms), the one record predict prices with
     hardware        datasheets (A100, H100, H200 and their links), and datasheet_rates: a datasheet as MachineRates

@@ -4,10 +4,11 @@ Why measured rather than looked up: a CPU box, a power-capped GPU or an unusual 
 step is only as fast as the rates its ops run at. The op-level rates (`machine.MachineRates`, what `predict.py`
 prices every op and collective with) are measured for 1 up to the largest world size of ranks running at once,
 `threads` threads each (default: the cores shared out over the largest world size, one device per rank): each rank
-measures its matmul and memory rates, a reference model's per-op cost and the framework's per-module terms
-(`framework.py`) while the others do the same, then the collectives through tpkit's communicator, alone and inside
-the steps of the reference model converted over those ranks (`reference.py`), and the skew of ranks meeting at
-collectives; the slowest rank's figures are kept (a step ends when its slowest rank does).
+measures its matmul and memory rates, a quantized checkpoint's layers as a load builds them (`quantized.py`), a
+reference model's per-op cost and the framework's per-module terms (`framework.py`) while the others do the same,
+then the collectives through tpkit's communicator, alone and inside the steps of the reference model converted over
+those ranks (`reference.py`), and the skew of ranks meeting at collectives; the slowest rank's figures are kept (a
+step ends when its slowest rank does).
 
 The profile also names the machine as a `Hardware` read off those rates (its fastest one-rank matmul, its one-rank
 streaming bandwidth, the all-reduce line fitted at each world size, split by least squares into a fixed cost per
@@ -30,6 +31,7 @@ from .hardware import Hardware, Interconnect
 from .machine import COLLECTIVES, CollectiveCost, MachineRates
 from .process_memory import reset_peak_rss, rss_bytes
 from .profile import LinkProfile, SpeedProfile
+from .quantized import measure_quantized, slowest as slowest_quantized
 from .reference import collective_overheads, op_overheads
 
 GEMM_ROWS = (1, 4, 8, 16, 32, 64, 256, 1024)
@@ -244,9 +246,11 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     comm.barrier()
     stored = measure_stream_bandwidth(repeats=repeats, stored=True)
     copy_bw = measure_copy_bandwidth(repeats=repeats)
+    comm.barrier()
+    quantized = measure_quantized(comm, 3 if quick else 5, quick)  # every rank at once: they share the memory bus
     rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored,
                          gemm_widths=tuple((w, tables[False, w]) for w in GEMM_WIDTHS if w != 1024),
-                         linear_gemm=tuple((w, tables[True, w]) for w in GEMM_WIDTHS))
+                         linear_gemm=tuple((w, tables[True, w]) for w in GEMM_WIDTHS), quantized=quantized)
     comm.barrier()
     reset_peak_rss()
     before = rss_bytes()
@@ -301,7 +305,8 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
                                runtime_bytes=max(r.runtime_bytes for r in per_rank),
                                framework=_worst([r.framework for r in per_rank]),
                                tp_framework=_worst([r.tp_framework for r in per_rank]) if first.tp_framework else {},
-                               dp_framework=_worst([r.dp_framework for r in per_rank]) if first.dp_framework else {})
+                               dp_framework=_worst([r.dp_framework for r in per_rank]) if first.dp_framework else {},
+                               quantized=slowest_quantized([r.quantized for r in per_rank]))
 
 
 def calibrate_machine(backend: str = "gloo", max_ranks: int = 2, threads: int | None = None, quick: bool = False,

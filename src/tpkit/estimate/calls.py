@@ -64,12 +64,13 @@ def config_with_layers(config, layers: int):
 
 def with_layers(config, model_cls, layers: int, dtype: torch.dtype, attention: str | None = None) -> nn.Module:
     """A weightless (meta) model of `config` with `layers` transformer layers, of `model_cls` or built from the
-    config's own class; `attention` "eager" or anything else (sdpa) sets the attention kernel."""
+    config's own class, in `dtype` (transformers builds a config that names its dtype in that one); `attention`
+    "eager" or anything else (sdpa) sets the attention kernel."""
     cfg = config_with_layers(config, layers)
     if attention is not None:
         cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
     if model_cls is None:
-        return build_model(cfg, device="meta", dtype=dtype)
+        return build_model(cfg, device="meta", dtype=dtype).to(dtype)
     with torch.device("meta"):
         model = model_cls(cfg)
     return model.to(dtype)

@@ -11,7 +11,9 @@ that moves no data but writes down every collective (`ops.RecordingCommunicator`
 `seq` tokens in the KV cache), "prefill" (one forward of `seq` tokens), "train" (forward with the loss, backward, an
 AdamW step; `backward=False` stops after the forward, all the memory estimate needs). Training counts the bytes
 autograd saves for backward (`saved_bytes`: distinct storages, parameters and buffers excluded, exactly as the
-tests measure a real forward).
+tests measure a real forward). The linear layers a quantized checkpoint stores packed (its config's
+`quantization_config`) are found on the converted copy (`quantized.quantized_layers`) and their matmuls recorded as
+the products a rank's load runs.
 
 Transformers' experts run through batched_mm here, as in the planner's trace (`traceable_experts`): their eager
 loop asks which experts got tokens (`nonzero`), which fake tensors cannot answer.
@@ -31,6 +33,7 @@ from ..convert.trace.structure import traceable_experts
 from .calls import as_call, meta_copy, to_empty_tied
 from .ops import Collective, Op, OpRecorder, RecordingCommunicator
 from .peak import LiveBytes
+from .quantized import quantized_layers
 
 GOALS = ("decode", "prefill", "train")
 
@@ -51,6 +54,7 @@ class StepTrace:
     parameter_tensors: int = 0  # this rank's parameter tensors the optimizer steps (training)
     peak_bytes: int = 0         # the most tensor bytes held at once in a steady step (`peak.LiveBytes`)
     parameter_shapes: tuple[tuple[int, ...], ...] = ()  # this rank's parameters, each once (tied ones too)
+    quantized: tuple = ()  # the linear layers a quantized checkpoint stores packed (`quantized.QuantizedLayer`)
 
 
 @contextlib.contextmanager
@@ -116,12 +120,16 @@ def convert_for_rank(model: nn.Module, rank: int, world_size: int, plan: Any = "
                      sequence_parallel: bool = False, example_inputs: Any = None) -> tuple[nn.Module, RecordingCommunicator]:
     """A weightless copy of `model` converted for `rank` of `world_size` with `plan`, and the communicator that
     records its collectives."""
+    from ..quant import config_quantization
+
     comm = RecordingCommunicator(rank, world_size)
     copy_ = meta_copy(model)
-    if world_size > 1:
+    config = getattr(model, "config", None)
+    if world_size > 1:  # a quantized checkpoint's pairs split in whole groups, as its load splits them
         with quiet_conversions():  # an estimate's own conversion: what stays whole is in its report
             parallelize(copy_, plan, comm=comm, mode=mode, sequence_parallel=sequence_parallel,
-                        example_inputs=example_inputs)
+                        example_inputs=example_inputs,
+                        quantization=config_quantization(config) if config is not None else None)
     return copy_, comm
 
 
@@ -139,24 +147,32 @@ def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, 
                                   sequence_parallel and training, meta_example)
     unique = list({id(p): p for p in work.parameters()}.values())
     params, shapes = sum(p.numel() * p.element_size() for p in unique), tuple(tuple(p.shape) for p in unique)
+    quantized = quantized_layers(model, work)
     work.train(training)
     with fake_tensors(work):
         work = to_empty_tied(work)
         recorder, saved, cache = OpRecorder(), 0, 0
         live = LiveBytes([*work.parameters(), *work.buffers()])
-        if goal == "decode":
-            with live:
-                cache = _decode(work, batch, seq, recorder, comm)
-        elif goal == "prefill":
-            args, kwargs = fake_inputs(work, batch, seq, example)
-            with torch.no_grad(), recorder, live:
-                work(*args, **kwargs)
-        else:
-            saved = _train(work, batch, seq, example, recorder, live, backward, comm)
+        with recorder.quantized_layers(work, quantized):
+            saved, cache = _run_step(work, goal, batch, seq, example, recorder, live, backward, comm)
     tokens = batch if goal == "decode" else batch * seq
     tensors = sum(1 for p in unique if p.requires_grad)
     return StepTrace(goal, world_size, rank, tuple(recorder.ops), tuple(comm.calls), params, saved, cache, tokens,
-                     tensors, live.peak, shapes)
+                     tensors, live.peak, shapes, tuple(quantized.values()))
+
+
+def _run_step(work: nn.Module, goal: str, batch: int, seq: int, example, recorder: OpRecorder, live: LiveBytes,
+              backward: bool, comm: RecordingCommunicator) -> tuple[int, int]:
+    """The step itself, inside the fake mode: (bytes saved for backward, the KV cache's bytes)."""
+    if goal == "decode":
+        with live:
+            return 0, _decode(work, batch, seq, recorder, comm)
+    if goal == "prefill":
+        args, kwargs = fake_inputs(work, batch, seq, example)
+        with torch.no_grad(), recorder, live:
+            work(*args, **kwargs)
+        return 0, 0
+    return _train(work, batch, seq, example, recorder, live, backward, comm), 0
 
 
 def _decode(work: nn.Module, batch: int, seq: int, recorder: OpRecorder, comm: RecordingCommunicator) -> int:

@@ -18,6 +18,9 @@ known only by its datasheet gets the same record from `hardware.datasheet_rates`
   which BLAS streams differently; `copy_bandwidth`: bytes/s of elementwise work (read + write);
 * `collectives`: for each kind (all_reduce, all_gather, reduce_scatter) and group size, a latency and a
   bandwidth fitted to calls through tpkit's own communicator (its checks, its transport) at several sizes;
+* `quantized`: the linear layers of a quantized checkpoint as a rank's load builds them (`tpkit.nn.quantized`:
+  each keeps the fastest product it measured on its slice), timed at decode's rows: per format and compute dtype,
+  a fixed cost per call and the bytes/s its stored tensors stream at (`quantized.py`; `QuantizedRate`);
 * `collective_overhead_s` / `train_collective_overhead_s`: what each tensor-parallel collective costs inside a
   step beyond that isolated call: the Python of the parallel layer around it and the wait for the slower rank
   (isolated calls start together after a barrier; in a step the ranks arrive apart). Measured on the reference
@@ -67,6 +70,30 @@ class CollectiveCost:
         return cls(float(data["latency_s"]), float(data["bandwidth"]), points)
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantizedRate:
+    """One quantized layer's call as the calibration timed it (`quantized.measure_quantized`): `product`, what the
+    layer chose at load (`tpkit.quant.products.fastest`: "native uint4", "int4", ...; "dequantize": the slice
+    dequantized per call, timed alone); `fixed_s` per call, and `rows`: ((activation rows, bytes/s of the stored
+    tensors), ...), fitted to two layer sizes streamed from memory. Seconds of a call at `m` rows over `nbytes`
+    stored: `fixed_s + nbytes / rate(m)` (log-linear between the rows measured, flat beyond)."""
+
+    product: str
+    fixed_s: float
+    rows: tuple[tuple[int, float], ...]
+
+    def bandwidth(self, m: int = 1) -> float:
+        """Bytes/s of the stored tensors at `m` activation rows."""
+        return _interpolate(self.rows, max(m, 1))
+
+    def seconds(self, nbytes: float, m: int = 1) -> float:
+        return self.fixed_s + nbytes / self.bandwidth(m)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "QuantizedRate":
+        return cls(str(data["product"]), float(data["fixed_s"]), tuple((int(m), float(b)) for m, b in data["rows"]))
+
+
 # what the framework terms' reference step holds: one batch row, a vocabulary of 256 (`framework.tiny_config`)
 FRAMEWORK_ROWS = 1
 FRAMEWORK_LOGITS = 256
@@ -91,7 +118,7 @@ class FrameworkCost:
 
 
 def _interpolate(table, m: int) -> float:
-    """FLOP/s at `m` rows from ((rows, FLOP/s), ...): log-linear between rows, flat beyond them."""
+    """A rate (FLOP/s, bytes/s) at `m` rows from ((rows, rate), ...): log-linear between rows, flat beyond them."""
     pts = sorted(table)
     if m <= pts[0][0]:
         return pts[0][1]
@@ -140,6 +167,10 @@ class MachineRates:
     # the fraction work between collectives takes longer when ranks meet at each (`calibrate.measure_rank_skew`):
     skew: float = 0.0  # pieces streamed from memory, as decoding's; 0 in profiles measured before
     train_skew: float = 0.0  # pieces bound by arithmetic, as training's and prefill's
+    # "int4/bfloat16" (format kind / compute dtype; "/dequantize" for the slice dequantized per call) -> the quantized
+    # layer's call as the load builds it; {} in profiles measured before, and on datasheet machines (`quantized.py`
+    # prices by its rule then)
+    quantized: Mapping[str, QuantizedRate] = dataclasses.field(default_factory=dict)
 
     def framework_cost(self, family: str | None, goal: str, tp: bool,
                        dp_mode: str | None = None) -> FrameworkCost | None:
@@ -199,6 +230,8 @@ class MachineRates:
         out["framework"] = {k: dataclasses.asdict(v) for k, v in self.framework.items()}
         out["tp_framework"] = {k: dataclasses.asdict(v) for k, v in self.tp_framework.items()}
         out["dp_framework"] = {k: dataclasses.asdict(v) for k, v in self.dp_framework.items()}
+        out["quantized"] = {k: {"product": v.product, "fixed_s": v.fixed_s, "rows": [list(p) for p in v.rows]}
+                            for k, v in self.quantized.items()}
         return out
 
     @classmethod
@@ -217,7 +250,8 @@ class MachineRates:
                    float(data.get("import_bytes", 0.0)), float(data.get("runtime_bytes", 0.0)),
                    {k: FrameworkCost(**v) for k, v in dict(data.get("dp_framework", {})).items()},
                    _tables(data.get("linear_gemm", [])), float(data.get("skew", 0.0)),
-                   float(data.get("train_skew", 0.0)))
+                   float(data.get("train_skew", 0.0)),
+                   {k: QuantizedRate.from_dict(v) for k, v in dict(data.get("quantized", {})).items()})
 
 
 def _tables(data) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:

@@ -1,7 +1,9 @@
 """What the fake step writes down, op by op: every aten op that runs (`OpRecorder`: its FLOPs from the matmul and
 attention shapes, the bytes it reads and writes, whether it is a view, whether a matmul reads its weight as stored,
-and the phase it ran in: forward, backward or the optimizer step) and every collective the converted model calls
-(`RecordingCommunicator`: a shape-only communicator that notes each call's kind, input bytes and phase).
+the phase it ran in: forward, backward or the optimizer step, and, for a matmul of a linear layer a quantized
+checkpoint stores packed, that layer's `quantized.QuantizedLayer`: its product is priced as the load runs it) and
+every collective the converted model calls (`RecordingCommunicator`: a shape-only communicator that notes each
+call's kind, input bytes and phase).
 
 Why op by op: the speed of small and latency-bound work is decided by what a roofline leaves out: every op's fixed
 cost, matmuls at the shapes the model really uses, each collective as tpkit's own call path pays it. The step these
@@ -9,9 +11,10 @@ recorders follow is run by `fake_step.trace_step`; `predict.price` prices what t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,6 +26,7 @@ VIEWS = frozenset("view _unsafe_view reshape expand t transpose permute unsqueez
                   "as_strided detach lift_fresh _to_copy.no_copy split split_with_sizes unbind chunk narrow "
                   "unflatten flatten sym_size sym_stride sym_numel".split())
 GATHERS = frozenset(("embedding", "index_select", "gather", "take"))
+_LINEAR = frozenset(("mm", "addmm", "linear", "matmul"))  # a linear layer's product (not attention's bmm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Op:
     mnk: tuple[int, int, int] | None = None
     view: bool = False
     stored: bool = False  # a matmul reading its second operand as stored, rows of k (GPT-2's Conv1D), not transposed
+    quantized: Any = None  # the product of a layer stored quantized (`quantized.QuantizedLayer`): priced as it runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +121,35 @@ class OpRecorder(TorchDispatchMode):
         super().__init__()
         self.phase = phase
         self.ops: list[Op] = []
+        self.layer = None  # the quantized layer whose forward is running (`quantized_layers`)
+
+    @contextlib.contextmanager
+    def quantized_layers(self, model: torch.nn.Module, layers: Mapping[str, Any]) -> Iterator[None]:
+        """While on, the matmul of each module of `model` named in `layers` (name -> `quantized.QuantizedLayer`)
+        is recorded as that layer's quantized product: its bytes the stored tensors' in place of the dense
+        weight's (forward hooks on the modules, removed on the way out)."""
+        def enter(layer):
+            return lambda module, args: setattr(self, "layer", layer)
+        handles = []
+        for name, layer in layers.items():
+            module = model.get_submodule(name)
+            handles += [module.register_forward_pre_hook(enter(layer)),
+                        module.register_forward_hook(lambda module, args, out: setattr(self, "layer", None))]
+        try:
+            yield
+        finally:
+            self.layer = None
+            for h in handles:
+                h.remove()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         flops, mnk, stored = _matmul(name, args, out)
+        layer = self.layer if mnk is not None and name in _LINEAR else None
+        x = args[1] if name == "addmm" else args[0]
+        if layer is not None and torch.is_grad_enabled() and getattr(x, "requires_grad", False):
+            layer = dataclasses.replace(layer, path="dequantize")  # the kernels have no backward
         view = name in VIEWS or func.namespace == "prim"  # prim ops read metadata (a tensor's device)
         if view:
             nbytes = 0
@@ -128,5 +157,7 @@ class OpRecorder(TorchDispatchMode):
             nbytes = 2 * _nbytes(out)
         else:
             nbytes = _nbytes(list(args) + list((kwargs or {}).values())) + _nbytes(out)
-        self.ops.append(Op(name, self.phase or _phase(), flops, float(nbytes), mnk, view, stored))
+        if layer is not None:  # the stored tensors are read in place of the dense weight
+            nbytes += layer.stored_bytes - layer.dense_bytes
+        self.ops.append(Op(name, self.phase or _phase(), flops, float(nbytes), mnk, view, stored, layer))
         return out

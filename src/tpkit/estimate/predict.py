@@ -10,6 +10,7 @@ step op by op (`fake_step.trace_step`) and prices it with the rates of `tp x dp`
 has no fixed cost per op and ring collectives; one composition for both):
 
     step = sum over ops (fixed cost per op + max(FLOPs / matmul rate at its rows, bytes / bandwidth))
+           (a linear layer a quantized checkpoint stores packed: its product as the load runs it, `quantized.py`)
          + every tensor-parallel collective (measured latency + bytes / bandwidth at its group size, plus what a
            collective costs inside a step beyond an isolated call: `MachineRates.collective_overhead_s`)
          + data parallelism's collectives (DDP: gradients all-reduced in 25 MB buckets; FSDP2: each block's
@@ -40,6 +41,7 @@ from .fake_step import GOALS, StepTrace, trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
 from .pipeline import pipelined
 from .profile import SpeedProfile, load_profile
+from .quantized import quantized_note, quantized_times
 
 DP_MODES = ("ddp", "fsdp", "replicas")  # replicas: inference copies that each take a share of the batch
 RECOMPUTE = ("none", "selective", "full")
@@ -115,6 +117,7 @@ class Prediction:
     activation_bytes: float = 0.0  # the part of memory_bytes that is activations kept for the backward (train)
     bubble_s: float = 0.0          # pipelining: the stages' idle time in the step
     pp_communication_s: float = 0.0  # pipelining: the activations and gradients sent between stages
+    quantized: str = ""  # what the quantized layers were priced as (`quantized.quantized_note`); "" for a dense model
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "setup": self.setup.to_dict()}
@@ -134,7 +137,10 @@ def kernel_times(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...] 
     for op in _ops(trace, phases, names):
         if op.view:
             continue
-        if op.mnk is not None or op.flops:
+        if op.quantized is not None:  # a quantized layer's product, as its load runs it
+            arithmetic, streamed = quantized_times(op, rates)
+            compute, memory = compute + arithmetic, memory + streamed
+        elif op.mnk is not None or op.flops:
             m = op.mnk[0] if op.mnk is not None else 1024
             width = math.sqrt(op.mnk[1] * op.mnk[2]) if op.mnk is not None else None
             arithmetic = op.flops / rates.flops_rate(m, width, op.stored)
@@ -305,12 +311,14 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     peak = ex(lambda t, p: t.peak_bytes)
     if peak:  # the traced peak of the plain step, moved by what DP and recompute change (the sum of parts' delta)
         memory = peak + memory - _memory(Setup(setup.tp), goal, *parts)
-    memory -= _quantized_saving(config, setup, goal, item)
+    memory -= ex(lambda t, p: _quantized_saving(t, setup, goal, item))
     saved = min(ex(lambda t, p: t.saved_bytes), memory) if goal == "train" else 0.0
+    note = quantized_note({q.name: q for q in traced.rows[-1][1].quantized}, rates) or ""
     return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm, kernels, overhead, tp_comm, dp_comm,
                       memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))),
                       memory + rates.import_bytes + rates.runtime_bytes, ex(lambda t, p: p.compute),
-                      ex(lambda t, p: p.flops), ex(lambda t, p: p.nbytes), ex(lambda t, p: p.comm_bytes), saved)
+                      ex(lambda t, p: p.flops), ex(lambda t, p: p.nbytes), ex(lambda t, p: p.comm_bytes), saved,
+                      quantized=note)
 
 
 def _pipelined(model_or_config, setup: Setup, goal, batch_size, seq_len, profile, ranks, example, traced, dtype,
@@ -331,23 +339,16 @@ def _pipelined(model_or_config, setup: Setup, goal, batch_size, seq_len, profile
     return pipelined(base, setup, rates, activation)
 
 
-def _quantized_saving(config, setup: Setup, goal: str, item: int) -> float:
-    """Bytes a rank does not hold because a quantized checkpoint stores its block linear layers packed: the traced
-    model is dense, so its weights (and, training, their gradients and AdamW states: the packed base is frozen) less
-    the stored tensors (`params.quantized_weights`, the rank with the most bytes). 0 for a dense config. The speed
-    is still priced as the dense product's (the quantized products are not in the traced step)."""
-    from ..quant import config_quantization
-    from .config import transformer_shape
-    from .params import fullest_quantized
-
-    quant = config_quantization(config) if config is not None else None
-    if quant is None:
-        return 0.0
-    weights, stored = fullest_quantized(transformer_shape(config), quant, setup.tp, item)
-    frozen = weights * (item + 8) if goal == "train" else 0.0
+def _quantized_saving(trace: StepTrace, setup: Setup, goal: str, item: int) -> float:
+    """Bytes the traced rank does not hold because a quantized checkpoint stores its linear layers packed: the traced
+    model is dense, so the dense weights of those layers (and, training, their gradients and AdamW states: the packed
+    base is frozen) less the stored tensors the rank holds (`quantized.QuantizedLayer`: the load's split, in whole
+    groups). 0 for a dense config. Their speed is priced on those stored tensors too (`quantized_times`)."""
+    dense = sum(q.dense_bytes for q in trace.quantized)
+    frozen = dense / item * (item + 8) if goal == "train" else 0.0
     if goal == "train" and setup.dp_mode == "fsdp" and setup.dp > 1:
         frozen /= setup.dp
-    return weights * item - stored + frozen
+    return dense - sum(q.stored_bytes for q in trace.quantized) + frozen
 
 
 def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:

@@ -157,7 +157,7 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     prof, rates_note = _rates_of(pricing, fractions, dtype.itemsize)
     goal, choices = GOAL[mode], () if vocab_parallel else (("vocab", "whole"),)
     units = batch_size if goal == "decode" or shape is None else batch_size * seq_len
-    rows, padded = [], []
+    rows, padded, quantized = [], [], {}
     for t in ([1] if sizes[0] > 1 else []) + sizes:  # one device is what the speedup is over
         sp = sequence_parallel and t > 1 and goal == "train"
         seq = -(-seq_len // t) * t if sp else seq_len  # sequence parallelism splits the sequence: padded to t
@@ -166,12 +166,15 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
         p = predict(subject, setup, goal, batch_size, seq, prof, example=example, dtype=dtype,
                     hardware=pricing.hardware, attention=attention)
         rows.append(_row(p, units))
+        if p.quantized:  # what its quantized layers were priced as (one note per distinct pricing)
+            quantized.setdefault(p.quantized, []).append(t)
     if padded:
         notes.append(f"sequence parallelism splits the sequence over the ranks: {seq_len} tokens padded to a multiple "
                      f"of the world size ({', '.join(padded)})")
     for r in rows:
         r.speedup = rows[0].total_s / r.total_s
     rows = [r for r in rows if r.world_size in sizes]
+    notes += [note if len(quantized) == 1 else f"TP {', '.join(map(str, ts))}: {note}" for note, ts in quantized.items()]
     notes = [rates_note, *notes, *_notes(rows, pricing, sizes, vocab_parallel)]
     hw = pricing.hardware or pricing.profile.hardware
     name = hw.name if hw is not None else pricing.profile.name

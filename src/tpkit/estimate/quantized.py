@@ -1,0 +1,266 @@
+"""The linear layers a quantized checkpoint stores packed, in the speed estimate: which product each one runs, the
+bytes it reads, and what that takes on this machine.
+
+A rank loads such a layer as a `tpkit.nn.quantized.QuantMethod`: its stored tensors (packed values, scales) for the
+rank's slice, and, for a few activation rows (decode), the fastest product it measured on that slice among those
+its format offers at the compute dtype (`Format.products`: tpkit's compiled product, torch's int4 / int8 kernels;
+`tpkit.quant.products.fastest`); where none applies (the scales in another dtype than the layer computes in, a split
+that cuts groups, act-order, more than `MAX_ROWS` rows, an input that needs a gradient) it dequantizes its slice per
+call and multiplies by it. The estimate follows the same rules:
+
+* `quantized_layers`: for the weightless model converted for one rank, each quantized layer's `QuantizedLayer`: its
+  stored bytes on that rank (`tpkit.quant.stored_layout` of its dense layout, as the load holds them) and its path,
+  "kernel" or "dequantize", from the same `Format.products` the load asks. The fake step records each such layer's
+  matmul as its product (`ops.OpRecorder.quantized_layers`), one op of the step like any other;
+* `quantized_times`: what that op takes, priced by the one composition (`predict.kernel_times`). A kernel: the
+  calibrated call (`machine.QuantizedRate` of "kind/dtype": fixed cost + stored bytes / the bytes/s measured at its
+  rows); dequantized: the dense product at the dense rates plus the dequantization ("kind/dtype/dequantize");
+* `measure_quantized` (the calibration, `tpkit estimate --calibrate`): builds the layers as the load does (compressed-
+  tensors int4 group 128, int8 per channel, FP8 per channel, symmetric; each with the scales in the compute dtype,
+  bfloat16 and float32), lets each pick its product as a load does, and times its call at 1 to 8 rows over two
+  layer sizes streamed from memory (every rank at once, as the step's ranks run), and the dequantization alone.
+
+A profile without those tables (measured before them, or a datasheet machine) is priced by a rule, said in the
+estimate's note (`quantized_note`): a kernel streams the stored bytes at the measured weight-streaming bandwidth; a
+dequantization makes `DEQUANTIZE_PASSES` elementwise passes over the stored and the dense bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from .machine import MachineRates, QuantizedRate
+
+MAX_ROWS = 8  # activation rows up to which a layer runs its product (`tpkit.quant.products.MAX_ROWS`)
+DEQUANTIZE_PASSES = 3  # the rule's elementwise passes of a dequantization: unpack, (q - z) * s, the cast
+CALIBRATED = {"int4": dict(layout="ct_pack", bits=4, strategy="group", group_size=128),
+              "int8": dict(layout="ct_pack", bits=8, strategy="channel"),
+              "fp8": dict(layout="float", bits=8, strategy="channel")}
+CALIBRATED_DTYPES = (torch.bfloat16, torch.float32)
+ROWS = (1, 2, 4, 8)
+SIZES = ((1024, 1024), (4096, 2048))  # (out, in) of the two layer sizes a call's fixed cost and rate are fitted to
+COLD_BYTES = 128 << 20  # stored bytes the timed layers rotate through: past the caches, as a model's layers are
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedLayer:
+    """One quantized linear layer of the traced rank: `kind` ("int4", "int8", "fp8"), the compute `dtype`'s name,
+    `path` ("kernel": a product of its format; "dequantize": the slice dequantized per call), `products` (the
+    candidates the load measures), the stored bytes the rank holds and the dense weight's bytes they replace."""
+
+    name: str
+    kind: str
+    dtype: str
+    path: str
+    products: tuple[str, ...]
+    stored_bytes: int
+    dense_bytes: int
+    scheme: str
+
+    @property
+    def key(self) -> str:
+        """Its `MachineRates.quantized` entry."""
+        return f"{self.kind}/{self.dtype}" + ("/dequantize" if self.path == "dequantize" else "")
+
+
+def kind_of(scheme) -> str:
+    return "fp8" if scheme.layout == "float" else f"int{scheme.bits}"
+
+
+def checkpoint_dtype(config, default: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint stores its floating tensors (and so its scales) in: its config's, else `default`."""
+    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(found, str):
+        found = getattr(torch, found, None)
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else default
+
+
+def loaded_dtype(config, default: torch.dtype | None) -> torch.dtype | None:
+    """The dtype to estimate a config in: a quantized checkpoint's own (what `tpkit.from_pretrained` loads it in, and
+    the dtype its kernels apply in: scales and activations alike), else `default`."""
+    from ..quant import config_quantization
+
+    quantized = config is not None and not isinstance(config, nn.Module) and config_quantization(config) is not None
+    return checkpoint_dtype(config, default or torch.bfloat16) if quantized else default
+
+
+def _stored(scheme, dense, scale_dtype: torch.dtype) -> tuple[int, bool]:
+    """(bytes the rank holds of the layer's stored tensors, whether some needs a `positions` map) for the dense
+    weight's layout `dense`, as the load splits them; a split the load would not make (groups cut): the stored
+    tensors of the rank's local shape, no map."""
+    from ..quant import QuantizationError, positions, stored_layout, stored_tensors
+
+    def size(spec, shape) -> int:
+        return math.prod(shape) * (spec.dtype.itemsize if spec.dtype else scale_dtype.itemsize)
+    try:
+        specs = stored_tensors(scheme, *dense.full_shape)
+        held = sum(size(s, stored_layout(dense, s, "").local_shape) for s in specs)
+        mapped = any(positions(dense, s, i) is not None for s in specs for i in range(len(s.dims)))
+        return held, mapped
+    except QuantizationError:
+        return sum(size(s, s.shape) for s in stored_tensors(scheme, *dense.local_shape)), False
+
+
+def quantized_layers(model: nn.Module, work: nn.Module) -> dict[str, QuantizedLayer]:
+    """The linear layers of `model` (weightless, unconverted: the checkpoint's module names and classes) that its
+    config stores quantized, as the rank `work` (its copy converted for one rank) holds them; {} for a dense one."""
+    from ..convert import shard_layouts
+    from ..quant import config_quantization
+
+    config = getattr(model, "config", None)
+    quant = config_quantization(config) if config is not None else None
+    if quant is None:
+        return {}
+    layouts = shard_layouts(work)
+    found = {}
+    for name, module in model.named_modules():
+        scheme = quant.scheme_for(name, type(module).__name__)
+        dense = layouts.get(f"{name}.weight")
+        if scheme is None or dense is None or len(dense.full_shape) != 2:
+            continue
+        dtype = work.get_submodule(name).weight.dtype
+        scale_dtype = checkpoint_dtype(config, dtype)
+        stored, mapped = _stored(scheme, dense, scale_dtype)
+        products = scheme.format.products(scheme, tuple(dense.local_shape), mapped, dtype, scale_dtype)
+        found[name] = QuantizedLayer(name, kind_of(scheme), str(dtype).replace("torch.", ""),
+                                     "kernel" if products else "dequantize", tuple(p.name for p in products), stored,
+                                     math.prod(dense.local_shape) * dtype.itemsize, scheme.describe())
+    return found
+
+
+def quantized_times(op, rates: MachineRates) -> tuple[float, float]:
+    """(seconds bound by arithmetic, seconds bound by bytes) of the traced op `op`, the product of a quantized layer
+    (`op.quantized`) at `op.mnk`'s rows, as the load runs it (see the module docstring)."""
+    layer, (m, n, k) = op.quantized, op.mnk
+    if layer.path == "kernel" and m <= MAX_ROWS:
+        rate = rates.quantized.get(layer.key)
+        return 0.0, (rate.seconds(layer.stored_bytes, m) if rate is not None
+                     else layer.stored_bytes / rates.weight_bandwidth(False))
+    rate = rates.quantized.get(f"{layer.kind}/{layer.dtype}/dequantize")
+    dequantize = (rate.seconds(layer.stored_bytes) if rate is not None
+                  else DEQUANTIZE_PASSES * (layer.stored_bytes + layer.dense_bytes) / rates.copy_bandwidth)
+    arithmetic = op.flops / rates.flops_rate(m, math.sqrt(n * k), False)
+    streamed = (op.nbytes - layer.stored_bytes + layer.dense_bytes) / rates.weight_bandwidth(False)
+    return (arithmetic, dequantize) if arithmetic > streamed else (0.0, dequantize + streamed)
+
+
+def quantized_note(layers: Mapping[str, QuantizedLayer], rates: MachineRates) -> str | None:
+    """What the estimate priced for a quantized checkpoint's layers (one line, the same for every number of ranks
+    sharing a profile's rates: the figures are in `tpkit estimate --calibrate`'s terms), or None for none."""
+    if not layers:
+        return None
+    parts = []
+    for key in sorted({layer.key for layer in layers.values()}):
+        some = next(layer for layer in layers.values() if layer.key == key)
+        rate = rates.quantized.get(key)
+        if some.path == "kernel":
+            what = (f"its kernel as calibrated ({rate.product}: a fixed cost per call + the stored bytes at the rate "
+                    f"measured at its rows)" if rate is not None else
+                    f"the fastest of its products ({', '.join(some.products)}), not calibrated: the stored bytes at "
+                    f"the measured weight-streaming bandwidth (a rule)")
+        else:
+            what = ("dequantized per call, then the dense product" + (
+                " (the dequantization as calibrated)" if rate is not None else
+                f" (the dequantization not calibrated: {DEQUANTIZE_PASSES} elementwise passes over the stored and "
+                f"dense bytes, a rule)") + ": no product of its format applies to the slice at this dtype")
+        parts.append(f"{some.scheme} in {some.dtype}: {what}")
+    return "linear layers stored quantized, each priced as the product a rank runs (stored bytes, not dense): " + \
+        "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ calibration
+def _layer(kind: str, dtype: torch.dtype, scale_dtype: torch.dtype, out: int, in_: int, gen: torch.Generator):
+    """A quantized linear layer built as a load builds it (`QuantizedLinear`), its stored tensors random and valid,
+    its product picked as after a load (`after_loading`)."""
+    from ..nn.quantized import QuantizedLinear, QuantMethod
+    from ..quant import WeightQuant
+
+    scheme = WeightQuant("compressed-tensors", symmetric=True, **CALIBRATED[kind])
+    method = QuantMethod(scheme, dtype, {scheme.scale_name: scale_dtype})
+    layer = QuantizedLinear(in_, out, False, method, device="cpu")
+    for name, spec in method.specs.items():
+        t = layer._buffers[name]
+        if t.dtype == torch.int64:
+            t.copy_(torch.tensor([out, in_]))
+        elif t.dtype in (torch.int32, torch.int8):
+            t.copy_(torch.randint(-2 ** 31 if t.dtype == torch.int32 else -127, 2 ** 31 - 1 if t.dtype == torch.int32
+                                  else 127, t.shape, dtype=t.dtype, generator=gen))
+        elif t.dtype == torch.float8_e4m3fn:
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        else:  # scales
+            t.copy_(torch.rand(t.shape, generator=gen) * 0.01 + 0.001)
+    method.after_loading(layer)
+    return layer, method
+
+
+def _per_call(calls: list, repeats: int, barrier) -> float:
+    """Median seconds per call of one pass over `calls` (after an untimed pass), every rank in step."""
+    for c in calls:
+        c()
+    times = []
+    for _ in range(repeats):
+        barrier()
+        start = time.perf_counter()
+        for c in calls:
+            c()
+        times.append((time.perf_counter() - start) / len(calls))
+    return statistics.median(times)
+
+
+def _fitted(product: str, timed: dict[int, list[tuple[float, float]]]) -> QuantizedRate:
+    """A `QuantizedRate` from {rows: [(stored bytes, seconds) at the two sizes]}: the fixed cost where the line
+    through the two sizes meets zero bytes (the median over the rows, never below 0), each row's rate from the larger
+    size less it."""
+    fixed = []
+    for (s1, t1), (s2, t2) in timed.values():
+        fixed.append(max(t1 - s1 * (t2 - t1) / (s2 - s1), 0.0) if t2 > t1 else 0.0)
+    a = min(statistics.median(fixed), 0.9 * min(t for pair in timed.values() for _, t in pair))
+    return QuantizedRate(product, a, tuple((m, s2 / (t2 - a)) for m, (_, (s2, t2)) in sorted(timed.items())))
+
+
+def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[str, QuantizedRate]:
+    """{"kind/dtype": the calibrated call, "kind/dtype/dequantize": the dequantization alone} for the `CALIBRATED`
+    formats at `CALIBRATED_DTYPES` (see the module docstring); on every rank of `comm` at once when given. `quick`:
+    int4 and int8 in bfloat16 only, at 1 and 8 rows over a quarter of the bytes, no dequantization (a few seconds)."""
+    barrier = comm.barrier if comm is not None else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    kinds, dtypes = (("int4", "int8"), (torch.bfloat16,)) if quick else (tuple(CALIBRATED), CALIBRATED_DTYPES)
+    rows, cold = ((1, MAX_ROWS), COLD_BYTES // 4) if quick else (ROWS, COLD_BYTES)
+    out = {}
+    with torch.inference_mode():
+        for kind in kinds:
+            for dtype in dtypes:
+                name = str(dtype).replace("torch.", "")
+                timed, dequantized, product = {m: [] for m in rows}, {1: []}, ""
+                for o, i in SIZES:
+                    first, method = _layer(kind, dtype, dtype, o, i, gen)
+                    stored = sum(first._buffers[n].nbytes for n in method.specs)
+                    layers = [first] + [_layer(kind, dtype, dtype, o, i, gen)[0]
+                                        for _ in range(max(2, min(cold // stored, 128)) - 1)]
+                    product = method.kernel or "dequantize"
+                    for m in rows:
+                        x = torch.randn(m, i, generator=gen).to(dtype)
+                        timed[m].append((stored, _per_call([lambda L=L: L(x) for L in layers], repeats, barrier)))
+                    if not quick:  # the dequantization: bound by its arithmetic, not by streaming
+                        dequantized[1].append((stored, _per_call([lambda L=L: L.quant_method.weight(L)
+                                                                  for L in layers[:2]], repeats, barrier)))
+                out[f"{kind}/{name}"] = _fitted(product, timed)
+                if not quick:
+                    out[f"{kind}/{name}/dequantize"] = _fitted("dequantize", dequantized)
+    return out
+
+
+def slowest(per_rank: list[Mapping[str, QuantizedRate]]) -> dict[str, QuantizedRate]:
+    """Each entry from the rank slowest at it: the largest fixed cost, the lowest rate at each row count."""
+    return {k: QuantizedRate(per_rank[0][k].product, max(r[k].fixed_s for r in per_rank),
+                             tuple((m, min(dict(r[k].rows)[m] for r in per_rank)) for m, _ in per_rank[0][k].rows))
+            for k in per_rank[0]}
+
+
+__all__ = ["QuantizedLayer", "measure_quantized", "quantized_layers", "quantized_note", "quantized_times"]

@@ -1,0 +1,182 @@
+"""The speed estimate of a quantized checkpoint (issue 47 item 4): each linear layer it stores packed is priced as
+the product a rank's load runs: its stored bytes, its path (a kernel of its format, or the slice dequantized per
+call) as the load picks it, the calibrated table of that kernel, or a stated rule for a profile without one."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import tpkit
+from tpkit.cli import main
+from tpkit.estimate.machine import MachineRates, QuantizedRate
+from tpkit.estimate.predict import Setup, kernel_times, predict, trace_setup
+from tpkit.estimate.profile import SpeedProfile, load_profile, save_profile
+from tpkit.estimate.quantized import DEQUANTIZE_PASSES, quantized_times
+from tests.conftest import synthetic_profile
+
+tr = pytest.importorskip("transformers")
+
+INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}
+INT8 = {**INT4, "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+    "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}}}
+TABLES = {"int4/bfloat16": QuantizedRate("native uint4", 20e-6, ((1, 5e9), (8, 1e9))),
+          "int4/bfloat16/dequantize": QuantizedRate("dequantize", 0.0, ((1, 0.1e9),))}
+
+
+def _config(quantization=None, dtype="bfloat16"):
+    """A Llama of hidden 512 (4 heads of 128, 2 KV heads), MLP 1536, 2 layers, as a checkpoint's config says."""
+    cfg = tr.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, dtype=dtype)
+    if quantization is not None:
+        cfg.quantization_config = copy.deepcopy(quantization)
+    return cfg
+
+
+def _int4_bytes(out: int, in_: int) -> int:
+    """compressed-tensors int4 group 128 of an [out, in] slice, bf16 scales: packed words, scales, weight_shape."""
+    return out * in_ // 2 + out * (in_ // 128) * 2 + 16
+
+
+def _with_tables(profile: SpeedProfile, tables) -> SpeedProfile:
+    return dataclasses.replace(profile, machine={k: dataclasses.replace(r, quantized=dict(tables))
+                                                 for k, r in profile.machine.items()})
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_product_is_priced_on_its_stored_bytes_by_the_rule_without_a_table(world):
+    """No quantized table (the synthetic profile, as one measured before them): each quantized layer's op costs its
+    stored bytes (counted here from the format: half a byte per weight, a bf16 scale per group of 128) at the
+    weight-streaming bandwidth; the step's kernels are the dense step's less, op for op, the dense products' time
+    plus that."""
+    rates = synthetic_profile().rates(world)
+    quant = trace_setup(_config(INT4), Setup(world), "decode", 1, 16, dtype=torch.bfloat16).rows[0][1]
+    dense = trace_setup(_config(), Setup(world), "decode", 1, 16, dtype=torch.bfloat16).rows[0][1]
+    assert [o.name for o in quant.ops] == [o.name for o in dense.ops]
+    layers = [o for o in quant.ops if o.quantized is not None]
+    assert len(layers) == 2 * 7 and {o.quantized.path for o in layers} == {"kernel"}  # q k v o gate up down x 2
+    saved = 0.0
+    for q, d in zip(quant.ops, dense.ops):
+        if q.quantized is None:
+            continue
+        m, n, k = q.mnk
+        assert m == 1 and q.quantized.stored_bytes == _int4_bytes(n, k), q.quantized
+        assert q.quantized.dense_bytes == n * k * 2
+        assert quantized_times(q, rates) == (0.0, q.quantized.stored_bytes / rates.stream_bandwidth)
+        single = dataclasses.replace(dense, ops=(d,))
+        saved += sum(kernel_times(single, rates)) - q.quantized.stored_bytes / rates.stream_bandwidth
+    assert saved > 0
+    assert sum(kernel_times(quant, rates)) == pytest.approx(sum(kernel_times(dense, rates)) - saved, rel=1e-12)
+    got = predict(_config(INT4), Setup(world), "decode", 1, 16, synthetic_profile(), dtype=torch.bfloat16)
+    want = predict(_config(), Setup(world), "decode", 1, 16, synthetic_profile(), dtype=torch.bfloat16)
+    assert got.seconds < want.seconds and got.overhead_s == want.overhead_s
+    assert "not calibrated" in got.quantized and "a rule" in got.quantized and want.quantized == ""
+
+
+def test_a_calibrated_table_prices_the_kernel_at_its_rows_and_beyond_them_the_dequantized_product():
+    """With the calibration's table: fixed cost + stored bytes at the rate of the op's rows (log-linear between
+    1 and 8 rows); past 8 rows the layer multiplies by its dequantized slice: the dense product plus the
+    dequantization's measured time."""
+    profile = _with_tables(synthetic_profile(), TABLES)
+    rates = profile.rates(1)
+    for batch, rate in ((1, 5e9), (8, 1e9), (4, math.exp((math.log(5e9) * 1 + math.log(1e9) * 2) / 3))):
+        trace = trace_setup(_config(INT4), Setup(1), "decode", batch, 16, dtype=torch.bfloat16).rows[0][1]
+        for op in (o for o in trace.ops if o.quantized is not None):
+            assert op.mnk[0] == batch
+            assert quantized_times(op, rates)[1] == pytest.approx(20e-6 + op.quantized.stored_bytes / rate, rel=1e-9)
+    trace = trace_setup(_config(INT4), Setup(1), "decode", 16, 16, dtype=torch.bfloat16).rows[0][1]
+    op = next(o for o in trace.ops if o.quantized is not None)
+    m, n, k = op.mnk
+    dense = dataclasses.replace(trace, ops=(dataclasses.replace(op, quantized=None, nbytes=op.nbytes
+                                                                - op.quantized.stored_bytes + n * k * 2),))
+    dequantize = op.quantized.stored_bytes / 0.1e9
+    assert sum(quantized_times(op, rates)) == pytest.approx(sum(kernel_times(dense, rates)) + dequantize, rel=1e-9)
+    no_table = synthetic_profile().rates(1)  # the rule: passes over the stored and dense bytes
+    rule = DEQUANTIZE_PASSES * (op.quantized.stored_bytes + n * k * 2) / no_table.copy_bandwidth
+    assert sum(quantized_times(op, no_table)) == pytest.approx(sum(kernel_times(dense, no_table)) + rule, rel=1e-9)
+    got = predict(_config(INT4), Setup(1), "decode", 1, 16, profile, dtype=torch.bfloat16)
+    assert "its kernel as calibrated (native uint4: a fixed cost per call + the stored bytes at the rate" in \
+        got.quantized
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_priced_path_and_bytes_are_what_each_rank_loads(tmp_path, world):
+    """Against the load itself (`from_pretrained` on thread-ranks of a checkpoint compressed-tensors wrote): for
+    every quantized layer the estimate's stored bytes are the rank's stored tensors, and its path is the load's
+    (a kernel where the layer kept a product; dequantized where none applies: bf16 scales computed in float32)."""
+    from tests.quant.checkpoints import compressed_tensors
+    from tpkit.nn.quantized import quant_method_of
+
+    config = _config()
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    directory = compressed_tensors(model, str(tmp_path / "int8"), "pack-quantized", num_bits=8, type="int",
+                                   symmetric=True, strategy="channel")
+    saved = tr.AutoConfig.from_pretrained(directory)
+    for dtype in (torch.bfloat16, torch.float32):
+        traced = trace_setup(saved, Setup(world), "decode", 1, 16, dtype=dtype).rows[0][1]
+        priced = {q.name: (q.path, q.stored_bytes) for q in traced.quantized}
+
+        def loaded(comm):
+            m = tpkit.from_pretrained(directory, comm=comm, dtype=dtype, progress=False)
+            return {n: ("dequantize" if method.kernel is None else "kernel",
+                        sum(mod._buffers[s].nbytes for s in method.specs))
+                    for n, mod in m.named_modules() if (method := quant_method_of(mod)) is not None}
+        first = tpkit.run_threads(loaded, world)[0]
+        assert priced == first, (dtype, world)
+        assert {p for p, _ in first.values()} == {"kernel" if dtype == torch.bfloat16 else "dequantize"}
+
+
+def test_an_old_profile_without_the_tables_loads_and_a_new_one_keeps_them(tmp_path):
+    """A profile written before the quantized tables (no "quantized" key) loads and prices by the rule; one with
+    them writes and reads them back unchanged."""
+    path = save_profile(_with_tables(synthetic_profile(), TABLES), str(tmp_path / "new.json"))
+    assert load_profile(path).rates(2).quantized == TABLES
+    data = json.loads(open(path).read())
+    for rates in data["machine"].values():
+        del rates["quantized"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    assert load_profile(str(old)).rates(2).quantized == {}
+    assert MachineRates.from_dict(data["machine"]["1"]).quantized == {}
+    got = predict(_config(INT8), Setup(2), "decode", 1, 16, str(old), dtype=torch.bfloat16)
+    assert "not calibrated" in got.quantized
+
+
+def test_the_cli_prints_the_quantized_figure_and_says_what_it_priced(tmp_path, capsys):
+    """`tpkit estimate` and `tpkit search` over a compressed-tensors directory: the quantized ms/token (below the
+    same model's bf16 directory's, at the checkpoint's dtype by default) and a note naming the format and the
+    product priced."""
+    from tests.quant.checkpoints import compressed_tensors
+
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(_config()).eval().to(torch.bfloat16)
+    model.save_pretrained(str(tmp_path / "bf16"))
+    int4 = compressed_tensors(model, str(tmp_path / "int4"), "pack-quantized", num_bits=4, type="int",
+                              symmetric=True, strategy="group", group_size=128)
+    rows = {}
+    for name, extra in (("int4", []), ("bf16", ["--dtype", "bf16"])):
+        assert main(["estimate", str(tmp_path / name), "--world-size", "1,2", "--json", *extra]) == 0
+        speed = json.loads(capsys.readouterr().out)["speed"]
+        rows[name] = {r["world_size"]: r["total_s"] for r in speed["rows"]}
+        assert speed["dtype"] == "bfloat16"
+        notes = [n for n in speed["notes"] if "stored quantized" in n]
+        assert len(notes) == (name == "int4")
+        if notes:
+            assert "compressed-tensors int4 group 128 in bfloat16: the fastest of its products (" in notes[0]
+            assert "int4" in notes[0].split("products (")[1] and "a rule" in notes[0]
+    assert all(rows["int4"][t] < rows["bf16"][t] for t in (1, 2)), rows
+    assert main(["estimate", int4, "--world-size", "2", "--wide"]) == 0
+    out = capsys.readouterr().out
+    assert "stored quantized" in out and "compressed-tensors int4 group 128" in out
+    assert main(["search", int4, "--devices", "2", "--wide"]) == 0
+    out = capsys.readouterr().out
+    assert "stored quantized, each priced as the product a rank runs" in out
+    assert os.path.exists(int4)
