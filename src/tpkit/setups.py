@@ -105,10 +105,10 @@ def _median_seconds(step, warmup: int, steps: int) -> float:
 
 
 def _rank(model_or_config, setup: Setup, goal: str, batch: int, seq: int, steps: int, threads: int,
-          dtype: torch.dtype | None) -> float:
+          dtype: torch.dtype | None, plan: Any = None) -> float:
     torch.set_num_threads(threads)
     comm = get_communicator()
-    model = apply_setup(_build(model_or_config, dtype), setup, comm, goal)
+    model = apply_setup(_build(model_or_config, dtype), setup, comm, goal, plan)
     pipe, model = (model, model.model) if isinstance(model, Pipeline) else (None, model)
     local = -(-batch // setup.dp)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 100)
@@ -140,13 +140,14 @@ def _rank(model_or_config, setup: Setup, goal: str, batch: int, seq: int, steps:
 
 def run_setup(model_or_config, setup: Setup, goal: str, batch_size: int, seq_len: int, steps: int = 5,
               backend: str = "gloo", threads: int | None = None, dtype: torch.dtype | None = None,
-              timeout: float | None = None) -> float:
+              timeout: float | None = None, plan: Any = None) -> float:
     """Median seconds per step (train, prefill) or per token (decode) of `setup`, the slowest rank's, on
     `setup.devices` local ranks (`threads` each; default the cores shared out over the ranks). `timeout`: seconds
-    for the whole run, after which its processes are ended (`tpkit.launch`)."""
+    for the whole run, after which its processes are ended (`tpkit.launch`). `plan`: what `apply_setup` converts
+    with (default the setup's own, as the search proposes it; "auto": `parallelize`'s)."""
     threads = threads or max(1, (os.cpu_count() or 1) // setup.devices)
     return max(launch(_rank, setup.devices, backend=backend, timeout=timeout,
-                      args=(model_or_config, setup, goal, batch_size, seq_len, steps, threads, dtype)))
+                      args=(model_or_config, setup, goal, batch_size, seq_len, steps, threads, dtype, plan)))
 
 
 def search(model_or_config, devices: int, goal: str = "decode", memory_per_device: Any = None, batch_size: int = 1,
