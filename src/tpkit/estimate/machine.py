@@ -75,23 +75,31 @@ class QuantizedRate:
     """One quantized layer's call as the calibration timed it (`quantized.measure_quantized`): `product`, what the
     layer chose at load (`tpkit.quant.products.fastest`: "native uint4", "int4", ...; "dequantize": the slice
     dequantized per call, timed alone); `fixed_s` per call, and `rows`: ((activation rows, bytes/s of the stored
-    tensors), ...), fitted to two layer sizes streamed from memory. Seconds of a call at `m` rows over `nbytes`
-    stored: `fixed_s + nbytes / rate(m)` (log-linear between the rows measured, flat beyond)."""
+    tensors), ...) of the middle layer size; `widths`: ((input features, its rows table), ...) of each layer size
+    timed (a product streams a wide input more slowly: 10 against 20 GB/s at 5632 and 2048 features here). Seconds
+    of a call at `m` rows over `nbytes` stored and `width` input features: `fixed_s + nbytes / bandwidth(m, width)`
+    (log-linear between the rows and the widths measured, flat beyond; a profile without widths: `rows`)."""
 
     product: str
     fixed_s: float
     rows: tuple[tuple[int, float], ...]
+    widths: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
 
-    def bandwidth(self, m: int = 1) -> float:
-        """Bytes/s of the stored tensors at `m` activation rows."""
-        return _interpolate(self.rows, max(m, 1))
+    def bandwidth(self, m: int = 1, width: int | None = None) -> float:
+        """Bytes/s of the stored tensors at `m` activation rows and `width` input features."""
+        if width is None or not self.widths:
+            return _interpolate(self.rows, max(m, 1))
+        return _interpolate(tuple((w, _interpolate(rows, max(m, 1))) for w, rows in self.widths), width)
 
-    def seconds(self, nbytes: float, m: int = 1) -> float:
-        return self.fixed_s + nbytes / self.bandwidth(m)
+    def seconds(self, nbytes: float, m: int = 1, width: int | None = None) -> float:
+        return self.fixed_s + nbytes / self.bandwidth(m, width)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "QuantizedRate":
-        return cls(str(data["product"]), float(data["fixed_s"]), tuple((int(m), float(b)) for m, b in data["rows"]))
+        def table(rows) -> tuple[tuple[int, float], ...]:
+            return tuple((int(m), float(b)) for m, b in rows)
+        return cls(str(data["product"]), float(data["fixed_s"]), table(data["rows"]),
+                   tuple((int(w), table(rows)) for w, rows in data.get("widths", ())))
 
 
 # what the framework terms' reference step holds: one batch row, a vocabulary of 256 (`framework.tiny_config`)
@@ -230,7 +238,8 @@ class MachineRates:
         out["framework"] = {k: dataclasses.asdict(v) for k, v in self.framework.items()}
         out["tp_framework"] = {k: dataclasses.asdict(v) for k, v in self.tp_framework.items()}
         out["dp_framework"] = {k: dataclasses.asdict(v) for k, v in self.dp_framework.items()}
-        out["quantized"] = {k: {"product": v.product, "fixed_s": v.fixed_s, "rows": [list(p) for p in v.rows]}
+        out["quantized"] = {k: {"product": v.product, "fixed_s": v.fixed_s, "rows": [list(p) for p in v.rows],
+                                "widths": [[w, [list(p) for p in rows]] for w, rows in v.widths]}
                             for k, v in self.quantized.items()}
         return out
 

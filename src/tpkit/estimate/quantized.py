@@ -18,7 +18,10 @@ call and multiplies by it. The estimate follows the same rules:
 * `measure_quantized` (the calibration, `tpkit estimate --calibrate`): builds the layers as the load does (compressed-
   tensors int4 group 128, int8 per channel, FP8 per channel, symmetric; each with the scales in the compute dtype,
   bfloat16 and float32), lets each pick its product as a load does, and times its call at 1 to 8 rows over two
-  layer sizes streamed from memory (every rank at once, as the step's ranks run), and the dequantization alone.
+  layer sizes streamed from memory (every rank at once, as the step's ranks run), and the dequantization alone. A
+  call's fixed cost is what it costs beyond a dense `nn.Linear` call (both timed on a tiny layer): the dense layer's
+  module call and op are priced already by the framework terms and the per-op cost, so the quantized call adds only
+  its difference (counting the whole call twice priced TP2 decode 18-35% high on a quiet box).
 
 A profile without those tables (measured before them, or a datasheet machine) is priced by a rule, said in the
 estimate's note (`quantized_note`): a kernel streams the stored bytes at the measured weight-streaming bandwidth; a
@@ -44,7 +47,9 @@ CALIBRATED = {"int4": dict(layout="ct_pack", bits=4, strategy="group", group_siz
               "fp8": dict(layout="float", bits=8, strategy="channel")}
 CALIBRATED_DTYPES = (torch.bfloat16, torch.float32)
 ROWS = (1, 2, 4, 8)
-SIZES = ((1024, 1024), (4096, 2048))  # (out, in) of the two layer sizes a call's fixed cost and rate are fitted to
+# (out, in) of the layer sizes a call's rates are measured at: the input widths of a model's projections (a wide
+# input, as a down projection's, streams more slowly); the middle one's rates are `QuantizedRate.rows`
+SIZES = ((1024, 1024), (4096, 2048), (2048, 5632))
 COLD_BYTES = 128 << 20  # stored bytes the timed layers rotate through: past the caches, as a model's layers are
 
 
@@ -140,7 +145,7 @@ def quantized_times(op, rates: MachineRates) -> tuple[float, float]:
     layer, (m, n, k) = op.quantized, op.mnk
     if layer.path == "kernel" and m <= MAX_ROWS:
         rate = rates.quantized.get(layer.key)
-        return 0.0, (rate.seconds(layer.stored_bytes, m) if rate is not None
+        return 0.0, (rate.seconds(layer.stored_bytes, m, k) if rate is not None
                      else layer.stored_bytes / rates.weight_bandwidth(False))
     rate = rates.quantized.get(f"{layer.kind}/{layer.dtype}/dequantize")
     dequantize = (rate.seconds(layer.stored_bytes) if rate is not None
@@ -213,15 +218,43 @@ def _per_call(calls: list, repeats: int, barrier) -> float:
     return statistics.median(times)
 
 
-def _fitted(product: str, timed: dict[int, list[tuple[float, float]]]) -> QuantizedRate:
-    """A `QuantizedRate` from {rows: [(stored bytes, seconds) at the two sizes]}: the fixed cost where the line
-    through the two sizes meets zero bytes (the median over the rows, never below 0), each row's rate from the larger
-    size less it."""
+def _fitted(product: str, timed: dict[int, list[tuple[float, float]]], tiny: float, dense_tiny: float) -> QuantizedRate:
+    """A `QuantizedRate` from {rows: [(stored bytes, seconds) at each of `SIZES`]} and the calls of a tiny layer of the
+    format (`tiny`) and of a tiny dense `nn.Linear` (`dense_tiny`), seconds each. The fixed cost is what a call costs
+    beyond the dense layer's it replaces (`tiny - dense_tiny`, never below 0): the module call and the op's own fixed
+    cost are priced already, for the dense layer, by the framework terms and the per-op cost; each size's rate at
+    each row count is its stored bytes over its time less the tiny call's (a line anchored at a measured call, not
+    extrapolated from two sizes, whose intercept swung 23-271 us at 2 ranks on a shared box)."""
+    def rates(i: int) -> tuple[tuple[int, float], ...]:
+        return tuple((m, sizes[i][0] / max(sizes[i][1] - tiny, 0.1 * sizes[i][1])) for m, sizes in sorted(timed.items()))
+    return QuantizedRate(product, max(tiny - dense_tiny, 0.0), rates(1),
+                         tuple((SIZES[i][1], rates(i)) for i in range(len(SIZES))))
+
+
+def _intercept(product: str, timed: dict[int, list[tuple[float, float]]]) -> QuantizedRate:
+    """A `QuantizedRate` from {rows: [(stored bytes, seconds) at each size]} of a call with no dense counterpart
+    (the dequantization alone): the fixed cost where the line through the first two sizes meets zero bytes (never
+    below 0), the rate from the second less it."""
     fixed = []
-    for (s1, t1), (s2, t2) in timed.values():
+    for (s1, t1), (s2, t2), *_ in timed.values():
         fixed.append(max(t1 - s1 * (t2 - t1) / (s2 - s1), 0.0) if t2 > t1 else 0.0)
     a = min(statistics.median(fixed), 0.9 * min(t for pair in timed.values() for _, t in pair))
-    return QuantizedRate(product, a, tuple((m, s2 / (t2 - a)) for m, (_, (s2, t2)) in sorted(timed.items())))
+    return QuantizedRate(product, a, tuple((m, s2 / (t2 - a)) for m, (_, (s2, t2), *_) in sorted(timed.items())))
+
+
+TINY = (256, 256)  # (out, in) of the tiny layers whose calls anchor the fit: a few KiB, in every product's range
+
+
+def _tiny_calls(kind: str, dtype: torch.dtype, gen: torch.Generator, repeats: int, barrier) -> tuple[float, float]:
+    """Seconds per call at one row of a tiny layer of `kind` and of a tiny dense `nn.Linear`, both in `dtype`
+    (cached: the fixed cost of each call, which the fit anchors to)."""
+    layer, _ = _layer(kind, dtype, dtype, *TINY, gen)
+    dense = nn.Linear(TINY[1], TINY[0], bias=False).to(dtype)
+    x = torch.randn(1, TINY[1], generator=gen).to(dtype)
+    calls = 200
+    quantized = _per_call([lambda: layer(x)] * calls, repeats, barrier)
+    plain = _per_call([lambda: dense(x)] * calls, repeats, barrier)
+    return quantized, plain
 
 
 def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[str, QuantizedRate]:
@@ -250,16 +283,19 @@ def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[
                     if not quick:  # the dequantization: bound by its arithmetic, not by streaming
                         dequantized[1].append((stored, _per_call([lambda L=L: L.quant_method.weight(L)
                                                                   for L in layers[:2]], repeats, barrier)))
-                out[f"{kind}/{name}"] = _fitted(product, timed)
+                out[f"{kind}/{name}"] = _fitted(product, timed, *_tiny_calls(kind, dtype, gen, repeats, barrier))
                 if not quick:
-                    out[f"{kind}/{name}/dequantize"] = _fitted("dequantize", dequantized)
+                    out[f"{kind}/{name}/dequantize"] = _intercept("dequantize", dequantized)
     return out
 
 
 def slowest(per_rank: list[Mapping[str, QuantizedRate]]) -> dict[str, QuantizedRate]:
-    """Each entry from the rank slowest at it: the largest fixed cost, the lowest rate at each row count."""
+    """Each entry from the rank slowest at it: the largest fixed cost, the lowest rate at each row count and width."""
+    def lowest(tables) -> tuple[tuple[int, float], ...]:
+        return tuple((m, min(dict(t)[m] for t in tables)) for m, _ in tables[0])
     return {k: QuantizedRate(per_rank[0][k].product, max(r[k].fixed_s for r in per_rank),
-                             tuple((m, min(dict(r[k].rows)[m] for r in per_rank)) for m, _ in per_rank[0][k].rows))
+                             lowest([r[k].rows for r in per_rank]),
+                             tuple((w, lowest([dict(r[k].widths)[w] for r in per_rank])) for w, _ in per_rank[0][k].widths))
             for k in per_rank[0]}
 
 

@@ -41,8 +41,10 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
                 lines.append(f"[{who}] matmul at width {width}, weight read {how}, by rows: "
                              + ", ".join(f"{m}: {_gf(f)}" for m, f in sorted(table)))
         for key, q in sorted(r.quantized.items()):
-            lines.append(f"[{who}] quantized layer {key} ({q.product}): {_us(q.fixed_s)} per call + stored bytes at, "
-                         f"by rows: " + ", ".join(f"{m}: {_gb(b)}" for m, b in q.rows))
+            lines.append(f"[{who}] quantized layer {key} ({q.product}): {_us(q.fixed_s)} per call beyond a dense "
+                         f"layer's + stored bytes at, by rows: " + ", ".join(f"{m}: {_gb(b)}" for m, b in q.rows)
+                         + ("; at 1 row by input width: " + ", ".join(f"{w}: {_gb(q.bandwidth(1, w))}"
+                                                                      for w, _ in q.widths) if q.widths else ""))
         lines.append(f"[{who}] a process holds besides its tensors: {r.import_bytes / 2**20:.0f} MiB once torch, tpkit "
                      f"and transformers are imported, {r.runtime_bytes / 2**20:.0f} MiB of runtime in a training step")
         lines.append(f"[{who}] fixed cost per op (reference model): forward {_us(r.op_overhead_s)}, training "
