@@ -102,7 +102,7 @@ def test_a_calibrated_table_prices_the_kernel_at_its_rows_and_beyond_them_the_de
     rule = DEQUANTIZE_PASSES * (op.quantized.stored_bytes + n * k * 2) / no_table.copy_bandwidth
     assert sum(quantized_times(op, no_table)) == pytest.approx(sum(kernel_times(dense, no_table)) + rule, rel=1e-9)
     got = predict(_config(INT4), Setup(1), "decode", 1, 16, profile, dtype=torch.bfloat16)
-    assert "its kernel as calibrated (native uint4: a fixed cost per call + the stored bytes at the rate" in \
+    assert "its kernel as calibrated (native uint4: the cost a call adds to a dense one + the stored bytes" in \
         got.quantized
 
 
@@ -180,3 +180,32 @@ def test_the_cli_prints_the_quantized_figure_and_says_what_it_priced(tmp_path, c
     out = capsys.readouterr().out
     assert "stored quantized, each priced as the product a rank runs" in out
     assert os.path.exists(int4)
+
+
+def test_a_rate_by_input_width_and_the_fit_anchored_at_a_tiny_call():
+    """A calibrated call's rate depends on the layer's input width (log-linear between the widths timed, flat beyond;
+    a profile written before widths were timed prices by its rows), survives the profile's JSON, and the fit's
+    fixed cost is the tiny quantized call less the tiny dense call (never below 0)."""
+    from tpkit.estimate.quantized import SIZES, _fitted, slowest
+
+    rate = QuantizedRate("native uint8", 1e-6, ((1, 20e9), (8, 2e9)),
+                         ((1024, ((1, 10e9), (8, 1e9))), (4096, ((1, 20e9), (8, 2e9)))))
+    assert rate.bandwidth(1, 1024) == pytest.approx(10e9) and rate.bandwidth(1, 4096) == pytest.approx(20e9)
+    assert rate.bandwidth(1, 2048) == pytest.approx(math.sqrt(10e9 * 20e9), rel=1e-9)  # log-linear in the width
+    assert rate.bandwidth(1, 512) == pytest.approx(10e9) and rate.bandwidth(8, 8192) == pytest.approx(2e9)  # flat
+    assert rate.bandwidth(1) == pytest.approx(20e9)  # no width: the rows
+    assert rate.seconds(2e9, 1, 1024) == pytest.approx(1e-6 + 0.2)
+    old = QuantizedRate("native uint8", 1e-6, ((1, 20e9),))
+    assert old.bandwidth(1, 1024) == pytest.approx(20e9)
+    rates = dataclasses.replace(synthetic_profile().rates(1), quantized={"int8/bfloat16": rate})
+    assert MachineRates.from_dict(json.loads(json.dumps(rates.to_dict()))).quantized["int8/bfloat16"] == rate
+    timed = {m: [(1e6 * (i + 1), 50e-6 + 1e6 * (i + 1) / (w * 1e9)) for i, (_, w) in enumerate(zip(SIZES, (5, 10, 4)))]
+             for m in (1, 8)}
+    fitted = _fitted("native uint8", timed, 50e-6, 45e-6)
+    assert fitted.fixed_s == pytest.approx(5e-6)
+    assert [w for w, _ in fitted.widths] == [i for _, i in SIZES]
+    assert [fitted.bandwidth(1, i) for _, i in SIZES] == pytest.approx([5e9, 10e9, 4e9])
+    assert _fitted("native uint8", timed, 40e-6, 45e-6).fixed_s == 0.0  # a call cheaper than the dense one adds none
+    two = slowest([{"k": fitted}, {"k": dataclasses.replace(fitted, fixed_s=9e-6, widths=tuple(
+        (w, tuple((m, b / 2) for m, b in rows)) for w, rows in fitted.widths))}])["k"]
+    assert two.fixed_s == 9e-6 and two.bandwidth(1, SIZES[2][1]) == pytest.approx(2e9)

@@ -165,8 +165,8 @@ def quantized_note(layers: Mapping[str, QuantizedLayer], rates: MachineRates) ->
         some = next(layer for layer in layers.values() if layer.key == key)
         rate = rates.quantized.get(key)
         if some.path == "kernel":
-            what = (f"its kernel as calibrated ({rate.product}: a fixed cost per call + the stored bytes at the rate "
-                    f"measured at its rows)" if rate is not None else
+            what = (f"its kernel as calibrated ({rate.product}: the cost a call adds to a dense one + the stored bytes "
+                    f"at the rate measured at its rows and input width)" if rate is not None else
                     f"the fastest of its products ({', '.join(some.products)}), not calibrated: the stored bytes at "
                     f"the measured weight-streaming bandwidth (a rule)")
         else:
