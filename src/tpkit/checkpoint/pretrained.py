@@ -32,7 +32,7 @@ from ..convert.plan import Plan
 from ..convert.quantized import plan_quantized, record_layouts
 from ..quant import read_quantization
 from ..quant.schemes import FP8_DTYPES
-from ..convert.transformers_threads import transformers_name
+from ..convert.transformers_threads import config_dtype, transformers_name
 from ..nn._layer import resolve_comm
 from ..nn.quantized import finish_loading
 from . import dequantized
@@ -57,7 +57,7 @@ def resolve_dtype(dtype, config, source: Source | None = None) -> torch.dtype:
     if dtype is None and not none_means_auto():
         dtype = torch.get_default_dtype()
     if dtype in (None, "auto"):
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or _stored_dtype(source)
+        dtype = config_dtype(config) or _stored_dtype(source)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in FP8_DTYPES:

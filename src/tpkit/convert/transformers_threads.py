@@ -46,6 +46,16 @@ def transformers_name(name: str, module: str = "") -> Any:
     return found
 
 
+def config_dtype(config) -> torch.dtype | None:
+    """The dtype a transformers config names (`dtype`; `torch_dtype` in configs written before transformers 4.56),
+    as a torch.dtype; None when it names none (or a name torch does not know). What `from_pretrained(dtype="auto")`
+    loads in, and so the dtype a checkpoint's floating tensors (a quantized layer's scales among them) are stored in."""
+    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(found, str):
+        found = getattr(torch, found, None)
+    return found if isinstance(found, torch.dtype) else None
+
+
 @contextlib.contextmanager
 def building(dtype: torch.dtype | None = None) -> Iterator[None]:
     """Hold while building a model: one build at a time in this process, with `dtype` as torch's default

@@ -38,9 +38,10 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from ..convert.transformers_threads import config_dtype
+from ..quant.products import MAX_ROWS  # activation rows up to which a layer runs its product, as the load decides
 from .machine import MachineRates, QuantizedRate
 
-MAX_ROWS = 8  # activation rows up to which a layer runs its product (`tpkit.quant.products.MAX_ROWS`)
 DEQUANTIZE_PASSES = 3  # the rule's elementwise passes of a dequantization: unpack, (q - z) * s, the cast
 CALIBRATED = {"int4": dict(layout="ct_pack", bits=4, strategy="group", group_size=128),
               "int8": dict(layout="ct_pack", bits=8, strategy="channel"),
@@ -80,10 +81,8 @@ def kind_of(scheme) -> str:
 
 def checkpoint_dtype(config, default: torch.dtype) -> torch.dtype:
     """The dtype a checkpoint stores its floating tensors (and so its scales) in: its config's, else `default`."""
-    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(found, str):
-        found = getattr(torch, found, None)
-    return found if isinstance(found, torch.dtype) and found.is_floating_point else default
+    found = config_dtype(config)
+    return found if found is not None and found.is_floating_point else default
 
 
 def loaded_dtype(config, default: torch.dtype | None) -> torch.dtype | None:
