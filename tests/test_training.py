@@ -47,8 +47,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _logits(model, tp, ids) -> torch.Tensor:
+    """The full logits: a training-mode model's vocabulary slices read as the whole (`tpkit.nn.SplitLogits`)."""
     with torch.no_grad():
-        return tp.all_gather(model(input_ids=ids).logits.float(), dim=-1)
+        return model(input_ids=ids).logits.float().full()
 
 
 def _body(base, drop_base):

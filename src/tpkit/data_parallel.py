@@ -40,6 +40,7 @@ from .convert.layouts import shard_layouts
 from .nn import model_parallel_manual_seed
 from .nn.grad_clip import power_sum
 from .nn.record import Holder, ModelRecord, attach_record, communicator_of, find_record
+from .nn.sentinel import allowing_ddp
 from .layout import ShardLayout
 
 MODES = ("fsdp", "ddp")
@@ -164,7 +165,8 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
     else:
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, process_group=dp_comm.process_group, **torch_kwargs)
+        with allowing_ddp():  # over the dp group: a converted model refuses DDP built anywhere else
+            wrapped = DistributedDataParallel(model, process_group=dp_comm.process_group, **torch_kwargs)
     record.data_parallel = DataParallel.of(mode, model, dp_comm, record)
     return wrapped
 

@@ -19,6 +19,12 @@ across ranks unless `torch.use_deterministic_algorithms(True)`. For such tensors
 matching tensors whose digests differ are compared in full and pass when their largest difference, relative to
 their largest magnitude, is within `rel` (the report counts them).
 
+Slices overwritten: on a healthy model the ranks' slices of a split tensor differ; when every such tensor (each by
+its first values, constant ones skipped: `tpkit.nn.sentinel.split_samples`) is the same on every tp rank, a broadcast
+overwrote them (the constructor of a DistributedDataParallel or `fully_shard` around the model over its
+tensor-parallel ranks) and the check says so. What it cannot see: the gradients of different slices averaged
+together by a DDP that broadcast nothing (`init_sync=False`), which leaves the slices different.
+
 Under `data_parallel`: DDP keeps a whole copy of every TP-local tensor on each data-parallel rank, so every
 tensor is also compared across the data-parallel group. FSDP2 holds a different dim-0 shard on each data-parallel
 rank; the tensor-parallel check then runs on those local shards (the shard of a TP-replicated tensor is the same
@@ -41,10 +47,9 @@ from .comm.communicator import Communicator
 from .comm.debug import debug_enabled
 from .convert.layouts import shard_layouts
 from .layout import ShardLayout
+from .nn.digests import digest
+from .nn.sentinel import split_samples
 from .nn.record import communicator_of, find_record
-
-_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 
 class ReplicaError(RuntimeError):
     """Copies of a tensor that several ranks hold differ: a silent tensor-parallel bug made visible."""
@@ -62,9 +67,12 @@ class Divergence:
     max_abs: float
     max_rel: float
     group_name: str = "tp"
+    note: str = ""  # what the copies show instead of a difference
 
     def describe(self) -> str:
         where = f"{self.key} ({self.what}{f', rows {list(self.rows)}' if self.rows else ''})"
+        if self.note:
+            return f"{where}: {self.note}"
         if any(not g for g in self.groups):
             return f"{where}: missing on some {self.group_name} ranks"
         split = " vs ".join(f"{self.group_name} rank{'s' if len(g) > 1 else ''} {list(g)}" for g in self.groups)
@@ -130,17 +138,6 @@ def _piece(t: torch.Tensor, item: _Item, rank: int) -> torch.Tensor:
     return t.index_select(item.dim, torch.tensor(item.local[at], device=t.device))
 
 
-def _digest(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """Three int64s on `device` (where the tensors live: no copy, no host sync) that change with any bit of `t`:
-    a present flag, the sum and the sum of squares of its bytes read as integers (wrapping); zeros for a
-    missing tensor."""
-    if t is None:
-        return torch.zeros(3, dtype=torch.int64, device=device)
-    w = t.detach().contiguous().reshape(-1)
-    w = w.view(_WORDS[w.element_size()]).to(torch.int64) if w.numel() else w.new_zeros(0, dtype=torch.int64)
-    return torch.stack((torch.ones((), dtype=torch.int64, device=w.device), w.sum(), (w * w).sum()))
-
-
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """An FSDP2 parameter's (or gradient's) local shard; any other tensor as it is."""
     return t.to_local() if t is not None and hasattr(t, "to_local") else t
@@ -164,7 +161,7 @@ def _compare(tensors: dict[str, torch.Tensor | None], items: list[_Item],
         t = tensors.get(item.key) if rank in item.holders else None
         piece = None if t is None else _piece(t, item, rank)
         nbytes += 0 if piece is None else piece.numel() * piece.element_size()
-        digests.append(_digest(piece, device))
+        digests.append(digest(piece, device))
     table = comm.all_gather(torch.stack(digests).unsqueeze(0), dim=0).cpu()  # the one host sync
     diverged = []
     for n, item in enumerate(items):
@@ -261,6 +258,8 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
             tolerated += t
         if tied is not None and tied.comm is None:
             count, bad = count + len(tied.pairs), bad + _tied_here(tensors, tied.pairs, what)
+    if params and tp is not None and tp.world_size > 1:  # on every rank alike: a collective of the tp group
+        bad += _overwritten(local, layouts, tp)
     spread = [g for g in (tp, record.dp_comm if record is not None else None, getattr(pipe, "pp_comm", None))
               if g is not None and g.world_size > 1]
     elsewhere = _found_elsewhere(bool(bad), spread, _device(local))
@@ -272,6 +271,23 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
                            f"parallel bug: a lost gradient sum, a skipped all-reduce, a rank-local update): "
                            + "; ".join(d.describe() for d in bad[:8]) + (" ..." if len(bad) > 8 else ""))
     return ReplicaReport(count, nbytes, tuple(tolerated), skipped * len(kinds))
+
+
+def _overwritten(local: dict[str, torch.Tensor | None], layouts: Mapping[str, ShardLayout],
+                 tp: Communicator) -> list[Divergence]:
+    """One `Divergence` when every tensor the tp ranks hold disjoint slices of is identical across them (a broadcast
+    overwrote the slices: DDP or fully_shard over the tensor-parallel ranks), else none."""
+    named = [(k, t) for k, t in local.items() if t is not None and k in layouts and
+             layouts[k].world_size == tp.world_size]
+    samples = split_samples(named, lambda k, shape: layouts[k])
+    everyone = tuple(range(tp.world_size))
+    diverged, _ = _compare(dict(samples), [_Item(k, everyone) for k, _ in samples], tp)
+    if diverged or all(t is None for _, t in samples):  # (the same on every rank when nothing diverged)
+        return []
+    return [Divergence(samples[0][0], "param", None, (everyone,), 0.0, 0.0, note=(
+        f"this and every other split tensor ({len(samples)}) holds the same values on every tp rank: the slices were "
+        f"overwritten by a broadcast (DistributedDataParallel or fully_shard around the model over its "
+        f"tensor-parallel ranks; use tpkit.data_parallel over the data-parallel group only)"))]
 
 
 def _tied_here(tensors: dict[str, torch.Tensor | None], pairs, what: str) -> list[Divergence]:

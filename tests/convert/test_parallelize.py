@@ -127,9 +127,11 @@ def test_training_mode_keeps_logits_split_and_loss_exact():
             p_.grad = None
         out = m(input_ids=ids, labels=ids)
         out.loss.backward()
-        return out.logits.shape[-1], out.loss.detach(), m.model.layers[0].mlp.down_proj.weight.grad
+        logits = out.logits  # this rank's slice, read as the whole only when read (tpkit.nn.SplitLogits)
+        return (logits.local().shape[-1], logits._full is None, logits.shape[-1]), out.loss.detach(), \
+            m.model.layers[0].mlp.down_proj.weight.grad
     results = tpkit.comm.run_threads(body, 2)
-    assert [r[0] for r in results] == [52, 51]  # 103 logits split 52 + 51, never gathered
+    assert [r[0] for r in results] == [(52, True, 103), (51, True, 103)]  # 103 logits split 52 + 51, never gathered
     for rank, (_, loss, grad) in enumerate(results):
         assert abs(loss.item() - ref.loss.item()) < 1e-5 * abs(ref.loss.item())
         want = ref_grad[:, rank * 40:(rank + 1) * 40]

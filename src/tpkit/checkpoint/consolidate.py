@@ -9,7 +9,8 @@ tokenizer files beside them (`tokenizer.py`): by default those of the directory 
 
 The output is always one complete model: a non-empty `out_dir` is refused (writing beside an existing index and
 shards would leave transformers and tpkit loading different weights from one directory) unless
-`overwrite=True`; either way the files are written into a temporary sibling directory, which then takes
+`overwrite=True`, which replaces a directory holding a model's files alone (a folder or any other file in it, a
+Trainer's `checkpoint-N` say, is refused, never deleted); either way the files are written into a temporary sibling directory, which then takes
 `out_dir`'s place (an atomic exchange where the system has one, `renameat2(RENAME_EXCHANGE)`), so a run killed
 midway leaves the old directory as it was.
 """
@@ -40,7 +41,8 @@ def consolidate(directory: str | os.PathLike, out_dir: str | os.PathLike, max_sh
                 tokenizer: str | os.PathLike | None = "auto") -> str:
     """Write `out_dir/config.json`, `generation_config.json` (models that generate) and `model.safetensors` (or
     shards + index), with the tokenizer files beside them; returns `out_dir`. A non-empty `out_dir` is refused
-    unless `overwrite=True`, which replaces it as a whole. `tokenizer`: "auto" copies those of the model directory
+    unless `overwrite=True`, which replaces it as a whole (refused when it holds anything but a model's files).
+    `tokenizer`: "auto" copies those of the model directory
     the checkpoint records (none when it records none, or that directory has none: `tokenizer.recorded_tokenizer`
     says why); a directory copies its tokenizer files (CheckpointError, before anything is written, if it has
     none); None copies none."""
@@ -73,11 +75,26 @@ def _check_out_dir(directory: str, out_dir: str, overwrite: bool) -> None:
         raise CheckpointError(f"{out_dir}: holds the checkpoint {directory} being consolidated; choose another "
                               f"output directory")
     entries = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    foreign = [e for e in entries if not _model_file(out_dir, e)]
+    if overwrite and foreign:
+        raise CheckpointError(f"{out_dir}: holds {', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''} besides "
+                              f"a model's files; overwrite=True replaces the whole directory and would delete them "
+                              f"(a Trainer's output_dir holds its checkpoint-N folders): choose another directory")
     if entries and not overwrite:
         raise CheckpointError(f"{out_dir}: not empty ({len(entries)} entries: {', '.join(entries[:4])}"
                               f"{', ...' if len(entries) > 4 else ''}); consolidate writes a whole model "
                               f"directory: choose a new or empty one, or replace this one with overwrite=True "
                               f"(tpkit consolidate --overwrite)")
+
+
+#: Names a model directory holds (what consolidate, save_pretrained and a tokenizer write): overwrite=True replaces
+#: a directory holding these alone.
+MODEL_FILE_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".tiktoken", ".md")
+
+
+def _model_file(out_dir: str, name: str) -> bool:
+    return os.path.isfile(os.path.join(out_dir, name)) and name.endswith(MODEL_FILE_SUFFIXES) and \
+        not name.startswith(".")
 
 
 def _write(source, out_dir: str, max_shard_bytes: int, progress: bool | None) -> None:

@@ -81,16 +81,19 @@ def _stored_dtype(source: Source | None) -> torch.dtype:
     return min(floating)[2] if floating else torch.float32
 
 
-def build(config, model_cls, dtype: torch.dtype) -> nn.Module:
+def build(config, model_cls, dtype: torch.dtype, build_kwargs: dict | None = None) -> nn.Module:
     """The model of `config` with parameters on meta in `dtype` (buffers real). A transformers class builds through
     `_from_config(config, dtype=dtype)`, which builds in `dtype` and records it as `config.dtype`, as
     `from_pretrained(dtype=...)` does; without `dtype=` it would build in the config's dtype whatever was asked.
-    Tensors the model keeps in float32 at this dtype (`_keep_in_fp32_modules`) go to float32 (`keep_float32`)."""
+    Tensors the model keeps in float32 at this dtype (`_keep_in_fp32_modules`) go to float32 (`keep_float32`).
+    `build_kwargs`: transformers' build keywords (`attn_implementation`, ...; `transformers_kwargs`)."""
+    extra = dict(build_kwargs or {})
     with meta_parameters(dtype):
         if model_cls is not None and not hasattr(model_cls, "_from_config"):
             return model_cls(config)
         cls = model_cls if model_cls is not None else transformers_name("AutoModelForCausalLM")
-        model = cls._from_config(config, dtype=dtype) if model_cls is not None else cls.from_config(config, dtype=dtype)
+        model = cls._from_config(config, dtype=dtype, **extra) if model_cls is not None else \
+            cls.from_config(config, dtype=dtype, **extra)
     keep_float32(model, dtype)
     return model
 
@@ -120,6 +123,47 @@ def keep_float32(model: nn.Module, dtype: torch.dtype) -> None:
         new = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
         for table, name in holders[key]:
             table[name] = new
+
+
+#: transformers' `from_pretrained` keywords for where to find a model, moot for a local directory: accepted, unused.
+LOCATION_KEYWORDS = ("local_files_only", "cache_dir", "token", "use_safetensors", "low_cpu_mem_usage",
+                     "weights_only", "force_download", "proxies", "resume_download")
+#: ... and those that would change what is loaded in a way tpkit does not: refused, with the way.
+REFUSED_KEYWORDS = {
+    "device_map": "tpkit places every rank's slices itself: pass device= (default: the rank's device)",
+    "tp_plan": "the model is split by tpkit: pass plan= (a mapping of tpkit / Hugging Face tp_plan styles)",
+    "tp_size": "the model is split by tpkit over comm=",
+    "distributed_config": "the model is split by tpkit over comm=",
+    "quantization_config": "tpkit reads the checkpoint's own quantization_config (tpkit.quant.SUPPORTED); "
+                           "quantizing on load (bitsandbytes, ...) is not supported",
+    "revision": "tpkit reads the directory given: check the revision out there",
+    "trust_remote_code": "pass the model's class as model_cls= (tpkit builds it from the config)",
+    "output_loading_info": "tpkit's load raises on any missing or unexpected tensor (CheckpointError)",
+}
+#: transformers' keywords for building the model from its config (`_from_config`).
+BUILD_KEYWORDS = ("attn_implementation", "experts_implementation")
+
+
+def transformers_kwargs(kwargs: dict, config) -> tuple[dict, torch.dtype | str | None]:
+    """Split `from_pretrained`'s extra keywords as transformers' `from_pretrained` takes them: the build keywords
+    (returned), `torch_dtype` (returned: `dtype`'s old name), config attributes (set on `config`, as transformers
+    does); location keywords are accepted and unused. Raises TypeError for a keyword transformers would not take
+    either, ValueError for one tpkit refuses (with the way), before anything is built."""
+    build, torch_dtype = {}, kwargs.pop("torch_dtype", None)
+    refused = [k for k in kwargs if k in REFUSED_KEYWORDS]
+    if refused:
+        raise ValueError("from_pretrained: " + "; ".join(f"{k}= is not supported ({REFUSED_KEYWORDS[k]})"
+                                                         for k in refused))
+    unknown = [k for k in kwargs if k not in BUILD_KEYWORDS and k not in LOCATION_KEYWORDS and not hasattr(config, k)]
+    if unknown:
+        raise TypeError(f"from_pretrained: unexpected keyword argument(s) {unknown}: neither tpkit's nor transformers' "
+                        f"(its build keywords {list(BUILD_KEYWORDS)}, or attributes of {type(config).__name__})")
+    for k, v in kwargs.items():
+        if k in BUILD_KEYWORDS:
+            build[k] = v
+        elif k not in LOCATION_KEYWORDS:
+            setattr(config, k, v)
+    return build, torch_dtype
 
 
 def load_config(source: Source, path: str):
@@ -162,7 +206,8 @@ def stored_keys(source: Source, quant) -> list[str]:
 def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str = "inference", dtype=None,
                     model_cls=None, progress: bool | None = None,
                     device: torch.device | str | int | None = None, reuse: bool | None = None,
-                    dequantize: bool = False, convert: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                    dequantize: bool = False, convert: Callable[[nn.Module], None] | None = None,
+                    **kwargs) -> nn.Module:
     """A Hugging Face directory (single file or index + shards) or a tpkit checkpoint, built and converted
     for this rank, each rank reading only its slices. Equals `transformers...from_pretrained(path)` followed
     by `tpkit.parallelize(model, plan, comm, mode=mode)`, with every parameter and buffer on `device` (default:
@@ -181,7 +226,13 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     (`tpkit.nn.quantized`), their weights those transformers' load holds at that dtype (`tpkit.quant.dequant`).
     `dequantize=True` builds dense layers holding the dequantized weights instead (trainable).
     An unsupported method or scheme raises `QuantizationError` before any weight is read. `convert(model)` converts
-    the meta-built model instead of `parallelize` (`tpkit.pipeline` of a path: one rank's stages, their tensors read)."""
+    the meta-built model instead of `parallelize` (`tpkit.pipeline` of a path: one rank's stages, their tensors read).
+
+    Other keywords are transformers' `from_pretrained`'s, taken as it takes them (`transformers_kwargs`):
+    `attn_implementation=` (and `experts_implementation=`) build the model so, `torch_dtype=` is `dtype`'s old name,
+    a config attribute (`use_cache=False`, ...) is set on the config; keywords for finding a model on the Hub are
+    moot for a directory and unused; `device_map`, `tp_plan`, `quantization_config`, `trust_remote_code`, ... raise
+    `ValueError` naming tpkit's way."""
     path, comm = os.fspath(path), resolve_comm(comm)
     device = load_device(device, comm)
     error, source, config = None, None, None
@@ -193,8 +244,9 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     except Exception as exc:  # every rank reaches agree(), whatever failed
         error = exc
     agree(comm, error)
-    target_dtype = resolve_dtype(dtype, config, source)
-    model = build(config, model_cls, target_dtype)
+    build_kwargs, torch_dtype = transformers_kwargs(dict(kwargs), config)
+    target_dtype = resolve_dtype(dtype if dtype is not None or torch_dtype is None else torch_dtype, config, source)
+    model = build(config, model_cls, target_dtype, build_kwargs)
     generation = load_generation_config(path, source.manifest)  # as transformers does: generation_config.json
     if generation is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config = generation

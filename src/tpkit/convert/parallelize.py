@@ -36,6 +36,7 @@ from ..nn.record import SplitsParameters, records_in
 from ..quant import Quantization
 from .peft import seam as peft_seam
 from .peft.adapters import inner_model, lora_wrapped, parallelize_wrapped
+from . import stock_calls
 from .conversion import Conversion, attach
 from .errors import PlanError
 from .planning.dryrun import dry_run, fits_real_copy, real_first
@@ -152,8 +153,10 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     record = Plan(kept, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
     layouts = {**key_layouts(model, modules, per_module, world, rank), **record_layouts(model)}
-    attach(model, Conversion(comm, layouts, plan=record, updated_attributes=updates, settled=prepared.checked))
+    conversion = Conversion(comm, layouts, plan=record, updated_attributes=updates, settled=prepared.checked)
+    attach(model, conversion)
     check_grad_sums(model, "parallelize")
+    stock_calls.install(model, conversion)                                                # 6. stock tools
     log_kept_whole(record, isinstance(plan, str) and plan in PLAN_WORDS, rank)
     return model
 

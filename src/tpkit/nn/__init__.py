@@ -24,6 +24,8 @@ from .record import ModelRecord, attach_record, communicator_of, find_record, re
 from .random import (DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker,
                      model_parallel_manual_seed)
 from .sequence_parallel import mark_sequence_parallel, sync_sequence_parallel_grads
+from .sentinel import SentinelError
+from .split_logits import SplitLogits, gather_logits
 
 __all__ = [
     # layers
@@ -39,4 +41,6 @@ __all__ = [
     # training helpers
     "DATA_PARALLEL_RNG", "MODEL_PARALLEL_RNG", "RNGStatesTracker", "clip_grad_norm_", "get_rng_tracker",
     "mark_sequence_parallel", "model_parallel_manual_seed", "sync_sequence_parallel_grads",
+    # what a converted model's outputs and forward give stock tools
+    "SentinelError", "SplitLogits", "gather_logits",
 ]

@@ -19,6 +19,7 @@ from ..comm.debug import debug_enabled
 from ..comm.ops import ReduceOp
 from ..layout import split_sizes
 from ._layer import resolve_comm
+from .split_logits import local_logits
 
 _NAME = "vocab_parallel_cross_entropy"
 
@@ -112,6 +113,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ign
     Collective: every rank of the group calls it with the same `target`.
     """
     comm = resolve_comm(comm)
+    logits = local_logits(logits)  # a model's `outputs.logits` (SplitLogits): its slice, never gathered
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
         raise TypeError(f"{_NAME}: logits must be a floating tensor with classes in the last dim")
     if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
@@ -132,3 +134,30 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ign
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (target != ignore_index).sum()
+
+
+@torch.no_grad()
+def vocab_parallel_statistics(logits: torch.Tensor, target: torch.Tensor, comm: Communicator | None = None, *,
+                              vocab_size: int | None = None,
+                              partition_sizes: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(entropy, is_top1)` per token of the softmax over the full vocabulary, from this rank's slice of the logits
+    (classes in the last dim): the entropy `log Z - E[x]`, and whether `target` (global ids) is the first maximum,
+    as `argmax` of the full logits would say. Computed in the logits' dtype promoted to fp32, no gradient; two
+    all-reduces (a MAX of three statistics, a SUM of two). Collective, like `vocab_parallel_cross_entropy`."""
+    comm = resolve_comm(comm)
+    x = local_logits(logits)
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    start, _ = _vocab_range(x, comm, vocab_size, partition_sizes)
+    local = target - start
+    mine = (local >= 0) & (local < x.shape[-1])
+    target_x = x.gather(-1, local.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    before = torch.arange(x.shape[-1], device=x.device) < local.unsqueeze(-1)
+    peaks = torch.stack((x.amax(-1), target_x.masked_fill(~mine, -torch.inf),
+                         x.masked_fill(~before, -torch.inf).amax(-1)))
+    peaks = comm.all_reduce(peaks, ReduceOp.MAX) if comm.world_size > 1 else peaks
+    top, target_top, before_top = peaks
+    e = (x - top.unsqueeze(-1)).exp()
+    sums = torch.stack((e.sum(-1), (e * x).sum(-1)))
+    sums = comm.all_reduce(sums) if comm.world_size > 1 else sums
+    entropy = top + sums[0].log() - sums[1] / sums[0]
+    return entropy, (target_top >= top) & (target_top > before_top)

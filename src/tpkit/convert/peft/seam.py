@@ -7,7 +7,7 @@ A tensor-parallel model needs three things of PEFT, each through the narrowest p
    `PeftModel.from_pretrained` reads from a file work;
 2. `PeftModel.save_pretrained`, called on every rank, writes the files one process writes (`adapter_state_dict`:
    PEFT's own selection of tensors, each gathered to full size by its layout, plus the base weights of targeted
-   embeddings and heads PEFT saves but does not recognise on tpkit's layers; rank 0 writes through PEFT into a
+   embeddings and heads PEFT saves but does not recognise on tpkit's layers; world rank 0 writes through PEFT into a
    temporary directory whose files are then renamed into place, so a reader never sees half a file);
 3. `set_peft_model_state_dict` (what `PeftModel.from_pretrained` / `load_adapter` load through) gives each rank its
    slices of a stock file's full-size tensors (a `modules_to_save` copy split as its original; the LoRA layers cut
@@ -39,7 +39,9 @@ import torch
 from torch import nn
 
 from ...comm.communicator import Communicator
+from ...comm.rebind import root_of
 from ...layout import ShardLayout
+from ...nn.full_tensors import gather_full
 from ...nn.record import communicator_of
 from ..layouts import shard_layouts
 
@@ -151,12 +153,14 @@ def _wrap_files(module) -> None:
     @functools.wraps(save)
     def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> None:
         comm = communicator_of(self)
-        if comm is None or comm.world_size == 1 or "state_dict" in kwargs or args:
+        if comm is None or comm.world_size == 1 or kwargs.get("state_dict") is not None or args:
             return save(self, save_directory, *args, **kwargs)
+        kwargs.pop("state_dict", None)  # None: Trainer passes it explicitly
         check_version()
         adapters = kwargs.get("selected_adapters") or list(self.peft_config)
         full = adapter_state_dict(self, adapters, kwargs.get("save_embedding_layers", "auto"), comm)
-        if comm.rank == 0 and kwargs.get("is_main_process", True):
+        world = root_of(comm)  # every rank calls it; one writes (data-parallel replicas hold the same adapter)
+        if world.rank == 0 and kwargs.get("is_main_process", True):
             parent = os.path.dirname(os.path.abspath(save_directory)) or "."
             os.makedirs(parent, exist_ok=True)
             tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(save_directory)}.tmp-")
@@ -169,7 +173,7 @@ def _wrap_files(module) -> None:
                 _move_into(tmp, save_directory)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-        comm.barrier()
+        world.barrier()
 
     @functools.wraps(load)
     def set_peft_model_state_dict(model, *args: Any, **kwargs: Any):
@@ -208,19 +212,6 @@ def lora_config(**kwargs: Any):
 
     check_version()
     return register(LoraConfig(**kwargs))
-
-
-def gather_full(local: torch.Tensor, layout: ShardLayout, comm: Communicator) -> torch.Tensor:
-    """The full tensor from every rank's slice (collective; a replicated tensor is returned as it is)."""
-    if layout.is_replicated:
-        return local
-    numels = [layout.for_rank(r).local_numel for r in range(comm.world_size)]
-    gathered = comm.all_gather(local.detach().reshape(-1), dim=0, sizes=numels)
-    pieces, at = [], 0
-    for r, n in enumerate(numels):
-        pieces.append(gathered.narrow(0, at, n).reshape(layout.for_rank(r).local_shape))
-        at += n
-    return layout.unshard(pieces)
 
 
 def adapter_state_dict(model: nn.Module, adapters: list[str], save_embedding_layers: Any = "auto",

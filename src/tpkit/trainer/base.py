@@ -1,0 +1,208 @@
+"""`TensorParallelTrainer`: what a Hugging Face Trainer class needs to train a tensor-parallel model exactly.
+
+A mixin placed before the stock class (`class Trainer(TensorParallelTrainer, transformers.Trainer)`), so that
+transformers' and TRL's Trainers, and a user's subclass of them, take it the same way. Against the stock class it
+changes:
+
+- the accelerator: `TensorParallelAccelerator` (data loaders, DDP, clipping and metric gathers per data-parallel
+  replica: every tensor-parallel group is one replica), built with the arguments Trainer builds the stock one with;
+- the tensor-parallel size Trainer asks for (`get_tp_size`: the divisor of the tokens it counts over the world, and
+  of the global batch), and the input tokens it counts (once per replica);
+- data parallelism: FSDP2 over the dp group when the arguments ask for fsdp (`tpkit.data_parallel`, applied before
+  the optimizer is made), else DDP over it (the accelerator);
+- saving and resuming (`checkpoints.py`): `save_model` writes one Hugging Face directory collectively,
+  `checkpoint-N` holds a tpkit checkpoint beside Trainer's own state files;
+- evaluation under `torch.compile`: the bare vocabulary slice a compiled model returns is gathered before
+  `compute_metrics` sees it.
+
+What cannot be exact is refused before training, naming why (`_check_arguments`).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import os
+from typing import Any
+
+import torch
+
+from ..convert.stock_calls import vocabulary_sizes
+from ..data_parallel import data_parallel, repeated_blocks
+from ..nn.split_logits import SplitLogits, gather_logits
+from . import checkpoints
+from .accelerator import TensorParallelAccelerator
+from .layout import TrainerSetupError, layout_of
+
+FSDP_OPTIONS = {"full_shard": True, "shard_grad_op": False, "auto_wrap": None}  # option -> reshard_after_forward
+
+
+class TensorParallelTrainer:
+    """Mixin for `transformers.Trainer` and its subclasses (see the module docstring). Takes the same arguments."""
+
+    def __init__(self, model=None, args=None, *rest: Any, **kwargs: Any):
+        if model is None:
+            raise TrainerSetupError(f"{type(self).__name__}: pass the converted model (model_init is not supported: "
+                                    f"each trial would need converting on every rank)")
+        args, dp_mode, reshard = _check_arguments(args, kwargs, type(self).__name__)
+        self.train_layout = layout_of(model, dp_mode)
+        super().__init__(model, args, *rest, **kwargs)
+        if getattr(self.accelerator.state, "fsdp_plugin", None) is not None or self.is_deepspeed_enabled:
+            raise TrainerSetupError(f"{type(self).__name__}: accelerate is configured for FSDP or DeepSpeed (an "
+                                    f"`accelerate launch` config?); tpkit.trainer runs data parallelism itself: "
+                                    f"launch with torchrun and ask for FSDP with TrainingArguments(fsdp='full_shard')")
+        layout = self.train_layout
+        if dp_mode == "fsdp" and layout.dp is not None:
+            if self.optimizer is not None:
+                raise TrainerSetupError(f"{type(self).__name__}: FSDP2 replaces the parameters, so an optimizer made "
+                                        f"before the Trainer would hold stale ones; pass optimizer_cls_and_kwargs")
+            inner = self.accelerator.unwrap_model(self.model)
+            data_parallel(inner, layout.dp, mode="fsdp", blocks=repeated_blocks(inner),
+                          reshard_after_forward=reshard)
+
+    # ---------------------------------------------------------------------------------------- the accelerator
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        built = super()._build_accelerator_args(**kwargs)
+        self._tpkit_accelerator_args = built
+        return built
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.accelerator = TensorParallelAccelerator(self.train_layout, **self._tpkit_accelerator_args)
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(self.gather_function,
+                                                     use_gather_object=self.args.eval_use_gather_object)
+
+    def get_tp_size(self) -> int:
+        return self.train_layout.tp_size
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        added = self.state.num_input_tokens_seen - before  # the world's count: each replica's tokens tp times
+        self.state.num_input_tokens_seen = before + added // self.train_layout.tp_size
+
+    # ---------------------------------------------------------------------------------------- saving
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Collective. Inside a checkpoint save: a tpkit checkpoint (model and optimizer) in `output_dir`;
+        otherwise one Hugging Face directory, as `save_pretrained` of the one-process model writes it."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if getattr(self, "_tpkit_saving_checkpoint", False):
+            optimizer = None if self.args.save_only_model else self.optimizer
+            checkpoints.save_checkpoint(self.model, output_dir, optimizer, self.state.global_step,
+                                        self.train_layout.world)
+            return
+        self._save(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is not None:
+            raise TrainerSetupError(f"{type(self).__name__}: saving a given state dict is not supported on a "
+                                    f"tensor-parallel model (its tensors are this rank's slices)")
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        model.save_pretrained(output_dir, is_main_process=self.args.should_save)  # collective
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            elif getattr(getattr(self.data_collator, "tokenizer", None), "save_pretrained", None) is not None:
+                self.data_collator.tokenizer.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        self.train_layout.world.barrier()
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self._tpkit_saving_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._tpkit_saving_checkpoint = False
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.args.should_save:  # the optimizer is in the tpkit checkpoint save_model wrote
+            checkpoints.save_scheduler(self.lr_scheduler, output_dir)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self.is_world_process_zero() and checkpoints.is_tpkit_checkpoint(checkpoint_folder):
+            checkpoints.consolidated_files(checkpoint_folder, self.args.output_dir)
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    # ---------------------------------------------------------------------------------------- resuming
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not checkpoints.is_tpkit_checkpoint(resume_from_checkpoint):
+            raise TrainerSetupError(f"{resume_from_checkpoint}: no tpkit checkpoint there (tpkit.trainer writes one "
+                                    f"into every checkpoint-N); to start from a Hugging Face model, load it with "
+                                    f"tpkit.from_pretrained instead of resuming")
+        checkpoints.load_checkpoint(model if model is not None else self.model, resume_from_checkpoint, None,
+                                    self.train_layout.world)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        if checkpoints.has_optimizer(checkpoint):
+            checkpoints.load_checkpoint(self.model, checkpoint, self.optimizer, self.train_layout.world)
+        scheduler = os.path.join(checkpoint, "scheduler.pt")
+        if os.path.isfile(scheduler) and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        checkpoints.load_checkpoint(self.model, self.state.best_model_checkpoint, None, self.train_layout.world)
+
+    # ---------------------------------------------------------------------------------------- evaluation
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        return loss, self._full_logits(logits), labels
+
+    def _full_logits(self, logits: Any) -> Any:
+        """Logits as one process has them: a compiled model's bare vocabulary slice gathered (a `SplitLogits` reads
+        as full already)."""
+        if isinstance(logits, (tuple, list)):
+            return type(logits)(self._full_logits(x) for x in logits)
+        sizes = vocabulary_sizes(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+        tp = self.train_layout.tp
+        if sizes is None or not isinstance(logits, torch.Tensor) or isinstance(logits, SplitLogits) or \
+                logits.shape[-1] != sizes[tp.rank] or sum(sizes) == sizes[tp.rank]:
+            return logits
+        return gather_logits(logits, tp, sizes)
+
+
+def _check_arguments(args, kwargs: dict, who: str):
+    """`(a copy of args whose FSDP request tpkit runs itself, dp mode, FSDP2's reshard_after_forward)`; raises
+    `TrainerSetupError` for what tpkit.trainer cannot train exactly."""
+    from transformers import TrainingArguments
+
+    args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
+    if args.deepspeed:
+        raise TrainerSetupError(f"{who}: DeepSpeed shards the model its own way; tpkit.trainer runs DDP or FSDP2 "
+                                f"over the data-parallel ranks (TrainingArguments(fsdp='full_shard'))")
+    if getattr(args, "parallelism_config", None) is not None:
+        raise TrainerSetupError(f"{who}: parallelism_config is accelerate's own tensor / context parallelism; the "
+                                f"model is split by tpkit already: leave it unset")
+    if args.fp16:
+        raise TrainerSetupError(f"{who}: fp16 loss scaling looks for overflows on each rank's own slices, so one rank "
+                                f"could skip a step the others take; train in bf16 (bf16=True) instead")
+    if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+        raise TrainerSetupError(f"{who}: train_sampling_strategy='batch_rebalance' shards by the world's ranks; use "
+                                f"'random', 'sequential' or 'group_by_length'")
+    options = [getattr(o, "value", o) for o in (args.fsdp or [])]
+    unknown = [o for o in options if o not in FSDP_OPTIONS]
+    if unknown:
+        raise TrainerSetupError(f"{who}: fsdp options {unknown} are not supported on a tensor-parallel model; "
+                                f"tpkit runs FSDP2 over the data-parallel ranks with {sorted(FSDP_OPTIONS)}")
+    config = dict(args.fsdp_config or {})
+    if options and (config.get("version", config.get("fsdp_version", 2)) not in (2, "2") or
+                    str(config.get("activation_checkpointing", "false")).lower() == "true"):
+        raise TrainerSetupError(f"{who}: fsdp_config {config} asks for FSDP1 or FSDP's activation checkpointing; "
+                                f"tpkit runs FSDP2 (use gradient_checkpointing=True for recomputation)")
+    if not options:
+        return args, "ddp", True
+    args = copy.copy(args)
+    args.fsdp_plugin_args = None  # tpkit applies FSDP2 itself; Trainer must not build accelerate's FSDP plugin
+    return args, "fsdp", "shard_grad_op" not in options
