@@ -23,6 +23,7 @@ ROOT = "tpkit"
 # Top to bottom. Modules of layers that do not exist yet are listed so that their first import is checked.
 LAYERS: list[tuple[str, ...]] = [
     ("tpkit.cli", "tpkit.commands"),
+    ("tpkit.trainer",),
     ("tpkit.data_parallel", "tpkit.recompute", "tpkit.setups", "tpkit.pipeline"),
     ("tpkit.checkpoint", "tpkit.estimate", "tpkit.replicas"),
     ("tpkit.convert",),
@@ -317,8 +318,8 @@ def lazy():
 
 def test_an_upward_import_is_reported_with_file_line_target_and_both_layers():
     problems = upward_imports(UPWARD, "tpkit.nn.linear", "src/tpkit/nn/linear.py")
-    assert problems == [("tpkit.convert", "src/tpkit/nn/linear.py:8 imports tpkit.convert: layer 4 (tpkit.convert) "
-                                          "is above tpkit.nn.linear's layer 5 (tpkit.nn)")]
+    assert problems == [("tpkit.convert", "src/tpkit/nn/linear.py:8 imports tpkit.convert: layer 5 (tpkit.convert) "
+                                          "is above tpkit.nn.linear's layer 6 (tpkit.nn)")]
 
 
 def test_layout_is_the_bottom_of_the_house():

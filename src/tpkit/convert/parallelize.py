@@ -1,6 +1,6 @@
 """`parallelize(model, plan, comm)`: swap a model's layers for this rank's `tpkit.nn` shards, in place.
 
-Five named steps, each a function with a typed result:
+Six named steps, each a function with a typed result:
 
 1. trace    `trace.analyze_structure` -> `Analysis` (the dataflow, once per model);
 2. plan     `resolve_plan` -> `Plan` (module -> style, as data; user entries over automatic ones; the
@@ -8,7 +8,9 @@ Five named steps, each a function with a typed result:
 3. layouts  `layouts.plan_layouts` -> per module, one `ShardLayout` per tensor (type and size checks);
 4. validate `validate.validate` -> the plan as a whole (each style's dataflow, ties, every family's checks);
 5. swap     `swap.build` then `swap.swap`: new layers cut from those layouts, then put in, then every family
-            installs what its styles need (`steps.prepare` / `steps.apply` hold steps 3 to 5).
+            installs what its styles need (`steps.prepare` / `steps.apply` hold steps 3 to 5);
+6. finish   the `Conversion` record attached, and what stock tools call on the model answered for the whole
+            model (`stock_calls.install`: full logits and attentions, a collective `save_pretrained`, the sentinel).
 
 Between 2 and 3 the dry run (`dryrun.dry_run`) runs the converted structure once on the meta device and keeps
 whole what its forward fails in (a user's plan that fails there is a PlanError).
@@ -153,12 +155,16 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
     record = Plan(kept, world_size=world, mode=the_plan.mode,
                   details=the_plan.details, reasons=the_plan.reasons, prefix=the_plan.prefix)
     layouts = {**key_layouts(model, modules, per_module, world, rank), **record_layouts(model)}
-    conversion = Conversion(comm, layouts, plan=record, updated_attributes=updates, settled=prepared.checked)
-    attach(model, conversion)
-    check_grad_sums(model, "parallelize")
-    stock_calls.install(model, conversion)                                                # 6. stock tools
+    _finish(model, Conversion(comm, layouts, plan=record, updated_attributes=updates, settled=prepared.checked))
     log_kept_whole(record, isinstance(plan, str) and plan in PLAN_WORDS, rank)
     return model
+
+
+def _finish(model: nn.Module, conversion: Conversion) -> None:
+    """6. The record on the model (its gradient sums checked), then what stock tools call on it (`stock_calls`)."""
+    attach(model, conversion)
+    check_grad_sums(model, "parallelize")
+    stock_calls.install(model, conversion)
 
 
 def _user_named(model: nn.Module, plan: Any, analysis: Analysis) -> Callable[[str], bool]:

@@ -63,8 +63,8 @@ class FullOutputs:
         self.record, self.vocab, self.heads = record, vocab, heads
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if torch.compiler.is_compiling() or not hasattr(output, "keys"):
-            return None
+        if sentinel.not_eager() or not hasattr(output, "keys") or self.record.pipeline is not None:
+            return None  # a pipeline stage's outputs go to its schedule, which knows the split
         comm = self.record.comm
         logits = output.get("logits") if self.vocab is not None else None
         if isinstance(logits, torch.Tensor) and not isinstance(logits, SplitLogits) and \

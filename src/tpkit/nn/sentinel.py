@@ -67,7 +67,7 @@ class Sentinel:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         n = every()
-        if not n or self.record.world_size == 1 or self.record.pipeline is not None or _not_eager():
+        if not n or self.record.world_size == 1 or self.record.pipeline is not None or not_eager():
             return
         training = module.training and torch.is_grad_enabled()
         due = self.checks == 0 or debug_enabled() or (training and (self.forwards + 1) % n == 0)
@@ -205,8 +205,9 @@ def _input_names(args: tuple, kwargs: dict) -> list[str]:
     return names
 
 
-def _not_eager() -> bool:
-    """Inside torch.compile, or under a dispatch mode (fake tensors, an op recorder): no check there."""
+def not_eager() -> bool:
+    """Inside torch.compile, or under a dispatch mode (fake tensors, an op recorder): values are not there to check,
+    and what tpkit adds to a forward must stay out of what is traced."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None

@@ -1,0 +1,255 @@
+"""tpkit.trainer.Trainer against ONE process of plain transformers.Trainer on the same arguments, data and seed, in
+real gloo processes (`tpkit.launch`, torchrun's environment), float64, clipping active:
+
+- tp2 (`from_pretrained`): the per-step loss and grad_norm, eval_loss and a compute_metrics that reads the full
+  logits (argmax accuracy, perplexity) equal the reference's; `save_model()` writes a directory plain transformers
+  loads equal to the reference's weights, beside the checkpoint-N folders it leaves alone; `checkpoint-3` resumed to
+  step 6 ends where the uninterrupted run does; the stock Trainer, a hand-made DDP and a hand-made fully_shard on a
+  converted model stop before anything trains, naming tpkit's way;
+- tp3 (`parallelize`, 8 heads / 4 KV heads): the same figures, with save_total_limit and load_best_model_at_end as
+  the reference keeps them; a PEFT LoRA model trains and saves the adapter stock PEFT + Trainer saves;
+- tp2 x dp2 on 4 ranks (2 rows per dp replica), under DDP and FSDP2, equals plain Trainer's own data parallelism at
+  dp2 (2 processes); tp2's checkpoint-3 resumed at tp2 x dp2 ends near the uninterrupted tp2 run."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import tpkit
+from tests.trainer.common import (STEPS, arguments, eval_rows, logged, make_model, next_token_accuracy,
+                                  one_process_trainer, rel, same_figures, state_of, train_rows)
+
+pytestmark = pytest.mark.slow
+TIGHT = 1e-6  # logged figures (float32 running loss of float64 models)
+
+
+# ----------------------------------------------------------------------------------------------- rank bodies
+
+def _trainer(model, out: str, **changes):
+    import tpkit.trainer
+
+    return tpkit.trainer.Trainer(model=model, args=arguments(out, **changes), train_dataset=train_rows(),
+                                 eval_dataset=eval_rows(), compute_metrics=next_token_accuracy)
+
+
+def _tp2(directory: str, out: str) -> dict:
+    """tp2 from_pretrained: a run with checkpoints, its resume, then the stock tools that must refuse."""
+    import transformers as tr
+
+    comm = tpkit.init()
+    res = {}
+    load = lambda: tpkit.from_pretrained(directory, comm=comm, mode="training", dtype=torch.float64)  # noqa: E731
+    run = os.path.join(out, "tp2")
+    trainer = _trainer(load(), run, save_strategy="steps", save_steps=3)
+    trainer.train()
+    trainer.save_model(run)  # one HF directory, beside checkpoint-3 and checkpoint-6
+    res.update(history=trainer.state.log_history, tokens=trainer.state.num_input_tokens_seen,
+               listing=sorted(os.listdir(run)), checkpoint=sorted(os.listdir(os.path.join(run, "checkpoint-3"))))
+    resumed = _trainer(load(), os.path.join(out, "tp2-resumed"))
+    resumed.train(resume_from_checkpoint=os.path.join(run, "checkpoint-3"))
+    resumed.save_model()
+    res["resumed"] = resumed.state.log_history
+    res["refusals"] = _refusals(load(), comm, out, tr)
+    return res
+
+
+def _refusals(model, comm, out: str, tr) -> dict:
+    """What the stock tools do with a converted model: each error's message, or what happened instead."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    said = {}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for name, run in (("trainer", lambda: tr.Trainer(model=model, args=arguments(os.path.join(out, "stock"),
+                                                                                      eval_strategy="no"),
+                                                     train_dataset=train_rows()).train()),
+                      ("ddp", lambda: DistributedDataParallel(model)),
+                      ("fully_shard", lambda: fully_shard(model)(input_ids=train_rows()[0]["input_ids"][None]))):
+        try:
+            run()
+            said[name] = "ran"
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            said[name] = f"{type(exc).__name__}: {exc}"
+        if name == "ddp":
+            said["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    return said
+
+
+def _tp3(directory: str, out: str) -> dict:
+    """tp3 through parallelize: rotation and the best model at the end; then a PEFT LoRA model."""
+    import peft
+    import transformers as tr
+
+    comm = tpkit.init()
+    base = tr.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float64)
+    model = tpkit.parallelize(base, comm=comm, mode="training")
+    run = os.path.join(out, "tp3")
+    trainer = _trainer(model, run, **_BEST)
+    trainer.train()
+    trainer.save_model(os.path.join(run, "final"))
+    res = {"history": trainer.state.log_history, "listing": sorted(os.listdir(run))}
+    torch.manual_seed(0)
+    lora = peft.get_peft_model(tpkit.parallelize(tr.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float64),
+                                                 comm=comm, mode="training"), _lora_config())
+    adapter = _trainer(lora, os.path.join(out, "tp3-lora"))
+    adapter.train()
+    adapter.save_model()
+    res["lora"] = adapter.state.log_history
+    return res
+
+
+_BEST = dict(save_strategy="steps", save_steps=3, save_total_limit=1, load_best_model_at_end=True,
+             metric_for_best_model="eval_loss")
+
+
+def _lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                           init_lora_weights=False)
+
+
+def _dp(directory: str, out: str) -> dict:
+    """tp2 x dp2: DDP, FSDP2, and tp2's checkpoint-3 resumed at this layout."""
+    comm = tpkit.init()
+    tp, _ = tpkit.comm.split(comm, 2)
+    res = {}
+    for name, changes in (("ddp", {}), ("fsdp", {"fsdp": "full_shard"})):
+        model = tpkit.from_pretrained(directory, comm=tp, mode="training", dtype=torch.float64)
+        trainer = _trainer(model, os.path.join(out, f"dp-{name}"), per_device_train_batch_size=2, **changes)
+        trainer.train()
+        trainer.save_model()
+        res[name] = trainer.state.log_history
+    model = tpkit.from_pretrained(directory, comm=tp, mode="training", dtype=torch.float64)
+    resumed = _trainer(model, os.path.join(out, "dp-resumed"), per_device_train_batch_size=2)
+    resumed.train(resume_from_checkpoint=os.path.join(out, "tp2", "checkpoint-3"))
+    resumed.save_model()
+    res["resumed"] = resumed.state.log_history
+    return res
+
+
+def _plain_dp2(directory: str, out: str) -> list:
+    """Plain transformers.Trainer's own data parallelism: 2 processes, the unconverted model, 2 rows each."""
+    import transformers as tr
+
+    model = tr.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float64)
+    trainer = tr.Trainer(model=model, args=arguments(os.path.join(out, "plain-dp2"), per_device_train_batch_size=2),
+                         train_dataset=train_rows(), eval_dataset=eval_rows(), compute_metrics=next_token_accuracy)
+    trainer.train()
+    return trainer.state.log_history
+
+
+# ----------------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("trainer")
+    make_model(str(root / "model"))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def tp2(out):
+    return tpkit.launch(_tp2, 2, args=(os.path.join(out, "model"), out), timeout=400)[0]
+
+
+@pytest.fixture(scope="module")
+def tp3(out):
+    return tpkit.launch(_tp3, 3, args=(os.path.join(out, "model"), out), timeout=400)[0]
+
+
+@pytest.fixture(scope="module")
+def dp(out, tp2):
+    return tpkit.launch(_dp, 4, args=(os.path.join(out, "model"), out), timeout=400)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(out):
+    """ONE process of plain transformers.Trainer: the run tp2 makes, and the one tp3 makes (its best model)."""
+    model = os.path.join(out, "model")
+    return {"plain": one_process_trainer(model, os.path.join(out, "ref")).state.log_history,
+            "best": one_process_trainer(model, os.path.join(out, "ref-best"), **_BEST).state.log_history}
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+def test_tp2_logs_what_one_process_logs(tp2, reference):
+    got, want = logged(tp2["history"]), logged(reference["plain"])
+    assert not same_figures(got, want, TIGHT), same_figures(got, want, TIGHT)
+    assert {k for _, k, _ in got} >= {"loss", "grad_norm", "eval_loss", "eval_accuracy", "eval_perplexity"}
+    assert max(v for _, k, v in got if k == "grad_norm") > 0.5  # clipping was active
+    assert tp2["tokens"] == STEPS * 4 * 12  # counted once per replica, not once per rank
+
+
+def test_tp2_save_model_is_the_one_process_directory(tp2, reference, out):
+    ours, theirs = state_of(os.path.join(out, "tp2")), state_of(os.path.join(out, "ref", "final"))
+    assert ours.keys() == theirs.keys() and max(rel(ours[k], theirs[k]) for k in ours) < 1e-4
+    assert {"checkpoint-3", "checkpoint-6", "config.json", "model.safetensors", "training_args.bin",
+            "tokenizer.json"} - {"tokenizer.json"} <= set(tp2["listing"])
+    assert {"trainer_state.json", "scheduler.pt", "latest", "rng_state_0.pth", "rng_state_1.pth"} <= \
+        set(tp2["checkpoint"])  # tpkit's sharded checkpoint beside Trainer's own state files
+
+
+def test_checkpoint_3_resumes_to_the_uninterrupted_run(tp2, out):
+    assert not same_figures(logged(tp2["resumed"]), [x for x in logged(tp2["history"]) if x[0] > 3], TIGHT)
+    ours, theirs = state_of(os.path.join(out, "tp2-resumed")), state_of(os.path.join(out, "tp2"))
+    assert max(rel(ours[k], theirs[k]) for k in ours) < 1e-4
+
+
+def test_stock_tools_refuse_a_converted_model(tp2):
+    said = tp2["refusals"]
+    assert said["trainer"].startswith("SentinelError") and "tpkit.trainer.Trainer" in said["trainer"], said
+    assert said["ddp"].startswith("SentinelError") and "tpkit.data_parallel" in said["ddp"], said
+    assert said["unchanged"]  # refused before DDP broadcast anything
+    assert said["fully_shard"].startswith("SentinelError") and "tpkit.data_parallel" in said["fully_shard"], said
+
+
+def test_tp3_parallelize_logs_and_keeps_checkpoints_as_one_process(tp3, reference, out):
+    got, want = logged(tp3["history"]), logged(reference["best"])
+    assert not same_figures(got, want, TIGHT), same_figures(got, want, TIGHT)
+    ref_dirs = sorted(d for d in os.listdir(os.path.join(out, "ref-best")) if d.startswith("checkpoint-"))
+    assert [d for d in tp3["listing"] if d.startswith("checkpoint-")] == ref_dirs  # save_total_limit
+    ours, theirs = state_of(os.path.join(out, "tp3", "final")), state_of(os.path.join(out, "ref-best", "final"))
+    assert max(rel(ours[k], theirs[k]) for k in ours) < 1e-4  # the best model, loaded at the end
+
+
+def test_tp3_lora_trains_and_saves_as_stock_peft(tp3, out):
+    import peft
+    import transformers as tr
+
+    base = tr.LlamaForCausalLM.from_pretrained(os.path.join(out, "model"), dtype=torch.float64)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, _lora_config())
+    trainer = tr.Trainer(model=model, args=arguments(os.path.join(out, "ref-lora")), train_dataset=train_rows(),
+                         eval_dataset=eval_rows(), compute_metrics=next_token_accuracy)
+    trainer.train()
+    trainer.save_model()
+    assert not same_figures(logged(tp3["lora"]), logged(trainer.state.log_history), TIGHT)
+    from safetensors.torch import load_file
+
+    ours = load_file(os.path.join(out, "tp3-lora", "adapter_model.safetensors"))
+    theirs = load_file(os.path.join(out, "ref-lora", "adapter_model.safetensors"))
+    assert ours.keys() == theirs.keys() and max(rel(ours[k], theirs[k]) for k in ours) < 1e-4
+    with open(os.path.join(out, "tp3-lora", "adapter_config.json")) as f:
+        assert json.load(f)["r"] == 4
+
+
+def test_tp2_dp2_equals_plain_trainers_data_parallelism(dp, out):
+    plain = tpkit.launch(_plain_dp2, 2, args=(os.path.join(out, "model"), out), timeout=300)[0]
+    for name in ("ddp", "fsdp"):
+        assert not same_figures(logged(dp[name]), logged(plain), TIGHT), (name, same_figures(logged(dp[name]),
+                                                                                             logged(plain), TIGHT))
+    for name in ("ddp", "fsdp"):
+        ours, theirs = state_of(os.path.join(out, f"dp-{name}")), state_of(os.path.join(out, "ref", "final"))
+        assert max(rel(ours[k], theirs[k]) for k in ours) < 1e-4, name  # the one-process weights too
+
+
+def test_a_tp2_checkpoint_resumes_at_tp2_dp2(dp, tp2, out):
+    train = [x for x in logged(dp["resumed"]) if x[1] in ("loss", "grad_norm")]
+    want = [x for x in logged(tp2["history"]) if x[0] > 3 and x[1] in ("loss", "grad_norm")]
+    assert not same_figures(train, want, 1e-5), same_figures(train, want, 1e-5)
+    ours, theirs = state_of(os.path.join(out, "dp-resumed")), state_of(os.path.join(out, "tp2"))
+    assert max(rel(ours[k], theirs[k]) for k in ours) < 1e-4
