@@ -240,3 +240,77 @@ def test_lora_at_tp2_trains_as_one_peft_process_and_saves_a_stock_adapter(llama,
         assert torch.allclose(saved[k], v, rtol=0, atol=1e-4), (k, (saved[k] - v).abs().max())
     loaded = peft.PeftModel.from_pretrained(tr.AutoModelForCausalLM.from_pretrained(llama), out)
     assert set(loaded.peft_config["default"].target_modules) == set(_example("lora").TARGETS.split(","))
+
+
+@pytest.mark.slow
+def test_trainer_example_at_tp2_equals_one_process_of_plain_trainer_and_resumes(llama, tmp_path):
+    """examples/trainer.py under torchrun at tp2 (tpkit.trainer.Trainer) against the same arguments and windows in
+    ONE process of plain transformers.Trainer: the logged losses and gradient norms, and the directory it writes;
+    resumed with --resume from the run's checkpoint-2 (the run stopped there), it ends where the uninterrupted run
+    does."""
+    import shutil
+
+    import transformers as tr
+
+    trainer = _example("trainer")
+    data = os.path.join(os.path.dirname(llama), "train.txt")
+    common = ("--model", llama, "--tp", "2", "--data", data, "--seq", "16", "--batch", "2", "--lr", "1e-3",
+              "--max-norm", "0.5", "--eval", "2", "--save-steps", "2")
+    _run("trainer.py", *common, "--steps", "4", "--out", str(tmp_path / "run"))
+    shutil.copytree(tmp_path / "run" / "checkpoint-2", tmp_path / "part" / "checkpoint-2")
+    _run("trainer.py", *common, "--steps", "4", "--out", str(tmp_path / "part"), "--resume")
+
+    args = trainer.parser().parse_args([*common, "--steps", "4", "--out", str(tmp_path / "reference")])
+    model = tr.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    train, evaluation = trainer.datasets(args, model.config.vocab_size)
+    one = tr.Trainer(model=model, args=trainer.training_arguments(args), train_dataset=train,
+                     eval_dataset=evaluation)
+    one.train()
+    one.save_model()
+
+    def figures(directory: str) -> list[tuple]:
+        import json
+
+        with open(os.path.join(directory, "checkpoint-4", "trainer_state.json")) as f:
+            history = json.load(f)["log_history"]
+        return [(h["step"], k, h[k]) for h in history for k in ("loss", "grad_norm", "eval_loss") if k in h]
+
+    want = figures(str(tmp_path / "reference"))
+    for run in ("run", "part"):
+        got = figures(str(tmp_path / run))
+        assert [x[:2] for x in got] == [x[:2] for x in want] and all(
+            abs(a[2] - b[2]) <= 1e-5 * abs(b[2]) for a, b in zip(got, want)), (run, got, want)
+    ours, theirs, resumed = (_weights(str(tmp_path / d)) for d in ("run", "reference", "part"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.allclose(ours[k], theirs[k], rtol=0, atol=1e-4) for k in ours), {k: (ours[k] - theirs[k]).abs().max().item() for k in ours}
+    assert all(torch.equal(resumed[k], ours[k]) for k in ours), {k: (resumed[k] - ours[k]).abs().max().item() for k in ours}
+
+
+@pytest.mark.slow
+def test_sft_example_at_tp2_logs_what_trl_logs_on_one_process(llama, tmp_path):
+    """examples/sft.py under torchrun at tp2 (tpkit.trainer.SFTTrainer) against TRL's SFTTrainer in one process, the
+    example's own config and data, without bf16 and checkpointing (a CPU float32 run): loss, mean_token_accuracy and
+    entropy as TRL logs them."""
+    import json
+
+    import transformers as tr
+    from trl import SFTTrainer
+
+    sft = _example("sft")
+    data = os.path.join(os.path.dirname(llama), "train.txt")
+    flags = ("--model", llama, "--data", data, "--steps", "3", "--batch", "2", "--seq", "16", "--lr", "1e-3",
+             "--no-gradient-checkpointing")
+    output = _run("sft.py", *flags, "--out", str(tmp_path / "tp2"))
+    assert "wrote" in output, output
+    args = sft.parser().parse_args([*flags, "--out", str(tmp_path / "one")])
+    one = SFTTrainer(model=tr.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32),
+                     args=sft.config(args), train_dataset=sft.dataset(data),
+                     processing_class=tr.AutoTokenizer.from_pretrained(llama))
+    one.train()
+    logged = re.findall(r"^\{'loss': .*$", output, re.MULTILINE)
+    want = [h for h in one.state.log_history if "loss" in h]
+    assert len(logged) == len(want) == 3, output
+    for line, h in zip(logged, want):
+        got = json.loads(line.replace("'", '"'))
+        for key in ("loss", "mean_token_accuracy", "entropy"):
+            assert abs(float(got[key]) - h[key]) <= 1e-3 * max(abs(h[key]), 1e-3), (key, got, h)

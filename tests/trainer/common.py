@@ -15,12 +15,12 @@ SEQ = 12
 STEPS = 6
 
 
-def make_model(directory: str, layers: int = 2) -> str:
+def make_model(directory: str, layers: int = 2, vocab: int = VOCAB) -> str:
     """A tiny Llama (8 heads, 4 KV heads) and a word-level tokenizer "w0" .. "w93" in `directory`."""
     import transformers as tr
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    config = tr.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+    config = tr.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
                             bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
     torch.manual_seed(0)

@@ -56,6 +56,15 @@ def _tp2(directory: str, out: str) -> dict:
     return res
 
 
+def _even(comm, tr):
+    """A converted model whose every split is even (vocabulary 96): FSDP2 can all-gather its slices as if they were
+    one tensor's (uneven slices make its first all-gather fail on its own, gloo naming the size mismatch)."""
+    config = tr.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                            num_attention_heads=8, num_key_value_heads=4)
+    torch.manual_seed(0)
+    return tpkit.parallelize(tr.LlamaForCausalLM(config), comm=comm, mode="training")
+
+
 def _refusals(model, comm, out: str, tr) -> dict:
     """What the stock tools do with a converted model: each error's message, or what happened instead."""
     from torch.distributed.fsdp import fully_shard
@@ -67,7 +76,7 @@ def _refusals(model, comm, out: str, tr) -> dict:
                                                                                       eval_strategy="no"),
                                                      train_dataset=train_rows()).train()),
                       ("ddp", lambda: DistributedDataParallel(model)),
-                      ("fully_shard", lambda: fully_shard(model)(input_ids=train_rows()[0]["input_ids"][None]))):
+                      ("fully_shard", lambda: fully_shard(_even(comm, tr))(input_ids=train_rows()[0]["input_ids"][None]))):
         try:
             run()
             said[name] = "ran"
@@ -194,9 +203,10 @@ def test_tp2_save_model_is_the_one_process_directory(tp2, reference, out):
 
 
 def test_checkpoint_3_resumes_to_the_uninterrupted_run(tp2, out):
-    assert not same_figures(logged(tp2["resumed"]), [x for x in logged(tp2["history"]) if x[0] > 3], TIGHT)
+    after = lambda history: [x for x in logged(history) if x[0] > 3]  # noqa: E731 (the state resumed holds 1-3)
+    assert after(tp2["resumed"]) and not same_figures(after(tp2["resumed"]), after(tp2["history"]), TIGHT)
     ours, theirs = state_of(os.path.join(out, "tp2-resumed")), state_of(os.path.join(out, "tp2"))
-    assert max(rel(ours[k], theirs[k]) for k in ours) < 1e-4
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # bit for bit
 
 
 def test_stock_tools_refuse_a_converted_model(tp2):
@@ -248,7 +258,7 @@ def test_tp2_dp2_equals_plain_trainers_data_parallelism(dp, out):
 
 
 def test_a_tp2_checkpoint_resumes_at_tp2_dp2(dp, tp2, out):
-    train = [x for x in logged(dp["resumed"]) if x[1] in ("loss", "grad_norm")]
+    train = [x for x in logged(dp["resumed"]) if x[0] > 3 and x[1] in ("loss", "grad_norm")]
     want = [x for x in logged(tp2["history"]) if x[0] > 3 and x[1] in ("loss", "grad_norm")]
     assert not same_figures(train, want, 1e-5), same_figures(train, want, 1e-5)
     ours, theirs = state_of(os.path.join(out, "dp-resumed")), state_of(os.path.join(out, "tp2"))

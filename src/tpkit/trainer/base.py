@@ -34,7 +34,6 @@ from . import checkpoints
 from .accelerator import TensorParallelAccelerator
 from .layout import TrainerSetupError, layout_of
 
-FSDP_OPTIONS = {"full_shard": True, "shard_grad_op": False, "auto_wrap": None}  # option -> reshard_after_forward
 
 
 class TensorParallelTrainer:
@@ -191,18 +190,16 @@ def _check_arguments(args, kwargs: dict, who: str):
     if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
         raise TrainerSetupError(f"{who}: train_sampling_strategy='batch_rebalance' shards by the world's ranks; use "
                                 f"'random', 'sequential' or 'group_by_length'")
-    options = [getattr(o, "value", o) for o in (args.fsdp or [])]
-    unknown = [o for o in options if o not in FSDP_OPTIONS]
-    if unknown:
-        raise TrainerSetupError(f"{who}: fsdp options {unknown} are not supported on a tensor-parallel model; "
-                                f"tpkit runs FSDP2 over the data-parallel ranks with {sorted(FSDP_OPTIONS)}")
-    config = dict(args.fsdp_config or {})
-    if options and (config.get("version", config.get("fsdp_version", 2)) not in (2, "2") or
-                    str(config.get("activation_checkpointing", "false")).lower() == "true"):
-        raise TrainerSetupError(f"{who}: fsdp_config {config} asks for FSDP1 or FSDP's activation checkpointing; "
-                                f"tpkit runs FSDP2 (use gradient_checkpointing=True for recomputation)")
-    if not options:
+    plugin = args.fsdp_plugin_args  # what TrainingArguments made of fsdp= and fsdp_config (None: no FSDP)
+    if plugin is None:
         return args, "ddp", True
+    refused = {k: plugin.get(k) for k in ("cpu_offload", "activation_checkpointing") if plugin.get(k)}
+    if int(plugin.get("fsdp_version", 2)) != 2:
+        refused["version"] = plugin.get("fsdp_version")
+    if refused:
+        raise TrainerSetupError(f"{who}: FSDP settings {refused} are not supported on a tensor-parallel model: tpkit "
+                                f"runs FSDP2 over the data-parallel ranks (fsdp='full_shard' or 'shard_grad_op'; "
+                                f"gradient_checkpointing=True for recomputation)")
     args = copy.copy(args)
     args.fsdp_plugin_args = None  # tpkit applies FSDP2 itself; Trainer must not build accelerate's FSDP plugin
-    return args, "fsdp", "shard_grad_op" not in options
+    return args, "fsdp", bool(plugin.get("reshard_after_forward", True))
