@@ -4,6 +4,8 @@ which takes minutes and would write the developer's ~/.cache. A test that wants 
 itself (monkeypatch wins over this fixture)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tpkit.estimate.framework import FAMILIES, FrameworkCost
@@ -38,6 +40,11 @@ def synthetic_profile_path(tmp_path_factory) -> str:
 def _hermetic_profile(monkeypatch, synthetic_profile_path):
     monkeypatch.setenv("TPKIT_PROFILE", synthetic_profile_path)
 
+
+# Most launched ranks build a Hugging Face model (and tests/trainer's run its Trainer): the fork server imports
+# transformers' modeling core and Trainer once, not every rank (about 2-3 s of a core per rank process;
+# `tpkit.launch.preload`).
+os.environ.setdefault("TPKIT_PRELOAD", "transformers.modeling_utils,transformers.trainer")
 
 # `make test` runs the files on two pytest-xdist workers (`-n 2`): the suite keeps about one of the box's two cores
 # busy on its own (processes that wait on each other, Python between the ops). A file stays on one worker (its module

@@ -80,7 +80,7 @@ def batch(step: int) -> torch.Tensor:
 
 def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=ids).logits
-    if logits.shape[-1] != VOCAB:  # training mode: this rank's vocabulary slice
+    if isinstance(logits, tpkit.nn.SplitLogits):  # training mode: computed on this rank's vocabulary slice
         return tpkit.vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], vocab_size=VOCAB)
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 

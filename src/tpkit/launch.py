@@ -244,6 +244,16 @@ def _exit_quickly(results) -> None:
 
 START_METHODS = ("forkserver", "spawn")
 PRELOAD = ["torch", "torch.distributed", "tpkit"]  # what every rank imports first: imported once, by the server
+PRELOAD_VARIABLE = "TPKIT_PRELOAD"  # more modules the server imports (comma-separated; read when it starts)
+
+
+def preload() -> list[str]:
+    """The modules the fork server imports before forking ranks: torch and tpkit, then `TPKIT_PRELOAD`'s (a program
+    whose ranks all import transformers saves its import in every rank; a module that fails to import is skipped).
+    They are imported with the environment of the first launch: what a module reads from the environment at import
+    time, it reads then."""
+    extra = [m.strip() for m in os.environ.get(PRELOAD_VARIABLE, "").split(",") if m.strip()]
+    return PRELOAD + [m for m in extra if m not in PRELOAD]
 
 
 def start_method(backend: str) -> str:
@@ -295,7 +305,7 @@ def _start_ranks(method: str, rank_args: tuple) -> tuple:
 
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first launch), ignored after
+        ctx.set_forkserver_preload(preload())  # read when the server starts (the first launch), ignored after
     results = ctx.Queue()
     inherited = _Inherited() if method == "forkserver" else None
     procs = [ctx.Process(target=_worker, daemon=True, args=(inherited, r, *rank_args, results))

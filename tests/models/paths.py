@@ -135,7 +135,7 @@ def ids() -> torch.Tensor:
 def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy in the logits' dtype (float64); from a vocabulary slice when they are split."""
     x, y = logits[:, :-1], tokens[:, 1:]
-    if logits.shape[-1] != VOCAB:
+    if isinstance(logits, tpkit.nn.SplitLogits):  # training mode: computed on this rank's slice, never gathered
         return tpkit.nn.vocab_parallel_cross_entropy(x, y, vocab_size=VOCAB)
     return F.cross_entropy(x.reshape(-1, VOCAB), y.reshape(-1))
 
