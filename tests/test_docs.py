@@ -1,7 +1,10 @@
 """The documentation runs: every python code block of the site (docs/**/*.md) and of README.md, page by page.
 
-Each page's python blocks run in order in one fresh interpreter, in one namespace (a later block may use what an
-earlier one made), in a temporary working directory, with tracebacks naming the page and its line. A block whose
+Each page's python blocks run in order in a process of its own, in one namespace (a later block may use what an
+earlier one made), in a temporary working directory, with tracebacks naming the page and its line. The process is
+forked from a server that imported torch, tpkit and transformers' modeling core once (`tpkit.launch.preload`: the
+one `tpkit.launch` forks its ranks from), so a page does not pay those imports again; otherwise it starts as a fresh
+interpreter would (its own environment, `__name__ == "__main__"`, nothing of the test process). A block whose
 first line is a comment starting `# not run:` is skipped (it needs torchrun, several machines or a GPU); the
 comment says why, and `test_few_blocks_are_skipped` keeps them few. Every `tpkit ...` command line in the pages'
 shell blocks must parse with tpkit's own parser (a renamed flag fails here), and the generated CLI page
@@ -15,7 +18,6 @@ import os
 import pathlib
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
@@ -81,9 +83,42 @@ def test_python_blocks_run(page, tmp_path):
                TPKIT_NO_PROGRESS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", MPLBACKEND="Agg")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_SIZE"):
         env.pop(var, None)  # the pages' blocks run as a plain script: a world of one unless they launch ranks
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(spec)], cwd=work, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"{_name(page)}: a python block failed\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    log = tmp_path / "output.txt"
+    code = _forked(_run_page, str(spec), str(work), env, str(log), timeout=600)
+    assert code == 0, f"{_name(page)}: a python block failed (exit code {code})\n{log.read_text()[-8000:]}"
+
+
+def _forked(target, *args, timeout: float) -> int:
+    """`target(*args)` in a process forked from the preloaded server; its exit code."""
+    import multiprocessing
+
+    from tpkit.launch import preload
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(preload())  # read when the server starts (tpkit.launch may have started it)
+    proc = ctx.Process(target=target, args=args)
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return proc.exitcode
+
+
+def _run_page(spec: str, work: str, env: dict, log: str) -> None:
+    """The page's blocks as RUNNER runs them, in `work`, with `env`, their output (and a traceback) in `log`."""
+    os.chdir(work)
+    os.environ.clear()
+    os.environ.update(env)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd in (1, 2):
+        os.dup2(out, fd)
+    sys.argv = ["blocks", spec]
+    try:
+        exec(RUNNER, {"__name__": "docs_runner"})
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def test_python_blocks_are_found_and_not_hidden():

@@ -245,11 +245,9 @@ def test_lora_at_tp2_trains_as_one_peft_process_and_saves_a_stock_adapter(llama,
 @pytest.mark.slow
 def test_trainer_example_at_tp2_equals_one_process_of_plain_trainer_and_resumes(llama, tmp_path):
     """examples/trainer.py under torchrun at tp2 (tpkit.trainer.Trainer) against the same arguments and windows in
-    ONE process of plain transformers.Trainer: the logged losses and gradient norms, and the directory it writes;
-    resumed with --resume from the run's checkpoint-2 (the run stopped there), it ends where the uninterrupted run
-    does."""
-    import shutil
-
+    ONE process of plain transformers.Trainer: the logged losses, gradient norms and eval losses, and the directory
+    it writes. (Resuming, `--resume`, is Trainer's own `resume_from_checkpoint=True`: tests/trainer resumes bit for
+    bit.)"""
     import transformers as tr
 
     trainer = _example("trainer")
@@ -257,8 +255,6 @@ def test_trainer_example_at_tp2_equals_one_process_of_plain_trainer_and_resumes(
     common = ("--model", llama, "--tp", "2", "--data", data, "--seq", "16", "--batch", "2", "--lr", "1e-3",
               "--max-norm", "0.5", "--eval", "2", "--save-steps", "2")
     _run("trainer.py", *common, "--steps", "4", "--out", str(tmp_path / "run"))
-    shutil.copytree(tmp_path / "run" / "checkpoint-2", tmp_path / "part" / "checkpoint-2")
-    _run("trainer.py", *common, "--steps", "4", "--out", str(tmp_path / "part"), "--resume")
 
     args = trainer.parser().parse_args([*common, "--steps", "4", "--out", str(tmp_path / "reference")])
     model = tr.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
@@ -275,15 +271,12 @@ def test_trainer_example_at_tp2_equals_one_process_of_plain_trainer_and_resumes(
             history = json.load(f)["log_history"]
         return [(h["step"], k, h[k]) for h in history for k in ("loss", "grad_norm", "eval_loss") if k in h]
 
-    want = figures(str(tmp_path / "reference"))
-    for run in ("run", "part"):
-        got = figures(str(tmp_path / run))
-        assert [x[:2] for x in got] == [x[:2] for x in want] and all(
-            abs(a[2] - b[2]) <= 1e-5 * abs(b[2]) for a, b in zip(got, want)), (run, got, want)
-    ours, theirs, resumed = (_weights(str(tmp_path / d)) for d in ("run", "reference", "part"))
+    want, got = figures(str(tmp_path / "reference")), figures(str(tmp_path / "run"))
+    assert [x[:2] for x in got] == [x[:2] for x in want] and all(
+        abs(a[2] - b[2]) <= 1e-5 * abs(b[2]) for a, b in zip(got, want)), (got, want)
+    ours, theirs = _weights(str(tmp_path / "run")), _weights(str(tmp_path / "reference"))
     assert ours.keys() == theirs.keys()
-    assert all(torch.allclose(ours[k], theirs[k], rtol=0, atol=1e-4) for k in ours), {k: (ours[k] - theirs[k]).abs().max().item() for k in ours}
-    assert all(torch.equal(resumed[k], ours[k]) for k in ours), {k: (resumed[k] - ours[k]).abs().max().item() for k in ours}
+    assert all(torch.allclose(ours[k], theirs[k], rtol=0, atol=1e-4) for k in ours)  # float32 AdamW, as above
 
 
 @pytest.mark.slow

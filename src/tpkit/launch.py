@@ -13,8 +13,9 @@ every process rank; scripts under torchrun or mpirun call it first thing (the ex
 
 Process ranks start as fresh interpreters would (none inherits the caller's state), each importing the calling
 script again, as module `__mp_main__`, to find `fn`. gloo ranks come from a fork server that imported torch and tpkit
-once (`TPKIT_START_METHOD`, default "forkserver" where the platform has one): a 2-rank launch then takes 0.09 s instead
-of the 1.9 s fresh interpreters spend importing them (`bench/launch.py`, 2-core box), most of a short run. What a
+(and `TPKIT_PRELOAD`'s modules: transformers' modeling core, say) once (`TPKIT_START_METHOD`, default "forkserver"
+where the platform has one): a 2-rank launch then takes 0.09 s instead of the 1.9 s fresh interpreters spend importing
+them (`bench/launch.py`, 2-core box), most of a short run. What a
 spawned rank would get from the caller at this moment, a forked one gets too: the environment and the caller's stdout
 and stderr are handed over before anything is unpickled (the server was started earlier, with what was current then).
 nccl ranks, and `TPKIT_START_METHOD=spawn`, use "spawn" (CUDA must not meet a forked process).
@@ -25,6 +26,7 @@ A script whose top level calls `launch` must guard that call (and the model buil
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
 import os
@@ -244,16 +246,12 @@ def _exit_quickly(results) -> None:
 
 START_METHODS = ("forkserver", "spawn")
 PRELOAD = ["torch", "torch.distributed", "tpkit"]  # what every rank imports first: imported once, by the server
-PRELOAD_VARIABLE = "TPKIT_PRELOAD"  # more modules the server imports (comma-separated; read when it starts)
+PRELOAD_VARIABLE = "TPKIT_PRELOAD"  # more modules the server imports (comma-separated), with the first launch's environment
 
 
 def preload() -> list[str]:
-    """The modules the fork server imports before forking ranks: torch and tpkit, then `TPKIT_PRELOAD`'s (a program
-    whose ranks all import transformers saves its import in every rank; a module that fails to import is skipped).
-    They are imported with the environment of the first launch: what a module reads from the environment at import
-    time, it reads then."""
-    extra = [m.strip() for m in os.environ.get(PRELOAD_VARIABLE, "").split(",") if m.strip()]
-    return PRELOAD + [m for m in extra if m not in PRELOAD]
+    """torch and tpkit, then `TPKIT_PRELOAD`'s modules (one that fails to import is skipped)."""
+    return PRELOAD + [m.strip() for m in os.environ.get(PRELOAD_VARIABLE, "").split(",") if m.strip()]
 
 
 def start_method(backend: str) -> str:
@@ -282,11 +280,9 @@ class _Inherited:
 
 
 def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-        return True
-    except OSError:
-        return False
+    with contextlib.suppress(OSError):
+        return os.fstat(fd) is not None
+    return False
 
 
 def _inherit(environ: dict, stdout, stderr) -> None:
@@ -394,11 +390,8 @@ def _deaths_first(errors: list[BaseException | None]) -> list[BaseException | No
 
 def _rebuild_error(rank: int, payload: bytes | None, text: str) -> BaseException:
     exc: BaseException | None = None
-    if payload is not None:
-        try:
-            exc = pickle.loads(payload)
-        except Exception:  # noqa: BLE001 - fall back to the text
-            exc = None
+    with contextlib.suppress(Exception):  # an error that cannot be unpickled: its text
+        exc = pickle.loads(payload) if payload is not None else None
     if exc is None:
         return LaunchError(f"rank {rank} failed:\n{text}", rank)
     mark_rank(exc, rank)

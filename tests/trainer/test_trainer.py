@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -48,8 +49,12 @@ def _tp2(directory: str, out: str) -> dict:
     trainer.save_model(run)  # one HF directory, beside checkpoint-3 and checkpoint-6
     res.update(history=trainer.state.log_history, tokens=trainer.state.num_input_tokens_seen,
                listing=sorted(os.listdir(run)), checkpoint=sorted(os.listdir(os.path.join(run, "checkpoint-3"))))
-    resumed = _trainer(load(), os.path.join(out, "tp2-resumed"))
-    resumed.train(resume_from_checkpoint=os.path.join(run, "checkpoint-3"))
+    again = os.path.join(out, "tp2-resumed")  # the run stopped at step 3: its output_dir holds checkpoint-3
+    if comm.rank == 0:
+        shutil.copytree(os.path.join(run, "checkpoint-3"), os.path.join(again, "checkpoint-3"))
+    comm.barrier()
+    resumed = _trainer(load(), again)
+    resumed.train(resume_from_checkpoint=True)  # the newest checkpoint-N in output_dir
     resumed.save_model()
     res["resumed"] = resumed.state.log_history
     res["refusals"] = _refusals(load(), comm, out, tr)
