@@ -191,3 +191,18 @@ def test_consolidate_overwrite_spares_a_trainers_output_dir(tmp_path):
     with pytest.raises(tpkit.CheckpointError, match="checkpoint-3.*would delete them"):
         tpkit.consolidate(str(tmp_path / "ckpt"), str(out), overwrite=True)
     assert sorted(os.listdir(out)) == ["checkpoint-3", "config.json"]
+
+
+def test_tuple_outputs_read_whole_too(base):
+    """return_dict=False: transformers' tuple (loss, logits, ...) carries the same full logits."""
+    tokens = ids()
+    want = base(input_ids=tokens, labels=tokens, return_dict=False)
+    copies = [copy.deepcopy(base) for _ in range(2)]
+
+    def body(comm):
+        out = tpkit.parallelize(copies[comm.rank], comm=comm, mode="training")(input_ids=tokens, labels=tokens,
+                                                                                return_dict=False)
+        return out[0].detach(), out[1].detach().full()
+
+    for loss, logits in run_threads(body, 2):
+        assert rel(loss, want[0]) < 1e-12 and rel(logits, want[1]) < 1e-12

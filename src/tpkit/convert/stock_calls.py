@@ -63,18 +63,29 @@ class FullOutputs:
         self.record, self.vocab, self.heads = record, vocab, heads
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if sentinel.not_eager() or not hasattr(output, "keys") or self.record.pipeline is not None:
+        if sentinel.not_eager() or self.record.pipeline is not None:
             return None  # a pipeline stage's outputs go to its schedule, which knows the split
-        comm = self.record.comm
-        logits = output.get("logits") if self.vocab is not None else None
-        if isinstance(logits, torch.Tensor) and not isinstance(logits, SplitLogits) and \
-                logits.shape[-1] == self.vocab[comm.rank]:
-            output["logits"] = SplitLogits.wrap(logits, comm, self.vocab)
+        if isinstance(output, tuple):  # return_dict=False: (loss,) + (logits, ...), as transformers builds it
+            at = 1 if output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0 else 0
+            logits = self._whole(output[at] if at < len(output) else None)
+            return output if logits is None else output[:at] + (logits,) + output[at + 1:]
+        if not hasattr(output, "keys"):
+            return None
+        logits = self._whole(output.get("logits"))
+        if logits is not None:
+            output["logits"] = logits
         for field in ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions"):
             found = output.get(field)
             if isinstance(found, (tuple, list)) and self.heads:
                 output[field] = type(found)(self._gather_heads(field, i, t, len(found)) for i, t in enumerate(found))
         return output
+
+    def _whole(self, logits: Any) -> SplitLogits | None:
+        """`logits` (this rank's vocabulary slice) read as the full logits, or None when it is no such slice."""
+        if self.vocab is None or not isinstance(logits, torch.Tensor) or isinstance(logits, SplitLogits) or \
+                logits.dim() < 1 or logits.shape[-1] != self.vocab[self.record.comm.rank]:
+            return None
+        return SplitLogits.wrap(logits, self.record.comm, self.vocab)
 
     def _gather_heads(self, field: str, i: int, t: Any, layers: int) -> Any:
         """Layer `i` (of `layers`)'s attention weights `(batch, local heads, ...)` with every rank's heads, in global
