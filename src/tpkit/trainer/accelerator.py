@@ -10,10 +10,12 @@ tensor-parallel group (`TrainLayout`), and changes only those four things:
   (`tpkit.data_parallel`; FSDP2 was applied by the Trainer before the optimizer was made), never over the world;
 - `clip_grad_norm_`: the global norm over every dimension (`tpkit.clip_grad_norm_`);
 - `gather_for_metrics`: over the dp group (the ranks of a tp group hold the same predictions), with accelerate's
-  trimming of the last, padded batch; `no_sync`: `tpkit.no_sync` (DDP's or FSDP2's).
+  trimming of the last, padded batch (`gather_over_replicas`: without it); `no_sync`: `tpkit.no_sync` (DDP's or
+  FSDP2's).
 
 `gather` stays the world's: transformers divides what it gathers with it (the items of a batch) by the
-tensor-parallel size it asks the Trainer for.
+tensor-parallel size it asks the Trainer for. Where a Trainer gathers predictions with `gather` itself
+(`Seq2SeqTrainer`), the Trainer gives it `gather_over_replicas` instead (`base.py`).
 """
 from __future__ import annotations
 
@@ -74,21 +76,24 @@ class TensorParallelAccelerator(Accelerator):
         with no_sync(model):
             yield
 
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """What `Accelerator.gather_for_metrics` gives with one process per replica: gathered over dp, the samples
-        the last batch repeated to fill every replica dropped."""
+    def gather_over_replicas(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """What `Accelerator.gather` gives with one process per replica: every replica's data, over dp."""
         dp = self.train_layout.dp
         if dp is None:
-            data = input_data
-        elif use_gather_object or not _all_tensors(input_data):
+            return input_data
+        if use_gather_object or not _all_tensors(input_data):
             import torch.distributed as dist
 
             out: list = [None] * dp.world_size
             dist.all_gather_object(out, input_data, group=dp.process_group)
-            data = [x for part in out for x in (part if isinstance(part, list) else [part])]
-        else:
-            data = recursively_apply(lambda t: dp.all_gather(t.reshape(1) if t.dim() == 0 else t.contiguous(), dim=0),
-                                     input_data)
+            return [x for part in out for x in (part if isinstance(part, list) else [part])]
+        return recursively_apply(lambda t: dp.all_gather(t.reshape(1) if t.dim() == 0 else t.contiguous(), dim=0),
+                                 input_data)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """What `Accelerator.gather_for_metrics` gives with one process per replica: gathered over dp, the samples
+        the last batch repeated to fill every replica dropped."""
+        data = self.gather_over_replicas(input_data, use_gather_object)
         state = self.gradient_state
         if not state.end_of_dataloader or state.remainder <= 0:
             return data

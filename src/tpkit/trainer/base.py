@@ -83,6 +83,10 @@ class TensorParallelTrainer:
         added = self.state.num_input_tokens_seen - before  # the world's count: each replica's tokens tp times
         self.state.num_input_tokens_seen = before + added // self.train_layout.tp_size
 
+    def floating_point_ops(self, inputs: Any) -> int:
+        """This rank's share of the step's operations (Trainer sums them over the world)."""
+        return super().floating_point_ops(inputs) // self.train_layout.tp_size
+
     # ---------------------------------------------------------------------------------------- saving
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -154,6 +158,11 @@ class TensorParallelTrainer:
         checkpoints.load_checkpoint(self.model, self.state.best_model_checkpoint, None, self.train_layout.world)
 
     # ---------------------------------------------------------------------------------------- evaluation
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        if self.gather_function == self.accelerator.gather:  # Seq2SeqTrainer's choice: one process per replica's
+            self.gather_function = self.accelerator.gather_over_replicas
+        return super().evaluation_loop(*args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
