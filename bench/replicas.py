@@ -2,8 +2,9 @@
 raise.
 
 cost: a 4-layer Llama (hidden 256, 8 heads / 4 KV heads, float32) at TP2 on gloo processes (one thread each),
-a training step (batch 4 x 128, AdamW) and `check_replicas` (gradients and parameters) timed alternately,
-`--repeats` times each, median per side; the ratio, and the share of a run at `every=50`.
+a training step (batch 4 x 128, AdamW), `check_replicas` (gradients and parameters) and one check of the forward
+sentinel a converted model runs itself (`tpkit.nn.sentinel.check`: inputs, replicated tensors, split samples) timed
+alternately, `--repeats` times each, median per side; the ratios, and the share of a run at `every=50`.
 
 soak: `--steps` clean training steps at TP 2 and 3 on gloo processes, every step checked (`watch_replicas(every=1)`),
 with dropout 0.1, full recompute, two micro-batches of gradient accumulation and bf16 autocast; a tiny Llama
@@ -30,7 +31,7 @@ from tests.replica_soak import llama, soak_body  # noqa: E402
 
 def _cost_body(repeats: int) -> dict:
     import tpkit
-    from tpkit.nn import vocab_parallel_cross_entropy
+    from tpkit.nn import record_of, sentinel, vocab_parallel_cross_entropy
 
     torch.set_num_threads(1)
     comm = tpkit.get_communicator()
@@ -47,11 +48,14 @@ def _cost_body(repeats: int) -> dict:
     def check():
         tpkit.check_replicas(model)
 
-    for f in (step, check):
+    def forward_check():
+        sentinel.check(model, record_of(model), (), {"input_ids": ids})
+
+    for f in (step, check, forward_check):
         f()
-    times = {"step": [], "check": []}
+    times = {"step": [], "check": [], "sentinel": []}
     for _ in range(repeats):
-        for name, f in (("step", step), ("check", check)):
+        for name, f in (("step", step), ("check", check), ("sentinel", forward_check)):
             comm.barrier()
             t = time.perf_counter()
             f()
@@ -70,10 +74,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.what == "cost":
         res = tpkit.launch(_cost_body, 2, backend="gloo", args=(args.repeats,), timeout=1200)
-        step, check = max(r["step"] for r in res), max(r["check"] for r in res)
+        step, check, forward = (max(r[k] for r in res) for k in ("step", "check", "sentinel"))
         print(f"TP2 Llama hidden 256, 4 layers: step {step * 1e3:.1f} ms, check {check * 1e3:.2f} ms "
               f"({check / step:.3f} of a step; {check / step / 50:.4%} of a run at every=50, "
-              f"{res[0]['tensors']} tensors, {res[0]['bytes'] / 2**20:.2f} MiB per rank)")
+              f"{res[0]['tensors']} tensors, {res[0]['bytes'] / 2**20:.2f} MiB per rank); forward sentinel check "
+              f"{forward * 1e3:.2f} ms ({forward / step:.3f} of a step; {forward / step / 50:.4%} of a run at its "
+              f"every=50)")
         return
     for arch in ("llama", "gpt2"):
         for world in (2, 3):

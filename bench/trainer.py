@@ -3,8 +3,8 @@ overhead: Trainer, accelerate and tpkit's accelerator around the same forward, b
 against one process of plain `transformers.Trainer` on the same global batch.
 
 On 2 gloo ranks (one intra-op thread each), each rank loads the same Llama checkpoint (`from_pretrained`,
-mode="training", float32). Rounds alternate: a Trainer block of `--steps` steps (`logging_steps=10`, a callback
-timing each optimizer step), then a loop block of as many steps (examples/finetune.py's step: forward with labels,
+mode="training", float32). Each round runs a Trainer block of `--steps` steps (`logging_steps=10`, a callback
+timing each optimizer step) and a loop block of as many steps, which one first alternating between rounds (examples/finetune.py's step: forward with labels,
 backward, `tpkit.clip_grad_norm_`, AdamW, the loss read back every step as the example prints it). The first 3 steps
 of each block are dropped; the figure is the median of the rest over all rounds. The plain Trainer runs after, in
 this process (two intra-op threads: the box's two cores), on the same rows.
@@ -114,9 +114,11 @@ def _ranks(directory: str, s: dict, rounds: int, steps: int, out: str) -> dict:
     tpkit.init()
     torch.set_num_threads(1)
     got = {"trainer": [], "loop": []}
-    for _ in range(rounds):
-        got["trainer"] += _trainer_block(directory, s, steps, out)
-        got["loop"] += _loop_block(directory, s, steps)
+    blocks = [("trainer", lambda: _trainer_block(directory, s, steps, out)), ("loop", lambda: _loop_block(directory, s,
+                                                                                                        steps))]
+    for r in range(rounds):
+        for name, block in blocks[::1 if r % 2 == 0 else -1]:  # which goes first alternates
+            got[name] += block()
     return got
 
 
