@@ -3,7 +3,8 @@ the same config, data and seed: TRL computes its loss, `mean_token_accuracy` and
 itself (on a converted model, this rank's vocabulary slice); tpkit's head computes them over the whole vocabulary.
 
 - float64, `bf16=False`, `gradient_checkpointing=False`: loss, grad_norm, mean_token_accuracy and entropy as TRL's
-  (rel 1e-6; TRL's head computes in float32), with the examples padded and with `packing=True`;
+  (rel 1e-6; TRL's head computes in float32), with the examples padded, with `packing=True` and with
+  `padding_free=True` (one row of every example, the documents told apart by their position ids);
 - TRL's defaults on this machine's CPU (bf16 autocast, gradient checkpointing), float32 weights: within bf16's
   tolerance of TRL's one process under the same defaults."""
 from __future__ import annotations
@@ -17,9 +18,9 @@ import tpkit
 from tests.trainer.common import logged, make_model, same_figures
 
 pytestmark = pytest.mark.slow
-CASES = {"padded": dict(), "packed": dict(packing=True),
+CASES = {"padded": dict(), "packed": dict(packing=True), "padding_free": dict(padding_free=True, max_length=None),
          "defaults": dict(bf16=True, gradient_checkpointing=True)}
-DTYPES = {"padded": torch.float64, "packed": torch.float64, "defaults": torch.float32}
+DTYPES = {"padded": torch.float64, "packed": torch.float64, "padding_free": torch.float64, "defaults": torch.float32}
 
 
 def texts():
@@ -78,7 +79,7 @@ def runs(tmp_path_factory):
     return ours, theirs
 
 
-@pytest.mark.parametrize("name", ["padded", "packed"])
+@pytest.mark.parametrize("name", ["padded", "packed", "padding_free"])
 def test_sft_logs_what_trl_logs_on_one_process(runs, name):
     ours, theirs = runs
     got, want = logged(ours[name]), logged(theirs[name])
