@@ -4,8 +4,9 @@ against one process of plain `transformers.Trainer` on the same global batch.
 
 On 2 gloo ranks (one intra-op thread each), each rank loads the same Llama checkpoint (`from_pretrained`,
 mode="training", float32). Each round runs a Trainer block of `--steps` steps (`logging_steps=10`, a callback
-timing each optimizer step) and a loop block of as many steps, which one first alternating between rounds (examples/finetune.py's step: forward with labels,
-backward, `tpkit.clip_grad_norm_`, AdamW, the loss read back every step as the example prints it). The first 3 steps
+timing each optimizer step) and a loop block of as many steps (examples/finetune.py's step: forward with labels,
+backward, `tpkit.clip_grad_norm_`, AdamW, the loss read back every step as the example prints it), which one first
+alternating between rounds. The first 3 steps
 of each block are dropped; the figure is the median of the rest over all rounds. The plain Trainer runs after, in
 this process (two intra-op threads: the box's two cores), on the same rows.
 

@@ -246,7 +246,7 @@ def _exit_quickly(results) -> None:
 
 START_METHODS = ("forkserver", "spawn")
 PRELOAD = ["torch", "torch.distributed", "tpkit"]  # what every rank imports first: imported once, by the server
-PRELOAD_VARIABLE = "TPKIT_PRELOAD"  # more modules the server imports (comma-separated), with the first launch's environment
+PRELOAD_VARIABLE = "TPKIT_PRELOAD"  # more modules the server imports (comma-separated), in the first launch's env
 
 
 def preload() -> list[str]:

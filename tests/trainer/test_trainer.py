@@ -9,7 +9,7 @@ real gloo processes (`tpkit.launch`, torchrun's environment), float64, clipping 
 - tp3 (`parallelize`, 8 heads / 4 KV heads): the same figures, with save_total_limit and load_best_model_at_end as
   the reference keeps them; a PEFT LoRA model trains and saves the adapter stock PEFT + Trainer saves;
 - tp2 x dp2 on 4 ranks (2 rows per dp replica), under DDP and FSDP2, equals plain Trainer's own data parallelism at
-  dp2 (2 processes); tp2's checkpoint-3 resumed at tp2 x dp2 ends near the uninterrupted tp2 run."""
+  dp2 (2 processes); tp2's checkpoint-3 resumed at tp3 and at tp2 x dp2 ends near the uninterrupted tp2 run."""
 from __future__ import annotations
 
 import json
@@ -81,7 +81,8 @@ def _refusals(model, comm, out: str, tr) -> dict:
                                                                                       eval_strategy="no"),
                                                      train_dataset=train_rows()).train()),
                       ("ddp", lambda: DistributedDataParallel(model)),
-                      ("fully_shard", lambda: fully_shard(_even(comm, tr))(input_ids=train_rows()[0]["input_ids"][None]))):
+                      ("fully_shard", lambda: fully_shard(_even(comm, tr))(
+                          input_ids=train_rows()[0]["input_ids"][None]))):
         try:
             run()
             said[name] = "ran"
@@ -112,6 +113,11 @@ def _tp3(directory: str, out: str) -> dict:
     adapter.train()
     adapter.save_model()
     res["lora"] = adapter.state.log_history
+    model = tpkit.from_pretrained(directory, comm=comm, mode="training", dtype=torch.float64)
+    resumed = _trainer(model, os.path.join(out, "tp3-resumed"))  # tp2's checkpoint at another tensor-parallel size
+    resumed.train(resume_from_checkpoint=os.path.join(out, "tp2", "checkpoint-3"))
+    resumed.save_model()
+    res["resumed"] = resumed.state.log_history
     return res
 
 
@@ -171,7 +177,7 @@ def tp2(out):
 
 
 @pytest.fixture(scope="module")
-def tp3(out):
+def tp3(out, tp2):
     return tpkit.launch(_tp3, 3, args=(os.path.join(out, "model"), out), timeout=400)[0]
 
 
@@ -262,9 +268,12 @@ def test_tp2_dp2_equals_plain_trainers_data_parallelism(dp, out):
         assert max(rel(ours[k], theirs[k]) for k in ours) < 1e-4, name  # the one-process weights too
 
 
-def test_a_tp2_checkpoint_resumes_at_tp2_dp2(dp, tp2, out):
-    train = [x for x in logged(dp["resumed"]) if x[0] > 3 and x[1] in ("loss", "grad_norm")]
+@pytest.mark.parametrize("layout", ["tp3", "dp"])
+def test_a_tp2_checkpoint_resumes_at_another_layout(layout, tp3, dp, tp2, out):
+    """At tp3, and at tp2 x dp2 (the same global batch): the uninterrupted tp2 run's figures and weights."""
+    res = {"tp3": tp3, "dp": dp}[layout]
+    train = [x for x in logged(res["resumed"]) if x[0] > 3 and x[1] in ("loss", "grad_norm")]
     want = [x for x in logged(tp2["history"]) if x[0] > 3 and x[1] in ("loss", "grad_norm")]
-    assert not same_figures(train, want, 1e-5), same_figures(train, want, 1e-5)
-    ours, theirs = state_of(os.path.join(out, "dp-resumed")), state_of(os.path.join(out, "tp2"))
+    assert train and not same_figures(train, want, 1e-5), same_figures(train, want, 1e-5)
+    ours, theirs = state_of(os.path.join(out, f"{layout}-resumed")), state_of(os.path.join(out, "tp2"))
     assert max(rel(ours[k], theirs[k]) for k in ours) < 1e-4

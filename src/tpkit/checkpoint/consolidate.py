@@ -10,9 +10,9 @@ tokenizer files beside them (`tokenizer.py`): by default those of the directory 
 The output is always one complete model: a non-empty `out_dir` is refused (writing beside an existing index and
 shards would leave transformers and tpkit loading different weights from one directory) unless
 `overwrite=True`, which replaces a directory holding a model's files alone (a folder or any other file in it, a
-Trainer's `checkpoint-N` say, is refused, never deleted); either way the files are written into a temporary sibling directory, which then takes
-`out_dir`'s place (an atomic exchange where the system has one, `renameat2(RENAME_EXCHANGE)`), so a run killed
-midway leaves the old directory as it was.
+Trainer's `checkpoint-N` say, is refused, never deleted); either way the files are written into a temporary
+sibling directory, which then takes `out_dir`'s place (an atomic exchange where the system has one,
+`renameat2(RENAME_EXCHANGE)`), so a run killed midway leaves the old directory as it was.
 """
 from __future__ import annotations
 

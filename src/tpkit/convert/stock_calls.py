@@ -33,7 +33,8 @@ from ..nn.split_logits import SplitLogits
 from .conversion import Conversion, conversions_in
 from .styles import ROWWISE, VOCAB_PARALLEL
 
-SAVE_HOOKS = ("gather_sharded_state_dict_for_save", "should_save_on_this_rank", "barrier_after_gathered_checkpoint_save")
+SAVE_HOOKS = ("gather_sharded_state_dict_for_save", "should_save_on_this_rank",
+              "barrier_after_gathered_checkpoint_save")
 
 
 def install(model: nn.Module, record: Conversion) -> None:

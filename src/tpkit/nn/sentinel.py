@@ -93,11 +93,12 @@ class RefuseDDP:
         if getattr(_ALLOWED, "depth", 0):
             return iter(())
         raise SentinelError(
-            "tpkit: DistributedDataParallel wrapped around a tensor-parallel model would broadcast rank 0's slices over "
-            "its group, overwriting the other ranks' (different) slices, and average gradients of different slices. "
-            "transformers' Trainer and accelerate's prepare wrap the model this way: use tpkit.trainer.Trainer "
-            "(tpkit.trainer.SFTTrainer for TRL). In your own loop, use tpkit.data_parallel(model, dp_comm, mode='ddp') "
-            "over the data-parallel group only (tp, dp = tpkit.comm.split(world, tp_size))")
+            "tpkit: DistributedDataParallel wrapped around a tensor-parallel model would broadcast rank 0's slices "
+            "over its group, overwriting the other ranks' (different) slices, and average gradients of different "
+            "slices. transformers' Trainer and accelerate's prepare wrap the model this way: use "
+            "tpkit.trainer.Trainer (tpkit.trainer.SFTTrainer for TRL). In your own loop, use "
+            "tpkit.data_parallel(model, dp_comm, mode='ddp') over the data-parallel group only (tp, dp = "
+            "tpkit.comm.split(world, tp_size))")
 
 
 @contextlib.contextmanager
@@ -185,10 +186,10 @@ def _refuse_foreign_dtensors(model: nn.Module, record: ModelRecord) -> None:
     for key, p in model.named_parameters():
         if hasattr(p, "to_local") and hasattr(p, "device_mesh"):
             raise SentinelError(
-                f"tpkit: this tensor-parallel model's parameters are DTensors (e.g. {key}), but tpkit.data_parallel did "
-                f"not shard them: fully_shard wrapped around it by hand shards the ranks' different slices as if they "
-                f"were one tensor. Use tpkit.data_parallel(model, dp_comm, mode='fsdp') over the data-parallel group "
-                f"only (tp, dp = tpkit.comm.split(world, tp_size)), or tpkit.trainer.Trainer")
+                f"tpkit: this tensor-parallel model's parameters are DTensors (e.g. {key}), but tpkit.data_parallel "
+                f"did not shard them: fully_shard wrapped around it by hand shards the ranks' different slices as if "
+                f"they were one tensor. Use tpkit.data_parallel(model, dp_comm, mode='fsdp') over the data-parallel "
+                f"group only (tp, dp = tpkit.comm.split(world, tp_size)), or tpkit.trainer.Trainer")
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
