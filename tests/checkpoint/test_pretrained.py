@@ -200,7 +200,7 @@ def test_from_pretrained_with_plan_reuse_equals_the_whole_trace(deep_llama, worl
     """On gloo processes `_reuse_body` runs in the module's one gloo launch (`gloo_runs`)."""
     import importlib
 
-    par = importlib.import_module("tpkit.convert.parallelize")
+    par = importlib.import_module("tpkit.convert.planning.decide")  # where the trace step calls it
     traced, real = [], par.analyze_structure
     monkeypatch.setattr(par, "analyze_structure", lambda *a, **k: traced.append(1) or real(*a, **k))
     if backend == "gloo":
@@ -293,3 +293,36 @@ def test_thread_ranks_of_a_fresh_interpreter_resolve_transformers_names(tmp_path
         done = subprocess.run([sys.executable, "-c", RACE_SCRIPT, path], capture_output=True, text=True, env=env,
                               timeout=240)
         assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
+
+
+SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
+
+
+def _special_tokens_body(comm, path, model, ids, ref):
+    loaded = tpkit.from_pretrained(path, comm=comm, dtype=torch.float64, progress=False)
+    built = tpkit.parallelize(model, comm=comm)
+    return loaded.tp_plan.entries, built.tp_plan.entries, rel(loaded(input_ids=ids).logits, ref)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_checkpoint_setting_special_tokens_splits_as_the_model_built_in_memory(tmp_path, family):
+    """Published configs set pad / bos / eos (and training ones `use_cache=False`): the model's forward then reads
+    token values (transformers' padding check, its packed-sequence check), which a model built on the meta device
+    once could not trace; `from_pretrained` split nothing where `parallelize` split the same model in memory."""
+    import copy
+
+    from tests.models.hf import hf_model
+
+    import transformers
+
+    hf_model(family, **SPECIAL_TOKENS).double().save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    ids = inputs()
+    ref = model(input_ids=ids).logits.detach()  # transformers' own load, one process
+    for world in (2, 3):
+        copies = [copy.deepcopy(model) for _ in range(world)]
+        results = tpkit.launch(lambda comm: _special_tokens_body(comm, str(tmp_path), copies[comm.rank], ids, ref),
+                               world, backend="threads", pass_comm=True)
+        for loaded, built, err in results:
+            assert loaded == built and any(s != "replicate" for s in loaded.values()), (world, loaded)
+            assert err < 1e-9, (world, err)

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from .dataflow import Call, Tag, Trace, parameterised_leaves, trace
-from .structure import Analysis, analyze_structure, default_inputs, traceable_experts, untraced_structure
+from .structure import Analysis, analyze_structure, base_prefix, default_inputs, traceable_experts, untraced_structure
 
-__all__ = ["Analysis", "Call", "Tag", "Trace", "analyze_structure", "default_inputs", "parameterised_leaves", "trace",
-           "traceable_experts", "untraced_structure"]
+__all__ = ["Analysis", "Call", "Tag", "Trace", "analyze_structure", "base_prefix", "default_inputs",
+           "parameterised_leaves", "trace", "traceable_experts", "untraced_structure"]

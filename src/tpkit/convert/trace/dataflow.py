@@ -14,7 +14,7 @@ gathered in `pieces.py`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -287,10 +287,10 @@ def is_head_local(mod, x, tag) -> bool:
     return all(tuple(p.shape) == (d,) for p in mod.parameters(recurse=False))
 
 
-def trace(model: nn.Module, example_inputs: Any) -> Trace:
+def trace(model: nn.Module, example_inputs: Any, leaves: Mapping[str, nn.Module] | None = None) -> Trace:
     """Run `model(*example_inputs)` (`**example_inputs` for a mapping, `model(x)` for one tensor) once and
-    record its dataflow."""
-    leaves = parameterised_leaves(model)
+    record its dataflow. `leaves`: `parameterised_leaves(model)` when the caller has it."""
+    leaves = parameterised_leaves(model) if leaves is None else leaves
     conv_layers = {n for n, m in leaves.items() if is_conv2d(m)}
     tracer = _Tracer(conv_layers)
     tracer.owners = {id(p): (p, n) for n, m in leaves.items() for p in m.parameters(recurse=False)}

@@ -7,6 +7,7 @@ model object so `analyze`, `plan` and `parallelize` in a row trace a large model
 from __future__ import annotations
 
 import contextlib
+import copy as copying
 import inspect
 import dataclasses
 import weakref
@@ -37,23 +38,28 @@ class Analysis:
     total_params: int
     prefix: str | None
     traced_alone: frozenset[str] = frozenset()  # layers run only by a tower's own trace (analogy.towers)
+    copy_bytes: int = 0                  # bytes a real copy holds (meta tensors as zeros): decides how it is run
 
 
 def default_inputs(model: nn.Module, seq: int = 4) -> list:
     """Tiny inputs to try for the trace, in order: HF models get token ids (an encoder-decoder its decoder's
     too), pixels or audio features, then the model's own `dummy_inputs`; others a batch shaped for their first
     layer, as [batch, features] and then [batch, seq, features]. `seq`: the token sequence's length (sequence
-    parallelism's dry run needs one that divides by the world size)."""
+    parallelism's dry run needs one that divides by the world size). A model on the meta device gets meta ids first,
+    then real ones (an embedding looks real ids up in a meta table): a forward may read their values (transformers'
+    padding warning compares them with `pad_token_id`), which meta ids do not have."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     dtype = params[0].dtype if params and params[0].is_floating_point() else None
     cfg = getattr(model, "config", None)
     main = _main_input(model)
     if cfg is not None and main == "input_ids":
-        if getattr(cfg, "is_encoder_decoder", False):
-            ids = torch.zeros(2, seq, dtype=torch.long, device=device)
-            return [{"input_ids": ids, "decoder_input_ids": ids}, *_own_dummy_inputs(model, device)]
-        return [{"input_ids": torch.zeros(1, seq, dtype=torch.long, device=device)}, *_own_dummy_inputs(model, device)]
+        both = getattr(cfg, "is_encoder_decoder", False)
+        tried = []
+        for at in [device] + ([torch.device("cpu")] if device.type == "meta" else []):
+            ids = torch.full((2 if both else 1, seq), _plain_token(cfg), dtype=torch.long, device=at)
+            tried.append({"input_ids": ids, "decoder_input_ids": ids} if both else {"input_ids": ids})
+        return [*tried, *_own_dummy_inputs(model, device)]
     if cfg is not None and main == "pixel_values":
         size = getattr(cfg, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
@@ -76,15 +82,27 @@ def default_inputs(model: nn.Module, seq: int = 4) -> list:
     raise ValueError(f"cannot guess an input for {type(model).__name__}; pass example_inputs")
 
 
+def _plain_token(cfg) -> int:
+    """A token id that is none of the config's special tokens (a model may treat those apart), 0 when it cannot
+    tell."""
+    special: set = set()
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(cfg, k, None)
+        special.update(value if isinstance(value, (list, tuple)) else [value])  # eos may be a list of ids
+    vocab = getattr(cfg, "vocab_size", None)
+    return next((i for i in range(min(vocab, 8)) if i not in special), 0) if isinstance(vocab, int) else 0
+
+
 def _own_dummy_inputs(model: nn.Module, device: torch.device) -> list:
-    """[the model's `dummy_inputs` (transformers' models have them) on `device`], or [] where it has none."""
+    """[the model's `dummy_inputs` (transformers' models have them) on `device`], or [] where it has none; integer
+    inputs of a meta model stay real (see `default_inputs`)."""
     try:
         dummy = getattr(model, "dummy_inputs", None)
     except Exception:  # noqa: BLE001 - a property that fails is no input to try
         return []
     if not isinstance(dummy, Mapping) or not dummy or not all(isinstance(v, torch.Tensor) for v in dummy.values()):
         return []
-    return [{k: v.to(device) for k, v in dummy.items()}]
+    return [{k: v if device.type == "meta" and not v.is_floating_point() else v.to(device) for k, v in dummy.items()}]
 
 
 def _main_input(model: nn.Module) -> str | None:
@@ -145,11 +163,17 @@ def untraced_structure(model: nn.Module) -> Analysis:
     """The structure without a trace (leaves, ties, prefix): enough to apply a plan recorded for this model
     before, not to make or check one."""
     leaves = parameterised_leaves(model)
-    total = sum(p.numel() for p in model.parameters())
+    params = list(model.parameters())
+    held = sum(t.nbytes for t in params + list(model.buffers()))  # a copy holds meta tensors as zeros
+    return Analysis(model, leaves, None, None, {}, (), {}, _ties(leaves), sum(p.numel() for p in params),
+                    base_prefix(model), copy_bytes=held)
+
+
+def base_prefix(model: nn.Module) -> str | None:
+    """The name of a transformers model's base model inside it (`model` in `LlamaForCausalLM`), which plan entries
+    may leave out (as HF configs' `base_model_tp_plan` do); None when it has none."""
     prefix = getattr(model, "base_model_prefix", None) if hasattr(model, "config") else None
-    if prefix and not hasattr(model, prefix):
-        prefix = None
-    return Analysis(model, leaves, None, None, {}, (), {}, _ties(leaves), total, prefix)
+    return prefix if prefix and hasattr(model, prefix) else None
 
 
 @contextlib.contextmanager
@@ -182,7 +206,7 @@ def trace_structure(model: nn.Module, example_inputs: Any = None, seq: int = 4) 
     for inputs in candidates:
         try:
             with traceable_experts(model):
-                found = trace(model, inputs)
+                found = trace(model, inputs, analysis.leaves)
         except Exception as exc:  # noqa: BLE001 - any failure means: no dataflow, replicate with the reason
             error = error or f"{type(exc).__name__}: {exc}"
             continue
@@ -193,4 +217,32 @@ def trace_structure(model: nn.Module, example_inputs: Any = None, seq: int = 4) 
         return dataclasses.replace(analysis, trace=found, structures={**pairing.structures, **roles},
                                    pairs=tuple(pairing.pairs) + tuple(pairs), notes={**pairing.notes, **alone.notes},
                                    traced_alone=frozenset(alone.ran))
-    return dataclasses.replace(analysis, trace_error=error)
+    if example_inputs is None and _on_meta(model) and analysis.copy_bytes <= REAL_TRACE_BYTES:
+        found = trace_structure(zero_copy(model), None, seq)  # a forward that reads values, as a model in memory
+        if found.trace is not None:
+            return dataclasses.replace(found, model=model, leaves=analysis.leaves)
+    return dataclasses.replace(analysis, trace_error=error or "no input to try")
+
+
+REAL_TRACE_BYTES = 1 << 30  # a meta model whose forward needs values is traced on a zero-filled copy up to this
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
+
+
+def zero_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose parameters and buffers on the meta device are zeros on the CPU (their dtype and
+    shape; tensors kept as plain attributes too): a meta model's forward that reads values (`.item()`, a mask's
+    `.all()`) runs there as the model's own would in memory, its dataflow the same."""
+    memo: dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo and t.device.type == "meta":
+            new = torch.zeros(t.shape, dtype=t.dtype)
+            memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+    copy = copying.deepcopy(model, memo)
+    for m in copy.modules():
+        for k, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and v.device.type == "meta" and v.dim() > 0:
+                setattr(m, k, torch.zeros(v.shape, dtype=v.dtype))
+    return copy
