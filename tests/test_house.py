@@ -13,7 +13,8 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tpkit"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
-STEPS = ("planning/planner", "layouts", "validate", "swap", "parallelize", "steps", "planning/dryrun")  # in convert/
+STEPS = ("planning/planner", "planning/decide", "layouts", "validate", "swap", "parallelize", "steps", "state",
+         "planning/dryrun")  # in convert/
 
 
 def _sources():
@@ -76,14 +77,17 @@ def test_every_family_is_registered_and_every_style_is_a_style():
 def test_records_between_steps_are_frozen():
     from tpkit.convert.family import Checked, Choice, Planned, Proposal
     from tpkit.convert.families.sequence import SequenceRegion
+    from tpkit.convert.peft.adapters import Adapters
     from tpkit.convert.roles import Pair, Role
+    from tpkit.convert.state import ConversionState, Request
+    from tpkit.convert.steps import Prepared
     from tpkit.convert.trace import Analysis, Call, Tag, Trace
     from tpkit.layout import HeadLayout, Piece, ShardLayout
 
     # (`Conversion` is the converted model's record, not a record between steps: it follows the model through
     # copies and data parallelism, `tpkit.nn.record`)
-    for cls in (Analysis, Call, Checked, Choice, HeadLayout, Pair, Piece, Planned, Proposal, Role,
-                SequenceRegion, ShardLayout, Tag, Trace):
+    for cls in (Adapters, Analysis, Call, Checked, Choice, ConversionState, HeadLayout, Pair, Piece, Planned,
+                Prepared, Proposal, Request, Role, SequenceRegion, ShardLayout, Tag, Trace):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, f"{cls.__name__} is not frozen"
 
 

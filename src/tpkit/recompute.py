@@ -99,14 +99,14 @@ def _checkpointed_forward(self, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False,
-                      context_fn=lambda: tracker_contexts(_tp_comm(self)), **kwargs)
+                      context_fn=lambda: tracker_contexts(communicator_of(self)), **kwargs)
 
 
 def _hf_checkpoint(function, *args):
     """The checkpoint function a Hugging Face layer calls (`_gradient_checkpointing_func`) with
     `partial(forward, layer, **kwargs)`."""
     layer = function.args[0]
-    return checkpoint(function, *args, use_reentrant=False, context_fn=lambda: tracker_contexts(_tp_comm(layer)))
+    return checkpoint(function, *args, use_reentrant=False, context_fn=lambda: tracker_contexts(communicator_of(layer)))
 
 
 def _hf_layer(block: nn.Module) -> bool:
@@ -124,7 +124,7 @@ def _checkpointed_attention(module, query, key, value, attention_mask, **kwargs)
     if not torch.is_grad_enabled():
         return inner(module, query, key, value, attention_mask, **kwargs)
     return checkpoint(inner, module, query, key, value, attention_mask, use_reentrant=False,
-                      context_fn=lambda: tracker_contexts(_tp_comm(module)), **kwargs)
+                      context_fn=lambda: tracker_contexts(communicator_of(module)), **kwargs)
 
 
 def _register() -> None:
@@ -161,9 +161,3 @@ def _inner(model: nn.Module) -> nn.Module:
     """The model under a DDP wrapper (FSDP2 returns the model itself)."""
     record = data_parallel_of(model)
     return record.module if record is not None else model
-
-
-def _tp_comm(model: nn.Module):
-    """The communicator whose RNG tracker dropout in `model` forks (its TP group); None: the default one. Looked up
-    at each call, so a recomputed block of a deep copy forks its own group's tracker."""
-    return communicator_of(model)

@@ -15,7 +15,9 @@ pytest.importorskip("transformers")
 
 import tpkit  # noqa: E402
 from tpkit.comm.shapes import ShapeCommunicator  # noqa: E402
-from tpkit.convert.parallelize import _reused  # noqa: E402
+from tpkit.convert.planning.decide import trace_model  # noqa: E402
+from tpkit.convert.state import ConversionState, read_request  # noqa: E402
+from tpkit.convert.trace import base_prefix  # noqa: E402
 
 from tests.convert.test_dryrun import Block as GroupedBlock, Model as GroupedModel, NeedsValues  # noqa: E402
 from tests.convert.test_plan_reuse import _deeper, _Stack  # noqa: E402
@@ -121,7 +123,10 @@ def _both(model, plan_arg, comm, mode="inference"):
 
 
 def _took_reuse(model, world, plan_arg="auto", mode="inference") -> bool:
-    return _reused(copy.deepcopy(model), plan_arg, ShapeCommunicator(0, world), mode, _example(model)) is not None
+    """Whether `parallelize`'s trace step takes the model cut to its distinct blocks."""
+    m = copy.deepcopy(model)
+    request = read_request(plan_arg, [n for n, _ in m.named_modules() if n], base_prefix(m), world)
+    return trace_model(ConversionState(m, ShapeCommunicator(0, world), mode, request, _example(model))).cut
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -160,7 +165,7 @@ def test_an_override_naming_no_module_raises_as_before():
 
 
 def test_the_switches_and_one_kept_whole_notice(monkeypatch, caplog):
-    par = importlib.import_module("tpkit.convert.parallelize")  # (the package exports the function by that name)
+    par = importlib.import_module("tpkit.convert.planning.decide")  # where the trace step calls it
     model = hf.hf_model("llama", num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=4)
     calls = []
     real = par.analyze_structure

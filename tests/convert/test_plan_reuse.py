@@ -12,13 +12,25 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpkit
-from tpkit.convert.planning.planner import _reused_plan
+from tpkit.comm.shapes import ShapeCommunicator
+from tpkit.convert.planning import decide
+from tpkit.convert.state import ConversionState, read_request
+from tpkit.convert.trace import base_prefix
 from tpkit.convert.trace.blocks import analyze_blocks, repeated_blocks
 
 from ..models.custom import Block
 from ..models.moe import SparseMoE
 
 DEPTH = 6
+
+
+def _reused_plan(model: nn.Module, world: int, mode: str, inputs) -> ConversionState | None:
+    """The state after the trace and plan steps when they stayed on the model cut to its distinct blocks, else
+    None (the whole model traced)."""
+    request = read_request("auto", [n for n, _ in model.named_modules() if n], base_prefix(model), world)
+    s = ConversionState(model, ShapeCommunicator(0, world), mode, request, inputs)
+    s = decide.make_plan(decide.trace_model(s))
+    return s if s.cut else None
 
 
 def _same(model: nn.Module, worlds=(2, 3), modes=("inference",)) -> None:
@@ -81,9 +93,7 @@ def test_training_mode_and_the_switches(monkeypatch):
     _same(model, worlds=(2,), modes=("training",))
     monkeypatch.setenv("TPKIT_PLAN_REUSE", "0")
     calls = []
-    import tpkit.convert.planning.planner as planner
-
-    monkeypatch.setattr(planner, "_reused_plan", lambda *a: calls.append(a))
+    monkeypatch.setattr(decide, "analyze_blocks", lambda *a: calls.append(a))
     tpkit.plan(model, 2)
     assert not calls  # the environment turned it off
     monkeypatch.delenv("TPKIT_PLAN_REUSE")

@@ -321,7 +321,7 @@ def test_a_quantized_load_attaches_the_record_once_and_checks_it_once(made, monk
     sums checked once (before, the layers were built dense, swapped, and both happened again)."""
     import importlib
 
-    P = importlib.import_module("tpkit.convert.parallelize")  # the module (the package exports the function)
+    steps, layouts = importlib.import_module("tpkit.convert.steps"), importlib.import_module("tpkit.convert.layouts")
     calls = {"attach": 0, "check": 0}
 
     def counted(name, fn):
@@ -330,8 +330,8 @@ def test_a_quantized_load_attaches_the_record_once_and_checks_it_once(made, monk
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(P, "attach", counted("attach", P.attach))
-    monkeypatch.setattr(P, "check_grad_sums", counted("check", P.check_grad_sums))
+    monkeypatch.setattr(steps, "attach", counted("attach", steps.attach))  # where the record step calls them
+    monkeypatch.setattr(layouts, "check_grad_sums", counted("check", layouts.check_grad_sums))
     directory, _, want = made("ct-int4-group-asym")
     model = tpkit.from_pretrained(directory, progress=False)
     with torch.no_grad():

@@ -31,7 +31,8 @@ from .layouts import shard_layouts
 from .advice.notices import quiet_conversions
 from .parallelize import parallelize
 from .plan import Plan, PlanError
-from .planning.planner import plan, propose
+from .planning.decide import plan
+from .planning.planner import propose
 from .registry import FAMILIES, STYLES, register_family, unregister_family
 from .roles import Role
 from .styles import Style

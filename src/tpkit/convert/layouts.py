@@ -13,11 +13,12 @@ from typing import Mapping
 from torch import nn
 
 from ..layout import ShardLayout
-from ..nn.grad_sums import grad_sums, unsummed
+from ..nn.grad_sums import grad_sums
 from ..nn.quantized import quant_method_of
-from ..nn.rewrites import rewrites_of
-from ..nn.record import find_record
+from ..nn.rewrites import rewrites_of, unapplied
+from ..nn.record import ModelRecord, find_record
 from .errors import PlanError
+from .state import step
 from .modules import kind
 from .registry import module_layouts, style
 from .roles import Role
@@ -75,12 +76,13 @@ def _held(module: nn.Module, name: str):
     return getattr(module, name, None)
 
 
-def shard_layouts(model: nn.Module) -> dict[str, ShardLayout]:
+def shard_layouts(model: nn.Module, record: ModelRecord | None = None) -> dict[str, ShardLayout]:
     """`{state_dict key: ShardLayout}` of a converted model: every parameter and persistent buffer, replicated
     ones included, keyed exactly as `model.state_dict()` (a model wrapped after conversion, e.g. under a
     `module.` prefix or by PEFT, is found by its submodule; PEFT's LoRA tensors follow their base layer's,
-    `tpkit.nn.adapter_layouts`). An unconverted model: every tensor whole, world size 1."""
-    found = find_record(model, "shard_layouts")
+    `tpkit.nn.adapter_layouts`). An unconverted model: every tensor whole, world size 1. `record`: the record
+    `model` itself holds, when the caller has it (it is not looked for)."""
+    found = find_record(model, "shard_layouts") if record is None else ("", record)
     if found is None:
         return {key: ShardLayout.replicated(t.shape, 1, 0) for key, t in model.state_dict(keep_vars=True).items()}
     prefix, record = found
@@ -89,19 +91,28 @@ def shard_layouts(model: nn.Module) -> dict[str, ShardLayout]:
             for key, t in model.state_dict(keep_vars=True).items()}
 
 
-def check_grad_sums(model: nn.Module, where: str) -> None:
+def check_grad_sums(model: nn.Module, where: str, layouts: Mapping[str, ShardLayout] | None = None) -> None:
     """Raise PlanError when a parameter of the converted `model` whose gradient must be summed over ranks is not:
     rows several ranks hold (its layout says so) with no sum recorded, or a recorded sum whose module no longer
-    applies it (its class or forward hooks replaced after the conversion). Either is a silently wrong gradient."""
+    applies it (its class or forward hooks replaced after the conversion). Either is a silently wrong gradient.
+    `layouts`: the model's layouts by state-dict key when the caller holds them (default: its record's)."""
     params = {n for n, _ in model.named_parameters()}
     summed = grad_sums(model)
     # a plain split never shares an entry: only what is neither summed nor plainly split walks its entries
-    missing = [k for k, lay in shard_layouts(model).items()
+    missing = [k for k, lay in (shard_layouts(model) if layouts is None else layouts).items()
                if k in params and k not in summed and not lay.is_plain_split() and lay.shares_entries()]
-    missing += unsummed(model)
+    missing += [k for k in unapplied(model) if k in summed]  # recorded sums no longer applied
     if missing:
         raise PlanError(f"{where}: parameter(s) {missing[:4]}{' ...' if len(missing) > 4 else ''} are used by several "
                         f"ranks, each for its own part of the work, so their gradients must be summed over those ranks, "
                         f"but nothing sums them (their module's class or forward hooks were replaced after tpkit "
                         f"converted it). Convert the original model again (tpkit.parallelize / tpkit.from_pretrained) "
                         f"and do not replace its modules afterwards")
+
+
+@step
+def check_gradients(model: nn.Module, record: ModelRecord) -> None:
+    """11. of `parallelize`: every gradient that must be a sum over ranks is one (`check_grad_sums`), on the model as
+    the user gets it back (its adapters re-wrapped), `record` its conversion: the conversion's promise, checked
+    once."""
+    check_grad_sums(model, "parallelize", shard_layouts(model, record))

@@ -1,8 +1,9 @@
-"""Steps 3 to 5 of `parallelize` on one model: layouts, validate, build and swap, as two functions the real
-conversion and its dry run (`planning/dryrun.py`, on a meta copy) share.
+"""The steps of `parallelize` after the plan is decided: quantization units, layouts and checks, build and swap,
+record; and the two functions they share with the dry run (`planning/dryrun.py`, on a copy).
 
-`prepare` only reads (a failure is a PlanError with the model untouched); `apply` builds every new layer, then
-changes the model.
+`resolved` turns a plan into module names and canonical styles, once (`planning/decide.py` calls it when it makes
+the plan); every later step reads those entries as they are. `prepare` only reads (a failure is a PlanError with
+the model untouched); `apply` builds every new layer, then changes the model.
 """
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ from typing import Mapping
 
 from torch import nn
 
+from . import stock_calls
+from .advice.notices import log_kept_whole
+from .conversion import Conversion, attach
 from .family import Checked, Planned
-from .layouts import plan_layouts
+from .layouts import key_layouts, plan_layouts
 from .plan import Plan
-from .quantized import QuantizedLayers
-from .registry import STYLES, for_module
+from .quantized import QuantizedLayers, record_layouts, with_units
+from .registry import STYLES, for_module, style
+from .roles import Role
+from .state import AUTO, ConversionState, step
 from .styles import COLWISE, ROWWISE, Layouts
 from .swap import attribute_updates, build, swap
 from .trace import Analysis
@@ -34,15 +40,30 @@ class Prepared:
     options: Mapping[str, Mapping]         # extra keyword arguments of a module's build
 
 
-def prepare(model: nn.Module, the_plan: Plan, analysis: Analysis, world: int, rank: int,
-            sequence_parallel: bool, recorded: bool) -> Prepared:
-    """Steps 3 (layouts) and 4 (validate); changes nothing in the model. `recorded`: skip step 4, whose checks need
-    the trace (a recorded plan was checked when it was made; a reused one on the model cut to its distinct blocks)."""
+def resolved(the_plan: Plan, analysis: Analysis, modules: Mapping[str, nn.Module]) -> Plan:
+    """`the_plan` against `modules`: an entry per module it names (globs and the base-model prefix resolved), each a
+    canonical style for that module's type. User-written entries carry no head / packing facts: they are taken from
+    the traced structure (into the plan's details). Raises PlanError for an entry naming no module."""
+    styles = {n: for_module(s, modules[n]) for n, s in the_plan.resolve(list(modules)[1:]).items()}
+    details = dict(the_plan.details)
+    for name, s in styles.items():
+        if s in (COLWISE, ROWWISE) and name not in details and name in analysis.structures:
+            details[name] = analysis.structures[name]
+    out = Plan(world_size=the_plan.world_size, mode=the_plan.mode, details=details, reasons=the_plan.reasons,
+               prefix=the_plan.prefix)
+    out.entries = styles  # canonical styles already
+    return out
+
+
+def prepare(model: nn.Module, styles: Mapping[str, str], details: Mapping[str, Role], analysis: Analysis,
+            world: int, rank: int, sequence_parallel: bool) -> Prepared:
+    """Layouts and checks of resolved `styles`; changes nothing in the model. The checks read the trace where
+    `analysis` has one (each style's dataflow); every family settles what its install needs either way."""
     modules = dict(model.named_modules())
-    styles = plan_styles(the_plan, analysis, modules)
-    per_module = plan_layouts(modules, analysis.leaves, styles, the_plan.details, world, rank)
-    planned = Planned(model, analysis, styles, the_plan.details, world, rank, STYLES, sequence_parallel)
-    checked = {} if recorded else validate(planned)
+    per_module = plan_layouts(modules, analysis.leaves, styles, details, world, rank)
+    planned = Planned(model, analysis, dict(styles), details, world, rank, STYLES, sequence_parallel)
+    checked = validate(planned)
+    styles = dict(styles)
     for c in checked.values():
         styles.update(c.styles)
     options: dict[str, dict] = {}
@@ -53,19 +74,52 @@ def prepare(model: nn.Module, the_plan: Plan, analysis: Analysis, world: int, ra
 
 
 def apply(model: nn.Module, p: Prepared, comm, quantized: QuantizedLayers | None = None) -> dict[str, dict]:
-    """Step 5: build every new layer (`quantized`: the layers a checkpoint stores quantized), then swap them in;
-    returns the attribute updates made."""
+    """Build every new layer (`quantized`: the layers a checkpoint stores quantized), then swap them in; returns
+    the attribute updates made."""
     built = build(p.modules, p.styles, p.layouts, comm, p.options, quantized)
     updates = attribute_updates(p.planned)
     swap(model, p.modules, p.planned, built, updates, p.checked, comm)
     return updates
 
 
-def plan_styles(the_plan: Plan, analysis: Analysis, modules: Mapping[str, nn.Module]) -> dict[str, str]:
-    """`{module: canonical style}` for every module the plan names. User-written entries carry no head /
-    packing facts: they are taken from the traced structure (into the plan's details)."""
-    styles = {n: for_module(s, modules[n]) for n, s in the_plan.resolve(list(modules)[1:]).items()}
-    for name, s in styles.items():
-        if s in (COLWISE, ROWWISE) and name not in the_plan.details and name in analysis.structures:
-            the_plan.details[name] = analysis.structures[name]
-    return styles
+@step
+def quantization_units(s: ConversionState) -> ConversionState:
+    """6. A quantized model's column / row pairs split in whole quantization groups (`quantized.with_units`); the
+    state passes through without quantization."""
+    if s.quantization is None:
+        return s
+    quant = s.quantization.quantization if isinstance(s.quantization, QuantizedLayers) else s.quantization
+    return dataclasses.replace(s, plan=with_units(s.plan, s.model, quant, s.world))
+
+
+@step
+def lay_out(s: ConversionState) -> ConversionState:
+    """7. This rank's layouts of every planned tensor, and the checks of the plan as a whole (`prepare`)."""
+    prepared = prepare(s.model, s.plan.entries, s.plan.details, s.analysis, s.world, s.comm.rank,
+                       s.sequence_parallel)
+    return dataclasses.replace(s, prepared=prepared)
+
+
+@step
+def build_and_swap(s: ConversionState) -> ConversionState:
+    """8. Every new layer built, then swapped in (the first change to the model)."""
+    quantized = s.quantization if isinstance(s.quantization, QuantizedLayers) else None
+    return dataclasses.replace(s, updates=apply(s.model, s.prepared, s.comm, quantized))
+
+
+@step
+def record(s: ConversionState) -> Conversion:
+    """9. The `Conversion` record on the model (the plan as applied, every tensor's layout), what stock tools call
+    answered for the whole model (`stock_calls`), and the modules kept whole logged."""
+    p, analysis = s.prepared, s.analysis
+    kept = {n: st for n, st in p.styles.items()  # leaves, modules with layouts, containers acting as regions
+            if n in analysis.leaves or n in p.layouts or style(st).region}
+    applied = Plan(kept, world_size=s.world, mode=s.plan.mode, details=s.plan.details, reasons=s.plan.reasons,
+                   prefix=s.plan.prefix)
+    layouts = {**key_layouts(s.model, p.modules, p.layouts, s.world, s.comm.rank), **record_layouts(s.model)}
+    conversion = Conversion(s.comm, layouts, plan=applied, updated_attributes=s.updates, settled=p.checked)
+    attach(s.model, conversion)
+    stock_calls.install(s.model, conversion)
+    log_kept_whole(applied, s.request.kind == AUTO, s.comm.rank)
+    return conversion
+

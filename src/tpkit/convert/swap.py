@@ -14,7 +14,7 @@ from torch import nn
 
 from ..nn.quantized import quant_method_of
 from ..nn.rewrites import rewrites_of
-from .family import Checked, Planned
+from .family import Checked, Family, Planned
 from .modules import is_embedding
 from .quantized import QuantizedLayers, build_layer
 from .registry import families, style
@@ -65,7 +65,8 @@ def swap(model: nn.Module, modules: Mapping[str, nn.Module], planned: Planned, b
     _retie(model, planned.analysis, built)
     _repoint_shared_parameters(model, modules, built)
     for family in families():
-        family.install(model, planned, checked.get(family.name), comm)
+        if type(family).install is not Family.install:  # (the base class installs nothing)
+            family.install(model, planned, checked.get(family.name), comm)
 
 
 def _retie(model: nn.Module, a: Analysis, built: Mapping[str, nn.Module]) -> None:

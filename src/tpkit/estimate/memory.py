@@ -16,8 +16,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..convert.peft.adapters import adapter_tensors, bare_model, inner_model, lora_wrapped
-from ..convert.planning.planner import plan
+from ..convert.peft.adapters import adapter_tensors, bare_model, peft_layers
+from ..convert.planning.decide import plan
 from ..quant import config_quantization
 from .activations import normalise_recompute, transformer_activation_bytes, transformer_inference_bytes
 from .communication import largest_collective_bytes
@@ -66,7 +66,7 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     recompute = normalise_recompute(recompute)
     _check_dp(dp_size, dp_mode)
-    if isinstance(model_or_config, nn.Module) and lora_wrapped(inner_model(model_or_config)):
+    if isinstance(model_or_config, nn.Module) and peft_layers(model_or_config)[1]:
         with bare_model(model_or_config) as (target, wrapped):  # PEFT LoRA: the bare model, then the adapter
             est = estimate_memory(target, world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel,
                                   recompute, attention, master_weights, example_input, input_shape, dp_size, dp_mode)

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from ...tables import format_bytes as human
-from ..peft.adapters import adapter_memory, adapter_tensors, bare_model, inner_model, lora_wrapped
+from ..peft.adapters import adapter_memory, adapter_tensors, bare_model, peft_layers
 from ..modules import kind
 from .multinode import local_device_count, multi_node_advice
 from ..quantized import model_quantization, quantized_note, scheme_of, stored_weight_bytes, with_units
-from ..planning.planner import auto_plan
+from ..planning.decide import plan as plan_for
 from .recommend import recommendations
 from ..registry import module_layouts
 from ..styles import REPLICATE
@@ -171,7 +171,7 @@ def _module_bytes(m: nn.Module, params, style: str, details, world: int, scheme=
 def _planned(a: Analysis, world: int, mode: str, quant) -> Any:
     """The plan `parallelize` makes at `world`: a quantized checkpoint's column / row pairs split their shared
     features in whole groups (`with_units`), as its load does, so the bytes counted are the bytes a rank holds."""
-    plan = auto_plan(a, world, mode)
+    plan = plan_for(a.model, world, mode=mode, analysis=a)  # `parallelize`'s plan step, on this trace
     return with_units(plan, a.model, quant, world) if quant is not None and world > 1 else plan
 
 
@@ -225,7 +225,7 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     if devices_per_node is not None and (not isinstance(devices_per_node, int) or devices_per_node < 1):
         raise ValueError(f"analyze: devices_per_node must be a positive int (the devices of one machine), got "
                          f"{devices_per_node!r}")
-    if lora_wrapped(inner_model(model)):  # PEFT LoRA: the bare model's plan, the adapters following their bases
+    if peft_layers(model)[1]:  # PEFT LoRA: the bare model's plan, the adapters following their bases
         with bare_model(model) as (target, wrapped):
             report = analyze(target, world_size, max_world_size, device_memory, mode, example_inputs, advisor,
                              devices_per_node)

@@ -12,38 +12,42 @@ model holds PEFT's objects, and then it is imported already.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from typing import Callable, Iterator
+from typing import Iterator, Mapping
 
 from torch import nn
 
 from ...nn.rewrites import adopt
 from ..errors import PlanError
-from ..layouts import check_grad_sums
+from . import seam
 from .seam import is_peft
 from ..plan import Plan
-from ..planning.planner import auto_plan
+from ..planning.decide import plan as plan_for
 from ..registry import module_layouts
+from ..state import step
 from ..styles import REPLICATE
 from ..trace import analyze_structure
 
 
-def inner_model(model: nn.Module) -> nn.Module:
-    """The model PEFT wraps (a `PeftModel`'s base model, a `LoraModel`'s model), or `model` itself."""
-    if is_peft(model, "peft.peft_model", "PeftModel"):
-        model = model.base_model
-    if is_peft(model, "peft.tuners.tuners_utils", "BaseTuner"):
-        model = model.model
-    return model
-
-
-def lora_wrapped(model: nn.Module) -> dict[str, nn.Module]:
-    """`{name: wrapper}` of the outermost PEFT adapter layers in `model` (empty without PEFT)."""
-    out: dict[str, nn.Module] = {}
-    for name, m in model.named_modules():
-        if is_peft(m, "peft.tuners.tuners_utils", "BaseTunerLayer") and not any(name.startswith(n + ".") for n in out):
-            out[name] = m
-    return out
+def peft_layers(model: nn.Module) -> tuple[nn.Module, dict[str, nn.Module], dict[str, nn.Module]]:
+    """(the model PEFT wraps: a `PeftModel`'s base model, a `LoraModel`'s model, or `model` itself; `{name: wrapper}`
+    of the outermost PEFT adapter layers in it; `{name: wrapper}` of its `modules_to_save` wrappers, modules PEFT
+    trains a copy of), by one walk; empty without PEFT."""
+    target = model
+    if is_peft(target, "peft.peft_model", "PeftModel"):
+        target = target.base_model
+    if is_peft(target, "peft.tuners.tuners_utils", "BaseTuner"):
+        target = target.model
+    wrapped: dict[str, nn.Module] = {}
+    saved: dict[str, nn.Module] = {}
+    for name, m in target.named_modules():
+        if is_peft(m, "peft.tuners.tuners_utils", "BaseTunerLayer") and not any(
+                name.startswith(n + ".") for n in wrapped):
+            wrapped[name] = m
+        if is_peft(m, "peft.utils.other", "ModulesToSaveWrapper"):
+            saved[name] = m
+    return target, wrapped, saved
 
 
 def _check_wrapper(name: str, w: nn.Module) -> None:
@@ -66,33 +70,29 @@ def _check_wrapper(name: str, w: nn.Module) -> None:
         raise PlanError(f"{name}: adapter {adapter!r}: {why}")
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
+def _put(target: nn.Module, modules: Mapping[str, nn.Module]) -> None:
+    """Each module of `modules` into `target` at its name."""
+    for name, module in modules.items():
+        parent, _, child = name.rpartition(".")
+        setattr(target.get_submodule(parent) if parent else target, child, module)
 
 
-def saved_wrapped(model: nn.Module) -> dict[str, nn.Module]:
-    """`{name: wrapper}` of PEFT's `modules_to_save` wrappers in `model` (a module PEFT trains a copy of)."""
-    return {name: m for name, m in model.named_modules() if is_peft(m, "peft.utils.other", "ModulesToSaveWrapper")}
+def _bare(wrapped: Mapping[str, nn.Module], saved: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
+    """What each wrapper stands in for: a `modules_to_save` wrapper's original module, a LoRA wrapper's base layer."""
+    return {**{n: w.original_module for n, w in saved.items()}, **{n: w.get_base_layer() for n, w in wrapped.items()}}
 
 
 @contextlib.contextmanager
 def bare_model(model: nn.Module) -> Iterator[tuple[nn.Module, dict[str, nn.Module]]]:
-    """Inside the block, `(inner_model(model), LoRA wrappers by name)` with every LoRA wrapper replaced by its base
-    layer and every `modules_to_save` wrapper by its original module (the model as it was before PEFT); the
+    """Inside the block, (the model PEFT wraps, its LoRA wrappers by name) with every LoRA wrapper replaced by its
+    base layer and every `modules_to_save` wrapper by its original module (the model as it was before PEFT); the
     wrappers are put back after, whatever happens."""
-    target = inner_model(model)
-    wrapped = lora_wrapped(target)
-    saved = saved_wrapped(target)
-    for name, w in saved.items():
-        _set(target, name, w.original_module)
-    for name, w in wrapped.items():
-        _set(target, name, w.get_base_layer())
+    target, wrapped, saved = peft_layers(model)
+    _put(target, _bare(wrapped, saved))
     try:
         yield target, wrapped
     finally:
-        for name, w in {**saved, **wrapped}.items():
-            _set(target, name, w)
+        _put(target, {**saved, **wrapped})
 
 
 def split_saved_copies(target: nn.Module, saved: dict[str, nn.Module], originals: dict[str, nn.Module]) -> None:
@@ -103,6 +103,8 @@ def split_saved_copies(target: nn.Module, saved: dict[str, nn.Module], originals
 
     from ..layouts import shard_layouts
 
+    if not saved:
+        return
     layouts = shard_layouts(target)
     for name, w in saved.items():
         new = target.get_submodule(name)
@@ -172,18 +174,18 @@ def adapter_memory(wrapped: dict[str, nn.Module], bare: nn.Module, worlds: list[
     a = analyze_structure(bare, example_inputs) if max(worlds) > 1 else None
     out = {}
     for w in worlds:
-        records = adapter_tensors(wrapped, auto_plan(a, w, mode) if w > 1 else None, w)
+        records = adapter_tensors(wrapped, plan_for(bare, w, mode=mode, analysis=a) if w > 1 else None, w)
         out[w] = (sum(t["rank_bytes"] for t in records),
                   sum(t["per_rank"] * (t["element_size"] + 8) for t in records if t["trainable"]))
     return out
 
 
-def _check_embedding_plan(wrapped: dict[str, nn.Module], plan) -> None:
+def _check_embedding_plan(wrapped: Mapping[str, nn.Module], plan: Plan | None) -> None:
     """Refuse, before converting, a plan that splits a LoRA-wrapped embedding along its features (its adapter is
     split only along the vocabulary, `tpkit.nn.lora_embedding`)."""
     import fnmatch
 
-    entries = plan.entries if isinstance(plan, Plan) else plan if isinstance(plan, dict) else {}
+    entries = plan.entries if plan is not None else {}
     for name, w in wrapped.items():
         if not hasattr(w, "lora_embedding_A") or not w.lora_embedding_A:
             continue
@@ -194,25 +196,63 @@ def _check_embedding_plan(wrapped: dict[str, nn.Module], plan) -> None:
                                 f"'embedding_rowwise' (the default) or leave it out of target_modules")
 
 
-def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
-                        convert: Callable[[nn.Module], nn.Module], plan=None) -> nn.Module:
-    """Convert a model holding LoRA wrappers (`wrapped`, names inside `inner_model(model)`): the bare model by
-    `convert`, then each wrapper around its new base layer. A failure leaves the model as it was."""
-    from ...nn.lora import lora_layer_for
+@dataclasses.dataclass(frozen=True)
+class Adapters:
+    """PEFT's wrappers taken out of a model for its conversion: the LoRA wrappers and their base layers before, the
+    `modules_to_save` wrappers and their original modules before, all by name in the bare model."""
 
+    wrapped: Mapping[str, nn.Module]
+    bases: Mapping[str, nn.Module]
+    saved: Mapping[str, nn.Module]
+    originals: Mapping[str, nn.Module]
+
+    def check_plan(self, plan: Plan | None) -> None:
+        """Refuse, before converting, a plan (the user's entries) that splits a LoRA-wrapped embedding along its
+        features."""
+        _check_embedding_plan(self.wrapped, plan)
+
+
+@step
+@contextlib.contextmanager
+def without_adapters(model: nn.Module) -> Iterator[tuple[nn.Module, Adapters | None]]:
+    """0. Unwrap: `(the model to convert, the adapters to carry)`. A model holding LoRA wrappers (a `PeftModel`, or
+    layers PEFT wrapped) gives its bare model, each wrapper replaced by its base layer (each refused first when tpkit
+    cannot split it), and `Adapters`; any other model gives itself and None. An error inside the block puts every
+    wrapper back (the model as it was); otherwise they stay out until `rewrap_adapters` puts them around the new
+    base layers. PEFT's dispatch, files and loading learn tpkit's layers here, for any model (`seam.install`: a converted model may
+    get its adapters later)."""
+    seam.install()
+    target, wrapped, saved = peft_layers(model)
+    if not wrapped:
+        yield model, None
+        return
     for name, w in wrapped.items():
         _check_wrapper(name, w)
-    _check_embedding_plan(wrapped, plan)
-    bases = {name: w.get_base_layer() for name, w in wrapped.items()}
-    saved = saved_wrapped(inner_model(model))
-    originals = {name: w.original_module for name, w in saved.items()}
-    with bare_model(model) as (target, _):
-        convert(target)  # an error leaves the model as it was, the wrappers back in place
-        converted = {name: target.get_submodule(name) for name in wrapped}
-        split_saved_copies(target, saved, originals)
-    for name, w in wrapped.items():
+    adapters = Adapters(wrapped, {n: w.get_base_layer() for n, w in wrapped.items()}, saved,
+                        {n: w.original_module for n, w in saved.items()})
+    _put(target, _bare(wrapped, saved))
+    try:
+        yield target, adapters
+    except BaseException:
+        _put(target, {**saved, **wrapped})
+        raise
+
+
+@step
+def rewrap_adapters(target: nn.Module, adapters: Adapters | None) -> None:
+    """10. Re-wrap: each `modules_to_save` copy split as its converted original (`split_saved_copies`), and each LoRA
+    wrapper put back around its new base layer, its factors split to match (`tpkit.nn.lora`). Nothing to do without
+    adapters."""
+    if adapters is None:
+        return
+    from ...nn.lora import lora_layer_for  # (imports PEFT, which a model holding adapters has imported already)
+
+    converted = {name: target.get_submodule(name) for name in adapters.wrapped}
+    split_saved_copies(target, dict(adapters.saved), dict(adapters.originals))
+    _put(target, {**adapters.saved, **adapters.wrapped})
+    for name, w in adapters.wrapped.items():
         new = converted[name]
-        if new is not bases[name]:
+        if new is not adapters.bases[name]:
             cls = lora_layer_for(new)
             if cls is None:
                 raise PlanError(f"{name}: its base layer became a {type(new).__name__}, which takes no LoRA adapter")
@@ -222,5 +262,3 @@ def parallelize_wrapped(model: nn.Module, wrapped: dict[str, nn.Module],
             w.fan_in_fan_out = False
             for adapter in list(w.lora_A.keys()) + list(w.lora_embedding_A.keys()):
                 w.split_adapter(adapter)
-    check_grad_sums(target, "parallelize")
-    return model

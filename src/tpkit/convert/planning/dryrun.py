@@ -30,7 +30,7 @@ from ..errors import PlanError
 from .head_reshapes import HeadReshapes, changed, watched
 from ..plan import Plan
 from ..layouts import plan_layouts
-from ..steps import apply, plan_styles, prepare
+from ..steps import apply, prepare
 from ..styles import REPLICATE
 from ..trace import Analysis, traceable_experts
 
@@ -38,39 +38,43 @@ MAX_ROUNDS = 8
 REAL_COPY_BYTES = 1 << 30  # a model whose forward needs values (`.item()`) is dry-run on a real copy up to this
 REAL_FIRST_BYTES = 16 << 20  # a model up to this is dry-run on a real copy first (faster than on meta tensors)
 Failure = tuple  # (names of the running modules, outermost first; "Type: message")
+KEPT = "kept whole: the converted forward"  # how every reason the dry run gives begins
 
 
 def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence_parallel: bool = False,
-            fixed: Callable[[str], bool] = lambda name: False, small: bool | None = None,
-            tiny: bool | None = None) -> Plan:
-    """`the_plan`, with what fails in the converted forward kept whole (see the module's doc). `fixed(name)`:
-    whether the user's plan named that module (a failure there raises PlanError instead). `small`: whether a
-    real copy is cheap enough (`fits_real_copy`; default: of `model`; a model cut to its distinct blocks passes
-    the whole model's answer, so the cut is dry-run exactly when the whole model would be). `tiny`: whether to try
-    a real copy first (`real_first`; default: of `model`; the cut passes the whole model's answer likewise)."""
+            fixed: Callable[[str], bool] = lambda name: False, nbytes: int | None = None) -> Plan:
+    """`the_plan` (resolved against `model`: its entries are module names and canonical styles, `steps.resolved`),
+    with what fails in the converted forward kept whole (see the module's doc). Each round changes a copy of the
+    resolved styles; the plan is rebuilt from them once, at the end. `fixed(name)`: whether the user's plan named
+    that module (a failure there raises PlanError instead). `nbytes`: the size that decides whether a real copy is
+    cheap enough (`REAL_COPY_BYTES`) and whether to try one first (`REAL_FIRST_BYTES`); default `analysis.copy_bytes`;
+    a model cut to its distinct blocks passes the whole model's, so the cut is dry-run as the whole model would be."""
     inputs = getattr(analysis.trace, "inputs", None) if analysis.trace is not None else None
-    if inputs is None or comm.world_size == 1 or not _splits(the_plan):
+    styles, details = dict(the_plan.entries), the_plan.details
+    if inputs is None or comm.world_size == 1 or not _splits(styles):
         return the_plan
-    copyable = fits_real_copy(model) if small is None else small
+    nbytes = analysis.copy_bytes if nbytes is None else nbytes
+    copyable = nbytes <= REAL_COPY_BYTES
     whole = _Whole(model, analysis, inputs)
-    if real_first(model) if tiny is None else tiny:
+    if nbytes <= REAL_FIRST_BYTES:
         try:
-            if _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, False, whole,
+            if _try(model, styles, details, analysis, comm.world_size, sequence_parallel, inputs, False, whole,
                     clean=True) is None:
                 return the_plan  # every rank's converted forward ran on real tensors, with the whole model's heads
         except Exception:  # noqa: BLE001 - not a clean pass (a copy or a layer not made, a PlanError): as below
             pass
     on_meta: bool | None = None  # whether its own forward runs on meta tensors: asked once a converted one fails
-    first, rounds = the_plan, 0
+    reasons: dict[str, str] = {}
+    rounds = 0
     while rounds < MAX_ROUNDS:
         rounds += 1
         try:
-            failure = _try(model, the_plan, analysis, comm.world_size, sequence_parallel, inputs, on_meta is not False,
-                           whole)
+            failure = _try(model, styles, details, analysis, comm.world_size, sequence_parallel, inputs,
+                           on_meta is not False, whole)
         except _NoCopy:  # a model that cannot be copied is converted without a dry run
             return the_plan
         except PlanError:
-            if the_plan is first:
+            if styles == the_plan.entries:
                 raise
             failure = ("",), "PlanError: what is left split after keeping blocks whole does not validate"
         if failure is not None and on_meta is None:
@@ -81,19 +85,28 @@ def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence
                 rounds -= 1
                 continue  # the same plan again, on a real copy
         if failure is None:
-            return the_plan
+            return _kept(the_plan, styles, reasons)
         running, error = failure
-        blocks = _blocks(model, _owner(running, the_plan, model))
-        named = [n for n in _names_under(blocks, the_plan.resolve(_names(model))) if fixed(n)]
+        blocks = _blocks(model, _owner(running, styles))
+        named = [n for n in _names_under(blocks, styles) if fixed(n)]
         if named:
             raise PlanError(f"the converted forward fails in {blocks[0] or 'the model'!r} on a dry run before any "
                             f"change ({error}); the plan splits {named[:3]} there: keep them 'replicate'")
-        the_plan = keep_whole(the_plan, blocks, f"kept whole: the converted forward fails here ({error})",
-                              analysis, _names(model))
+        keep_whole(styles, reasons, blocks, f"{KEPT} fails here ({error})", analysis)
         if "" in blocks:
-            return the_plan
-    return keep_whole(the_plan, [""], "kept whole: the converted forward kept failing on a dry run", analysis,
-                      _names(model))
+            return _kept(the_plan, styles, reasons)
+    keep_whole(styles, reasons, [""], f"{KEPT} kept failing on a dry run", analysis)
+    return _kept(the_plan, styles, reasons)
+
+
+def _kept(the_plan: Plan, styles: dict[str, str], reasons: dict[str, str]) -> Plan:
+    """The plan once, from the dry run's styles and the reasons it added."""
+    if not reasons and styles == the_plan.entries:
+        return the_plan
+    kept = Plan(world_size=the_plan.world_size, mode=the_plan.mode, details=the_plan.details,
+                reasons={**the_plan.reasons, **reasons}, prefix=the_plan.prefix)
+    kept.entries = styles  # resolved canonical styles already
+    return kept
 
 
 class _NoCopy(Exception):
@@ -135,17 +148,17 @@ class _Whole:
         return self._done[on_meta]
 
 
-def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: bool, whole: _Whole,
+def _try(model, styles, details, analysis, world, sequence_parallel, inputs, on_meta: bool, whole: _Whole,
          clean: bool = False) -> Failure | None:
     """The first failure of the converted forward over the ranks in order (every rank runs them all, so all
     ranks reach the same plan without communicating): an error, or a split attention block whose reshapes to
     heads changed their size from the whole model's (see `head_reshapes.py`). A rank whose local shapes are all
     those of a rank before it is not run again. `clean`: None only for a pass that checked everything (a layer
     that cannot be built, or head sizes with no whole model's to compare, raise `_Unclear`)."""
-    pairs = watched(analysis.pairs, {n for n, s in the_plan.resolve(_names(model)).items() if s != REPLICATE})
-    seen = set()
+    pairs = watched(analysis.pairs, {n for n, s in styles.items() if s != REPLICATE})
+    seen, modules = set(), dict(model.named_modules())
     for rank in range(world):
-        shapes = _local_shapes(model, the_plan, analysis, world, rank)
+        shapes = _local_shapes(modules, styles, details, analysis, world, rank)
         if shapes in seen:
             continue
         seen.add(shapes)
@@ -155,7 +168,7 @@ def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: b
             if not on_meta:
                 raise
             raise _NoCopy() from exc
-        prepared = prepare(copy, the_plan, copy_analysis, world, rank, sequence_parallel, False)
+        prepared = prepare(copy, styles, details, copy_analysis, world, rank, sequence_parallel)
         try:
             apply(copy, prepared, ShapeCommunicator(rank, world))
         except Exception as exc:  # noqa: BLE001 - a layer that cannot be built on meta: the dry run cannot tell
@@ -175,41 +188,32 @@ def _try(model, the_plan, analysis, world, sequence_parallel, inputs, on_meta: b
     return None
 
 
-def _local_shapes(model, the_plan, analysis, world: int, rank: int) -> tuple:
-    modules = dict(model.named_modules())
-    styles = plan_styles(the_plan, analysis, modules)
-    layouts = plan_layouts(modules, analysis.leaves, styles, the_plan.details, world, rank)
+def _local_shapes(modules, styles, details, analysis, world: int, rank: int) -> tuple:
+    layouts = plan_layouts(modules, analysis.leaves, styles, details, world, rank)
     return tuple(sorted((n, k, tuple(lay.local_shape)) for n, per in layouts.items() for k, lay in per.items()))
 
 
-def keep_whole(the_plan: Plan, blocks: Iterable[str], reason: str, analysis: Analysis, names: list[str]) -> Plan:
-    """`the_plan` with every layer inside `blocks` (and whatever shares a weight or a column -> row pair with one)
-    replicated, with `reason`; entries of containers inside them (regions) dropped."""
-    entries = the_plan.resolve(names)
-    whole = {n for n in _names_under(blocks, entries)}
+def keep_whole(styles: dict[str, str], reasons: dict[str, str], blocks: Iterable[str], reason: str,
+               analysis: Analysis) -> None:
+    """Every layer inside `blocks` (and whatever shares a weight or a column -> row pair with one) replicated in
+    `styles`, with `reason` in `reasons`; entries of containers inside them (regions) dropped."""
+    whole = {n for n in _names_under(blocks, styles)}
     whole |= {t for n in whole for t in analysis.ties.get(n, ())}
     for pair in analysis.pairs:  # a column -> row pair is split whole or not at all
         members = {*pair.columns, pair.row, *pair.carried, *pair.per_head}
         if members & whole:
             whole |= members
-    reasons = dict(the_plan.reasons)
     for n in sorted(whole):
         if n in analysis.leaves:
-            if entries.get(n) != REPLICATE:
+            if styles.get(n) != REPLICATE:
                 reasons[n] = reason
-            entries[n] = REPLICATE
+            styles[n] = REPLICATE
         else:
-            entries.pop(n, None)
-    return Plan(entries, world_size=the_plan.world_size, mode=the_plan.mode, details=the_plan.details,
-                reasons=reasons, prefix=the_plan.prefix)
+            styles.pop(n, None)
 
 
-def _splits(the_plan: Plan) -> bool:
-    return any(s != REPLICATE for s in the_plan.entries.values())
-
-
-def _names(model: nn.Module) -> list[str]:
-    return [n for n, _ in model.named_modules() if n]
+def _splits(styles: Mapping[str, str]) -> bool:
+    return any(s != REPLICATE for s in styles.values())
 
 
 def _names_under(blocks: Iterable[str], names: Iterable[str]) -> list[str]:
@@ -217,9 +221,9 @@ def _names_under(blocks: Iterable[str], names: Iterable[str]) -> list[str]:
     return [n for n in names if any(b == "" or n == b or n.startswith(b + ".") for b in blocks)]
 
 
-def _owner(running: tuple, the_plan: Plan, model: nn.Module) -> str:
+def _owner(running: tuple, styles: Mapping[str, str]) -> str:
     """The innermost running module that holds a split layer (the model itself when none does)."""
-    split = [n for n, s in the_plan.resolve(_names(model)).items() if s != REPLICATE]
+    split = [n for n, s in styles.items() if s != REPLICATE]
     for name in reversed(running):
         if name and any(n.startswith(name + ".") for n in split):
             return name
@@ -234,17 +238,6 @@ def _blocks(model: nn.Module, owner: str) -> list[str]:
     pattern = re.compile(r"\.".join(r"\d+" if p.isdigit() else re.escape(p) for p in owner.split(".")) + "$")
     kind = type(model.get_submodule(owner))
     return [n for n, m in model.named_modules() if n and pattern.match(n) and type(m) is kind]
-
-
-def fits_real_copy(model: nn.Module) -> bool:
-    """Whether `model` holds real tensors and at most `REAL_COPY_BYTES` of them (a real copy is cheap enough)."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    return all(t.device.type != "meta" for t in tensors) and sum(t.nbytes for t in tensors) <= REAL_COPY_BYTES
-
-
-def real_first(model: nn.Module) -> bool:
-    """Whether `model` is dry-run on a real copy first: it holds at most `REAL_FIRST_BYTES` (meta tensors counted)."""
-    return sum(t.nbytes for t in list(model.parameters()) + list(model.buffers())) <= REAL_FIRST_BYTES
 
 
 def _copy(model: nn.Module, analysis: Analysis, on_meta: bool) -> tuple[nn.Module, Analysis]:

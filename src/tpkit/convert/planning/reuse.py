@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ..plan import Plan
 from ..roles import Role
@@ -106,16 +106,28 @@ def _block_copies(value: str | Role, pattern: re.Pattern, where: str, outside: r
     return out
 
 
+def _model_fact(value: str | Role, pattern: re.Pattern, lists: dict[str, Blocks]) -> str | Role:
+    """A model-level reason or role with the block names in it renamed (`_model_text`)."""
+    if isinstance(value, str):
+        return _model_text(value, pattern, lists)
+    return dataclasses.replace(value, **{f: _model_text(v, pattern, lists) if isinstance(v, str)
+                                         else tuple(_model_text(x, pattern, lists) for x in v)
+                                         for f, v in _names_in(value)})
+
+
 def outside_blocks(names: Iterable[str], blocks: list[Blocks]) -> list[str]:
     """The module names (of the cut model) in no block list and holding none: what `expand` calls `outside`."""
     inside = tuple(b.name for b in blocks)
     return [n for n in names if n and not n.startswith(inside) and not any(b.startswith(n + ".") for b in inside)]
 
 
-def expand(plan: Plan, blocks: list[Blocks], outside: Iterable[str]) -> Plan | None:
+def expand(plan: Plan, blocks: list[Blocks], outside: Iterable[str],
+           verbatim: Callable[[str], bool] = lambda reason: False) -> Plan | None:
     """`plan` (of the model cut to its distinct blocks) for the whole model, or None when unsure. `outside`: the
     names of the modules outside the blocks (a fact of a block copied elsewhere in the stack that names one, such
-    as the embeddings feeding the first block, is unsure)."""
+    as the embeddings feeding the first block, is unsure). A reason for which `verbatim` holds is copied to every
+    block as it is: one reason given to a module in every block alike (the dry run's, which names the block where
+    the forward failed first, in the whole model as in the cut)."""
     pattern, lists = _renamer(blocks)
     around = _outside(outside)
     out: tuple[dict, dict, dict] = ({}, {}, {})
@@ -123,17 +135,15 @@ def expand(plan: Plan, blocks: list[Blocks], outside: Iterable[str]) -> Plan | N
         for k, source in enumerate((plan.entries, plan.details, plan.reasons)):
             for name, value in source.items():
                 m = pattern.match(name)
+                as_is = k == 0 or (k == 2 and verbatim(value))
                 if m is None:
-                    out[k][name] = value if k == 0 else _model_text(value, pattern, lists) if k == 2 \
-                        else dataclasses.replace(value, **{f: _model_text(v, pattern, lists) if isinstance(v, str)
-                                                           else tuple(_model_text(x, pattern, lists) for x in v)
-                                                           for f, v in _names_in(value)})
+                    out[k][name] = value if as_is else _model_fact(value, pattern, lists)
                     continue
                 b, j = lists[m.group(1)], int(m.group(2))
                 targets = [(f"{b.name}.{i}", i != j and not (j == b.keep - 1 and i == b.length - 1))
                            for i, src in enumerate(b.source) if src == j]  # moved: copied elsewhere in the stack
-                values = [value] * len(targets) if k == 0 else _block_copies(value, pattern, m.group(0), around,
-                                                                              targets)
+                values = [value] * len(targets) if as_is else _block_copies(value, pattern, m.group(0), around,
+                                                                             targets)
                 for (new, _), v in zip(targets, values):
                     out[k][new + name[m.end():]] = v
     except _Unsure:

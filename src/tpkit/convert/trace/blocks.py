@@ -7,16 +7,16 @@ they are, other objects by identity), plus the model config's settings for that 
 mlp_only_layers`, every v-th layer for periodic settings, `i < first_k_dense_replace`). `cut` picks the shortest
 prefix to trace whose blocks stand for all the others (the last traced block for the last block, an earlier one
 with the same signature for each block in between); `analyze_blocks` traces the model with each list cut there
-(a prefix, so every traced block keeps its index), and `convert/planning/reuse.py` copies the traced blocks' plan entries.
-Anything it cannot vouch for (weights shared with a block past the cut, a trace that fails when shortened, a block
-layer the trace did not run) gives None: the caller traces the whole model.
+(`cut_view`: a new module object holding a prefix of each list, so every traced block keeps its index; the model is
+not changed), and `convert/planning/reuse.py` copies the traced blocks' plan entries. Anything it cannot vouch for
+(weights shared with a block past the cut, a trace that fails when cut, a block layer the trace did not run) gives
+None: the caller traces the whole model.
 """
 from __future__ import annotations
 
-import contextlib
+import copy as copying
 import dataclasses
 import functools
-import threading
 from typing import Any
 
 import torch
@@ -209,36 +209,37 @@ def _survey(model: nn.Module) -> tuple[list[Blocks], bool]:
     return found, any(seen[i] > 1 for i in dropped)
 
 
-_CUTTING = threading.RLock()
+def cut_view(model: nn.Module, blocks: list[Blocks]) -> nn.Module:
+    """`model` with each list of `blocks` cut to its first `keep` blocks, as a new module object: the model and each
+    module on the way to a list are shallow copies holding their own child table, so every block, layer and tensor
+    is `model`'s own and `model` itself is not changed (thread-ranks may cut their models at once)."""
+    copies: dict[str, nn.Module] = {}
 
+    def copied(name: str) -> nn.Module:
+        if name not in copies:
+            old = model.get_submodule(name) if name else model
+            new = copying.copy(old)
+            new.__dict__["_modules"] = dict(old._modules)
+            copies[name] = new
+            if name:
+                parent, _, attr = name.rpartition(".")
+                copied(parent)._modules[attr] = new
+        return copies[name]
 
-@contextlib.contextmanager
-def shortened(model: nn.Module, blocks: list[Blocks]):
-    """The model with each list of `blocks` cut to its first `keep` blocks (the same block objects), restored
-    after. One cut at a time in a process (thread-ranks planning at once wait for each other)."""
-    saved = []
-    with _CUTTING:
-        try:
-            for b in blocks:
-                parent_name, _, attr = b.name.rpartition(".")
-                parent = model.get_submodule(parent_name)
-                saved.append((parent, attr, parent._modules[attr]))
-                parent._modules[attr] = nn.ModuleList(list(saved[-1][2])[:b.keep])
-            yield model
-        finally:
-            for parent, attr, full in reversed(saved):
-                parent._modules[attr] = full
+    for b in blocks:
+        parent, _, attr = b.name.rpartition(".")
+        copied(parent)._modules[attr] = nn.ModuleList(list(model.get_submodule(b.name))[:b.keep])
+    return copied("")
 
 
 def analyze_blocks(model: nn.Module, example_inputs: Any = None) -> tuple[Analysis, list[Blocks]] | None:
-    """(the analysis of the model cut to its distinct blocks, its repeated blocks), or None when the model has no
-    repeated blocks or the shortened trace cannot stand in for the whole one (weights shared with a block it
-    leaves out, a failed trace, a block layer the trace did not run)."""
+    """(the analysis of the model cut to its distinct blocks, whose `.model` is that cut (`cut_view`); the repeated
+    blocks), or None when the model has no repeated blocks or the cut's trace cannot stand in for the whole one
+    (weights shared with a block it leaves out, a failed trace, a block layer the trace did not run)."""
     blocks, shared = _survey(model)
     if not blocks or shared:
         return None
-    with shortened(model, blocks):
-        short = trace_structure(model, example_inputs)
+    short = trace_structure(cut_view(model, blocks), example_inputs)
     inside = tuple(b.name + "." for b in blocks)
     if short.trace is None or any(n.startswith(inside) and n not in short.trace.calls for n in short.leaves):
         return None  # a layer the trace did not run (an expert no token chose): a fact of values, not of blocks
