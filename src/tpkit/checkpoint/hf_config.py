@@ -40,6 +40,23 @@ def generation_dict(model) -> dict | None:
     return json.loads(generation.to_json_string(use_diff=True))
 
 
+_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decoded_floats(obj):
+    """`obj` (a config read from JSON) with the floats JSON cannot hold decoded: transformers 5 writes `inf` as
+    `{"__float__": "Infinity"}` (Falcon-H1's and Nemotron-H's `time_step_limit`) and decodes it on load, as
+    `from_pretrained` must too (those config classes refuse the dict). Older files hold a bare `Infinity`, which
+    `json` reads as the float already."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in _FLOATS:
+            return _FLOATS[obj["__float__"]]
+        return {k: decoded_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decoded_floats(v) for v in obj]
+    return obj
+
+
 def text(d: dict) -> str:
     """`d` as transformers serialises a config."""
     return json.dumps(d, indent=2, sort_keys=True) + "\n"

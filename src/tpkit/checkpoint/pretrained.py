@@ -41,7 +41,7 @@ from .allocate import materialize, meta_parameters, place_buffers
 from .errors import CheckpointError
 from .conversions import quantized_expert_entries
 from .fill import map_weights, read_targets
-from .hf_config import load_generation_config
+from .hf_config import decoded_floats, load_generation_config
 from .keys import key_finder
 from .load import Source, model_targets, open_source
 from .progress import Progress
@@ -167,9 +167,11 @@ def transformers_kwargs(kwargs: dict, config) -> tuple[dict, torch.dtype | str |
 
 
 def load_config(source: Source, path: str):
+    """The checkpoint's config as transformers reads it: `config.json` (or the manifest's copy) with the floats JSON
+    cannot hold decoded (`hf_config.decoded_floats`), built by the class of its `model_type`."""
     if source.config is None:
         raise CheckpointError(f"{path}: no config.json (or manifest config) to build the model from")
-    d = dict(source.config)
+    d = decoded_floats(source.config)
     model_type = d.pop("model_type", None)
     if model_type is None:
         raise CheckpointError(f"{path}: config has no model_type")

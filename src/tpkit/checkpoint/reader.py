@@ -3,8 +3,9 @@
 The region comes from the rank's `ShardLayout`: its segments along `dim` (the whole tensor when replicated),
 concatenated in local order, in the stored orientation (`stored_local_shape`). `plan_copies` says which bytes
 of which file fill which sub-box of the region: for a whole-tensor source (Hugging Face files) one Copy, the
-layout's `byte_ranges`; for a tpkit checkpoint one per piece overlapping a segment, the byte runs of that
-intersection. `fill` performs one Copy: straight into the destination's memory, a sub-box that is not
+layout's `byte_ranges`; for a tpkit checkpoint (or tensors transformers fuses or cuts on load) one per piece
+overlapping a segment, the byte runs of that intersection (in the stored tensor the piece is part of, when it is
+`within` one). `fill` performs one Copy: straight into the destination's memory, a sub-box that is not
 contiguous there (a piece of a row-split tensor read at another world size) by one positional read scattered
 over its rows (`scatter`), never through a temporary; or through the staging buffers (`staging.py`) when
 the destination is on a device. Copies are independent, so a caller may run several at once (`fill.py`).
@@ -143,12 +144,13 @@ def plan_copies(entry: Entry, layout: ShardLayout, headers: dict[str, Header]) -
             inter = intersect(box, piece)
             if inter is None:
                 continue
-            local = tuple((a - o, b - o) for (a, b), o in zip(inter, piece.offsets))
-            pos = tuple(a - ba + (at if d == layout.dim else 0) for d, ((a, _), (ba, _)) in enumerate(zip(inter, box)))
             info = headers[piece.path].tensors[piece.name]
-            runs = tuple((info.start + a, info.start + b) for a, b in box_ranges(piece.shape, local, size))
+            stored, shift = (piece.shape, (0,) * len(inter)) if piece.within is None else (info.shape, piece.within)
+            local = tuple((a - o + w, b - o + w) for (a, b), o, w in zip(inter, piece.offsets, shift))
+            pos = tuple(a - ba + (at if d == layout.dim else 0) for d, ((a, _), (ba, _)) in enumerate(zip(inter, box)))
+            runs = tuple((info.start + a, info.start + b) for a, b in box_ranges(stored, local, size))
             out.append(Copy(piece, info, runs, pos, tuple(b - a for a, b in inter),
-                            volume(inter) == math.prod(piece.shape)))
+                            volume(inter) == math.prod(piece.shape) and piece.within is None))
     return out
 
 

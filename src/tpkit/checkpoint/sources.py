@@ -20,13 +20,17 @@ from .safetensors_file import DTYPES, Header, read_header
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """A box of the full tensor: stored as tensor `name` of file `path`, starting at `offsets`; `sha256` of its
-    bytes when the writer recorded one (tpkit checkpoints)."""
+    bytes when the writer recorded one (tpkit checkpoints). `within`: None when the box is the whole stored tensor
+    (its elements in row-major order); else the box is the part of the stored tensor (of the same rank) starting
+    there: one of the tensors transformers cuts a fused stored tensor into on load (`conversions.py`: q, k and v
+    of a stored `query_key_value`)."""
 
     path: str
     name: str
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     sha256: str | None = None
+    within: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +42,9 @@ class Entry:
 
     @property
     def is_whole(self) -> bool:
-        """One piece that is the whole tensor (a Hugging Face or plain file)."""
-        return len(self.pieces) == 1 and self.pieces[0].shape == self.shape and not any(self.pieces[0].offsets)
+        """One piece that is the whole tensor and the whole of its stored tensor (a Hugging Face or plain file)."""
+        return len(self.pieces) == 1 and self.pieces[0].shape == self.shape and not any(self.pieces[0].offsets) \
+            and self.pieces[0].within is None
 
 
 @dataclasses.dataclass
