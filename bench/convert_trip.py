@@ -71,7 +71,13 @@ def trip(convert, world_size: int = 2, records: bool = True) -> tuple[list[tuple
     model (`convert(comm)` converts one rank's model: a `parallelize` call, or a `from_pretrained` that builds the
     model and calls it); and how many times `parallelize` was entered on rank 0."""
     import tpkit
-    from tpkit.convert.peft.adapters import peft_layers
+    try:
+        from tpkit.convert.peft.adapters import peft_layers
+
+        def bare(m):
+            return peft_layers(m)[0]
+    except ImportError:  # the tree before issue 55 (for its "before" figures)
+        from tpkit.convert.peft.adapters import inner_model as bare
 
     src = str(Path(tpkit.__file__).resolve().parent)
     parallelize_code = importlib.import_module("tpkit.convert.parallelize").parallelize.__code__
@@ -95,7 +101,7 @@ def trip(convert, world_size: int = 2, records: bool = True) -> tuple[list[tuple
             if frame.f_code.co_name == "parallelize" and frame.f_code.co_filename.endswith("parallelize.py"):
                 entered[0] += 1
                 if not model:  # the model given, and the bare model inside a PEFT model (the one converted)
-                    model[:] = [frame.f_locals["model"], peft_layers(frame.f_locals["model"])[0]]
+                    model[:] = [frame.f_locals["model"], bare(frame.f_locals["model"])]
             if not model:
                 return
             args = frame.f_code.co_varnames[:frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]

@@ -70,9 +70,9 @@ def scheme_of(quant: Quantization, name: str, m: nn.Module) -> WeightQuant | Non
     return quant.scheme_for(name, "Linear") if is_linear_layer(m) else None
 
 
-def with_units(the_plan: Plan, model: nn.Module, quant: Quantization, world: int) -> Plan:
-    """`the_plan` with each quantized column / row pair's `unit` set (see the module docstring)."""
-    modules = dict(model.named_modules())
+def with_units(the_plan: Plan, modules: Mapping[str, nn.Module], quant: Quantization, world: int) -> Plan:
+    """`the_plan` with each quantized column / row pair's `unit` set (see the module docstring); `modules`: the
+    model's modules by name."""
     details = dict(the_plan.details)
     for row, role in the_plan.details.items():
         if role.pair == ATTENTION or role.role != "row" or not role.columns or row not in modules:

@@ -89,7 +89,7 @@ def quantization_units(s: ConversionState) -> ConversionState:
     if s.quantization is None:
         return s
     quant = s.quantization.quantization if isinstance(s.quantization, QuantizedLayers) else s.quantization
-    return dataclasses.replace(s, plan=with_units(s.plan, s.model, quant, s.world))
+    return dataclasses.replace(s, plan=with_units(s.plan, dict(s.model.named_modules()), quant, s.world))
 
 
 @step

@@ -172,7 +172,7 @@ def _planned(a: Analysis, world: int, mode: str, quant) -> Any:
     """The plan `parallelize` makes at `world`: a quantized checkpoint's column / row pairs split their shared
     features in whole groups (`with_units`), as its load does, so the bytes counted are the bytes a rank holds."""
     plan = plan_for(a.model, world, mode=mode, analysis=a)  # `parallelize`'s plan step, on this trace
-    return with_units(plan, a.model, quant, world) if quant is not None and world > 1 else plan
+    return with_units(plan, dict(a.model.named_modules()), quant, world) if quant is not None and world > 1 else plan
 
 
 def _holders(a: Analysis) -> dict[str, nn.Module]:
