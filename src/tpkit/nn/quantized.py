@@ -128,7 +128,8 @@ class QuantMethod(StoredWeight):
         """Once the stored tensors hold their values: pick the fastest product measured on this layer's shape
         (`tpkit.quant.products.fastest`) and keep the tensors it reads on every call: a stored tensor itself where
         the product reads it in place (or in its place, the same values on a 64-byte boundary), else a
-        non-persistent buffer (scales as float32 tables)."""
+        non-persistent buffer (`tp_kernel_*`: only a table the product makes, counted by the sizing tools through
+        `tpkit.quant.resident_bytes`)."""
         b = layer._buffers
         for n in [n for n in b if n.startswith(_KEPT)]:
             del b[n]
