@@ -152,7 +152,7 @@ def kernels(hidden: int, repeats: int = 20) -> str:
     p4 = [torch.randint(-2 ** 31, 2 ** 31 - 1, (O, I // 8), dtype=torch.int32, generator=gen) for _ in range(copies)]
     t4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (O, I), dtype=torch.int32,
                                                                             generator=gen), 1) for _ in range(copies)]
-    s4, z4, sz = torch.rand(O, I // g, generator=gen), torch.full((O, I // g), 8.0), torch.rand(I // g, O, 2).bfloat16()
+    s4, sz = torch.rand(O, I // g, generator=gen).bfloat16(), torch.rand(I // g, O, 2).bfloat16()  # as loaded
     f8 = [w.to(torch.float8_e4m3fn) for w in w32]
     i = [0]
 
@@ -173,7 +173,7 @@ def kernels(hidden: int, repeats: int = 20) -> str:
     if native.available():
         calls.update({"tpkit native bf16": (rot(lambda k: native.gemv(x, wbf[k], "bf16", O)), 2),
                       "tpkit native int8": (rot(lambda k: native.gemv(x, q8[k], "int8", O, s8, None, (1, I))), 1),
-                      "tpkit native int4 g128": (rot(lambda k: native.gemv(x, p4[k], "uint4", O, s4, z4, (1, g))),
+                      "tpkit native int4 g128": (rot(lambda k: native.gemv(x, p4[k], "uint4", O, s4, None, (1, g), 8)),
                                                  0.5),
                       "tpkit native FP8 channel": (rot(lambda k: native.gemv(x, f8[k], "fp8", O, s8, None, (1, I))),
                                                    1)})

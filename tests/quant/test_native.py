@@ -1,6 +1,7 @@
 """tpkit's compiled small-batch product (`tpkit.quant.native`, `gemv.c`) against the plain torch product of the
 decoded weight: every weight kind, block scales and zero points, one and several rows, odd shapes (tails past the
-vector width), inputs of every floating dtype; and its use by dense half-precision layers (`products.half_linear`)."""
+vector width), inputs of every floating dtype; and its use by dense half-precision layers (`products.half_linear`).
+Its scales and zero points read in place: `test_native_inplace.py`."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,7 @@ def test_each_kind_equals_the_product_of_its_decoded_weight(n, k, rows):
     block = (4, 32)
     nb, kb = -(-n // block[0]), -(-k // block[1])
     s = torch.rand(nb, kb, generator=g) + 0.1
-    z = torch.randint(0, 16, (nb, kb), generator=g).float()
+    z = torch.randint(-8, 8, (nb, kb), dtype=torch.int8, generator=g)
     cases = {"bf16": (w.bfloat16(), w.bfloat16().float(), None, None),
              "fp16": (w.half(), w.half().float(), None, None)}
     q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)

@@ -28,8 +28,8 @@ from ..layout import ShardLayout
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 from ..nn.quantized import QuantMethod, QuantizedLinear, quant_method_of
 from ..nn.quantized_experts import ExpertsQuantMethod, copy_with, experts_methods_of
-from ..quant import (Quantization, QuantizationError, WeightQuant, config_quantization, stored_layout,
-                     stored_tensors)
+from ..quant import (Quantization, QuantizationError, WeightQuant, config_quantization, resident_bytes,
+                     stored_layout, stored_tensors)
 from .plan import Plan
 from .roles import ATTENTION
 
@@ -234,9 +234,17 @@ def stored_weight_bytes(scheme: WeightQuant, dense: ShardLayout, scale_bytes: in
     return total
 
 
+def held_weight_bytes(scheme: WeightQuant, dense: ShardLayout, dtype: torch.dtype) -> int:
+    """The bytes a rank holds of a quantized layer once loaded in `dtype` (its scales stored in it): the stored
+    tensors (`stored_weight_bytes`) and what the load keeps beside them (`tpkit.quant.resident_bytes`: the maps
+    where a split cuts a group, the tables a fast product makes)."""
+    return stored_weight_bytes(scheme, dense, dtype.itemsize) + resident_bytes(scheme, dense, dtype)
+
+
 def quantized_note(quant: Quantization) -> str:
     """`analyze`'s line about a quantized checkpoint: what its bytes count, its format and units."""
     units = "; ".join(sorted({f"{q.describe()}: splits keep whole units of {q.units()[0]} output x {q.units()[1]} "
                               f"input features where they can" for _, q in quant.groups}))
     return (f"quantized checkpoint ({quant.method}): bytes count the stored tensors (packed weights, scales, zero "
-            f"points); {units}. Load it with tpkit.from_pretrained(path): each rank reads its packed slices")
+            f"points) and what a load keeps beside them (maps where a split cuts a group); {units}. Load it with "
+            f"tpkit.from_pretrained(path): each rank reads its packed slices")

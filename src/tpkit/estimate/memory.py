@@ -228,7 +228,8 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
         kv = [one["kv_cache"], many["kv_cache"]]
     quant = config_quantization(config)
     if quant is not None:
-        extra["quantized"] = (quantized_weights(shape, quant, 1, 0, B), fullest_quantized(shape, quant, world_size, B))
+        extra["quantized"] = (quantized_weights(shape, quant, 1, 0, dtype),
+                              fullest_quantized(shape, quant, world_size, dtype))
         w, b = extra["quantized"][0]
         notes.append(f"linear layers stored quantized ({quant.describe()}): {b / max(w, 1):.3f} bytes per weight as "
                      f"stored, frozen in training (no gradient or optimizer state)")

@@ -124,45 +124,69 @@ def analysed_parameters(model: nn.Module, world_size: int, mode: str, example=No
     return report.per_rank_bytes[1] // elem, report.per_rank_bytes[world_size] // elem
 
 
-def quantized_weights(shape: TransformerShape, quant, world_size: int, rank: int, scale_bytes: int) -> tuple[int, int]:
+def quantized_weights(shape: TransformerShape, quant, world_size: int, rank: int,
+                      dtype: torch.dtype) -> tuple[int, int]:
     """(weights, bytes) `rank` holds of the block linear layers a quantized checkpoint stores packed (`quant`, a
-    `tpkit.quant.Quantization`): `weights` at the dense split `parameter_counts` counts (what the stored tensors
-    replace), `bytes` the layers' stored tensors (packed values, scales, zero points) at the rank's width, as
-    `tpkit.quant.stored_tensors` lists them, the MLP's features split in whole groups as the load splits them
-    (`mlp_unit`). Embeddings and the LM head count as the dense parameters they are unless the checkpoint's scheme
-    names them."""
-    from ..quant import stored_tensors
+    `tpkit.quant.Quantization`), loaded in `dtype` (its scales stored in it): `weights` at the dense split
+    `parameter_counts` counts (what the stored tensors replace), `bytes` what the load holds of each layer on the
+    rank's layout (`_block_layouts`: whole heads, the MLP's features in whole groups): its stored tensors and what
+    it keeps beside them, counted as `tpkit.analyze` counts them (`convert.quantized.held_weight_bytes`).
+    Embeddings and the LM head count as the dense parameters they are unless the checkpoint's scheme names them."""
+    from ..convert.quantized import held_weight_bytes
 
     q_heads, kv_heads, f, _ = rank_widths(shape, world_size, rank)
-    unit = mlp_unit(shape, quant, world_size)
-    held_f = split_sizes(shape.intermediate_size // unit, world_size)[rank] * unit if unit else f
     h, d = shape.hidden_size, shape.head_dim
-    q, kv = q_heads * d, kv_heads * d
-    attention = [("self_attn.q_proj", q, h, q), ("self_attn.k_proj", kv, h, kv), ("self_attn.v_proj", kv, h, kv),
-                 ("self_attn.o_proj", h, q, h)]
-    up = [("mlp.gate_proj", f, h, held_f), ("mlp.up_proj", f, h, held_f)] if shape.gated_mlp else \
-        [("mlp.up_proj", f, h, held_f)]
+    dense = {"self_attn.q_proj": q_heads * d * h, "self_attn.k_proj": kv_heads * d * h,
+             "self_attn.v_proj": kv_heads * d * h, "self_attn.o_proj": h * q_heads * d, "mlp.gate_proj": f * h,
+             "mlp.up_proj": f * h, "mlp.down_proj": h * f}
     weights = stored = 0
-    for name, out, in_, held_out in attention + up + [("mlp.down_proj", h, f, h)]:
+    for name, layout in _block_layouts(shape, quant, world_size, rank).items():
         scheme = quant.scheme_for(f"model.layers.0.{name}", "Linear")
-        if scheme is None or out == 0 or in_ == 0:
+        if scheme is None or dense[name] == 0:
             continue
-        weights += out * in_
-        held_in = held_f if name == "mlp.down_proj" else in_
-        stored += sum(math.prod(s.shape) * (s.dtype.itemsize if s.dtype else scale_bytes)
-                      for s in stored_tensors(scheme, held_out, held_in))
+        weights += dense[name]
+        stored += held_weight_bytes(scheme, layout, dtype)
     return weights * shape.num_layers, stored * shape.num_layers
 
 
-def fullest_quantized(shape, quant, world_size: int, B: int) -> tuple[int, int]:
+def _block_layouts(shape: TransformerShape, quant, world_size: int, rank: int) -> dict:
+    """The dense weights' layouts of one block's linear layers on `rank`, as the load lays them out: attention in
+    whole heads (`tpkit.layout.head_layout`; replicated where no layout exists), the MLP's features split in whole
+    units (`mlp_unit`)."""
+    from ..layout import HeadLayoutError, Piece, ShardLayout, head_layout, head_spans
+
+    h, d, f, w = shape.hidden_size, shape.head_dim, shape.intermediate_size, world_size
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    try:
+        heads = head_layout(shape.num_heads, shape.num_kv_heads, w, spread=shape.num_kv_heads < shape.num_heads) \
+            if w > 1 else None
+    except HeadLayoutError:
+        heads = None
+
+    def split(full, dim, piece):
+        return ShardLayout(full, w, rank, dim, (piece,)) if piece is not None else ShardLayout.replicated(full, w, rank)
+
+    q_piece = Piece(0, q, head_spans(heads.q_heads, d)) if heads else None
+    kv_piece = Piece(0, kv, head_spans(heads.kv_heads, d)) if heads else None
+    f_piece = Piece.split(0, f, w, mlp_unit(shape, quant, w) or 1) if w > 1 else None
+    out = {"self_attn.q_proj": split((q, h), 0, q_piece), "self_attn.k_proj": split((kv, h), 0, kv_piece),
+           "self_attn.v_proj": split((kv, h), 0, kv_piece), "self_attn.o_proj": split((h, q), 1, q_piece)}
+    for name in (["mlp.gate_proj", "mlp.up_proj"] if shape.gated_mlp else ["mlp.up_proj"]):
+        out[name] = split((f, h), 0, f_piece)
+    out["mlp.down_proj"] = split((h, f), 1, f_piece)
+    return out
+
+
+def fullest_quantized(shape, quant, world_size: int, dtype: torch.dtype) -> tuple[int, int]:
     """(weights, stored bytes) for the per-rank breakdown of a quantized checkpoint: of the rank that holds the most
     bytes once its layers are stored quantized (whole groups move the fullest rank: not always the dense one). The
     breakdown subtracts `weights` from the dense fullest rank's count, so the other rank's dense difference is
     folded into it: its parameters, gradients and optimizer states are then that rank's."""
     if world_size == 1:
-        return quantized_weights(shape, quant, 1, 0, B)
+        return quantized_weights(shape, quant, 1, 0, dtype)
+    B = dtype.itemsize
     dense = [sum(parameter_counts(shape, world_size, r).values()) for r in range(world_size)]
-    held = [quantized_weights(shape, quant, world_size, r, B) for r in range(world_size)]
+    held = [quantized_weights(shape, quant, world_size, r, dtype) for r in range(world_size)]
     r = max(range(world_size), key=lambda r: (dense[r] - held[r][0]) * B + held[r][1])
     return held[r][0] + max(dense) - dense[r], held[r][1]
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layout import Piece, ShardLayout
-from ..quant import WeightQuant, dequantize, positions, stored_layout, stored_tensors
+from ..quant import WeightQuant, dequantize, layer_tensors
 from ..quant.products import fastest
 from .grad_sums import GradSum, rows_sum
 from .rewrites import Rewrite, rewrite
@@ -80,28 +80,21 @@ class QuantMethod(StoredWeight):
         if "weight" in layer._parameters or dense.transposed or len(dense.full_shape) != 2:
             raise TypeError(f"{where or type(layer).__name__}: a quantized layer is built without a dense weight "
                             f"Parameter and with an [out, in] dense layout")
-        specs = {s.name: s for s in stored_tensors(self.scheme, *dense.full_shape)}
-        layouts = {n: stored_layout(dense, s, where) for n, s in specs.items()}  # raises before anything changes
+        held = layer_tensors(self.scheme, dense, self.dtype, self.stored_dtypes, where)  # raises before any change
         device = torch.device(device if device is not None else "meta")
-        dtypes = {n: s.dtype or self.stored_dtypes.get(n, self.dtype) for n, s in specs.items()}
-        maps = []
-        for n, s in specs.items():
-            layer.register_buffer(n, torch.empty(layouts[n].local_shape, dtype=dtypes[n], device=device))
-            for i in range(len(s.dims)):
-                m = positions(dense, s, i)
-                if m is not None:
-                    maps.append((n, i))
-                    layer.register_buffer(_MAP.format(n, i), m.to(device if device.type != "meta" else "cpu"),
-                                          persistent=False)
-        self.specs, self.layouts, self.dense, self.maps = specs, layouts, dense, tuple(maps)
-        self.candidates = self.format.products(self.scheme, self.shape, bool(maps), self.dtype,
-                                               dtypes.get(self.format.roles(self.scheme).scale))
+        for n in held.specs:
+            layer.register_buffer(n, torch.empty(held.layouts[n].local_shape, dtype=held.dtypes[n], device=device))
+        for (n, i), m in held.maps.items():
+            layer.register_buffer(_MAP.format(n, i), m.to(device if device.type != "meta" else "cpu"),
+                                  persistent=False)
+        self.specs, self.layouts, self.dense, self.maps = dict(held.specs), dict(held.layouts), dense, tuple(held.maps)
+        self.candidates = list(held.candidates)
         self.product, self.resident = None, ()
         self.weight_sum = rows_sum(dense) if dense.dim == 0 else None
         layer.quant_method = self
         rewrite(layer, "weight", self)
         layer.register_load_state_dict_post_hook(self._loaded)  # new stored values: the product's tensors anew
-        return layouts
+        return self.layouts
 
     # ------------------------------------------------------------------------------------------------ reading
     def read(self, module: nn.Module, name: str, stored: torch.Tensor | None) -> torch.Tensor:
@@ -128,7 +121,8 @@ class QuantMethod(StoredWeight):
         """Once the stored tensors hold their values: pick the fastest product measured on this layer's shape
         (`tpkit.quant.products.fastest`) and keep the tensors it reads on every call: a stored tensor itself where
         the product reads it in place (or in its place, the same values on a 64-byte boundary), else a
-        non-persistent buffer (scales as float32 tables)."""
+        non-persistent buffer (`tp_kernel_*`: only a table the product makes, counted by the sizing tools through
+        `tpkit.quant.resident_bytes`)."""
         b = layer._buffers
         for n in [n for n in b if n.startswith(_KEPT)]:
             del b[n]

@@ -13,8 +13,14 @@
      5  FP8 e4m3fn bits
    fp16 and FP8 bits are placed in a float32's exponent and mantissa (normal and subnormal values alike): that float
    is the value times 2^-112 (fp16) or 2^-120 (FP8), and each output is multiplied back once at the end.
-   Scales and zero points (float32, optional) cover blocks of `bh` rows x `bw` columns: entry (n / bh, k / bw) of a
-   `[ceil(N / bh), KB]` table. The product is factored per block, y += s * (sum_k x q - z * sum_k x), so the inner
+   Scales and zero points (optional) cover blocks of `bh` rows x `bw` columns: entry (n / bh, k / bw) of a
+   `[ceil(N / bh), KB]` table, read where the checkpoint stored them (no table is made at load, so a layer holds no
+   more than its stored tensors). Scales (`scale_kind`): 0 float32, 1 bf16 bits, 2 fp16 bits, each converted to the
+   float32 of the same value (exactly: integer operations only). Zero points (`zero_kind`): 0 none, 1 int8 values
+   (the table), 2 int32 words packing `32 / zero_bits` rows' values along the rows, each stored plus 2^(zero_bits-1)
+   (compressed-tensors' packed zero points). `offset` (a float32 integer) is the values' storage offset (8 for
+   compressed-tensors' int4, 128 for its packed int8 words): the block's zero is z + offset, a constant where there
+   are no zero points. The product is factored per block, y += s * (sum_k x q - (z + offset) * sum_k x), so the inner
    loop is a decode and a multiply-add. Integers and FP8 values are exact in float32; the sums are float32. */
 #include <stdint.h>
 #include <string.h>
@@ -30,6 +36,47 @@ static inline float bits_float(uint32_t bits) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+static inline float half_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3FFu;
+    if (e == 31) return bits_float(sign | 0x7F800000u | (m << 13));  /* inf, nan */
+    if (e == 0) {
+        if (m == 0) return bits_float(sign);
+        e = 113;  /* m * 2^-24 = 1.f * 2^(-14 - shifts): float32 exponent field 127 - 14 - shifts */
+        while (!(m & 0x400u)) { m <<= 1; e--; }
+        return bits_float(sign | (e << 23) | ((m & 0x3FFu) << 13));
+    }
+    return bits_float(sign | ((e + 112) << 23) | (m << 13));
+}
+
+/* out[b] = the float32 of scale `at + b` for b < count: bf16 / fp16 bits converted exactly (fp16's subnormals
+   normalized by shifts: integer operations only, which no flush-to-zero mode changes); one loop per kind */
+static void scales_row(int scale_kind, const void *table, int64_t at, int64_t count, float *restrict out) {
+    const uint8_t *p = (const uint8_t *)table + 2 * at;
+    uint16_t h;
+    if (scale_kind == 1)
+        for (int64_t b = 0; b < count; b++) { memcpy(&h, p + 2 * b, 2); out[b] = bits_float((uint32_t)h << 16); }
+    else
+        for (int64_t b = 0; b < count; b++) { memcpy(&h, p + 2 * b, 2); out[b] = half_float(h); }
+}
+
+/* out[b] = the zero point z + offset of row block r, column block b < KB (see the header) */
+static void zeros_row(int zero_kind, const void *zero, int zero_bits, int64_t r, int64_t KB, float offset,
+                      float *restrict out) {
+    if (zero_kind == 1) {
+        const int8_t *z = (const int8_t *)zero + r * KB;
+        for (int64_t b = 0; b < KB; b++) out[b] = (float)z[b] + offset;
+        return;
+    }
+    int64_t per = 32 / zero_bits, shift = (r % per) * zero_bits;
+    const uint8_t *words = (const uint8_t *)zero + 4 * (r / per) * KB;
+    uint32_t mask = (1u << zero_bits) - 1u;
+    int32_t half = 1 << (zero_bits - 1), word;
+    for (int64_t b = 0; b < KB; b++) {
+        memcpy(&word, words + 4 * b, 4);
+        out[b] = (float)((int32_t)(((uint32_t)word >> shift) & mask) - half) + offset;
+    }
 }
 
 static inline float decode(int kind, const uint8_t *w, int64_t k) {
@@ -157,13 +204,16 @@ static float block(int kind, const float *x, const float *xe, const float *xo, c
 #endif
 
 /* Rows [n0, n1) of y (`[M, N]` float32) for x `[M, K]` float32. `sums`: M x KB scratch (the blocks' sums of x, when
-   there are zero points); `halves`: M x K scratch (x de-interleaved into even / odd k, for kind 4). */
-void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const void *w, const float *scale,
-             const float *zero, int64_t bh, int64_t bw, int64_t KB, float *y, int64_t n0, int64_t n1,
-             float *sums, float *halves) {
+   there are zero points or an offset); `halves`: M x K scratch (x de-interleaved into even / odd k, for kind 4);
+   `row`: 2 x KB scratch (a row block's scales and zero points as float32, decoded once for all M rows: the inner
+   loops then read float32 as they would from a float32 table). */
+void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const void *w, const void *scale,
+             int scale_kind, const void *zero, int zero_kind, int zero_bits, float offset, int64_t bh, int64_t bw,
+             int64_t KB, float *y, int64_t n0, int64_t n1, float *sums, float *halves, float *row) {
     int64_t row_bytes = kind == 4 ? K / 2 : (kind <= 1 ? 2 * K : K);
     int64_t size = scale ? bw : K;
-    if (zero)
+    int shifted = zero_kind != 0 || offset != 0.0f;
+    if (shifted)
         for (int64_t m = 0; m < M; m++)
             for (int64_t b = 0; b < KB; b++) {
                 float s = 0.0f;
@@ -176,18 +226,23 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
                 halves[m * K + j] = x[m * K + 2 * j];
                 halves[m * K + K / 2 + j] = x[m * K + 2 * j + 1];
             }
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = (const uint8_t *)w + n * row_bytes;
-        const float *s_row = scale ? scale + (n / bh) * KB : 0;
-        const float *z_row = zero ? zero + (n / bh) * KB : 0;
+    const float *s_row = 0, *z_row = 0;  /* the row block's scales and zero points, float32 */
+    for (int64_t n = n0, r = -1; n < n1; n++) {
+        const uint8_t *wn = (const uint8_t *)w + n * row_bytes;
+        if (scale && n / bh != r) {  /* a new block of rows: its scales (read in place when float32), zero points */
+            r = n / bh;
+            if (scale_kind == 0) s_row = (const float *)scale + r * KB;
+            else { scales_row(scale_kind, scale, r * KB, KB, row); s_row = row; }
+            if (zero_kind) { zeros_row(zero_kind, zero, zero_bits, r, KB, offset, row + KB); z_row = row + KB; }
+        }
         for (int64_t m = 0; m < M; m++) {
             const float *xm = x + m * K;
             const float *xe = halves ? halves + m * K : 0, *xo = halves ? halves + m * K + K / 2 : 0;
             float acc[LANES] = {0}, out = 0.0f;
             for (int64_t k0 = 0, b = 0; k0 < K; k0 += size, b++) {
                 float s = s_row ? s_row[b] : 1.0f;
-                out += block(kind, xm, xe, xo, row, k0, k0 + size < K ? k0 + size : K, s, acc);
-                if (z_row) out -= s * z_row[b] * sums[m * KB + b];
+                out += block(kind, xm, xe, xo, wn, k0, k0 + size < K ? k0 + size : K, s, acc);
+                if (shifted) out -= s * (z_row ? z_row[b] : offset) * sums[m * KB + b];
             }
             for (int l = 0; l < LANES; l++) out += acc[l];
             y[m * N + n] = kind == 1 ? out * FP16_FACTOR : kind == 5 ? out * 0x1p120f : out;

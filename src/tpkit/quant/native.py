@@ -4,7 +4,9 @@ Decode multiplies one activation row (a few, batched) by every weight: its time 
 memory, and torch's CPU paths for a quantized or half-precision weight read them slower than memory allows (bf16
 `F.linear` at batch 1 no faster than float32's twice the bytes; `_weight_int8pack_mm` a third of memory speed; no
 kernel at all for FP8). `gemv.c` streams each weight row once, decoding it in registers (bf16, fp16, int8, packed
-int4 pairs, FP8 e4m3) with float32 sums and per-block scales and zero points.
+int4 pairs, FP8 e4m3) with float32 sums and per-block scales and zero points, the scales and zero points read
+where the checkpoint stored them (float32, bf16 or fp16 scales; int8 or packed int32 zero points; the values'
+storage offset a scalar): a layer keeps no table beside its stored tensors.
 
 It is compiled on first use with the C compiler (`CC`, default `cc`; `-O3 -march=native -fopenmp-simd`) into
 `$TPKIT_CACHE` (default `~/.cache/tpkit`), keyed by the source, the compiler and the CPU, written atomically; where
@@ -26,6 +28,8 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 KINDS = {"bf16": 0, "fp16": 1, "int8": 2, "uint8": 3, "uint4": 4, "fp8": 5}
+SCALE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the scale dtypes read in place
+ZERO_KINDS = {torch.int8: 1, torch.int32: 2}  # int8 values; int32 words packing 32 / zero_bits rows each
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.c")
 _LOCK = threading.Lock()
 _LIB: list = []  # [ctypes function or None], once tried
@@ -39,7 +43,9 @@ def _cpu() -> str:
         return platform.processor()
 
 
-def _build() -> ctypes.CDLL | None:
+def build(flags: tuple[str, ...] = ()):
+    """The compiled product (`tp_gemv` as a ctypes function), built with `flags` after the defaults (a test
+    builds the portable path with `("-mno-avx512f",)`), or None where no compiler works."""
     cc = os.environ.get("CC", "cc")
     with open(_SOURCE, "rb") as f:
         source = f.read()
@@ -47,7 +53,7 @@ def _build() -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256(source + version + _cpu().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + version + _cpu().encode() + " ".join(flags).encode()).hexdigest()[:16]
     root = os.environ.get("TPKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tpkit")
     path = os.path.join(root, f"gemv-{key}.so")
     if not os.path.exists(path):
@@ -55,8 +61,8 @@ def _build() -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
         os.close(fd)
         try:
-            done = subprocess.run([cc, "-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", _SOURCE, "-o", tmp],
-                                  capture_output=True, timeout=120)
+            done = subprocess.run([cc, "-O3", "-march=native", "-fopenmp-simd", *flags, "-shared", "-fPIC", _SOURCE,
+                                   "-o", tmp], capture_output=True, timeout=120)
             if done.returncode != 0:
                 return None
             os.replace(tmp, path)  # atomic: a concurrent build by another process writes the same bytes
@@ -68,7 +74,9 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(path)
     fn = lib.tp_gemv
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ctypes.c_int, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr]
+    c_int = ctypes.c_int
+    fn.argtypes = [c_int, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int, c_int, ctypes.c_float, i64, i64, i64, ptr,
+                   i64, i64, ptr, ptr, ptr]
     fn.restype = None
     return fn
 
@@ -77,7 +85,7 @@ def _function():
     if not _LIB:
         with _LOCK:
             if not _LIB:
-                _LIB.append(None if os.environ.get("TPKIT_NATIVE", "1") == "0" else _build())
+                _LIB.append(None if os.environ.get("TPKIT_NATIVE", "1") == "0" else build())
     return _LIB[0]
 
 
@@ -91,37 +99,53 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None, zero: torch.Tensor | None,
-         bh: int, bw: int, n: int) -> torch.Tensor:
+         bh: int, bw: int, n: int, offset: float, zero_bits: int) -> torch.Tensor:
     """`x` `[M, K]` float32 (contiguous) times the decoded `w` (`[N, ...]` bytes) -> `[M, N]` float32."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    kb = 0 if scale is None else scale.shape[-1]
-    sums = torch.empty(m, max(kb, 1), dtype=torch.float32) if zero is not None else None
+    kb = 0 if scale is None else (scale.shape[-1] if scale.dim() > 1 else 1)
+    shifted = zero is not None or offset != 0
+    sums = torch.empty(m, max(kb, 1), dtype=torch.float32) if shifted else None
     halves = torch.empty(m, k, dtype=torch.float32) if kind == KINDS["uint4"] else None
-    _function()(kind, m, n, k, _ptr(x), _ptr(w), _ptr(scale), _ptr(zero), bh, bw, kb, _ptr(y), 0, n, _ptr(sums),
-                _ptr(halves))
+    row = torch.empty(2, max(kb, 1), dtype=torch.float32)
+    _function()(kind, m, n, k, _ptr(x), _ptr(w), _ptr(scale), 0 if scale is None else SCALE_KINDS[scale.dtype],
+                _ptr(zero), 0 if zero is None else ZERO_KINDS[zero.dtype], zero_bits, offset, bh, bw, kb, _ptr(y), 0,
+                n, _ptr(sums), _ptr(halves), _ptr(row))
     return y
 
 
 @torch.library.custom_op("tpkit::gemv", mutates_args=())
 def _op(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None, zero: torch.Tensor | None,
-        bh: int, bw: int, n: int) -> torch.Tensor:
-    return _run(x, w, kind, scale, zero, bh, bw, n)
+        bh: int, bw: int, n: int, offset: float, zero_bits: int) -> torch.Tensor:
+    return _run(x, w, kind, scale, zero, bh, bw, n, offset, zero_bits)
 
 
 @_op.register_fake
-def _(x, w, kind, scale, zero, bh, bw, n):
+def _(x, w, kind, scale, zero, bh, bw, n, offset, zero_bits):
     return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, kind: str, n: int, scale: torch.Tensor | None = None,
-         zero: torch.Tensor | None = None, block: tuple[int, int] = (1, 1)) -> torch.Tensor:
+         zero: torch.Tensor | None = None, block: tuple[int, int] = (1, 1), offset: int = 0,
+         zero_bits: int = 0) -> torch.Tensor:
     """`x @ W^T` for `x` `[..., K]` (any floating dtype; the product is float32, returned in `x`'s dtype) and the
     weight `w` of `kind` (`KINDS`) with `n` rows, read as its bytes whatever its dtype (the stored tensor itself:
-    int32 words, FP8, int8, bf16); `scale` / `zero` float32 `[ceil(n / block[0]), KB]`, each entry
-    covering `block` = (rows, columns) of the weight. Every tensor contiguous on the CPU. Needs `available()`."""
+    int32 words, FP8, int8, bf16). `scale`: `[ceil(n / block[0]), KB]` (or `[1]`: one for all) in float32, bf16 or
+    fp16, each entry covering `block` = (rows, columns) of the weight; `zero`: the zero points over the same blocks,
+    int8 `[ceil(n / block[0]), KB]` or int32 words `[ceil(n / (32 / zero_bits)), KB]` packing `32 / zero_bits` rows
+    each (compressed-tensors' layout, values stored plus `2 ** (zero_bits - 1)`); `offset`: the values' storage
+    offset, subtracted as a zero point. Every tensor contiguous on the CPU, read in place. Needs `available()`."""
+    if scale is not None and scale.dtype not in SCALE_KINDS:
+        raise TypeError(f"native.gemv: scales in {scale.dtype} (read in place: {list(SCALE_KINDS)})")
+    if zero is not None and (zero.dtype not in ZERO_KINDS or (zero.dtype == torch.int32) != (zero_bits in (4, 8))):
+        raise TypeError(f"native.gemv: zero points in {zero.dtype} with zero_bits {zero_bits} (int8 values, or "
+                        f"int32 words with zero_bits 4 or 8)")
+    if zero is not None and scale is None:
+        raise ValueError("native.gemv: zero points cover the scales' blocks: give the scales too")
+    if not all(t is None or t.is_contiguous() for t in (w, scale, zero)):
+        raise ValueError("native.gemv: the weight, scales and zero points are read in place: each contiguous")
     flat = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    args = (flat, w, KINDS[kind], scale, zero, int(block[0]), int(block[1]), int(n))
+    args = (flat, w, KINDS[kind], scale, zero, int(block[0]), int(block[1]), int(n), float(offset), int(zero_bits))
     traced = torch.compiler.is_compiling() or is_fake(flat) or is_fake(w)  # no data to read: the op's fake impl
     y = _op(*args) if traced else _run(*args)
     return y.to(x.dtype).view(*x.shape[:-1], n)

@@ -2,9 +2,11 @@
 
 A `Product` computes `x W^T` from a layer's stored tensors (`format.Product`). Two families here:
 
-- `Native`: tpkit's compiled small-batch product (`native.py`, `gemv.c`), reading the stored values in place (bf16 /
-  fp16 bits, int8 or uint8 values, packed int4 pairs, FP8 bits) with the scales and zero points as float32 tables
-  made once at load (`resident`). Used for a few activation rows (decode); a longer input (prefill) multiplies by the
+- `Native`: tpkit's compiled small-batch product (`native.py`, `gemv.c`), reading the stored tensors in place: the
+  values (bf16 / fp16 bits, int8 or uint8 values, packed int4 pairs, FP8 bits), the scales (float32, bf16, fp16) and
+  the zero points (int8, or packed int32 words), the values' storage offset a scalar. So `resident` keeps nothing
+  beside the stored tensors (a float32 copy of scales only in a dtype the kernel does not read); a load holds its
+  share of the file. Used for a few activation rows (decode); a longer input (prefill) multiplies by the
   dequantized slice. Its sums are float32 whatever the activations' dtype, and the weights are the format's values
   times their scales unrounded, so it applies where that is the weight the layer computes with: scales in float32
   (or the format's arithmetic in float32, HF FP8), or a half-precision compute dtype (whose own rounding is larger).
@@ -27,7 +29,6 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import native
 from .format import Product
-from .packing import unpack_signed
 
 MAX_ROWS = 8  # activation rows (batch x new tokens) up to which a decode product is used
 _CHOSEN: dict[tuple, int] = {}
@@ -37,9 +38,9 @@ _LOCK = threading.Lock()
 class Native(Product):
     """The compiled product on a layer's values (`kind`: `native.KINDS`; `rows`: the local output features), scales
     covering `block` = (rows, columns) of the local weight (`scale`: its stored name; None: none), zero points
-    (`zero`: their stored name, `[rows / block[0], columns / block[1]]` once unpacked, packed `zero_bits` to a word
-    along the rows when not 0) and `offset` (the values' storage offset: 8 for compressed-tensors' int4, 128 for its
-    packed int8)."""
+    (`zero`: their stored name, `[rows / block[0], columns / block[1]]` once unpacked, packed `zero_bits` to an
+    int32 word along the rows when not 0) and `offset` (the values' storage offset: 8 for compressed-tensors' int4,
+    128 for its packed int8), each read in place by the kernel."""
 
     max_rows = MAX_ROWS
 
@@ -52,24 +53,20 @@ class Native(Product):
     def key(self) -> tuple:
         return (self.name, self.block, self.offset, self.zero)
 
-    def _zero_points(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        z = tensors[self.zero]
-        return unpack_signed(z, self.zero_bits, 0)[:self.rows] if self.zero_bits else z
-
     def resident(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {"values": tensors[self.values].contiguous()}  # read as bytes: the stored tensor itself
+        """The stored tensors themselves (contiguous, as a load holds them); scales in a dtype the kernel does not
+        read as a float32 copy, the only table it may make."""
+        out = {"values": tensors[self.values].contiguous()}
         if self.scale is not None:
-            s = tensors[self.scale].to(torch.float32)
-            out["scales"] = s.reshape(-1, s.shape[-1] if s.dim() > 1 else 1).contiguous()
-        if self.zero is not None or self.offset:
-            z = self._zero_points(tensors).to(torch.float32) if self.zero is not None else \
-                torch.zeros_like(out["scales"])
-            out["zeros"] = (z + self.offset).contiguous()
+            s = tensors[self.scale]
+            out["scales"] = (s if s.dtype in native.SCALE_KINDS else s.to(torch.float32)).contiguous()
+        if self.zero is not None:
+            out["zeros"] = tensors[self.zero].contiguous()
         return out
 
     def __call__(self, x: torch.Tensor, t: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return native.gemv(x, t["values"], self.kind, self.rows, t.get("scales"), t.get("zeros"),
-                           self.block)
+        return native.gemv(x, t["values"], self.kind, self.rows, t.get("scales"), t.get("zeros"), self.block,
+                           self.offset, self.zero_bits)
 
 
 def native_applies(dtype: torch.dtype, scale_dtype: torch.dtype | None) -> bool:

@@ -19,7 +19,7 @@ from ...tables import format_bytes as human
 from ..peft.adapters import adapter_memory, adapter_tensors, bare_model, peft_layers
 from ..modules import kind
 from .multinode import local_device_count, multi_node_advice
-from ..quantized import model_quantization, quantized_note, scheme_of, stored_weight_bytes, with_units
+from ..quantized import held_weight_bytes, model_quantization, quantized_note, scheme_of, with_units
 from ..planning.decide import plan as plan_for
 from .recommend import recommendations
 from ..registry import module_layouts
@@ -157,11 +157,12 @@ def _unique_params(m: nn.Module, seen: set) -> list[tuple[str, torch.Tensor]]:
 
 def _module_bytes(m: nn.Module, params, style: str, details, world: int, scheme=None) -> list[int]:
     """Bytes of `params` (module `m`'s own, not yet counted) that each rank holds under `style`; a weight a
-    quantized checkpoint stores (`scheme`) counts its stored tensors' bytes."""
+    quantized checkpoint stores (`scheme`) counts what a load holds of it: its stored tensors and what the load
+    keeps beside them (`held_weight_bytes`)."""
     out = []
     for rank in range(world):
         layouts = module_layouts(m, style, details, world, rank)
-        out.append(sum(stored_weight_bytes(scheme, layouts[pname], p.element_size()) if scheme and pname == "weight"
+        out.append(sum(held_weight_bytes(scheme, layouts[pname], p.dtype) if scheme and pname == "weight"
                        else layouts[pname].local_numel * p.element_size() for pname, p in params))
         if style == REPLICATE:
             return out * world
