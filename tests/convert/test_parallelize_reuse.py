@@ -17,7 +17,6 @@ import tpkit  # noqa: E402
 from tpkit.comm.shapes import ShapeCommunicator  # noqa: E402
 from tpkit.convert.planning.decide import trace_model  # noqa: E402
 from tpkit.convert.state import ConversionState, read_request  # noqa: E402
-from tpkit.convert.trace import base_prefix  # noqa: E402
 
 from tests.convert.test_dryrun import Block as GroupedBlock, Model as GroupedModel, NeedsValues  # noqa: E402
 from tests.convert.test_plan_reuse import _deeper, _Stack  # noqa: E402
@@ -125,7 +124,7 @@ def _both(model, plan_arg, comm, mode="inference"):
 def _took_reuse(model, world, plan_arg="auto", mode="inference") -> bool:
     """Whether `parallelize`'s trace step takes the model cut to its distinct blocks."""
     m = copy.deepcopy(model)
-    request = read_request(plan_arg, [n for n, _ in m.named_modules() if n], base_prefix(m), world)
+    request = read_request(plan_arg, m, world)
     return trace_model(ConversionState(m, ShapeCommunicator(0, world), mode, request, _example(model))).cut
 
 

@@ -15,7 +15,6 @@ import tpkit
 from tpkit.comm.shapes import ShapeCommunicator
 from tpkit.convert.planning import decide
 from tpkit.convert.state import ConversionState, read_request
-from tpkit.convert.trace import base_prefix
 from tpkit.convert.trace.blocks import analyze_blocks, repeated_blocks
 
 from ..models.custom import Block
@@ -27,7 +26,7 @@ DEPTH = 6
 def _reused_plan(model: nn.Module, world: int, mode: str, inputs) -> ConversionState | None:
     """The state after the trace and plan steps when they stayed on the model cut to its distinct blocks, else
     None (the whole model traced)."""
-    request = read_request("auto", [n for n, _ in model.named_modules() if n], base_prefix(model), world)
+    request = read_request("auto", model, world)
     s = ConversionState(model, ShapeCommunicator(0, world), mode, request, inputs)
     s = decide.make_plan(decide.trace_model(s))
     return s if s.cut else None

@@ -51,9 +51,9 @@ class Request:
         return self.kind in (WHOLE, RECORDED) or name in self.named
 
 
-def read_request(plan: Any, names: list[str], prefix: str | None, world: int, recorded: bool = False,
+def read_request(plan: Any, model: nn.Module, world: int, recorded: bool = False,
                  sequence_parallel: bool = False) -> Request:
-    """`plan` (see `parallelize`) as a `Request` for a model with module `names` and base-model `prefix`."""
+    """`plan` (see `parallelize`) as a `Request` for `model` (whose module names a mapping's entries must name)."""
     check_plan_argument(plan)
     if isinstance(plan, str) and plan in PLAN_WORDS:
         return Request(AUTO, None, frozenset())
@@ -65,8 +65,8 @@ def read_request(plan: Any, names: list[str], prefix: str | None, world: int, re
         return Request(WHOLE, Plan.load(plan), frozenset())
     if isinstance(plan, Mapping):
         user = Plan.from_dict(plan)
-        user.prefix = user.prefix or prefix
-        named = frozenset(user.resolve(names))  # an entry naming no module raises
+        user.prefix = user.prefix or base_prefix(model)
+        named = frozenset(user.resolve([n for n, _ in model.named_modules() if n]))  # naming no module raises
         return Request(WHOLE if "entries" in plan else OVERRIDES, user, named)
     raise PlanError(f"parallelize: plan must be 'auto', a Plan, a mapping or a JSON path, got {type(plan).__name__}")
 
@@ -87,9 +87,11 @@ class ConversionState:
     adapters: Any = None              # PEFT's wrappers taken out (`peft.adapters.Adapters`), or None
     view: nn.Module | None = None     # the model the plan is decided on: `model`, or it cut to its distinct blocks
     blocks: tuple = ()                # the repeated blocks `view` cuts (empty when it is the model)
+    outside: tuple = ()               # on a cut, the view's modules outside the blocks (`reuse.outside_blocks`)
     analysis: Any = None              # the `Analysis` of `view` (after `expand_plan`: of `model`)
-    whole: Any = None                 # on a cut, the model's own analysis (untraced, the cut's roles renamed)
+    roles: Any = None                 # on a cut, the cut's roles renamed to every block (`expand_plan` uses them)
     plan: Plan | None = None          # resolved (module names, canonical styles) from `make_plan` on
+    expanded: Plan | None = None      # on a cut, `plan` given to every block (dropped when the dry run changes it)
     prepared: Any = None              # `steps.Prepared`: this rank's layouts and styles
     updates: Mapping[str, Mapping[str, Any]] | None = None  # attributes set to local values by the swap
 
@@ -148,9 +150,7 @@ def begin(model: nn.Module, plan: Any, comm, adapters: Any, **options) -> Conver
     if done:
         raise PlanError(f"parallelize: the model already holds tensor-parallel shards (e.g. {done[0]}); it was "
                         f"converted before (see its tp_plan). Convert the original model once per rank")
-    names = [n for n, _ in model.named_modules() if n]
-    request = read_request(plan, names, base_prefix(model), comm.world_size, options.pop("recorded"),
-                           options["sequence_parallel"])
+    request = read_request(plan, model, comm.world_size, options.pop("recorded"), options["sequence_parallel"])
     if adapters is not None:
         adapters.check_plan(request.user)
     return ConversionState(model, comm, request=request, adapters=adapters, **options)

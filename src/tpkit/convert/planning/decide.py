@@ -23,7 +23,7 @@ from ..plan import Plan
 from ..state import AUTO, OVERRIDES, RECORDED, ConversionState, read_request, step, steps_once
 from ..steps import prepare, resolved
 from ..styles import REPLICATE, SEQUENCE_PARALLEL
-from ..trace import Analysis, analyze_structure, base_prefix, untraced_structure
+from ..trace import Analysis, analyze_structure, untraced_structure
 from ..trace.blocks import Blocks, analyze_blocks
 from .dryrun import KEPT, dry_run
 from .planner import auto_plan
@@ -39,8 +39,9 @@ def trace_model(s: ConversionState) -> ConversionState:
         return dataclasses.replace(s, view=s.model, analysis=untraced_structure(s.model))
     cut = _cut(s) if _may_cut(s) else None
     if cut is not None:
-        analysis, blocks, whole = cut
-        return dataclasses.replace(s, view=analysis.model, blocks=tuple(blocks), analysis=analysis, whole=whole)
+        analysis, blocks, outside, roles = cut
+        return dataclasses.replace(s, view=analysis.model, blocks=tuple(blocks), outside=tuple(outside),
+                                   analysis=analysis, roles=roles)
     seq = math.lcm(4, s.world) if s.sequence_parallel else 4
     return dataclasses.replace(s, view=s.model, analysis=analyze_structure(s.model, s.example_inputs, seq))
 
@@ -51,9 +52,9 @@ def _may_cut(s: ConversionState) -> bool:
         user is None or SEQUENCE_PARALLEL not in user.entries.values())
 
 
-def _cut(s: ConversionState) -> tuple[Analysis, list[Blocks], Analysis] | None:
-    """(the cut's analysis, the repeated blocks, the whole model's analysis: untraced, with the cut's roles renamed
-    to every block), or None where the cut cannot stand for the whole model."""
+def _cut(s: ConversionState) -> tuple[Analysis, list[Blocks], list[str], Mapping] | None:
+    """(the cut's analysis, the repeated blocks, the cut's modules outside them (`reuse.outside_blocks`), the cut's
+    roles renamed to every block), or None where the cut cannot stand for the whole model."""
     found = analyze_blocks(s.model, s.example_inputs)
     if found is None:
         return None
@@ -70,22 +71,24 @@ def _cut(s: ConversionState) -> tuple[Analysis, list[Blocks], Analysis] | None:
             here = expand(Plan({n: REPLICATE for n in user.matching(pattern, names)}), blocks, outside)
             if here is None or set(here.entries) != set(user.matching(pattern, whole_names)):
                 return None  # the override singles out a block the cut leaves out
-    whole = untraced_structure(s.model)
-    return short, blocks, dataclasses.replace(whole, structures=roles.details)
+    return short, blocks, outside, roles.details
 
 
 @step
 def make_plan(s: ConversionState) -> ConversionState:
     """2. The plan for the view, resolved once (`steps.resolved`): the planner's ("auto"), the planner's with the
     user's entries over it (those that name the view's modules, on a cut), or the user's whole plan. On a cut, this
-    is where the cut is confirmed: a plan whose renaming to every block is unsure (a fact naming another block) is
-    made on the whole model's trace instead, so the steps after it never find the cut unsure."""
-    plan = _planned(s)
-    if s.cut and _expanded(s, plan) is None:
-        s = dataclasses.replace(s, view=s.model, blocks=(), whole=None,
-                                analysis=analyze_structure(s.model, s.example_inputs))
-        plan = _planned(s)
-    return dataclasses.replace(s, plan=resolved(plan, s.analysis, dict(s.view.named_modules())))
+    is where the cut is confirmed: its plan given to every block (kept in the state for step 5) must rename for sure,
+    else the plan is made on the whole model's trace instead, so the steps after it never find the cut unsure."""
+    plan = resolved(_planned(s), s.analysis, dict(s.view.named_modules()))
+    if not s.cut:
+        return dataclasses.replace(s, plan=plan)
+    expanded = _expanded(s, plan)
+    if expanded is not None:
+        return dataclasses.replace(s, plan=plan, expanded=expanded)
+    s = dataclasses.replace(s, view=s.model, blocks=(), outside=(), roles=None,
+                            analysis=analyze_structure(s.model, s.example_inputs))
+    return dataclasses.replace(s, plan=resolved(_planned(s), s.analysis, dict(s.model.named_modules())))
 
 
 def _planned(s: ConversionState) -> Plan:
@@ -101,9 +104,7 @@ def _planned(s: ConversionState) -> Plan:
 
 def _expanded(s: ConversionState, plan: Plan) -> Plan | None:
     """The cut's `plan` for every block (`reuse.expand`; the dry run's reasons copied as they are), or None."""
-    blocks = list(s.blocks)
-    outside = outside_blocks((n for n, _ in s.view.named_modules()), blocks)
-    return expand(plan, blocks, outside, verbatim=lambda reason: reason.startswith(KEPT))
+    return expand(plan, list(s.blocks), s.outside, verbatim=lambda reason: reason.startswith(KEPT))
 
 
 @step
@@ -112,9 +113,9 @@ def dry_run_plan(s: ConversionState) -> ConversionState:
     user's plan fixed that fails is a PlanError. A recorded plan was dry-run when it was made."""
     if s.request.kind == RECORDED:
         return s
-    whole = s.whole if s.cut else s.analysis  # the whole model's size decides how, on a cut too
-    plan = dry_run(s.view, s.plan, s.analysis, s.comm, s.sequence_parallel, s.request.fixed, whole.copy_bytes)
-    return dataclasses.replace(s, plan=plan)
+    plan = dry_run(s.view, s.plan, s.analysis, s.comm, s.sequence_parallel, s.request.fixed,
+                   s.analysis.copy_bytes)  # the whole model's size (on a cut too) decides how
+    return s if plan is s.plan else dataclasses.replace(s, plan=plan, expanded=None)  # a changed plan: expand anew
 
 
 @step
@@ -128,22 +129,24 @@ def check_dataflow(s: ConversionState) -> ConversionState:
 
 @step
 def expand_plan(s: ConversionState) -> ConversionState:
-    """5. On a cut, the plan given to every block (`reuse.expand`) and the model's own analysis for the steps after.
-    The plan step made sure the planner's facts rename; the dry run since only replicated modules, with one reason
-    for every block alike."""
+    """5. On a cut, the plan given to every block (`reuse.expand`) and the model's own analysis for the steps after
+    (untraced, the cut's roles renamed to every block). The plan step made sure the planner's facts rename; the dry
+    run since only replicated modules, with one reason for every block alike."""
     if not s.cut:
         return s
-    plan = _expanded(s, s.plan)
+    plan = s.expanded if s.expanded is not None else _expanded(s, s.plan)
     if plan is None:  # not reachable by the argument above: a broken promise is a bug, not a silently other plan
         raise RuntimeError("tpkit: the plan of the model cut to its distinct blocks no longer renames to every block "
                            "after its dry run; convert with reuse=False and report this model")
-    return dataclasses.replace(s, view=s.model, analysis=s.whole, plan=plan)
+    whole = dataclasses.replace(untraced_structure(s.model), structures=s.roles)
+    return dataclasses.replace(s, view=s.model, analysis=whole, plan=plan)
 
 def plan(model: nn.Module, world_size: int, *, mode: str = "inference", example_inputs: Any = None,
          overrides: Mapping[str, str] | Plan | None = None, analysis: Analysis | None = None,
          reuse: bool | None = None) -> Plan:
     """The tensor-parallel plan for `model` on `world_size` ranks (module name -> style; see `Plan`): `parallelize`'s
-    steps 1, 2 and 5 (trace, plan, expand; no dry run, which needs a communicator's ranks to run on).
+    steps 1 and 2 (trace, plan: on a cut, the plan given to every block there; no dry run, which needs a
+    communicator's ranks to run on).
 
     `mode="training"` keeps the LM head's logits split over the vocabulary (pair it with
     `tpkit.nn.vocab_parallel_cross_entropy`); inference gathers them. `overrides` (a mapping or a Plan)
@@ -158,9 +161,8 @@ def plan(model: nn.Module, world_size: int, *, mode: str = "inference", example_
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"plan: world_size must be a positive int, got {world_size!r}")
     wanted = dict(overrides.entries) if isinstance(overrides, Plan) else overrides
-    names = [n for n, _ in model.named_modules() if n]
     with steps_once():
-        request = read_request(wanted or "auto", names, base_prefix(model), world_size)
+        request = read_request(wanted or "auto", model, world_size)
         s = ConversionState(model, ShapeCommunicator(0, world_size), mode, request, example_inputs, reuse=reuse)
-        s = trace_model(s) if analysis is None else dataclasses.replace(s, view=model, analysis=analysis)
-        return expand_plan(make_plan(s)).plan
+        s = make_plan(trace_model(s) if analysis is None else dataclasses.replace(s, view=model, analysis=analysis))
+        return s.expanded if s.cut else s.plan

@@ -45,6 +45,7 @@ class Blocks:
     keep: int
     source: tuple[int, ...]
     extra_params: int = 0  # parameters of the blocks past the cut (each has its source's count)
+    extra_bytes: int = 0   # bytes of their parameters and buffers likewise (`Analysis.copy_bytes`)
 
 
 def _plain(v: Any) -> Any:
@@ -201,8 +202,11 @@ def _survey(model: nn.Module) -> tuple[list[Blocks], bool]:
         keep, source = found_cut
         for i, ids in enumerate(per_block):
             (traced if i < keep - 1 else dropped).extend(ids)
-        counts = {j: sum(p.numel() for p in lst[j].parameters()) for j in set(source[keep:])}
-        found.append(Blocks(name, len(lst), keep, source, sum(counts[source[i]] for i in range(keep, len(lst)))))
+        counts = {j: (sum(p.numel() for p in lst[j].parameters()),
+                      sum(t.nbytes for t in list(lst[j].parameters()) + list(lst[j].buffers())))
+                  for j in set(source[keep:])}
+        past = [counts[source[i]] for i in range(keep, len(lst))]
+        found.append(Blocks(name, len(lst), keep, source, sum(n for n, _ in past), sum(b for _, b in past)))
     seen: dict[int, int] = {}
     for i in traced + dropped:
         seen[i] = seen.get(i, 0) + 1
@@ -233,8 +237,8 @@ def cut_view(model: nn.Module, blocks: list[Blocks]) -> nn.Module:
 
 
 def analyze_blocks(model: nn.Module, example_inputs: Any = None) -> tuple[Analysis, list[Blocks]] | None:
-    """(the analysis of the model cut to its distinct blocks, whose `.model` is that cut (`cut_view`); the repeated
-    blocks), or None when the model has no repeated blocks or the cut's trace cannot stand in for the whole one
+    """(the analysis of the model cut to its distinct blocks, whose `.model` is that cut (`cut_view`; its
+    `total_params` and `copy_bytes` the whole model's); the repeated blocks), or None when the model has no repeated blocks or the cut's trace cannot stand in for the whole one
     (weights shared with a block it leaves out, a failed trace, a block layer the trace did not run)."""
     blocks, shared = _survey(model)
     if not blocks or shared:
@@ -243,4 +247,5 @@ def analyze_blocks(model: nn.Module, example_inputs: Any = None) -> tuple[Analys
     inside = tuple(b.name + "." for b in blocks)
     if short.trace is None or any(n.startswith(inside) and n not in short.trace.calls for n in short.leaves):
         return None  # a layer the trace did not run (an expert no token chose): a fact of values, not of blocks
-    return dataclasses.replace(short, total_params=short.total_params + sum(b.extra_params for b in blocks)), blocks
+    return dataclasses.replace(short, total_params=short.total_params + sum(b.extra_params for b in blocks),
+                               copy_bytes=short.copy_bytes + sum(b.extra_bytes for b in blocks)), blocks
