@@ -15,6 +15,18 @@ import tpkit  # noqa: E402
 from tests.checkpoint.fixtures import hf_logits, logits_of, rel  # noqa: E402
 
 
+
+def _distinct(cls, cfg):
+    """`cls(cfg)` (eager attention, seed 0) with every tensor drawn wide: a part read from the wrong place (a
+    misplaced expert, a cut taken at another offset) shows in the weights and the logits."""
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
 def _moe(kind: str):
     import transformers as tr
 
@@ -27,13 +39,7 @@ def _moe(kind: str):
         cfg = tr.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                                 num_experts=4, **common)
         cls = tr.Qwen2MoeForCausalLM
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = cls(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)  # experts distinct enough that a misplaced one shows in the logits
-    return model
+    return _distinct(cls, cfg)
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
@@ -132,13 +138,7 @@ def _converted(kind: str):
                                 num_experts=4, num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"],
                                 max_position_embeddings=64, sliding_window=16, **ids)
         cls = tr.LaraMiniForCausalLM
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = cls(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)  # every tensor distinct, so a part read from the wrong place shows
-    return model
+    return _distinct(cls, cfg)
 
 
 @pytest.fixture(scope="module", params=["kimi_linear", "hrm_text", "lara_mini"])
