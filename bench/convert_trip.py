@@ -5,12 +5,12 @@ A stop is a call of a function defined under src/tpkit that receives the model o
 in a record that carries it (`.model`, as the trace's analysis does; a generator resumed, as a `with` block's exit
 resumes its context manager, is not a new call);
 its module is the file the function is defined in. A return is a stop in a module seen before, other than the
-one the previous stop was in. Measured at 2 thread-ranks (rank 0's trip) on four ways in: a tiny Llama, the same with PEFT LoRA adapters, an int8
-checkpoint through `from_pretrained` (counted from the moment `parallelize` receives the model it built to the
-moment it returns it: the load that follows is not the conversion), and
-"auto" with overrides; each also reports how many times `parallelize` was entered (once: no recursion). The grouped
-view counts the same trip by concern (the trace, the architecture families, each step), which is what tangling
-between steps looks like.
+one the previous stop was in. Measured at 2 thread-ranks (rank 0's trip) on four ways in: a tiny Llama, the same
+with PEFT LoRA adapters, an int8 checkpoint through `from_pretrained` (counted from the moment `parallelize`
+receives the model it built to the moment it returns it: the load that follows is not the conversion), and "auto"
+with overrides; each also reports how many times `parallelize` was entered (once: no recursion). The grouped view
+counts the same trip by concern (the trace, the architecture families, each step), which is what tangling between
+steps looks like.
 
 Run: `PYTHONPATH=src python bench/convert_trip.py [--show] [--only NAME]`.
 """

@@ -17,7 +17,7 @@ from tpkit.convert.state import StepReentered, step, steps_once  # noqa: E402
 
 from tests.models import hf  # noqa: E402
 
-parallelize_module = importlib.import_module("tpkit.convert.parallelize")  # the module (the package exports the function)
+parallelize_module = importlib.import_module("tpkit.convert.parallelize")  # (the package exports the function)
 
 ORDER = ("without_adapters", "begin", "trace_model", "make_plan", "dry_run_plan", "check_dataflow", "expand_plan",
          "quantization_units", "lay_out", "build_and_swap", "record", "rewrap_adapters", "check_gradients")

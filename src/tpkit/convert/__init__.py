@@ -4,20 +4,21 @@
 `parallelize` (in place, this rank's shards) -> `verify` (run the plan on N thread-ranks and compare).
 The estimates (`tpkit.estimate`) sit above and read these plans; this package never imports them.
 
-The folder follows the conversion's steps (`parallelize.py` runs them in order):
+The folder follows the conversion's steps (`parallelize.py` runs them in order, over one `state.ConversionState`):
 
-    trace/          1. the model's dataflow, once (`Analysis`), and its repeated blocks
-    planning/       2. the plan from the families' proposals (`planner`), repeated blocks' plans reused (`reuse`),
-                       the dry run on meta tensors (`dryrun`, `head_reshapes`)
-    layouts         3. which part of each tensor a rank holds (`ShardLayout`s), and `shard_layouts(model)`
-    validate        4. what no single module can check alone
-    swap, steps     5. build every new layer, then swap them in (`steps` runs 3 to 5 for the conversion and the dry
-                       run alike)
+    state           the request read once, the state the steps hand each other, the rule that each runs once
+    peft/           0., 10. PEFT's LoRA adapters taken out and put back round the new base layers; the seam to PEFT
+    trace/          1. the model's dataflow (`Analysis`), or its cut to distinct blocks'
+    planning/       1.-5. (`decide`): the plan from the families' proposals (`planner`), the dry run on a copy
+                       (`dryrun`, `head_reshapes`), a cut's plan given to every block (`reuse`)
+    steps           6.-9. quantization units, lay out, build and swap, record (and what the dry run shares)
+    layouts         7. which part of each tensor a rank holds (`ShardLayout`s), `shard_layouts(model)`; 11.
+    validate        4., 7. what no single module can check alone
+    swap            8. build every new layer, then swap them in
     conversion         the record the conversion leaves on the model (`Conversion`)
     families/          the architecture patterns, each a `Family` in the one `registry`, with its `styles`
     plan, roles, family, registry, styles, modules, errors   the data and the vocabulary the steps share
     quantized          a model whose checkpoint stores its linear layers quantized
-    peft/              PEFT's LoRA adapters: converted with their base layers, and the one seam to PEFT
     advice/            `analyze`: the report, its recommendations, the multi-node advice, the notices
     verify, wrapper    prove a plan on thread-ranks; the seed API's `DistributedModelWrapper`
     transformers_threads   transformers' names and builds from thread-ranks

@@ -1,4 +1,4 @@
-"""Step 3 of `parallelize` (layouts) and `shard_layouts(model)`: the one record of what each rank holds.
+"""Step 7 of `parallelize` (lay out) and `shard_layouts(model)`: the one record of what each rank holds.
 
 `plan_layouts` asks every planned module's style which part of each of its tensors this rank will hold,
 before anything is built; the builders cut their shards from those same layouts. After the swap,
@@ -91,15 +91,15 @@ def shard_layouts(model: nn.Module, record: ModelRecord | None = None) -> dict[s
             for key, t in model.state_dict(keep_vars=True).items()}
 
 
-def check_grad_sums(model: nn.Module, where: str, layouts: Mapping[str, ShardLayout] | None = None) -> None:
+def check_grad_sums(model: nn.Module, where: str, record: ModelRecord | None = None) -> None:
     """Raise PlanError when a parameter of the converted `model` whose gradient must be summed over ranks is not:
     rows several ranks hold (its layout says so) with no sum recorded, or a recorded sum whose module no longer
     applies it (its class or forward hooks replaced after the conversion). Either is a silently wrong gradient.
-    `layouts`: the model's layouts by state-dict key when the caller holds them (default: its record's)."""
-    params = {n for n, _ in model.named_parameters()}
+    `record`: the record `model` itself holds, when the caller has it (`shard_layouts`)."""
+    layouts, params = shard_layouts(model, record), {n for n, _ in model.named_parameters()}
     summed = grad_sums(model)
     # a plain split never shares an entry: only what is neither summed nor plainly split walks its entries
-    missing = [k for k, lay in (shard_layouts(model) if layouts is None else layouts).items()
+    missing = [k for k, lay in layouts.items()
                if k in params and k not in summed and not lay.is_plain_split() and lay.shares_entries()]
     missing += [k for k in unapplied(model) if k in summed]  # recorded sums no longer applied
     if missing:
@@ -115,4 +115,4 @@ def check_gradients(model: nn.Module, record: ModelRecord) -> None:
     """11. of `parallelize`: every gradient that must be a sum over ranks is one (`check_grad_sums`), on the model as
     the user gets it back (its adapters re-wrapped), `record` its conversion: the conversion's promise, checked
     once."""
-    check_grad_sums(model, "parallelize", shard_layouts(model, record))
+    check_grad_sums(model, "parallelize", record)

@@ -163,6 +163,17 @@ class Plan(Mapping[str, str]):
                 out[n] = s
         return out
 
+    def replaced(self, entries: Mapping[str, str] | None = None, details: Mapping[str, Role] | None = None,
+                 reasons: Mapping[str, str] | None = None) -> "Plan":
+        """A copy with `entries`, `details` or `reasons` given in place of this plan's: entries already canonical
+        styles and details `Role` records, as the conversion's steps make them (not checked again: a plan of a
+        whole model is copied in every step that changes it)."""
+        out = Plan(world_size=self.world_size, mode=self.mode, prefix=self.prefix)
+        out.entries = dict(self.entries if entries is None else entries)
+        out.details = dict(self.details if details is None else details)
+        out.reasons = dict(self.reasons if reasons is None else reasons)
+        return out
+
     def updated(self, overrides: Mapping[str, str] | "Plan") -> "Plan":
         """A copy with `overrides` taking precedence: for every module an override names, the override's
         style wins over this plan's entry (user entries over auto ones)."""

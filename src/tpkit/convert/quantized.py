@@ -92,8 +92,7 @@ def with_units(the_plan: Plan, modules: Mapping[str, nn.Module], quant: Quantiza
         for name, _ in members:
             if name in details:
                 details[name] = details[name].replace(unit=chosen)
-    return Plan(the_plan.entries, world_size=the_plan.world_size, mode=the_plan.mode, details=details,
-                reasons=the_plan.reasons, prefix=the_plan.prefix)
+    return the_plan.replaced(details=details)
 
 
 def _in_features(m: nn.Module) -> int:

@@ -73,10 +73,10 @@ def read_request(plan: Any, model: nn.Module, world: int, recorded: bool = False
 
 @dataclasses.dataclass(frozen=True)
 class ConversionState:
-    """One conversion on one rank, as far as its steps have gone (see the module doc). Fields after `quantization`
-    are filled in by the steps, in order."""
+    """One conversion on one rank, as far as its steps have gone (see the module doc). Fields after `adapters` are
+    filled in by the steps, in order."""
 
-    model: nn.Module                  # what is converted: the model, or inside `unwrapped` PEFT's bare model
+    model: nn.Module                  # what is converted: the model, or PEFT's bare model (`without_adapters`)
     comm: Any
     mode: str
     request: Request
@@ -142,15 +142,15 @@ def step(fn: F) -> F:
 @step
 def begin(model: nn.Module, plan: Any, comm, adapters: Any, **options) -> ConversionState:
     """The conversion's state before its first step: `plan` read once (`read_request`: an entry naming no module
-    raises here), after refusing a model converted before or quantized by another library, and a plan that splits
-    a LoRA-wrapped embedding along its features (`adapters.check_plan`)."""
+    raises here); a model converted before or quantized by another library refused, and a plan that splits a
+    LoRA-wrapped embedding along its features (`adapters.check_plan`)."""
+    request = read_request(plan, model, comm.world_size, options.pop("recorded"), options["sequence_parallel"])
     refuse_quantized(model)
     done = [n or "the model" for n, _ in records_in(model)] + [
         n for n, m in model.named_modules() if isinstance(m, SplitsParameters) and m.split_dims()]
     if done:
         raise PlanError(f"parallelize: the model already holds tensor-parallel shards (e.g. {done[0]}); it was "
                         f"converted before (see its tp_plan). Convert the original model once per rank")
-    request = read_request(plan, model, comm.world_size, options.pop("recorded"), options["sequence_parallel"])
     if adapters is not None:
         adapters.check_plan(request.user)
     return ConversionState(model, comm, request=request, adapters=adapters, **options)

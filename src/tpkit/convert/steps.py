@@ -49,23 +49,19 @@ def resolved(the_plan: Plan, analysis: Analysis, modules: Mapping[str, nn.Module
     for name, s in styles.items():
         if s in (COLWISE, ROWWISE) and name not in details and name in analysis.structures:
             details[name] = analysis.structures[name]
-    out = Plan(world_size=the_plan.world_size, mode=the_plan.mode, details=details, reasons=the_plan.reasons,
-               prefix=the_plan.prefix)
-    out.entries = styles  # canonical styles already
-    return out
+    return the_plan.replaced(styles, details)
 
 
 def prepare(model: nn.Module, styles: Mapping[str, str], details: Mapping[str, Role], analysis: Analysis,
             world: int, rank: int, sequence_parallel: bool) -> Prepared:
     """Layouts and checks of resolved `styles`; changes nothing in the model. The checks read the trace where
     `analysis` has one (each style's dataflow); every family settles what its install needs either way."""
-    modules = dict(model.named_modules())
+    modules, styles = dict(model.named_modules()), dict(styles)
     per_module = plan_layouts(modules, analysis.leaves, styles, details, world, rank)
-    planned = Planned(model, analysis, dict(styles), details, world, rank, STYLES, sequence_parallel)
+    planned = Planned(model, analysis, styles, details, world, rank, STYLES, sequence_parallel)
     checked = validate(planned)
-    styles = dict(styles)
     for c in checked.values():
-        styles.update(c.styles)
+        styles.update(c.styles)  # (what the families settled: the swap and the installs read them through `planned`)
     options: dict[str, dict] = {}
     for c in checked.values():
         for name, kwargs in c.build.items():

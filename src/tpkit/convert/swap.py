@@ -1,4 +1,4 @@
-"""Step 5 of `parallelize` (swap): build every new layer from its layouts, then change the model.
+"""Step 8 of `parallelize` (build and swap): build every new layer from its layouts, then change the model.
 
 `build` makes every replacement while the model is still untouched (a failure there leaves it as it was);
 `swap` puts them in, sets the attributes families asked for (local head counts, fast paths off), ties tied

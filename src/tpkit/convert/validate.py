@@ -1,4 +1,4 @@
-"""Step 4 of `parallelize` (validate): what no single module can check alone.
+"""The checks of `parallelize`'s steps 4 and 7 (validate): what no single module can check alone.
 
 Each planned module's style checks the traced dataflow around it (`Style.check_dataflow`: a split output must
 reach only layers that take a split input, and vice versa), tied weights must be split the same way, and every
@@ -17,9 +17,12 @@ from .styles import REPLICATE, VOCAB_STYLES
 
 
 def validate(planned: Planned) -> dict[str, Checked]:
-    """Check the plan as a whole; returns what each family settled (by family name)."""
-    for name, s in planned.styles.items():
-        style(s).check_dataflow(name, planned, planned.style_object)
+    """Check the plan as a whole; returns what each family settled (by family name). Without a trace on purpose
+    (`Analysis.untraced`) the styles' dataflow checks are not made: they were, where the plan was made; a trace that
+    failed leaves each style to refuse what it cannot check."""
+    if not planned.analysis.untraced:
+        for name, s in planned.styles.items():
+            style(s).check_dataflow(name, planned, planned.style_object)
     check_ties(planned)
     out = {}
     for family in families():

@@ -43,11 +43,7 @@ class ReplicatedGradAllReduce(Style):
     collectives = ("all_reduce (backward)",)
 
     def check_dataflow(self, name: str, planned: Any, lookup) -> None:
-        """(A plan applied without a trace, recorded or expanded from the model cut to its distinct blocks, was
-        checked where it was made; a trace that failed cannot show the layer, which is refused.)"""
-        t, untraced = planned.analysis.trace, planned.analysis.trace_error is None
-        if t is None and untraced:
-            return
+        t = planned.analysis.trace
         if t is None or (name not in t.head_local and name not in t.carried_by):
             raise PlanError(f"{name}: style 'replicated_with_grad_allreduce' is for per-head layers (q/k norms) "
                             f"between split q/k projections and their row-wise output layer, or activations with "

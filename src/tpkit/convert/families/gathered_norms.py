@@ -43,12 +43,7 @@ class GatheredNorm(Style):
                             f"(LayerNorm, RMSNorm)")
 
     def check_dataflow(self, name: str, planned: Any, lookup) -> None:
-        """(A plan applied without a trace, recorded or expanded from the model cut to its distinct blocks, was
-        checked where it was made; a trace that failed cannot show the norm, which is refused.)"""
-        a = planned.analysis
-        if a.trace is None and a.trace_error is None:
-            return
-        if planned.world_size > 1 and not any(name in p.norms for p in a.pairs):
+        if planned.world_size > 1 and not any(name in p.norms for p in planned.analysis.pairs):
             raise PlanError(f"{name}: style {GATHERED_NORM!r} is for a norm over all features between column-wise "
                             f"layers and their row-wise partner; the trace does not show {name} as one")
 

@@ -95,9 +95,9 @@ def bare_model(model: nn.Module) -> Iterator[tuple[nn.Module, dict[str, nn.Modul
         _put(target, {**saved, **wrapped})
 
 
-def split_saved_copies(target: nn.Module, saved: dict[str, nn.Module], originals: dict[str, nn.Module]) -> None:
-    """After the bare `target` was converted: each `modules_to_save` wrapper (by name, its unconverted `originals`)
-    takes the converted original, and each trained copy becomes a copy of it holding this rank's slice of the
+def split_saved_copies(target: nn.Module, saved: Mapping[str, nn.Module]) -> None:
+    """After the bare `target` was converted: each `modules_to_save` wrapper (by name; it still holds the unconverted
+    original) takes the converted original, and each trained copy becomes a copy of it holding this rank's slice of the
     copy's values (the original's layouts), so the copy is split exactly as the original."""
     import copy
 
@@ -108,7 +108,7 @@ def split_saved_copies(target: nn.Module, saved: dict[str, nn.Module], originals
     layouts = shard_layouts(target)
     for name, w in saved.items():
         new = target.get_submodule(name)
-        if new is originals[name]:
+        if new is w.original_module:
             continue
         for adapter, old in list(w.modules_to_save.items()):
             split = copy.deepcopy(new)
@@ -198,13 +198,11 @@ def _check_embedding_plan(wrapped: Mapping[str, nn.Module], plan: Plan | None) -
 
 @dataclasses.dataclass(frozen=True)
 class Adapters:
-    """PEFT's wrappers taken out of a model for its conversion: the LoRA wrappers and their base layers before, the
-    `modules_to_save` wrappers and their original modules before, all by name in the bare model."""
+    """PEFT's wrappers taken out of a model for its conversion, by name in the bare model: the LoRA wrappers and the
+    `modules_to_save` wrappers (each still holding the module it wrapped: its base layer, its original module)."""
 
     wrapped: Mapping[str, nn.Module]
-    bases: Mapping[str, nn.Module]
     saved: Mapping[str, nn.Module]
-    originals: Mapping[str, nn.Module]
 
     def check_plan(self, plan: Plan | None) -> None:
         """Refuse, before converting, a plan (the user's entries) that splits a LoRA-wrapped embedding along its
@@ -219,8 +217,8 @@ def without_adapters(model: nn.Module) -> Iterator[tuple[nn.Module, Adapters | N
     layers PEFT wrapped) gives its bare model, each wrapper replaced by its base layer (each refused first when tpkit
     cannot split it), and `Adapters`; any other model gives itself and None. An error inside the block puts every
     wrapper back (the model as it was); otherwise they stay out until `rewrap_adapters` puts them around the new
-    base layers. PEFT's dispatch, files and loading learn tpkit's layers here, for any model (`seam.install`: a converted model may
-    get its adapters later)."""
+    base layers. PEFT's dispatch, files and loading learn tpkit's layers here, for any model (`seam.install`: a
+    converted model may get its adapters later)."""
     seam.install()
     target, wrapped, saved = peft_layers(model)
     if not wrapped:
@@ -228,8 +226,7 @@ def without_adapters(model: nn.Module) -> Iterator[tuple[nn.Module, Adapters | N
         return
     for name, w in wrapped.items():
         _check_wrapper(name, w)
-    adapters = Adapters(wrapped, {n: w.get_base_layer() for n, w in wrapped.items()}, saved,
-                        {n: w.original_module for n, w in saved.items()})
+    adapters = Adapters(wrapped, saved)
     _put(target, _bare(wrapped, saved))
     try:
         yield target, adapters
@@ -248,11 +245,11 @@ def rewrap_adapters(target: nn.Module, adapters: Adapters | None) -> None:
     from ...nn.lora import lora_layer_for  # (imports PEFT, which a model holding adapters has imported already)
 
     converted = {name: target.get_submodule(name) for name in adapters.wrapped}
-    split_saved_copies(target, dict(adapters.saved), dict(adapters.originals))
+    split_saved_copies(target, adapters.saved)
     _put(target, {**adapters.saved, **adapters.wrapped})
     for name, w in adapters.wrapped.items():
         new = converted[name]
-        if new is not adapters.bases[name]:
+        if new is not w.get_base_layer():  # (the wrapper still holds the layer it wrapped)
             cls = lora_layer_for(new)
             if cls is None:
                 raise PlanError(f"{name}: its base layer became a {type(new).__name__}, which takes no LoRA adapter")

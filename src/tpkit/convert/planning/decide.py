@@ -113,8 +113,7 @@ def dry_run_plan(s: ConversionState) -> ConversionState:
     user's plan fixed that fails is a PlanError. A recorded plan was dry-run when it was made."""
     if s.request.kind == RECORDED:
         return s
-    plan = dry_run(s.view, s.plan, s.analysis, s.comm, s.sequence_parallel, s.request.fixed,
-                   s.analysis.copy_bytes)  # the whole model's size (on a cut too) decides how
+    plan = dry_run(s.view, s.plan, s.analysis, s.comm, s.sequence_parallel, s.request.fixed)
     return s if plan is s.plan else dataclasses.replace(s, plan=plan, expanded=None)  # a changed plan: expand anew
 
 
@@ -140,6 +139,7 @@ def expand_plan(s: ConversionState) -> ConversionState:
                            "after its dry run; convert with reuse=False and report this model")
     whole = dataclasses.replace(untraced_structure(s.model), structures=s.roles)
     return dataclasses.replace(s, view=s.model, analysis=whole, plan=plan)
+
 
 def plan(model: nn.Module, world_size: int, *, mode: str = "inference", example_inputs: Any = None,
          overrides: Mapping[str, str] | Plan | None = None, analysis: Analysis | None = None,

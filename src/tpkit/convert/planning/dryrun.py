@@ -17,7 +17,6 @@ touches the model.
 """
 from __future__ import annotations
 
-import copy as copying
 import dataclasses
 import re
 from typing import Any, Callable, Iterable, Mapping
@@ -33,6 +32,7 @@ from ..layouts import plan_layouts
 from ..steps import apply, prepare
 from ..styles import REPLICATE
 from ..trace import Analysis, traceable_experts
+from ..trace.structure import copy_on
 
 MAX_ROUNDS = 8
 REAL_COPY_BYTES = 1 << 30  # a model whose forward needs values (`.item()`) is dry-run on a real copy up to this
@@ -42,21 +42,20 @@ KEPT = "kept whole: the converted forward"  # how every reason the dry run gives
 
 
 def dry_run(model: nn.Module, the_plan: Plan, analysis: Analysis, comm, sequence_parallel: bool = False,
-            fixed: Callable[[str], bool] = lambda name: False, nbytes: int | None = None) -> Plan:
+            fixed: Callable[[str], bool] = lambda name: False) -> Plan:
     """`the_plan` (resolved against `model`: its entries are module names and canonical styles, `steps.resolved`),
     with what fails in the converted forward kept whole (see the module's doc). Each round changes a copy of the
     resolved styles; the plan is rebuilt from them once, at the end. `fixed(name)`: whether the user's plan named
-    that module (a failure there raises PlanError instead). `nbytes`: the size that decides whether a real copy is
-    cheap enough (`REAL_COPY_BYTES`) and whether to try one first (`REAL_FIRST_BYTES`); default `analysis.copy_bytes`;
-    a model cut to its distinct blocks passes the whole model's, so the cut is dry-run as the whole model would be."""
+    that module (a failure there raises PlanError instead). `analysis.copy_bytes` decides whether a real copy is
+    cheap enough (`REAL_COPY_BYTES`) and whether to try one first (`REAL_FIRST_BYTES`): on a model cut to its
+    distinct blocks it is the whole model's, so the cut is dry-run as the whole model would be."""
     inputs = getattr(analysis.trace, "inputs", None) if analysis.trace is not None else None
     styles, details = dict(the_plan.entries), the_plan.details
     if inputs is None or comm.world_size == 1 or not _splits(styles):
         return the_plan
-    nbytes = analysis.copy_bytes if nbytes is None else nbytes
-    copyable = nbytes <= REAL_COPY_BYTES
+    copyable = analysis.copy_bytes <= REAL_COPY_BYTES
     whole = _Whole(model, analysis, inputs)
-    if nbytes <= REAL_FIRST_BYTES:
+    if analysis.copy_bytes <= REAL_FIRST_BYTES:
         try:
             if _try(model, styles, details, analysis, comm.world_size, sequence_parallel, inputs, False, whole,
                     clean=True) is None:
@@ -103,10 +102,7 @@ def _kept(the_plan: Plan, styles: dict[str, str], reasons: dict[str, str]) -> Pl
     """The plan once, from the dry run's styles and the reasons it added."""
     if not reasons and styles == the_plan.entries:
         return the_plan
-    kept = Plan(world_size=the_plan.world_size, mode=the_plan.mode, details=the_plan.details,
-                reasons={**the_plan.reasons, **reasons}, prefix=the_plan.prefix)
-    kept.entries = styles  # resolved canonical styles already
-    return kept
+    return the_plan.replaced(styles, reasons={**the_plan.reasons, **reasons})
 
 
 class _NoCopy(Exception):
@@ -139,7 +135,7 @@ class _Whole:
     def _run(self, on_meta: bool) -> tuple[bool, dict[str, list[int]]]:
         if on_meta not in self._done:
             try:
-                copy = _copy(self.model, self.analysis, on_meta)[0]
+                copy = copy_on(self.model, on_meta)
                 with HeadReshapes(copy, self.attention) as recorded:
                     ran = _run(copy, self.inputs, on_meta) is None
                 self._done[on_meta] = ran, recorded.seen
@@ -163,7 +159,8 @@ def _try(model, styles, details, analysis, world, sequence_parallel, inputs, on_
             continue
         seen.add(shapes)
         try:
-            copy, copy_analysis = _copy(model, analysis, on_meta)
+            copy = copy_on(model, on_meta)
+            copy_analysis = _of_copy(copy, analysis)
         except Exception as exc:  # noqa: BLE001
             if not on_meta:
                 raise
@@ -240,22 +237,11 @@ def _blocks(model: nn.Module, owner: str) -> list[str]:
     return [n for n, m in model.named_modules() if n and pattern.match(n) and type(m) is kind]
 
 
-def _copy(model: nn.Module, analysis: Analysis, on_meta: bool) -> tuple[nn.Module, Analysis]:
-    """A deep copy of `model`, its parameters and buffers on the meta device when `on_meta`, else real (those on
-    the meta device as zeros on the CPU), and `analysis` for it."""
-    memo: dict[int, Any] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in memo and on_meta != (t.device.type == "meta"):
-            new = t.detach().to("meta") if on_meta else torch.zeros(t.shape, dtype=t.dtype)
-            memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
-    copy = copying.deepcopy(model, memo)
-    for m in copy.modules():
-        for k, v in list(vars(m).items()):
-            if isinstance(v, torch.Tensor) and on_meta != (v.device.type == "meta") and v.dim() > 0:
-                setattr(m, k, v.to("meta") if on_meta else torch.zeros(v.shape, dtype=v.dtype))
+def _of_copy(copy: nn.Module, analysis: Analysis) -> Analysis:
+    """`analysis` for `copy`, a copy of its model (`trace.structure.copy_on`)."""
     modules = dict(copy.named_modules())
     leaves = {n: modules[n] for n in analysis.leaves}
-    return copy, dataclasses.replace(analysis, model=copy, leaves=leaves)
+    return dataclasses.replace(analysis, model=copy, leaves=leaves)
 
 
 def _to_meta(x: Any) -> Any:

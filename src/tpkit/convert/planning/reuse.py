@@ -148,6 +148,4 @@ def expand(plan: Plan, blocks: list[Blocks], outside: Iterable[str],
                     out[k][new + name[m.end():]] = v
     except _Unsure:
         return None
-    result = Plan(world_size=plan.world_size, mode=plan.mode, reasons=out[2], prefix=plan.prefix)
-    result.entries, result.details = out[0], out[1]  # already canonical styles and Role records
-    return result
+    return plan.replaced(*out)

@@ -238,8 +238,9 @@ def cut_view(model: nn.Module, blocks: list[Blocks]) -> nn.Module:
 
 def analyze_blocks(model: nn.Module, example_inputs: Any = None) -> tuple[Analysis, list[Blocks]] | None:
     """(the analysis of the model cut to its distinct blocks, whose `.model` is that cut (`cut_view`; its
-    `total_params` and `copy_bytes` the whole model's); the repeated blocks), or None when the model has no repeated blocks or the cut's trace cannot stand in for the whole one
-    (weights shared with a block it leaves out, a failed trace, a block layer the trace did not run)."""
+    `total_params` and `copy_bytes` the whole model's); the repeated blocks), or None when the model has no
+    repeated blocks or the cut's trace cannot stand in for the whole one (weights shared with a block it leaves
+    out, a failed trace, a block layer the trace did not run)."""
     blocks, shared = _survey(model)
     if not blocks or shared:
         return None

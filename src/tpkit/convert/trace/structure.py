@@ -40,6 +40,12 @@ class Analysis:
     traced_alone: frozenset[str] = frozenset()  # layers run only by a tower's own trace (analogy.towers)
     copy_bytes: int = 0                  # bytes a real copy holds (meta tensors as zeros): decides how it is run
 
+    @property
+    def untraced(self) -> bool:
+        """Made without a trace on purpose (`untraced_structure`: a recorded plan's model, the whole model of a cut),
+        not after a trace that failed: the plan applied on it had its dataflow checked where it was made."""
+        return self.trace is None and self.trace_error is None
+
 
 def default_inputs(model: nn.Module, seq: int = 4) -> list:
     """Tiny inputs to try for the trace, in order: HF models get token ids (an encoder-decoder its decoder's
@@ -218,7 +224,7 @@ def trace_structure(model: nn.Module, example_inputs: Any = None, seq: int = 4) 
                                    pairs=tuple(pairing.pairs) + tuple(pairs), notes={**pairing.notes, **alone.notes},
                                    traced_alone=frozenset(alone.ran))
     if example_inputs is None and _on_meta(model) and analysis.copy_bytes <= REAL_TRACE_BYTES:
-        found = trace_structure(zero_copy(model), None, seq)  # a forward that reads values, as a model in memory
+        found = trace_structure(copy_on(model, meta=False), None, seq)  # a forward reading values, as in memory
         if found.trace is not None:
             return dataclasses.replace(found, model=model, leaves=analysis.leaves)
     return dataclasses.replace(analysis, trace_error=error or "no input to try")
@@ -231,18 +237,19 @@ def _on_meta(model: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
 
 
-def zero_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of `model` whose parameters and buffers on the meta device are zeros on the CPU (their dtype and
-    shape; tensors kept as plain attributes too): a meta model's forward that reads values (`.item()`, a mask's
-    `.all()`) runs there as the model's own would in memory, its dataflow the same."""
+def copy_on(model: nn.Module, meta: bool) -> nn.Module:
+    """A deep copy of `model` with its parameters and buffers (and tensors kept as plain attributes) on the meta
+    device when `meta`, else real: those on the meta device become zeros on the CPU, of their dtype and shape. A
+    meta model's forward that reads values (`.item()`, a mask's `.all()`) runs on the real copy as the model's own
+    would in memory, its dataflow the same (the trace here, the dry run in `planning/dryrun.py`)."""
     memo: dict[int, Any] = {}
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in memo and t.device.type == "meta":
-            new = torch.zeros(t.shape, dtype=t.dtype)
+        if id(t) not in memo and meta != (t.device.type == "meta"):
+            new = t.detach().to("meta") if meta else torch.zeros(t.shape, dtype=t.dtype)
             memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
     copy = copying.deepcopy(model, memo)
     for m in copy.modules():
         for k, v in list(vars(m).items()):
-            if isinstance(v, torch.Tensor) and v.device.type == "meta" and v.dim() > 0:
-                setattr(m, k, torch.zeros(v.shape, dtype=v.dtype))
+            if isinstance(v, torch.Tensor) and meta != (v.device.type == "meta") and v.dim() > 0:
+                setattr(m, k, v.to("meta") if meta else torch.zeros(v.shape, dtype=v.dtype))
     return copy
