@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .comm.communicator import Communicator
-from .comm.groups import split
+from .comm.rank_groups import split
 from .comm.ops import ReduceOp
 from .convert.conversion import conversions_in
 from .convert.layouts import shard_layouts

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm.groups import split
+from .comm.rank_groups import split
 from .convert import parallelize
 from .convert.advice.analyze import AnalysisReport, detected_device_memory, parse_bytes
 from .convert.advice.analyze import analyze as analyze_plan

@@ -1,7 +1,8 @@
 """`tpkit.comm`: communication for tensor parallelism on every backend.
 
 `Communicator` is the interface; `create_communicator(name)` picks a backend (`torch`, `threads`, `mpi`);
-`split` lays out tensor x data parallel groups. The performance toolkit wraps any communicator:
+`split` lays out tensor x data parallel groups, `groups` the pp x dp x cp x tp layout. The performance toolkit
+wraps any communicator:
 `CommProfiler` (what each call cost), `AlgorithmCommunicator` + `AlgorithmSelector` + `CostModel`
 (which algorithm runs), `PinnedBufferPool` (host staging), `CommunicationOptimizer` (all of them);
 `topology()` describes the machine, `probe_gpudirect()` its GPUDirect RDMA support. A communicator is a
@@ -13,7 +14,7 @@ from .backends import BACKENDS, create_communicator
 from .communicator import Communicator
 from .context import current_thread_communicator, use_communicator
 from .errors import CommError
-from .groups import split
+from .rank_groups import Groups, groups, split
 from .handle import Handle
 from .ops import ReduceOp
 from ..layout import split_range, split_sizes
@@ -34,5 +35,5 @@ __all__ = [
     "CommunicationOptimizer", "CostModel", "GPUDirect", "PinnedBuffer", "PinnedBufferPool", "Topology",
     "WrappedCommunicator", "instrument", "probe_gpudirect", "topology",
     "BACKENDS", "CommError", "Communicator", "Handle", "ReduceOp", "ThreadCommunicator", "create_communicator",
-    "create_communicators", "run_threads", "split", "split_range", "split_sizes",
+    "create_communicators", "Groups", "groups", "run_threads", "split", "split_range", "split_sizes",
 ]

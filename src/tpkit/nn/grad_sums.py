@@ -74,10 +74,16 @@ def sum_grads(module: nn.Module, params: Mapping[str, GradSum] | Iterable[str], 
         rewrite(module, n, Summed(how, comm))
 
 
+def _tp_sum(how: Rewrite | None) -> "Summed | None":
+    """The TP sum of a rewrite: itself, or the one a wider sum (over the cp group) keeps inside (`inner`)."""
+    how = getattr(how, "inner", how) if not isinstance(how, Summed) else how
+    return how if isinstance(how, Summed) else None
+
+
 def sum_of(module: nn.Module, name: str) -> GradSum | None:
-    """How `module`'s parameter `name` has its gradient summed, or None."""
-    how = rewrites_of(module).get(name)
-    return how.how if isinstance(how, Summed) else None
+    """How `module`'s parameter `name` has its gradient summed over its TP group, or None."""
+    how = _tp_sum(rewrites_of(module).get(name))
+    return how.how if how is not None else None
 
 
 def _key(prefix: str, name: str) -> str:
@@ -86,8 +92,8 @@ def _key(prefix: str, name: str) -> str:
 
 def grad_sums(model: nn.Module) -> dict[str, GradSum]:
     """Every summed parameter of `model`, by state-dict key."""
-    return {_key(prefix, n): how.how for prefix, m in model.named_modules()
-            for n, how in rewrites_of(m).items() if isinstance(how, Summed)}
+    return {_key(prefix, n): _tp_sum(how).how for prefix, m in model.named_modules()
+            for n, how in rewrites_of(m).items() if _tp_sum(how) is not None}
 
 
 def unsummed(model: nn.Module) -> list[str]:

@@ -13,7 +13,8 @@ which is one) and holds:
   (`adapter_layouts.py`);
 - `data_parallel`: what `tpkit.data_parallel` keeps (engine, dp communicator), or None;
 - `pipeline`: what `tpkit.pipeline` keeps when the model is this rank's stages of a pipeline (pipeline group,
-  split, tied copies), or None.
+  split, tied copies), or None;
+- `context`: what `tpkit.context_parallel` keeps (the cp group, each attention layer's method and why), or None.
 How a parameter enters its module's forward (a gradient summed over ranks, a weight stored quantized) is a rewrite
 registered on the module that owns it, by name (`rewrites.py`): the mechanism must sit where the forward runs.
 
@@ -52,6 +53,7 @@ class ModelRecord:
     layouts: Mapping[str, ShardLayout]
     data_parallel: Any = dataclasses.field(default=None, kw_only=True)
     pipeline: Any = dataclasses.field(default=None, kw_only=True)  # `tpkit.pipeline`'s facts: the model is one stage
+    context: Any = dataclasses.field(default=None, kw_only=True)  # `tpkit.context_parallel`'s facts (cp group, methods)
     _owner: Any = dataclasses.field(default=None, repr=False, kw_only=True)  # a weakref to the module
 
     @property

@@ -12,7 +12,7 @@ import dataclasses
 from torch import nn
 
 from ..comm.communicator import Communicator
-from ..comm.groups import split
+from ..comm.rank_groups import split
 from ..comm.rebind import root_of
 from ..nn.record import ModelRecord, find_record
 
