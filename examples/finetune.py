@@ -5,6 +5,11 @@
     torchrun --nproc-per-node 4 examples/finetune.py --model ./my-llama --tp 2 --data train.txt \\
              --steps 100 --save run/ckpt --every 20 --consolidate run/my-llama-tuned
 
+The same 4 ranks as tp2 x cp2: each sequence split over 2 ranks (context parallelism, for long sequences):
+
+    torchrun --nproc-per-node 4 examples/finetune.py --model ./my-llama --tp 2 --cp 2 --seq 8192 --data train.txt \\
+             --steps 100 --save run/ckpt --consolidate run/my-llama-tuned
+
 The same 4 ranks as 2 pipeline stages of tp2 each, 4 micro-batches per step under 1F1B:
 
     torchrun --nproc-per-node 4 examples/finetune.py --model ./my-llama --pp 2 --tp 2 --schedule 1f1b \\
@@ -19,8 +24,10 @@ keeps its logits split over the vocabulary and the model's loss is computed on t
 world > tp, the tp groups are data-parallel replicas (FSDP2 or DDP over the dp groups). With `--pp P` the layers are
 cut into P stages (`tpkit.pipeline`: world = pp x dp x tp, tp innermost; each rank reads only its stage's tensors),
 each step runs `--microbatches` micro-batches through torch's `--schedule`, and the loss is the mean of the
-micro-batches' losses (equal to the batch's: every window has `--seq` tokens). The checkpoints are the ordinary ones:
-a run saved at one pp x tp x dp resumes at another. `--data FILE` is text
+micro-batches' losses (equal to the batch's: every window has `--seq` tokens). With `--cp C` each sequence is split
+over C ranks (`tpkit.context_parallel`: world = pp x dp x cp x tp; every cp rank is given the whole sequences and
+keeps its own tokens; the loss is the token mean of the whole sequences, the gradients summed over cp). The
+checkpoints are the ordinary ones: a run saved at one pp x dp x cp x tp resumes at another. `--data FILE` is text
 tokenized with the model directory's tokenizer when it has one, else whitespace-separated integer token ids;
 without it, random tokens (the mechanics, not a recipe). The batch of step s is `--global-batch` windows of
 `--seq` tokens at offsets drawn from a generator seeded by s alone: a resumed run sees the batches an
@@ -83,7 +90,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size); "
                                                              "dp = world / tp")
     parser.add_argument("--dp-mode", choices=("fsdp", "ddp"), default="fsdp", help="engine of the dp dimension")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks); dp = world / (pp x tp)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks); dp = world / (pp x cp x tp)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over this many "
+                                                           "ranks")
+    parser.add_argument("--cp-method", choices=("auto", "all_to_all", "ring"), default="auto",
+                        help="how attention crosses the sequence split (auto: all-to-all where the heads allow)")
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
                         help="torch's pipeline schedule (with --pp)")
     parser.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: pp x "
@@ -122,8 +133,11 @@ def main() -> None:
                               stages_per_rank=args.stages_per_rank, dp_mode=args.dp_mode, dtype=args.dtype)
         model, tp, dp = pipe.model.train(), pipe.groups.tp, pipe.groups.dp
     else:
-        tp, dp = tpkit.comm.split(comm, args.tp or comm.world_size)
+        groups = tpkit.comm.groups(comm, tp=args.tp or comm.world_size // args.cp, cp=args.cp)
+        tp, dp = groups.tp, groups.dp
         model = tpkit.from_pretrained(args.model, comm=tp, mode="training", dtype=args.dtype).train()
+        if args.cp > 1:  # whole sequences in, each cp rank keeps its zigzag share of every sequence
+            tpkit.context_parallel(model, groups.cp, method=args.cp_method)
     if args.global_batch % dp.world_size or pipe is not None and args.global_batch // dp.world_size % pipe.microbatches:
         raise SystemExit(f"--global-batch {args.global_batch} must divide by the dp size {dp.world_size}"
                          + (f" times the micro-batches {pipe.microbatches}" if pipe is not None else ""))
@@ -142,7 +156,8 @@ def main() -> None:
     start = ckpt.resume(model, opt) if args.resume else 0
     if comm.rank == 0:
         layout = f"pp{args.pp} x dp{dp.world_size} x tp{tp.world_size} ({args.schedule}, {pipe.microbatches} " \
-                 f"micro-batches)" if pipe is not None else f"tp{tp.world_size} x dp{dp.world_size}"
+                 f"micro-batches)" if pipe is not None else f"tp{tp.world_size} x dp{dp.world_size}" + \
+                 (f" x cp{args.cp}" if args.cp > 1 else "")
         print(f"{args.model}: world {comm.world_size} = {layout}, {torch.get_num_threads()} thread(s) per rank, "
               f"starting at step {start}", flush=True)
 

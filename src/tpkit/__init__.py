@@ -40,6 +40,7 @@ from .replicas import ReplicaError, ReplicaReport, check_replicas, watch_replica
 from .estimate.predict import Setup
 from .estimate.search import SearchResult
 from .setups import analyze, apply_setup, search
+from .context import context_off, context_parallel, gather_sequence
 
 __version__ = "0.1.0"
 
@@ -61,4 +62,5 @@ __all__ = [
     "ReplicaError", "ReplicaReport", "check_replicas", "watch_replicas",
     "SearchResult", "Setup", "apply_setup", "search",
     "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",
+    "context_off", "context_parallel", "gather_sequence",
 ]

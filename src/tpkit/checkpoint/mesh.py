@@ -10,6 +10,10 @@ are gathered to the TP-local tensor for writing, and cut back to this rank's sha
 A model that is one rank's stages of a pipeline (`tpkit.pipeline`: `record.pipeline`) holds only its stages' keys:
 world ranks are laid out pp x dp x tp (tp innermost), so the `stage_size` consecutive ranks of its pipeline rank
 hold each of its keys, spread over them as above, and every other rank holds none of it.
+
+A context-parallel model (`tpkit.context_parallel`: `record.context`) holds the same TP parts on each of its cp
+ranks: world = pp x dp x cp x tp (`tpkit.comm.groups`), tp still innermost, so its layouts are spread the same way
+and its checkpoints do not depend on cp.
 """
 from __future__ import annotations
 
@@ -30,10 +34,11 @@ def unwrap(model: nn.Module, comm) -> tuple[nn.Module, object | None]:
     record = found[1].data_parallel if found is not None else None
     pipe = found[1].pipeline if found is not None else None
     pp = pipe.pp_size if pipe is not None else 1
-    if record is not None and comm.world_size != record.tp_size * record.dp_size * pp:
-        raise CheckpointError(f"a {f'pp{pp} x ' if pipe is not None else ''}tp{record.tp_size} x dp{record.dp_size} "
-                              f"model is saved and loaded with the world communicator "
-                              f"({record.tp_size * record.dp_size * pp} ranks); got one of {comm.world_size}")
+    cp = context_size(model)
+    if record is not None and comm.world_size != record.tp_size * record.dp_size * pp * cp:
+        raise CheckpointError(f"a {f'pp{pp} x ' if pipe is not None else ''}tp{record.tp_size} x dp{record.dp_size}"
+                              f"{f' x cp{cp}' if cp > 1 else ''} model is saved and loaded with the world communicator "
+                              f"({record.tp_size * record.dp_size * pp * cp} ranks); got one of {comm.world_size}")
     if record is None and pipe is not None and comm.world_size != pipe.stage_size * pp:
         raise CheckpointError(f"a pp{pp} x tp{found[1].world_size} model is saved and loaded with the world "
                               f"communicator ({pipe.stage_size * pp} ranks); got one of {comm.world_size}")
@@ -41,6 +46,24 @@ def unwrap(model: nn.Module, comm) -> tuple[nn.Module, object | None]:
         return model, None
     record.reshard()
     return record.module, record
+
+
+def context_size(model: nn.Module) -> int:
+    """The cp size of a context-parallel model (1 for any other)."""
+    found = find_record(model, "a checkpoint")
+    context = found[1].context if found is not None else None
+    return context.comm.world_size if context is not None else 1
+
+
+def spread_over(model: nn.Module, record, pipe) -> int | None:
+    """The TP size whose layouts a save spreads over the world (the data-parallel record's, the pipeline's, a
+    context-parallel model's), or None when the layouts are the world's already."""
+    if record is not None:
+        return record.tp_size
+    if pipe is not None:
+        return pipe.record.world_size
+    found = find_record(model, "a checkpoint")
+    return found[1].world_size if found is not None and found[1].context is not None else None
 
 
 def pipeline_of(model: nn.Module):

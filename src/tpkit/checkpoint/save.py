@@ -36,7 +36,7 @@ from . import optimizer as optim_state
 from .agree import agree, gather_bytes
 from .errors import CheckpointError
 from .hf_config import config_dict, generation_dict
-from .mesh import pipeline_of, rng_comm, spread, unwrap, whole_local, writer
+from .mesh import pipeline_of, rng_comm, spread, spread_over, unwrap, whole_local, writer
 from .manifest import (FORMAT, LATEST, MANIFEST, fsync_dir, next_version, point_latest, prune, rank_file, read_latest,
                        remove_version, write_json)
 from .progress import Progress
@@ -126,9 +126,9 @@ def save_sharded(model: nn.Module, directory: str, optimizer=None, step: int | N
     model, record = unwrap(model, comm)
     pipe = pipeline_of(model)
     tensors, aliases, section = collect(model, optimizer, pipe.aliases if pipe is not None else None)
-    if record is not None or pipe is not None:  # FSDP2 shards gathered to TP-local tensors (collective, same order
-        # on every rank), layouts spread over the world (a pipeline stage's over its own ranks)
-        tp_size = record.tp_size if record is not None else pipe.record.world_size
+    tp_size = spread_over(model, record, pipe)
+    if tp_size is not None:  # FSDP2 shards gathered to TP-local tensors (collective, same order on every rank),
+        # layouts spread over the world (a pipeline stage's over its own ranks)
         group = pipe.stage_size if pipe is not None else None
         tensors = {k: (whole_local(t), spread(lay, tp_size, comm.world_size, comm.rank, group))
                    for k, (t, lay) in tensors.items()}
