@@ -24,6 +24,7 @@ from torch import nn
 from ..comm.communicator import Communicator
 from ..nn.mappings import reduce_from_region
 from ..nn.record import ModelRecord, attach_record, record_of
+from ..nn.split_logits import gather_logits
 from .attention import KERNELS, LAYER_ATTR, METHODS, NAME, LayerContext, context_attention
 from .batch import ContextBatch, shard_inputs
 from .grads import sum_over_context
@@ -151,11 +152,12 @@ def context_of(model: nn.Module) -> ContextParallel:
 
 def gather_sequence(t: torch.Tensor, model: nn.Module, dim: int = 1) -> torch.Tensor:
     """The whole sequence of an output of the last forward (logits, hidden states: this rank's tokens along
-    `dim`), in natural order with the split's padding cut. Collective over the cp group."""
+    `dim`), in natural order with the split's padding cut. Collective over the cp group (and, for logits a TP head
+    keeps split over the vocabulary, over its TP group first)."""
     state = context_of(model)
     if state.batch is None:
         raise ValueError("gather_sequence: the model has not run a context-parallel forward yet")
-    return state.batch.split.gather(t, state.comm, dim)
+    return state.batch.split.gather(gather_logits(t), state.comm, dim)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,111 @@
+"""A Hugging Face model made context-parallel computes what ONE process of plain transformers computes on the whole
+sequences (use_cache=False, where HF finds packed documents): the loss, every gradient and the gathered logits,
+float64, on thread-ranks; both methods, cp 1-4, padding, packed documents, sliding windows, tied embeddings with
+q/k/v biases, on top of tensor parallelism; and what cannot be split exactly is refused before anything changes."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tr
+
+import tpkit
+from tpkit.comm import run_threads
+
+LLAMA = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return tr.LlamaForCausalLM(tr.LlamaConfig(**LLAMA)).double()
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    """Tied embeddings, q/k/v biases, and a sliding window on the second layer."""
+    torch.manual_seed(1)
+    config = tr.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                            use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                            attn_implementation="sdpa")
+    return tr.Qwen2ForCausalLM(config).double()
+
+
+def _inputs(kind: str, rows: int, length: int) -> dict:
+    g = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, 97, (rows, length), generator=g)
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    if kind == "padding":
+        mask = torch.ones(rows, length, dtype=torch.long)
+        mask[0, :4], mask[-1, -3:] = 0, 0
+        inputs["attention_mask"] = mask
+        inputs["labels"] = ids.masked_fill(mask == 0, -100)
+    if kind == "documents":
+        inputs["position_ids"] = torch.cat([torch.arange(9), torch.arange(length - 9)])[None].expand(rows, length)
+    return inputs
+
+
+def _reference(model, inputs):
+    model.zero_grad()
+    out = model(**inputs, use_cache=False)
+    out.loss.backward()
+    return out.loss.detach(), out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _context_parallel(model, inputs, cp, method="auto", tp=1):
+    def rank(comm):
+        groups = tpkit.comm.groups(comm, tp=tp, cp=cp)
+        m = copy.deepcopy(model)
+        if tp > 1:
+            m = tpkit.parallelize(m, comm=groups.tp, mode="training")
+        tpkit.context_parallel(m, groups.cp, method=method)
+        out = m(**inputs)
+        out.loss.backward()
+        logits = tpkit.gather_sequence(out.logits, m)
+        grads = {n: p.grad for n, p in m.named_parameters()}
+        methods = dict(m._tp_record.context.methods)
+        return out.loss.detach(), logits.detach(), grads, methods
+
+    return run_threads(rank, cp * tp)
+
+
+def _assert_equal(results, reference, rtol=1e-10):
+    loss, logits, grads = reference
+    for got_loss, got_logits, got_grads, _ in results:
+        assert torch.allclose(got_loss.double(), loss.double(), rtol=1e-6, atol=0)  # HF's loss is float32
+        assert torch.allclose(got_logits, logits, rtol=0, atol=1e-10)
+        for name, want in grads.items():
+            err = (got_grads[name] - want).norm() / want.norm()
+            assert err < rtol, (name, err)
+
+
+@pytest.mark.parametrize("cp,method,kind,length", [(2, "ring", "causal", 24), (2, "all_to_all", "causal", 24),
+                                                   (3, "auto", "padding", 25), (4, "all_to_all", "documents", 32),
+                                                   (2, "ring", "documents", 29), (2, "all_to_all", "padding", 20)])
+def test_llama_equals_one_process(llama, cp, method, kind, length):
+    inputs = _inputs(kind, 2, length)
+    results = _context_parallel(llama, inputs, cp, method)
+    _assert_equal(results, _reference(llama, inputs), rtol=1e-6)
+    chosen = {m for m, _ in results[0][3].values()}
+    assert chosen == ({"ring"} if method == "ring" or cp == 3 else {"all_to_all"})  # 8 heads do not divide by 3
+
+
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+def test_qwen2_tied_biased_and_windowed_equals_one_process(qwen2, method):
+    inputs = _inputs("causal", 2, 22)
+    _assert_equal(_context_parallel(qwen2, inputs, 2, method), _reference(qwen2, inputs), rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["ring", "auto"])
+def test_tp2_x_cp2_equals_one_process(llama, method):
+    inputs = _inputs("padding", 2, 18)
+    results = _context_parallel(llama, inputs, 2, method, tp=2)
+    loss, logits, grads = _reference(llama, inputs)
+    for got_loss, got_logits, got_grads, methods in results:  # TP's loss runs in float32, as HF's does
+        assert torch.allclose(got_loss.double(), loss.double(), rtol=1e-6)
+        assert torch.allclose(got_logits, logits, rtol=0, atol=1e-10)
+    # one KV head per TP rank with cp 2: all-to-all repeats it; the ring splits no heads
+    assert {m for m, _ in results[0][3].values()} == {"ring" if method == "ring" else "all_to_all"}
