@@ -68,8 +68,12 @@ def check_all_to_all(comm, c: Checker) -> None:
         if comm.backend == "threads":
             check_all_to_all_mismatches(comm, c)
         else:
-            with debug_mode():
+            with debug_mode() as lines:
                 check_all_to_all_mismatches(comm, c)
+            want = (f"all_to_all shape=({n}, 2) dtype=torch.float32 scatter_dim=0 gather_dim=1 scatter_sizes={[1] * n} "
+                    f"gather_sizes={[2] * n} group={comm.name}")
+            c.true("TP_DEBUG logs all_to_all on logger tpkit", any(want in line for line in lines),
+                   f"no line with {want!r} among {lines[-3:]}")
 
 
 def check_all_to_all_arguments(comm, c: Checker) -> None:
