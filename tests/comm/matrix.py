@@ -375,11 +375,12 @@ def check_seed_helpers(c: Checker, backend: str) -> None:
 
 
 def run_matrix(comm, label: str, mismatches: bool = True) -> tuple[list[str], int]:
-    """Every check above on `comm`; returns (failures, number of checks). `mismatches` runs the mismatch
-    checks (under TP_DEBUG when the backend is not `threads`)."""
+    """Every check above (and all_to_all's) on `comm`; returns (failures, number of checks). `mismatches` runs
+    the mismatch checks (under TP_DEBUG when the backend is not `threads`)."""
+    from .all_to_all_matrix import check_all_to_all  # here: that module builds on this one
     c = Checker(f"{label} rank {comm.rank}/{comm.world_size}")
-    for check in (check_reductions, check_gather_broadcast, check_async, check_point_to_point, check_groups,
-                  check_lifetime, check_bad_arguments):
+    for check in (check_reductions, check_gather_broadcast, check_all_to_all, check_async, check_point_to_point,
+                  check_groups, check_lifetime, check_bad_arguments):
         try:
             check(comm, c)
         except Exception as exc:  # noqa: BLE001 - a crash is a failure, reported with the others

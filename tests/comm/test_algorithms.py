@@ -85,7 +85,23 @@ def check_algorithms(comm, against_builtin: bool) -> list[str]:
     for name, fn in ALGORITHMS["reduce_scatter"].items():
         same(f"reduce_scatter/{name} uneven {sizes}", fn(comm, xs[rank], ReduceOp.SUM, 0, sizes),
              _ref_reduce_scatter(xs, ReduceOp.SUM, 0, sizes, rank), True)
+    _check_all_to_all(comm, same)
     return bad
+
+
+def _check_all_to_all(comm, same) -> None:
+    """all_to_all: one dim with per-pair counts (zeros included), and two dims of a permuted input."""
+    n, rank = comm.world_size, comm.rank
+    sent = [[(i + 2 * j) % 3 for j in range(n)] for i in range(n)]
+    rows = [torch.arange(sum(sent[i]) * 2, dtype=torch.float64).reshape(-1, 2) + 100 * i for i in range(n)]
+    want = torch.cat([rows[i][sum(sent[i][:rank]):sum(sent[i][:rank + 1])] for i in range(n)])
+    heads = split_sizes(2 * n + 1, n)
+    xs = [x.transpose(0, 1) for x in _inputs(n, (3, 2 * n + 1))]  # (2n + 1, 3), permuted
+    want_x = torch.cat([x[sum(heads[:rank]):sum(heads[:rank + 1])] for x in xs], dim=1)
+    for name, fn in ALGORITHMS["all_to_all"].items():
+        same(f"all_to_all/{name} one dim {sent}", fn(comm, rows[rank], 0, 0, sent[rank], [s[rank] for s in sent]),
+             want, True)
+        same(f"all_to_all/{name} two dims", fn(comm, xs[rank], 0, 1, heads, [3] * n), want_x, True)
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))
@@ -113,7 +129,8 @@ def test_algorithm_communicator_matches_builtin_for_any_shape(world_size, rows, 
         x = torch.randn(rows, cols, dtype=torch.float64) + comm.rank
         out = []
         for c in (comm, fast):
-            out.append((c.all_reduce(x), c.all_gather(x, dim=dim), c.reduce_scatter(x, dim=dim), c.broadcast(x, src=0)))
+            out.append((c.all_reduce(x), c.all_gather(x, dim=dim), c.reduce_scatter(x, dim=dim), c.broadcast(x, src=0),
+                        c.all_to_all(x, dim, 1 - dim % 2)))
         return out
     for builtin, ours in run_threads(body, world_size):
         for a, b in zip(builtin, ours):

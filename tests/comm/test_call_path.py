@@ -14,13 +14,13 @@ pytestmark = pytest.mark.slow  # each test starts processes
 def _objects_per_call() -> dict:
     import torch.distributed as dist
 
-    from tpkit.comm import communicator, handle
+    from tpkit.comm import errors, handle
 
     comm = tpkit.get_communicator()
     x = torch.full((1024,), float(comm.rank + 1))
     comm.all_reduce(x)  # connects shared memory
     counts = {"Handle": 0, "_Guard": 0, "gloo all_reduce": 0}
-    real_init, real_completed, real_guard = handle.Handle.__init__, handle.Handle.completed, communicator._Guard.__init__
+    real_init, real_completed, real_guard = handle.Handle.__init__, handle.Handle.completed, errors.Guard.__init__
     real_dist_all_reduce = dist.all_reduce
 
     def counted(name, fn):
@@ -31,7 +31,7 @@ def _objects_per_call() -> dict:
 
     handle.Handle.__init__ = counted("Handle", real_init)
     handle.Handle.completed = classmethod(counted("Handle", real_completed.__func__))
-    communicator._Guard.__init__ = counted("_Guard", real_guard)
+    errors.Guard.__init__ = counted("_Guard", real_guard)
     dist.all_reduce = counted("gloo all_reduce", real_dist_all_reduce)
     try:
         outs = [comm.all_reduce(x) for _ in range(20)]
@@ -43,7 +43,7 @@ def _objects_per_call() -> dict:
             comm.barrier()
     finally:
         handle.Handle.__init__, handle.Handle.completed = real_init, real_completed
-        communicator._Guard.__init__ = real_guard
+        errors.Guard.__init__ = real_guard
         dist.all_reduce = real_dist_all_reduce
     want = torch.full((1024,), 3.0)
     counts["right"] = (all(torch.equal(o, want) for o in outs + scratch)

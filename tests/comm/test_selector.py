@@ -24,6 +24,8 @@ from tpkit.comm.selector import mpich_choice
     ("broadcast", 12287, 8, "binomial"),
     ("broadcast", 12288, 8, "scatter_allgather"),
     ("broadcast", 1 << 26, 7, "binomial"),  # fewer than 8 processes: always the tree
+    ("all_to_all", 4 * 32768 - 1, 4, "direct"),  # pieces below MPICH's medium size: all in flight at once
+    ("all_to_all", 4 * 32768, 4, "pairwise"),
 ])
 def test_uncalibrated_selector_uses_mpich_thresholds(collective, nbytes, p, expected):
     assert mpich_choice(collective, nbytes, p) == expected

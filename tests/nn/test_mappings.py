@@ -10,6 +10,7 @@ import tpkit
 from tpkit.comm import split_sizes
 from tpkit.nn import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
                       reduce_scatter_to_sequence_region, scatter_to_region, scatter_to_sequence_region)
+from tpkit.nn.mappings import all_to_all
 
 from .helpers import FP64_TOL, local_slice, randn, rel_err, run
 
@@ -47,6 +48,14 @@ def mapping_checks(shape: tuple, dim: int) -> dict:
           torch.cat(xs_shard, dim), local_slice(total(gs_full), dim, sizes, r))
     check("seq reduce-scatter", lambda x: reduce_scatter_to_sequence_region(x, comm, dim), xs_full[r], gs_shard[r],
           local_slice(total(xs_full), dim, sizes, r), torch.cat(gs_shard, dim))
+    # all_to_all from `dim` to the next dim (to itself for a 1-d tensor): the reference by cutting and concatenating,
+    # its gradient by autograd through that
+    other = (dim + 1) % len(shape)
+    leaves = [x.clone().requires_grad_() for x in xs_full]
+    outs = [torch.cat([local_slice(x, dim, sizes, k) for x in leaves], other) for k in range(n)]
+    gs_out = [randn(tuple(o.shape), 50 + k) for k, o in enumerate(outs)]
+    sum((o * g).sum() for o, g in zip(outs, gs_out)).backward()
+    check("all_to_all", lambda x: all_to_all(x, comm, dim, other), xs_full[r], gs_out[r], outs[r], leaves[r].grad)
     return errors
 
 
@@ -67,6 +76,7 @@ def test_world_size_one_returns_input_itself():
     for fn in (copy_to_region, reduce_from_region, scatter_to_region, gather_from_region, scatter_to_sequence_region,
                gather_from_sequence_region, reduce_scatter_to_sequence_region):
         assert fn(x, comm) is x
+    assert all_to_all(x, comm, 0, -1) is x
 
 
 def _errors() -> str:

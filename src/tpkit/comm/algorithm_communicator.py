@@ -5,8 +5,9 @@ Why a wrapper: layers call `comm.all_reduce(...)` and should not know which algo
 that has it, builtin for the rest), or a dict `{collective: name}`. Calls an algorithm cannot serve go to
 the builtin and say why in `last_algorithm` / `last_note` (the profiler records both): `async_op=True`
 (the algorithms run synchronously; the builtin overlaps), bool tensors, tensors not on the backend's device
-(the builtin path stages them), and world size 1. Algorithms talk to the backend communicator under all
-wrappers (`base`) directly.
+(the builtin path stages them), world size 1, and under `auto` an all_to_all within one dim (each rank knows
+only its own sizes, so the ranks could not agree on a size to choose by). Algorithms talk to the backend
+communicator under all wrappers (`base`) directly.
 
 `auto` checks the selector: a prediction is only a prediction, and on a shared or unusual machine it can
 be wrong by more than any algorithm wins. The first `2 * verify` calls of each (collective, size) alternate
@@ -24,6 +25,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from . import checks
 from .algorithms import ALGORITHMS, COLLECTIVES
 from .communicator import Communicator
 from .cost_model import BUILTIN
@@ -185,6 +187,27 @@ class AlgorithmCommunicator(WrappedCommunicator):
             return self._run(lambda: self.inner.all_gather(tensor, dim=dim, sizes=sizes, async_op=async_op), tensor)
         with self._guard("all_gather"):
             return self._run(lambda: ALGORITHMS["all_gather"][name](self.base, tensor, dim, sizes), tensor)
+
+    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int,
+                   scatter_sizes: Sequence[int] | None = None, gather_sizes: Sequence[int] | None = None,
+                   async_op: bool = False):
+        self._check_tensor("all_to_all", tensor)
+        sd, gd, ss, gs = checks.check_all_to_all(tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes,
+                                                 self.world_size, self.rank)
+        # Every rank must pick the same algorithm. With two dims every rank knows every rank's send buffer, and
+        # `auto` decides on their mean; with one dim each rank knows only its own sizes: builtin, unless named.
+        row = tensor.element_size() * math.prod(s for d, s in enumerate(tensor.shape) if d not in (sd, gd))
+        nbytes = row * sum(ss) * sum(gs) // self.world_size if sd != gd else 0
+        if sd == gd and self.choices["all_to_all"] == "auto":
+            name, self._trial = BUILTIN, None
+            self.last_algorithm, self.last_note = BUILTIN, "auto: one dim's sizes differ per rank, builtin"
+        else:
+            name = self._pick("all_to_all", tensor, nbytes, async_op)
+        if name == BUILTIN:
+            call = lambda: self.inner.all_to_all(tensor, sd, gd, ss, gs, async_op=async_op)  # noqa: E731
+            return call() if self._trial is None else self._run(call, tensor)
+        with self._guard("all_to_all"):
+            return self._run(lambda: ALGORITHMS["all_to_all"][name](self.base, tensor, sd, gd, ss, gs), tensor)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, dim: int = 0,
                        sizes: Sequence[int] | None = None, async_op: bool = False):

@@ -35,15 +35,15 @@ def average_of_bool(op: str) -> TypeError:
                      "or convert to an integer or float dtype first")
 
 
-def check_dim(op: str, tensor: torch.Tensor, dim: int) -> int:
-    """`dim` as an index in 0..ndim-1 (negative counts from the end)."""
+def check_dim(op: str, tensor: torch.Tensor, dim: int, what: str = "dim") -> int:
+    """`dim` as an index in 0..ndim-1 (negative counts from the end); `what` names the argument in errors."""
     ndim = tensor.dim()
     if ndim == 0:
         raise ValueError(f"{op}: needs a tensor with at least one dimension, got a 0-d tensor; "
                          f"use tensor.reshape(1)")
     index = as_index(dim)
     if index is None or not -ndim <= index < ndim:
-        raise ValueError(f"{op}: dim {dim!r} is out of range for a tensor of shape {tuple(tensor.shape)} "
+        raise ValueError(f"{op}: {what} {dim!r} is out of range for a tensor of shape {tuple(tensor.shape)} "
                          f"(valid: {-ndim}..{ndim - 1})")
     return index % ndim
 
@@ -82,6 +82,50 @@ def scatter_sizes(tensor: torch.Tensor, dim: int, sizes, world_size: int) -> lis
             f"reduce_scatter: sizes {sizes} must have {world_size} non-negative entries summing to "
             f"the size of dim {dim} ({tensor.shape[dim]}) of the input of shape {tuple(tensor.shape)}")
     return sizes
+
+
+def _index_list(op: str, what: str, sizes, world_size: int) -> list[int]:
+    """`sizes` as a list of `world_size` non-negative ints, or a ValueError naming `what`."""
+    try:
+        values = [as_index(s) for s in sizes]
+    except TypeError:
+        values = [None]
+    if None in values or len(values) != world_size or min(values, default=0) < 0:
+        raise ValueError(f"{op}: {what} {sizes!r} must be {world_size} non-negative ints, one per rank")
+    return values  # type: ignore[return-value]
+
+
+def check_all_to_all(tensor: torch.Tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes, world_size: int,
+                     me: int) -> tuple[int, int, list[int], list[int]]:
+    """all_to_all's arguments normalised: (scatter_dim, gather_dim, scatter_sizes, gather_sizes), dims in
+    0..ndim-1 and both lists resolved (see `Communicator.all_to_all` for the defaults).
+
+    What one rank can check alone: the pieces it cuts add up to its scatter dim, and the piece it sends to itself
+    is the one it expects back from itself (gather_sizes[me]). Whether the ranks' lists agree with each other is
+    checked by the threads backend always, by the others under TP_DEBUG.
+    """
+    op = "all_to_all"
+    sd = check_dim(op, tensor, scatter_dim, "scatter_dim")
+    gd = check_dim(op, tensor, gather_dim, "gather_dim")
+    shape = tuple(tensor.shape)
+    if scatter_sizes is None:
+        scatter_sizes = split_sizes(shape[sd], world_size)
+    else:
+        scatter_sizes = _index_list(op, "scatter_sizes", scatter_sizes, world_size)
+        if sum(scatter_sizes) != shape[sd]:
+            raise ValueError(f"{op}: scatter_sizes {scatter_sizes} add up to {sum(scatter_sizes)}, but scatter_dim {sd} "
+                             f"of the input of shape {shape} has size {shape[sd]}; pass sizes that add up to it, or "
+                             f"omit scatter_sizes for the even split {split_sizes(shape[sd], world_size)}")
+    own = shape[gd] if sd != gd else scatter_sizes[me]
+    if gather_sizes is None:
+        return sd, gd, scatter_sizes, [own] * world_size
+    gather_sizes = _index_list(op, "gather_sizes", gather_sizes, world_size)
+    if gather_sizes[me] != own:
+        where = (f"this rank's input has size {own} in gather_dim {gd} (shape {shape})" if sd != gd else
+                 f"this rank keeps scatter_sizes[{me}] = {own} of its own input (scatter_dim = gather_dim = {gd})")
+        raise ValueError(f"{op}: gather_sizes[{me}] = {gather_sizes[me]} but {where}; gather_sizes[i] is the size of "
+                         f"the piece received from rank i, so gather_sizes[{me}] must be {own}")
+    return sd, gd, scatter_sizes, gather_sizes
 
 
 def check_group_ranks(ranks: Sequence[int], group: str, world_size: int) -> list[int]:

@@ -14,23 +14,18 @@ from typing import Sequence
 import torch
 
 from . import checks
-from .debug import debug_enabled, log_call
-from .errors import CommError
+from .all_to_all import via_all_gather
+from .debug import debug_enabled, log_call, logger  # noqa: F401 - logger: see below
+from .errors import PASS_THROUGH, CommError, Guard
 from .handle import Handle
 from .lifetime import Lifetime
 from .ops import ReduceOp
 from ..layout import split_sizes
-from .signatures import check_signatures, signature
+# logger and these signature names lived here before their modules were split out: still importable from here
+from .signatures import (SIGNATURE_LENGTH, check_signatures, describe_signature, dtype_of_code,  # noqa: F401
+                         sent_shape, signature)
 from .ids import register
 from .rebind import rebind, root_of
-
-# Names that lived here before their modules were split out, still importable from here.
-from .debug import logger  # noqa: E402,F401
-from .signatures import SIGNATURE_LENGTH, describe_signature, dtype_of_code, sent_shape  # noqa: E402,F401
-
-
-# Errors a collective raises as they are: argument errors (before any peer is involved) and CommError itself.
-_PASS_THROUGH = (CommError, ValueError, TypeError)
 
 
 def group_name(global_ranks: Sequence[int], world_size: int) -> str:
@@ -124,7 +119,7 @@ class Communicator(Lifetime, abc.ABC):
             if async_op:
                 return self._finish(self._all_reduce(tensor.contiguous(), op, True), True, "all_reduce")
             return self._all_reduce_now(tensor.contiguous(), op)
-        except _PASS_THROUGH:
+        except PASS_THROUGH:
             raise
         except Exception as exc:
             raise self._error("all_reduce", exc) from exc
@@ -140,7 +135,7 @@ class Communicator(Lifetime, abc.ABC):
                 self._drain()
             self._all_reduce_(tensor, op)
             return tensor
-        except _PASS_THROUGH:
+        except PASS_THROUGH:
             raise
         except Exception as exc:
             raise self._error("all_reduce_", exc) from exc
@@ -169,10 +164,37 @@ class Communicator(Lifetime, abc.ABC):
         try:
             handle = self._all_gather(tensor.contiguous(), dim, sizes, async_op)
             return self._finish(handle, True, "all_gather") if async_op else handle.wait()
-        except _PASS_THROUGH:
+        except PASS_THROUGH:
             raise
         except Exception as exc:
             raise self._error("all_gather", exc) from exc
+
+    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int,
+                   scatter_sizes: Sequence[int] | None = None, gather_sizes: Sequence[int] | None = None,
+                   async_op: bool = False):
+        """Cut `tensor` along `scatter_dim`, piece j (`scatter_sizes[j]`, default the even split) to rank j; return
+        the pieces received concatenated in rank order along `gather_dim` (`gather_sizes[i]` from rank i; default:
+        every rank's size there is this rank's or, for one dim, `scatter_sizes[rank]`), a new contiguous tensor.
+        Other dims match on every rank. Two dims: every rank passes the same `scatter_sizes`; one dim: its own send
+        and receive sizes, as torch's `all_to_all_single` (MoE dispatch). The layout: `all_to_all.py`."""
+        if not isinstance(tensor, torch.Tensor):
+            self._check_tensor("all_to_all", tensor)
+        sd, gd, scatter_sizes, gather_sizes = checks.check_all_to_all(
+            tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes, self._world_size, self._rank)
+        self._debug = debug_enabled()
+        if self._debug:
+            self._log("all_to_all", tensor, scatter_dim=sd, gather_dim=gd, scatter_sizes=scatter_sizes,
+                      gather_sizes=gather_sizes)
+        if self._world_size == 1:
+            alone = tensor.detach().clone(memory_format=torch.contiguous_format)
+            return self._finish(Handle.completed(alone), async_op)
+        try:
+            handle = self._all_to_all(tensor, sd, gd, scatter_sizes, gather_sizes, async_op)
+            return self._finish(handle, True, "all_to_all") if async_op else handle.wait()
+        except PASS_THROUGH:
+            raise
+        except Exception as exc:
+            raise self._error("all_to_all", exc) from exc
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, dim: int = 0,
                        sizes: Sequence[int] | None = None, async_op: bool = False):
@@ -204,7 +226,7 @@ class Communicator(Lifetime, abc.ABC):
         try:
             handle = self._reduce_scatter(tensor.contiguous(), op, dim, sizes, async_op)
             return self._finish(handle, True, "reduce_scatter") if async_op else handle.wait()
-        except _PASS_THROUGH:
+        except PASS_THROUGH:
             raise
         except Exception as exc:
             raise self._error("reduce_scatter", exc) from exc
@@ -285,6 +307,12 @@ class Communicator(Lifetime, abc.ABC):
     @abc.abstractmethod
     def _all_gather(self, tensor: torch.Tensor, dim: int, sizes: list[int] | None, async_op: bool) -> Handle: ...
 
+    def _all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
+                    gather_sizes: list[int], async_op: bool) -> Handle:
+        """`tensor` may be non-contiguous (backends pack it once: `all_to_all.pack`). This default, two all-gathers,
+        is synchronous even for async_op and moves n times the bytes; tpkit's backends override it."""
+        return Handle.completed(via_all_gather(self, tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes))
+
     @abc.abstractmethod
     def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, dim: int, sizes: list[int],
                         async_op: bool) -> Handle: ...
@@ -334,9 +362,9 @@ class Communicator(Lifetime, abc.ABC):
             return handle
         return handle.wait()
 
-    def _guard(self, op: str) -> "_Guard":
+    def _guard(self, op: str) -> Guard:
         """A context that turns any backend failure into `CommError` naming the operation and the group."""
-        return _Guard(self, op)
+        return Guard(self, op)
 
     def _error(self, op: str, exc: BaseException) -> CommError:
         """The `CommError` a backend failure `exc` in `op` becomes (the hot collectives raise it from their
@@ -370,21 +398,3 @@ class Communicator(Lifetime, abc.ABC):
 
     def _check_group_ranks(self, ranks: Sequence[int]) -> list[int]:
         return checks.check_group_ranks(ranks, self._name, self._world_size)
-
-
-class _Guard:
-    """`with comm._guard(op):` -- a plain class rather than a generator context manager: it runs on every
-    call, and this costs a third as much."""
-
-    __slots__ = ("comm", "op")
-
-    def __init__(self, comm: Communicator, op: str):
-        self.comm, self.op = comm, op
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, traceback) -> bool:
-        if exc is None or not isinstance(exc, Exception) or isinstance(exc, _PASS_THROUGH):
-            return False
-        raise self.comm._error(self.op, exc) from exc

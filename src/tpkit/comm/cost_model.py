@@ -13,7 +13,7 @@ each algorithm's own measurements (linear in bytes between measured sizes, the l
 beyond), and uses the fitted formulas everywhere else.
 
 Bytes follow nccl-tests: the tensor for all_reduce and broadcast, the whole gathered output for
-all_gather, the whole input for reduce_scatter.
+all_gather, the whole input for reduce_scatter and all_to_all (one rank's send buffer).
 """
 from __future__ import annotations
 
@@ -26,13 +26,16 @@ import torch
 from .algorithms import ALGORITHMS, COLLECTIVES
 from .communicator import Communicator
 from .ops import ReduceOp
+from ..layout import split_sizes
 from .timing import interleaved_times, slowest_rank_medians
 
 BUILTIN = "builtin"
 # What a builtin collective is, as a formula, until it is measured: gloo's all_reduce is a ring, its
-# reduce_scatter is an all-reduce plus a copy, its all_gather a ring and its broadcast a tree.
+# reduce_scatter is an all-reduce plus a copy, its all_gather a ring, its broadcast a tree and its all_to_all a
+# pairwise exchange.
 _BUILTIN_LIKE = {"all_reduce": ("all_reduce", "ring"), "all_gather": ("all_gather", "ring"),
-                 "reduce_scatter": ("all_reduce", "ring"), "broadcast": ("broadcast", "binomial")}
+                 "reduce_scatter": ("all_reduce", "ring"), "broadcast": ("broadcast", "binomial"),
+                 "all_to_all": ("all_to_all", "pairwise")}
 
 
 def _lg(p: int) -> int:
@@ -83,6 +86,11 @@ def coefficients(collective: str, algorithm: str, nbytes: float, p: int) -> tupl
     if key == ("reduce_scatter", "recursive_halving"):
         a, b, c = k2, (p2 - 1) / p2 * m, (p2 - 1) / p2 * m
         return (a + 2, b + m + m / p, c + m) if folded else (a, b, c)
+    # all_to_all: every piece but one's own leaves once, (p-1)/p of the send buffer; nothing is reduced
+    if key == ("all_to_all", "pairwise"):
+        return p - 1, (p - 1) / p * m, 0.0
+    if key == ("all_to_all", "direct"):
+        return 1, (p - 1) / p * m, 0.0
     if key == ("broadcast", "binomial"):
         return _lg(p), _lg(p) * m, 0.0
     if key == ("broadcast", "scatter_allgather"):
@@ -209,7 +217,13 @@ def _numel(nbytes: int, p: int) -> int:
 
 
 def _call(comm: Communicator, collective: str, algorithm: str, x: torch.Tensor):
-    """One call of `collective` with `algorithm` on float32 `x` (SUM, dim 0, root 0)."""
+    """One call of `collective` with `algorithm` on float32 `x` (SUM, dim 0, root 0; all_to_all even pieces of
+    dim 0)."""
+    if collective == "all_to_all":
+        if algorithm == BUILTIN:
+            return comm.all_to_all(x, 0, 0)
+        sizes = split_sizes(x.shape[0], comm.world_size)
+        return ALGORITHMS[collective][algorithm](comm, x, 0, 0, sizes, [sizes[comm.rank]] * comm.world_size)
     if algorithm != BUILTIN:
         fn = ALGORITHMS[collective][algorithm]
         if collective in ("all_reduce", "reduce_scatter"):

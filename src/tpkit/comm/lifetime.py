@@ -91,8 +91,8 @@ class Lifetime:
                 pass
 
 
-_OPERATIONS = ("all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast", "barrier", "send", "recv",
-               "new_group")
+_OPERATIONS = ("all_reduce", "all_reduce_", "all_gather", "all_to_all", "reduce_scatter", "broadcast", "barrier", "send",
+               "recv", "new_group")
 
 
 def _refusal(op: str, what: str) -> Callable[..., None]:

@@ -9,7 +9,7 @@ write into them later.
 Reductions use MPI's own operators for the dtypes numpy and MPI share (float32/64, integers, complex).
 bfloat16, float16 and bool have no MPI type, so their bytes are all-gathered and reduced locally in rank
 order, which gives every rank bitwise the same result, as on the `threads` backend. AVG is a SUM followed
-by a division (truncating for integers).
+by a division (truncating for integers). all_to_all is one `Ialltoallv` of bytes, laid out by `all_to_all.py`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from .communicator import Communicator, group_name
 from .errors import CommError
 from .handle import Handle
 from .ops import ReduceOp, divide_by_count, reduce_tensors
-from .signatures import SIGNATURE_LENGTH, describe_signature, dtype_of_code, sent_shape, signature
+from . import all_to_all as a2a
+from .signatures import SIGNATURE_LENGTH, all_to_all_check, describe_signature, dtype_of_code, sent_shape, signature
 
 DEFAULT_TIMEOUT = 1800.0
 # dtypes whose numpy view maps to an MPI datatype that MPI's reduction operators accept
@@ -152,6 +153,22 @@ class MPICommunicator(Communicator):
             request = self._comm.Iallgatherv(_bytes(moved), [_bytes(out), byte_counts, displs, self._MPI.BYTE])
         finish = (lambda: out) if dim == 0 else (lambda: out.movedim(0, dim).contiguous())
         return self._handle(request, "all_gather", (moved, out), finish)
+
+    def _all_to_all(self, tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes, async_op):
+        self._cpu("all_to_all", tensor)
+        if self._debug:
+            all_to_all_check(self._name, self._gather_signatures, tensor, scatter_dim, gather_dim, scatter_sizes,
+                             gather_sizes)
+        shape, me, itemsize = tensor.shape, self._rank, tensor.element_size()
+        packed = a2a.pack(tensor, scatter_dim)
+        send = [c * itemsize for c in a2a.send_counts(shape, scatter_dim, scatter_sizes)]
+        recv = [c * itemsize for c in a2a.recv_counts(shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, me)]
+        flat = packed.new_empty(sum(recv) // itemsize)  # allocated flat: the pieces arrive in order
+        byte = self._MPI.BYTE
+        request = self._comm.Ialltoallv([_bytes(packed), send, a2a.offsets(send)[:-1], byte],
+                                        [_bytes(flat), recv, a2a.offsets(recv)[:-1], byte])
+        return self._handle(request, "all_to_all", (packed, flat), lambda: a2a.unpack(
+            flat, shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, me))
 
     def _reduce_scatter(self, tensor, op, dim, sizes, async_op):
         self._cpu("reduce_scatter", tensor)

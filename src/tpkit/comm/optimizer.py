@@ -78,6 +78,11 @@ class StagingCommunicator(WrappedCommunicator):
     def all_gather(self, tensor, dim: int = 0, sizes: Sequence[int] | None = None, async_op: bool = False):
         return self._run(tensor, lambda t, a: self.inner.all_gather(t, dim=dim, sizes=sizes, async_op=a), async_op)
 
+    def all_to_all(self, tensor, scatter_dim: int, gather_dim: int, scatter_sizes: Sequence[int] | None = None,
+                   gather_sizes: Sequence[int] | None = None, async_op: bool = False):
+        return self._run(tensor, lambda t, a: self.inner.all_to_all(t, scatter_dim, gather_dim, scatter_sizes,
+                                                                    gather_sizes, async_op=a), async_op)
+
     def reduce_scatter(self, tensor, op: ReduceOp | str = ReduceOp.SUM, dim: int = 0,
                        sizes: Sequence[int] | None = None, async_op: bool = False):
         return self._run(tensor, lambda t, a: self.inner.reduce_scatter(t, op=op, dim=dim, sizes=sizes, async_op=a),

@@ -7,9 +7,9 @@ Communicator (so layers use it unchanged) and records per call: op, bytes, dtype
 the compute.
 
 Bandwidths follow nccl-tests (doc/PERFORMANCE.md): algbw = bytes / time with bytes = the tensor for
-all_reduce and broadcast and the whole array (gathered output, scattered input) for all_gather and
-reduce_scatter; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather and reduce_scatter,
-x 1 for broadcast — the rate each link must sustain, comparable across world sizes.
+all_reduce and broadcast, the whole array (gathered output, scattered input) for all_gather and
+reduce_scatter, and this rank's whole send buffer (its input) for all_to_all; busbw = algbw x 2(n-1)/n for
+all_reduce, x (n-1)/n for all_gather, reduce_scatter and all_to_all, x 1 for broadcast — the rate each link must sustain, comparable across world sizes.
 
 Durations: wall clock on CPU; CUDA events on GPU tensors, read lazily (no synchronisation on the hot
 path; events are resolved when records are read).
@@ -44,6 +44,7 @@ _BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
 }
 
@@ -229,6 +230,14 @@ class CommProfiler(WrappedCommunicator):
                 nbytes = tensor.numel() // tensor.shape[dim] * tensor.element_size() * sum(int(s) for s in sizes)
         return self._profiled("all_gather", tensor, nbytes, async_op,
                               lambda: self.inner.all_gather(tensor, dim=dim, sizes=sizes, async_op=async_op))
+
+    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int,
+                   scatter_sizes: Sequence[int] | None = None, gather_sizes: Sequence[int] | None = None,
+                   async_op: bool = False):
+        nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+        return self._profiled("all_to_all", tensor, nbytes, async_op,
+                              lambda: self.inner.all_to_all(tensor, scatter_dim, gather_dim, scatter_sizes,
+                                                            gather_sizes, async_op=async_op))
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, dim: int = 0,
                        sizes: Sequence[int] | None = None, async_op: bool = False):

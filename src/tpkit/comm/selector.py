@@ -21,6 +21,7 @@ ALLGATHER_LONG_MSG = 524288
 REDSCAT_LONG_MSG = 524288
 BCAST_SHORT_MSG = 12288
 BCAST_MIN_PROCS = 8
+ALLTOALL_MEDIUM_MSG = 32768  # bytes per destination
 
 
 def _is_pow2(p: int) -> bool:
@@ -43,6 +44,8 @@ def mpich_choice(collective: str, nbytes: int, world_size: int, itemsize: int = 
         return "ring"
     if collective == "reduce_scatter":
         return "recursive_halving" if nbytes < REDSCAT_LONG_MSG else "pairwise"
+    if collective == "all_to_all":  # MPICH's Bruck for tiny pieces is not here: direct below medium, then pairwise
+        return "direct" if nbytes // p < ALLTOALL_MEDIUM_MSG else "pairwise"
     if collective == "broadcast":
         if nbytes < BCAST_SHORT_MSG or p < BCAST_MIN_PROCS:
             return "binomial"

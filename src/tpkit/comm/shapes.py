@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import split_sizes
+from .all_to_all import output_shape
 from .communicator import Communicator
 from .handle import Handle
 
@@ -36,6 +37,10 @@ class ShapeCommunicator(Communicator):
     def _all_gather(self, tensor, dim, sizes, async_op):
         shape = list(tensor.shape)
         shape[dim] = sum(sizes) if sizes is not None else shape[dim] * self.world_size
+        return Handle.completed(tensor.new_zeros(shape))
+
+    def _all_to_all(self, tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes, async_op):
+        shape = output_shape(tensor.shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, self.rank)
         return Handle.completed(tensor.new_zeros(shape))
 
     def _reduce_scatter(self, tensor, op, dim, sizes, async_op):

@@ -16,7 +16,9 @@ stores in order, so data written before the flag is visible once the flag is.
 `connect(group, ...)` sets it up (collective over the torch group: one all-gather of hostnames, then the
 segment is created by rank 0, mapped by all, and unlinked right after every rank has attached, so a crash
 leaves nothing behind; `atexit` unlinks too if setup dies half-way). `TorchCommunicator` uses it for
-synchronous CPU all_reduce / all_gather of at most `SLOT_BYTES` when every rank of its group is on this host;
+synchronous CPU all_reduce / all_gather of at most `SLOT_BYTES` when every rank of its group is on this host,
+and for synchronous CPU all_to_all (whose slots carry a header: the ranks' sizes differ, so the header also
+says whether every rank's data fit, and all ranks fall back to gloo together when one did not);
 `TPKIT_SHM=0` turns it off; its barrier goes through the segment too. A rank that never arrives raises `CommError` after the communicator's timeout,
 and a peer process that died raises it within a second.
 """
@@ -116,7 +118,7 @@ def connect(group, rank: int, world_size: int, timeout: float, name: str) -> "Sh
 
 
 class SharedMemoryChannel:
-    """One rank's view of the segment; `all_reduce` / `all_gather` of tensors up to `SLOT_BYTES`."""
+    """One rank's view of the segment; `all_reduce` / `all_gather` / `all_to_all` of tensors up to `SLOT_BYTES`."""
 
     def __init__(self, path: str, size: int, rank: int, world_size: int, timeout: float, pids: list[int],
                  name: str):
@@ -239,3 +241,43 @@ class SharedMemoryChannel:
         result = torch.cat(parts, dim)
         self._flags[self.rank * _Q + 1] = seq
         return result
+
+    def all_to_all(self, packed: torch.Tensor, starts: list[int], recv_counts: list[int]) -> torch.Tensor | None:
+        """Every rank's piece for this rank, concatenated in rank order (a new flat tensor); None on every rank
+        when some rank's data does not fit its slot (the caller then takes gloo).
+
+        `packed` is this rank's flat data, piece j at elements `starts[j]:starts[j + 1]`; `recv_counts[i]` the
+        elements this rank expects from rank i. A slot holds a header (whether the data fits, then `starts`) and
+        the data: sizes differ between ranks, so each rank reads where its piece lies in every peer's header."""
+        n, itemsize = self.world_size, packed.element_size()
+        header = torch.tensor([0] + list(starts), dtype=torch.int64)
+        head_bytes = -(-header.numel() * 8 // _LINE) * _LINE
+        fits = head_bytes + packed.numel() * itemsize <= SLOT_BYTES
+        header[0] = int(fits)
+        seq = self._seq = self._seq + 1
+        bases = [_FLAGS_BYTES + ((seq & 1) * n + r) * SLOT_BYTES for r in range(n)]
+        if seq > 2:
+            self._wait(1, seq - 2, "all_to_all")
+        mine = self._bytes[bases[self.rank]:bases[self.rank] + SLOT_BYTES]
+        mine[:header.numel() * 8].copy_(header.view(torch.uint8))
+        if fits:
+            mine[head_bytes:head_bytes + packed.numel() * itemsize].copy_(packed.view(torch.uint8))
+        self._flags[self.rank * _Q] = seq
+        self._wait(0, seq, "all_to_all")
+        try:
+            headers = [self._bytes[b:b + header.numel() * 8].view(torch.int64).tolist() for b in bases]
+            if not all(h[0] for h in headers):
+                return None
+            out = packed.new_empty(sum(recv_counts))
+            at = 0
+            for peer, (base, h) in enumerate(zip(bases, headers)):
+                lo, hi = h[1 + self.rank], h[2 + self.rank]
+                if hi - lo != recv_counts[peer]:
+                    raise CommError(f"all_to_all (shared memory) on rank {self.rank} of group {self.name}: rank "
+                                    f"{peer} sent {hi - lo} elements but this rank expects {recv_counts[peer]}")
+                start = base + head_bytes + lo * itemsize
+                out[at:at + hi - lo].copy_(self._bytes[start:start + (hi - lo) * itemsize].view(packed.dtype))
+                at += hi - lo
+            return out
+        finally:
+            self._flags[self.rank * _Q + 1] = seq

@@ -8,14 +8,15 @@ rank's call.
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from .all_to_all import size_mismatch
 from .errors import CommError
 from .ops import ReduceOp
 
-_OP_CODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "send": 5}
+_OP_CODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "send": 5, "all_to_all": 6}
 _OP_NAMES = {v: k for k, v in _OP_CODES.items()}
 _MAX_DIMS = 8  # dimensions spelled out in a report; all of them are compared (through a hash)
 SIGNATURE_LENGTH = 8 + _MAX_DIMS
@@ -43,11 +44,14 @@ def signature(op: str, tensor: torch.Tensor, dim: int = -1, sizes: Sequence[int]
     """`SIGNATURE_LENGTH` ints describing one rank's call; ranks of a correct collective have equal ones.
 
     all_gather shards may differ along `dim` when `sizes` is given, so that size is masked and `sizes`
-    compared instead.
+    compared instead. all_to_all inputs may differ along both its dims (`dim` the scatter dim, `src` the
+    gather dim), so both are masked; `all_to_all_check` compares its sizes.
     """
     shape = list(tensor.shape)
     if op == "all_gather" and sizes is not None:
         shape[dim] = -1
+    if op == "all_to_all":
+        shape[dim] = shape[src] = -1
     reduce_code = -1 if reduce_op is None else list(ReduceOp).index(reduce_op)
     head = [_OP_CODES[op], _dtype_code(tensor.dtype), tensor.dim(), reduce_code, dim, src,
             0 if sizes is None else _ints_hash(sizes), _ints_hash(shape)]
@@ -66,10 +70,11 @@ def describe_signature(row: Sequence[int], with_op: bool = True) -> str:
     parts += [str(_DTYPES.get(row[1], "?")), f"shape {shape}"]
     if row[3] >= 0:
         parts.append(list(ReduceOp)[row[3]].name)
+    a2a = row[0] == _OP_CODES["all_to_all"]
     if row[4] >= 0:
-        parts.append(f"dim {row[4]}")
+        parts.append(f"{'scatter_dim' if a2a else 'dim'} {row[4]}")
     if row[5] >= 0:
-        parts.append(f"src {row[5]}")
+        parts.append(f"{'gather_dim' if a2a else 'src'} {row[5]}")
     return " ".join(parts)
 
 
@@ -78,3 +83,14 @@ def check_signatures(op: str, group: str, rows: list[list[int]]) -> None:
     if any(row != rows[0] for row in rows):
         desc = "; ".join(f"rank {r}: {describe_signature(row)}" for r, row in enumerate(rows))
         raise CommError(f"{op}: ranks of group {group} passed mismatched tensors or arguments: {desc}")
+
+
+def all_to_all_check(group: str, gather: Callable[[list[int]], list[list[int]]], tensor: torch.Tensor, sd: int,
+                     gd: int, ss: list[int], gs: list[int]) -> None:
+    """Under TP_DEBUG: raise `CommError` on every rank when the ranks' all_to_all calls do not fit together
+    (dtype, dims, the other dims' sizes, and the piece sizes: `all_to_all.size_mismatch`). `gather` is the
+    backend's `_gather_signatures`; two small gathers."""
+    check_signatures("all_to_all", group, gather(signature("all_to_all", tensor, sd, None, src=gd)))
+    problem = size_mismatch(gather(list(ss) + list(gs)), sd == gd)
+    if problem:
+        raise CommError(f"all_to_all: ranks of group {group} passed sizes that do not fit together: {problem}")

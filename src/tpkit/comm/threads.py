@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from .all_to_all import local, piece_mismatch
 from .communicator import Communicator, group_name
 from .context import register_world_of_one, use_communicator
 from .errors import CommError
@@ -164,6 +165,25 @@ class ThreadCommunicator(Communicator):
                 raise CommError(f"all_gather: shards of group {self._name} differ in dim {dim} and no sizes were "
                                 f"given: {_describe([_signature(p) for p in parts])}; pass sizes= for uneven shards")
             return torch.cat(parts, dim=dim)
+        return self._in_background(run, async_op)
+
+    def _all_to_all(self, tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes, async_op):
+        mine = tensor.detach().clone()
+        call = (scatter_dim, gather_dim, tuple(scatter_sizes), tuple(gather_sizes))
+
+        def run():
+            items = self._exchange("all_to_all", (mine, call))
+            if len({t.dtype for t, _ in items}) > 1 or len({t.dim() for t, _ in items}) > 1:
+                raise CommError(f"all_to_all: ranks of group {self._name} passed mismatched tensors: "
+                                f"{_describe([_signature(t) for t, _ in items])}")
+            problem = piece_mismatch([(tuple(t.shape), *c) for t, c in items])
+            if problem:
+                raise CommError(f"all_to_all: ranks of group {self._name} passed calls that do not fit together: "
+                                f"{problem}")
+            pieces = []
+            for t, (_, _, sizes, _) in items:  # rank i's piece for this rank, from its own cut
+                pieces.append(t.narrow(scatter_dim, sum(sizes[:self._rank]), sizes[self._rank]))
+            return local(mine, scatter_dim, gather_dim, scatter_sizes, gather_sizes, self._rank, pieces)
         return self._in_background(run, async_op)
 
     def _reduce_scatter(self, tensor, op, dim, sizes, async_op):

@@ -1,7 +1,8 @@
 """The `torch` backend: a `Communicator` over a `torch.distributed` process group (nccl, gloo or mpi).
 
 It adds nothing on the hot path but what the contract needs: a copy of the input for all_reduce (so the
-input is never modified), a `movedim` for `dim != 0`, and padding for uneven shards. Operations a
+input is never modified), a `movedim` for `dim != 0`, and padding for uneven shards; all_to_all is one
+`all_to_all_single` of flat pieces laid out by `all_to_all.py`. Operations a
 backend lacks are composed: gloo has no AVG on integers, so it sums and divides. Under `TP_DEBUG=1` every
 collective, send and recv first compares the ranks' shapes, dtypes and arguments and raises `CommError` on
 a mismatch instead of corrupting memory or hanging.
@@ -18,8 +19,8 @@ from .communicator import Communicator, group_name
 from .errors import CommError
 from .handle import Handle
 from .ops import ReduceOp, divide_by_count
-from . import shm
-from .signatures import SIGNATURE_LENGTH, describe_signature, dtype_of_code, sent_shape, signature
+from . import all_to_all as a2a, shm
+from .signatures import SIGNATURE_LENGTH, all_to_all_check, describe_signature, dtype_of_code, sent_shape, signature
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -202,6 +203,27 @@ class TorchCommunicator(Communicator):
                 full = torch.cat([out.narrow(0, r * longest, s) for r, s in enumerate(sizes)], dim=0)
             return full if dim == 0 else full.movedim(0, dim).contiguous()
         return self._handle(work, finish)
+
+    def _all_to_all(self, tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes, async_op):
+        if self._debug:
+            all_to_all_check(self._name, self._gather_signatures, tensor, scatter_dim, gather_dim, scatter_sizes,
+                             gather_sizes)
+        shape, me = tensor.shape, self._rank
+        packed = a2a.pack(tensor, scatter_dim)
+        send = a2a.send_counts(shape, scatter_dim, scatter_sizes)
+        recv = a2a.recv_counts(shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, me)
+        # Shared memory whatever the size (the ranks' sizes differ, so only the channel can tell every rank
+        # alike whether all of them fit); None from it on every rank when some rank's does not.
+        channel = None if self._shm is False or async_op or self._debug or not tensor.is_cpu else self._channel()
+        flat = None
+        if channel is not None:
+            flat = channel.all_to_all(packed, a2a.offsets(send), recv)
+        if flat is not None:
+            return Handle.completed(a2a.unpack(flat, shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, me))
+        flat = packed.new_empty(sum(recv))  # allocated flat: the pieces arrive in order
+        work = dist.all_to_all_single(flat, packed, recv, send, group=self._group, async_op=async_op)
+        return self._handle(work, lambda: a2a.unpack(flat, shape, scatter_dim, gather_dim, scatter_sizes,
+                                                     gather_sizes, me))
 
     def _reduce_scatter(self, tensor, op, dim, sizes, async_op):
         if self._debug:

@@ -1,8 +1,9 @@
 """The one entry point for collectives on a forward or backward path: eager and `torch.compile` alike.
 
 `all_reduce(t, comm)`, `all_reduce_(t, comm)` (in place, for a temporary the caller owns), `all_gather(t, comm,
-dim, sizes)` and `reduce_scatter(t, comm, dim, sizes)` are what `tpkit.nn.mappings`, cross entropy and the
-converter's gradient hooks call. Outside a compiled region they are the communicator's own methods (checks,
+dim, sizes)`, `reduce_scatter(t, comm, dim, sizes)` and `all_to_all(t, comm, scatter_dim, gather_dim,
+scatter_sizes, gather_sizes)` are what `tpkit.nn.mappings`, cross entropy and the converter's gradient hooks
+call. Outside a compiled region they are the communicator's own methods (checks,
 TP_DEBUG, `CommError`, the shared-memory transport). Inside one they become graph ops:
 
 - torch.distributed functional collectives (`_c10d_functional` + `wait_tensor`) when the communicator is a
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from . import all_to_all as a2a
+from .checks import check_all_to_all
 from .ids import lookup, register
 from .ops import ReduceOp
 from ..layout import split_sizes
@@ -84,6 +87,17 @@ def _(x, comm_id, op, dim, sizes, rank):
     return x.new_empty(shape)
 
 
+@torch.library.custom_op("tpkit::all_to_all", mutates_args=())
+def _op_all_to_all(x: torch.Tensor, comm_id: int, scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
+                   gather_sizes: list[int], rank: int) -> torch.Tensor:
+    return lookup(comm_id).all_to_all(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
+
+
+@_op_all_to_all.register_fake
+def _(x, comm_id, scatter_dim, gather_dim, scatter_sizes, gather_sizes, rank):
+    return x.new_empty(a2a.output_shape(x.shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, rank))
+
+
 # -- functional collectives (torch process groups) ----------------------------------------------------
 _FC_OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min", ReduceOp.PRODUCT: "product",
            ReduceOp.AVG: "sum"}
@@ -118,6 +132,16 @@ def _fc_reduce_scatter(x: torch.Tensor, group: str, op: ReduceOp, n: int, rank: 
     # gloo has no reduce_scatter_tensor: an all-reduce and this rank's slice is the same result, traceably.
     out = _fc_all_reduce(x, group, op, n)
     return out.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
+
+
+def _fc_all_to_all(x: torch.Tensor, group: str, rank: int, sd: int, gd: int, ss: list[int],
+                   gs: list[int]) -> torch.Tensor:
+    # flat, as the eager backend sends it: the split sizes count elements of `all_to_all.pack`'s layout
+    fc = _fc()
+    send = a2a.send_counts(x.shape, sd, ss)
+    recv = a2a.recv_counts(x.shape, sd, gd, ss, gs, rank)
+    flat = fc.wait_tensor(fc.all_to_all_single(a2a.pack(x, sd), recv, send, group))
+    return a2a.unpack(flat, x.shape, sd, gd, ss, gs, rank, traced=True)
 
 
 # -- the entry point ------------------------------------------------------------------------------------
@@ -176,4 +200,20 @@ def reduce_scatter(x: torch.Tensor, comm: "Communicator", dim: int = 0, sizes: S
     return _op_reduce_scatter(x, comm._comm_id, op.value, dim, sizes, comm.rank)
 
 
-__all__ = ["all_gather", "all_reduce", "all_reduce_", "functional_group", "lookup", "reduce_scatter", "register"]
+def all_to_all(x: torch.Tensor, comm: "Communicator", scatter_dim: int, gather_dim: int,
+               scatter_sizes: Sequence[int] | None = None, gather_sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """`comm.all_to_all(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes)`, traceable."""
+    if not _compiling():
+        return comm.all_to_all(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
+    n = comm.world_size
+    if n == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    sd, gd, ss, gs = check_all_to_all(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, n, comm.rank)
+    group = functional_group(comm)
+    if group is not None:
+        return _fc_all_to_all(x, group, comm.rank, sd, gd, ss, gs)
+    return _op_all_to_all(x, comm._comm_id, sd, gd, ss, gs, comm.rank)
+
+
+__all__ = ["all_gather", "all_reduce", "all_reduce_", "all_to_all", "functional_group", "lookup", "reduce_scatter",
+           "register"]

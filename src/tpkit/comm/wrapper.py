@@ -60,6 +60,12 @@ class WrappedCommunicator(Communicator):
                    async_op: bool = False):
         return self.inner.all_gather(tensor, dim=dim, sizes=sizes, async_op=async_op)
 
+    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int,
+                   scatter_sizes: Sequence[int] | None = None, gather_sizes: Sequence[int] | None = None,
+                   async_op: bool = False):
+        return self.inner.all_to_all(tensor, scatter_dim, gather_dim, scatter_sizes=scatter_sizes,
+                                     gather_sizes=gather_sizes, async_op=async_op)
+
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, dim: int = 0,
                        sizes: Sequence[int] | None = None, async_op: bool = False):
         return self.inner.reduce_scatter(tensor, op=op, dim=dim, sizes=sizes, async_op=async_op)
@@ -99,6 +105,9 @@ class WrappedCommunicator(Communicator):
 
     def _all_gather(self, tensor, dim, sizes, async_op) -> Handle:
         return Handle.completed(self.inner.all_gather(tensor, dim=dim, sizes=sizes))
+
+    def _all_to_all(self, tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes, async_op) -> Handle:
+        return Handle.completed(self.inner.all_to_all(tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes))
 
     def _reduce_scatter(self, tensor, op, dim, sizes, async_op) -> Handle:
         return Handle.completed(self.inner.reduce_scatter(tensor, op=op, dim=dim, sizes=sizes))

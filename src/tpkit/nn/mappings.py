@@ -15,6 +15,9 @@ Sequence-parallel region (the sequence dim, `dim`):
     scatter_to_sequence_region         forward split            backward all-gather
     gather_from_sequence_region        forward all-gather       backward reduce-scatter
     reduce_scatter_to_sequence_region  forward reduce-scatter   backward all-gather
+Exchanging one dim for another (heads for sequence in Ulysses attention, tokens to their experts):
+    all_to_all                         forward all-to-all       backward the reverse all-to-all
+                                       (scatter -> gather dim)  (gather -> scatter dim, size lists swapped)
 Parameters a rank uses for part of the work only (applied to the parameter where its module reads it; see
 `grad_sums`):
     copy_to_region               forward the parameter        backward all-reduce of its gradient
@@ -37,6 +40,7 @@ from typing import Sequence
 import torch
 
 from ..comm import traceable
+from ..comm.checks import check_all_to_all
 from ..comm.communicator import Communicator
 from ..layout import split_sizes
 from .partition import shard
@@ -140,6 +144,21 @@ class _CopyRowsToRegion(torch.autograd.Function):
         return traceable.all_reduce_(full, ctx.comm).index_select(0, idx), None, None, None  # `full` is ours
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, scatter_dim, gather_dim, scatter_sizes, gather_sizes):
+        # the lists resolved here, so the backward sends back exactly the pieces that came
+        sd, gd, ss, gs = check_all_to_all(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, comm.world_size,
+                                          comm.rank)
+        ctx.comm, ctx.dims, ctx.sizes = comm, (sd, gd), (ss, gs)
+        return traceable.all_to_all(x, comm, sd, gd, ss, gs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (sd, gd), (ss, gs) = ctx.dims, ctx.sizes
+        return traceable.all_to_all(grad, ctx.comm, gd, sd, gs, ss), None, None, None, None, None
+
+
 def _dim(x: torch.Tensor, dim: int) -> int:
     """A non-negative dim, so forward and backward agree even if a rank's shard changes rank."""
     if not -x.dim() <= dim < x.dim():
@@ -197,7 +216,17 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: 
     return x if comm.world_size == 1 else _ReduceScatterToSequence.apply(x, comm, _dim(x, dim), sizes)
 
 
+def all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int,
+               scatter_sizes: Sequence[int] | None = None, gather_sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """`comm.all_to_all` (forward: this rank's pieces of `scatter_dim` to every rank, theirs concatenated along
+    `gather_dim`); backward the reverse all-to-all, `gather_dim` scattered by `gather_sizes` and `scatter_dim`
+    gathered by `scatter_sizes` (the defaults resolved in the forward). Dims may be negative."""
+    if comm.world_size == 1:
+        return x
+    return _AllToAll.apply(x, comm, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
+
+
 __all__ = [
-    "copy_rows_to_region", "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region",
+    "all_to_all", "copy_rows_to_region", "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region",
     "reduce_scatter_to_sequence_region", "scatter_to_region", "scatter_to_sequence_region",
 ]

@@ -13,8 +13,8 @@ knows every block size), so uneven and empty shards work. Non-powers of two use 
 the first `2r` ranks (`r = n - 2^floor(log2 n)`) each even rank hands its data to the odd rank above it,
 the remaining power of two runs the algorithm, and the even ranks get their result back at the end.
 
-One module per collective (`all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`); the steps they share
-are in `steps`.
+One module per collective (`all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `all_to_all`); the steps
+they share are in `steps`.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from .all_gather import bruck_all_gather, direct_all_gather, recursive_doubling_all_gather, ring_all_gather
+from .all_to_all import direct_all_to_all, pairwise_all_to_all
 from .all_reduce import (binomial_reduce, direct_all_reduce, rabenseifner_all_reduce, recursive_doubling_all_reduce,
                          ring_all_reduce, tree_all_reduce)
 from .broadcast import binomial_broadcast, scatter_allgather_broadcast
@@ -31,7 +32,7 @@ from .reduce_scatter import (direct_reduce_scatter, pairwise_reduce_scatter, rec
                              ring_reduce_scatter)
 from .steps import combine
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 ALGORITHMS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "all_reduce": {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
@@ -41,6 +42,7 @@ ALGORITHMS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "reduce_scatter": {"ring": ring_reduce_scatter, "pairwise": pairwise_reduce_scatter,
                        "recursive_halving": recursive_halving_reduce_scatter, "direct": direct_reduce_scatter},
     "broadcast": {"binomial": binomial_broadcast, "scatter_allgather": scatter_allgather_broadcast},
+    "all_to_all": {"pairwise": pairwise_all_to_all, "direct": direct_all_to_all},
 }
 
 __all__ = [
@@ -49,5 +51,5 @@ __all__ = [
     "ring_all_reduce", "tree_all_reduce",
     "bruck_all_gather", "direct_all_gather", "recursive_doubling_all_gather", "ring_all_gather",
     "direct_reduce_scatter", "pairwise_reduce_scatter", "recursive_halving_reduce_scatter", "ring_reduce_scatter",
-    "binomial_broadcast", "scatter_allgather_broadcast",
+    "binomial_broadcast", "scatter_allgather_broadcast", "direct_all_to_all", "pairwise_all_to_all",
 ]
