@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.communicator import Communicator
+from ..nn.mappings import all_to_all
 from .batch import ContextBatch
 
 
@@ -41,8 +42,6 @@ class _Kernel:
 def ulysses_attention(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
                       batch: ContextBatch, kernel, kernel_name: str, window: int | None = None, **kwargs) -> torch.Tensor:
     """This rank's attention output [batch, local tokens, heads, dim] (the layout HF kernels return)."""
-    from ..nn.mappings import all_to_all  # noqa: PLC0415  (TODO merge: module level)
-
     cp = comm.world_size
     if k.shape[1] < cp and k.shape[1] % cp:
         k, v = (t.repeat_interleave(cp // t.shape[1], dim=1) for t in (k, v))
