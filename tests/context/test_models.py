@@ -134,3 +134,27 @@ def test_the_all_to_all_path_compiles_whole_and_computes_the_same(llama):
         assert torch.allclose(compiled, eager, rtol=0, atol=1e-12)
         for a, b in zip(compiled_grads, eager_grads):
             assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("extra,method", [("sequence_parallel", "ring"), ("recompute", "all_to_all")])
+def test_sequence_parallelism_and_recompute_inside_cp_equal_one_process(llama, extra, method):
+    """Sequence parallelism splits the cp-local sequence over TP; recompute re-runs the attention's exchanges in
+    the backward, in the same order on every rank."""
+    ids = torch.randint(0, 97, (2, 26), generator=torch.Generator().manual_seed(11))
+    loss, _, grads = _reference(llama, {"input_ids": ids, "labels": ids})
+    want = torch.nn.utils.get_total_norm(list(grads.values()))
+
+    def rank(comm):
+        g = tpkit.comm.groups(comm, tp=2, cp=2)
+        m = tpkit.parallelize(copy.deepcopy(llama), comm=g.tp, mode="training",
+                              sequence_parallel=extra == "sequence_parallel")
+        if extra == "recompute":
+            tpkit.recompute(m)
+        tpkit.context_parallel(m, g.cp, method=method)
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), tpkit.clip_grad_norm_(m.parameters(), 1e9)
+
+    for got_loss, norm in run_threads(rank, 4):
+        assert torch.allclose(got_loss.double(), loss.double(), rtol=1e-6)
+        assert torch.allclose(norm.double(), want, rtol=1e-6)  # TP's loss runs in float32, as HF's does
