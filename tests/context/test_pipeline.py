@@ -6,8 +6,9 @@ micro-batch's whole token ids itself (the later ones given the hidden states of 
 model's logits, loss and every gradient; the loss shares of `token_mean` sum to Hugging Face's token mean with
 ignored labels and a length the split pads.
 
-On 4 gloo processes (one launch, `cases.run_pipelines`): pp2 x cp2 trains a Llama for 2 steps (1F1B) and a tied
-Qwen2 (interleaved 1F1B, two stages per rank: the tokens reach every stage of a rank) exactly as one process does:
+On 4 gloo processes (one launch, `tests/pipeline/cp_cases.py`): pp2 x cp2 trains a Llama read from a directory for
+2 steps (1F1B, ring attention) and a tied Qwen2 (interleaved 1F1B, two stages per rank: the tokens reach every stage
+of a rank; all-to-all attention) exactly as one process does:
 the losses, the clipped norms, the first step's gradients and the final weights; the evaluation loss and the
 whole-sequence logits before training; a checkpoint saved at pp2 x cp2 and consolidated equals the reference's
 weights; a custom loss_fn under cp and sizes that do not divide the world are refused before anything changes.
@@ -45,8 +46,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("cp,length,stages", [(2, 12, 2), (3, 13, 3), (2, 9, 3)])
-def test_stages_in_order_equal_one_process(llama, cp, length, stages):
+@pytest.mark.parametrize("cp,length,stages,method", [(2, 12, 2, "ring"), (3, 13, 3, "ring"), (2, 9, 3, "all_to_all")])
+def test_stages_in_order_equal_one_process(llama, cp, length, stages, method):
     """Each cp rank holds every stage (one part): stage s runs on what stage s-1 returned, with the tokens."""
     x = _ids(2, length)
     llama.zero_grad()
@@ -57,7 +58,7 @@ def test_stages_in_order_equal_one_process(llama, cp, length, stages):
     def rank(comm):
         m = copy.deepcopy(llama)
         split = split_stages(m, stages)
-        tpkit.context_parallel(m, comm, method="ring")
+        tpkit.context_parallel(m, comm, method=method)
         h = x
         for stage in stage_modules(m, split, list(range(stages)), StageContext(m)):
             h = stage(h, tokens=x)
@@ -123,6 +124,7 @@ def test_pp2_x_cp2_trains_as_one_process(launched, case):
     for r in launched:
         got = r["cases"][case]
         assert got["cp"] == (r["rank"] % 2, 2) and got["pp_rank"] == r["rank"] // 2  # world = pp x cp, cp inside
+        assert got["methods"] == {c.cp_method}
         assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
         if got["logits"] is not None:
             assert _rel(got["logits"], ref["logits"]) < 1e-10

@@ -51,17 +51,18 @@ class Case:
     schedule: str = "1f1b"
     stages_per_rank: int | None = None
     from_directory: bool = False  # read by each rank from a Hugging Face directory, as examples/finetune.py does
+    cp_method: str = "ring"
 
 
 CASES = [Case("llama_pp2_cp2", "llama", from_directory=True),
-         Case("qwen_tied_pp2_cp2_interleaved", "qwen_tied", "interleaved1f1b", 2)]
+         Case("qwen_tied_pp2_cp2_interleaved_a2a", "qwen_tied", "interleaved1f1b", 2, cp_method="all_to_all")]
 
 
 def run_case(world, case: Case, directory: str, root: str) -> dict:
     """The case at pp2 x cp2 on the 4 ranks: eval, then STEPS training steps as the reference does them (every
     rank given the whole batch); the llama case's weights saved at the end."""
     model = directory if case.from_directory else MODELS[case.model]()
-    pipe = tpkit.pipeline(model, world, pp=2, cp=2, cp_method="ring", schedule=case.schedule,
+    pipe = tpkit.pipeline(model, world, pp=2, cp=2, cp_method=case.cp_method, schedule=case.schedule,
                           stages_per_rank=case.stages_per_rank, microbatches=2, dtype=torch.float64)
     pipe.model.train()
     cp = pipe.groups.cp
@@ -78,6 +79,7 @@ def run_case(world, case: Case, directory: str, root: str) -> dict:
         opt.zero_grad()
         out["losses"].append(loss.item())
     out["params"] = {k: p.detach().clone() for k, p in pipe.model.named_parameters(remove_duplicate=False)}
+    out["methods"] = {m for m, _ in tpkit.context.context_of(pipe.model).methods.values()}  # chosen at the first forward
     if case.from_directory:
         tpkit.save_sharded(pipe.model, os.path.join(root, case.name), step=STEPS, comm=world)
     return out
