@@ -1,17 +1,20 @@
 """`tpkit.pipeline`: a model cut into stages on torch's pipeline engine, each stage tensor- and data-parallel.
 
-    pipe = tpkit.pipeline(model, comm, pp=2, tp=2, schedule="1f1b", microbatches=4)
+    pipe = tpkit.pipeline(model, comm, pp=2, tp=2, cp=1, schedule="1f1b", microbatches=4)
     opt = torch.optim.AdamW(pipe.model.parameters())
     loss = pipe.step(input_ids, labels)            # forward and backward of every micro-batch
     norm = tpkit.clip_grad_norm_(pipe.model.parameters(), 1.0)
     opt.step(); opt.zero_grad()
 
 In order, before anything runs: the split (`split.py`), the ties across the first and last stage (`tied.py`), the
-groups (`layout.py`: world = pp x dp x tp, tp innermost), the whole model's tensor-parallel plan (`compose.py`),
-then the model is cut to this rank's part (`stage.py`), converted on the tp group, its stage modules put under
-FSDP2 or DDP over the dp group, and handed to torch's `PipelineStage` and schedule (`schedule.py`). A path (a
-Hugging Face directory or a tpkit checkpoint) is built on the meta device, cut and converted the same way, and
-each rank reads only its part's tensors, and of those its tp slices (`tpkit.from_pretrained`'s reader).
+groups (`layout.py`: world = pp x dp x cp x tp, tp innermost), the whole model's tensor-parallel plan
+(`compose.py`), and with cp > 1 a dry run of `tpkit.context_parallel` on a weightless copy (what it refuses is
+refused here); then the model is cut to this rank's part (`stage.py`), converted on the tp group, made
+context-parallel over the cp group (each stage cuts every micro-batch's sequences itself:
+`tpkit.context.pipeline`), its stage modules put under FSDP2 or DDP over the dp group, and handed to torch's
+`PipelineStage` and schedule (`schedule.py`). A path (a Hugging Face directory or a tpkit checkpoint) is built on
+the meta device, cut and converted the same way, and each rank reads only its part's tensors, and of those its tp
+slices (`tpkit.from_pretrained`'s reader).
 """
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ from torch import nn
 
 from ..checkpoint import from_pretrained
 from ..comm.communicator import Communicator
+from ..context import context_parallel
+from ..context.pipeline import StageContext
 from ..nn._layer import resolve_comm
 from ..nn.record import find_record
-from .compose import convert_part, converted_plan, data_parallel_stages
+from .compose import convert_part, converted_plan, data_parallel_stages, weightless_copy
 from .layout import pipeline_groups
 from .parallel import PipelineParallel
 from .run import CausalLMLoss, Pipeline, SwitchedLoss
@@ -47,25 +52,29 @@ class Cut:
     stages_per_rank: int
     starts: Sequence[int] | None
     mode: str
+    cp: int = 1
+    cp_method: str = "auto"
 
 
 def pipeline(model: nn.Module | str | os.PathLike, comm: Communicator | None = None, *, pp: int, tp: int = 1,
-             schedule: str = "1f1b", microbatches: int | None = None, stages_per_rank: int | None = None,
-             starts: Sequence[int] | None = None, dp_mode: str = "fsdp", mode: str = "training",
-             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, dtype=None,
-             device: torch.device | str | int | None = None) -> Pipeline:
+             cp: int = 1, cp_method: str = "auto", schedule: str = "1f1b", microbatches: int | None = None,
+             stages_per_rank: int | None = None, starts: Sequence[int] | None = None, dp_mode: str = "fsdp",
+             mode: str = "training", loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+             dtype=None, device: torch.device | str | int | None = None) -> Pipeline:
     """Cut `model` (in place) into `pp x stages_per_rank` stages over the world `comm` (default
-    `tpkit.get_communicator()`, a torch backend) laid out as pp x dp x tp (`tpkit.pipeline_groups`), and return
-    this rank's `Pipeline`. `model.parameters()` are this rank's afterwards (also `Pipeline.model`). `model` may be
-    a path (a Hugging Face directory or a tpkit checkpoint): each rank then reads only its part, in `dtype` (as
-    `tpkit.from_pretrained`'s), onto `device`.
+    `tpkit.get_communicator()`, a torch backend) laid out as pp x dp x cp x tp (`tpkit.pipeline_groups`), and
+    return this rank's `Pipeline`. `model.parameters()` are this rank's afterwards (also `Pipeline.model`). `model`
+    may be a path (a Hugging Face directory or a tpkit checkpoint): each rank then reads only its part, in `dtype`
+    (as `tpkit.from_pretrained`'s), onto `device`.
 
     `schedule`: "gpipe", "1f1b" (one stage per rank), "interleaved1f1b", "looped_bfs", "interleaved_zb" (several;
     default 2), "zbv" (two). `microbatches` (default pp x stages_per_rank) must divide the batch. `starts`: the
-    first block of each stage (default: balanced by cost and memory, `tpkit.split_stages`). `dp_mode`: FSDP2 or
-    DDP over dp = world / (pp x tp). `mode`: as `parallelize`'s ("training": the LM head's logits stay split over
-    the vocabulary and the loss is computed on them). `loss_fn(output, labels)`: default, a Hugging Face causal
-    LM's own loss. Raises before anything changes when the model cannot be cut as asked."""
+    first block of each stage (default: balanced by cost and memory, `tpkit.split_stages`). `cp`: each micro-batch's
+    sequences split over this many ranks inside every stage (`tpkit.context_parallel(..., method=cp_method)` on each
+    rank's part; the batch given to `Pipeline.step` is whole sequences, on every rank). `dp_mode`: FSDP2 or DDP over
+    dp = world / (pp x cp x tp). `mode`: as `parallelize`'s ("training": the LM head's logits stay split over the
+    vocabulary and the loss is computed on them). `loss_fn(output, labels)`: default, a Hugging Face causal LM's
+    own loss (the only one under cp > 1). Raises before anything changes when the model cannot be cut as asked."""
     comm = resolve_comm(comm)
     if getattr(comm, "process_group", None) is None:
         raise TypeError(f"pipeline: comm must be a torch-backend communicator (tpkit.init()); got "
@@ -75,7 +84,11 @@ def pipeline(model: nn.Module | str | os.PathLike, comm: Communicator | None = N
     m = microbatches if microbatches is not None else pp * v
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
-    cut = Cut(comm, pp, tp, schedule, v, starts, mode)
+    if cp != 1 and loss_fn is not None:
+        raise ValueError(f"pipeline: cp {cp} with a loss_fn: under context parallelism the last stage holds the "
+                         f"logits of this rank's tokens only, and the loss must shift the labels over the whole "
+                         f"sequence and sum the ranks' shares; leave loss_fn out (the model's own causal LM loss)")
+    cut = Cut(comm, pp, tp, schedule, v, starts, mode, cp, cp_method)
     if isinstance(model, (str, os.PathLike)):
         made: list[PipelineParallel] = []
         part = from_pretrained(model, comm, mode=mode, dtype=dtype, device=device,
@@ -85,7 +98,7 @@ def pipeline(model: nn.Module | str | os.PathLike, comm: Communicator | None = N
             facts.tied.own_memory(part)
     else:
         part, facts = model, prepare(model, cut)
-    return _run_stages(part, facts, m, dp_mode, loss_fn)
+    return _run_stages(part, facts, m, dp_mode, loss_fn, cut.cp_method)
 
 
 def prepare(model: nn.Module, cut: Cut) -> PipelineParallel:
@@ -100,12 +113,14 @@ def prepare(model: nn.Module, cut: Cut) -> PipelineParallel:
     pp, n = cut.pp, cut.pp * cut.stages_per_rank
     split = split_stages(model, n, cut.starts)
     pairs = tied_pairs(model, split)
-    groups = pipeline_groups(cut.comm, pp, cut.tp)
+    groups = pipeline_groups(cut.comm, pp, cut.tp, cut.cp)
     mine = rank_stages(groups.pp_rank, n, pp, cut.schedule)
     first, last = stage_rank(0, n, pp, cut.schedule), stage_rank(n - 1, n, pp, cut.schedule)
-    tied_comm = tied_groups(cut.comm, pairs, first, last, groups.pp_rank, groups.dp.world_size, cut.tp)
+    tied_comm = tied_groups(cut.comm, pairs, first, last, groups.pp_rank, groups.dp.world_size, cut.tp, cut.cp)
     keys = frozenset(model.state_dict().keys())
     plan = converted_plan(model, groups.tp, cut.mode) if cut.tp > 1 else None
+    if groups.cp_size > 1:  # what context_parallel refuses (method, attention kernel, layers) refused now
+        context_parallel(weightless_copy(model), groups.cp, cut.cp_method)
     if pairs and first == last == groups.pp_rank:
         untie(model, pairs)
     prune(model, split, mine)
@@ -124,12 +139,18 @@ def _tied(pairs, comm, pp_rank: int, first: int, last: int) -> TiedCopies | None
     return TiedCopies(tuple(pairs), role, comm)
 
 
-def _run_stages(part: nn.Module, facts: PipelineParallel, microbatches: int, dp_mode: str, loss_fn) -> Pipeline:
-    """torch's `PipelineStage`s and schedule over the part's stage modules (under data parallelism when dp > 1)."""
+def _run_stages(part: nn.Module, facts: PipelineParallel, microbatches: int, dp_mode: str, loss_fn,
+                cp_method: str) -> Pipeline:
+    """torch's `PipelineStage`s and schedule over the part's stage modules (made context-parallel when cp > 1, under
+    data parallelism when dp > 1)."""
     from torch.distributed.pipelining import PipelineStage
 
     groups = facts.groups
-    modules: list[nn.Module] = list(stage_modules(part, facts.split, list(facts.stages)))
+    context = None
+    if groups.cp_size > 1:  # after the tp conversion (the cp sums wrap TP's) and the read; before FSDP2 / DDP
+        context_parallel(part, groups.cp, cp_method)
+        context = StageContext(part)
+    modules: list[nn.Module] = list(stage_modules(part, facts.split, list(facts.stages), context))
     views: list[StageModule] = list(modules)  # type: ignore[arg-type]
     if groups.dp.world_size > 1:
         modules = data_parallel_stages(part, views, facts.split, groups.dp, dp_mode, facts.record)
@@ -137,6 +158,6 @@ def _run_stages(part: nn.Module, facts: PipelineParallel, microbatches: int, dp_
     n = facts.split.num_stages
     stages = [PipelineStage(mod, s, n, device, group=groups.pp.process_group)
               for mod, s in zip(modules, facts.stages)]
-    loss = SwitchedLoss(loss_fn if loss_fn is not None else CausalLMLoss(part))
+    loss = SwitchedLoss(loss_fn if loss_fn is not None else CausalLMLoss(part, groups.cp))
     schedule = make_schedule(facts.schedule, stages, microbatches, loss)
     return Pipeline(part, views, schedule, facts, microbatches, loss)

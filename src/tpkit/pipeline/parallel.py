@@ -6,8 +6,8 @@ of several, by attribute (as `record.data_parallel` is):
 - `tpkit.clip_grad_norm_`: the norm over every dimension, the tp and dp part summed as without pipelining, then
   over the pipeline group (each stage's parameters are disjoint); a weight tied across the first and last stage
   counted once (`tied.py`);
-- the checkpoints: a world rank holds its stage's keys (`stage_size` consecutive ranks per pipeline rank, tp
-  innermost), a tied copy on the last stage is an alias, the checkpoint's other keys are the other stages'
+- the checkpoints: a world rank holds its stage's keys (`stage_size` consecutive ranks per pipeline rank, dp x cp x
+  tp, tp innermost), a tied copy on the last stage is an alias, the checkpoint's other keys are the other stages'
   (`keys`: every key of the whole model), and its plan is the whole model's (`plan`);
 - the replica sentinel: the tied copies compared over their group of two, and a divergence found anywhere
   raised everywhere (the pipeline group joins the tp and dp groups).
@@ -70,7 +70,7 @@ class PipelineParallel:
 
     @property
     def stage_size(self) -> int:
-        """World ranks per pipeline rank (dp x tp, consecutive)."""
+        """World ranks per pipeline rank (dp x cp x tp, consecutive)."""
         return self.groups.stage_size
 
     @property
@@ -79,7 +79,8 @@ class PipelineParallel:
         return self.tied.aliases if self.tied is not None else {}
 
     def global_norm(self, params: list[torch.Tensor], held: dict[int, Holder], norm_type: float):
-        """The norm source of `tpkit.clip_grad_norm_` for one stage of a pipeline: over pp x dp x tp."""
+        """The norm source of `tpkit.clip_grad_norm_` for one stage of a pipeline: over pp x dp x tp (the cp ranks
+        hold the same, summed gradients: each computes the whole norm)."""
         skip = {id(p) for key, p in self._named().items() if key in self.aliases}
         counted = [p for p in params if id(p) not in skip]
         total, _ = partial_norm(counted, held, norm_type, self.record, None)

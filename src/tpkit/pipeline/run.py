@@ -3,8 +3,11 @@ on torch's schedule, with the loss the schedule computes on the last stage.
 
 The loss of a step is the mean of its micro-batches' losses (torch divides the gradients by their number), equal to
 the batch's mean when every micro-batch has as many labelled tokens; it is broadcast from the last stage to every
-rank of the pipeline. After the backward, the gradients of a weight tied across the first and last stage are
-summed (`tied.py`). A send or receive that fails because a peer died or stopped answering is a `tpkit.CommError`.
+rank of the pipeline. Under context parallelism every stage is handed the micro-batch's whole token ids too (as a
+keyword argument torch splits into micro-batches and gives every stage), each micro-batch's loss is the token mean
+of its whole sequences on every cp rank (`CausalLMLoss`), and `eval`'s logits are gathered to whole sequences.
+After the backward, the gradients of a weight tied across the first and last stage are summed (`tied.py`). A send
+or receive that fails because a peer died or stopped answering is a `tpkit.CommError`.
 """
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..comm.communicator import Communicator
 from ..comm.errors import CommError
+from ..context.pipeline import token_mean
+from ..context.sequence import SequenceSplit
 from .layout import PipelineGroups
 from .parallel import PipelineParallel
 from .schedule import V_SHAPED, stage_rank
@@ -24,13 +30,18 @@ from .stage import model_output
 class CausalLMLoss:
     """The loss of a Hugging Face causal LM from its logits: the model's own `loss_function` (labels shifted inside;
     under tensor parallelism in training mode, tpkit's vocabulary-parallel one), the mean over the micro-batch's
-    tokens, as `model(input_ids=x, labels=x).loss` computes it."""
+    tokens, as `model(input_ids=x, labels=x).loss` computes it. Under context parallelism (`cp`, the part's cp
+    group) the logits are this rank's tokens: the labels are shifted over the whole sequence and cut, and the ranks'
+    shares summed into the whole micro-batch's token mean (`tpkit.context.pipeline.token_mean`)."""
 
-    def __init__(self, part: nn.Module):
-        self.part = part
+    def __init__(self, part: nn.Module, cp: Communicator | None = None):
+        self.part, self.cp = part, cp
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.part.loss_function(logits=logits, labels=labels, vocab_size=self.part.config.vocab_size)
+        vocab = self.part.config.vocab_size
+        if self.cp is not None and self.cp.world_size > 1:
+            return token_mean(self.part.loss_function, logits, labels, vocab, self.cp)
+        return self.part.loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
 
 class SwitchedLoss:
@@ -75,9 +86,10 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the batch `inputs` in `microbatches` micro-batches (split along dim 0); the
         gradients are those of the mean of the micro-batches' losses. Returns that mean on every rank of the
-        pipeline. Every rank passes the same batch (only the first and last stage read it). Zero the gradients
-        between steps: torch's schedules divide every `.grad` by the micro-batch count at the end of a step, so
-        gradients left from an earlier step would be divided again (accumulate with more micro-batches instead)."""
+        pipeline. Every rank passes the same batch, whole sequences (the first and last stage read it; under context
+        parallelism every stage, each cutting its rank's tokens). Zero the gradients between steps: torch's
+        schedules divide every `.grad` by the micro-batch count at the end of a step, so gradients left from an
+        earlier step would be divided again (accumulate with more micro-batches instead)."""
         losses: list[torch.Tensor] = []
         self._run(self.schedule.step, inputs, labels, losses)
         if self.facts.tied is not None:
@@ -87,8 +99,8 @@ class Pipeline:
     @torch.no_grad()
     def eval(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor | None:
         """A forward only: with `labels`, the mean loss (on every rank); without, the last stage's output (the
-        logits, whole batch) on the ranks running the last stage, None elsewhere. Not under "zbv": torch 2.13's
-        ZBV schedule fails a forward without backward (ValueError, before anything runs)."""
+        logits, whole batch, whole sequences) on the ranks running the last stage, None elsewhere. Not under "zbv":
+        torch 2.13's ZBV schedule fails a forward without backward (ValueError, before anything runs)."""
         if self.facts.schedule in V_SHAPED:
             raise ValueError(f"Pipeline.eval: torch's {self.facts.schedule!r} schedule cannot run a forward without "
                              f"its backward; evaluate under another schedule (the checkpoint loads at any)")
@@ -100,13 +112,22 @@ class Pipeline:
             self.loss.enabled = True
         if labels is not None:
             return self._mean(losses)
-        return model_output(out) if self.holds_last else None
+        if not self.holds_last:
+            return None
+        out = model_output(out)
+        cp = self.groups.cp
+        if cp is not None and cp.world_size > 1:  # this rank's tokens of every sequence: the whole sequences
+            out = SequenceSplit(inputs.shape[1], cp.world_size).gather(out, cp, 1)
+        return out
 
     def _run(self, run: Callable, inputs, labels, losses):
         args = (inputs,) if self.holds_first else ()
         target = labels if self.holds_last else None
+        # under cp every stage cuts the micro-batch's whole token ids itself: torch hands each stage its micro-batch
+        # of them (keyword arguments are split as the inputs are and given to every stage)
+        kwargs = {"tokens": inputs} if self.groups.cp_size > 1 else {}
         try:
-            return run(*args, target=target, losses=losses)
+            return run(*args, target=target, losses=losses, **kwargs)
         except Exception as exc:
             failure = _comm_failure(exc)
             if failure is None:

@@ -16,6 +16,9 @@ is computed as the model computes it:
   the blocks return a zero (their output only feeds what the first real block's hook replaces);
 - a stage that is not the last returns its last block's output (a forward hook keeps it); the last stage returns
   the model's output (a Hugging Face model's `logits`).
+Under context parallelism (`context`) each stage is also handed the micro-batch's whole token ids and cuts them
+over cp itself: the first stage its ids, every stage its tokens' global positions and the forward's split (a later
+stage's hidden states are this rank's tokens already; see `tpkit.context.pipeline`).
 With several stages on one rank (interleaved schedules) each `StageModule` runs a shell of the rank's part: the
 same layers, with the containers on the way to the other stage's blocks copied to hold placeholders there.
 Hugging Face decoder layers must return their hidden states as a tensor (transformers 5).
@@ -29,6 +32,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ..context.pipeline import StageContext
 from ..nn.record import ModelRecord
 from .split import StageSplit
 
@@ -141,10 +145,11 @@ class StageModule(nn.Module):
     """Pipeline stage `stage` of `num_stages`: the module torch's `PipelineStage` runs (see the module docstring).
     `module` is the shell of the rank's part for this stage; its blocks `first_block` .. `last_block`."""
 
-    def __init__(self, module: nn.Module, split: StageSplit, stage: int, embeds: bool):
+    def __init__(self, module: nn.Module, split: StageSplit, stage: int, embeds: bool,
+                 context: StageContext | None = None):
         super().__init__()
         self.module = module
-        self.stage, self.num_stages, self.embeds = stage, split.num_stages, embeds
+        self.stage, self.num_stages, self.embeds, self.context = stage, split.num_stages, embeds, context
         blocks = split.stage_blocks(stage)
         lst = module.get_submodule(split.blocks)
         self.__dict__["first_block"] = lst[blocks.start]  # not registered: the shell holds them
@@ -160,7 +165,9 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`x`: the token ids (first stage) or the hidden states received; `tokens`: the micro-batch's whole token
+        ids, which a context-parallel stage cuts (`context`; any other ignores them)."""
         kept: list = []
         handles = []
         if not self.is_first:
@@ -169,11 +176,7 @@ class StageModule(nn.Module):
         if not self.is_last:
             handles.append(self.last_block.register_forward_hook(lambda m, args, out: kept.append(out)))
         try:
-            if self.embeds:
-                key = "input_ids" if self.is_first else "inputs_embeds"
-                out = self.module(**{key: x}, use_cache=False)
-            else:
-                out = self.module(x)
+            out = self._run(x, tokens)
         finally:
             for h in handles:
                 h.remove()
@@ -181,6 +184,17 @@ class StageModule(nn.Module):
             out = kept[-1]
             return out[0] if isinstance(out, (tuple, list)) else out
         return model_output(out)
+
+    def _run(self, x: torch.Tensor, tokens: torch.Tensor | None) -> Any:
+        """The model's forward on this stage's input (cut over cp first by a context-parallel stage)."""
+        if self.context is not None:
+            kwargs = self.context.inputs(x if self.is_first else tokens, None if self.is_first else x)
+            with self.context.caller_cuts():
+                return self.module(**kwargs)
+        if self.embeds:
+            key = "input_ids" if self.is_first else "inputs_embeds"
+            return self.module(**{key: x}, use_cache=False)
+        return self.module(x)
 
     def _replace_input(self, x: torch.Tensor):
         def hook(module, args, kwargs):
@@ -203,12 +217,14 @@ def model_output(out: Any) -> torch.Tensor:
     return out
 
 
-def stage_modules(part: nn.Module, split: StageSplit, stages: list[int]) -> list[StageModule]:
+def stage_modules(part: nn.Module, split: StageSplit, stages: list[int],
+                  context: StageContext | None = None) -> list[StageModule]:
     """One `StageModule` per stage this rank holds, over `part` (the pruned model): each runs a shell with the
-    other stages' modules as placeholders (the part itself when the rank holds one stage)."""
+    other stages' modules as placeholders (the part itself when the rank holds one stage); `context`: the part's
+    context parallelism, which every stage cuts its inputs for."""
     embeds = feeds_embeddings(part)
     out = []
     for s in stages:
         keep = held_names(split, [s])
-        out.append(StageModule(shell(part, placeholders(part, split, keep)), split, s, embeds))
+        out.append(StageModule(shell(part, placeholders(part, split, keep)), split, s, embeds, context))
     return out

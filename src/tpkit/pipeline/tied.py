@@ -4,7 +4,7 @@ embedding group.
 In one process the two modules hold one Parameter, and its gradient is the sum of both uses. Cut into stages on
 different ranks, each of the two stages holds its own copy (the first under the embedding's key, the last under
 the head's), equal at the start; after every backward the two gradients are summed over the two ranks (one
-all-reduce per (dp, tp) position on a group of two), so both copies take the same step and stay one tensor. The
+all-reduce per (dp, cp, tp) position on a group of two), so both copies take the same step and stay one tensor. The
 norm counts the tensor once (the last stage's copy is left out of it), a checkpoint holds it once (the last
 stage's key is saved as an alias of the first's, as a tied model's state dict is), and the replica sentinel
 compares the two copies. On one rank (a V-shaped schedule puts the first and last stage together) the two stages
@@ -111,15 +111,17 @@ class TiedCopies:
 
 
 def tied_groups(world: Communicator, pairs: list[TiedPair], first_rank: int, last_rank: int, my_pp_rank: int,
-                dp: int, tp: int) -> Communicator | None:
-    """The two-rank groups of the tied copies (one per dp x tp position, pipeline ranks `first_rank` and
+                dp: int, tp: int, cp: int = 1) -> Communicator | None:
+    """The two-rank groups of the tied copies (one per dp x cp x tp position, pipeline ranks `first_rank` and
     `last_rank`); this rank's, or None when it holds neither side. Collective over the world: every rank creates
     every group, in the same order (none when there is no pair, or both sides are on one pipeline rank)."""
     if not pairs or first_rank == last_rank:
         return None
     mine = None
     for d in range(dp):
-        for t in range(tp):
-            group = world.new_group([world_rank(first_rank, d, t, dp, tp), world_rank(last_rank, d, t, dp, tp)])
-            mine = group if group is not None else mine
+        for c in range(cp):
+            for t in range(tp):
+                ends = [world_rank(p, d, t, dp, tp, c, cp) for p in (first_rank, last_rank)]
+                group = world.new_group(ends)
+                mine = group if group is not None else mine
     return mine if my_pp_rank in (first_rank, last_rank) else None
