@@ -3,8 +3,8 @@ ONE process of plain transformers + torch doing the example's documented steps o
 rule, `model(input_ids=x, labels=x).loss`, backward, `clip_grad_norm_`, AdamW), and the printed loss and gradient
 norm equal that process's to their 4 printed decimals: cp2 on a several-hundred-token sequence that does not divide
 by 2 x cp (padded and masked), cp3 (8 query heads, 2 KV heads: they do not divide), cp2 x tp2 (one KV head per TP
-rank) whose checkpoint resumes at tp2 alone, cp2 x dp2 under FSDP2, and a Qwen2 with tied embeddings and q/k/v
-biases."""
+rank) whose checkpoint resumes at tp2 alone, cp2 x dp2 under FSDP2, cp2 x pp2 (every micro-batch's sequence split
+in each stage), and a Qwen2 with tied embeddings and q/k/v biases."""
 from __future__ import annotations
 
 import argparse
@@ -132,3 +132,10 @@ def test_cp2_x_dp2_under_fsdp(models, tmp_path):
 def test_qwen2_tied_with_biases_at_cp2(models, tmp_path):
     output, out = _train(2, models["qwen2"], tmp_path, "qwen2", 22, 2, "--tp", "1", "--cp", "2")
     _equal_to_reference(output, out, _reference(models["qwen2"], 22, 2))
+
+
+@pytest.mark.slow
+def test_cp2_x_pp2(models, tmp_path):
+    output, out = _train(4, models["llama"], tmp_path, "cp2pp2", 14, 4, "--pp", "2", "--cp", "2")
+    assert "world 4 = pp2 x dp1 x cp2 x tp1" in output, output
+    _equal_to_reference(output, out, _reference(models["llama"], 14, 4))

@@ -103,8 +103,8 @@ def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             raise NotImplementedError(f"context_parallel: layer {name} ({type(m).__name__}) is bidirectional; tpkit's "
                                       f"context parallelism splits causal language models")
         if isinstance(getattr(m, "sinks", None), torch.Tensor):
-            raise NotImplementedError(f"context_parallel: layer {name} ({type(m).__name__}) uses attention sinks, which "
-                                      f"tpkit cannot split over the sequence exactly")
+            raise NotImplementedError(f"context_parallel: layer {name} ({type(m).__name__}) uses attention sinks, "
+                                      f"which tpkit cannot split over the sequence exactly")
     return layers
 
 

@@ -58,8 +58,9 @@ def context_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
 
     layer: LayerContext | None = module.__dict__.get(LAYER_ATTR)
     if layer is None:
-        raise RuntimeError(f"{type(module).__name__} runs tpkit's context-parallel attention but tpkit.context_parallel "
-                           f"did not set it up (a layer added afterwards?); apply context_parallel to the whole model")
+        raise RuntimeError(f"{type(module).__name__} runs tpkit's context-parallel attention but "
+                           f"tpkit.context_parallel did not set it up (a layer added afterwards?); apply "
+                           f"context_parallel to the whole model")
     state = layer.state
     batch = state.batch
     if batch is None:

@@ -39,8 +39,8 @@ def sum_over_context(model: nn.Module, comm: Communicator) -> list[str]:
         present = rewrites_of(module)
         for name, p in module.named_parameters(recurse=False):
             how = present.get(name)
-            if not p.is_floating_point() or isinstance(how, OverContext) or not (how is None or isinstance(how, Summed)):
-                continue
+            if not p.is_floating_point() or not (how is None or isinstance(how, Summed)):
+                continue  # an integer buffer-like parameter, a weight stored quantized, or summed over cp already
             rewrite(module, name, OverContext(comm, how))
             keys.append(f"{prefix}.{name}" if prefix else name)
     return keys

@@ -87,7 +87,8 @@ class _Ring(torch.autograd.Function):
                 new = torch.logaddexp(lse[:, :, qs], l)
                 keep_old = torch.exp(lse[:, :, qs] - new).nan_to_num(0.0)
                 take = torch.exp(l - new).nan_to_num(0.0)
-                acc[:, :, qs] = acc[:, :, qs] * keep_old[..., None] + torch.nan_to_num(o.to(acc.dtype)) * take[..., None]
+                seen_part = torch.nan_to_num(o.to(acc.dtype)) * take[..., None]
+                acc[:, :, qs] = acc[:, :, qs] * keep_old[..., None] + seen_part
                 lse[:, :, qs] = new
             if arriving is not None:
                 block = arriving

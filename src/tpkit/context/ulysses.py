@@ -40,7 +40,8 @@ class _Kernel:
 
 
 def ulysses_attention(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
-                      batch: ContextBatch, kernel, kernel_name: str, window: int | None = None, **kwargs) -> torch.Tensor:
+                      batch: ContextBatch, kernel, kernel_name: str, window: int | None = None,
+                      **kwargs) -> torch.Tensor:
     """This rank's attention output [batch, local tokens, heads, dim] (the layout HF kernels return)."""
     cp = comm.world_size
     if k.shape[1] < cp and k.shape[1] % cp:
