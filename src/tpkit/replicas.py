@@ -30,6 +30,9 @@ tensor is also compared across the data-parallel group. FSDP2 holds a different 
 rank; the tensor-parallel check then runs on those local shards (the shard of a TP-replicated tensor is the same
 on every TP rank of one data-parallel index), and pieces split along dim 0 by tensor parallelism are skipped.
 
+Under `context_parallel`: the cp ranks of a replica hold the same tensors (the same FSDP2 shard of them), and every
+tensor is compared across the cp group too.
+
 Under `tpkit.pipeline`: each stage's tp and dp groups are checked as above, a weight tied across the first and the
 last stage (each holds a copy) is compared over its group of two (or on the one rank holding both stages), and a
 divergence any stage finds is raised on every rank (the pipeline group joins the flag's sum).
@@ -223,6 +226,8 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
     found = find_record(model, "check_replicas")
     record = found[1].data_parallel if found is not None else None
     pipe = found[1].pipeline if found is not None else None
+    context = found[1].context if found is not None else None
+    cp = context.comm if context is not None and context.comm.world_size > 1 else None
     inner = record.module if record is not None else model
     if record is not None:
         record.reshard()
@@ -246,6 +251,8 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
         groups.append((tp, items, "tp"))
     if record is not None and record.mode == "ddp" and record.dp_size > 1:
         groups.append((record.dp_comm, [_Item(k, tuple(range(record.dp_size))) for k in named], "dp"))
+    if cp is not None:  # the cp ranks of one replica hold the same tensors (or the same FSDP2 shard of them)
+        groups.append((cp, [_Item(k, tuple(range(cp.world_size))) for k in named], "cp"))
     tied = getattr(pipe, "tied", None)
     if tied is not None and tied.comm is not None:  # this rank's copy of each tied pair, the other stage's rank
         groups.append((tied.comm, [_Item(k, (0, 1)) for k in tied.keys], "tied"))
@@ -260,7 +267,7 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
             count, bad = count + len(tied.pairs), bad + _tied_here(tensors, tied.pairs, what)
     if params and tp is not None and tp.world_size > 1:  # on every rank alike: a collective of the tp group
         bad += _overwritten(local, layouts, tp)
-    spread = [g for g in (tp, record.dp_comm if record is not None else None, getattr(pipe, "pp_comm", None))
+    spread = [g for g in (tp, cp, record.dp_comm if record is not None else None, getattr(pipe, "pp_comm", None))
               if g is not None and g.world_size > 1]
     elsewhere = _found_elsewhere(bool(bad), spread, _device(local))
     if elsewhere and not bad:

@@ -107,3 +107,23 @@ def test_a_model_without_whole_sequences_or_with_a_4d_mask_is_refused(llama):
         return True
 
     assert all(run_threads(rank, 2))
+
+
+def test_the_replica_sentinel_compares_the_cp_ranks_copies(llama):
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(8))
+
+    def rank(comm):
+        g = tpkit.comm.groups(comm, tp=2, cp=2)
+        model = tpkit.context_parallel(tpkit.parallelize(copy.deepcopy(llama), comm=g.tp, mode="training"), g.cp)
+        model(input_ids=ids, labels=ids).loss.backward()
+        report = tpkit.check_replicas(model)
+        if g.cp.rank == 1 and g.tp.rank == 0:  # one cp rank's copy drifts: a rank-local update
+            with torch.no_grad():
+                model.model.norm.weight.add_(1e-3)
+        with pytest.raises(tpkit.ReplicaError) as caught:
+            tpkit.check_replicas(model, grads=False)
+        return report.tensors, str(caught.value)
+
+    results = run_threads(rank, 4)
+    assert all(checked > 0 for checked, _ in results)
+    assert any("model.norm.weight" in e and "cp rank" in e for _, e in results), results
