@@ -7,9 +7,16 @@ import.
     trainer = tpkit.trainer.Trainer(model=model, args=TrainingArguments(...), train_dataset=...)
     trainer.train(); trainer.save_model()                 # a Hugging Face directory, as one process writes it
 
-The tensor-parallel group is the model's; the rest of the world is data parallel (`layout.py`): every tp group is
-one replica that reads `per_device_train_batch_size` rows, gradients are averaged over dp (DDP, or FSDP2 when the
-arguments ask for fsdp), clipping uses the global norm, and metrics are gathered over dp. `Trainer` and
+A context-parallel model (cp x tp) takes the same call, its groups made by `tpkit.comm.groups`:
+
+    g = tpkit.comm.groups(comm, tp=2, cp=2)               # tp2 x cp2 (x dp = world / 4)
+    model = tpkit.context_parallel(tpkit.from_pretrained(path, comm=g.tp, mode="training"), g.cp)
+
+The tensor-parallel (and context-parallel) groups are the model's; the rest of the world is data parallel
+(`layout.py`): the tp x cp ranks of one dp index are one replica that reads `per_device_train_batch_size` rows
+(whole sequences: each cp rank keeps its tokens), gradients are averaged over dp (DDP, or FSDP2 when the arguments
+ask for fsdp; the model sums them over cp itself), clipping uses the global norm, and metrics are gathered over dp
+(a cp model's logits gathered into whole sequences first). `Trainer` and
 `Seq2SeqTrainer` are transformers' classes with `TensorParallelTrainer` (`base.py`) in front; `SFTTrainer`
 (`sft.py`) is TRL's, imported only when used (the `trl` extra).
 """

@@ -1,20 +1,22 @@
-"""accelerate's `Accelerator` for a tensor-parallel model: every tp group is one data-parallel replica.
+"""accelerate's `Accelerator` for a tensor-parallel model: the tp x cp ranks of one dp index are one data-parallel
+replica (a tp group, when the model is not context-parallel).
 
 transformers' Trainer does everything distributed through its accelerator: it shards the data loaders, wraps the
 model in DDP, clips, gathers metrics. A stock accelerator sees one replica per process; this one sees one per
-tensor-parallel group (`TrainLayout`), and changes only those four things:
+replica (`TrainLayout`), and changes only those four things:
 
 - `prepare_data_loader`: accelerate's own sharding (`prepare_data_loader`, every argument the stock method passes)
-  by the data-parallel rank over dp replicas, so every rank of a tp group reads the same rows;
+  by the data-parallel rank over dp replicas, so every rank of a replica reads the same rows (a context-parallel
+  model keeps its own tokens of them);
 - `prepare_model`: autocast and `torch.compile` as accelerate applies them, and DDP over the dp group only
   (`tpkit.data_parallel`; FSDP2 was applied by the Trainer before the optimizer was made), never over the world;
 - `clip_grad_norm_`: the global norm over every dimension (`tpkit.clip_grad_norm_`);
-- `gather_for_metrics`: over the dp group (the ranks of a tp group hold the same predictions), with accelerate's
+- `gather_for_metrics`: over the dp group (the ranks of a replica hold the same predictions), with accelerate's
   trimming of the last, padded batch (`gather_over_replicas`: without it); `no_sync`: `tpkit.no_sync` (DDP's or
   FSDP2's).
 
 `gather` stays the world's: transformers divides what it gathers with it (the items of a batch) by the
-tensor-parallel size it asks the Trainer for. Where a Trainer gathers predictions with `gather` itself
+tensor-parallel size it asks the Trainer for (the replica's tp x cp). Where a Trainer gathers predictions with `gather` itself
 (`Seq2SeqTrainer`), the Trainer gives it `gather_over_replicas` instead (`base.py`).
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ from .layout import TrainLayout
 
 
 class TensorParallelAccelerator(Accelerator):
-    """An `Accelerator` whose data-parallel replicas are the tensor-parallel groups of `layout`."""
+    """An `Accelerator` whose data-parallel replicas are those of `layout` (its tp x cp ranks of one dp index)."""
 
     def __init__(self, layout: TrainLayout, **kwargs: Any):
         super().__init__(**kwargs)

@@ -5,15 +5,18 @@ transformers' and TRL's Trainers, and a user's subclass of them, take it the sam
 changes:
 
 - the accelerator: `TensorParallelAccelerator` (data loaders, DDP, clipping and metric gathers per data-parallel
-  replica: every tensor-parallel group is one replica), built with the arguments Trainer builds the stock one with;
-- the tensor-parallel size Trainer asks for (`get_tp_size`: the divisor of the tokens it counts over the world, and
-  of the global batch), and the input tokens it counts (once per replica);
+  replica: the tp x cp ranks of one dp index are one replica), built with the arguments Trainer builds the stock one
+  with;
+- the tensor-parallel size Trainer asks for (`get_tp_size`: the replica's tp x cp, the divisor of the tokens it
+  counts over the world, of the global batch and of its loss scale), and the input tokens it counts (once per
+  replica);
 - data parallelism: FSDP2 over the dp group when the arguments ask for fsdp (`tpkit.data_parallel`, applied before
   the optimizer is made), else DDP over it (the accelerator);
 - saving and resuming (`checkpoints.py`): `save_model` writes one Hugging Face directory collectively,
   `checkpoint-N` holds a tpkit checkpoint beside Trainer's own state files;
-- evaluation under `torch.compile`: the bare vocabulary slice a compiled model returns is gathered before
-  `compute_metrics` sees it.
+- evaluation: `compute_metrics` sees the logits one process has: a compiled model's bare vocabulary slice gathered
+  over tp, and a context-parallel model's tokens (each cp rank holds its zigzag share) gathered over cp into the
+  whole sequences (`tpkit.gather_sequence`).
 
 What cannot be exact is refused before training, naming why (`_check_arguments`).
 """
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..context import gather_sequence
 from ..convert.stock_calls import vocabulary_sizes
 from ..data_parallel import data_parallel, repeated_blocks
 from ..nn.split_logits import SplitLogits, gather_logits
@@ -51,6 +55,11 @@ class TensorParallelTrainer:
                                     f"`accelerate launch` config?); tpkit.trainer runs data parallelism itself: "
                                     f"launch with torchrun and ask for FSDP with TrainingArguments(fsdp='full_shard')")
         layout = self.train_layout
+        if layout.cp is not None and (self.label_smoother is not None or self.compute_loss_func is not None):
+            raise TrainerSetupError(f"{type(self).__name__}: the model is context-parallel (each cp rank holds part of "
+                                    f"every sequence's logits), and label smoothing or a compute_loss_func computes "
+                                    f"the loss from the logits against whole labels; leave label_smoothing_factor at 0 "
+                                    f"and compute_loss_func unset: the model's own loss is the whole sequences' mean")
         if dp_mode == "fsdp" and layout.dp is not None:
             if self.optimizer is not None:
                 raise TrainerSetupError(f"{type(self).__name__}: FSDP2 replaces the parameters, so an optimizer made "
@@ -75,17 +84,21 @@ class TensorParallelTrainer:
                                                      use_gather_object=self.args.eval_use_gather_object)
 
     def get_tp_size(self) -> int:
-        return self.train_layout.tp_size
+        """The ranks that see the same batch (tp x cp). Trainer divides by it what it counts over the world, and
+        scales the loss by world / it before DDP averages over dp: a context-parallel model's loss is already the
+        whole sequences' mean, so cp belongs here, not in `get_cp_size` (which stays 1: accelerate's own cp would
+        scale each rank's share of the loss by dp x cp)."""
+        return self.train_layout.replica_size
 
     def _track_num_input_tokens(self, inputs: Any) -> None:
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)
-        added = self.state.num_input_tokens_seen - before  # the world's count: each replica's tokens tp times
-        self.state.num_input_tokens_seen = before + added // self.train_layout.tp_size
+        added = self.state.num_input_tokens_seen - before  # the world's count: each replica's tokens tp x cp times
+        self.state.num_input_tokens_seen = before + added // self.train_layout.replica_size
 
     def floating_point_ops(self, inputs: Any) -> int:
         """This rank's share of the step's operations (Trainer sums them over the world)."""
-        return super().floating_point_ops(inputs) // self.train_layout.tp_size
+        return super().floating_point_ops(inputs) // self.train_layout.replica_size
 
     # ---------------------------------------------------------------------------------------- saving
 
@@ -110,7 +123,7 @@ class TensorParallelTrainer:
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        model.save_pretrained(output_dir, is_main_process=self.args.should_save)  # collective
+        checkpoints.save_pretrained(model, output_dir, self.args.should_save)  # collective
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -169,17 +182,24 @@ class TensorParallelTrainer:
         return loss, self._full_logits(logits), labels
 
     def _full_logits(self, logits: Any) -> Any:
-        """Logits as one process has them: a compiled model's bare vocabulary slice gathered (a `SplitLogits` reads
-        as full already)."""
+        """Logits as one process has them: a compiled model's bare vocabulary slice gathered over tp (a `SplitLogits`
+        reads as full already), then a context-parallel model's local tokens gathered over cp (collective: every
+        rank of a replica runs the same prediction steps on the same rows)."""
         if isinstance(logits, (tuple, list)):
             return type(logits)(self._full_logits(x) for x in logits)
-        sizes = vocabulary_sizes(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
-        tp = self.train_layout.tp
-        if sizes is None or not isinstance(logits, torch.Tensor) or isinstance(logits, SplitLogits) or \
-                logits.shape[-1] != sizes[tp.rank] or sum(sizes) == sizes[tp.rank]:
+        if not isinstance(logits, torch.Tensor):
             return logits
-        return gather_logits(logits, tp, sizes)
-
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        sizes = vocabulary_sizes(model)
+        tp = self.train_layout.tp
+        if sizes is not None and not isinstance(logits, SplitLogits) and logits.shape[-1] == sizes[tp.rank] and \
+                sum(sizes) != sizes[tp.rank]:
+            logits = gather_logits(logits, tp, sizes)
+        context = self.train_layout.record.context
+        if context is None or context.off or context.batch is None or logits.dim() < 2 or \
+                logits.shape[1] != context.batch.split.local:
+            return logits  # not per token of the last context-parallel forward (or cp switched off)
+        return gather_sequence(logits, model)
 
 def _check_arguments(args, kwargs: dict, who: str):
     """`(a copy of args whose FSDP request tpkit runs itself, dp mode, FSDP2's reshard_after_forward)`; raises

@@ -22,9 +22,27 @@ from torch import nn
 from ..checkpoint import consolidate, load_sharded, save_sharded
 from ..checkpoint.manifest import find_version, read_manifest
 from ..comm.communicator import Communicator
+from ..data_parallel import data_parallel_of
+from ..nn.full_tensors import tp_local
+from ..nn.record import find_record
 
 #: The files of a Hugging Face model directory `_push_from_checkpoint` copies next to the pushed output.
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+
+
+def save_pretrained(model: nn.Module, directory: str, is_main_process: bool) -> None:
+    """`model.save_pretrained(directory)` on every rank (collective): the directory one process writes. A model tpkit
+    split over tp answers through its own save hooks (`convert/stock_calls.py`); one that is not split over tp (only
+    context-parallel) but sharded by FSDP2 over dp has its shards made whole here first, over dp, since transformers
+    would write FSDP2's shards as they are."""
+    found = find_record(model, "save_model")
+    dp = data_parallel_of(model)
+    if found is None or found[1].world_size > 1 or dp is None or dp.mode != "fsdp":
+        model.save_pretrained(directory, is_main_process=is_main_process)
+        return
+    dp.reshard()
+    state = {key: tp_local(t).detach().cpu() for key, t in model.state_dict().items()}  # every rank, in one order
+    model.save_pretrained(directory, state_dict=state, is_main_process=is_main_process)
 
 
 def inner_optimizer(optimizer):

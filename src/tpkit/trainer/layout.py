@@ -1,9 +1,11 @@
 """Which ranks are one data-parallel replica: the layout `tpkit.trainer` trains a converted model on.
 
-The model's record says its tensor-parallel group; the rest of the world is data parallel, laid out as
-`tpkit.comm.split` lays it (tp groups of consecutive ranks, tp innermost). Every rank of a tp group is one replica
-to the Trainer: it gets that replica's rows, its gradients are averaged over dp only, and its metrics are gathered
-over dp only.
+The model's record says its tensor-parallel group and, for a context-parallel model (`tpkit.context_parallel`), its
+cp group; the rest of the world is data parallel, laid out as `tpkit.comm.groups` lays it (pp x dp x cp x tp, tp
+innermost; with no cp, `tpkit.comm.split`). The tp x cp ranks of one dp index are one replica to the Trainer: they
+get that replica's rows (a cp model takes the whole sequences on every cp rank and keeps its own tokens), their
+gradients are averaged over dp only (the model sums them over cp itself), and their metrics are gathered over dp
+only.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import dataclasses
 from torch import nn
 
 from ..comm.communicator import Communicator
-from ..comm.rank_groups import split
+from ..comm.rank_groups import groups, split
 from ..comm.rebind import root_of
 from ..nn.record import ModelRecord, find_record
 
@@ -25,18 +27,29 @@ class TrainerSetupError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TrainLayout:
-    """This rank's groups: the world, its tensor-parallel group (the model's), its data-parallel group (None when
-    the world is one replica) and how the dp dimension is run (`dp_mode`: "ddp" or "fsdp")."""
+    """This rank's groups: the world, its tensor-parallel group (the model's; a group of one for a model that is only
+    context-parallel), its data-parallel group (None when the world is one replica), how the dp dimension is run
+    (`dp_mode`: "ddp" or "fsdp") and its context-parallel group (None for a model without cp)."""
 
     world: Communicator
     tp: Communicator
     dp: Communicator | None
     dp_mode: str
     record: ModelRecord
+    cp: Communicator | None = None
 
     @property
     def tp_size(self) -> int:
         return self.tp.world_size
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.cp is None else self.cp.world_size
+
+    @property
+    def replica_size(self) -> int:
+        """The ranks that see the same rows (tp x cp): what Trainer's counts over the world are divided by."""
+        return self.tp_size * self.cp_size
 
     @property
     def dp_size(self) -> int:
@@ -48,13 +61,14 @@ class TrainLayout:
 
 
 def layout_of(model: nn.Module, dp_mode: str) -> TrainLayout:
-    """The layout of a converted `model` (collective over the world when dp > 1: it makes the dp groups). Raises
-    `TrainerSetupError` for a model tpkit did not convert, a pipeline stage, a model already under data
-    parallelism, or a tensor-parallel group that is not `tpkit.comm.split`'s."""
+    """The layout of a converted `model` (collective over the world when dp > 1 or cp is used: it makes the
+    groups). Raises `TrainerSetupError` for a model tpkit did not convert, a pipeline stage, a model already under
+    data parallelism, or tp / cp groups that are not `tpkit.comm.split`'s / `tpkit.comm.groups`'."""
     import torch.distributed as dist
 
     found = find_record(model, "tpkit.trainer")
-    if found is None or found[1].comm is None:
+    context = found[1].context if found is not None else None
+    if found is None or (found[1].comm is None and context is None):
         raise TrainerSetupError("tpkit.trainer: the model holds no tensor-parallel layers; convert it first "
                                 "(tpkit.from_pretrained(path, comm=tp) or tpkit.parallelize(model, comm=tp)), or use "
                                 "transformers.Trainer for a model on one process")
@@ -67,15 +81,19 @@ def layout_of(model: nn.Module, dp_mode: str) -> TrainLayout:
         raise TrainerSetupError("tpkit.trainer: the model is already under data parallelism (tpkit.data_parallel); "
                                 "pass the converted model itself: the Trainer puts it under DDP, or FSDP2 when the "
                                 "training arguments ask for fsdp, over the data-parallel group")
-    tp = record.comm
-    if getattr(tp, "process_group", None) is None or not dist.is_initialized():
-        raise TrainerSetupError(f"tpkit.trainer: the model was converted on {tp!r}, not on torch.distributed ranks; "
-                                f"Trainer runs one process per rank: launch with torchrun (or tpkit.launch with "
-                                f"backend 'gloo' / 'nccl') and convert on tpkit.init()'s communicator")
-    world = root_of(tp)
-    if world.world_size != dist.get_world_size():
-        raise TrainerSetupError(f"tpkit.trainer: the model's communicator belongs to a world of {world.world_size} "
-                                f"ranks; torch.distributed has {dist.get_world_size()}")
+    tp, cp = record.comm, None if context is None else context.comm
+    for comm, what in ((tp, "converted"), (cp, "made context-parallel")):
+        if comm is not None and (getattr(comm, "process_group", None) is None or not dist.is_initialized()):
+            raise TrainerSetupError(f"tpkit.trainer: the model was {what} on {comm!r}, not on torch.distributed "
+                                    f"ranks; Trainer runs one process per rank: launch with torchrun (or tpkit.launch "
+                                    f"with backend 'gloo' / 'nccl') and convert on tpkit.init()'s communicator")
+    world = root_of(tp if tp is not None else cp)
+    if world.world_size != dist.get_world_size() or (cp is not None and root_of(cp) is not world):
+        raise TrainerSetupError(f"tpkit.trainer: the model's communicators belong to a world of {world.world_size} "
+                                f"ranks; torch.distributed has {dist.get_world_size()}: make the tp and cp groups "
+                                f"with tpkit.comm.groups(tpkit.init(), tp=..., cp=...)")
+    if cp is not None:
+        return _context_layout(world, tp, cp, dp_mode, record)
     if tp.world_size == world.world_size:
         return TrainLayout(world, tp, None, dp_mode, record)
     tp_split, dp = split(world, tp.world_size)
@@ -85,3 +103,25 @@ def layout_of(model: nn.Module, dp_mode: str) -> TrainLayout:
                                 f"ranks, tpkit.comm.split); convert on tp, dp = tpkit.comm.split(world, "
                                 f"{tp.world_size})")
     return TrainLayout(world, tp, dp, dp_mode, record)
+
+
+def _context_layout(world: Communicator, tp: Communicator | None, cp: Communicator, dp_mode: str,
+                    record: ModelRecord) -> TrainLayout:
+    """The layout of a cp (x tp) model: one replica is the tp x cp ranks of one dp index of `tpkit.comm.groups`,
+    whose tp and cp groups the model's must be (the Trainer shards rows and averages gradients over its dp group:
+    any other layout would give two ranks of one replica different rows)."""
+    tp_size, cp_size = 1 if tp is None else tp.world_size, cp.world_size
+    if world.world_size % (tp_size * cp_size):
+        raise TrainerSetupError(f"tpkit.trainer: tp {tp_size} x cp {cp_size} = {tp_size * cp_size} does not divide "
+                                f"the world of {world.world_size} ranks; choose sizes whose product divides it")
+    mine = groups(world, tp=tp_size, cp=cp_size)
+    if (tp is not None and mine.tp.name != tp.name) or mine.cp.name != cp.name:
+        have = f"tensor-parallel group {tp.name} and " if tp is not None else ""
+        raise TrainerSetupError(
+            f"tpkit.trainer: the model has {have}context-parallel group {cp.name}, but the data-parallel layout "
+            f"(tpkit.comm.groups: pp x dp x cp x tp, tp innermost) puts rank {world.rank} in tensor-parallel group "
+            f"{mine.tp.name} and context-parallel group {mine.cp.name}; make the groups with g = "
+            f"tpkit.comm.groups(world, tp={tp_size}, cp={cp_size}), convert on g.tp and call "
+            f"tpkit.context_parallel(model, g.cp)")
+    dp = mine.dp if mine.dp.world_size > 1 else None
+    return TrainLayout(world, tp if tp is not None else mine.tp, dp, dp_mode, record, cp)
