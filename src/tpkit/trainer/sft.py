@@ -12,6 +12,11 @@ temperature as TRL's kernel does, in float32 as TRL's kernel computes, and the l
 `vocab_parallel_cross_entropy`, the entropy and top-1 flags from `vocab_parallel_statistics` (a few all-reduces of
 per-token statistics; the full logits are never gathered). The rest is TRL's own `compute_loss`, with the
 `TensorParallelTrainer` changes every Trainer gets (`base.py`). Tested with TRL `TESTED_TRL`.
+
+A context-parallel model (`tpkit.context_parallel`) holds each sequence's tokens split over its cp ranks, but TRL
+sums the returned per-token tensors itself (the loss, the token accuracy, the entropy): the head returns them for the
+whole sequences, gathered over cp (`tpkit.gather_sequence`, differentiable: each rank's backward keeps its own
+tokens' gradient, which the model sums over cp), so every cp rank computes one process's figures.
 """
 from __future__ import annotations
 
@@ -23,8 +28,9 @@ import torch
 import trl
 from trl.trainer.utils import FusedCausalLMOutput
 
+from ..context import gather_sequence
 from ..nn.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_statistics
-from ..nn.record import communicator_of
+from ..nn.record import communicator_of, record_of
 from .base import TensorParallelTrainer
 from .layout import TrainerSetupError
 
@@ -84,9 +90,23 @@ def _split_vocabulary_head(model: torch.nn.Module):
         entropy, is_top1 = vocab_parallel_statistics(z, target, comm if sizes else _one(), partition_sizes=sizes)
         log_probs, entropy, is_top1 = (t.masked_fill(~mask, 0) for t in (log_probs, entropy, is_top1))
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        context = getattr(record_of(self), "context", None)
+        if context is not None and not context.off:  # the cp ranks' tokens, for TRL's sums
+            log_probs, entropy, is_top1, mask = _whole_sequences(self, log_probs, entropy, is_top1, mask)
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask)
 
     return forward
+
+
+def _whole_sequences(model: torch.nn.Module, log_probs: torch.Tensor, entropy: torch.Tensor, is_top1: torch.Tensor,
+                     mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The per-token tensors of a context-parallel forward over the whole sequences (one gather over cp; the labels
+    were shifted over the whole sequence, its last position ignored). The model's own `loss` stays this rank's share,
+    which the model sums over cp itself."""
+    stacked = torch.stack([log_probs, entropy.to(log_probs.dtype), is_top1.to(log_probs.dtype),
+                           mask.to(log_probs.dtype)])
+    whole = gather_sequence(stacked, model, dim=2)
+    return whole[0], whole[1], whole[2].to(is_top1.dtype), whole[3].to(mask.dtype)
 
 
 def _logit_scale(text_config) -> float:
