@@ -5,15 +5,22 @@
     torchrun --nproc-per-node 4 examples/trainer.py --model ./my-llama --tp 2 --data train.txt --steps 100 \\
              --save-steps 20 --out run
 
-`--resume` continues from the newest `run/checkpoint-N` (at any tp / dp size with the same global batch). The
+The same 4 ranks as tp2 x cp2, each sequence split over 2 ranks (context parallelism, for long sequences):
+
+    torchrun --nproc-per-node 4 examples/trainer.py --model ./my-llama --tp 2 --cp 2 --seq 8192 --data train.txt \\
+             --steps 100 --out run
+
+`--resume` continues from the newest `run/checkpoint-N` (at any tp / cp / dp size with the same global batch). The
 result loads like any model: `transformers.AutoModelForCausalLM.from_pretrained("run")`.
 
-What differs from a one-process Trainer script: `tpkit.init()` and the model converted on the tensor-parallel group
-(`tpkit.from_pretrained(..., comm=tp, mode="training")`), and `tpkit.trainer.Trainer` in place of
-`transformers.Trainer`. `--batch` is per data-parallel replica (the ranks of a tp group read the same rows): the
-global batch is batch x dp. The data: `--data FILE` is text tokenized with the model directory's tokenizer when it has
-one, else whitespace-separated integer token ids, cut into windows of `--seq` tokens (the last `--eval` windows are
-the evaluation set); without it, random tokens.
+What differs from a one-process Trainer script: `tpkit.init()`, the ranks laid out by `tpkit.comm.groups` (world =
+dp x cp x tp, tp innermost), the model converted on the tensor-parallel group (`tpkit.from_pretrained(...,
+comm=g.tp, mode="training")`) and, with `--cp C`, made context-parallel over the cp group (`tpkit.context_parallel`:
+every cp rank is given the whole rows and keeps its share of each sequence's tokens), and `tpkit.trainer.Trainer` in
+place of `transformers.Trainer`. `--batch` is per data-parallel replica (the tp x cp ranks of one replica read the
+same rows): the global batch is batch x dp. The data: `--data FILE` is text tokenized with the model directory's
+tokenizer when it has one, else whitespace-separated integer token ids, cut into windows of `--seq` tokens (the last
+`--eval` windows are the evaluation set); without it, random tokens.
 """
 from __future__ import annotations
 
@@ -73,7 +80,11 @@ def training_arguments(args, **changes) -> tr.TrainingArguments:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face model directory")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world); dp = world / tp")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world / cp); "
+                   "dp = world / (tp x cp)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over this many ranks")
+    p.add_argument("--cp-method", choices=("auto", "all_to_all", "ring"), default="auto",
+                   help="context-parallel attention (tpkit.context_parallel's method)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 over the data-parallel ranks (default: DDP)")
     p.add_argument("--data", default=None, help="training text (default: random tokens)")
     p.add_argument("--seq", type=int, default=128, help="tokens per window")
@@ -95,8 +106,10 @@ def main() -> None:
     args = parser().parse_args()
     set_threads()
     comm = tpkit.init()
-    tp, _ = tpkit.comm.split(comm, args.tp or comm.world_size)
-    model = tpkit.from_pretrained(args.model, comm=tp, mode="training", dtype=args.dtype)
+    g = tpkit.comm.groups(comm, tp=args.tp or comm.world_size // args.cp, cp=args.cp)  # cp 1: tpkit.comm.split's
+    model = tpkit.from_pretrained(args.model, comm=g.tp, mode="training", dtype=args.dtype)
+    if args.cp > 1:  # whole rows in, each cp rank keeps its zigzag share of every sequence
+        tpkit.context_parallel(model, g.cp, method=args.cp_method)
     train, evaluation = datasets(args, model.config.vocab_size)
     tokenizer = tr.AutoTokenizer.from_pretrained(args.model) \
         if os.path.exists(os.path.join(args.model, "tokenizer_config.json")) else None
@@ -105,8 +118,8 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model()  # every rank: one Hugging Face directory in --out, beside the checkpoints
     if comm.rank == 0:
-        print(f"wrote {args.out} (a Hugging Face directory; tp{tp.world_size} x dp{comm.world_size // tp.world_size})",
-              flush=True)
+        print(f"wrote {args.out} (a Hugging Face directory; tp{g.tp.world_size} x cp{g.cp.world_size} x "
+              f"dp{g.dp.world_size})", flush=True)
 
 
 if __name__ == "__main__":

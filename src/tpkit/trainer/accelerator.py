@@ -16,8 +16,8 @@ replica (`TrainLayout`), and changes only those four things:
   FSDP2's).
 
 `gather` stays the world's: transformers divides what it gathers with it (the items of a batch) by the
-tensor-parallel size it asks the Trainer for (the replica's tp x cp). Where a Trainer gathers predictions with `gather` itself
-(`Seq2SeqTrainer`), the Trainer gives it `gather_over_replicas` instead (`base.py`).
+tensor-parallel size it asks the Trainer for (the replica's tp x cp). Where a Trainer gathers predictions with
+`gather` itself (`Seq2SeqTrainer`), the Trainer gives it `gather_over_replicas` instead (`base.py`).
 """
 from __future__ import annotations
 
