@@ -62,8 +62,8 @@ def _tp2(directory: str, out: str) -> dict:
 
 
 def _cp2_tp2(directory: str, out: str) -> dict:
-    """The float64 cases on a cp2 x tp2 model (`tpkit.context_parallel`, ring attention: "auto" needs
-    `tpkit.nn.mappings.all_to_all`, not on this branch yet): each cp rank given the whole examples."""
+    """The float64 cases on a cp2 x tp2 model (`tpkit.context_parallel` with ring attention: test_trainer.py runs the
+    default, all-to-all here): each cp rank given the whole examples."""
     import transformers as tr
 
     import tpkit.trainer

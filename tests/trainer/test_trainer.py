@@ -10,10 +10,11 @@ real gloo processes (`tpkit.launch`, torchrun's environment), float64, clipping 
   the reference keeps them; a PEFT LoRA model trains and saves the adapter stock PEFT + Trainer saves;
 - tp2 x dp2 on 4 ranks (2 rows per dp replica), under DDP and FSDP2, equals plain Trainer's own data parallelism at
   dp2 (2 processes); tp2's checkpoint-3 resumed at tp3 and at tp2 x dp2 ends near the uninterrupted tp2 run;
-- context parallelism on 4 ranks (`tpkit.context_parallel`, ring attention; each cp rank given the whole rows): cp2 x
+- context parallelism on 4 ranks (`tpkit.context_parallel`, method "auto"; each cp rank given the whole rows): cp2 x
   tp2 and cp4 alone (12 tokens padded to 16) log what one process logs, eval metrics on the whole sequences'
   logits, and save its weights; cp2 x dp2 under DDP and FSDP2 equals plain Trainer's dp2; tp2's checkpoint-3 resumes
-  at cp2 x tp2; tp / cp groups other than `tpkit.comm.groups`' and a loss from the logits are refused."""
+  at cp2 x tp2; with average_tokens_across_devices=False the loss is still one process's; tp / cp groups other than
+  `tpkit.comm.groups`' and a loss from the logits are refused."""
 from __future__ import annotations
 
 import json
@@ -155,9 +156,9 @@ def _dp(directory: str, out: str) -> dict:
     return res
 
 
-# The method the context-parallel runs use: "auto" would pick all-to-all here (4 local heads, 2 K/V heads over cp2),
-# which needs `tpkit.nn.mappings.all_to_all`, not on this branch yet; the ring is as exact.
-CP_METHOD = "ring"
+# The method the context-parallel runs use: tpkit's default, which picks all-to-all for every layer here (the local
+# K/V heads divide by cp); test_sft.py runs the ring.
+CP_METHOD = "auto"
 
 
 def _context_parallel(directory: str, comm, tp: int, cp: int):
@@ -181,11 +182,14 @@ def _cp(directory: str, out: str) -> dict:
     for name, (tp, cp, changes) in {"cp2-tp2": (2, 2, {}), "cp4": (1, 4, {}),
                                     "cp2-dp2-ddp": (1, 2, {"per_device_train_batch_size": 2}),
                                     "cp2-dp2-fsdp": (1, 2, {"per_device_train_batch_size": 2,
-                                                            "fsdp": "full_shard"})}.items():
+                                                            "fsdp": "full_shard"}),
+                                    "cp2-tp2-own-count": (2, 2, {"average_tokens_across_devices": False,
+                                                                 "max_steps": 2, "eval_strategy": "no"})}.items():
         trainer = _trainer(_context_parallel(directory, comm, tp, cp), os.path.join(out, name), **changes)
         trainer.train()
         trainer.save_model()
-        res[name] = {"history": trainer.state.log_history, "tokens": trainer.state.num_input_tokens_seen}
+        res[name] = {"history": trainer.state.log_history, "tokens": trainer.state.num_input_tokens_seen,
+                     "methods": {m for m, _ in trainer.train_layout.record.context.methods.values()}}
     resumed = _trainer(_context_parallel(directory, comm, 2, 2), os.path.join(out, "cp-resumed"))
     resumed.train(resume_from_checkpoint=os.path.join(out, "tp2", "checkpoint-3"))
     resumed.save_model()
@@ -356,8 +360,16 @@ def test_context_parallel_logs_and_saves_what_one_process_does(cp, reference, ou
     flops = lambda history: [h["total_flos"] for h in history if "total_flos" in h]  # noqa: E731
     assert flops(cp[name]["history"]) == flops(reference["plain"])  # counted once per replica, not per rank
     assert cp[name]["tokens"] == STEPS * 4 * 12
+    assert cp[name]["methods"] == {"all_to_all"}  # what "auto" picked
     ours, theirs = state_of(os.path.join(out, name)), state_of(os.path.join(out, "ref", "final"))
     assert ours.keys() == theirs.keys() and max(rel(ours[k], theirs[k]) for k in ours) < 1e-4
+
+
+def test_a_replicas_own_token_count_is_not_divided_by_its_ranks(cp, reference):
+    """average_tokens_across_devices=False: transformers divides the count it did not gather by tp x cp anyway."""
+    got = [x for x in logged(cp["cp2-tp2-own-count"]["history"]) if x[1] in ("loss", "grad_norm")]
+    want = [x for x in logged(reference["plain"]) if x[0] <= 2 and x[1] in ("loss", "grad_norm")]
+    assert not same_figures(got, want, TIGHT), same_figures(got, want, TIGHT)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

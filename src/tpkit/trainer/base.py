@@ -90,6 +90,15 @@ class TensorParallelTrainer:
         scale each rank's share of the loss by dp x cp)."""
         return self.train_layout.replica_size
 
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """The labelled tokens the loss is divided by. transformers divides its count by `get_tp_size()` even when
+        it did not gather it over the world (`average_tokens_across_devices=False`): this replica's own count is
+        then put back (rounded: it is a whole number)."""
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        if self.args.average_tokens_across_devices or not torch.is_tensor(count):
+            return count
+        return torch.round(count * self.train_layout.replica_size)
+
     def _track_num_input_tokens(self, inputs: Any) -> None:
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)
