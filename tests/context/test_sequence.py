@@ -56,9 +56,13 @@ def _masks(kind: str, rows: int, length: int):
     return {}, None
 
 
-@pytest.mark.parametrize("cp,length,kind", [(1, 12, "causal"), (2, 16, "causal"), (3, 17, "padding"),
-                                            (2, 21, "documents"), (4, 24, "window"), (3, 30, "documents")])
-def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp, length, kind):
+@pytest.mark.parametrize("cp,length,kind,kernel", [(1, 12, "causal", "flash"), (2, 16, "causal", "flash"),
+                                                   (3, 17, "padding", "flash"), (2, 21, "documents", "flash"),
+                                                   (4, 24, "window", "flash"), (3, 30, "documents", "flash"),
+                                                   (2, 19, "padding", "math"), (3, 22, "window", "math")])
+def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp, length, kind, kernel, monkeypatch):
+    """Both block kernels: the CPU flash one, and the tensor-op one other devices run (forced here)."""
+    monkeypatch.setenv("TPKIT_RING_KERNEL", kernel)
     rows, heads, kv_heads, dim = 2, 4, 2, 8
     g = torch.Generator().manual_seed(cp * 100 + length)
     q = torch.randn(rows, heads, length, dim, generator=g, dtype=torch.float64, requires_grad=True)

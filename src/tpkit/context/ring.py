@@ -6,8 +6,9 @@ times; at each step it attends to the block it holds with the CPU flash kernel
 result into its running output by the rows' log-sum-exps (the online softmax). Only two K/V blocks are held at a
 time (the one attended to and the one arriving), never the whole sequence's.
 
-The backward is written out (a custom autograd Function): the K/V blocks go round again together with their
-gradients' accumulators; each rank adds its queries' share to the block it holds with the kernel's backward, run
+The next block is posted before the current one is attended to (`PointToPoint.start`: on torch process groups
+the transfer runs during the kernel). The backward is written out (a custom autograd Function): the K/V blocks go
+round again, each followed by its gradient's accumulator; each rank adds its queries' share to the block it holds with the kernel's backward, run
 with the FINAL output and log-sum-exp of its rows (exactly the one-process softmax), and after the last step
 each accumulator takes one more hop home. Heads need not divide by cp, and K/V heads may be fewer than cp: nothing
 is split by heads. Chunk pairs wholly in the future are skipped (zigzag: every rank computes the same number of
@@ -18,6 +19,8 @@ Point-to-point exchanges are not traceable by torch.compile: a compiled model gr
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..comm.algorithms.point_to_point import PointToPoint
@@ -26,6 +29,53 @@ from .batch import ContextBatch
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# The block kernel: torch's CPU flash kernel on CPU tensors; elsewhere (CUDA) the same block written in tensor ops
+# (`_math`), whose backward takes the final log-sum-exp as the flash one does. TPKIT_RING_KERNEL=math forces it.
+KERNEL_ENV = "TPKIT_RING_KERNEL"
+
+
+def _use_flash(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and os.environ.get(KERNEL_ENV, "flash") != "math"
+
+
+def _scores(q, k, causal: bool, mask, scale: float) -> torch.Tensor:
+    s = torch.matmul(q.float() if q.dtype != torch.float64 else q, k.transpose(-1, -2).to(
+        torch.float32 if q.dtype != torch.float64 else q.dtype)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s + mask.to(s.dtype) if mask is not None else s
+
+
+def _math(q, k, v, causal: bool, mask, scale: float):
+    """(output, log-sum-exp) of one block: the flash kernel's results, in tensor ops."""
+    s = _scores(q, k, causal, mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), v), lse
+
+
+def _math_backward(grad_out, q, k, v, out, lse, causal: bool, mask, scale: float):
+    """(dq, dk, dv) of one block, given the rows' FINAL output and log-sum-exp (as the flash backward takes them)."""
+    p = torch.exp(_scores(q, k, causal, mask, scale) - lse[..., None].to(torch.float32 if q.dtype != torch.float64
+                                                                           else q.dtype))
+    work = p.dtype
+    dv = torch.matmul(p.transpose(-1, -2), grad_out.to(work))
+    dp = torch.matmul(grad_out.to(work), v.transpose(-1, -2).to(work))
+    ds = p * (dp - (grad_out.to(work) * out.to(work)).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k.to(work)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(work)) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _block(q, k, v, causal: bool, mask, scale: float):
+    if _use_flash(q):
+        return _flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return _math(q, k, v, causal, mask, scale)
+
+
+def _block_backward(grad_out, q, k, v, out, lse, causal: bool, mask, scale: float):
+    if _use_flash(q):
+        return _flash_backward(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    return _math_backward(grad_out, q, k, v, out, lse, causal, mask, scale)
 
 
 def _pairs(batch: ContextBatch, holder: int, window: int | None):
@@ -75,14 +125,13 @@ class _Ring(torch.autograd.Function):
         for step in range(cp):
             holder = (rank - step) % cp
             arriving = torch.empty_like(block) if step < cp - 1 else None
-            if arriving is not None:
-                p2p.exchange(block, (rank + 1) % cp, arriving, (rank - 1) % cp)
+            # the next block travels while this one is attended to
+            arrived = p2p.start(block, (rank + 1) % cp, arriving, (rank - 1) % cp) if arriving is not None else None
             kb, vb = _expand(block[0], groups), _expand(block[1], groups)
             for qh, kh, kind, a, b in _pairs(batch, holder, window):
                 qs, ks = slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c)
                 mask, seen = _mask(batch, a, b, window, q.dtype, q.device) if kind == "masked" else (None, None)
-                o, l = _flash(q[:, :, qs], kb[:, :, ks], vb[:, :, ks], 0.0, kind == "causal", attn_mask=mask,
-                              scale=scale)
+                o, l = _block(q[:, :, qs], kb[:, :, ks], vb[:, :, ks], kind == "causal", mask, scale)
                 l = l.to(acc.dtype) if seen is None else l.to(acc.dtype).masked_fill(~seen, float("-inf"))
                 new = torch.logaddexp(lse[:, :, qs], l)
                 keep_old = torch.exp(lse[:, :, qs] - new).nan_to_num(0.0)
@@ -90,7 +139,8 @@ class _Ring(torch.autograd.Function):
                 seen_part = torch.nan_to_num(o.to(acc.dtype)) * take[..., None]
                 acc[:, :, qs] = acc[:, :, qs] * keep_old[..., None] + seen_part
                 lse[:, :, qs] = new
-            if arriving is not None:
+            if arrived is not None:
+                arrived()
                 block = arriving
         out = acc.to(q.dtype)
         # a row that saw no key (all padding) keeps output 0; +inf makes its probabilities 0 in the backward too
@@ -113,24 +163,25 @@ class _Ring(torch.autograd.Function):
         dblock = torch.zeros_like(block)
         for step in range(cp):
             holder = (rank - step) % cp
+            nxt, prev = (rank + 1) % cp, (rank - 1) % cp
+            arriving = torch.empty_like(block) if step < cp - 1 else None
+            arrived = p2p.start(block, nxt, arriving, prev) if arriving is not None else None  # K/V: during the work
             kb, vb = _expand(block[0], groups), _expand(block[1], groups)
             dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
             for qh, kh, kind, a, b in _pairs(batch, holder, window):
                 qs, ks = slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c)
                 mask = _mask(batch, a, b, window, q.dtype, q.device)[0] if kind == "masked" else None
-                gq, gk, gv = _flash_backward(grad_out[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
-                                             out[:, :, qs], lse[:, :, qs].contiguous(), 0.0, kind == "causal",
-                                             attn_mask=mask, scale=scale)
+                gq, gk, gv = _block_backward(grad_out[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
+                                             out[:, :, qs], lse[:, :, qs].contiguous(), kind == "causal", mask, scale)
                 dq[:, :, qs] += gq
                 dk[:, :, ks] += gk
                 dv[:, :, ks] += gv
             dblock += torch.stack([_fold(dk, groups), _fold(dv, groups)])
-            nxt, prev = (rank + 1) % cp, (rank - 1) % cp
-            if step < cp - 1:  # the block and its gradient so far go on together
-                moving = torch.cat([block, dblock]).contiguous()
-                arriving = torch.empty_like(moving)
-                p2p.exchange(moving, nxt, arriving, prev)
-                block, dblock = arriving[:2], arriving[2:]
+            if arrived is not None:  # the block's gradient so far follows it (it was complete only now)
+                arrived()
+                block, moving = arriving, torch.empty_like(dblock)
+                p2p.exchange(dblock, nxt, moving, prev)
+                dblock = moving
             elif cp > 1:  # the last holder sends each gradient home
                 home = torch.empty_like(dblock)
                 p2p.exchange(dblock.contiguous(), nxt, home, prev)

@@ -1,7 +1,7 @@
 """`PointToPoint`: the paired send/recv every algorithm is written over."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,6 +45,26 @@ class PointToPoint:
             self.comm.send(send, dst)
         if recv is not None:
             self.comm.recv(recv, src)
+
+    def start(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> Callable[[], None]:
+        """`exchange`, posted now and finished by the function returned: on torch process groups both directions
+        run while the caller computes (a ring's next K/V block arrives during this block's attention). Elsewhere it
+        is done before returning (a threads send is buffered, so every rank may send first)."""
+        send = send if send is not None and send.numel() else None
+        recv = recv if recv is not None and recv.numel() else None
+        if self._group is None:
+            self.exchange(send, dst, recv, src)
+            return lambda: None
+        works = []
+        if recv is not None:
+            works.append(self._dist.irecv(recv, self._global[src], group=self._group))
+        if send is not None:
+            works.append(self._dist.isend(send, self._global[dst], group=self._group))
+
+        def wait() -> None:
+            for work in works:
+                work.wait()
+        return wait
 
     def exchange_all(self, sends: Sequence[tuple[torch.Tensor, int]],
                      recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
