@@ -26,7 +26,8 @@ cut into P stages (`tpkit.pipeline`: world = pp x dp x tp, tp innermost; each ra
 each step runs `--microbatches` micro-batches through torch's `--schedule`, and the loss is the mean of the
 micro-batches' losses (equal to the batch's: every window has `--seq` tokens). With `--cp C` each sequence is split
 over C ranks (`tpkit.context_parallel`: world = pp x dp x cp x tp; every cp rank is given the whole sequences and
-keeps its own tokens; the loss is the token mean of the whole sequences, the gradients summed over cp). The
+keeps its own tokens; the loss is the token mean of the whole sequences, the gradients summed over cp; FSDP2
+shards the weights over dp x cp, DDP averages over dp). The
 checkpoints are the ordinary ones: a run saved at one pp x dp x cp x tp resumes at another. `--data FILE` is text
 tokenized with the model directory's tokenizer when it has one, else whitespace-separated integer token ids;
 without it, random tokens (the mechanics, not a recipe). The batch of step s is `--global-batch` windows of
@@ -146,8 +147,10 @@ def main() -> None:
     tokens = load_tokens(args.data, tokenizer, vocab) if args.data else None
     if tokens is not None and len(tokens) < args.seq:
         raise SystemExit(f"--data {args.data}: {len(tokens)} tokens, fewer than --seq {args.seq}")
-    if dp.world_size > 1 and pipe is None:
-        model = tpkit.data_parallel(model, dp, mode=args.dp_mode)
+    # FSDP2 shards over every rank holding the same weights (dp x cp, as Megatron and torchtitan do); DDP over dp
+    engine = groups.dp_cp if pipe is None and args.dp_mode == "fsdp" else dp
+    if engine.world_size > 1 and pipe is None:
+        model = tpkit.data_parallel(model, engine, mode=args.dp_mode)
     tpkit.data_parallel_manual_seed(1234, tp, dp)  # dropout: the same where tp ranks hold the same activations
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt = tpkit.Checkpointer(args.save, every=args.every or max(args.steps, 1), comm=comm,

@@ -127,3 +127,20 @@ def test_the_replica_sentinel_compares_the_cp_ranks_copies(llama):
     results = run_threads(rank, 4)
     assert all(checked > 0 for checked, _ in results)
     assert any("model.norm.weight" in e and "cp rank" in e for _, e in results), results
+
+
+def test_an_attention_layer_the_interface_does_not_reach_is_refused_by_name(llama):
+    """A layer attending over the sequence by its own code would see only this rank's tokens: refused."""
+    class OwnAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.softmax(x @ x.transpose(-1, -2), -1) @ self.proj(x)
+
+    model = copy.deepcopy(llama)
+    model.model.extra = OwnAttention()
+    with pytest.raises(NotImplementedError, match=r"model.extra \(OwnAttention\)"):
+        tpkit.context_parallel(model, create_communicators(1)[0])
+    _unchanged(model)

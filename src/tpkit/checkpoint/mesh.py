@@ -35,6 +35,8 @@ def unwrap(model: nn.Module, comm) -> tuple[nn.Module, object | None]:
     pipe = found[1].pipeline if found is not None else None
     pp = pipe.pp_size if pipe is not None else 1
     cp = context_size(model)
+    if record is not None and record.dp_size % cp == 0 and comm.world_size == record.tp_size * record.dp_size * pp:
+        cp = 1  # the data-parallel engine runs over dp x cp (FSDP2 sharding over the cp ranks too)
     if record is not None and comm.world_size != record.tp_size * record.dp_size * pp * cp:
         raise CheckpointError(f"a {f'pp{pp} x ' if pipe is not None else ''}tp{record.tp_size} x dp{record.dp_size}"
                               f"{f' x cp{cp}' if cp > 1 else ''} model is saved and loaded with the world communicator "

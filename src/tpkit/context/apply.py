@@ -94,6 +94,14 @@ def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             raise NotImplementedError(f"context_parallel: {type(model).__name__} uses {what} ({attr}="
                                       f"{getattr(config, attr)}), which tpkit cannot split over the sequence exactly")
     layers = [(n, m) for n, m in model.named_modules() if _uses_interface(m)]
+    inside = tuple(f"{n}." for n, _ in layers)
+    unreached = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+                 if "Attention" in type(m).__name__ and not _uses_interface(m) and not n.startswith(inside)
+                 and any(True for _ in m.parameters())]
+    if layers and unreached:  # it would attend over this rank's tokens only: refused, never silently partial
+        raise NotImplementedError(f"context_parallel: attention layer(s) {', '.join(unreached[:4])} of "
+                                  f"{type(model).__name__} do not dispatch through transformers' AttentionInterface "
+                                  f"(config._attn_implementation), so tpkit cannot split their sequence")
     if not layers:
         raise NotImplementedError(f"context_parallel: no attention layer of {type(model).__name__} calls transformers' "
                                   f"AttentionInterface, the one way tpkit reaches attention; a custom model's "
