@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import random
 import statistics
 import time

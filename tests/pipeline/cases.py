@@ -46,16 +46,20 @@ def batch(step: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def reference(name: str) -> dict:
-    """One process, no tpkit: `model(input_ids=x, labels=x).loss`, backward, torch's clip_grad_norm_, AdamW (once
-    per model and test session: callers only read it)."""
-    model = MODELS[name]()
+    """One process, no tpkit (once per model and test session: callers only read it)."""
+    return one_process(MODELS[name](), batch)
+
+
+def one_process(model, batch_of) -> dict:
+    """`model(input_ids=x, labels=x).loss`, backward, torch's clip_grad_norm_, AdamW on the batches `batch_of(step)`:
+    the losses, norms, first gradients, final parameters, and the first batch's logits and eval loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = {"losses": [], "norms": [], "grads": {}, "eval_loss": None, "logits": None}
     with torch.no_grad():
-        out["logits"] = model(input_ids=batch(0)).logits
-        out["eval_loss"] = model(input_ids=batch(0), labels=batch(0)).loss.item()
+        out["logits"] = model(input_ids=batch_of(0)).logits
+        out["eval_loss"] = model(input_ids=batch_of(0), labels=batch_of(0)).loss.item()
     for step in range(STEPS):
-        x = batch(step)
+        x = batch_of(step)
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         if step == 0:

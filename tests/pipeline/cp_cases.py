@@ -11,7 +11,7 @@ import os
 import torch
 
 import tpkit
-from tests.pipeline.cases import LR, MAX_NORM, STEPS, VOCAB, llama, qwen_tied
+from tests.pipeline.cases import LR, MAX_NORM, STEPS, VOCAB, llama, one_process, qwen_tied
 
 ROWS, LENGTH = 4, 10  # 10 tokens over cp 2: four chunks of 3, the last padded
 MODELS = {"llama": llama, "qwen_tied": qwen_tied}
@@ -23,25 +23,8 @@ def batch(step: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def reference(name: str) -> dict:
-    """One process, no tpkit: `model(input_ids=x, labels=x).loss`, backward, torch's clip_grad_norm_, AdamW."""
-    model = MODELS[name]()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    out = {"losses": [], "norms": []}
-    with torch.no_grad():
-        out["logits"] = model(input_ids=batch(0)).logits
-        out["eval_loss"] = model(input_ids=batch(0), labels=batch(0)).loss.item()
-    for step in range(STEPS):
-        x = batch(step)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        if step == 0:
-            out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False)}
-        out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        out["losses"].append(loss.item())
-    out["params"] = {k: p.detach().clone() for k, p in model.named_parameters(remove_duplicate=False)}
-    return out
+    """One process, no tpkit, on the whole sequences."""
+    return one_process(MODELS[name](), batch)
 
 
 @dataclasses.dataclass(frozen=True)

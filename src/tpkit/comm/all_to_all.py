@@ -135,7 +135,6 @@ def size_mismatch(rows: Sequence[Sequence[int]], same_dim: bool) -> str | None:
 def piece_mismatch(calls: Sequence[tuple]) -> str | None:
     """What is wrong, in words, with every rank's call `(shape, sd, gd, ss, gs)`, or None: the dims must agree
     and every piece sent must have the shape its receiver expects."""
-    n = len(calls)
     dims = {(sd, gd) for _, sd, gd, _, _ in calls}
     if len(dims) > 1:
         return "ranks passed different (scatter_dim, gather_dim): " + ", ".join(
