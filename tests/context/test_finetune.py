@@ -121,21 +121,17 @@ def test_cp2_x_tp2_resumes_at_tp2_alone(models, tmp_path):
 
 
 @pytest.mark.slow
-def test_cp2_x_dp2_under_fsdp(models, tmp_path):
-    output, out = _train(4, models["llama"], tmp_path, "cp2dp2", 18, 4, "--tp", "1", "--cp", "2",
-                         "--dp-mode", "fsdp")
-    assert "world 4 = tp1 x dp2 x cp2" in output, output
-    _equal_to_reference(output, out, _reference(models["llama"], 18, 4))
-
-
-@pytest.mark.slow
 def test_qwen2_tied_with_biases_at_cp2(models, tmp_path):
     output, out = _train(2, models["qwen2"], tmp_path, "qwen2", 22, 2, "--tp", "1", "--cp", "2")
     _equal_to_reference(output, out, _reference(models["qwen2"], 22, 2))
 
 
 @pytest.mark.slow
-def test_cp2_x_pp2(models, tmp_path):
-    output, out = _train(4, models["llama"], tmp_path, "cp2pp2", 14, 4, "--pp", "2", "--cp", "2")
-    assert "world 4 = pp2 x dp1 x cp2 x tp1" in output, output
-    _equal_to_reference(output, out, _reference(models["llama"], 14, 4))
+@pytest.mark.parametrize("layout,seq,printed", [
+    (("--tp", "1", "--cp", "2", "--dp-mode", "fsdp"), 18, "world 4 = tp1 x dp2 x cp2"),  # FSDP2 over dp x cp
+    (("--pp", "2", "--cp", "2"), 14, "world 4 = pp2 x dp1 x cp2 x tp1"),  # each micro-batch split in every stage
+], ids=["cp2xdp2-fsdp", "cp2xpp2"])
+def test_cp2_with_data_or_pipeline_parallelism(models, tmp_path, layout, seq, printed):
+    output, out = _train(4, models["llama"], tmp_path, "cp2x2", seq, 4, *layout)
+    assert printed in output, output
+    _equal_to_reference(output, out, _reference(models["llama"], seq, 4))
