@@ -21,6 +21,8 @@ Memory
     params          parameter counts per rank, optimizer state bytes
     ranks           heads, MLP width and vocabulary one rank holds (the converter's head layout)
     communication   the largest collective buffer
+    context         context parallelism: a rank's share of the sequence, the attention method, its traffic and
+                    working set, and their price
     measure         a plain module's forward followed leaf by leaf: activations attributed to a rank by the plan
     report          MemoryEstimate / Breakdown, the result, and its table
 

@@ -37,12 +37,17 @@ the inputs of the first linears, dropout masks of the residual stream) is divide
 parallelism. Per-rank figures are those of the most loaded rank (rank 0 under tpkit's split rule, except
 for some uneven GQA layouts where a later rank holds an extra KV head).
 
+Context parallelism (cp ranks share each sequence, `context.py`) leaves the per-token terms as they are and counts
+the rank's share of the tokens; attention keeps what its method keeps (`_attention_width`), and one layer's
+context-parallel attention holds a working set besides (the part `context`).
+
 Inference keeps nothing for backward: its figure is the live working set of one forward, plus the KV cache
 (`transformer_inference_bytes`).
 """
 from __future__ import annotations
 
 from .config import TransformerShape
+from .context import exchanged_kv_heads, local_tokens, resolve_method, working_bytes
 from .ranks import rank_cache_heads, rank_widths
 
 _RECOMPUTE = ("none", "selective", "full")
@@ -82,35 +87,32 @@ def _mlp_f_tensors(shape: TransformerShape) -> int:
 def transformer_activation_bytes(shape: TransformerShape, batch_size: int, seq_len: int, bytes_per_element: int,
                                  world_size: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                                  attention: str = "flash", mask_bytes: int = 1,
-                                 rank: int | None = None) -> dict[str, float]:
+                                 rank: int | None = None, cp: int = 1, cp_method: str = "auto") -> dict[str, float]:
     """Bytes kept for backward during training on `rank` (default: the rank that keeps the most), by part:
-    `layers`, `embedding`, `final_norm` and `head` (the LM head's input and the logits the loss keeps)."""
+    `layers`, `embedding`, `final_norm` and `head` (the LM head's input and the logits the loss keeps).
+
+    Context parallelism over `cp` ranks (`cp_method`: "auto", "all_to_all" or "ring", `context.py`): every part is
+    that of the rank's `context.local_tokens` tokens, attention keeps what its method keeps (`_attention_width`),
+    and a part `context` adds the working set of one layer's context-parallel attention (`context.working_bytes`)."""
     if rank is None:
         per_rank = [transformer_activation_bytes(shape, batch_size, seq_len, bytes_per_element, world_size,
-                                                 sequence_parallel, recompute, attention, mask_bytes, r)
+                                                 sequence_parallel, recompute, attention, mask_bytes, r, cp, cp_method)
                     for r in range(world_size)]
         return max(per_rank, key=lambda parts: sum(parts.values()))
-    t, B, s, b = world_size, bytes_per_element, seq_len, batch_size
+    t, B, b = world_size, bytes_per_element, batch_size
+    s = local_tokens(seq_len, cp)
     h = shape.hidden_size
     tokens = s * b
     sp = t if sequence_parallel else 1
     a_r, kv_r, f, vocab = rank_widths(shape, t, rank)
-    q, kv = a_r * shape.head_dim, kv_r * shape.head_dim
+    method = resolve_method(a_r, kv_r, cp, cp_method) if cp > 1 else None
     norm = (4 + B) * h if shape.norm == "rms" else B * h
     hidden_mask = mask_bytes * h if shape.hidden_dropout > 0 else 0
 
     # Per token. `full_width` is not split by TP (divided by t only under sequence parallelism).
     full_width = 2 * norm + 2 * B * h + 2 * hidden_mask
-    split_width = _mlp_f_tensors(shape) * B * f
-    if attention == "eager":
-        split_width += B * (2 * q + 2 * q)      # q, k and v repeated to all heads, output-projection input
-        probs = (4 if shape.softmax_fp32 else B) + (B if shape.softmax_fp32 and B != 4 else 0)
-        if shape.attention_dropout > 0:
-            probs += mask_bytes + B
-        scores = probs * a_r * s
-    else:
-        split_width += B * (2 * q + 2 * kv) + 4 * a_r   # q, k, v, output, fp32 log-sum-exp
-        scores = 0
+    attention_width, scores = _attention_width(shape, B, a_r, kv_r, attention, mask_bytes, s * cp, cp, method)
+    split_width = _mlp_f_tensors(shape) * B * f + attention_width
     if recompute == "selective":
         scores = 0
     layer = tokens * (full_width / sp + split_width + scores)
@@ -128,7 +130,46 @@ def transformer_activation_bytes(shape: TransformerShape, batch_size: int, seq_l
     head = tokens * ((4 if shape.logits_fp32 else B) * vocab + B * h / sp)  # logits for the loss, LM-head input
     if shape.mlm_head:                                 # dense input, GeLU input, LayerNorm input
         head += tokens * 3 * B * h / sp
-    return {"layers": layers, "embedding": embedding, "final_norm": final_norm, "head": head}
+    parts = {"layers": layers, "embedding": embedding, "final_norm": final_norm, "head": head}
+    if method is not None:
+        parts["context"] = working_bytes(shape, b, seq_len, B, t, cp, method, rank)
+    return parts
+
+
+def context_extra_bytes(shape: TransformerShape, batch_size: int, seq_len: int, bytes_per_element: int,
+                        world_size: int = 1, sequence_parallel: bool = False, recompute: str = "none",
+                        attention: str = "flash", cp: int = 1, cp_method: str = "auto") -> float:
+    """What context parallelism over `cp` ranks adds to the activations of a rank's share of the tokens kept as a
+    plain sequence of that length (what a trace at `context.local_tokens` counts): the attention's own terms (K/V
+    at the exchanged head count, an eager kernel's scores over every key, the ring's flash terms in place of an
+    eager kernel's) and one layer's working set. 0 at cp 1."""
+    if cp == 1:
+        return 0.0
+    split = transformer_activation_bytes(shape, batch_size, seq_len, bytes_per_element, world_size, sequence_parallel,
+                                         recompute, attention, cp=cp, cp_method=cp_method)
+    plain = transformer_activation_bytes(shape, batch_size, local_tokens(seq_len, cp), bytes_per_element, world_size,
+                                         sequence_parallel, recompute, attention)
+    return sum(split.values()) - sum(plain.values())
+
+
+def _attention_width(shape: TransformerShape, B: int, a_r: int, kv_r: int, attention: str, mask_bytes: int,
+                     keys: int, cp: int = 1, method: str | None = None) -> tuple[float, float]:
+    """(bytes per token the attention keeps besides its scores, bytes per token of its scores) on a rank with `a_r`
+    query and `kv_r` K/V heads, whose queries see `keys` keys. Under context parallelism the ring keeps what a flash
+    kernel keeps (its own kernel, whatever the model's); all-to-all runs the model's kernel on heads / cp heads of
+    the whole sequence: per local token the same widths, K/V at the exchanged head count, an eager kernel's scores
+    over all `keys` (the padded sequence)."""
+    q, kv = a_r * shape.head_dim, kv_r * shape.head_dim
+    if method == "ring":
+        attention = "flash"
+    elif method == "all_to_all":
+        kv = exchanged_kv_heads(kv_r, cp) * shape.head_dim
+    if attention != "eager":
+        return B * (2 * q + 2 * kv) + 4 * a_r, 0.0   # q, k, v, output, fp32 log-sum-exp
+    probs = (4 if shape.softmax_fp32 else B) + (B if shape.softmax_fp32 and B != 4 else 0)
+    if shape.attention_dropout > 0:
+        probs += mask_bytes + B
+    return B * (2 * q + 2 * q), probs * a_r * keys   # q, k and v repeated to all heads, output-projection input
 
 
 def transformer_inference_bytes(shape: TransformerShape, batch_size: int, seq_len: int, bytes_per_element: int,

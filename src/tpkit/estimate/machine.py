@@ -16,8 +16,9 @@ known only by its datasheet gets the same record from `hardware.datasheet_rates`
   matrices larger than the last-level cache: what a decode step does), the weight read transposed as
   `nn.Linear` reads it; `stored_bandwidth` the same with the weight read as stored (GPT-2's `Conv1D`, `x @ W`),
   which BLAS streams differently; `copy_bandwidth`: bytes/s of elementwise work (read + write);
-* `collectives`: for each kind (all_reduce, all_gather, reduce_scatter) and group size, a latency and a
-  bandwidth fitted to calls through tpkit's own communicator (its checks, its transport) at several sizes;
+* `collectives`: for each kind (all_reduce, all_gather, reduce_scatter; all_to_all where measured, else priced from
+  the all-gather: `collective`) and group size, a latency and a bandwidth fitted to calls through tpkit's own
+  communicator (its checks, its transport) at several sizes;
 * `quantized`: the linear layers of a quantized checkpoint as a rank's load builds them (`tpkit.nn.quantized`:
   each keeps the fastest product it measured on its slice), timed at decode's rows: per format and compute dtype,
   a fixed cost per call and the bytes/s its stored tensors stream at (`quantized.py`; `QuantizedRate`);
@@ -220,9 +221,18 @@ class MachineRates:
 
 
     def collective(self, kind: str, group: int) -> CollectiveCost:
-        """The measured cost of `kind` over `group` ranks (the largest measured group when `group` is larger)."""
+        """The measured cost of `kind` over `group` ranks (the largest measured group when `group` is larger).
+
+        "all_to_all" (context parallelism's head exchange; its bytes are one rank's send buffer): its own figures
+        when the machine has them, else the all-gather's: an all-to-all of an n-byte buffer moves (g-1)/g of it
+        over the links, as the all-gather of an n/g-byte input does, so it is priced as that all-gather (latency
+        kept, bandwidth and timed points scaled by g)."""
         if group <= 1:
             return CollectiveCost(0.0, math.inf)
+        if kind == "all_to_all" and not self.collectives.get(kind):
+            gather = self.collective("all_gather", group)
+            return CollectiveCost(gather.latency_s, gather.bandwidth * group,
+                                  tuple((b * group, t) for b, t in gather.points))
         per = self.collectives.get(kind) or self.collectives.get("all_reduce") or {}
         if not per:
             raise ValueError(f"the machine profile for {self.ranks} ranks has no collective figures; calibrate with "

@@ -19,9 +19,11 @@ from torch import nn
 from ..convert.peft.adapters import adapter_tensors, bare_model, peft_layers
 from ..convert.planning.decide import plan
 from ..quant import config_quantization
-from .activations import normalise_recompute, transformer_activation_bytes, transformer_inference_bytes
+from .activations import (context_extra_bytes, normalise_recompute, transformer_activation_bytes,
+                          transformer_inference_bytes)
 from .communication import largest_collective_bytes
 from .config import attention_kind, config_value, own_dtype, resolve_target
+from .context import attention_method, check_cp, local_tokens
 from .measure import measure_step
 from .params import (OPTIMIZERS, analysed_parameters, fullest_quantized, optimizer_bytes_per_parameter,
                      parameter_counts, quantized_weights)
@@ -35,7 +37,7 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
                     seq_len: int | None = None, sequence_parallel: bool = False, recompute="none",
                     attention: str | None = None, master_weights: bool | None = None,
                     example_input=None, input_shape: Iterable[int] | None = None, dp_size: int = 1,
-                    dp_mode: str | None = None) -> MemoryEstimate:
+                    dp_mode: str | None = None, cp: int = 1, cp_method: str = "auto") -> MemoryEstimate:
     """Estimate memory on one device and per rank at TP `world_size`.
 
     `model_or_config`: a Hugging Face config, a model with a `.config`, or any `nn.Module` (then pass
@@ -54,6 +56,11 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
     devices in all). `dp_mode="fsdp"`: each rank's TP-local parameters, gradients and optimizer states are
     further cut by FSDP2 along dim 0 of every local tensor (ceil(rows / dp_size) rows, padded); `"ddp"`: they
     are replicated. Either way `batch_size` is the local micro-batch, so activations do not change.
+
+    Context parallelism (training a transformer): `cp` ranks share each sequence (`tpkit.context_parallel`,
+    `cp_method` "auto", "all_to_all" or "ring"); per rank, the activations of its share of the tokens, traced as a
+    plain sequence of that length, plus what the method keeps differently and one layer's working set
+    (`activations.context_extra_bytes`). Weights, gradients and optimizer states are replicated over cp.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -66,20 +73,28 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     recompute = normalise_recompute(recompute)
     _check_dp(dp_size, dp_mode)
+    check_cp(cp, cp_method)
+    if cp > 1 and mode != "training":
+        raise ValueError(f"estimate_memory: context parallelism (cp={cp}) splits training sequences; generation runs "
+                         f"with it off (tpkit.context_off) and holds the whole K/V cache: use mode='training'")
     if isinstance(model_or_config, nn.Module) and peft_layers(model_or_config)[1]:
         with bare_model(model_or_config) as (target, wrapped):  # PEFT LoRA: the bare model, then the adapter
             est = estimate_memory(target, world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel,
-                                  recompute, attention, master_weights, example_input, input_shape, dp_size, dp_mode)
+                                  recompute, attention, master_weights, example_input, input_shape, dp_size, dp_mode,
+                                  cp, cp_method)
             the_plan = plan(target, world_size, mode=mode) if world_size > 1 else None
         return _with_adapter(est, wrapped, the_plan, optimizer, master_weights)
     config, shape = resolve_target(model_or_config, "estimate_memory")
+    if cp > 1 and shape is None:
+        raise ValueError(f"estimate_memory: context parallelism (cp={cp}) splits the attention of a Hugging Face "
+                         f"transformer; {type(model_or_config).__name__} has no config tpkit models")
     dp = (dp_size, dp_mode if dp_size > 1 else None)
     if shape is not None:
         counted = analysed_parameters(model_or_config, world_size, mode) if isinstance(model_or_config,
                                                                                           nn.Module) else None
         est = _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
                                     sequence_parallel, recompute, attention, master_weights, counted,
-                                    model_or_config, dp)
+                                    model_or_config, dp, (cp, cp_method))
     else:
         est = _estimate_module(model_or_config, world_size, dtype, mode, optimizer, batch_size, master_weights,
                                example_input, input_shape, seq_len, dp)
@@ -152,14 +167,17 @@ def _even(shape, t: int) -> bool:
             and (kv % t == 0 or t % kv == 0))
 
 
-def _traced(subject, world_size, dtype, batch_size, seq_len, sequence_parallel, attention, even, example=None):
-    """(traced step at t=1, at t=world_size) or (None, why): the graph path of the estimate (`traced.py`)."""
+def _traced(subject, world_size, dtype, batch_size, seq_len, sequence_parallel, attention, even, example=None,
+            local=None):
+    """(traced step at t=1, at t=world_size) or (None, why): the graph path of the estimate (`traced.py`); the
+    second at `local` tokens when given (a context-parallel rank's share of the sequence)."""
     from .traced import trace_fullest_rank
 
+    local = local or seq_len
     try:
         one = trace_fullest_rank(subject, 1, dtype, batch_size, seq_len, False, attention, example, True)
-        many = one if world_size == 1 else trace_fullest_rank(subject, world_size, dtype, batch_size, seq_len,
-                                                              sequence_parallel, attention, example, even)
+        many = one if world_size == 1 and local == seq_len else trace_fullest_rank(
+            subject, world_size, dtype, batch_size, local, sequence_parallel, attention, example, even)
     except Exception as exc:  # noqa: BLE001 - the formula / measured path stands, and the note says why
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
     return (one, many), ""
@@ -175,7 +193,7 @@ def _fsdp_note(dp) -> str:
 
 
 def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel,
-                          recompute, attention, master_weights, counted, subject, dp) -> MemoryEstimate:
+                          recompute, attention, master_weights, counted, subject, dp, context=(1, "auto")) -> MemoryEstimate:
     if seq_len is None:
         seq_len = min(int(config_value(config, "max_position_embeddings", "n_positions", default=2048)), 4096)
     B = dtype.itemsize
@@ -190,10 +208,12 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
              f"vocab {shape.vocab_size}; {kind} attention"]
     notes += _layout_notes(shape, world_size)
     sp = sequence_parallel and world_size > 1
+    cp = context[0]
+    local = local_tokens(seq_len, cp)
     traced, why = (None, "")
     if mode == "training" and recompute == "none" or dp[1] == "fsdp":
         traced, why = _traced(subject, world_size, dtype, batch_size, seq_len, sp, attention,
-                              _even(shape, world_size))
+                              _even(shape, world_size), local=local)
     extra = {}
     if traced is not None:
         params_one, params_rank = traced[0].parameters(), traced[1].parameters()
@@ -204,19 +224,8 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
     elif dp[1] == "ddp":
         notes.append(_fsdp_note(dp))
     if mode == "training":
-        formula = [sum(transformer_activation_bytes(shape, batch_size, seq_len, B, t, sp and t > 1, recompute,
-                                                    kind).values()) for t in (1, world_size)]
-        acts = formula
-        extra["activations_formula"] = formula[1]
-        if traced is not None and recompute == "none":
-            acts = [traced[0].activations, traced[1].activations]
-            extra.update(activation_method="traced", activations_per_layer=traced[1].per_layer)
-            notes.append(f"activations traced (bytes a fake forward of this rank's converted copy saves for "
-                         f"backward); formula cross-check {formula[1] / acts[1] - 1:+.0%}")
-        elif recompute != "none":
-            notes.append(f"activations by formula ({recompute} recompute is not traced)")
-        else:
-            notes.append(f"activations by formula: tracing failed ({why})")
+        acts = _training_activations(shape, batch_size, seq_len, B, world_size, sp, recompute, kind, traced, why,
+                                     context, notes, extra)
         kv = [0.0, 0.0]
         opt = optimizer_bytes_per_parameter(optimizer, dtype, master_weights)
         notes.append(f"optimizer {optimizer}: {opt} bytes per parameter"
@@ -233,10 +242,44 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
         w, b = extra["quantized"][0]
         notes.append(f"linear layers stored quantized ({quant.describe()}): {b / max(w, 1):.3f} bytes per weight as "
                      f"stored, frozen in training (no gradient or optimizer state)")
-    comm, what = largest_collective_bytes(shape, batch_size, seq_len, B, world_size, mode, sequence_parallel)
+    comm, what = largest_collective_bytes(shape, batch_size, local, B, world_size, mode, sequence_parallel)
     return _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel, recompute,
                      master_weights, params_one, params_rank, acts[0], acts[1], kv[0], kv[1], comm, what, notes,
                      **extra)
+
+
+def _training_activations(shape, batch_size, seq_len, B, world_size, sp, recompute, kind, traced, why, context,
+                          notes: list, extra: dict) -> list[float]:
+    """[activations on one device, per rank] of a training step (`notes` and `extra` filled in): traced when
+    `traced` (the fake forward's saved bytes) and no recompute, else by formula; under context parallelism
+    (`context` = (cp, method asked)) the rank's share of the tokens, plus what the method changes
+    (`context_extra_bytes`, by formula on top of a trace)."""
+    cp, asked = context
+    formula = [sum(transformer_activation_bytes(shape, batch_size, seq_len, B, t, sp and t > 1, recompute, kind,
+                                                cp=c, cp_method=asked).values())
+               for t, c in ((1, 1), (world_size, cp))]
+    acts = formula
+    extra["activations_formula"] = formula[1]
+    if traced is not None and recompute == "none":
+        added = context_extra_bytes(shape, batch_size, seq_len, B, world_size, sp, recompute, kind, cp, asked)
+        acts = [traced[0].activations, traced[1].activations + added]
+        extra.update(activation_method="traced", activations_per_layer=traced[1].per_layer)
+        notes.append(f"activations traced (bytes a fake forward of this rank's converted copy saves for "
+                     f"backward); formula cross-check {formula[1] / acts[1] - 1:+.0%}")
+    elif recompute != "none":
+        notes.append(f"activations by formula ({recompute} recompute is not traced)")
+    else:
+        notes.append(f"activations by formula: tracing failed ({why})")
+    if cp > 1:
+        method = attention_method(shape, world_size, cp, asked)
+        local = local_tokens(seq_len, cp)
+        extra.update(cp=cp, cp_method=method)
+        notes.append(f"context parallel over cp {cp} ({method} attention): each rank holds {local} of the {seq_len} "
+                     f"tokens (zigzag split, padded to a multiple of {2 * cp})"
+                     + (", traced at that length plus what the method keeps and its working set by formula"
+                        if extra.get("activation_method") == "traced" else "")
+                     + "; weights, gradients and optimizer states replicated over cp")
+    return acts
 
 
 def _layout_notes(shape, world_size) -> list[str]:

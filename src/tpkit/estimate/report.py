@@ -55,6 +55,8 @@ class MemoryEstimate:
     activation_method: str = "formula"   # "traced" (saved bytes of a fake forward) | "formula" | "measured"
     activations_per_layer: float | None = None   # per rank, one transformer layer (traced configs)
     activations_formula: float | None = None     # the Korthikanti-style cross-check, per rank
+    cp: int = 1                          # context-parallel ranks sharing each sequence (training)
+    cp_method: str | None = None         # their attention: "all_to_all" or "ring" (None at cp 1)
 
     @property
     def total(self) -> float:
@@ -77,13 +79,15 @@ class MemoryEstimate:
                 "savings_percent": self.savings_percent, "largest_collective": self.largest_collective,
                 "dp_size": self.dp_size, "dp_mode": self.dp_mode, "activation_method": self.activation_method,
                 "activations_per_layer": self.activations_per_layer,
-                "activations_formula": self.activations_formula, "notes": list(self.notes)}
+                "activations_formula": self.activations_formula, "cp": self.cp, "cp_method": self.cp_method,
+                "notes": list(self.notes)}
 
     def summary(self, width: int | None = None) -> str:
         """A table (fitted to `width` columns; None: natural width): each part on one device and per rank."""
         caption = (f"batch {self.batch_size}" + (f" x seq {self.seq_len}" if self.seq_len else "")
                    + (", sequence parallel" if self.sequence_parallel else "")
-                   + (f", {self.recompute} recompute" if self.recompute != "none" else ""))
+                   + (f", {self.recompute} recompute" if self.recompute != "none" else "")
+                   + (f", cp {self.cp} {self.cp_method}" if self.cp > 1 else ""))
         rows = []
         for name in ("parameters", "gradients", "optimizer_states", "activations", "kv_cache",
                      "communication_buffers"):
