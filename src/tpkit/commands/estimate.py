@@ -6,9 +6,11 @@ are estimated from their config alone; other modules need `--input-shape` to tra
 Which machine the figures are for is decided once (`tpkit.estimate.pricing`) and said in the first line: the
 measured profile when there is one (each world size priced op by op, as `tpkit search` prices it), else a GPU of a
 known kind, else this machine measured now (a quick calibration, written for the next command); `--hardware`
-prices a datasheet machine instead. `--calibrate` measures this machine (matmul rates, streaming bandwidth alone
-and shared, the framework's per-module time, collectives over `--backend` on 2 local ranks), writes the speed
-profile (`--profile FILE`, default `$TPKIT_PROFILE` or ~/.cache/tpkit/profile.json) and prints each term read back
+prices a datasheet machine instead. `--cp C` prices training with C context-parallel ranks sharing each sequence
+beside every world size's TP ranks (memory: the rank's share of the tokens; speed: the attention split, its
+all-to-alls or ring sends and the gradients summed over cp). `--calibrate` measures this machine (matmul rates,
+streaming bandwidth alone and shared, the framework's per-module time, collectives over `--backend` on 2 local
+ranks), writes the speed profile (`--profile FILE`, default `$TPKIT_PROFILE` or ~/.cache/tpkit/profile.json) and prints each term read back
 from that file; `--plot out.png` draws memory per rank and throughput against world size.
 """
 from __future__ import annotations
@@ -50,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=None, help="default: min(max positions, 4096)")
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--cp", type=int, default=1, metavar="C", help="training: C context-parallel ranks share each "
+                        "sequence beside every world size's TP ranks (world size x C devices; default 1)")
+    parser.add_argument("--cp-method", default="auto", choices=["auto", "all_to_all", "ring"],
+                        help="context-parallel attention (default auto: all-to-all where the local heads divide by C, "
+                             "else the ring)")
     parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     parser.add_argument("--attention", default=None, choices=["eager", "sdpa", "flash"],
                         help="attention kernel (default: the config's, else fused)")
@@ -80,7 +87,8 @@ def _memory_table(target: str, estimates, device_bytes: int, device_name: str, w
     first = estimates[0]
     title = (f"{target}: memory per rank, {first.mode}, {first.dtype}, batch {first.batch_size}"
              + (f" x seq {first.seq_len}" if first.seq_len else "") + (" + SP" if first.sequence_parallel else "")
-             + (f", recompute {first.recompute}" if first.recompute != "none" else ""))
+             + (f", recompute {first.recompute}" if first.recompute != "none" else "")
+             + (f", each world size x cp {first.cp} ({first.cp_method})" if first.cp > 1 else ""))
     parts = [("params", "parameters", 1), ("grads", "gradients", 5), ("optimizer", "optimizer_states", 3),
              ("activations", "activations", 4), ("kv cache", "kv_cache", 2), ("comm buf", "communication_buffers", 7)]
     columns = [Column("world size")]
@@ -104,6 +112,7 @@ def _speed_table(speed, width: int | None) -> str:
 
     unit = "token" if speed.mode == "decode" else "step"
     seq = f" x seq {speed.seq_len}" if speed.seq_len else ""
+    seq += f", each world size x cp {speed.cp}" if speed.cp > 1 else ""
     title = (f"speed: {speed.mode}, {speed.dtype}, batch {speed.batch_size}{seq}, {speed.hardware} over "
              f"{speed.interconnect}")
     drops = {"compute": 3, "memory": 4, "framework": 5, "comm": 2}
@@ -183,12 +192,13 @@ def _run(args: argparse.Namespace) -> int:
         loaded_dtype(config, torch.float32 if pricing.measured else torch.bfloat16)  # quantized: the checkpoint's
     subject = model if model is not None else config
     extra = {}
+    context = {"cp": args.cp, "cp_method": args.cp_method} if args.cp != 1 else {}  # estimate_* check it
     if args.input_shape:
         extra["input_shape"] = tuple(int(x) for x in args.input_shape.split(","))
     estimates = [estimate_memory(subject, t, dtype=dtype, mode=args.mode, optimizer=args.optimizer,
                                  batch_size=args.batch_size, seq_len=args.seq_len,
                                  sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                                 attention=args.attention, **extra) for t in sizes]
+                                 attention=args.attention, **extra, **context) for t in sizes]
     speed = None
     transformer = estimates[0].seq_len is not None  # the shape-modelled path; others were measured
     if transformer or extra:
@@ -198,7 +208,7 @@ def _run(args: argparse.Namespace) -> int:
         speed = estimate_speed(subject if not transformer else config, sizes, hardware=pricing.hardware,
                                dtype=dtype, mode=mode, batch_size=args.batch_size, seq_len=seq,
                                sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                               attention=args.attention, profile=pricing.profile, **extra)
+                               attention=args.attention, profile=pricing.profile, **extra, **context)
     if args.plot:
         from .estimate_plot import plot_estimate
 

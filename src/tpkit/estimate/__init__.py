@@ -5,7 +5,8 @@ one composition prices every machine, measured or known by its datasheet.
 What is asked about
     config          TransformerShape, read from a Hugging Face config; what an estimate was asked about
     presets         published model configs by name, and CLI targets (a preset, a config file, module:factory)
-    calls           how a model is called: an example as (args, kwargs), weightless copies, a config at n layers
+    calls           how a model is called: an example as (args, kwargs), weightless copies, a config at n layers,
+                    the models a setup's step is traced on
     step            a plain module's example call (given, from a shape, or implied by its first layer)
 
 The one fake run

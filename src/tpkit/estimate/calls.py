@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .config import own_dtype
 from .presets import build_model
 
 
@@ -74,3 +75,22 @@ def with_layers(config, model_cls, layers: int, dtype: torch.dtype, attention: s
     with torch.device("meta"):
         model = model_cls(cfg)
     return model.to(dtype)
+
+
+def models_to_trace(model_or_config, dtype: torch.dtype | None = None,
+                    attention: str | None = None) -> tuple[list[tuple[int, nn.Module]], int]:
+    """Weightless models for `predict` to trace, with their layer counts, and the layer count to extrapolate to (a
+    config in `dtype`, default bfloat16 as the other estimates; a module keeps its own unless `dtype` says
+    otherwise; a config rebuilt with `attention`'s kernel when given: "eager", else sdpa)."""
+    config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config, "config",
+                                                                                        None)
+    layers = getattr(config, "num_hidden_layers", None) if config is not None else None
+    cls = type(model_or_config) if isinstance(model_or_config, nn.Module) else None
+    dtype = dtype or own_dtype(model_or_config)
+    if isinstance(layers, int) and layers > 2 and hasattr(config, "model_type"):
+        return [(n, with_layers(config, cls, n, dtype, attention)) for n in (1, 2)], layers
+    if isinstance(model_or_config, nn.Module):
+        return [(0, meta_copy(model_or_config).to(dtype))], 0
+    if config is not None and hasattr(config, "model_type"):
+        return [(layers or 0, with_layers(config, None, layers, dtype, attention))], layers or 0
+    raise TypeError(f"predict needs an nn.Module or a Hugging Face config, got {type(model_or_config).__name__}")

@@ -37,7 +37,7 @@ def pipelined(base, setup, rates: MachineRates, activation_bytes: float):
     `pp`, `microbatches`, `stages_per_rank`, `schedule`) runs it: a `Prediction`."""
     p, m, v = setup.pp, setup.microbatches, setup.stages_per_rank
     slots = v * m + p - 1
-    stage = (base.kernels_s + base.overhead_s + base.tp_communication_s) / p  # one stage's share of the step
+    stage = (base.kernels_s + base.overhead_s + base.tp_communication_s + base.cp_communication_s) / p  # a stage's
     per_slot = stage / (v * m)
     sends = 2 * slots * send_seconds(rates, activation_bytes / m)
     seconds = slots * per_slot + sends + base.dp_communication_s / p
@@ -46,6 +46,7 @@ def pipelined(base, setup, rates: MachineRates, activation_bytes: float):
     memory = weights / p + base.activation_bytes / p * in_flight
     return dataclasses.replace(base, setup=setup, seconds=seconds, kernels_s=base.kernels_s / p,
                                overhead_s=base.overhead_s / p, tp_communication_s=base.tp_communication_s / p,
-                               dp_communication_s=base.dp_communication_s / p, memory_bytes=memory,
+                               dp_communication_s=base.dp_communication_s / p,
+                               cp_communication_s=base.cp_communication_s / p, memory_bytes=memory,
                                process_bytes=base.process_bytes - base.memory_bytes + memory,
                                bubble_s=slots * per_slot - stage, pp_communication_s=sends)

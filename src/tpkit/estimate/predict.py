@@ -1,8 +1,9 @@
 """Time and memory of one setup on the machine at hand, from the plan the converter makes for it.
 
-A `Setup` is how a model runs on `pp x tp x dp` devices: the tensor-parallel size, data parallelism (DDP or FSDP2)
-over the rest, sequence parallelism, recompute, the architecture families' alternatives (attention split by
-heads or whole, the LM head vocab-parallel or replicated, experts TP or EP), and pipeline stages (`pp`, priced from
+A `Setup` is how a model runs on `pp x dp x cp x tp` devices: the tensor-parallel size, context parallelism (`cp`
+ranks share each training sequence), data parallelism (DDP or FSDP2) over the rest, sequence parallelism,
+recompute, the architecture families' alternatives (attention split by heads or whole, the LM head vocab-parallel
+or replicated, experts TP or EP), and pipeline stages (`pp`, priced from
 the same setup without them by `pipeline.py`: the bubble and the stage sends). `predict` converts a weightless copy
 of the model for rank 0 with that setup's plan (`convert.planner.propose` with the setup's choices), traces one
 step op by op (`fake_step.trace_step`) and prices it with the rates of `tp x dp` ranks sharing the machine
@@ -15,10 +16,13 @@ has no fixed cost per op and ring collectives; one composition for both):
            collective costs inside a step beyond an isolated call: `MachineRates.collective_overhead_s`)
          + data parallelism's collectives (DDP: gradients all-reduced in 25 MB buckets; FSDP2: each block's
            parameters all-gathered in the forward and again in the backward, its gradients reduce-scattered)
+         + context parallelism's (`context.py`): the step is traced at the rank's share of the sequence, its
+           attention kernels counted cp times (1/cp of the whole sequence's), plus each attention layer's
+           all-to-alls or ring sends and one all-reduce over cp per parameter
 
 Memory is the most tensor bytes the traced step holds at once (`peak.LiveBytes`: parameters, and what the step's
-ops make while it is alive, optimizer states included), moved by what DP and recompute change; `process_bytes`
-adds what the machine measured a process holds besides (imports, runtime).
+ops make while it is alive, optimizer states included), moved by what DP, recompute and context parallelism
+change; `process_bytes` adds what the machine measured a process holds besides (imports, runtime).
 
 Nothing overlaps: an eager step on a CPU does its ops one after another; on a GPU, tensor-parallel collectives
 sit on the critical path. Recompute adds the forward ops again (full) or the attention's (selective). A config
@@ -35,13 +39,16 @@ from torch import nn
 
 from ..convert.planning.planner import propose
 from ..convert.trace import analyze_structure
-from .calls import meta_copy, with_layers
-from .config import own_dtype
+from .activations import context_extra_bytes
+from .calls import models_to_trace
+from .config import attention_kind, own_dtype, transformer_shape
+from .context import (attention_method, check_cp, check_priced, context_messages, context_seconds, layer_traffic,
+                      local_tokens)
 from .fake_step import GOALS, StepTrace, trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
 from .pipeline import pipelined
 from .profile import SpeedProfile, load_profile
-from .quantized import quantized_note, quantized_times
+from .quantized import quantized_note, quantized_saving, quantized_times
 
 DP_MODES = ("ddp", "fsdp", "replicas")  # replicas: inference copies that each take a share of the batch
 RECOMPUTE = ("none", "selective", "full")
@@ -64,6 +71,8 @@ class Setup:
     microbatches: int = 1
     stages_per_rank: int = 1
     schedule: str = "1f1b"
+    cp: int = 1
+    cp_method: str = "auto"
 
     def __post_init__(self):
         if self.tp < 1 or self.dp < 1 or self.pp < 1 or self.microbatches < 1 or self.stages_per_rank < 1:
@@ -74,17 +83,20 @@ class Setup:
             raise ValueError(f"Setup: dp={self.dp} needs dp_mode in {DP_MODES}, got {self.dp_mode!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Setup: recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        check_cp(self.cp, self.cp_method)
 
     @property
     def devices(self) -> int:
-        return self.pp * self.tp * self.dp
+        return self.pp * self.tp * self.dp * self.cp
 
     def choose(self) -> dict[str, str]:
         return dict(self.choices)
 
     def label(self) -> str:
         parts = [f"pp{self.pp} {self.schedule} m{self.microbatches}"] if self.pp > 1 else []
-        parts += [f"tp{self.tp}"] + ([f"dp{self.dp} {self.dp_mode}"] if self.dp > 1 else [])
+        parts += [f"tp{self.tp}"] + ([f"cp{self.cp}" + (f" {self.cp_method}" if self.cp_method != "auto" else "")]
+                                     if self.cp > 1 else [])
+        parts += [f"dp{self.dp} {self.dp_mode}"] if self.dp > 1 else []
         parts += ["sp"] if self.sequence_parallel else []
         parts += [f"recompute {self.recompute}"] if self.recompute != "none" else []
         parts += [f"{family} {label}" for family, label in self.choices]
@@ -118,6 +130,7 @@ class Prediction:
     bubble_s: float = 0.0          # pipelining: the stages' idle time in the step
     pp_communication_s: float = 0.0  # pipelining: the activations and gradients sent between stages
     quantized: str = ""  # what the quantized layers were priced as (`quantized.quantized_note`); "" for a dense model
+    cp_communication_s: float = 0.0  # context parallelism: attention's all-to-alls or ring sends, gradients over cp
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "setup": self.setup.to_dict()}
@@ -216,25 +229,6 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers
                    sum(o.flops for o in work), sum(o.nbytes for o in work), sum(c.nbytes for c in trace.collectives))
 
 
-def _models(model_or_config, dtype: torch.dtype | None = None,
-            attention: str | None = None) -> tuple[list[tuple[int, nn.Module]], int]:
-    """Weightless models to trace, with their layer counts, and the layer count to extrapolate to (a config in
-    `dtype`, default bfloat16 as the other estimates; a module keeps its own unless `dtype` says otherwise; a
-    config rebuilt with `attention`'s kernel when given: "eager", else sdpa)."""
-    config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config, "config",
-                                                                                        None)
-    layers = getattr(config, "num_hidden_layers", None) if config is not None else None
-    cls = type(model_or_config) if isinstance(model_or_config, nn.Module) else None
-    dtype = dtype or own_dtype(model_or_config)
-    if isinstance(layers, int) and layers > 2 and hasattr(config, "model_type"):
-        return [(n, with_layers(config, cls, n, dtype, attention)) for n in (1, 2)], layers
-    if isinstance(model_or_config, nn.Module):
-        return [(0, meta_copy(model_or_config).to(dtype))], 0
-    if config is not None and hasattr(config, "model_type"):
-        return [(layers or 0, with_layers(config, None, layers, dtype, attention))], layers or 0
-    raise TypeError(f"predict needs an nn.Module or a Hugging Face config, got {type(model_or_config).__name__}")
-
-
 def plan_for(model: nn.Module, setup: Setup, goal: str, example=None):
     """The plan the converter makes for `model` (weightless) under `setup` (its families' choices)."""
     mode = "training" if goal == "train" else "inference"
@@ -242,8 +236,9 @@ def plan_for(model: nn.Module, setup: Setup, goal: str, example=None):
 
 
 def _trace(model: nn.Module, setup: Setup, goal: str, batch: int, seq: int, example) -> StepTrace:
+    """Rank 0's step; under context parallelism, a plain step of its share of the sequence (`context.py`)."""
     plan = plan_for(model, setup, goal, example) if setup.tp > 1 else "auto"
-    return trace_step(model, goal, setup.tp, 0, batch, seq, plan=plan,
+    return trace_step(model, goal, setup.tp, 0, batch, local_tokens(seq, setup.cp), plan=plan,
                       sequence_parallel=setup.sequence_parallel, example=example, meta_example=example)
 
 
@@ -269,8 +264,9 @@ def trace_setup(model_or_config, setup: Setup, goal: str, batch_size: int, seq_l
     """Trace rank 0's step under `setup` (its local batch: the batch shared out over dp)."""
     if goal not in GOALS:
         raise ValueError(f"predict: goal must be one of {GOALS}, got {goal!r}")
+    check_priced(setup.cp, goal, model_or_config)
     local = -(-batch_size // setup.dp)
-    models, layers = _models(model_or_config, dtype, attention)
+    models, layers = models_to_trace(model_or_config, dtype, attention)
     rows = tuple((n, _trace(model, setup, goal, local, seq_len, example)) for n, model in models)
     return Traced(rows, layers, models[0][1])
 
@@ -304,21 +300,51 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
         return _extrapolate([(n, f(t, p)) for n, t, p in rows], layers)
     kernels, overhead = ex(lambda t, p: p.kernels), ex(lambda t, p: p.overhead)
     tp_comm, params = ex(lambda t, p: p.comm), ex(lambda t, p: t.parameter_bytes)
-    dp_comm = dp_seconds(setup, goal, params, layers or 1, rates)
+    dp_comm, compute = dp_seconds(setup, goal, params, layers or 1, rates), ex(lambda t, p: p.compute)
+    cp_parts = (0.0, 0.0, 0.0, 0.0)
+    if setup.cp > 1:  # attention's kernels beyond the traced share, communication, messages, activations
+        cp_parts = _context(setup, traced, rates, -(-batch_size // setup.dp), seq_len, item, attention)
+        wait = skew_factor(rates, goal, setup.tp == 1)  # ranks meet at collectives: the TP skew, counted once
+        kernels, compute = kernels * wait + cp_parts[0], compute * wait + cp_parts[0]
     parts = (params, ex(lambda t, p: t.saved_bytes), ex(lambda t, p: t.cache_bytes), traced.model, layers or 1,
-             -(-batch_size // setup.dp), seq_len)
+             -(-batch_size // setup.dp), local_tokens(seq_len, setup.cp))
     memory = _memory(setup, goal, *parts)
     peak = ex(lambda t, p: t.peak_bytes)
     if peak:  # the traced peak of the plain step, moved by what DP and recompute change (the sum of parts' delta)
         memory = peak + memory - _memory(Setup(setup.tp), goal, *parts)
-    memory -= ex(lambda t, p: _quantized_saving(t, setup, goal, item))
-    saved = min(ex(lambda t, p: t.saved_bytes), memory) if goal == "train" else 0.0
+    memory -= ex(lambda t, p: quantized_saving(t, setup, goal, item))
+    memory += cp_parts[3]
+    saved = min(ex(lambda t, p: t.saved_bytes) + cp_parts[3], memory) if goal == "train" else 0.0
     note = quantized_note({q.name: q for q in traced.rows[-1][1].quantized}, rates) or ""
-    return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm, kernels, overhead, tp_comm, dp_comm,
-                      memory, int(round(ex(lambda t, p: p.ops))), int(round(ex(lambda t, p: p.collectives))),
-                      memory + rates.import_bytes + rates.runtime_bytes, ex(lambda t, p: p.compute),
+    return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm + cp_parts[1], kernels, overhead, tp_comm,
+                      dp_comm, memory, int(round(ex(lambda t, p: p.ops))),
+                      int(round(ex(lambda t, p: p.collectives) + cp_parts[2])),
+                      memory + rates.import_bytes + rates.runtime_bytes, compute,
                       ex(lambda t, p: p.flops), ex(lambda t, p: p.nbytes), ex(lambda t, p: p.comm_bytes), saved,
-                      quantized=note)
+                      quantized=note, cp_communication_s=cp_parts[1])
+
+
+def _context(setup: Setup, traced: Traced, rates: MachineRates, batch: int, seq: int, item: int,
+             attention: str | None) -> tuple[float, float, float, float]:
+    """What context parallelism adds to the traced step of a rank's share of the tokens (`context.py`): (attention
+    kernels: cp - 1 times the traced ones, recompute's again included, at the skew of ranks that wait for each other;
+    the cp communication; its messages; activations beyond the traced ones, by formula)."""
+    config = traced.model.config
+    shape = dataclasses.replace(transformer_shape(config), num_layers=traced.layers or config.num_hidden_layers)
+    method = attention_method(shape, setup.tp, setup.cp, setup.cp_method)
+    traffic = layer_traffic(shape, batch, seq, item, setup.tp, setup.cp, method)
+    skew, phases = skew_factor(rates, "train", True), [None] + ([("forward",)] if setup.recompute != "none" else [])
+
+    def row(n: int, t: StepTrace) -> tuple[float, float, float]:
+        core = sum(kernel_seconds(t, rates, p, ATTENTION_CORE) for p in phases)  # recompute: the forward's again
+        grads = [math.prod(s) * item for s in t.parameter_shapes]
+        return ((setup.cp - 1) * core * skew,
+                context_seconds(traffic, n, grads, rates, setup.cp, rates.train_collective_overhead_s),
+                context_messages(traffic, n, len(grads)))
+    rows = [(n, row(n or shape.num_layers, t)) for n, t in traced.rows]  # n = 0: the model traced whole
+    extra = context_extra_bytes(shape, batch, seq, item, setup.tp, setup.sequence_parallel, setup.recompute,
+                                attention_kind(config, attention), setup.cp, setup.cp_method)
+    return (*(_extrapolate([(n, r[i]) for n, r in rows], traced.layers) for i in range(3)), extra)
 
 
 def _pipelined(model_or_config, setup: Setup, goal, batch_size, seq_len, profile, ranks, example, traced, dtype,
@@ -334,21 +360,9 @@ def _pipelined(model_or_config, setup: Setup, goal, batch_size, seq_len, profile
     config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config, "config",
                                                                                         None)
     hidden = getattr(config, "hidden_size", 0) or 0
-    activation = -(-batch_size // setup.dp) * seq_len * hidden * item  # one dp rank's batch, at a stage boundary
+    activation = -(-batch_size // setup.dp) * local_tokens(seq_len, setup.cp) * hidden * item  # at a stage boundary
     rates = profile.rates(ranks or setup.devices, hardware, item)
     return pipelined(base, setup, rates, activation)
-
-
-def _quantized_saving(trace: StepTrace, setup: Setup, goal: str, item: int) -> float:
-    """Bytes the traced rank does not hold because a quantized checkpoint stores its linear layers packed: the traced
-    model is dense, so the dense weights of those layers (and, training, their gradients and AdamW states: the packed
-    base is frozen) less the stored tensors the rank holds (`quantized.QuantizedLayer`: the load's split, in whole
-    groups). 0 for a dense config. Their speed is priced on those stored tensors too (`quantized_times`)."""
-    dense = sum(q.dense_bytes for q in trace.quantized)
-    frozen = dense / item * (item + 8) if goal == "train" else 0.0
-    if goal == "train" and setup.dp_mode == "fsdp" and setup.dp > 1:
-        frozen /= setup.dp
-    return dense - sum(q.stored_bytes for q in trace.quantized) + frozen
 
 
 def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:

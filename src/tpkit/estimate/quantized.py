@@ -298,4 +298,17 @@ def slowest(per_rank: list[Mapping[str, QuantizedRate]]) -> dict[str, QuantizedR
             for k in per_rank[0]}
 
 
-__all__ = ["QuantizedLayer", "measure_quantized", "quantized_layers", "quantized_note", "quantized_times"]
+def quantized_saving(trace, setup, goal: str, item: int) -> float:
+    """Bytes the traced rank (`fake_step.StepTrace`) of `setup` (`predict.Setup`) does not hold because a quantized
+    checkpoint stores its linear layers packed: the traced model is dense, so the dense weights of those layers (and,
+    training, their gradients and AdamW states: the packed base is frozen) less the stored tensors the rank holds
+    (`QuantizedLayer`: the load's split, in whole groups). 0 for a dense config. Their speed is priced on those stored tensors too (`quantized_times`)."""
+    dense = sum(q.dense_bytes for q in trace.quantized)
+    frozen = dense / item * (item + 8) if goal == "train" else 0.0
+    if goal == "train" and setup.dp_mode == "fsdp" and setup.dp > 1:
+        frozen /= setup.dp
+    return dense - sum(q.stored_bytes for q in trace.quantized) + frozen
+
+
+__all__ = ["QuantizedLayer", "measure_quantized", "quantized_layers", "quantized_note", "quantized_saving",
+           "quantized_times"]

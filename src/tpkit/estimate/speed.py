@@ -26,6 +26,7 @@ import torch
 from ..tables import Column, format_bytes, render_table, wrap_text
 from .activations import normalise_recompute
 from .config import own_dtype, resolve_target
+from .context import check_cp, check_priced
 from .hardware import Hardware
 from .predict import Prediction, Setup, predict
 from .pricing import Pricing, machine_pricing
@@ -76,6 +77,7 @@ class SpeedEstimate:
     notes: list[str] = field(default_factory=list)
     unit: str = "tokens"  # what `tokens_per_s` counts: tokens, or samples for a module without a config
     parts: tuple[str, ...] = PARTS  # the time columns, in the order of `SpeedRow.parts_s`
+    cp: int = 1  # context-parallel ranks beside each world size's TP ranks (its rows run on world size x cp devices)
 
     def row(self, world_size: int) -> SpeedRow:
         for r in self.rows:
@@ -88,13 +90,14 @@ class SpeedEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"hardware": self.hardware, "interconnect": self.interconnect, "mode": self.mode, "dtype": self.dtype,
-                "batch_size": self.batch_size, "seq_len": self.seq_len, "unit": self.unit,
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "unit": self.unit, "cp": self.cp,
                 "rows": [asdict(r) for r in self.rows], "notes": list(self.notes), "parts": list(self.parts)}
 
     def summary(self, width: int | None = None) -> str:
         """A table per world size (fitted to `width` columns; None: natural width), then the notes."""
         unit = "token" if self.mode == "decode" else "step"
         seq = f" x seq {self.seq_len}" if self.seq_len else ""
+        seq += f", each world size x cp {self.cp}" if self.cp > 1 else ""
         names = ("world size", *self.parts, f"time/{unit}", f"{self.unit}/s", "speedup", "bound")
         rows = [[str(r.world_size), *(milliseconds(s) for s in r.parts_s()), milliseconds(r.total_s),
                  f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", r.bound] for r in self.rows]
@@ -129,7 +132,7 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
                    attention: str | None = None, efficiency: float | None = None,
                    memory_efficiency: float | None = None, link_efficiency: float | None = None,
                    example_input=None, input_shape=None, profile: SpeedProfile | str | None = None,
-                   vocab_parallel: bool = True) -> SpeedEstimate:
+                   vocab_parallel: bool = True, cp: int = 1, cp_method: str = "auto") -> SpeedEstimate:
     """Step time (training, prefill) or time per decoded token (decode, with a context of `seq_len`) and
     speedup over one device, for each world size (see the module docstring).
 
@@ -137,12 +140,16 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     (or `profile`'s when it is not a measured one); with neither, a measured profile prices this machine, a GPU of
     a known kind its datasheet, and any other machine is measured first (a quick calibration). `attention`: a
     config's attention kernel ("eager", else sdpa). A module without a config: `example_input` or `input_shape`
-    (batch first; its batch becomes `batch_size`); training and prefill only."""
+    (batch first; its batch becomes `batch_size`); training and prefill only. `cp`: context-parallel ranks beside
+    every world size's TP ranks (training a transformer; `cp_method` "auto", "all_to_all" or "ring"): each row runs
+    on world size x cp devices, its speedup still over one device."""
     fractions = {"efficiency": efficiency, "memory_efficiency": memory_efficiency, "link_efficiency": link_efficiency}
     sizes = _check(mode, world_size, batch_size, seq_len, fractions)
     recompute = normalise_recompute(recompute)
+    check_cp(cp, cp_method)
     pricing = machine_pricing(profile, hardware, interconnect)
     config, shape = resolve_target(model_or_config, "estimate_speed")
+    check_priced(cp, mode, model_or_config)
     if mode == "decode" and shape is not None and not shape.is_decoder:
         raise ValueError(f"estimate_speed: {shape.model_type} is an encoder; it does not decode tokens, use mode "
                          f"'prefill' (one forward) or 'training'")
@@ -158,11 +165,15 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     goal, choices = GOAL[mode], () if vocab_parallel else (("vocab", "whole"),)
     units = batch_size if goal == "decode" or shape is None else batch_size * seq_len
     rows, padded, quantized = [], [], {}
-    for t in ([1] if sizes[0] > 1 else []) + sizes:  # one device is what the speedup is over
+    first = [1] if sizes[0] > 1 or cp > 1 else []
+    for i, t in enumerate(first + sizes):  # one device is what the speedup is over
+        c = 1 if i < len(first) else cp
         sp = sequence_parallel and t > 1 and goal == "train"
-        seq = -(-seq_len // t) * t if sp else seq_len  # sequence parallelism splits the sequence: padded to t
+        step = t * (2 * c if c > 1 else 1)  # a cp rank's share (2 x cp chunks) splits further over t
+        seq = -(-seq_len // step) * step if sp else seq_len  # sequence parallelism splits the sequence: padded to t
         padded += [f"TP {t}: {seq}"] if seq != seq_len else []
-        setup = Setup(t, sequence_parallel=sp, recompute=recompute if goal == "train" else "none", choices=choices)
+        setup = Setup(t, sequence_parallel=sp, recompute=recompute if goal == "train" else "none", choices=choices,
+                      cp=c, cp_method=cp_method)
         p = predict(subject, setup, goal, batch_size, seq, prof, example=example, dtype=dtype,
                     hardware=pricing.hardware, attention=attention)
         rows.append(_row(p, units))
@@ -173,7 +184,7 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
                      f"of the world size ({', '.join(padded)})")
     for r in rows:
         r.speedup = rows[0].total_s / r.total_s
-    rows = [r for r in rows if r.world_size in sizes]
+    rows = rows[len(first):]
     notes += [note if len(quantized) == 1 else f"TP {', '.join(map(str, ts))}: {note}" for note, ts in quantized.items()]
     notes = [rates_note, *notes, *_notes(rows, pricing, sizes, vocab_parallel)]
     hw = pricing.hardware or pricing.profile.hardware
@@ -181,13 +192,13 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     link = hw.interconnect.name if hw is not None else "its own ranks (measured)"
     return SpeedEstimate(name, link, mode, str(dtype).replace("torch.", ""), batch_size,
                          seq_len if shape is not None else None, rows, notes,
-                         unit="tokens" if shape is not None else "samples")
+                         unit="tokens" if shape is not None else "samples", cp=cp)
 
 
 def _row(p: Prediction, units: int) -> SpeedRow:
     """A world size's row from its prediction; the part that takes longest bounds it."""
     memory = p.kernels_s - p.compute_s
-    comm = p.tp_communication_s + p.dp_communication_s
+    comm = p.tp_communication_s + p.dp_communication_s + p.cp_communication_s
     parts = {"compute": p.compute_s, "memory": memory, "framework": p.overhead_s, "communication": comm}
     return SpeedRow(p.setup.tp, p.flops, p.nbytes, p.collective_bytes, p.collectives, p.compute_s, memory, comm,
                     p.seconds, units / p.seconds, 1.0, max(parts, key=parts.get), p.memory_bytes, p.process_bytes,
