@@ -1,9 +1,12 @@
 """Setups run for real: `run_setup` times a few steps of one setup on local ranks, and `search` is the setup
 search with that runner, so `measure=K` ranks the top K by what they really take; `analyze` is
-`tpkit.convert.analyze` whose suggested world size comes from the search.
+`tpkit.convert.analyze` whose suggested world size comes from the search, with a transformer's training
+activations by sequence length and context parallelism.
 
 This module sits above `tpkit.estimate` (with `data_parallel` and `recompute`) because a real run builds what
-the estimate only prices: the converted model, recompute, DDP or FSDP2 over the data-parallel group.
+the estimate only prices: the converted model, context parallelism, recompute, DDP or FSDP2 over the
+data-parallel group. It also hands the search `tpkit.context`'s own check of whether a model's attention can be
+split over the sequence (`context_refusal`), which the estimates, a layer below, cannot import.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm.rank_groups import split
+from .comm.rank_groups import groups, split
 from .convert import parallelize
 from .convert.advice.analyze import AnalysisReport, detected_device_memory, parse_bytes
 from .convert.advice.analyze import analyze as analyze_plan
@@ -27,11 +30,13 @@ from .data_parallel import data_parallel
 from .distributed import get_communicator
 from .estimate.framework import generate_token_seconds
 from .estimate.hardware import detect_hardware
+from .estimate.config import attention_kind, own_dtype, resolve_target
 from .estimate.predict import Setup
 from .estimate.pricing import NotPriced, machine_pricing
 from .estimate.quantized import loaded_dtype
 from .estimate.search import SearchResult
 from .estimate.search import search as rank_setups
+from .estimate.sequences import sequence_memory
 from .launch import launch
 from .pipeline import Pipeline, pipeline
 from .recompute import recompute
@@ -50,9 +55,28 @@ def _build(model_or_config, dtype: torch.dtype | None) -> nn.Module:
     return tr.AutoModelForCausalLM.from_config(model_or_config).to(dtype or torch.float32)
 
 
+def context_refusal(model: nn.Module) -> str | None:
+    """Why `model` cannot be made context-parallel, or None when it can: `tpkit.context_parallel`'s own checks (a
+    Hugging Face model whose causal attention layers run a kernel tpkit wraps through the AttentionInterface, with
+    nothing tpkit cannot split over the sequence), run without changing the model (a weightless one will do)."""
+    from .context.apply import attention_layers, hf_model
+    from .context.attention import KERNELS
+
+    try:
+        hf = hf_model(model)
+        kernel = hf.config._attn_implementation
+        if kernel not in KERNELS:
+            return f"{type(hf).__name__} runs attention kernel {kernel!r}; context parallelism wraps {KERNELS}"
+        attention_layers(hf)
+    except (TypeError, NotImplementedError) as exc:
+        return str(exc)
+    return None
+
+
 def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None, plan: Any = None) -> nn.Module:
     """Run `model` under a setup (the search's `result.best`, or a `Setup`) on `comm`'s ranks (default the world):
-    split them into tp x dp groups, convert with the setup's plan, recompute, wrap in DDP / FSDP2. `goal` (a
+    split them into tp x dp groups (pp x dp x cp x tp with context parallelism, `tpkit.comm.groups`), convert with
+    the setup's plan, make it context-parallel over its cp group, recompute, wrap in DDP / FSDP2. `goal` (a
     candidate knows its own; default "train") decides training or inference mode. Returns the model to use; for a
     setup with pipeline stages (`pp > 1`), the `tpkit.Pipeline` (`tpkit.pipeline`: train with `.step`)."""
     comm = comm or get_communicator()
@@ -64,14 +88,26 @@ def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None
         raise ValueError(f"apply_setup: {setup.label()} needs {setup.devices} ranks, the communicator has "
                          f"{comm.world_size}")
     mode = "training" if goal == "train" else "inference"
+    cp = getattr(setup, "cp", 1)
     if getattr(setup, "pp", 1) > 1:  # stages: a `tpkit.Pipeline` (its `.model` is this rank's part)
+        if cp > 1:
+            raise ValueError(f"apply_setup: {setup.label()}: pipeline stages with context parallelism are not built "
+                             f"here")
         return pipeline(model, comm, pp=setup.pp, tp=setup.tp, schedule=setup.schedule,
                         microbatches=setup.microbatches, stages_per_rank=setup.stages_per_rank,
                         dp_mode=setup.dp_mode or "fsdp", mode=mode)
-    tp, dp = split(comm, setup.tp) if setup.dp > 1 else (comm, None)
+    if cp > 1:
+        laid = groups(comm, tp=setup.tp, cp=cp)
+        tp, dp = laid.tp, laid.dp if setup.dp > 1 else None
+    else:
+        tp, dp = split(comm, setup.tp) if setup.dp > 1 else (comm, None)
     if setup.tp > 1:
         plan = plan if plan is not None else propose(analyze_structure(model), setup.tp, mode, setup.choose())[0]
         model = parallelize(model, plan, tp, mode=mode, sequence_parallel=setup.sequence_parallel)
+    if cp > 1:  # after conversion (`tpkit.context`); gradients are summed over cp, then DP averages over dp
+        from .context import context_parallel
+
+        context_parallel(model, laid.cp, method=setup.cp_method)
     if goal == "train" and setup.recompute != "none":
         recompute(model, setup.recompute)
     if goal == "train" and dp is not None and setup.dp_mode in ("ddp", "fsdp"):
@@ -112,7 +148,7 @@ def _rank(model_or_config, setup: Setup, goal: str, batch: int, seq: int, steps:
     pipe, model = (model, model.model) if isinstance(model, Pipeline) else (None, model)
     local = -(-batch // setup.dp)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 100)
-    dp_rank = comm.rank // setup.tp % setup.dp  # the ranks of one pipeline and tp group take one batch
+    dp_rank = comm.rank // (setup.tp * setup.cp) % setup.dp  # the ranks of one pipeline, tp and cp group: one batch
     ids = torch.randint(3, vocab, (local, seq), generator=torch.Generator().manual_seed(dp_rank))
     if goal == "train":
         model.train()
@@ -181,7 +217,7 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
                      f"{'token' if goal_ == 'decode' else 'step'} ({time.perf_counter() - began:.0f} s)")
         return seconds
     result = rank_setups(model_or_config, devices, goal, memory, batch_size, seq_len, pricing.profile, measure,
-                         runner if measure else None, dtype, hardware=pricing.hardware)
+                         runner if measure else None, dtype, hardware=pricing.hardware, context=context_refusal)
     notes = [pricing.origin] + [n for n in result.notes if not n.startswith("predicted with profile")]
     notes += [result.best.prediction.quantized] if result.best.prediction.quantized else []  # priced as it runs
     if pricing.this_machine and devices > pricing.devices:
@@ -259,8 +295,36 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     estimate` and `tpkit search` price): never more devices than one machine holds (`devices_per_node`, default
     this machine's GPUs, else its cores) unless priced for another machine (`hardware`). With no profile and no GPU
     of a known kind this machine is measured first (a quick calibration, written for the next call), unless
-    `calibrate=False`: then the memory rule suggests (as the demo does)."""
-    return analyze_plan(model, world_size, max_world_size, device_memory, mode, example_inputs,
-                        advisor=search_advisor(profile, batch_size, seq_len, hardware, devices_per_node, device_memory,
-                                               calibrate),
-                        devices_per_node=devices_per_node)
+    `calibrate=False`: then the memory rule suggests (as the demo does). In training mode a transformer's report
+    also shows its activations per rank by sequence length and context parallelism, and the longest sequence that
+    fits the budget at each cp (`sequence_table`)."""
+    report = analyze_plan(model, world_size, max_world_size, device_memory, mode, example_inputs,
+                          advisor=search_advisor(profile, batch_size, seq_len, hardware, devices_per_node,
+                                                 device_memory, calibrate),
+                          devices_per_node=devices_per_node)
+    report.sequences = sequence_table(model, report, batch_size)
+    return report
+
+
+def sequence_table(model: nn.Module, report: AnalysisReport, batch_size: int = 1, cps=(1, 2, 4, 8)):
+    """Training activations per rank by sequence length at the report's TP size for each cp in `cps`, and the
+    longest sequence that fits the report's budget beside the weights, gradients and AdamW states it counted
+    (`tpkit.estimate.sequences.SequenceMemory`); cp 1 alone, saying why, for a model whose attention cannot be
+    split over the sequence; None outside training or for a model whose shape the estimates do not model."""
+    if report.mode != "training":
+        return None
+    try:
+        config, shape = resolve_target(model, "analyze")
+    except (TypeError, ValueError):
+        return None
+    if shape is None:
+        return None
+    refused = context_refusal(model)
+    dtype = own_dtype(model)
+    tp = report.world_size
+    return sequence_memory(shape, dtype.itemsize, tp, (1,) if refused else cps, batch_size=batch_size,
+                           budget=report.device_memory, held=report.per_rank_memory[tp],
+                           attention=attention_kind(config, None),
+                           max_positions=getattr(config, "max_position_embeddings", None),
+                           dtype=str(dtype).replace("torch.", ""),
+                           notes=(f"no context parallelism: {refused}",) if refused else ())

@@ -24,6 +24,7 @@ Memory
     communication   the largest collective buffer
     context         context parallelism: a rank's share of the sequence, the attention method, its traffic and
                     working set, and their price
+    sequences       activations by sequence length and cp, and the longest sequence that fits (`tpkit analyze`)
     measure         a plain module's forward followed leaf by leaf: activations attributed to a rank by the plan
     report          MemoryEstimate / Breakdown, the result, and its table
 

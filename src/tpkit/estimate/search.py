@@ -4,7 +4,8 @@ the machine at hand, the ones that do not fit memory dropped, the rest ranked by
 Candidates (`candidates`): every tensor-parallel size dividing the devices, data parallelism over the rest
 (DDP or FSDP2 for training; independent replicas for inference, each taking its share of the batch), sequence
 parallelism and recompute (training), pipeline stages (training: pp x tp x dp, priced with their bubble and sends,
-`pipeline.py`), and each architecture family's alternatives as its proposals offer them
+`pipeline.py`), context parallelism (training a model whose attention `tpkit.context_parallel` can split over the
+sequence: tp x dp x cp, `context_candidates`), and each architecture family's alternatives as its proposals offer them
 (attention split by heads or whole, MLP pairs split or whole, the LM head vocab-parallel or replicated, experts
 TP, EP or whole): one family's alternative at a time over the defaults, so the count stays linear in the
 alternatives. Each is predicted by `predict.predict` (one traced step per distinct conversion, reused for the
@@ -51,7 +52,7 @@ class Candidate:
 
     def __getattr__(self, name: str):
         if name in ("tp", "dp", "dp_mode", "sequence_parallel", "recompute", "devices", "choices", "pp",
-                    "microbatches", "stages_per_rank", "schedule"):
+                    "microbatches", "stages_per_rank", "schedule", "cp", "cp_method"):
             return getattr(self.prediction.setup, name)
         raise AttributeError(name)
 
@@ -60,6 +61,10 @@ class Candidate:
         mode = "training" if self.prediction.goal == "train" else "inference"
         return {"plan": self.plan if self.plan is not None else "auto", "mode": mode,
                 "sequence_parallel": self.setup.sequence_parallel}
+
+    def context_parallel_kwargs(self) -> dict[str, Any] | None:
+        """Keyword arguments of `tpkit.context_parallel` for this setup, on its cp communicator (None: cp 1)."""
+        return {"method": self.setup.cp_method} if self.setup.cp > 1 else None
 
     def data_parallel_kwargs(self) -> dict[str, Any] | None:
         """Keyword arguments of `tpkit.data_parallel` (None: no data parallel wrapper; replicas run alone)."""
@@ -114,7 +119,8 @@ class SearchResult:
             rows.append([str(i), c.setup.label(), f"{p.seconds * 1e3:.2f}",
                          *([f"{c.measured_s * 1e3:.2f}" if c.measured_s is not None else ""] if measured else []),
                          format_bytes(p.memory_bytes), f"{p.kernels_s * 1e3:.2f}", f"{p.overhead_s * 1e3:.2f}",
-                         f"{(p.tp_communication_s + p.dp_communication_s) * 1e3:.2f}", "yes" if c.fits else "no"])
+                         f"{(p.tp_communication_s + p.dp_communication_s + p.cp_communication_s) * 1e3:.2f}",
+                         "yes" if c.fits else "no"])
         cap = format_bytes(self.memory_per_device) if self.memory_per_device else "no cap"
         title = (f"setups for {self.goal} on {self.devices} devices (batch {self.batch_size}, seq {self.seq_len}, "
                  f"memory {cap})")
@@ -127,8 +133,9 @@ class SearchResult:
         lines = [f"best: {b.setup.label()}: {p.seconds * 1e3:.2f} ms predicted"
                  + (f", {b.measured_s * 1e3:.2f} ms measured" if b.measured_s is not None else "")
                  + f" ({p.kernels_s * 1e3:.2f} ms kernels, {p.overhead_s * 1e3:.2f} ms fixed cost of {p.ops} ops, "
-                   f"{(p.tp_communication_s + p.dp_communication_s) * 1e3:.2f} ms in {p.collectives} tensor-parallel "
-                   f"collectives and data parallelism); {format_bytes(p.memory_bytes)} per device"]
+                   f"{(p.tp_communication_s + p.dp_communication_s + p.cp_communication_s) * 1e3:.2f} ms in "
+                   f"{p.collectives} tensor-parallel " + ("and context-parallel " if b.setup.cp > 1 else "")
+                 + f"collectives and data parallelism); {format_bytes(p.memory_bytes)} per device"]
         if len(self.fitting) > 1:
             r = self.fitting[1]
             lines.append(f"runner-up: {r.setup.label()}: {r.prediction.seconds * 1e3:.2f} ms "
@@ -201,11 +208,13 @@ def family_alternatives(model, tp: int, goal: str) -> list[tuple[str, str]]:
 
 
 def candidates(model, devices: int, goal: str, alternatives: bool = True, layers: int | None = None,
-               batch_size: int = 1) -> list[Setup]:
+               batch_size: int = 1, context: bool = False) -> list[Setup]:
     """Every setup tpkit can build for `goal` on `devices` devices (see the module docstring); without
-    `alternatives`, only the TP / DP layouts with the families' defaults, no sequence parallel, no recompute. For
-    training, pipeline stages too (`pipeline_candidates`: a model of `layers` blocks)."""
+    `alternatives`, only the TP / DP (/ CP) layouts with the families' defaults, no sequence parallel, no recompute.
+    For training, pipeline stages too (`pipeline_candidates`: a model of `layers` blocks), and with `context` (the
+    model's attention can be split over the sequence) context parallelism (`context_candidates`)."""
     out = pipeline_candidates(devices, layers, batch_size) if goal == "train" else []
+    out += context_candidates(devices, alternatives) if goal == "train" and context else []
     for tp in [t for t in range(1, devices + 1) if devices % t == 0]:
         dp = devices // tp
         modes = ([None] if dp == 1 else ["ddp", "fsdp"] if goal == "train" else ["replicas"])
@@ -234,6 +243,21 @@ def pipeline_candidates(devices: int, layers: int | None, batch_size: int) -> li
     return out
 
 
+def context_candidates(devices: int, alternatives: bool = True) -> list[Setup]:
+    """tp x dp x cp layouts with cp >= 2 ranks sharing each sequence (training), each attention layer's method as
+    `tpkit.context_parallel` picks it ("auto": all-to-all where the local heads divide, else the ring); families'
+    defaults, no sequence parallel; recompute too with `alternatives` (context parallelism and recompute both buy
+    room for a long sequence: the search weighs one against the other)."""
+    out = []
+    for cp in [c for c in range(2, devices + 1) if devices % c == 0]:
+        for tp in [t for t in range(1, devices // cp + 1) if (devices // cp) % t == 0]:
+            dp = devices // cp // tp
+            for mode in ([None] if dp == 1 else ["ddp", "fsdp"]):
+                out += [Setup(tp, dp, mode, recompute=r, cp=cp)
+                        for r in (("none", "selective", "full") if alternatives else ("none",))]
+    return out
+
+
 def _check(devices: int, goal: str, batch_size: int, seq_len: int) -> None:
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"search: devices must be a positive int, got {devices!r}")
@@ -246,21 +270,26 @@ def _check(devices: int, goal: str, batch_size: int, seq_len: int) -> None:
 def search(model_or_config, devices: int, goal: str = "decode", memory_per_device: float | None = None,
            batch_size: int = 1, seq_len: int = 128, profile: SpeedProfile | str | None = None, measure: int = 0,
            runner: Runner | None = None, dtype: torch.dtype | None = None, alternatives: bool = True,
-           hardware=None) -> SearchResult:
+           hardware=None, context: Callable[[nn.Module], str | None] | None = None) -> SearchResult:
     """Rank every setup of `model_or_config` on `devices` devices for `goal` (see the module docstring).
 
     `memory_per_device`: bytes (drops setups that need more; ValueError naming the smallest need when none
     fits); `profile`: a measured speed profile (`tpkit estimate --calibrate`); `measure=K` with a `runner`: run
     the top K and rank them by measured time; `alternatives=False`: the TP / DP layouts only (see `candidates`);
-    `hardware`: a `Hardware` to price on when the profile was not measured op by op."""
+    `hardware`: a `Hardware` to price on when the profile was not measured op by op. `context(model)`: why a model
+    cannot be made context-parallel, or None when it can (`tpkit.search` passes `tpkit.context`'s own checks, a
+    layer above this one); with it, training setups include context parallelism (`context_candidates`)."""
     _check(devices, goal, batch_size, seq_len)
     profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
     model = _weightless(model_or_config)
     traces: dict[tuple, Any] = {}
     preds, unbuildable = [], {}
     layers = getattr(getattr(model_or_config, "config", model_or_config), "num_hidden_layers", None)
-    for s in candidates(model, devices, goal, alternatives, layers if isinstance(layers, int) else None, batch_size):
-        key = (s.tp, s.dp, s.sequence_parallel, s.choices)  # DP mode and recompute price the same trace
+    refused = context(model) if context is not None and goal == "train" else None
+    setups = candidates(model, devices, goal, alternatives, layers if isinstance(layers, int) else None, batch_size,
+                        context is not None and goal == "train" and refused is None)
+    for s in setups:
+        key = (s.tp, s.dp, s.sequence_parallel, s.choices, s.cp)  # DP mode and recompute price the same trace
         if key not in traces:
             try:
                 traces[key] = trace_setup(model_or_config, s, goal, batch_size, seq_len, dtype=dtype)
@@ -282,6 +311,8 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
                 "no op-level calibration: datasheet peaks scaled by the profile; `tpkit estimate --calibrate` on the "
                 "machine that will run it measures it)")]
     notes += [f"cannot be built: {label}: {why}" for label, why in unbuildable.items()]
+    notes += [f"no context parallelism: {refused}"] if refused else []
+    notes += [_context_note(devices)] if any(s.cp > 1 for s in setups) else []
     if measure:
         if runner is None:
             raise ValueError("search: measure=K runs setups on real ranks; call tpkit.search, which provides them")
@@ -289,6 +320,12 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
         notes.append(f"the top {measure} were run on {devices} ranks and ranked by their measured time")
     ranked[0] = dataclasses.replace(ranked[0], plan=_plan(model_or_config, ranked[0].setup, goal, dtype))
     return SearchResult(goal, devices, batch_size, seq_len, memory_per_device, tuple(ranked), tuple(notes))
+
+
+def _context_note(devices: int) -> str:
+    return (f"context parallelism: cp ranks share each sequence (zigzag halves, padded to a multiple of 2 x cp), "
+            f"traced at a rank's share; attention kernels counted cp times, its all-to-alls (or ring sends) and one "
+            f"all-reduce over cp per parameter priced on the {devices} devices' rates")
 
 
 def _plan(model_or_config, setup: Setup, goal: str, dtype):

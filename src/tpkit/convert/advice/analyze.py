@@ -3,7 +3,8 @@ smallest world size that fits a device.
 
 Figures are exact parameter bytes from the plan the planner would apply (the same shard shapes
 `parallelize` builds); "training" adds gradients and AdamW's two fp32 states per parameter. Activations and
-the KV cache are not counted here (see `tpkit.estimate.estimate_memory`).
+the KV cache are not counted here (see `tpkit.estimate.estimate_memory`); `tpkit.analyze` adds a transformer's
+training activations by sequence length and context parallelism (`AnalysisReport.sequences`).
 """
 from __future__ import annotations
 
@@ -86,6 +87,9 @@ class AnalysisReport:
     recommendations: list[str]
     plan: Any
     trace_error: str | None = None
+    # training activations by sequence length and context parallelism, with `.summary(width)` and `.to_dict()`
+    # (`tpkit.estimate.sequences.SequenceMemory`: `tpkit.analyze` adds it for a transformer in training mode)
+    sequences: Any = None
 
     @property
     def parallelizable_percent(self) -> float:
@@ -98,6 +102,7 @@ class AnalysisReport:
         d["layers"] = [dict(dataclasses.asdict(r), shape=list(r.shape)) for r in self.layers]
         d["per_rank_bytes"] = {str(k): v for k, v in self.per_rank_bytes.items()}
         d["per_rank_memory"] = {str(k): v for k, v in self.per_rank_memory.items()}
+        d["sequences"] = self.sequences.to_dict() if self.sequences is not None else None
         return d
 
     def grouped_layers(self) -> list[tuple[str, int, LayerReport]]:
@@ -137,6 +142,8 @@ class AnalysisReport:
                          [Column("world size"), Column("parameters"), Column(self.mode)], memory, width),
             wrap_text(self.suggestion, width),
         ]
+        if self.sequences is not None:
+            parts.append(self.sequences.summary(width))
         if self.recommendations:
             parts.append("recommendations:")
             parts += [wrap_text(rec, width, "  - ", "    ") for rec in self.recommendations]
