@@ -5,8 +5,7 @@ activations by sequence length and context parallelism.
 
 This module sits above `tpkit.estimate` (with `data_parallel` and `recompute`) because a real run builds what
 the estimate only prices: the converted model, context parallelism, recompute, DDP or FSDP2 over the
-data-parallel group. It also hands the search `tpkit.context`'s own check of whether a model's attention can be
-split over the sequence (`context_refusal`), which the estimates, a layer below, cannot import.
+data-parallel group.
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from .comm.rank_groups import groups, split
+from .context import context_parallel
 from .convert import parallelize
 from .convert.advice.analyze import AnalysisReport, detected_device_memory, parse_bytes
 from .convert.advice.analyze import analyze as analyze_plan
@@ -31,6 +31,7 @@ from .distributed import get_communicator
 from .estimate.framework import generate_token_seconds
 from .estimate.hardware import detect_hardware
 from .estimate.config import attention_kind, own_dtype, resolve_target
+from .estimate.context import context_refusal
 from .estimate.predict import Setup
 from .estimate.pricing import NotPriced, machine_pricing
 from .estimate.quantized import loaded_dtype
@@ -55,24 +56,6 @@ def _build(model_or_config, dtype: torch.dtype | None) -> nn.Module:
     return tr.AutoModelForCausalLM.from_config(model_or_config).to(dtype or torch.float32)
 
 
-def context_refusal(model: nn.Module) -> str | None:
-    """Why `model` cannot be made context-parallel, or None when it can: `tpkit.context_parallel`'s own checks (a
-    Hugging Face model whose causal attention layers run a kernel tpkit wraps through the AttentionInterface, with
-    nothing tpkit cannot split over the sequence), run without changing the model (a weightless one will do)."""
-    from .context.apply import attention_layers, hf_model
-    from .context.attention import KERNELS
-
-    try:
-        hf = hf_model(model)
-        kernel = hf.config._attn_implementation
-        if kernel not in KERNELS:
-            return f"{type(hf).__name__} runs attention kernel {kernel!r}; context parallelism wraps {KERNELS}"
-        attention_layers(hf)
-    except (TypeError, NotImplementedError) as exc:
-        return str(exc)
-    return None
-
-
 def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None, plan: Any = None) -> nn.Module:
     """Run `model` under a setup (the search's `result.best`, or a `Setup`) on `comm`'s ranks (default the world):
     split them into tp x dp groups (pp x dp x cp x tp with context parallelism, `tpkit.comm.groups`), convert with
@@ -90,12 +73,9 @@ def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None
     mode = "training" if goal == "train" else "inference"
     cp = getattr(setup, "cp", 1)
     if getattr(setup, "pp", 1) > 1:  # stages: a `tpkit.Pipeline` (its `.model` is this rank's part)
-        if cp > 1:
-            raise ValueError(f"apply_setup: {setup.label()}: pipeline stages with context parallelism are not built "
-                             f"here")
-        return pipeline(model, comm, pp=setup.pp, tp=setup.tp, schedule=setup.schedule,
-                        microbatches=setup.microbatches, stages_per_rank=setup.stages_per_rank,
-                        dp_mode=setup.dp_mode or "fsdp", mode=mode)
+        return pipeline(model, comm, pp=setup.pp, tp=setup.tp, cp=cp, cp_method=getattr(setup, "cp_method", "auto"),
+                        schedule=setup.schedule, microbatches=setup.microbatches,
+                        stages_per_rank=setup.stages_per_rank, dp_mode=setup.dp_mode or "fsdp", mode=mode)
     if cp > 1:
         laid = groups(comm, tp=setup.tp, cp=cp)
         tp, dp = laid.tp, laid.dp if setup.dp > 1 else None
@@ -105,8 +85,6 @@ def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None
         plan = plan if plan is not None else propose(analyze_structure(model), setup.tp, mode, setup.choose())[0]
         model = parallelize(model, plan, tp, mode=mode, sequence_parallel=setup.sequence_parallel)
     if cp > 1:  # after conversion (`tpkit.context`); gradients are summed over cp, then DP averages over dp
-        from .context import context_parallel
-
         context_parallel(model, laid.cp, method=setup.cp_method)
     if goal == "train" and setup.recompute != "none":
         recompute(model, setup.recompute)
@@ -217,7 +195,7 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
                      f"{'token' if goal_ == 'decode' else 'step'} ({time.perf_counter() - began:.0f} s)")
         return seconds
     result = rank_setups(model_or_config, devices, goal, memory, batch_size, seq_len, pricing.profile, measure,
-                         runner if measure else None, dtype, hardware=pricing.hardware, context=context_refusal)
+                         runner if measure else None, dtype, hardware=pricing.hardware)
     notes = [pricing.origin] + [n for n in result.notes if not n.startswith("predicted with profile")]
     notes += [result.best.prediction.quantized] if result.best.prediction.quantized else []  # priced as it runs
     if pricing.this_machine and devices > pricing.devices:

@@ -10,37 +10,50 @@ What a rank of a cp group does (`tpkit.context`), and what the estimates take fr
   all-to-all (Ulysses) turns [b, heads, S/cp, d] into [b, heads/cp, S, d] before the model's kernel, one all-to-all
   each for q, k and v, one back for the output, and the same four for the gradients in the backward (K/V heads
   fewer than cp are repeated to cp first); ring keeps its queries and passes its K/V block round the ring cp-1 times
-  forward, and in the backward cp-1 times with the block's gradient beside it plus one hop that takes each
-  gradient home (`layer_traffic`);
+  forward, and in the backward cp-1 times, each block followed by its gradient so far, plus one hop that takes each
+  gradient home (`layer_traffic`): the next K/V block is posted before the current one is attended to, which on
+  torch process groups overlaps the kernel; like every collective in `predict`, it is priced as if it did not
+  (an upper bound);
 * weights replicated over cp: one all-reduce over cp of every parameter's gradient in the backward;
 * memory: the activations of `local_tokens` tokens, with what the method keeps differently (the all-to-all kernel
   keeps K/V at the repeated head count, an eager kernel its scores over all S keys; the ring keeps what a flash
   kernel keeps), and the working set of one layer's attention (`working_bytes`).
 
-The rules of the split and of the method choice are restated here, not imported: the estimates sit below the
-layer that runs context parallelism and never import it (tests/estimate/test_context.py checks that both agree).
+The split, the method rule and what a model must be to be split are tpkit.context's own (`SequenceSplit`,
+`heads_fit`, `context_refusal` runs its checks), imported, so the estimates and the runtime cannot disagree.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from torch import nn
+
+from ..context.apply import attention_layers, hf_model
+from ..context.attention import KERNELS, METHODS
+from ..context.sequence import SequenceSplit
+from ..context.ulysses import heads_fit
 from .config import TransformerShape
 from .ranks import rank_widths
 
-METHODS = ("auto", "all_to_all", "ring")
-
 
 def local_tokens(seq_len: int, cp: int) -> int:
-    """Tokens one rank holds of a sequence of `seq_len`: 2 x ceil(S / 2cp) (`tpkit.context.SequenceSplit.local`)."""
-    return seq_len if cp == 1 else 2 * -(-seq_len // (2 * cp))
+    """Tokens one rank holds of a sequence of `seq_len`: 2 x ceil(S / 2cp) (`SequenceSplit.local`); all of them at
+    cp 1 (no split, no padding)."""
+    return seq_len if cp == 1 else SequenceSplit(seq_len, cp).local
 
 
-def heads_refusal(heads: int, kv_heads: int, cp: int) -> str | None:
-    """Why all-to-all cannot split these local heads over cp, or None (`tpkit.context.ulysses.heads_fit`)."""
-    if heads % cp:
-        return f"{heads} local query heads do not divide by cp {cp}"
-    if kv_heads % cp and cp % kv_heads:
-        return f"{kv_heads} local K/V heads neither divide by cp {cp} nor divide it"
+def context_refusal(model: nn.Module) -> str | None:
+    """Why `model` cannot be made context-parallel, or None when it can: `tpkit.context_parallel`'s own checks (a
+    Hugging Face model whose causal attention layers run a kernel tpkit wraps through the AttentionInterface, with
+    nothing tpkit cannot split over the sequence), run without changing the model (a weightless one will do)."""
+    try:
+        hf = hf_model(model)
+        kernel = hf.config._attn_implementation
+        if kernel not in KERNELS:
+            return f"{type(hf).__name__} runs attention kernel {kernel!r}; context parallelism wraps {KERNELS}"
+        attention_layers(hf)
+    except (TypeError, NotImplementedError) as exc:
+        return str(exc)
     return None
 
 
@@ -61,7 +74,7 @@ def check_priced(cp: int, goal: str, target) -> None:
 def resolve_method(heads: int, kv_heads: int, cp: int, asked: str = "auto") -> str:
     """The method a layer with these local heads takes for `asked` (all-to-all refused with the reason when it
     cannot split them; "auto" then takes the ring, as `tpkit.context` does)."""
-    why = heads_refusal(heads, kv_heads, cp)
+    why = heads_fit(heads, kv_heads, cp)
     if asked == "all_to_all" and why:
         raise ValueError(f"context parallelism (method 'all_to_all'): {why}; use 'ring' (splits no heads) or 'auto'")
     return "ring" if asked == "ring" or why else "all_to_all"
@@ -102,7 +115,7 @@ def layer_traffic(shape: TransformerShape, batch: int, seq_len: int, item: int, 
         all-to-all: forward q, k, v, output, backward their gradients:
                     4 + 4 all-to-alls of b * S/cp * heads * d * item (K/V: the exchanged K/V heads)
         ring:       forward cp-1 sends of one K/V block (K and V of the rank's tokens: 2 * b * S/cp * kv * d * item),
-                    backward cp-1 sends of the block and its gradient (2 blocks) and one of the gradient home
+                    backward cp-1 sends of the block and cp-1 of its gradient so far, then one of the gradient home
     """
     s, d = local_tokens(seq_len, cp), shape.head_dim
     heads, kv_heads, _, _ = rank_widths(shape, tp, rank)
@@ -112,8 +125,7 @@ def layer_traffic(shape: TransformerShape, batch: int, seq_len: int, item: int, 
         four = (("all_to_all", q), ("all_to_all", kv), ("all_to_all", kv), ("all_to_all", q))
         return LayerTraffic(method, four, four)
     block = 2 * batch * s * kv_heads * d * item
-    return LayerTraffic(method, (("send", block),) * (cp - 1),
-                        (("send", 2 * block),) * (cp - 1) + (("send", block),))
+    return LayerTraffic(method, (("send", block),) * (cp - 1), (("send", block),) * (2 * (cp - 1) + 1))
 
 
 def working_bytes(shape: TransformerShape, batch: int, seq_len: int, item: int, tp: int, cp: int, method: str,
@@ -124,15 +136,17 @@ def working_bytes(shape: TransformerShape, batch: int, seq_len: int, item: int, 
         all-to-all: the other copy of q, k, v and the output for heads/cp heads over the whole sequence (the
                     buffers an all-to-all fills beside the tensors it was given): b * S/cp * d * item * (2 heads + 2 kv)
         ring:       forward two K/V blocks (the one attended to and the one arriving) and the fp32 accumulator of the
-                    rank's queries; backward the block with its gradient three times over (held, sent, arriving);
-                    the larger
+                    rank's queries; backward the block and its gradient, each beside the one arriving (four blocks),
+                    and the block's gradient at every query head; the larger. Where the CPU flash kernel is not
+                    there (CUDA), the ring's block kernel in tensor ops holds a chunk pair's fp32 scores besides
+                    (b * heads * (S/2cp)^2 * 4 bytes, a few times in its backward): not counted here
     """
     s, d = local_tokens(seq_len, cp), shape.head_dim
     heads, kv_heads, _, _ = rank_widths(shape, tp, rank)
     if method == "all_to_all":
         return batch * s * d * item * (2 * heads + 2 * exchanged_kv_heads(kv_heads, cp))
     block = 2 * batch * s * kv_heads * d * item
-    return max(2 * block + 4 * batch * s * heads * d, 6 * block)
+    return max(2 * block + 4 * batch * s * heads * d, 4 * block + 2 * batch * s * heads * d * item)
 
 
 def context_seconds(traffic: LayerTraffic, layers: int, parameter_bytes, rates, cp: int, in_step: float) -> float:

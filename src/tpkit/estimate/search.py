@@ -25,6 +25,7 @@ from ..convert.planning.planner import propose
 from ..convert.trace import analyze_structure
 from ..tables import Column, format_bytes, render_table, wrap_text
 from .calls import meta_copy, with_layers
+from .context import context_refusal
 from .predict import Prediction, Setup, predict, trace_setup
 from .profile import SpeedProfile, load_profile
 
@@ -270,24 +271,24 @@ def _check(devices: int, goal: str, batch_size: int, seq_len: int) -> None:
 def search(model_or_config, devices: int, goal: str = "decode", memory_per_device: float | None = None,
            batch_size: int = 1, seq_len: int = 128, profile: SpeedProfile | str | None = None, measure: int = 0,
            runner: Runner | None = None, dtype: torch.dtype | None = None, alternatives: bool = True,
-           hardware=None, context: Callable[[nn.Module], str | None] | None = None) -> SearchResult:
+           hardware=None, context: bool = True) -> SearchResult:
     """Rank every setup of `model_or_config` on `devices` devices for `goal` (see the module docstring).
 
     `memory_per_device`: bytes (drops setups that need more; ValueError naming the smallest need when none
     fits); `profile`: a measured speed profile (`tpkit estimate --calibrate`); `measure=K` with a `runner`: run
     the top K and rank them by measured time; `alternatives=False`: the TP / DP layouts only (see `candidates`);
-    `hardware`: a `Hardware` to price on when the profile was not measured op by op. `context(model)`: why a model
-    cannot be made context-parallel, or None when it can (`tpkit.search` passes `tpkit.context`'s own checks, a
-    layer above this one); with it, training setups include context parallelism (`context_candidates`)."""
+    `hardware`: a `Hardware` to price on when the profile was not measured op by op. `context`: training setups
+    include context parallelism (`context_candidates`) when the model's attention can be split over the sequence
+    (`context.context_refusal`, tpkit.context's own checks; the notes say why not); False leaves it out."""
     _check(devices, goal, batch_size, seq_len)
     profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
     model = _weightless(model_or_config)
     traces: dict[tuple, Any] = {}
     preds, unbuildable = [], {}
     layers = getattr(getattr(model_or_config, "config", model_or_config), "num_hidden_layers", None)
-    refused = context(model) if context is not None and goal == "train" else None
+    refused = context_refusal(model) if context and goal == "train" else None
     setups = candidates(model, devices, goal, alternatives, layers if isinstance(layers, int) else None, batch_size,
-                        context is not None and goal == "train" and refused is None)
+                        context and goal == "train" and refused is None)
     for s in setups:
         key = (s.tp, s.dp, s.sequence_parallel, s.choices, s.cp)  # DP mode and recompute price the same trace
         if key not in traces:
