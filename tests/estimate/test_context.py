@@ -1,5 +1,5 @@
-"""Context parallelism in the estimates: the rules restated from tpkit.context agree with it, activations shrink with
-cp as they must, the longest sequence that fits grows with it, the all-to-all and ring traffic formulas, the
+"""Context parallelism in the estimates: a rank's share of the tokens and the method it takes, activations shrink
+with cp as they must, the longest sequence that fits grows with it, the all-to-all and ring traffic formulas, the
 all-to-all priced from the all-gather, the attention split in the step time, the search picking cp where only it
 fits, nothing moving at cp 1, and the `estimate` and `analyze` commands. Shapes, fake steps and thread-ranks only:
 no process is launched."""
@@ -19,13 +19,13 @@ import transformers as tr  # noqa: E402
 
 import tpkit  # noqa: E402
 from tpkit.estimate import estimate_memory, transformer_activation_bytes, transformer_shape  # noqa: E402
-from tpkit.estimate.context import (context_seconds, exchanged_kv_heads, heads_refusal, layer_traffic,  # noqa: E402
-                                    local_tokens, working_bytes)
+from tpkit.estimate.context import (attention_method, context_refusal, context_seconds,  # noqa: E402
+                                    exchanged_kv_heads, layer_traffic, local_tokens, working_bytes)
 from tpkit.estimate.machine import CollectiveCost, MachineRates  # noqa: E402
 from tpkit.estimate.predict import ATTENTION_CORE, Setup, kernel_seconds, predict, trace_setup  # noqa: E402
 from tpkit.estimate.search import candidates, search  # noqa: E402
 from tpkit.estimate.sequences import activation_bytes, longest_sequence, sequence_memory  # noqa: E402
-from tpkit.setups import context_refusal, sequence_table  # noqa: E402
+from tpkit.setups import sequence_table  # noqa: E402
 
 from .test_search import PROFILE, llama  # noqa: E402
 
@@ -40,17 +40,16 @@ def total(parts: dict) -> float:
     return sum(parts.values())
 
 
-def test_the_split_and_the_method_rule_are_tpkit_context_s():
-    """The estimates restate the zigzag split and all-to-all's head rule (they may not import tpkit.context): equal."""
-    from tpkit.context import SequenceSplit
-    from tpkit.context.ulysses import heads_fit
-
-    for cp in range(1, 9):  # (cp 1 is no split at all: the whole sequence, unpadded)
-        assert all(local_tokens(n, cp) == (SequenceSplit(n, cp).local if cp > 1 else n) for n in range(1, 80))
-        for heads in range(1, 17):
-            for kv in [k for k in range(1, heads + 1) if heads % k == 0]:
-                assert (heads_refusal(heads, kv, cp) is None) == (heads_fit(heads, kv, cp) is None)
+def test_a_rank_s_share_of_the_tokens_and_its_method():
+    """The zigzag split pads to a multiple of 2cp; cp 1 is no split at all. All-to-all where the rank's heads
+    divide by cp (K/V heads dividing cp or divided by it), the ring otherwise or when asked."""
     assert local_tokens(1000, 4) == 2 * math.ceil(1000 / 8) == 250 and local_tokens(1001, 4) == 252
+    assert local_tokens(1001, 1) == 1001
+    s = shape()  # 16 heads, 4 K/V heads
+    assert attention_method(s, 2, 8) == "all_to_all" and attention_method(s, 4, 8) == "ring"  # 8, 4 local heads
+    assert attention_method(s, 1, 3) == "ring" and attention_method(s, 1, 2, "ring") == "ring"
+    with pytest.raises(ValueError, match="do not divide by cp 3"):
+        attention_method(s, 1, 3, "all_to_all")
 
 
 @pytest.mark.parametrize("method,attention", [("all_to_all", "flash"), ("ring", "flash"), ("all_to_all", "eager")])
@@ -78,6 +77,29 @@ def test_the_traced_estimate_shrinks_the_same_way_and_says_so():
         estimate_memory(cfg, 1, mode="inference", cp=2)
     with pytest.raises(ValueError, match="cp_method must be one of"):
         estimate_memory(cfg, 1, mode="training", cp=2, cp_method="ulysses")
+
+
+@pytest.mark.parametrize("method", ["all_to_all", "ring"])
+def test_the_estimate_is_what_a_context_parallel_forward_saves(method):
+    """What each rank of a real context-parallel forward (thread-ranks) saves for the backward, counted as the tests
+    count it (`fake_step.saved_bytes`), is the traced estimate less the attention's working set (held while a layer
+    runs, not saved): within 1% (measured: -0.1% all-to-all, +0.0% ring; the rest is the split's int64 indices)."""
+    from tpkit.estimate.fake_step import saved_bytes
+
+    cfg = llama(2, hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4,
+                vocab_size=1024, max_position_embeddings=4096, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 1024, (1, 1000), generator=torch.Generator().manual_seed(0))
+    copies = [copy.deepcopy(model) for _ in range(2)]
+
+    def body(comm):
+        tpkit.context_parallel(copies[comm.rank], comm, method=method)
+        return saved_bytes(copies[comm.rank], (), {"input_ids": ids, "labels": ids})
+    measured = max(tpkit.run_threads(body, 2))
+    est = estimate_memory(cfg, 1, dtype=torch.float32, mode="training", seq_len=1000, cp=2, cp_method=method)
+    held = est.per_rank.activations - working_bytes(transformer_shape(cfg), 1, 1000, 4, 1, 2, method)
+    assert held == pytest.approx(measured, rel=0.01)
 
 
 def test_cp1_figures_are_unchanged():
@@ -112,7 +134,7 @@ def test_analyze_shows_activations_by_sequence_length_and_cp():
     seq = report.sequences
     assert [r.cp for r in seq.rows] == [1, 2, 4, 8] and seq.tp == report.world_size
     assert seq.held == report.per_rank_memory[report.world_size] and seq.budget == 2 ** 30
-    assert seq.rows[1].longest > 1.8 * seq.rows[0].longest
+    assert seq.rows[1].longest > 1.6 * seq.rows[0].longest  # (a 64-wide toy: the split's own copies weigh more)
     assert "training activations per rank by sequence length" in report.summary()
     assert report.to_dict()["sequences"]["rows"][0]["cp"] == 1
     assert sequence_table(model, dataclasses.replace(report, mode="inference")) is None
@@ -125,7 +147,8 @@ def test_analyze_shows_activations_by_sequence_length_and_cp():
 def test_all_to_all_and_ring_traffic():
     """Per attention layer: all-to-all sends q, k, v, the output forward and their gradients backward (4 + 4
     buffers of b * S/cp * heads * d, K/V at the exchanged head count); the ring sends a K/V block cp-1 times
-    forward, the block with its gradient cp-1 times backward and the gradient home once: (3cp - 2) blocks."""
+    forward, the block and then its gradient so far cp-1 times backward, and the gradient home once: (3cp - 2)
+    blocks."""
     s = shape()  # 16 heads, 4 KV heads, head dim 64
     b, seq, item, d = 2, 8192, 2, 64
     for cp in (2, 4, 8):
@@ -137,8 +160,8 @@ def test_all_to_all_and_ring_traffic():
         assert a2a.nbytes == 2 * (2 * q + 2 * kv)
         ring = layer_traffic(s, b, seq, item, 1, cp, "ring")
         block = 2 * b * local * 4 * d * item
-        assert [n for _, n in ring.forward] == [block] * (cp - 1)
-        assert [n for _, n in ring.backward] == [2 * block] * (cp - 1) + [block]
+        assert ring.forward == (("send", block),) * (cp - 1)
+        assert ring.backward == (("send", block),) * (2 * (cp - 1) + 1)  # the block, its gradient so far; home
         assert ring.nbytes == (3 * cp - 2) * block
     assert exchanged_kv_heads(4, 8) == 8 and exchanged_kv_heads(4, 2) == 4  # fewer K/V heads than cp: repeated
     # at tp 2 a rank's heads are halved, and so is what it sends
@@ -195,35 +218,36 @@ def test_the_search_picks_cp2_when_the_sequence_only_fits_with_it():
     shares out the batch but not a sequence; cp2 halves them all."""
     cfg, seq = llama(1, max_position_embeddings=8192), 2048
     found = search(cfg, 2, "train", batch_size=1, seq_len=seq, profile=PROFILE, dtype=torch.float32,
-                   alternatives=False, context=context_refusal)
+                   alternatives=False)
     with_cp = [c for c in found.candidates if c.cp > 1]
     without = [c for c in found.candidates if c.cp == 1]
     assert {c.setup.label() for c in with_cp} == {"tp1, cp2"}
     cap = (min(c.prediction.memory_bytes for c in with_cp) + min(c.prediction.memory_bytes for c in without)) / 2
-    capped = search(cfg, 2, "train", cap, 1, seq, PROFILE, dtype=torch.float32, alternatives=False,
-                    context=context_refusal)
+    capped = search(cfg, 2, "train", cap, 1, seq, PROFILE, dtype=torch.float32, alternatives=False)
     assert capped.best.cp == 2 and capped.best.fits and [c.cp for c in capped.fitting] == [2]
     assert capped.best.context_parallel_kwargs() == {"method": "auto"} and "context-parallel" in capped.explain()
     with pytest.raises(ValueError, match="no setup fits"):  # without context parallelism nothing does
-        search(cfg, 2, "train", cap, 1, seq, PROFILE, dtype=torch.float32, alternatives=False)
+        search(cfg, 2, "train", cap, 1, seq, PROFILE, dtype=torch.float32, alternatives=False, context=False)
 
 
 def test_cp_candidates_only_for_training_a_model_that_can_split_its_attention():
     model = tr.LlamaForCausalLM(llama(2))
     train = {s.label() for s in candidates(model, 4, "train", context=True)}
     assert {"tp1, cp2, dp2 ddp", "tp1, cp4", "tp2, cp2", "tp1, cp4, recompute full"} <= train
-    assert not any(s.cp > 1 for s in candidates(model, 4, "train"))  # no check passed: none
+    assert not any(s.cp > 1 for s in candidates(model, 4, "train"))  # not asked for: none
     assert not any(s.cp > 1 for s in candidates(model, 4, "decode", context=True))
     bert = tr.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          intermediate_size=128)
+    assert "bidirectional" in context_refusal(tr.BertForMaskedLM(bert))
     refused = search(bert, 2, "train", batch_size=1, seq_len=16, profile=PROFILE, dtype=torch.float32,
-                     alternatives=False, context=context_refusal)
+                     alternatives=False)
     assert all(c.cp == 1 for c in refused.candidates) and any("bidirectional" in n for n in refused.notes)
 
 
-def test_tpkit_search_offers_cp_and_its_pick_applies():
-    """`tpkit.search` hands the search tpkit.context's check; a cp setup it returns runs under `apply_setup` and
-    gives the loss one process gives (thread-ranks)."""
+@pytest.mark.parametrize("method", ["auto", "ring"])
+def test_tpkit_search_offers_cp_and_its_pick_applies(method):
+    """A cp setup `tpkit.search` returns runs under `apply_setup` (either method) and gives the loss one process
+    gives (thread-ranks)."""
     torch.manual_seed(0)
     model = tr.LlamaForCausalLM(llama(2)).float()
     found = tpkit.search(model, 2, "train", batch_size=1, seq_len=32, profile=PROFILE)
@@ -232,8 +256,8 @@ def test_tpkit_search_offers_cp_and_its_pick_applies():
     ref = copy.deepcopy(model)(input_ids=ids, labels=ids).loss.item()
     copies = [copy.deepcopy(model) for _ in range(2)]
 
-    def body(comm):  # the ring: its point-to-point exchange is on every communicator already
-        m = tpkit.apply_setup(copies[comm.rank], dataclasses.replace(cp2.setup, cp_method="ring"), comm)
+    def body(comm):
+        m = tpkit.apply_setup(copies[comm.rank], dataclasses.replace(cp2.setup, cp_method=method), comm)
         return m(input_ids=ids, labels=ids).loss.item()
     assert max(abs(x - ref) for x in tpkit.run_threads(body, 2)) < 1e-5
 

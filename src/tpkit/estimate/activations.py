@@ -158,18 +158,21 @@ def _attention_width(shape: TransformerShape, B: int, a_r: int, kv_r: int, atten
     query and `kv_r` K/V heads, whose queries see `keys` keys. Under context parallelism the ring keeps what a flash
     kernel keeps (its own kernel, whatever the model's); all-to-all runs the model's kernel on heads / cp heads of
     the whole sequence: per local token the same widths, K/V at the exchanged head count, an eager kernel's scores
-    over all `keys` (the padded sequence)."""
+    over all `keys` (the padded sequence). Either way the output projection's input is a tensor of its own under
+    context parallelism (the reverse all-to-all's result, the ring's output transposed), where a plain fused kernel's
+    output is that input itself: one more q-wide tensor, as `saved_tensors_hooks` counts on thread-ranks."""
     q, kv = a_r * shape.head_dim, kv_r * shape.head_dim
+    apart = B * q if method is not None else 0  # the output projection's input: a copy of the kernel's output
     if method == "ring":
         attention = "flash"
     elif method == "all_to_all":
         kv = exchanged_kv_heads(kv_r, cp) * shape.head_dim
     if attention != "eager":
-        return B * (2 * q + 2 * kv) + 4 * a_r, 0.0   # q, k, v, output, fp32 log-sum-exp
+        return B * (2 * q + 2 * kv) + 4 * a_r + apart, 0.0   # q, k, v, output, fp32 log-sum-exp
     probs = (4 if shape.softmax_fp32 else B) + (B if shape.softmax_fp32 and B != 4 else 0)
     if shape.attention_dropout > 0:
         probs += mask_bytes + B
-    return B * (2 * q + 2 * q), probs * a_r * keys   # q, k and v repeated to all heads, output-projection input
+    return B * (2 * q + 2 * q) + apart, probs * a_r * keys   # q, k, v repeated to all heads, output-projection input
 
 
 def transformer_inference_bytes(shape: TransformerShape, batch_size: int, seq_len: int, bytes_per_element: int,
