@@ -32,7 +32,7 @@ from .estimate.framework import generate_token_seconds
 from .estimate.hardware import detect_hardware
 from .estimate.config import attention_kind, own_dtype, resolve_target
 from .estimate.context import context_refusal
-from .estimate.predict import Setup
+from .estimate.setup import Setup
 from .estimate.pricing import NotPriced, machine_pricing
 from .estimate.quantized import loaded_dtype
 from .estimate.search import SearchResult
@@ -76,15 +76,16 @@ def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None
         return pipeline(model, comm, pp=setup.pp, tp=setup.tp, cp=cp, cp_method=getattr(setup, "cp_method", "auto"),
                         schedule=setup.schedule, microbatches=setup.microbatches,
                         stages_per_rank=setup.stages_per_rank, dp_mode=setup.dp_mode or "fsdp", mode=mode)
-    if cp > 1:
+    if cp > 1:  # FSDP2 shards over every rank holding the same weights (dp x cp), DDP averages over dp
         laid = groups(comm, tp=setup.tp, cp=cp)
-        tp, dp = laid.tp, laid.dp if setup.dp > 1 else None
+        engine = laid.dp_cp if setup.dp_mode == "fsdp" else laid.dp
+        tp, dp = laid.tp, engine if engine.world_size > 1 else None
     else:
         tp, dp = split(comm, setup.tp) if setup.dp > 1 else (comm, None)
     if setup.tp > 1:
         plan = plan if plan is not None else propose(analyze_structure(model), setup.tp, mode, setup.choose())[0]
         model = parallelize(model, plan, tp, mode=mode, sequence_parallel=setup.sequence_parallel)
-    if cp > 1:  # after conversion (`tpkit.context`); gradients are summed over cp, then DP averages over dp
+    if cp > 1:  # after conversion (`tpkit.context`): gradients summed over cp, then DDP averages over dp (FSDP2: dp x cp)
         context_parallel(model, laid.cp, method=setup.cp_method)
     if goal == "train" and setup.recompute != "none":
         recompute(model, setup.recompute)

@@ -141,7 +141,7 @@ def test_analyze_shows_activations_by_sequence_length_and_cp():
     bert = tr.BertForMaskedLM(tr.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                             intermediate_size=128))
     refused = sequence_table(bert, dataclasses.replace(report, world_size=1, per_rank_memory={1: 0}))
-    assert [r.cp for r in refused.rows] == [1] and "bidirectional" in refused.notes[0]
+    assert [r.cp for r in refused.rows] == [1] and refused.notes[0].startswith("no context parallelism: context_parallel:")
 
 
 def test_all_to_all_and_ring_traffic():
@@ -221,10 +221,10 @@ def test_the_search_picks_cp2_when_the_sequence_only_fits_with_it():
                    alternatives=False)
     with_cp = [c for c in found.candidates if c.cp > 1]
     without = [c for c in found.candidates if c.cp == 1]
-    assert {c.setup.label() for c in with_cp} == {"tp1, cp2"}
+    assert {c.setup.label() for c in with_cp} == {"tp1, cp2", "tp1, cp2, fsdp over cp"}
     cap = (min(c.prediction.memory_bytes for c in with_cp) + min(c.prediction.memory_bytes for c in without)) / 2
     capped = search(cfg, 2, "train", cap, 1, seq, PROFILE, dtype=torch.float32, alternatives=False)
-    assert capped.best.cp == 2 and capped.best.fits and [c.cp for c in capped.fitting] == [2]
+    assert capped.best.cp == 2 and capped.best.fits and {c.cp for c in capped.fitting} == {2}
     assert capped.best.context_parallel_kwargs() == {"method": "auto"} and "context-parallel" in capped.explain()
     with pytest.raises(ValueError, match="no setup fits"):  # without context parallelism nothing does
         search(cfg, 2, "train", cap, 1, seq, PROFILE, dtype=torch.float32, alternatives=False, context=False)
@@ -233,15 +233,17 @@ def test_the_search_picks_cp2_when_the_sequence_only_fits_with_it():
 def test_cp_candidates_only_for_training_a_model_that_can_split_its_attention():
     model = tr.LlamaForCausalLM(llama(2))
     train = {s.label() for s in candidates(model, 4, "train", context=True)}
-    assert {"tp1, cp2, dp2 ddp", "tp1, cp4", "tp2, cp2", "tp1, cp4, recompute full"} <= train
+    assert {"tp1, cp2, dp2 ddp", "tp1, cp2, dp2 fsdp", "tp1, cp4", "tp1, cp4, fsdp over cp", "tp2, cp2",
+            "tp1, cp4, recompute full"} <= train
     assert not any(s.cp > 1 for s in candidates(model, 4, "train"))  # not asked for: none
     assert not any(s.cp > 1 for s in candidates(model, 4, "decode", context=True))
     bert = tr.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          intermediate_size=128)
-    assert "bidirectional" in context_refusal(tr.BertForMaskedLM(bert))
+    why = context_refusal(tr.BertForMaskedLM(bert))  # tpkit.context's own words (an encoder: not a causal LM)
+    assert why.startswith("context_parallel:") and context_refusal(model) is None
     refused = search(bert, 2, "train", batch_size=1, seq_len=16, profile=PROFILE, dtype=torch.float32,
                      alternatives=False)
-    assert all(c.cp == 1 for c in refused.candidates) and any("bidirectional" in n for n in refused.notes)
+    assert all(c.cp == 1 for c in refused.candidates) and f"no context parallelism: {why}" in refused.notes
 
 
 @pytest.mark.parametrize("method", ["auto", "ring"])
@@ -298,3 +300,17 @@ def test_the_analyze_command_shows_the_sequence_table(capsys, tmp_path):
     assert [r["cp"] for r in rows] == [1, 2, 4, 8] and rows[3]["longest"] > rows[0]["longest"] > 0
     assert main([*argv, "--wide"]) == 0
     assert "training activations per rank by sequence length" in capsys.readouterr().out
+
+
+def test_fsdp_shards_over_dp_x_cp():
+    """FSDP2 spans every rank holding the same weights: dp x cp (over cp alone at dp 1); DDP averages over dp."""
+    cfg = llama(4, max_position_embeddings=4096)
+    alone, sharded, ddp = (predict(cfg, s, "train", 2, 512, PROFILE, ranks=4, dtype=torch.float32)
+                           for s in (Setup(1, cp=4), Setup(1, 1, "fsdp", cp=4), Setup(1, 2, "ddp", cp=2)))
+    assert Setup(1, 1, "fsdp", cp=4).engine == 4 and Setup(1, 2, "ddp", cp=2).engine == 2
+    assert sharded.memory_bytes < alone.memory_bytes and sharded.dp_communication_s > 0 == alone.dp_communication_s
+    est = {m: estimate_memory(cfg, 1, dtype=torch.float32, mode="training", seq_len=512, cp=4, dp_mode=m)
+           for m in (None, "fsdp")}
+    assert est["fsdp"].per_rank.optimizer_states == pytest.approx(est[None].per_rank.optimizer_states / 4, rel=0.05)
+    assert any("dp x cp = 4 ranks" in n for n in est["fsdp"].notes)
+    assert est["fsdp"].per_rank.activations == est[None].per_rank.activations

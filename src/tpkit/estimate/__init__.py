@@ -29,7 +29,8 @@ Memory
     report          MemoryEstimate / Breakdown, the result, and its table
 
 Speed: one pricing engine
-    predict         Setup and Prediction: a setup's traced step priced op by op at a machine's rates
+    setup           Setup: how a model runs on pp x dp x cp x tp devices
+    predict         Prediction: a setup's traced step priced op by op at a machine's rates
     speed           estimate_speed: each world size a Setup through predict; SpeedEstimate and its table
     pipeline        a setup with pipeline stages, priced from the same setup without them: the bubble, the sends
     search          the setup search: every setup tpkit can build, predicted, filtered by memory, ranked

@@ -45,7 +45,8 @@ from torch import nn
 from .calls import meta_copy
 from .fake_step import trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FrameworkCost
-from .predict import Setup, dp_seconds, kernel_seconds, skew_factor
+from .predict import dp_seconds, kernel_seconds, skew_factor
+from .setup import Setup
 
 __all__ = ["FAMILIES", "FLUSH_BYTES", "CacheFlush", "FrameworkCost", "flush_between_modules", "framework_costs",
            "generate_token_seconds", "optimizer_tensor_seconds", "tiny_config", "tiny_model", "train_step_seconds"]

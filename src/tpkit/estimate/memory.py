@@ -60,7 +60,8 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
     Context parallelism (training a transformer): `cp` ranks share each sequence (`tpkit.context_parallel`,
     `cp_method` "auto", "all_to_all" or "ring"); per rank, the activations of its share of the tokens, traced as a
     plain sequence of that length, plus what the method keeps differently and one layer's working set
-    (`activations.context_extra_bytes`). Weights, gradients and optimizer states are replicated over cp.
+    (`activations.context_extra_bytes`). Weights, gradients and optimizer states are replicated over cp, except
+    that `dp_mode="fsdp"` shards them over dp x cp (`dp_size` may then be 1), as tpkit's runs do.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -88,7 +89,8 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
     if cp > 1 and shape is None:
         raise ValueError(f"estimate_memory: context parallelism (cp={cp}) splits the attention of a Hugging Face "
                          f"transformer; {type(model_or_config).__name__} has no config tpkit models")
-    dp = (dp_size, dp_mode if dp_size > 1 else None)
+    engine = dp_size * cp if dp_mode == "fsdp" else dp_size  # FSDP2 shards over dp x cp, DDP averages over dp
+    dp = (engine, dp_mode if engine > 1 else None)
     if shape is not None:
         counted = analysed_parameters(model_or_config, world_size, mode) if isinstance(model_or_config,
                                                                                           nn.Module) else None
@@ -99,6 +101,8 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
         est = _estimate_module(model_or_config, world_size, dtype, mode, optimizer, batch_size, master_weights,
                                example_input, input_shape, seq_len, dp)
     est.dp_size, est.dp_mode = dp_size, dp[1]
+    if cp > 1 and dp[1] == "fsdp":
+        est.notes.append(f"FSDP2 shards over dp x cp = {engine} ranks (every rank that holds the same weights)")
     return est
 
 

@@ -42,68 +42,16 @@ from ..convert.trace import analyze_structure
 from .activations import context_extra_bytes
 from .calls import models_to_trace
 from .config import attention_kind, own_dtype, transformer_shape
-from .context import (attention_method, check_cp, check_priced, context_messages, context_seconds, layer_traffic,
-                      local_tokens)
+from .context import attention_method, check_priced, context_messages, context_seconds, layer_traffic, local_tokens
 from .fake_step import GOALS, StepTrace, trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
 from .pipeline import pipelined
 from .profile import SpeedProfile, load_profile
 from .quantized import quantized_note, quantized_saving, quantized_times
+from .setup import Setup  # (also read from here: tpkit.Setup, the tests)
 
-DP_MODES = ("ddp", "fsdp", "replicas")  # replicas: inference copies that each take a share of the batch
-RECOMPUTE = ("none", "selective", "full")
 DDP_BUCKET = 25 * 2 ** 20
 ATTENTION_CORE = ("_scaled_dot_product", "softmax", "_softmax", "bmm", "baddbmm")
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """How a model runs on `tp x dp` devices (see the module docstring). `choices`: (family, alternative) taken
-    for every proposal of that family that offers it, e.g. ("attention", "whole")."""
-
-    tp: int
-    dp: int = 1
-    dp_mode: str | None = None
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    choices: tuple[tuple[str, str], ...] = ()
-    pp: int = 1
-    microbatches: int = 1
-    stages_per_rank: int = 1
-    schedule: str = "1f1b"
-    cp: int = 1
-    cp_method: str = "auto"
-
-    def __post_init__(self):
-        if self.tp < 1 or self.dp < 1 or self.pp < 1 or self.microbatches < 1 or self.stages_per_rank < 1:
-            raise ValueError(f"Setup: tp, dp, pp, microbatches and stages_per_rank must be >= 1, got tp={self.tp}, "
-                             f"dp={self.dp}, pp={self.pp}, microbatches={self.microbatches}, "
-                             f"stages_per_rank={self.stages_per_rank}")
-        if self.dp > 1 and self.dp_mode not in DP_MODES:
-            raise ValueError(f"Setup: dp={self.dp} needs dp_mode in {DP_MODES}, got {self.dp_mode!r}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"Setup: recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
-        check_cp(self.cp, self.cp_method)
-
-    @property
-    def devices(self) -> int:
-        return self.pp * self.tp * self.dp * self.cp
-
-    def choose(self) -> dict[str, str]:
-        return dict(self.choices)
-
-    def label(self) -> str:
-        parts = [f"pp{self.pp} {self.schedule} m{self.microbatches}"] if self.pp > 1 else []
-        parts += [f"tp{self.tp}"] + ([f"cp{self.cp}" + (f" {self.cp_method}" if self.cp_method != "auto" else "")]
-                                     if self.cp > 1 else [])
-        parts += [f"dp{self.dp} {self.dp_mode}"] if self.dp > 1 else []
-        parts += ["sp"] if self.sequence_parallel else []
-        parts += [f"recompute {self.recompute}"] if self.recompute != "none" else []
-        parts += [f"{family} {label}" for family, label in self.choices]
-        return ", ".join(parts)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "choices": dict(self.choices)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +238,7 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     rates = profile.rates(ranks or setup.devices, hardware, item)
     config = getattr(traced.model, "config", None)
     family = getattr(config, "model_type", None)  # the framework terms' key
-    dp_mode = setup.dp_mode if setup.dp > 1 and goal == "train" else None
+    dp_mode = setup.dp_mode if setup.engine > 1 and goal == "train" else None
     rows = [(n, t, price(t, rates, setup.recompute, n if family else None, family, setup.tp > 1, dp_mode,
                          getattr(config, "vocab_size", None)))
             for n, t in traced.rows]
@@ -367,15 +315,16 @@ def _pipelined(model_or_config, setup: Setup, goal, batch_size, seq_len, profile
 
 def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:
     """Data parallelism's collectives per training step (none for inference: replicas work alone)."""
-    if setup.dp == 1 or goal != "train":
+    n = setup.engine
+    if n == 1 or goal != "train":
         return 0.0
     if setup.dp_mode == "ddp":
         buckets = max(1, math.ceil(param_bytes / DDP_BUCKET))
-        return buckets * rates.collective("all_reduce", setup.dp).seconds(param_bytes / buckets)
+        return buckets * rates.collective("all_reduce", n).seconds(param_bytes / buckets)
     blocks = layers + 1  # every block, then the root
-    shard = param_bytes / setup.dp / blocks
-    gather = rates.collective("all_gather", setup.dp).seconds(shard)
-    scatter = rates.collective("reduce_scatter", setup.dp).seconds(param_bytes / blocks)
+    shard = param_bytes / n / blocks
+    gather = rates.collective("all_gather", n).seconds(shard)
+    scatter = rates.collective("reduce_scatter", n).seconds(param_bytes / blocks)
     return blocks * (2 * gather + scatter)
 
 
@@ -387,8 +336,8 @@ def _memory(setup: Setup, goal: str, params: float, saved: float, cache: float, 
         return params + cache
     item = next((p.element_size() for p in model.parameters()), 4)
     states = params + params + params / item * 8
-    if setup.dp_mode == "fsdp" and setup.dp > 1:
-        states = states / setup.dp + 2 * params / max(layers, 1)  # a block's full parameters and gradients
+    if setup.dp_mode == "fsdp" and setup.engine > 1:
+        states = states / setup.engine + 2 * params / max(layers, 1)  # a block's full parameters and gradients
     elif setup.dp > 1:
         states += 2 * min(params, DDP_BUCKET)
     if setup.recompute == "full":

@@ -305,8 +305,8 @@ def quantized_saving(trace, setup, goal: str, item: int) -> float:
     (`QuantizedLayer`: the load's split, in whole groups). 0 for a dense config. Their speed is priced on those stored tensors too (`quantized_times`)."""
     dense = sum(q.dense_bytes for q in trace.quantized)
     frozen = dense / item * (item + 8) if goal == "train" else 0.0
-    if goal == "train" and setup.dp_mode == "fsdp" and setup.dp > 1:
-        frozen /= setup.dp
+    if goal == "train" and setup.dp_mode == "fsdp" and setup.engine > 1:
+        frozen /= setup.engine
     return dense - sum(q.stored_bytes for q in trace.quantized) + frozen
 
 

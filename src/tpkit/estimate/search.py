@@ -26,8 +26,9 @@ from ..convert.trace import analyze_structure
 from ..tables import Column, format_bytes, render_table, wrap_text
 from .calls import meta_copy, with_layers
 from .context import context_refusal
-from .predict import Prediction, Setup, predict, trace_setup
+from .predict import Prediction, predict, trace_setup
 from .profile import SpeedProfile, load_profile
+from .setup import Setup
 
 GOALS = ("decode", "prefill", "train")
 #: Two predictions closer than this (relative) are a tie: the estimate's own error on shapes it was never fitted on is
@@ -247,13 +248,14 @@ def pipeline_candidates(devices: int, layers: int | None, batch_size: int) -> li
 def context_candidates(devices: int, alternatives: bool = True) -> list[Setup]:
     """tp x dp x cp layouts with cp >= 2 ranks sharing each sequence (training), each attention layer's method as
     `tpkit.context_parallel` picks it ("auto": all-to-all where the local heads divide, else the ring); families'
-    defaults, no sequence parallel; recompute too with `alternatives` (context parallelism and recompute both buy
-    room for a long sequence: the search weighs one against the other)."""
+    defaults, no sequence parallel; FSDP2 over dp x cp (over cp alone at dp 1) or DDP over dp; recompute too with
+    `alternatives` (context parallelism, sharding and recompute all buy room for a long sequence: the search weighs
+    them against each other)."""
     out = []
     for cp in [c for c in range(2, devices + 1) if devices % c == 0]:
         for tp in [t for t in range(1, devices // cp + 1) if (devices // cp) % t == 0]:
             dp = devices // cp // tp
-            for mode in ([None] if dp == 1 else ["ddp", "fsdp"]):
+            for mode in ([None, "fsdp"] if dp == 1 else ["ddp", "fsdp"]):  # FSDP2 shards over dp x cp
                 out += [Setup(tp, dp, mode, recompute=r, cp=cp)
                         for r in (("none", "selective", "full") if alternatives else ("none",))]
     return out

@@ -28,9 +28,10 @@ from .activations import normalise_recompute
 from .config import own_dtype, resolve_target
 from .context import check_cp, check_priced
 from .hardware import Hardware
-from .predict import Prediction, Setup, predict
+from .predict import Prediction, predict
 from .pricing import Pricing, machine_pricing
 from .profile import SpeedProfile
+from .setup import Setup
 from .step import module_example
 
 MODES = ("training", "prefill", "decode")
