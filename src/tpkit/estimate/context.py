@@ -32,7 +32,7 @@ from ..context.apply import attention_layers, hf_model
 from ..context.attention import KERNELS, METHODS
 from ..context.sequence import SequenceSplit
 from ..context.ulysses import heads_fit
-from .config import TransformerShape
+from .config import TransformerShape, transformer_shape
 from .ranks import rank_widths
 
 
@@ -52,7 +52,8 @@ def context_refusal(model: nn.Module) -> str | None:
         if kernel not in KERNELS:
             return f"{type(hf).__name__} runs attention kernel {kernel!r}; context parallelism wraps {KERNELS}"
         attention_layers(hf)
-    except (TypeError, NotImplementedError) as exc:
+        transformer_shape(hf.config)  # the estimates price it from these sizes
+    except (TypeError, ValueError, NotImplementedError) as exc:
         return str(exc)
     return None
 
