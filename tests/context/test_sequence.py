@@ -93,3 +93,23 @@ def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp, length, kind, kern
     for i, name in enumerate("qkv"):
         grads = torch.cat([r[1][i] for r in results], 2)[:, :, split.natural()][:, :, :length]
         assert torch.allclose(grads, expected[i], rtol=0, atol=1e-12), name
+
+
+@pytest.mark.parametrize("kernel", ["flash", "math"])
+def test_ring_attention_in_bf16_is_within_bf16_rounding_of_sdpa(kernel, monkeypatch):
+    """Users' checkpoints are bf16: the ring merges its blocks in float32 and stays at bf16's rounding."""
+    monkeypatch.setenv("TPKIT_RING_KERNEL", kernel)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 40, 16, generator=g).bfloat16()
+    k, v = (torch.randn(2, 2, 40, 16, generator=g).bfloat16() for _ in range(2))
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
+                                                             v.float().repeat_interleave(2, 1), is_causal=True)
+
+    def rank(comm):
+        _, batch = shard_inputs({"input_ids": torch.zeros(2, 40, dtype=torch.long)}, comm.rank, 2)
+        return ring_attention(*(batch.split.split(t, 2, comm.rank) for t in (q, k, v)), comm, batch, 0.25)
+
+    split = SequenceSplit(40, 2)
+    got = torch.cat(run_threads(rank, 2), 2)[:, :, split.natural()]
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() / want.abs().max() < 1e-2
