@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks); dp = world / (pp x cp x tp)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over this many "
                                                            "ranks")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size: a MoE model's experts spread over "
+                                                           "this many ranks of dp x cp x tp (a multiple of tp)")
     parser.add_argument("--cp-method", choices=("auto", "all_to_all", "ring"), default="auto",
                         help="how attention crosses the sequence split (auto: all-to-all where the heads allow)")
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
@@ -135,11 +137,17 @@ def main() -> None:
                               stages_per_rank=args.stages_per_rank, dp_mode=args.dp_mode, dtype=args.dtype)
         model, tp, dp = pipe.model.train(), pipe.groups.tp, pipe.groups.dp
     else:
-        groups = tpkit.comm.groups(comm, tp=args.tp or comm.world_size // args.cp, cp=args.cp)
+        try:
+            groups = tpkit.comm.groups(comm, tp=args.tp or comm.world_size // args.cp, cp=args.cp, ep=args.ep)
+        except ValueError as exc:
+            raise SystemExit(f"--ep {args.ep}: {exc}") from None
         tp, dp = groups.tp, groups.dp
-        model = tpkit.from_pretrained(args.model, comm=tp, mode="training", dtype=args.dtype).train()
+        model = tpkit.from_pretrained(args.model, comm=tp, mode="training", dtype=args.dtype,
+                                      plan=tpkit.KEEP_EXPERTS_WHOLE if args.ep > 1 else "auto").train()
         if args.cp > 1:  # whole sequences in, each cp rank keeps its zigzag share of every sequence
             tpkit.context_parallel(model, groups.cp, method=args.cp_method)
+        if args.ep > 1:  # each rank keeps its experts of the expert group; tokens travel to them by all-to-all
+            tpkit.expert_parallel(model, groups)
     if args.global_batch % dp.world_size or pipe is not None and args.global_batch // dp.world_size % pipe.microbatches:
         raise SystemExit(f"--global-batch {args.global_batch} must divide by the dp size {dp.world_size}"
                          + (f" times the micro-batches {pipe.microbatches}" if pipe is not None else ""))
@@ -159,7 +167,7 @@ def main() -> None:
         tpkit.watch_replicas(model, opt, every=args.check_replicas)
     start = ckpt.resume(model, opt) if args.resume else 0
     if comm.rank == 0:
-        cp = f" x cp{args.cp}" if args.cp > 1 else ""
+        cp = (f" x cp{args.cp}" if args.cp > 1 else "") + (f", ep{args.ep}" if args.ep > 1 else "")
         layout = f"pp{args.pp} x dp{dp.world_size}{cp} x tp{tp.world_size} ({args.schedule}, {pipe.microbatches} " \
                  f"micro-batches)" if pipe is not None else f"tp{tp.world_size} x dp{dp.world_size}{cp}"
         print(f"{args.model}: world {comm.world_size} = {layout}, {torch.get_num_threads()} thread(s) per rank, "

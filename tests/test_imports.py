@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tpkit.cli", "tpkit.commands"),
     ("tpkit.trainer",),
     ("tpkit.data_parallel", "tpkit.recompute", "tpkit.setups", "tpkit.pipeline"),
-    ("tpkit.checkpoint", "tpkit.estimate", "tpkit.replicas", "tpkit.context"),
+    ("tpkit.checkpoint", "tpkit.estimate", "tpkit.replicas", "tpkit.context", "tpkit.experts"),
     ("tpkit.convert",),
     ("tpkit.nn",),
     ("tpkit.distributed", "tpkit.launch", "tpkit.faults"),

@@ -154,17 +154,22 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
     conversion = _check(model, dp_comm, mode)
     found = find_record(model, "data_parallel")
     record = found[1] if found is not None else attach_record(model, ModelRecord(communicator_of(model), {}))
+    experts = record.experts.keys if record.experts is not None else frozenset()  # reduced by their own groups
     if mode == "fsdp":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(dp_comm.process_group, device_type(dp_comm))
+        if experts:
+            torch_kwargs = {**torch_kwargs, "ignored_params": {p for k, p in model.named_parameters() if k in experts}}
         for block in list(blocks) if blocks is not None else repeated_blocks(model):
             fully_shard(block, mesh=mesh, **torch_kwargs)
         wrapped = fully_shard(model, mesh=mesh, **torch_kwargs)
     else:
         from torch.nn.parallel import DistributedDataParallel
 
+        if experts:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(experts))
         with allowing_ddp():  # over the dp group: a converted model refuses DDP built anywhere else
             wrapped = DistributedDataParallel(model, process_group=dp_comm.process_group, **torch_kwargs)
     record.data_parallel = DataParallel.of(mode, model, dp_comm, record)

@@ -33,6 +33,9 @@ on every TP rank of one data-parallel index), and pieces split along dim 0 by te
 Under `context_parallel`: the cp ranks of a replica hold the same tensors (the same FSDP2 shard of them), and every
 tensor is compared across the cp group too.
 
+Under `expert_parallel`: each expert's weights are held by the ranks of the expert-data group only (one per expert
+group), so they are compared there and nowhere else.
+
 Under `tpkit.pipeline`: each stage's tp and dp groups are checked as above, a weight tied across the first and the
 last stage (each holds a copy) is compared over its group of two (or on the one rank holding both stages), and a
 divergence any stage finds is raised on every rank (the pipeline group joins the flag's sum).
@@ -234,8 +237,11 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
     tp = comm if comm is not None else record.tp_comm if record is not None else communicator_of(inner)
     sharded = record is not None and record.mode == "fsdp"
     layouts = record.layouts if record is not None else shard_layouts(inner)
+    experts = found[1].experts if found is not None else None
+    expert_keys = experts.keys if experts is not None else frozenset()
     named = dict(inner.named_parameters())
     local = {k: _local(p) for k, p in named.items()}
+    layouts = {k: v for k, v in layouts.items() if k not in expert_keys}
     kinds = [("param", local)] if params else []
     kinds += [("grad", {k: _local(p.grad) for k, p in named.items()})] if grads else []
     groups: list[tuple[Communicator, list[_Item], str]] = []
@@ -243,16 +249,20 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
     if tp is not None and tp.world_size > 1:
         items = []
         for k in named:
-            lay = layouts.get(k)
+            lay = layouts.get(k)  # (an expert weight has none here: its copies are the edp group's, below)
             if lay is not None and lay.world_size == tp.world_size:
                 found = _shared_items(k, lay, sharded)
                 skipped += int(sharded and not found and lay.shares_entries())
                 items += found
         groups.append((tp, items, "tp"))
     if record is not None and record.mode == "ddp" and record.dp_size > 1:
-        groups.append((record.dp_comm, [_Item(k, tuple(range(record.dp_size))) for k in named], "dp"))
+        groups.append((record.dp_comm, [_Item(k, tuple(range(record.dp_size))) for k in named
+                                        if k not in expert_keys], "dp"))
     if cp is not None:  # the cp ranks of one replica hold the same tensors (or the same FSDP2 shard of them)
-        groups.append((cp, [_Item(k, tuple(range(cp.world_size))) for k in named], "cp"))
+        groups.append((cp, [_Item(k, tuple(range(cp.world_size))) for k in named if k not in expert_keys], "cp"))
+    if experts is not None and experts.edp is not None:  # the ranks holding the same experts
+        groups.append((experts.edp, [_Item(k, tuple(range(experts.edp.world_size))) for k in sorted(expert_keys)],
+                       "edp"))
     tied = getattr(pipe, "tied", None)
     if tied is not None and tied.comm is not None:  # this rank's copy of each tied pair, the other stage's rank
         groups.append((tied.comm, [_Item(k, (0, 1)) for k in tied.keys], "tied"))
@@ -267,8 +277,8 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
             count, bad = count + len(tied.pairs), bad + _tied_here(tensors, tied.pairs, what)
     if params and tp is not None and tp.world_size > 1:  # on every rank alike: a collective of the tp group
         bad += _overwritten(local, layouts, tp)
-    spread = [g for g in (tp, cp, record.dp_comm if record is not None else None, getattr(pipe, "pp_comm", None))
-              if g is not None and g.world_size > 1]
+    spread = [g for g in (tp, cp, record.dp_comm if record is not None else None, getattr(pipe, "pp_comm", None),
+                          experts.ep if experts is not None else None) if g is not None and g.world_size > 1]
     elsewhere = _found_elsewhere(bool(bad), spread, _device(local))
     if elsewhere and not bad:
         raise ReplicaError(f"{elsewhere} other rank(s) of this model found copies that differ (their ReplicaError "

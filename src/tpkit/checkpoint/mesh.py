@@ -14,6 +14,10 @@ hold each of its keys, spread over them as above, and every other rank holds non
 A context-parallel model (`tpkit.context_parallel`: `record.context`) holds the same TP parts on each of its cp
 ranks: world = pp x dp x cp x tp (`tpkit.comm.groups`), tp still innermost, so its layouts are spread the same way
 and its checkpoints do not depend on cp.
+
+An expert-parallel model (`tpkit.expert_parallel`: `record.experts`) holds its experts' weights split along the
+experts over its expert group: `ep` consecutive ranks of a stage (a multiple of tp), so world rank `w` holds expert
+rank `w % ep`'s part, and each expert is written once, by the first expert group.
 """
 from __future__ import annotations
 
@@ -65,7 +69,8 @@ def spread_over(model: nn.Module, record, pipe) -> int | None:
     if pipe is not None:
         return pipe.record.world_size
     found = find_record(model, "a checkpoint")
-    return found[1].world_size if found is not None and found[1].context is not None else None
+    spread_anyway = found is not None and (found[1].context is not None or found[1].experts is not None)
+    return found[1].world_size if spread_anyway else None
 
 
 def pipeline_of(model: nn.Module):
@@ -86,8 +91,9 @@ def spread(layout: ShardLayout, tp_size: int, world: int, rank: int, stage_size:
     """`layout` (over the tp ranks) as a layout over `world` ranks, rank `w` holding TP rank `w % tp_size`'s part;
     with `stage_size` (a pipeline stage's tensor), only the ranks of this rank's pipeline rank hold a split one (a
     whole one is written by the stage's first rank: `writer`)."""
-    group = stage_size or world
-    pieces = tuple(Piece(p.offset, p.size, tuple(p.spans[w % tp_size] if w // group == rank // group else (0, 0)
+    group, n = stage_size or world, layout.world_size  # tp_size, or an expert layout's ep (tp's multiple)
+    assert n % tp_size == 0 and group % n == 0, f"a layout over {n} ranks spread over tp {tp_size}, {group} ranks"
+    pieces = tuple(Piece(p.offset, p.size, tuple(p.spans[w % n] if w // group == rank // group else (0, 0)
                                                  for w in range(world))) for p in layout.pieces)
     return dataclasses.replace(layout, world_size=world, rank=rank, pieces=pieces)
 

@@ -6,6 +6,13 @@ where the bandwidth is: TP all-reduces every layer), the context-parallel ranks 
 heads every attention layer), then the data-parallel replicas, and the pipeline stages outermost. With cp = 1
 this is exactly `split` (pp = 1) and `tpkit.pipeline_groups` (both stay). Ranks 0..7 at dp2 x cp2 x tp2: tp
 {0,1} {2,3} {4,5} {6,7}; cp {0,2} {1,3} {4,6} {5,7}; dp {0,4} {1,5} {2,6} {3,7}; dp x cp {0,2,4,6} {1,3,5,7}.
+
+Expert parallelism (`ep`) is carved out of one stage's dp x cp x tp ranks, as Megatron's "parallel folding": the
+stage's ranks in layout order (tp fastest) are cut into expert groups of `ep` consecutive ranks, so an expert
+group holds ep / tp whole tp groups (ep must be a multiple of tp, and dp x cp x tp a multiple of ep). Each expert
+group holds every expert once; the ranks at the same place of every expert group (the expert-data group, `edp`,
+dp x cp x tp / ep of them) hold the same experts. At dp2 x cp2 x tp2 with ep 4: ep {0,1,2,3} {4,5,6,7}; edp {0,4}
+{1,5} {2,6} {3,7}.
 """
 from __future__ import annotations
 
@@ -50,6 +57,8 @@ class Groups:
     dp: Communicator
     pp: Communicator
     dp_cp: Communicator
+    ep: Communicator | None = None   # the expert group (None without expert parallelism)
+    edp: Communicator | None = None  # the ranks holding the same experts as this one
 
     def size(self, axis: str) -> int:
         return getattr(self, axis).world_size
@@ -72,11 +81,26 @@ def layout_ranks(sizes: dict[str, int], along: tuple[str, ...]) -> list[list[int
     return groups
 
 
-def groups(comm: Communicator, tp: int, cp: int = 1, pp: int = 1) -> Groups:
+def expert_ranks(world: int, pp: int, tp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """`(the expert groups, the expert-data groups)` as world ranks: each stage's ranks cut into runs of `ep`
+    (see the module docstring). Checks the sizes, naming what would fix them."""
+    stage = world // pp
+    if ep % tp or stage % ep:
+        valid = [d for d in range(tp, stage + 1, tp) if stage % d == 0]
+        why = (f"is not a multiple of tp {tp} (an expert group holds whole tp groups: each tp rank dispatches its own "
+               f"share of the rows)" if ep % tp else f"does not divide a stage's dp x cp x tp = {stage} ranks")
+        raise ValueError(f"groups: ep {ep} {why}; with tp {tp} and {stage} ranks per stage choose ep among {valid}")
+    ep_groups = [list(range(s + b, s + b + ep)) for s in range(0, world, stage) for b in range(0, stage, ep)]
+    edp_groups = [list(range(s + j, s + stage, ep)) for s in range(0, world, stage) for j in range(ep)]
+    return ep_groups, edp_groups
+
+
+def groups(comm: Communicator, tp: int, cp: int = 1, pp: int = 1, ep: int = 1) -> Groups:
     """This rank's tp / cp / dp / pp groups (and dp x cp) of `comm` (the world), dp being what is left:
-    world / (pp x cp x tp). Collective over `comm`: every rank creates every group, in the same order."""
+    world / (pp x cp x tp); with `ep` > 1 also its expert and expert-data groups (`ep`, `edp`). Collective over
+    `comm`: every rank creates every group, in the same order."""
     n = comm.world_size
-    for name, size in (("tp", tp), ("cp", cp), ("pp", pp)):
+    for name, size in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"groups: {name} must be a positive int, got {size!r}")
     if n % (pp * cp * tp):
@@ -89,4 +113,10 @@ def groups(comm: Communicator, tp: int, cp: int = 1, pp: int = 1) -> Groups:
             group = comm.new_group(ranks)
             if group is not None:
                 mine[name] = group
+    if ep > 1:
+        for name, every in zip(("ep", "edp"), expert_ranks(n, pp, tp, ep)):
+            for ranks in every:
+                group = comm.new_group(ranks)
+                if group is not None:
+                    mine[name] = group
     return Groups(**mine)

@@ -18,6 +18,7 @@ runs unchanged on the shards; no host sync, nothing that breaks a compiled graph
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -47,6 +48,8 @@ class ExpertsRegion:
         args, kwargs = list(args), dict(kwargs)
         values = [_arg(args, kwargs, i, n) for i, n in enumerate(self.names)]
         hidden, index, weights = values
+        if hidden.dtype == torch.float64:
+            _eager_for_float64(module)
         # Entered before the masking below: the gradient a rank gives the weights of its own experts is summed
         # with the other ranks' (which hold the rest), and only then flows back to the router.
         hidden, weights = copy_to_region(hidden, self.comm), copy_to_region(weights, self.comm)
@@ -65,6 +68,15 @@ class ExpertsRegion:
             raise TypeError(f"{type(module).__name__}: an experts module split by tpkit must return one tensor (the "
                             f"combined output), got {type(output).__name__}")
         return reduce_from_region(output, self.comm)
+
+
+def _eager_for_float64(module: nn.Module) -> None:
+    """transformers' default fused kernel (`grouped_mm`) has no float64: such a module runs transformers' eager
+    loop instead, through a config of its own (the model's other modules keep theirs)."""
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", "eager") == "grouped_mm":
+        module.config = copy.copy(config)
+        module.config._experts_implementation = "eager"
 
 
 def _arg(args: list, kwargs: dict, i: int, name: str):

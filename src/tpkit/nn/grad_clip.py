@@ -13,6 +13,7 @@ its norm over both dimensions through its record's data-parallel facts; the clip
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterable, Sequence
 
@@ -72,6 +73,17 @@ def partial_norm(params: list[torch.Tensor], held: dict[int, Holder], norm_type:
                  comm: Communicator | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`(the sum of |g|^p over the model's tp and dp dimensions, or their maximum for the inf norm; the gradients)`:
     the norm before its root, so a pipeline can add its stages' sums."""
+    experts = record.experts if record is not None else None
+    if experts is not None:  # each expert once over its expert group (`tpkit.expert_parallel`), added to the rest
+        mine = {id(p) for p in params if (h := held.get(id(p))) is not None and h.key in experts.keys}
+        rest, grads = partial_norm([p for p in params if id(p) not in mine], held, norm_type,
+                                   dataclasses.replace(record, experts=None), comm)
+        items = [(p.grad, None, 0) for p in params if id(p) in mine and p.grad is not None]
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g, _, _ in items) else rest.dtype
+        op = ReduceOp.MAX if norm_type == math.inf else ReduceOp.SUM
+        part = experts.ep.all_reduce(power_sum(items, norm_type, dtype, torch.device("cpu")), op).to(rest.device)
+        total = torch.maximum(rest, part.to(rest.dtype)) if op is ReduceOp.MAX else rest + part.to(rest.dtype)
+        return total, grads + [g for g, _, _ in items]
     if record is not None and record.data_parallel is not None:
         return record.data_parallel.global_norm(params, held, norm_type, root=False)
     group = record.comm if record is not None and record.comm is not None else resolve_comm(comm)

@@ -54,6 +54,7 @@ class ModelRecord:
     data_parallel: Any = dataclasses.field(default=None, kw_only=True)
     pipeline: Any = dataclasses.field(default=None, kw_only=True)  # `tpkit.pipeline`'s facts: the model is one stage
     context: Any = dataclasses.field(default=None, kw_only=True)  # `tpkit.context_parallel`'s facts (cp group, methods)
+    experts: Any = dataclasses.field(default=None, kw_only=True)  # `tpkit.expert_parallel`'s facts (ep / edp groups)
     _owner: Any = dataclasses.field(default=None, repr=False, kw_only=True)  # a weakref to the module
 
     @property

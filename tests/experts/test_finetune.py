@@ -1,0 +1,114 @@
+"""examples/finetune.py --ep under real torchrun (gloo processes), float64, on a Qwen3-MoE with fused experts (6
+experts, top-2): the directory --consolidate writes equals ONE process of plain transformers + torch doing the
+example's documented steps on the whole global batch (its batch rule, `model(input_ids=x, labels=x).loss`,
+backward, `clip_grad_norm_`, AdamW; transformers' eager experts, its fused kernel having no float64), and the printed
+loss and gradient norm equal that process's to their 4 printed decimals: ep2 over dp2, ep2 = tp2, ep4 over tp2 x dp2
+whose checkpoint resumes at tp2 alone (float64 TP of the fused experts), ep4 over dp4 (6 experts: 2, 2, 1, 1),
+ep4 over cp2 x dp2 (FSDP2 over dp x cp, the experts reduced over their own group), DDP, and an ep that cannot be
+carved from the world, refused before step 1."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from tests.context.test_finetune import _finetune_module, _printed, _run, FINETUNE, ENV
+from tests.torchrun import torchrun
+
+STEPS, LR = 3, "1e-3"
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> str:
+    import transformers as tr
+
+    root = tmp_path_factory.mktemp("ep_models")
+    torch.manual_seed(0)
+    config = tr.Qwen3MoeConfig(vocab_size=103, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               num_experts=6, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               max_position_embeddings=64, norm_topk_prob=True, initializer_range=0.2)
+    tr.AutoModelForCausalLM.from_config(config).save_pretrained(root / "qwen3moe")
+    return str(root / "qwen3moe")
+
+
+def reference(model_dir: str, seq: int, global_batch: int, steps: int = STEPS):
+    """One process, no tpkit, float64: the example's batches, transformers' loss, torch's clipping and AdamW."""
+    import transformers as tr
+
+    finetune = _finetune_module()
+    model = tr.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64,
+                                                    experts_implementation="eager").train()
+    args = argparse.Namespace(seed=0, seq=seq, global_batch=global_batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=float(LR))
+    printed = []
+    for step in range(steps):
+        ids = finetune.batch(step, None, model.config.vocab_size, args)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        printed.append((f"{loss.item():.4f}", f"{norm.item():.4f}"))
+    return printed, model.state_dict()
+
+
+def equal_to_reference(output: str, out_dir: str, want) -> None:
+    from safetensors.torch import load_file
+
+    printed, state = want
+    assert _printed(output) == printed, (output, printed)
+    got = load_file(os.path.join(out_dir, "model.safetensors"))
+    assert set(got) == set(state), sorted(set(got) ^ set(state))
+    for key, value in state.items():
+        err = ((got[key].double() - value).norm() / value.norm()).item()
+        assert err < 1e-4, (key, err)
+
+
+def train(nproc, model_dir, tmp_path, name, *layout, steps=STEPS, resume=False, consolidate=True, seq=12, batch=4):
+    save, out = str(tmp_path / f"{name}-ckpt"), str(tmp_path / f"{name}-hf")
+    args = ["--model", model_dir, *layout, "--dtype", "float64", "--seq", str(seq), "--global-batch", str(batch),
+            "--lr", LR, "--steps", str(steps), "--save", save, *(["--consolidate", out] if consolidate else [])]
+    return _run(nproc, *args, *(["--resume"] if resume else [])), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,printed", [
+    (("--tp", "1", "--ep", "2"), "world 2 = tp1 x dp2, ep2"),
+    (("--tp", "2", "--ep", "2"), "world 2 = tp2 x dp1, ep2"),
+], ids=["ep2-over-dp2", "ep2-is-tp2"])
+def test_ep2(moe, tmp_path, layout, printed):
+    output, out = train(2, moe, tmp_path, "ep2", *layout)
+    assert printed in output, output
+    equal_to_reference(output, out, reference(moe, 12, 4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,printed", [
+    (("--tp", "1", "--ep", "4"), "world 4 = tp1 x dp4, ep4"),  # 6 experts over 4 ranks: 2, 2, 1, 1
+    (("--tp", "1", "--cp", "2", "--ep", "4"), "world 4 = tp1 x dp2 x cp2, ep4"),
+    (("--tp", "1", "--ep", "2", "--dp-mode", "ddp"), "world 4 = tp1 x dp4, ep2"),
+], ids=["ep4-over-dp4", "ep4-over-cp2xdp2", "ep2-ddp"])
+def test_ep_over_four_ranks(moe, tmp_path, layout, printed):
+    output, out = train(4, moe, tmp_path, "ep4", *layout)
+    assert printed in output, output
+    equal_to_reference(output, out, reference(moe, 12, 4))
+
+
+@pytest.mark.slow
+def test_ep4_over_tp2_x_dp2_resumes_at_tp2_alone(moe, tmp_path):
+    first, _ = train(4, moe, tmp_path, "ep4tp2", "--tp", "2", "--ep", "4", steps=2, consolidate=False)
+    assert "world 4 = tp2 x dp2, ep4" in first, first
+    rest, out = train(2, moe, tmp_path, "ep4tp2", "--tp", "2", resume=True)
+    printed, state = reference(moe, 12, 4)
+    assert _printed(first) == printed[:2] and _printed(rest) == printed[2:], (first, rest, printed)
+    equal_to_reference(first + rest, out, (printed, state))
+
+
+def test_an_ep_that_cannot_be_carved_stops_before_step_one(moe, tmp_path):
+    code, output, _ = torchrun(FINETUNE, "--model", moe, "--tp", "2", "--ep", "3", "--steps", "1", nproc=2, env=ENV,
+                               timeout=120)
+    assert code != 0 and "--ep 3" in output and "not a multiple of tp 2" in output, output
+    assert "step 1:" not in output, output
