@@ -28,6 +28,7 @@ from ..nn.mappings import copy_to_region
 from ..nn.quantized_experts import ExpertsQuantMethod
 from ..nn.record import ModelRecord, attach_record, find_record
 from ..nn.rewrites import Rewrite, rewrite, rewrites_of
+from .aux_loss import GlobalAuxLoss, aux_loss_on
 from .module import DispatchedExperts
 
 #: Plan overrides that keep every fused experts module whole under tensor parallelism, for `expert_parallel` to
@@ -99,7 +100,7 @@ def _experts_modules(model: nn.Module, record: ModelRecord | None) -> list[tuple
 
 
 def _check(model: nn.Module, groups: Groups, found: list[tuple[str, FusedExperts]]) -> None:
-    if not isinstance(groups, Groups) or groups.ep is None:
+    if getattr(groups, "ep", None) is None:
         raise ValueError("expert_parallel: groups must be tpkit.comm.groups(comm, tp=..., ep=E) with E > 1 (it "
                          "carves the expert group out of dp x cp x tp)")
     ep = groups.ep.world_size
@@ -116,7 +117,8 @@ def _check(model: nn.Module, groups: Groups, found: list[tuple[str, FusedExperts
 
 
 def expert_parallel(model: nn.Module, groups: Groups) -> nn.Module:
-    """Spread `model`'s experts over `groups.ep` (see the module docstring); returns it. Checks everything before
+    """Spread `model`'s experts over `groups.ep` (see the module docstring; `groups`: `tpkit.comm.groups(...)` with
+    ep > 1, or a pipeline's `PipelineGroups`, which carry the same groups); returns it. Checks everything before
     changing anything: a refused model is left as it was."""
     found_record = find_record(model, "expert_parallel")
     record = found_record[1] if found_record is not None else None
@@ -129,6 +131,7 @@ def expert_parallel(model: nn.Module, groups: Groups) -> nn.Module:
     found = _experts_modules(model, record)
     _check(model, groups, found)
     ep, edp, dp = groups.ep, groups.edp, groups.dp.world_size
+    aux = _global_aux_loss(model, groups, record) if aux_loss_on(model) and dp > 1 else None
     edp = edp if edp is not None and edp.world_size > 1 else None
     layouts, keys = {}, set()
     for name, info in found:
@@ -146,7 +149,20 @@ def expert_parallel(model: nn.Module, groups: Groups) -> nn.Module:
         record = attach_record(model, ModelRecord(groups.tp if groups.tp.world_size > 1 else None, {}))
     record.layouts = {**record.layouts, **layouts}
     record.experts = ExpertParallel(ep, edp, dp, tuple(n for n, _ in found), frozenset(keys))
+    if aux is not None:
+        aux.install(model)
     return model
+
+
+def _global_aux_loss(model: nn.Module, groups: Groups, record: ModelRecord | None) -> GlobalAuxLoss:
+    """The hook that computes the router's auxiliary loss over the global batch (`aux_loss.py`), or a refusal."""
+    cp = groups.cp.world_size if groups.cp is not None else 1
+    where = f"context parallelism (cp {cp})" if cp > 1 else "a pipeline" if getattr(record, "pipeline", None) else None
+    if where:
+        raise NotImplementedError(f"expert_parallel: {type(model).__name__} adds the router's auxiliary loss "
+                                  f"(output_router_logits) and tpkit computes it over the global batch only without "
+                                  f"{where}; turn it off (config.output_router_logits=False) or drop {where}")
+    return GlobalAuxLoss(model, groups.dp)
 
 
 def experts_of(model: nn.Module) -> ExpertParallel | None:
