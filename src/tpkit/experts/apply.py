@@ -22,6 +22,7 @@ from torch import nn
 
 from ..comm.communicator import Communicator
 from ..comm.rank_groups import Groups
+from ..convert.families.expert_blocks import find_block
 from ..convert.families.experts import FusedExperts, fused_experts
 from ..layout import ShardLayout
 from ..nn.mappings import copy_to_region
@@ -94,8 +95,14 @@ def _experts_modules(model: nn.Module, record: ModelRecord | None) -> list[tuple
     if refused:
         raise NotImplementedError("expert_parallel: experts tpkit cannot dispatch exactly: " + "; ".join(refused[:3]))
     if not found:
+        separate = [n for n, m in model.named_modules() if find_block(n, m) is not None]
+        why = (f"; its MoE block(s) {separate[:3]} hold separate experts (a list of MLP modules, combined in the "
+               f"block's own forward, which calls only the experts it picked: no all-to-all can be matched across "
+               f"ranks): split them with tensor parallelism instead (tpkit.parallelize, style 'moe_block')"
+               if separate else "")
         raise ValueError(f"expert_parallel: {type(model).__name__} has no fused experts module (3-D gate_up_proj / "
-                         f"up_proj and down_proj, as transformers' Qwen3-MoE, Mixtral, DeepSeek, gpt-oss keep them)")
+                         f"up_proj and down_proj, as transformers' Qwen3-MoE, Mixtral, DeepSeek, gpt-oss keep them)"
+                         f"{why}")
     return found
 
 
