@@ -90,7 +90,8 @@ def test_ep2(moe, tmp_path, layout, printed):
     (("--tp", "1", "--ep", "4"), "world 4 = tp1 x dp4, ep4"),  # 6 experts over 4 ranks: 2, 2, 1, 1
     (("--tp", "1", "--cp", "2", "--ep", "4"), "world 4 = tp1 x dp2 x cp2, ep4"),
     (("--tp", "1", "--ep", "2", "--dp-mode", "ddp"), "world 4 = tp1 x dp4, ep2"),
-], ids=["ep4-over-dp4", "ep4-over-cp2xdp2", "ep2-ddp"])
+    (("--tp", "1", "--ep", "2", "--dp-mode", "fsdp"), "world 4 = tp1 x dp4, ep2"),  # experts sharded over edp 2
+], ids=["ep4-over-dp4", "ep4-over-cp2xdp2", "ep2-over-dp4-ddp", "ep2-over-dp4-fsdp"])
 def test_ep_over_four_ranks(moe, tmp_path, layout, printed):
     output, out = train(4, moe, tmp_path, "ep4", *layout)
     assert printed in output, output

@@ -71,6 +71,19 @@ class ExpertParallel:
     dp: int
     modules: tuple[str, ...]
     keys: frozenset[str]
+    fsdp: bool = False  # FSDP2 shards the experts over edp and reduces their gradients (`tpkit.data_parallel`)
+
+    def hand_to_fsdp(self, owner: nn.Module) -> list[nn.Module]:
+        """The experts modules of `owner` (the record's model), their gradient rule handed to FSDP2 over the
+        expert-data group: its reduce-scatter sums over edp and `set_gradient_divide_factor(dp)` divides, so the
+        rewrites keep only marking them. Called by `tpkit.data_parallel` before it shards them."""
+        found = [owner.get_submodule(name) for name in self.modules]
+        for module in found:
+            for how in rewrites_of(module).values():
+                if isinstance(how, OverExperts):
+                    how.edp, how.dp = None, 1
+        self.fsdp = True
+        return found
 
 
 def _experts_modules(model: nn.Module, record: ModelRecord | None) -> list[tuple[str, FusedExperts]]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..comm.communicator import Communicator
 from ..convert import Plan, parallelize
-from ..data_parallel import DataParallel, device_type, expert_params
+from ..data_parallel import DataParallel, device_type, expert_params, shard_experts
 from ..nn.record import ModelRecord, attach_record, find_record
 from .split import StageSplit
 from .stage import HeldElsewhere, StageModule
@@ -69,7 +69,8 @@ def data_parallel_stages(part: nn.Module, stages: list[StageModule], split: Stag
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(dp.process_group, device_type(dp))
-        ignored = set(expert_params(part, record).values())  # reduced over their expert-data group
+        # experts: sharded over their expert-data group (or, held once, left to their own gradient rule)
+        ignored = set() if shard_experts(record, {}) else set(expert_params(part, record).values())
         for stage in stages:
             blocks = stage.module.get_submodule(split.blocks)
             for i in split.stage_blocks(stage.stage):
