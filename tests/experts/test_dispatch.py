@@ -285,3 +285,36 @@ def test_an_ep_that_cannot_be_carved_names_the_choices(world, tp, ep, why):
 
     for message in tpkit.run_threads(body, world):
         assert why in message and "choose ep among" in message, message
+
+
+@pytest.mark.parametrize("world,tp,ep", [(2, 1, 2), (4, 2, 4), (4, 1, 2)], ids=["ep2-dp2", "ep4-tp2xdp2", "ep2-dp4"])
+def test_router_bias_moves_on_the_global_counts(reference, world, tp, ep):
+    """DeepSeek-V3's balancing by bias: every rank's bias moves as one process's would on the whole batch's counts
+    (the reference counts the router's own choices, hooked in plain transformers)."""
+    from tpkit.experts import update_expert_bias
+
+    model, ids, _, _ = reference["deepseek"]
+    ref, counts = copy.deepcopy(model), {}
+    for name, m in ref.named_modules():
+        if hasattr(m, "e_score_correction_bias"):
+            m.register_forward_hook(lambda mod, a, out, name=name: counts.__setitem__(name, torch.bincount(
+                out[2].reshape(-1), minlength=6)))
+    ref(input_ids=ids)
+    want = {n: ref.get_submodule(n).e_score_correction_bias + 0.01 * torch.sign(c.double().mean() - c.double())
+            for n, c in counts.items()}
+
+    def body(comm):
+        g = make_groups(comm, tp=tp, ep=ep)
+        m = copy.deepcopy(model)
+        if tp > 1:
+            m = tpkit.parallelize(m, plan=tpkit.KEEP_EXPERTS_WHOLE, comm=g.tp, mode="training")
+        tpkit.expert_parallel(m, g).train()
+        mine = ids.chunk(g.dp.world_size)[g.dp.rank]
+        m(input_ids=mine)
+        loads = update_expert_bias(m, rate=0.01)
+        return {n: m.get_submodule(n).e_score_correction_bias.clone() for n in want}, loads
+
+    for biases, loads in tpkit.run_threads(body, world):
+        assert [v.tolist() for v in loads.values()] == [c.tolist() for c in counts.values()]  # one MoE layer
+        for name, bias in biases.items():
+            torch.testing.assert_close(bias, want[name], rtol=0, atol=1e-12)

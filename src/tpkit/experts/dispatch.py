@@ -56,10 +56,12 @@ def _regroup(rows: torch.Tensor, sizes: Sequence[int], outer: int, inner: int) -
 
 
 def dispatch(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, comm: Communicator,
-             owners: ExpertOwners, compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
+             owners: ExpertOwners, compute: Callable[[torch.Tensor, list[int]], torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's output for this rank's rows `hidden` [n, H], routed to experts `index` [n, k] (global expert
-    numbers) with `weights` [n, k]: `sum_j weights[:, j] * expert[index[:, j]](hidden)`. `compute(rows, counts)`
-    runs this rank's experts on `rows` sorted by local expert, `counts[e]` rows each."""
+    numbers) with `weights` [n, k]: `sum_j weights[:, j] * expert[index[:, j]](hidden)`; and how many of this
+    rank's choices went to each expert [E]. `compute(rows, counts)` runs this rank's experts on `rows` sorted by
+    local expert, `counts[e]` rows each."""
     n, k = index.shape
     ep, me = comm.world_size, comm.rank
     mine = owners.counts[me]
@@ -80,4 +82,4 @@ def dispatch(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, c
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     pairs = back.index_select(0, inverse).view(n, k, hidden.shape[-1])
-    return (pairs * weights.unsqueeze(-1).to(pairs.dtype)).sum(1).to(hidden.dtype)
+    return (pairs * weights.unsqueeze(-1).to(pairs.dtype)).sum(1).to(hidden.dtype), counts

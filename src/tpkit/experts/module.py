@@ -35,6 +35,7 @@ class DispatchedExperts(nn.Module):
         self.first = self.owners.starts[ep.rank]
         self.count = self.owners.counts[ep.rank]
         self.act_fn = original.act_fn
+        self.tokens_per_expert: torch.Tensor | None = None  # this rank's choices per expert since the last balancing
         for name in (info.up, "down_proj"):
             p = getattr(original, name)
             local = p.detach()[self.first:self.first + self.count].clone()
@@ -47,13 +48,17 @@ class DispatchedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return dispatch(hidden_states, top_k_index, top_k_weights, self.ep, self.owners, self.compute)
-        sizes = split_sizes(hidden_states.shape[0], self.tp.world_size)
-        start = sum(sizes[:self.tp.rank])
-        index = top_k_index[start:start + sizes[self.tp.rank]]
-        rows, weights = scatter_to_region(hidden_states, self.tp, 0), scatter_to_region(top_k_weights, self.tp, 0)
-        out = dispatch(rows, index, weights, self.ep, self.owners, self.compute)
-        return gather_from_region(out, self.tp, 0)
+            out, load = dispatch(hidden_states, top_k_index, top_k_weights, self.ep, self.owners, self.compute)
+        else:
+            sizes = split_sizes(hidden_states.shape[0], self.tp.world_size)
+            start = sum(sizes[:self.tp.rank])
+            index = top_k_index[start:start + sizes[self.tp.rank]]
+            rows, weights = scatter_to_region(hidden_states, self.tp, 0), scatter_to_region(top_k_weights, self.tp, 0)
+            out, load = dispatch(rows, index, weights, self.ep, self.owners, self.compute)
+            out = gather_from_region(out, self.tp, 0)
+        if self.training:  # for balancing by the router's bias (`balance.update_expert_bias`), not a gradient
+            self.tokens_per_expert = self.tokens_per_expert + load if self.tokens_per_expert is not None else load
+        return out
 
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on `rows`, `counts[e]` consecutive rows for local expert e (zero rows allowed)."""
