@@ -291,7 +291,7 @@ def test_an_ep_that_cannot_be_carved_names_the_choices(world, tp, ep, why):
 def test_router_bias_moves_on_the_global_counts(reference, world, tp, ep):
     """DeepSeek-V3's balancing by bias: every rank's bias moves as one process's would on the whole batch's counts
     (the reference counts the router's own choices, hooked in plain transformers)."""
-    from tpkit.experts import update_expert_bias
+    from tpkit import update_expert_bias
 
     model, ids, _, _ = reference["deepseek"]
     ref, counts = copy.deepcopy(model), {}
@@ -318,3 +318,29 @@ def test_router_bias_moves_on_the_global_counts(reference, world, tp, ep):
         assert [v.tolist() for v in loads.values()] == [c.tolist() for c in counts.values()]  # one MoE layer
         for name, bias in biases.items():
             torch.testing.assert_close(bias, want[name], rtol=0, atol=1e-12)
+
+
+def test_lora_on_the_fused_experts_is_refused_naming_it(reference):
+    """PEFT's LoRA on the 3-D expert weights (target_parameters) of an expert-parallel model stops at the first
+    forward; LoRA on the attention trains, the experts frozen and dispatched as before."""
+    import peft
+
+    model, ids, _, _ = reference["qwen3"]
+
+    def body(comm):
+        g = make_groups(comm, tp=1, ep=2)
+        out = []
+        for config in (peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"]),
+                       peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])):
+            m = peft.get_peft_model(tpkit.expert_parallel(copy.deepcopy(model), g), config)
+            mine = ids.chunk(2)[comm.rank]
+            try:
+                m(input_ids=mine, labels=mine).loss.backward()
+                out.append(sorted(n for n, p in m.named_parameters() if p.grad is not None)[:1])
+            except NotImplementedError as exc:
+                out.append(str(exc))
+        return out
+
+    for refused, trained in tpkit.run_threads(body, 2):
+        assert "target_parameters" in refused and "LoRA" in refused, refused
+        assert trained and "lora_A" in trained[0], trained

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..comm import split_sizes
 from ..comm.communicator import Communicator
@@ -47,6 +48,12 @@ class DispatchedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if parametrize.is_parametrized(self):  # PEFT's LoRA on the 3-D weights (`target_parameters`)
+            raise NotImplementedError(
+                f"{type(self).__name__}: its weights {sorted(self.parametrizations)} are parametrized (PEFT's LoRA "
+                f"on fused experts, target_parameters): their adapters would hold every expert on every rank and skip "
+                f"the experts' gradient rule; tpkit's expert parallelism trains LoRA on the other layers only (leave "
+                f"the experts out of target_parameters)")
         if self.tp is None:
             out, load = dispatch(hidden_states, top_k_index, top_k_weights, self.ep, self.owners, self.compute)
         else:
