@@ -14,7 +14,6 @@ from hypothesis import given, settings, strategies as st
 import tpkit
 from tpkit.comm import groups as make_groups
 from tpkit.experts import experts_of
-from tpkit.experts.dispatch import ExpertOwners
 from tpkit.experts.module import DispatchedExperts
 from tpkit.convert.families.experts import fused_experts
 

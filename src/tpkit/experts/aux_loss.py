@@ -73,8 +73,9 @@ class GlobalAuxLoss:
             mask = self.dp.all_gather(mask.contiguous(), 0, batches)
         aux = self.fn(gathered, self.num_experts, self.top_k, mask)
         output["aux_loss"] = aux
-        if output.get("loss") is not None:
-            output["loss"] = output["loss"] + self.coef * _Scale.apply(aux, self.dp.world_size).to(output["loss"].device)
+        loss = output.get("loss")
+        if loss is not None:
+            output["loss"] = loss + self.coef * _Scale.apply(aux, self.dp.world_size).to(loss.device)
         return output
 
 
