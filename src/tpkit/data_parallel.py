@@ -154,7 +154,9 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
     conversion = _check(model, dp_comm, mode)
     found = find_record(model, "data_parallel")
     record = found[1] if found is not None else attach_record(model, ModelRecord(communicator_of(model), {}))
-    experts = record.experts.keys if record.experts is not None else frozenset()  # reduced by their own groups
+    # the experts reduce their own gradients over their own groups: named as `model` names them (a wrapper's prefix)
+    prefix = f"{found[0]}." if found is not None and found[0] else ""
+    experts = frozenset(prefix + k for k in record.experts.keys) if record.experts is not None else frozenset()
     if mode == "fsdp":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard

@@ -6,9 +6,11 @@ float64), in real gloo processes, float64, clipping active:
   reference's loss, grad_norm, eval_loss and full-logits metrics, count its tokens and flops, and `save_model()`
   writes its directory (each expert gathered from the rank holding it); the tp2 x dp2 run's checkpoint-3 resumed at
   dp4 with ep2 ends where the reference does; experts sharing rows over another tp group than the model's, a
-  load-balancing loss over each replica's tokens and even_batches=False are refused, naming tpkit's way;
-- 2 ranks: ep2 over dp2 (DDP) and ep2 = tp2 the same; TRL's SFTTrainer on ep2 over dp2 logs TRL's one process's loss,
-  grad_norm, mean_token_accuracy and entropy.
+  load-balancing loss over each replica's tokens, even_batches=False and a LoRA adapter on the experts' weights are
+  refused, naming tpkit's way;
+- 2 ranks: ep2 over dp2 (DDP) and ep2 = tp2 the same; on ep2 over dp2, a PEFT LoRA model (attention adapters, under
+  DDP below PEFT's wrapper) trains and saves the adapter stock PEFT + Trainer does, and TRL's SFTTrainer logs TRL's one
+  process's loss, grad_norm, mean_token_accuracy and entropy.
 
 The eval set is 12 rows in batches of 3: whole batches on every replica (a short last batch, padded by accelerate to
 fill the replicas, changes the eval_loss of any data-parallel run, tpkit's or plain Trainer's). With tp2 the figures
@@ -67,6 +69,14 @@ def _expert_parallel(directory: str, comm, tp: int, ep: int, model_groups=None):
     return tpkit.expert_parallel(model, model_groups or g)
 
 
+def _lora(model, **changes):
+    import peft
+
+    torch.manual_seed(0)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      lora_dropout=0.0, init_lora_weights=False, **changes))
+
+
 def _trainer(model, out: str, **changes):
     import tpkit.trainer
 
@@ -104,7 +114,9 @@ def _four(directory: str, out: str) -> dict:
                            comm, tp=2, ep=2)), os.path.join(out, "refused"))),
                        ("router", router_loss),
                        ("even", lambda: _trainer(_expert_parallel(directory, comm, 1, 4), os.path.join(out, "refused"),
-                                                 accelerator_config={"even_batches": False}))):
+                                                 accelerator_config={"even_batches": False})),
+                       ("adapter", lambda: _trainer(_lora(_expert_parallel(directory, comm, 1, 4), target_parameters=[
+                           "mlp.experts.gate_up_proj"]), os.path.join(out, "refused")))):
         try:
             make()
             said[name] = "accepted"
@@ -115,7 +127,7 @@ def _four(directory: str, out: str) -> dict:
 
 
 def _two(directory: str, out: str) -> dict:
-    """2 ranks: the `TWO` runs, then TRL's SFTTrainer on ep2 over dp2."""
+    """2 ranks: the `TWO` runs, then a LoRA model and TRL's SFTTrainer on ep2 over dp2."""
     import transformers as tr
 
     import tpkit.trainer
@@ -123,6 +135,11 @@ def _two(directory: str, out: str) -> dict:
 
     comm = tpkit.init()
     res = _train(directory, out, comm, TWO)
+    lora = _trainer(_lora(_expert_parallel(directory, comm, 1, 2)), os.path.join(out, "lora"),
+                    per_device_train_batch_size=2)
+    lora.train()
+    lora.save_model()
+    res["lora"] = lora.state.log_history
     sft = tpkit.trainer.SFTTrainer(model=_expert_parallel(directory, comm, 1, 2),
                                    args=config(os.path.join(out, "sft"), per_device_train_batch_size=2, **SFT),
                                    train_dataset=texts(), processing_class=tr.AutoTokenizer.from_pretrained(directory))
@@ -158,6 +175,20 @@ def reference(out):
     model = tr.AutoModelForCausalLM.from_pretrained(os.path.join(out, "moe"), dtype=torch.float64,
                                                     experts_implementation="eager")
     trainer = tr.Trainer(model=model, args=arguments(os.path.join(out, "ref")), train_dataset=train_rows(),
+                         eval_dataset=eval_rows(), compute_metrics=next_token_accuracy)
+    trainer.train()
+    trainer.save_model()
+    return trainer.state.log_history
+
+
+@pytest.fixture(scope="module")
+def lora_reference(out):
+    """ONE process of stock PEFT + Trainer on the unconverted model."""
+    import transformers as tr
+
+    model = tr.AutoModelForCausalLM.from_pretrained(os.path.join(out, "moe"), dtype=torch.float64,
+                                                    experts_implementation="eager")
+    trainer = tr.Trainer(model=_lora(model), args=arguments(os.path.join(out, "ref-lora")), train_dataset=train_rows(),
                          eval_dataset=eval_rows(), compute_metrics=next_token_accuracy)
     trainer.train()
     trainer.save_model()
@@ -215,6 +246,16 @@ def test_an_expert_parallel_checkpoint_resumes_at_another_layout(four, reference
     assert max(rel(ours[k], theirs[k]) for k in ours) < 1e-4
 
 
+def test_lora_on_an_expert_parallel_model_trains_and_saves_as_stock_peft(two, lora_reference, out):
+    from safetensors.torch import load_file
+
+    assert not same_figures(logged(two["lora"]), logged(lora_reference), TIGHT), \
+        same_figures(logged(two["lora"]), logged(lora_reference), TIGHT)
+    ours = load_file(os.path.join(out, "lora", "adapter_model.safetensors"))
+    theirs = load_file(os.path.join(out, "ref-lora", "adapter_model.safetensors"))
+    assert ours.keys() == theirs.keys() and max(rel(ours[k], theirs[k]) for k in ours) < 1e-10
+
+
 def test_sft_on_an_expert_parallel_model_logs_what_trl_logs(two, sft_reference):
     got, want = logged(two["sft"]), logged(sft_reference)
     assert {k for _, k, _ in got} >= {"loss", "grad_norm", "mean_token_accuracy", "entropy"}
@@ -227,3 +268,5 @@ def test_what_an_expert_parallel_model_cannot_train_exactly_is_refused(four):
         said["groups"] and "tpkit.expert_parallel(model, g)" in said["groups"], said
     assert said["router"].startswith("TrainerSetupError") and "output_router_logits=False" in said["router"], said
     assert said["even"].startswith("TrainerSetupError") and "even_batches" in said["even"], said
+    assert said["adapter"].startswith("TrainerSetupError") and "mlp.experts" in said["adapter"] and \
+        "target_modules" in said["adapter"], said

@@ -37,6 +37,7 @@ import torch
 from ..context import gather_sequence
 from ..convert.stock_calls import vocabulary_sizes
 from ..data_parallel import data_parallel, repeated_blocks
+from ..nn.record import find_record
 from ..nn.split_logits import SplitLogits, gather_logits
 from . import checkpoints
 from .accelerator import TensorParallelAccelerator
@@ -222,6 +223,7 @@ class TensorParallelTrainer:
             return logits  # not per token of the last context-parallel forward (or cp switched off)
         return gather_sequence(logits, model)
 
+
 def _check_experts(trainer, layout) -> None:
     """What an expert-parallel model cannot train exactly under a Trainer: raises `TrainerSetupError`."""
     who = type(trainer).__name__
@@ -231,6 +233,15 @@ def _check_experts(trainer, layout) -> None:
                                 f"replica a batch fewer than another, which would wait for it forever; leave "
                                 f"accelerator_config's even_batches at True")
     model = trainer.accelerator.unwrap_model(trainer.model)
+    experts = layout.record.experts
+    inner = model.get_submodule(find_record(model, "tpkit.trainer")[0])  # the converted model below PEFT's wrappers
+    extra = [k for k, p in inner.named_parameters() if p.requires_grad and k not in experts.keys
+             and any(k.startswith(m + ".") for m in experts.modules)]
+    if extra:
+        raise TrainerSetupError(f"{who}: {extra[0]} (of {len(extra)}) is trainable inside an expert-parallel experts "
+                                f"module, which holds this rank's experts only: an adapter there would be each rank's "
+                                f"own, averaged over dp as if it were one weight; put adapters outside the experts "
+                                f"(PEFT target_modules such as q_proj / v_proj) or train the experts' own weights")
     text = model.config.get_text_config() if hasattr(getattr(model, "config", None), "get_text_config") else None
     if getattr(text, "output_router_logits", False) and (layout.dp is not None or layout.cp is not None):
         raise TrainerSetupError(f"{who}: output_router_logits=True adds the router's load-balancing loss, a product of "

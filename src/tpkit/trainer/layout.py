@@ -128,27 +128,32 @@ def _groups_layout(model: nn.Module, world: Communicator, tp: Communicator | Non
     except ValueError as exc:
         raise TrainerSetupError(f"tpkit.trainer: the model's groups are not tpkit.comm.groups(world, {call})'s: "
                                 f"{exc}") from None
-    have = [(what, ours.name, theirs.name) for what, ours, theirs in (
+    have = [(_named(what, ours.name), _named(what, theirs.name)) for what, ours, theirs in (
         ("tensor-parallel", tp, mine.tp), ("context-parallel", cp, mine.cp)) if ours is not None]
     if experts is not None:
-        edp = mine.edp if mine.edp is not None and mine.edp.world_size > 1 else None
-        have += [("expert", experts.ep.name, mine.ep.name),
-                 ("expert-data", getattr(experts.edp, "name", None), getattr(edp, "name", None)),
-                 ("experts' row-sharing (tp)", *_dispatch_tp(model, experts, mine.tp))]
-    wrong = [(what, ours, theirs) for what, ours, theirs in have if ours != theirs]
+        edp = mine.edp.name if mine.edp is not None and mine.edp.world_size > 1 else None
+        rows = _dispatch_tp(model, experts, mine.tp)
+        have += [(_named("expert", experts.ep.name), _named("expert", mine.ep.name)),
+                 (_named("expert-data", getattr(experts.edp, "name", None)), _named("expert-data", edp)),
+                 (_named("experts' row-sharing", rows[0]), _named("experts' row-sharing", rows[1]))]
+    wrong = [(ours, theirs) for ours, theirs in have if ours != theirs]
     if experts is not None and experts.dp != mine.dp.world_size:
-        wrong.append(("data-parallel size the experts' gradients are divided by", experts.dp, mine.dp.world_size))
+        wrong.append((f"its experts' gradients divided by dp {experts.dp}", f"dp {mine.dp.world_size}"))
     if wrong:
         steps = ("convert on g.tp" + (" (plan=tpkit.KEEP_EXPERTS_WHOLE)" if experts else "")
                  + (", call tpkit.context_parallel(model, g.cp)" if cp is not None else "")
                  + (", then tpkit.expert_parallel(model, g)" if experts else ""))
         raise TrainerSetupError(
-            f"tpkit.trainer: the model has " + "; ".join(f"{what} group {ours}" for what, ours, _ in wrong)
-            + f", but the data-parallel layout (tpkit.comm.groups: pp x dp x cp x tp, tp innermost) has rank "
-            f"{world.rank} in " + "; ".join(f"{what} group {theirs}" for what, _, theirs in wrong)
-            + f"; make the groups with g = tpkit.comm.groups(world, {call}), {steps}")
+            "tpkit.trainer: the model has " + "; ".join(ours for ours, _ in wrong) + ", but the data-parallel layout "
+            f"(tpkit.comm.groups: pp x dp x cp x tp, tp innermost) has rank {world.rank} in "
+            + "; ".join(theirs for _, theirs in wrong) + f"; make the groups with g = tpkit.comm.groups(world, "
+            f"{call}), {steps}")
     dp = mine.dp if mine.dp.world_size > 1 else None
     return TrainLayout(world, tp if tp is not None else mine.tp, dp, dp_mode, record, cp)
+
+
+def _named(what: str, group: str | None) -> str:
+    return f"{what} group {group if group is not None else '(none: each rank alone)'}"
 
 
 def _dispatch_tp(model: nn.Module, experts, tp: Communicator) -> tuple[str | None, str | None]:
