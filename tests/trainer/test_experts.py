@@ -2,12 +2,12 @@
 of plain transformers.Trainer on the whole global batch (transformers' eager experts: its fused kernel has no
 float64), in real gloo processes, float64, clipping active:
 
-- 4 ranks: tp2 x dp2 with ep4 (DDP) and dp4 with ep4 (FSDP2; 6 experts over 4 ranks hold 2, 2, 1, 1) log the
-  reference's loss, grad_norm, eval_loss and full-logits metrics, count its tokens and flops, and `save_model()`
-  writes its directory (each expert gathered from the rank holding it); the tp2 x dp2 run's checkpoint-3 resumed at
-  dp4 with ep2 ends where the reference does; experts sharing rows over another tp group than the model's, a
-  load-balancing loss over each replica's tokens, even_batches=False and a LoRA adapter on the experts' weights are
-  refused, naming tpkit's way;
+- 4 ranks: tp2 x dp2 with ep4 (DDP), dp4 with ep4 (FSDP2; 6 experts over 4 ranks hold 2, 2, 1, 1) and cp2 x dp2 with
+  ep4 (`tpkit.context_parallel` then `expert_parallel`; DDP) log the reference's loss, grad_norm, eval_loss and
+  full-logits metrics, count its tokens and flops, and `save_model()` writes its directory (each expert gathered from
+  the rank holding it); the tp2 x dp2 run's checkpoint-3 resumed at dp4 with ep2 ends where the reference does;
+  experts sharing rows over another tp group than the model's, a load-balancing loss over each replica's tokens,
+  even_batches=False and a LoRA adapter on the experts' weights are refused, naming tpkit's way;
 - 2 ranks: ep2 over dp2 (DDP) and ep2 = tp2 the same; on ep2 over dp2, a PEFT LoRA model (attention adapters, under
   DDP below PEFT's wrapper) trains and saves the adapter stock PEFT + Trainer does, and TRL's SFTTrainer logs TRL's one
   process's loss, grad_norm, mean_token_accuracy and entropy.
@@ -30,7 +30,8 @@ from tests.trainer.common import (STEPS, Rows, arguments, logged, next_token_acc
 pytestmark = pytest.mark.slow
 TIGHT, TP = 1e-6, 1e-5  # logged figures at tp1 / with tp2
 FOUR = {"tp2-dp2-ep4": (2, 4, dict(per_device_train_batch_size=2, save_strategy="steps", save_steps=3)),
-        "dp4-ep4-fsdp": (1, 4, dict(per_device_train_batch_size=1, fsdp="full_shard"))}
+        "dp4-ep4-fsdp": (1, 4, dict(per_device_train_batch_size=1, fsdp="full_shard")),
+        "cp2-dp2-ep4": (1, 4, dict(per_device_train_batch_size=2), 2)}  # (tp, ep, arguments[, cp])
 TWO = {"ep2-over-dp2": (1, 2, dict(per_device_train_batch_size=2)), "ep2-is-tp2": (2, 2, {})}
 SFT = dict(router_aux_loss_coef=0.0)  # TRL's default coefficient turns the router's load-balancing loss on
 
@@ -60,12 +61,14 @@ def state_of(directory: str) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------------- rank bodies
 
-def _expert_parallel(directory: str, comm, tp: int, ep: int, model_groups=None):
-    """The MoE converted on `tpkit.comm.groups(comm, tp, ep=ep)`'s tp group with its experts whole, then spread over
-    its expert group (or over `model_groups`' when given)."""
-    g = tpkit.comm.groups(comm, tp=tp, ep=ep)
+def _expert_parallel(directory: str, comm, tp: int, ep: int, model_groups=None, cp: int = 1):
+    """The MoE converted on `tpkit.comm.groups(comm, tp, cp, ep=ep)`'s tp group with its experts whole (made
+    context-parallel over its cp group when cp > 1), then spread over its expert group (or `model_groups`')."""
+    g = tpkit.comm.groups(comm, tp=tp, cp=cp, ep=ep)
     model = tpkit.from_pretrained(directory, comm=g.tp, mode="training", dtype=torch.float64,
                                   plan=tpkit.KEEP_EXPERTS_WHOLE)
+    if cp > 1:  # whole rows on every cp rank, each keeping its share of the tokens
+        tpkit.context_parallel(model, g.cp)
     return tpkit.expert_parallel(model, model_groups or g)
 
 
@@ -86,8 +89,9 @@ def _trainer(model, out: str, **changes):
 
 def _train(directory: str, out: str, comm, runs: dict) -> dict:
     res = {}
-    for name, (tp, ep, changes) in runs.items():
-        trainer = _trainer(_expert_parallel(directory, comm, tp, ep), os.path.join(out, name), **changes)
+    for name, (tp, ep, changes, *cp) in runs.items():
+        trainer = _trainer(_expert_parallel(directory, comm, tp, ep, cp=cp[0] if cp else 1), os.path.join(out, name),
+                           **changes)
         trainer.train()
         trainer.save_model()
         res[name] = {"history": trainer.state.log_history, "tokens": trainer.state.num_input_tokens_seen}
