@@ -11,7 +11,8 @@ parallelisms in turn, and changes three things, each recorded on the model's rec
    The data-parallel engines (`tpkit.data_parallel`) and the cp sum leave these weights alone;
 3. their layouts: dim 0 (the experts) split over the expert group, so checkpoints hold each expert once under the
    whole model's names, `clip_grad_norm_` counts each expert once and the replica sentinel compares them over the
-   expert-data group only.
+   expert-data group only; `save_pretrained` (collective) and `num_parameters` of a transformers model answer for
+   the whole model, each expert gathered from the rank holding it (`convert/stock_calls.py`), at any tp size.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ..comm.communicator import Communicator
 from ..comm.rank_groups import Groups
 from ..convert.families.expert_blocks import find_block
 from ..convert.families.experts import FusedExperts, fused_experts
+from ..convert.stock_calls import install_whole_model_calls
 from ..layout import ShardLayout
 from ..nn.mappings import copy_to_region
 from ..nn.quantized_experts import ExpertsQuantMethod
@@ -169,6 +171,7 @@ def expert_parallel(model: nn.Module, groups: Groups) -> nn.Module:
         record = attach_record(model, ModelRecord(groups.tp if groups.tp.world_size > 1 else None, {}))
     record.layouts = {**record.layouts, **layouts}
     record.experts = ExpertParallel(ep, edp, dp, tuple(n for n, _ in found), frozenset(keys))
+    install_whole_model_calls(model, record)  # save_pretrained and num_parameters: every expert, from its owner
     if aux is not None:
         aux.install(model)
     return model
