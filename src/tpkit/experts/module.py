@@ -47,13 +47,17 @@ class DispatchedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return dispatch(hidden_states, top_k_index, top_k_weights, self.ep, self.owners, self.compute)
+            return self.route(hidden_states, top_k_index, top_k_weights)
         sizes = split_sizes(hidden_states.shape[0], self.tp.world_size)
         start = sum(sizes[:self.tp.rank])
         index = top_k_index[start:start + sizes[self.tp.rank]]
         rows, weights = scatter_to_region(hidden_states, self.tp, 0), scatter_to_region(top_k_weights, self.tp, 0)
-        out = dispatch(rows, index, weights, self.ep, self.owners, self.compute)
+        out = self.route(rows, index, weights)
         return gather_from_region(out, self.tp, 0)
+
+    def route(self, rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's rows to their experts over the expert group and back (`dispatch.dispatch`)."""
+        return dispatch(rows, index, weights, self.ep, self.owners, self.compute)
 
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on `rows`, `counts[e]` consecutive rows for local expert e (zero rows allowed)."""
