@@ -44,6 +44,10 @@ from .calls import with_layers
 
 DEFAULT_IMBALANCE = 1.0  # the busiest expert rank's received pairs over the uniform share (1.0: uniform routing)
 COUNT_BYTES = 8  # an expert count (int64)
+EXPERTS_NOTE = ("expert parallelism: ep ranks share each MoE layer's experts (ceil(E / ep) whole experts on the "
+                "fullest rank, TP keeping them whole), traced with the tokens dispatched as uniform routing sends "
+                "them; each layer's all-to-alls over ep and the experts' gradients summed over the ranks holding the "
+                "same ones")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,17 +122,20 @@ def has_experts_config(config) -> bool:
                for a in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
-def memory_experts(model_or_config, dtype: torch.dtype, ep: int, tp: int, dp: int, cp: int) -> ExpertLayers | None:
-    """The experts `estimate_memory` counts apart (None: none; a model object at ep 1 is counted exactly as it is),
-    `ep` checked against them and against the layout of dp x cp x tp ranks."""
+def memory_experts(model_or_config, dtype: torch.dtype, ep: int, tp: int, dp: int, cp: int,
+                   modelled: bool = True) -> ExpertLayers | None:
+    """The experts `estimate_memory` counts apart (None: none), `ep` checked against them and against the layout of
+    dp x cp x tp ranks; ep > 1 is estimated for a transformer the estimates model (`modelled`)."""
     config = getattr(model_or_config, "config", None) if isinstance(model_or_config, nn.Module) else model_or_config
+    if ep > 1 and not modelled:
+        raise ValueError(f"estimate_memory: expert parallelism (ep={ep}) is estimated for a Hugging Face model with "
+                         f"fused experts; {type(model_or_config).__name__} has no config tpkit models")
     if ep == 1 and not has_experts_config(config):
         return None
     layers = expert_layers(model_or_config, dtype)
     check_experts(ep, layers, type(model_or_config).__name__)
-    check_layout(ep, tp, dp * cp * tp, "dp_size x cp x world_size",
-                 f"pass dp_size={replicas_for(ep, tp * cp)} (dp_mode 'ddp' or 'fsdp'): the replicas whose ranks make up "
-                 f"the expert group")
+    check_layout(ep, tp, dp * cp * tp, "dp_size x cp x world_size", f"pass dp_size={replicas_for(ep, tp * cp)} "
+                 f"(dp_mode 'ddp' or 'fsdp'): the replicas whose ranks make up the expert group")
     return layers if isinstance(layers, ExpertLayers) else None
 
 
@@ -178,10 +185,17 @@ def uniform_sizes(pairs: int, owners: ExpertOwners, rank: int,
                   imbalance: float = DEFAULT_IMBALANCE) -> tuple[list[int], list[int]]:
     """The sizes of `exchange` on ep rank `rank` under uniform routing, every rank routing `pairs` (row, choice)
     pairs: (pairs sent to each expert: an even share each; pairs received from each source for each local expert,
-    source-major: `imbalance` x ep x c / E x pairs in all for the c experts held, evenly)."""
-    ep, c = len(owners.counts), owners.counts[rank]
+    source-major). It receives `imbalance` x ep x c / E x pairs in all for the c experts it holds: its own pairs for
+    them as it sends them, the rest evenly from the other ranks."""
+    ep, c, first = len(owners.counts), owners.counts[rank], owners.starts[rank]
+    sent = split_sizes(pairs, owners.num_experts)
+    own = sent[first:first + c]
     received = math.ceil(imbalance * ep * c * pairs / owners.num_experts - 1e-9)
-    return split_sizes(pairs, owners.num_experts), split_sizes(received, ep * c)
+    others = iter(split_sizes(max(received - sum(own), 0), ep - 1)) if ep > 1 else iter(())
+    got = []
+    for source in range(ep):
+        got += own if source == rank else split_sizes(next(others), c)
+    return sent, got
 
 
 def layer_bytes(tokens: int, top_k: int, hidden: int, item: int, num_experts: int, ep: int, tp: int = 1,
@@ -235,3 +249,54 @@ def expert_data_seconds(tensor_bytes, rates, edp: int, in_step: float) -> float:
         return 0.0
     cost = rates.collective("all_reduce", edp)
     return sum(cost.seconds(n) + in_step for n in tensor_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertMemory:
+    """Expert memory per rank by ep at TP `tp` (`tpkit analyze`): for each ep, the experts the fullest rank holds of
+    each MoE layer, their weights' bytes, those bytes in `mode` (training: with gradients and AdamW states) and the
+    rank's total with everything else as the report counted it at tp (`rest`); `budget`: a device's memory."""
+
+    tp: int
+    mode: str
+    num_experts: int
+    layers: int
+    budget: int | None
+    rest: float
+    rows: tuple[tuple[int, int, float, float], ...]  # (ep, experts per rank, expert weight bytes, in mode)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "rows": [dict(zip(("ep", "experts", "weights", "memory"), r))
+                                                     for r in self.rows]}
+
+    def summary(self, width: int | None = None) -> str:
+        from ..tables import Column, format_bytes, render_table, wrap_text
+
+        training = self.mode == "training"
+        what = "weights + grads + AdamW" if training else "weights"
+        columns = [Column("ep"), Column("experts/rank"), Column("expert weights", drop=1),
+                   *([Column(f"experts ({what})")] if training else []), Column("per rank")]
+        if self.budget:
+            columns.append(Column(f"fits {format_bytes(self.budget)}", "left"))
+        rows = [[str(ep), f"{n} of {self.num_experts}" + (" (TP split)" if ep == 1 and self.tp > 1 else ""),
+                 format_bytes(w), *([format_bytes(m)] if training else []), format_bytes(self.rest + m),
+                 *(["yes" if self.rest + m <= self.budget else "no"] if self.budget else [])]
+                for ep, n, w, m in self.rows]
+        title = f"expert memory per rank by expert parallelism (tp {self.tp}, {self.mode}: {what})"
+        note = (f"{self.layers} MoE layers of {self.num_experts} experts; ep ranks of dp x cp x tp share them "
+                f"(tpkit.expert_parallel: ep a multiple of tp dividing dp x cp x tp), ceil(E / ep) whole experts on the "
+                f"fullest rank, TP keeping them whole; ep 1: as the TP plan splits them; per rank: the rest of the "
+                f"model as counted above at tp {self.tp}, activations not included")
+        return "\n".join([render_table(title, columns, rows, width), wrap_text(note, width, "", "  ")])
+
+
+def expert_memory(layers: ExpertLayers, tp: int, mode: str, held: float, budget: int | None = None) -> ExpertMemory:
+    """The `ExpertMemory` table at TP `tp`: `held` is what the report counts per rank in `mode` at tp (experts as
+    the TP plan splits them included); ep 1 and the multiples of tp doubling up to the experts (and E itself)."""
+    factor = 1.0 if mode == "inference" else 2 + 8 / layers.item  # gradients, AdamW's two fp32 states
+    e = layers.num_experts
+    eps = sorted({1} | {tp << i for i in range(16) if 1 < tp << i <= e} | ({e} if e % tp == 0 else set()))
+    rows = tuple((ep, -(-e // ep), layers.held(ep, tp) * layers.item, layers.held(ep, tp) * layers.item * factor)
+                 for ep in eps)
+    rest = held - rows[0][3]
+    return ExpertMemory(tp, mode, e, len(layers.infos), budget, rest, rows)

@@ -99,25 +99,29 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
                          f"transformer; {type(model_or_config).__name__} has no config tpkit models")
     engine = dp_size * cp if dp_mode == "fsdp" else dp_size  # FSDP2 shards over dp x cp, DDP averages over dp
     dp = (engine, dp_mode if engine > 1 else None)
-    experts = memory_experts(model_or_config, dtype, ep, world_size, dp_size, cp)
+    experts = memory_experts(model_or_config, dtype, ep, world_size, dp_size, cp, shape is not None)
     if shape is not None:
-        counted = analysed_parameters(model_or_config, world_size, mode) if isinstance(model_or_config,
-                                                                                          nn.Module) else None
-        if counted is None and experts is not None:  # the shape's formula has no experts: a weightless build's count
-            counted = analysed_parameters(with_layers(config, None, shape.num_layers, dtype), world_size, mode)
+        counted = _counted(model_or_config, shape, world_size, mode, dtype, experts)
         est = _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
                                     sequence_parallel, recompute, attention, master_weights, counted,
                                     model_or_config, dp, (cp, cp_method), (ep, experts))
     else:
-        if ep > 1:
-            raise ValueError(f"estimate_memory: expert parallelism (ep={ep}) is estimated for a Hugging Face model "
-                             f"with fused experts; {type(model_or_config).__name__} has no config tpkit models")
         est = _estimate_module(model_or_config, world_size, dtype, mode, optimizer, batch_size, master_weights,
                                example_input, input_shape, seq_len, dp)
     est.dp_size, est.dp_mode = dp_size, dp[1]
     if cp > 1 and dp[1] == "fsdp":
         est.notes.append(f"FSDP2 shards over dp x cp = {engine} ranks (every rank that holds the same weights)")
     return est
+
+
+def _counted(model_or_config, shape, world_size: int, mode: str, dtype, experts) -> tuple[int, int] | None:
+    """(parameters, on the fullest rank) as the converter counts them: a model object's own analysis, a MoE config's
+    weightless build (the shape's formula has no experts); None: the formula's."""
+    if isinstance(model_or_config, nn.Module):
+        return analysed_parameters(model_or_config, world_size, mode)
+    if experts is not None:
+        return analysed_parameters(with_layers(model_or_config, None, shape.num_layers, dtype), world_size, mode)
+    return None
 
 
 def _with_adapter(est: MemoryEstimate, wrapped: dict, the_plan, optimizer: str,

@@ -87,5 +87,5 @@ def exchange(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, c
     back = all_to_all(_regroup(out, back_sizes, mine, ep), comm, 0, 0, recv, send)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    pairs = back.index_select(0, inverse).view(n, k, -1)
+    pairs = back.index_select(0, inverse).view(n, k, hidden.shape[-1])  # n may be 0 (fewer rows than tp ranks)
     return (pairs * weights.unsqueeze(-1).to(pairs.dtype)).sum(1).to(hidden.dtype)

@@ -53,7 +53,7 @@ class DispatchedExperts(nn.Module):
         index = top_k_index[start:start + sizes[self.tp.rank]]
         rows, weights = scatter_to_region(hidden_states, self.tp, 0), scatter_to_region(top_k_weights, self.tp, 0)
         out = self.route(rows, index, weights)
-        return gather_from_region(out, self.tp, 0)
+        return gather_from_region(out, self.tp, 0, sizes)  # uneven: fewer rows than tp ranks when decoding
 
     def route(self, rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's rows to their experts over the expert group and back (`dispatch.dispatch`)."""
