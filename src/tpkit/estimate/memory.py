@@ -21,9 +21,9 @@ from ..convert.planning.decide import plan
 from ..quant import config_quantization
 from .activations import (context_extra_bytes, normalise_recompute, transformer_activation_bytes,
                           transformer_inference_bytes)
+from .calls import with_layers
 from .communication import largest_collective_bytes
 from .config import attention_kind, config_value, own_dtype, resolve_target
-from .calls import with_layers
 from .context import attention_method, check_cp, local_tokens
 from .experts import check_ep, memory_experts
 from .measure import measure_step

@@ -286,8 +286,7 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     saved = min(ex(lambda t, p: t.saved_bytes) + cp_parts[3], memory) if goal == "train" else 0.0
     note = quantized_note({q.name: q for q in traced.rows[-1][1].quantized}, rates) or ""
     return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm + cp_parts[1] + ep_comm, kernels, overhead,
-                      tp_comm,
-                      dp_comm, memory, int(round(ex(lambda t, p: p.ops))),
+                      tp_comm, dp_comm, memory, int(round(ex(lambda t, p: p.ops))),
                       int(round(ex(lambda t, p: p.collectives) + cp_parts[2])),
                       memory + rates.import_bytes + rates.runtime_bytes, compute,
                       ex(lambda t, p: p.flops), ex(lambda t, p: p.nbytes), ex(lambda t, p: p.comm_bytes), saved,
