@@ -132,7 +132,7 @@ def main() -> None:
     pipe = None
     if args.pp > 1:  # each rank builds, reads and converts only its stages; dp groups under FSDP2 or DDP
         pipe = tpkit.pipeline(args.model, comm, pp=args.pp, tp=args.tp or comm.world_size // (args.pp * args.cp),
-                              cp=args.cp, cp_method=args.cp_method, schedule=args.schedule,
+                              cp=args.cp, cp_method=args.cp_method, ep=args.ep, schedule=args.schedule,
                               microbatches=args.microbatches,
                               stages_per_rank=args.stages_per_rank, dp_mode=args.dp_mode, dtype=args.dtype)
         model, tp, dp = pipe.model.train(), pipe.groups.tp, pipe.groups.dp
@@ -167,9 +167,9 @@ def main() -> None:
         tpkit.watch_replicas(model, opt, every=args.check_replicas)
     start = ckpt.resume(model, opt) if args.resume else 0
     if comm.rank == 0:
-        cp = (f" x cp{args.cp}" if args.cp > 1 else "") + (f", ep{args.ep}" if args.ep > 1 else "")
-        layout = f"pp{args.pp} x dp{dp.world_size}{cp} x tp{tp.world_size} ({args.schedule}, {pipe.microbatches} " \
-                 f"micro-batches)" if pipe is not None else f"tp{tp.world_size} x dp{dp.world_size}{cp}"
+        cp, ep = f" x cp{args.cp}" if args.cp > 1 else "", f", ep{args.ep}" if args.ep > 1 else ""
+        layout = f"pp{args.pp} x dp{dp.world_size}{cp} x tp{tp.world_size}{ep} ({args.schedule}, {pipe.microbatches} " \
+                 f"micro-batches)" if pipe is not None else f"tp{tp.world_size} x dp{dp.world_size}{cp}{ep}"
         print(f"{args.model}: world {comm.world_size} = {layout}, {torch.get_num_threads()} thread(s) per rank, "
               f"starting at step {start}", flush=True)
 

@@ -41,7 +41,7 @@ from .estimate.predict import Setup
 from .estimate.search import SearchResult
 from .setups import analyze, apply_setup, search
 from .context import context_off, context_parallel, gather_sequence
-from .experts import KEEP_EXPERTS_WHOLE, expert_parallel
+from .experts import KEEP_EXPERTS_WHOLE, expert_parallel, update_expert_bias
 
 __version__ = "0.1.0"
 
@@ -64,5 +64,5 @@ __all__ = [
     "SearchResult", "Setup", "apply_setup", "search",
     "SpeedProfile", "calibrate_profile", "load_profile", "save_profile",
     "context_off", "context_parallel", "gather_sequence",
-    "KEEP_EXPERTS_WHOLE", "expert_parallel",
+    "KEEP_EXPERTS_WHOLE", "expert_parallel", "update_expert_bias",
 ]

@@ -154,14 +154,16 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
     conversion = _check(model, dp_comm, mode)
     found = find_record(model, "data_parallel")
     record = found[1] if found is not None else attach_record(model, ModelRecord(communicator_of(model), {}))
-    experts = record.experts.keys if record.experts is not None else frozenset()  # reduced by their own groups
+    experts = expert_params(model, record)  # reduced by their own groups
     if mode == "fsdp":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(dp_comm.process_group, device_type(dp_comm))
-        if experts:
-            torch_kwargs = {**torch_kwargs, "ignored_params": {p for k, p in model.named_parameters() if k in experts}}
+        if experts and shard_experts(record, torch_kwargs):
+            experts = {}
+        if experts:  # each held by one rank (no expert-data group): left to their own gradient rule
+            torch_kwargs = {**torch_kwargs, "ignored_params": set(experts.values())}
         for block in list(blocks) if blocks is not None else repeated_blocks(model):
             fully_shard(block, mesh=mesh, **torch_kwargs)
         wrapped = fully_shard(model, mesh=mesh, **torch_kwargs)
@@ -174,6 +176,34 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
             wrapped = DistributedDataParallel(model, process_group=dp_comm.process_group, **torch_kwargs)
     record.data_parallel = DataParallel.of(mode, model, dp_comm, record)
     return wrapped
+
+
+def shard_experts(record: ModelRecord, torch_kwargs: dict[str, Any]) -> bool:
+    """FSDP2 over the expert-data group for each experts module of an expert-parallel model (before the blocks
+    around them, which then leave their weights alone), its gradients summed over that group and divided by the
+    dp size (the expert rule, `tpkit.expert_parallel`); False when each expert is held by one rank only."""
+    experts = record.experts
+    if experts is None or experts.edp is None or record.owner is None:
+        return False
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(_process_group(experts.edp, "data_parallel", "the expert-data group"),
+                                 device_type(experts.edp))
+    for module in experts.hand_to_fsdp(record.owner):
+        fully_shard(module, mesh=mesh, **torch_kwargs)
+        module.set_gradient_divide_factor(float(experts.dp))
+    return True
+
+
+def expert_params(module: nn.Module, record: ModelRecord) -> dict[str, nn.Parameter]:
+    """`{name in module: parameter}` of the expert weights of an expert-parallel model (`tpkit.expert_parallel`):
+    their gradients are reduced over their own expert-data group, so the engines leave them alone."""
+    if record.experts is None:
+        return {}
+    owner = record.owner
+    ids = {id(p) for k, p in owner.named_parameters() if k in record.experts.keys} if owner is not None else set()
+    return {k: p for k, p in module.named_parameters() if id(p) in ids}
 
 
 def data_parallel_manual_seed(seed: int, tp_comm: Communicator, dp_comm: Communicator):

@@ -260,7 +260,7 @@ def check_replicas(model: nn.Module, comm: Communicator | None = None, grads: bo
                                         if k not in expert_keys], "dp"))
     if cp is not None:  # the cp ranks of one replica hold the same tensors (or the same FSDP2 shard of them)
         groups.append((cp, [_Item(k, tuple(range(cp.world_size))) for k in named if k not in expert_keys], "cp"))
-    if experts is not None and experts.edp is not None:  # the ranks holding the same experts
+    if experts is not None and experts.edp is not None and not experts.fsdp:  # the ranks holding the same experts
         groups.append((experts.edp, [_Item(k, tuple(range(experts.edp.world_size))) for k in sorted(expert_keys)],
                        "edp"))
     tied = getattr(pipe, "tied", None)

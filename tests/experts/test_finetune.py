@@ -90,7 +90,8 @@ def test_ep2(moe, tmp_path, layout, printed):
     (("--tp", "1", "--ep", "4"), "world 4 = tp1 x dp4, ep4"),  # 6 experts over 4 ranks: 2, 2, 1, 1
     (("--tp", "1", "--cp", "2", "--ep", "4"), "world 4 = tp1 x dp2 x cp2, ep4"),
     (("--tp", "1", "--ep", "2", "--dp-mode", "ddp"), "world 4 = tp1 x dp4, ep2"),
-], ids=["ep4-over-dp4", "ep4-over-cp2xdp2", "ep2-ddp"])
+    (("--tp", "1", "--ep", "2", "--dp-mode", "fsdp"), "world 4 = tp1 x dp4, ep2"),  # experts sharded over edp 2
+], ids=["ep4-over-dp4", "ep4-over-cp2xdp2", "ep2-over-dp4-ddp", "ep2-over-dp4-fsdp"])
 def test_ep_over_four_ranks(moe, tmp_path, layout, printed):
     output, out = train(4, moe, tmp_path, "ep4", *layout)
     assert printed in output, output
@@ -112,3 +113,28 @@ def test_an_ep_that_cannot_be_carved_stops_before_step_one(moe, tmp_path):
                                timeout=120)
     assert code != 0 and "--ep 3" in output and "not a multiple of tp 2" in output, output
     assert "step 1:" not in output, output
+
+
+@pytest.mark.slow
+def test_ep2_x_pp2(moe, tmp_path):
+    output, out = train(4, moe, tmp_path, "ep2pp2", "--pp", "2", "--tp", "1", "--ep", "2")
+    assert "world 4 = pp2 x dp2 x tp1, ep2" in output, output
+    equal_to_reference(output, out, reference(moe, 12, 4))
+
+
+@pytest.mark.slow
+def test_ep2_over_dp2_with_the_auxiliary_loss(tmp_path):
+    """The router's load-balancing loss on the whole global batch (one process's), not the mean of the ranks'."""
+    import transformers as tr
+
+    torch.manual_seed(2)
+    config = tr.Qwen3MoeConfig(vocab_size=103, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               num_experts=6, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               max_position_embeddings=64, initializer_range=0.2, output_router_logits=True,
+                               router_aux_loss_coef=0.5)
+    tr.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "aux")
+    model_dir = str(tmp_path / "aux")
+    output, out = train(2, model_dir, tmp_path, "aux", "--tp", "1", "--ep", "2")
+    want = reference(model_dir, 12, 4)
+    equal_to_reference(output, out, want)

@@ -18,13 +18,20 @@ STEPS = 6
 def make_model(directory: str, layers: int = 2, vocab: int = VOCAB) -> str:
     """A tiny Llama (8 heads, 4 KV heads) and a word-level tokenizer "w0" .. "w93" in `directory`."""
     import transformers as tr
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     config = tr.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
                             bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
     torch.manual_seed(0)
     tr.LlamaForCausalLM(config).save_pretrained(directory)
+    return save_tokenizer(directory)
+
+
+def save_tokenizer(directory: str) -> str:
+    """The word-level tokenizer "w0" .. "w93" (ids 3 .. 96; pad, bos, eos 0, 1, 2) in `directory`."""
+    import transformers as tr
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

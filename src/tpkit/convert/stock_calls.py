@@ -29,6 +29,7 @@ from ..layout import HeadLayout
 from ..nn import sentinel
 from ..nn.full_tensors import full_numel, full_state_dict, is_embedding
 from ..nn.mappings import gather_from_region
+from ..nn.record import ModelRecord
 from ..nn.split_logits import SplitLogits
 from .conversion import Conversion, conversions_in
 from .styles import ROWWISE, VOCAB_PARALLEL
@@ -46,13 +47,30 @@ def install(model: nn.Module, record: Conversion) -> None:
     vocab = _head_sizes(model, record)
     if heads or vocab is not None:
         model.register_forward_hook(FullOutputs(record, vocab, heads))
+    install_whole_model_calls(model, record)
     if _is_transformers_model(model):
-        if all(hasattr(type(model), h) for h in SAVE_HOOKS):
-            model.gather_sharded_state_dict_for_save = GatherForSave(record)
-            model.should_save_on_this_rank = SaveOnWorldRankZero(record)
-            model.barrier_after_gathered_checkpoint_save = WorldBarrier(record)
-        model.num_parameters = NumParameters(record)
         model.resize_token_embeddings = RefuseResize(record)
+
+
+def install_whole_model_calls(model: nn.Module, record: ModelRecord) -> None:
+    """transformers' save hooks and `num_parameters` of the whole model (the second item of the module docstring) on
+    a transformers `model` whose record is `record`. `install` calls it; so does `tpkit.expert_parallel`, whose
+    experts are split over the expert group whatever the tensor-parallel size (1 included, where `install` did
+    nothing)."""
+    if not _is_transformers_model(model):
+        return
+    if all(hasattr(type(model), h) for h in SAVE_HOOKS):
+        model.gather_sharded_state_dict_for_save = GatherForSave(record)
+        model.should_save_on_this_rank = SaveOnWorldRankZero(record)
+        model.barrier_after_gathered_checkpoint_save = WorldBarrier(record)
+    model.num_parameters = NumParameters(record)
+
+
+def world_of(record: ModelRecord):
+    """The world communicator of a record's groups: its tensor-parallel group's, or its expert group's (a model
+    expert-parallel on a tp size of 1 holds no tensor-parallel group)."""
+    experts = getattr(record, "experts", None)
+    return root_of(record.comm if record.comm is not None or experts is None else experts.ep)
 
 
 class FullOutputs:
@@ -135,7 +153,7 @@ class SaveOnWorldRankZero:
         self.record = record
 
     def __call__(self, is_main_process: bool = True) -> bool:
-        return bool(is_main_process) and root_of(self.record.comm).rank == 0
+        return bool(is_main_process) and world_of(self.record).rank == 0
 
 
 class WorldBarrier:
@@ -145,7 +163,7 @@ class WorldBarrier:
         self.record = record
 
     def __call__(self, distributed_config: Any = None) -> None:
-        root_of(self.record.comm).barrier()
+        world_of(self.record).barrier()
 
 
 class NumParameters:

@@ -11,7 +11,8 @@ parallelisms in turn, and changes three things, each recorded on the model's rec
    The data-parallel engines (`tpkit.data_parallel`) and the cp sum leave these weights alone;
 3. their layouts: dim 0 (the experts) split over the expert group, so checkpoints hold each expert once under the
    whole model's names, `clip_grad_norm_` counts each expert once and the replica sentinel compares them over the
-   expert-data group only.
+   expert-data group only; `save_pretrained` (collective) and `num_parameters` of a transformers model answer for
+   the whole model, each expert gathered from the rank holding it (`convert/stock_calls.py`), at any tp size.
 """
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ from torch import nn
 
 from ..comm.communicator import Communicator
 from ..comm.rank_groups import Groups
+from ..convert.families.expert_blocks import find_block
 from ..convert.families.experts import FusedExperts, fused_experts
+from ..convert.stock_calls import install_whole_model_calls
 from ..layout import ShardLayout
 from ..nn.mappings import copy_to_region
 from ..nn.quantized_experts import ExpertsQuantMethod
 from ..nn.record import ModelRecord, attach_record, find_record
 from ..nn.rewrites import Rewrite, rewrite, rewrites_of
+from .aux_loss import GlobalAuxLoss, aux_loss_on
 from .module import DispatchedExperts
 
 #: Plan overrides that keep every fused experts module whole under tensor parallelism, for `expert_parallel` to
@@ -69,6 +73,19 @@ class ExpertParallel:
     dp: int
     modules: tuple[str, ...]
     keys: frozenset[str]
+    fsdp: bool = False  # FSDP2 shards the experts over edp and reduces their gradients (`tpkit.data_parallel`)
+
+    def hand_to_fsdp(self, owner: nn.Module) -> list[nn.Module]:
+        """The experts modules of `owner` (the record's model), their gradient rule handed to FSDP2 over the
+        expert-data group: its reduce-scatter sums over edp and `set_gradient_divide_factor(dp)` divides, so the
+        rewrites keep only marking them. Called by `tpkit.data_parallel` before it shards them."""
+        found = [owner.get_submodule(name) for name in self.modules]
+        for module in found:
+            for how in rewrites_of(module).values():
+                if isinstance(how, OverExperts):
+                    how.edp, how.dp = None, 1
+        self.fsdp = True
+        return found
 
 
 def _experts_modules(model: nn.Module, record: ModelRecord | None) -> list[tuple[str, FusedExperts]]:
@@ -93,13 +110,19 @@ def _experts_modules(model: nn.Module, record: ModelRecord | None) -> list[tuple
     if refused:
         raise NotImplementedError("expert_parallel: experts tpkit cannot dispatch exactly: " + "; ".join(refused[:3]))
     if not found:
+        separate = [n for n, m in model.named_modules() if find_block(n, m) is not None]
+        why = (f"; its MoE block(s) {separate[:3]} hold separate experts (a list of MLP modules, combined in the "
+               f"block's own forward, which calls only the experts it picked: no all-to-all can be matched across "
+               f"ranks): split them with tensor parallelism instead (tpkit.parallelize, style 'moe_block')"
+               if separate else "")
         raise ValueError(f"expert_parallel: {type(model).__name__} has no fused experts module (3-D gate_up_proj / "
-                         f"up_proj and down_proj, as transformers' Qwen3-MoE, Mixtral, DeepSeek, gpt-oss keep them)")
+                         f"up_proj and down_proj, as transformers' Qwen3-MoE, Mixtral, DeepSeek, gpt-oss keep them)"
+                         f"{why}")
     return found
 
 
 def _check(model: nn.Module, groups: Groups, found: list[tuple[str, FusedExperts]]) -> None:
-    if not isinstance(groups, Groups) or groups.ep is None:
+    if getattr(groups, "ep", None) is None:
         raise ValueError("expert_parallel: groups must be tpkit.comm.groups(comm, tp=..., ep=E) with E > 1 (it "
                          "carves the expert group out of dp x cp x tp)")
     ep = groups.ep.world_size
@@ -116,7 +139,8 @@ def _check(model: nn.Module, groups: Groups, found: list[tuple[str, FusedExperts
 
 
 def expert_parallel(model: nn.Module, groups: Groups) -> nn.Module:
-    """Spread `model`'s experts over `groups.ep` (see the module docstring); returns it. Checks everything before
+    """Spread `model`'s experts over `groups.ep` (see the module docstring; `groups`: `tpkit.comm.groups(...)` with
+    ep > 1, or a pipeline's `PipelineGroups`, which carry the same groups); returns it. Checks everything before
     changing anything: a refused model is left as it was."""
     found_record = find_record(model, "expert_parallel")
     record = found_record[1] if found_record is not None else None
@@ -129,6 +153,7 @@ def expert_parallel(model: nn.Module, groups: Groups) -> nn.Module:
     found = _experts_modules(model, record)
     _check(model, groups, found)
     ep, edp, dp = groups.ep, groups.edp, groups.dp.world_size
+    aux = _global_aux_loss(model, groups, record) if aux_loss_on(model) and dp > 1 else None
     edp = edp if edp is not None and edp.world_size > 1 else None
     layouts, keys = {}, set()
     for name, info in found:
@@ -146,7 +171,21 @@ def expert_parallel(model: nn.Module, groups: Groups) -> nn.Module:
         record = attach_record(model, ModelRecord(groups.tp if groups.tp.world_size > 1 else None, {}))
     record.layouts = {**record.layouts, **layouts}
     record.experts = ExpertParallel(ep, edp, dp, tuple(n for n, _ in found), frozenset(keys))
+    install_whole_model_calls(model, record)  # save_pretrained and num_parameters: every expert, from its owner
+    if aux is not None:
+        aux.install(model)
     return model
+
+
+def _global_aux_loss(model: nn.Module, groups: Groups, record: ModelRecord | None) -> GlobalAuxLoss:
+    """The hook that computes the router's auxiliary loss over the global batch (`aux_loss.py`), or a refusal."""
+    cp = groups.cp.world_size if groups.cp is not None else 1
+    where = f"context parallelism (cp {cp})" if cp > 1 else "a pipeline" if getattr(record, "pipeline", None) else None
+    if where:
+        raise NotImplementedError(f"expert_parallel: {type(model).__name__} adds the router's auxiliary loss "
+                                  f"(output_router_logits) and tpkit computes it over the global batch only without "
+                                  f"{where}; turn it off (config.output_router_logits=False) or drop {where}")
+    return GlobalAuxLoss(model, groups.dp)
 
 
 def experts_of(model: nn.Module) -> ExpertParallel | None:

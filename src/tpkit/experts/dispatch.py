@@ -56,16 +56,18 @@ def _regroup(rows: torch.Tensor, sizes: Sequence[int], outer: int, inner: int) -
 
 
 def dispatch(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, comm: Communicator,
-             owners: ExpertOwners, compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
+             owners: ExpertOwners, compute: Callable[[torch.Tensor, list[int]], torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's output for this rank's rows `hidden` [n, H], routed to experts `index` [n, k] (global expert
-    numbers) with `weights` [n, k]: `sum_j weights[:, j] * expert[index[:, j]](hidden)`. `compute(rows, counts)`
-    runs this rank's experts on `rows` sorted by local expert, `counts[e]` rows each."""
+    numbers) with `weights` [n, k]: `sum_j weights[:, j] * expert[index[:, j]](hidden)`; and how many of this
+    rank's choices went to each expert [E]. `compute(rows, counts)` runs this rank's experts on `rows` sorted by
+    local expert, `counts[e]` rows each."""
     ep, mine = comm.world_size, owners.counts[comm.rank]
     counts = torch.bincount(index.reshape(-1), minlength=owners.num_experts)
     received = comm.all_to_all(counts, 0, 0, owners.counts, [mine] * ep)
     sizes = torch.cat([counts, received]).tolist()  # the layer's one sync: the exchange below needs its sizes
     return exchange(hidden, index, weights, comm, owners, compute, sizes[:owners.num_experts],
-                    sizes[owners.num_experts:])
+                    sizes[owners.num_experts:]), counts
 
 
 def exchange(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, comm: Communicator,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..comm import split_sizes
 from ..comm.communicator import Communicator
@@ -35,6 +36,7 @@ class DispatchedExperts(nn.Module):
         self.first = self.owners.starts[ep.rank]
         self.count = self.owners.counts[ep.rank]
         self.act_fn = original.act_fn
+        self.tokens_per_expert: torch.Tensor | None = None  # this rank's choices per expert since the last balancing
         for name in (info.up, "down_proj"):
             p = getattr(original, name)
             local = p.detach()[self.first:self.first + self.count].clone()
@@ -46,6 +48,12 @@ class DispatchedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if parametrize.is_parametrized(self):  # PEFT's LoRA on the 3-D weights (`target_parameters`)
+            raise NotImplementedError(
+                f"{type(self).__name__}: its weights {sorted(self.parametrizations)} are parametrized (PEFT's LoRA "
+                f"on fused experts, target_parameters): their adapters would hold every expert on every rank and skip "
+                f"the experts' gradient rule; tpkit's expert parallelism trains LoRA on the other layers only (leave "
+                f"the experts out of target_parameters)")
         if self.tp is None:
             return self.route(hidden_states, top_k_index, top_k_weights)
         sizes = split_sizes(hidden_states.shape[0], self.tp.world_size)
@@ -56,8 +64,12 @@ class DispatchedExperts(nn.Module):
         return gather_from_region(out, self.tp, 0, sizes)  # uneven: fewer rows than tp ranks when decoding
 
     def route(self, rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """This rank's rows to their experts over the expert group and back (`dispatch.dispatch`)."""
-        return dispatch(rows, index, weights, self.ep, self.owners, self.compute)
+        """This rank's rows to their experts over the expert group and back (`dispatch.dispatch`); in training, the
+        tokens each expert was chosen for, kept for balancing by the router's bias (`balance.update_expert_bias`)."""
+        out, load = dispatch(rows, index, weights, self.ep, self.owners, self.compute)
+        if self.training:
+            self.tokens_per_expert = self.tokens_per_expert + load if self.tokens_per_expert is not None else load
+        return out
 
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on `rows`, `counts[e]` consecutive rows for local expert e (zero rows allowed)."""

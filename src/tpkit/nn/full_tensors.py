@@ -4,7 +4,8 @@ the model must see (`save_pretrained`, a PEFT adapter file, `num_parameters`).
 `gather_full` is one tensor; `full_state_dict` is a whole state dict, one key at a time (at most one full tensor on
 the device at once; the writer keeps them on the CPU). Both are collective: every rank of the model's
 tensor-parallel group calls them for the same keys in the same order, and under FSDP2 the data-parallel group too
-(each FSDP2 shard is first made whole over dp, `DTensor.full_tensor`).
+(each FSDP2 shard is first made whole over dp, `DTensor.full_tensor`); for an expert-parallel model, every rank of
+the expert group (each expert from the rank that holds it).
 """
 from __future__ import annotations
 
@@ -42,13 +43,16 @@ def tp_local(t: torch.Tensor) -> torch.Tensor:
 def full_state_dict(record: ModelRecord, state_dict: dict[str, torch.Tensor], keep: bool = True,
                     keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """`{key: full tensor}` of `state_dict` (the record owner's own keys; `keys`: a subset, in order), gathered over
-    the record's tensor-parallel group. Collective. `keep=False` (a rank that writes nothing) gathers and drops each
-    tensor, and returns {}; `keep=True` returns them, on the CPU."""
+    the record's tensor-parallel group (an expert-parallel model's experts over their expert group, `record.experts`,
+    whatever the tp size). Collective. `keep=False` (a rank that writes nothing) gathers and drops each tensor, and
+    returns {}; `keep=True` returns them, on the CPU."""
     out = {}
+    experts = getattr(record, "experts", None)
     for key in (keys if keys is not None else list(state_dict)):
         t = tp_local(state_dict[key])
         layout = record.layout(key, t.shape)
-        full = gather_full(t, layout, record.comm) if record.comm is not None and record.world_size > 1 else t
+        comm = experts.ep if experts is not None and key in experts.keys else record.comm
+        full = gather_full(t, layout, comm) if comm is not None and comm.world_size > 1 else t
         if keep:
             out[key] = full.detach().cpu()
     return out

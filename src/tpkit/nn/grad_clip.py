@@ -78,12 +78,16 @@ def partial_norm(params: list[torch.Tensor], held: dict[int, Holder], norm_type:
         mine = {id(p) for p in params if (h := held.get(id(p))) is not None and h.key in experts.keys}
         rest, grads = partial_norm([p for p in params if id(p) not in mine], held, norm_type,
                                    dataclasses.replace(record, experts=None), comm)
-        items = [(p.grad, None, 0) for p in params if id(p) in mine and p.grad is not None]
+        held_grads = [p.grad for p in params if id(p) in mine and p.grad is not None]
+        items = [(g.to_local() if hasattr(g, "to_local") else g, None, 0) for g in held_grads]  # FSDP2's shards
         dtype = torch.float64 if any(g.dtype == torch.float64 for g, _, _ in items) else rest.dtype
         op = ReduceOp.MAX if norm_type == math.inf else ReduceOp.SUM
-        part = experts.ep.all_reduce(power_sum(items, norm_type, dtype, torch.device("cpu")), op).to(rest.device)
-        total = torch.maximum(rest, part.to(rest.dtype)) if op is ReduceOp.MAX else rest + part.to(rest.dtype)
-        return total, grads + [g for g, _, _ in items]
+        part = experts.ep.all_reduce(power_sum(items, norm_type, dtype, torch.device("cpu")), op)
+        if experts.fsdp:  # each rank of the expert-data group holds a shard of its experts
+            part = experts.edp.all_reduce(part, op)
+        part = part.to(rest.device, rest.dtype)
+        total = torch.maximum(rest, part) if op is ReduceOp.MAX else rest + part
+        return total, grads + held_grads
     if record is not None and record.data_parallel is not None:
         return record.data_parallel.global_norm(params, held, norm_type, root=False)
     group = record.comm if record is not None and record.comm is not None else resolve_comm(comm)

@@ -28,6 +28,8 @@ from torch import nn
 from ..checkpoint import from_pretrained
 from ..comm.communicator import Communicator
 from ..context import context_parallel
+from ..convert.families.experts import FusedExperts, fused_experts
+from ..experts import KEEP_EXPERTS_WHOLE, expert_parallel
 from ..context.pipeline import StageContext
 from ..nn._layer import resolve_comm
 from ..nn.record import find_record
@@ -54,10 +56,11 @@ class Cut:
     mode: str
     cp: int = 1
     cp_method: str = "auto"
+    ep: int = 1
 
 
 def pipeline(model: nn.Module | str | os.PathLike, comm: Communicator | None = None, *, pp: int, tp: int = 1,
-             cp: int = 1, cp_method: str = "auto", schedule: str = "1f1b", microbatches: int | None = None,
+             cp: int = 1, cp_method: str = "auto", ep: int = 1, schedule: str = "1f1b", microbatches: int | None = None,
              stages_per_rank: int | None = None, starts: Sequence[int] | None = None, dp_mode: str = "fsdp",
              mode: str = "training", loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
              dtype=None, device: torch.device | str | int | None = None) -> Pipeline:
@@ -74,7 +77,9 @@ def pipeline(model: nn.Module | str | os.PathLike, comm: Communicator | None = N
     rank's part; the batch given to `Pipeline.step` is whole sequences, on every rank). `dp_mode`: FSDP2 or DDP over
     dp = world / (pp x cp x tp). `mode`: as `parallelize`'s ("training": the LM head's logits stay split over the
     vocabulary and the loss is computed on them). `loss_fn(output, labels)`: default, a Hugging Face causal LM's
-    own loss (the only one under cp > 1). Raises before anything changes when the model cannot be cut as asked."""
+    own loss (the only one under cp > 1). `ep`: a MoE model's experts spread over this many ranks of each stage's
+    dp x cp x tp (`tpkit.expert_parallel` on each rank's part). Raises before anything changes when the model cannot
+    be cut as asked."""
     comm = resolve_comm(comm)
     if getattr(comm, "process_group", None) is None:
         raise TypeError(f"pipeline: comm must be a torch-backend communicator (tpkit.init()); got "
@@ -88,7 +93,7 @@ def pipeline(model: nn.Module | str | os.PathLike, comm: Communicator | None = N
         raise ValueError(f"pipeline: cp {cp} with a loss_fn: under context parallelism the last stage holds the "
                          f"logits of this rank's tokens only, and the loss must shift the labels over the whole "
                          f"sequence and sum the ranks' shares; leave loss_fn out (the model's own causal LM loss)")
-    cut = Cut(comm, pp, tp, schedule, v, starts, mode, cp, cp_method)
+    cut = Cut(comm, pp, tp, schedule, v, starts, mode, cp, cp_method, ep)
     if isinstance(model, (str, os.PathLike)):
         made: list[PipelineParallel] = []
         part = from_pretrained(model, comm, mode=mode, dtype=dtype, device=device,
@@ -113,14 +118,17 @@ def prepare(model: nn.Module, cut: Cut) -> PipelineParallel:
     pp, n = cut.pp, cut.pp * cut.stages_per_rank
     split = split_stages(model, n, cut.starts)
     pairs = tied_pairs(model, split)
-    groups = pipeline_groups(cut.comm, pp, cut.tp, cut.cp)
+    groups = pipeline_groups(cut.comm, pp, cut.tp, cut.cp, cut.ep)
     mine = rank_stages(groups.pp_rank, n, pp, cut.schedule)
     first, last = stage_rank(0, n, pp, cut.schedule), stage_rank(n - 1, n, pp, cut.schedule)
     tied_comm = tied_groups(cut.comm, pairs, first, last, groups.pp_rank, groups.dp.world_size, cut.tp, cut.cp)
     keys = frozenset(model.state_dict().keys())
-    plan = converted_plan(model, groups.tp, cut.mode) if cut.tp > 1 else None
+    plan = converted_plan(model, groups.tp, cut.mode, KEEP_EXPERTS_WHOLE if cut.ep > 1 else "auto") \
+        if cut.tp > 1 else None
     if groups.cp_size > 1:  # what context_parallel refuses (method, attention kernel, layers) refused now
         context_parallel(weightless_copy(model), groups.cp, cut.cp_method)
+    if groups.ep is not None:  # and what expert_parallel refuses (no experts, fewer experts than ep)
+        expert_parallel(weightless_copy(model), groups)
     if pairs and first == last == groups.pp_rank:
         untie(model, pairs)
     prune(model, split, mine)
@@ -150,6 +158,8 @@ def _run_stages(part: nn.Module, facts: PipelineParallel, microbatches: int, dp_
     if groups.cp_size > 1:  # after the tp conversion (the cp sums wrap TP's) and the read; before FSDP2 / DDP
         context_parallel(part, groups.cp, cp_method)
         context = StageContext(part)
+    if groups.ep is not None and any(isinstance(fused_experts(m), FusedExperts) for m in part.modules()):
+        expert_parallel(part, groups)  # this stage's experts over its expert group; before FSDP2 / DDP
     modules: list[nn.Module] = list(stage_modules(part, facts.split, list(facts.stages), context))
     views: list[StageModule] = list(modules)  # type: ignore[arg-type]
     if groups.dp.world_size > 1:

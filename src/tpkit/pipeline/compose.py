@@ -20,7 +20,7 @@ from torch import nn
 
 from ..comm.communicator import Communicator
 from ..convert import Plan, parallelize
-from ..data_parallel import DataParallel, device_type
+from ..data_parallel import DataParallel, device_type, expert_params, shard_experts
 from ..nn.record import ModelRecord, attach_record, find_record
 from .split import StageSplit
 from .stage import HeldElsewhere, StageModule
@@ -33,10 +33,11 @@ def weightless_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def converted_plan(model: nn.Module, tp: Communicator, mode: str) -> Plan:
-    """The plan `tpkit.parallelize` applies to the whole `model` on `tp` (converted as a weightless copy)."""
+def converted_plan(model: nn.Module, tp: Communicator, mode: str, plan="auto") -> Plan:
+    """The plan `tpkit.parallelize` applies to the whole `model` on `tp` (converted as a weightless copy; `plan`:
+    "auto", or overrides such as `tpkit.KEEP_EXPERTS_WHOLE` for expert parallelism)."""
     whole = weightless_copy(model)
-    parallelize(whole, "auto", tp, mode=mode)
+    parallelize(whole, plan, tp, mode=mode)
     return whole.tp_plan
 
 
@@ -68,17 +69,23 @@ def data_parallel_stages(part: nn.Module, stages: list[StageModule], split: Stag
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(dp.process_group, device_type(dp))
+        # experts: sharded over their expert-data group (or, held once, left to their own gradient rule)
+        ignored = set() if shard_experts(record, {}) else set(expert_params(part, record).values())
         for stage in stages:
             blocks = stage.module.get_submodule(split.blocks)
             for i in split.stage_blocks(stage.stage):
-                fully_shard(blocks[i], mesh=mesh)
-            fully_shard(stage, mesh=mesh)
+                fully_shard(blocks[i], mesh=mesh, ignored_params=ignored)
+            fully_shard(stage, mesh=mesh, ignored_params=ignored)
         wrapped: list[nn.Module] = list(stages)
     else:
         from torch.nn.parallel import DistributedDataParallel
 
         # find_unused_parameters=True: DDP then never rebuilds its buckets, which torch 2.13 gets wrong under a
         # pipeline schedule (it counts the parameters of every micro-batch's backward and fails the second step)
+        for s in stages:
+            names = sorted(expert_params(s, record))
+            if names:
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(s, names)
         wrapped = [DistributedDataParallel(s, process_group=dp.process_group, find_unused_parameters=True)
                    for s in stages]
     record.data_parallel = DataParallel.of(mode, part, dp, record, roots=tuple(stages))

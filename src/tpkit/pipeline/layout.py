@@ -26,6 +26,8 @@ class PipelineGroups:
     tp: Communicator
     cp: Communicator | None = None
     dp_cp: Communicator | None = None
+    ep: Communicator | None = None   # the expert group inside the stage (`tpkit.expert_parallel`), None at ep 1
+    edp: Communicator | None = None  # the stage's ranks holding the same experts
 
     @property
     def pp_rank(self) -> int:
@@ -51,7 +53,7 @@ def world_rank(p: int, d: int, t: int, dp: int, tp: int, c: int = 0, cp: int = 1
     return ((p * dp + d) * cp + c) * tp + t
 
 
-def pipeline_groups(comm: Communicator, pp: int, tp: int = 1, cp: int = 1) -> PipelineGroups:
+def pipeline_groups(comm: Communicator, pp: int, tp: int = 1, cp: int = 1, ep: int = 1) -> PipelineGroups:
     """Cut `comm` (the world) into pp x dp x cp x tp groups, tp innermost (see the module docstring); dp is what is
     left (world / (pp x cp x tp)). Collective over `comm`: every rank creates every group, in the same order."""
     n = comm.world_size
@@ -62,5 +64,5 @@ def pipeline_groups(comm: Communicator, pp: int, tp: int = 1, cp: int = 1) -> Pi
         sizes = f"pp {pp} x tp {tp}" if cp == 1 else f"pp {pp} x cp {cp} x tp {tp}"
         raise ValueError(f"pipeline_groups: {sizes} = {pp * cp * tp} does not divide the world size {n}; world = pp x "
                          f"dp x {'cp x ' if cp > 1 else ''}tp")
-    mine = groups(comm, tp=tp, cp=cp, pp=pp)
-    return PipelineGroups(pp=mine.pp, dp=mine.dp, tp=mine.tp, cp=mine.cp, dp_cp=mine.dp_cp)
+    mine = groups(comm, tp=tp, cp=cp, pp=pp, ep=ep)
+    return PipelineGroups(pp=mine.pp, dp=mine.dp, tp=mine.tp, cp=mine.cp, dp_cp=mine.dp_cp, ep=mine.ep, edp=mine.edp)

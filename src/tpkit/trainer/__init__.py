@@ -12,6 +12,13 @@ A context-parallel model (cp x tp) takes the same call, its groups made by `tpki
     g = tpkit.comm.groups(comm, tp=2, cp=2)               # tp2 x cp2 (x dp = world / 4)
     model = tpkit.context_parallel(tpkit.from_pretrained(path, comm=g.tp, mode="training"), g.cp)
 
+and so does an expert-parallel MoE (`tpkit.expert_parallel`; its experts reduce their own gradients, DDP / FSDP2 leave
+them alone, `save_model` gathers each from the rank holding it):
+
+    g = tpkit.comm.groups(comm, tp=2, ep=4)               # tp2 x dp2, the experts spread over the 4 ranks
+    model = tpkit.expert_parallel(tpkit.from_pretrained(path, comm=g.tp, mode="training",
+                                                        plan=tpkit.KEEP_EXPERTS_WHOLE), g)
+
 The tensor-parallel (and context-parallel) groups are the model's; the rest of the world is data parallel
 (`layout.py`): the tp x cp ranks of one dp index are one replica that reads `per_device_train_batch_size` rows
 (whole sequences: each cp rank keeps its tokens), gradients are averaged over dp (DDP, or FSDP2 when the arguments

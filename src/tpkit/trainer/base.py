@@ -7,6 +7,9 @@ changes:
 - the accelerator: `TensorParallelAccelerator` (data loaders, DDP, clipping and metric gathers per data-parallel
   replica: the tp x cp ranks of one dp index are one replica), built with the arguments Trainer builds the stock one
   with;
+- clipping and the logged norm: always the accelerator's `tpkit.clip_grad_norm_` (transformers computes a norm of
+  its own when gradients live on several device meshes, as an expert-parallel model's plain expert gradients beside
+  FSDP2's shards do, and would count each rank's experts as the whole model's);
 - the tensor-parallel size Trainer asks for (`get_tp_size`: the replica's tp x cp, the divisor of the tokens it
   counts over the world, of the global batch and of its loss scale), and the input tokens it counts (once per
   replica);
@@ -18,7 +21,8 @@ changes:
   over tp, and a context-parallel model's tokens (each cp rank holds its zigzag share) gathered over cp into the
   whole sequences (`tpkit.gather_sequence`).
 
-What cannot be exact is refused before training, naming why (`_check_arguments`).
+What cannot be exact is refused before training, naming why (`_check_arguments`, and `_check_experts` for an
+expert-parallel model).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch
 from ..context import gather_sequence
 from ..convert.stock_calls import vocabulary_sizes
 from ..data_parallel import data_parallel, repeated_blocks
+from ..nn.record import find_record
 from ..nn.split_logits import SplitLogits, gather_logits
 from . import checkpoints
 from .accelerator import TensorParallelAccelerator
@@ -60,6 +65,8 @@ class TensorParallelTrainer:
                                     f"every sequence's logits), and label smoothing or a compute_loss_func computes "
                                     f"the loss from the logits against whole labels; leave label_smoothing_factor at 0 "
                                     f"and compute_loss_func unset: the model's own loss is the whole sequences' mean")
+        if layout.record.experts is not None:
+            _check_experts(self, layout)
         if dp_mode == "fsdp" and layout.dp is not None:
             if self.optimizer is not None:
                 raise TrainerSetupError(f"{type(self).__name__}: FSDP2 replaces the parameters, so an optimizer made "
@@ -82,6 +89,12 @@ class TensorParallelTrainer:
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(self.gather_function,
                                                      use_gather_object=self.args.eval_use_gather_object)
+
+    def _has_mixed_mesh_grads(self, model) -> bool:
+        """Never: transformers computes the norm of gradients on several device meshes itself (each mesh's norm, an
+        expert-parallel model's plain expert gradients beside FSDP2's shards taken as whole), bypassing the
+        accelerator; `TensorParallelAccelerator.clip_grad_norm_` counts every gradient once, whatever holds it."""
+        return False
 
     def get_tp_size(self) -> int:
         """The ranks that see the same batch (tp x cp). Trainer divides by it what it counts over the world, and
@@ -209,6 +222,35 @@ class TensorParallelTrainer:
                 logits.shape[1] != context.batch.split.local:
             return logits  # not per token of the last context-parallel forward (or cp switched off)
         return gather_sequence(logits, model)
+
+
+def _check_experts(trainer, layout) -> None:
+    """What an expert-parallel model cannot train exactly under a Trainer: raises `TrainerSetupError`."""
+    who = type(trainer).__name__
+    if layout.dp is not None and not trainer.accelerator.even_batches:
+        raise TrainerSetupError(f"{who}: the model is expert-parallel (every rank of an expert group takes part in "
+                                f"each MoE layer's all-to-all), and even_batches=False can give one data-parallel "
+                                f"replica a batch fewer than another, which would wait for it forever; leave "
+                                f"accelerator_config's even_batches at True")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    experts = layout.record.experts
+    inner = model.get_submodule(find_record(model, "tpkit.trainer")[0])  # the converted model below PEFT's wrappers
+    extra = [k for k, p in inner.named_parameters() if p.requires_grad and k not in experts.keys
+             and any(k.startswith(m + ".") for m in experts.modules)]
+    if extra:
+        raise TrainerSetupError(f"{who}: {extra[0]} (of {len(extra)}) is trainable inside an expert-parallel experts "
+                                f"module, which holds this rank's experts only: an adapter there would be each rank's "
+                                f"own, averaged over dp as if it were one weight; put adapters outside the experts "
+                                f"(PEFT target_modules such as q_proj / v_proj) or train the experts' own weights")
+    text = model.config.get_text_config() if hasattr(getattr(model, "config", None), "get_text_config") else None
+    if getattr(text, "output_router_logits", False) and (layout.dp is not None or layout.cp is not None):
+        raise TrainerSetupError(f"{who}: output_router_logits=True adds the router's load-balancing loss, a product of "
+                                f"means over the tokens each {'cp rank' if layout.cp is not None else 'replica'} "
+                                f"holds, not over the global batch one process sees; set output_router_logits=False "
+                                f"in the model's config (TRL: router_aux_loss_coef=0.0; tpkit's expert dispatch is "
+                                f"dropless: no capacity to balance), or train the expert-parallel model without data "
+                                f"or context parallelism (ep = tp)")
+
 
 def _check_arguments(args, kwargs: dict, who: str):
     """`(a copy of args whose FSDP request tpkit runs itself, dp mode, FSDP2's reshard_after_forward)`; raises
