@@ -27,11 +27,13 @@ from .convert.advice.analyze import analyze as analyze_plan
 from .convert.planning.planner import propose
 from .convert.trace import analyze_structure
 from .data_parallel import data_parallel
+from .experts import expert_parallel
 from .distributed import get_communicator
 from .estimate.framework import generate_token_seconds
 from .estimate.hardware import detect_hardware
 from .estimate.config import attention_kind, own_dtype, resolve_target
 from .estimate.context import context_refusal
+from .estimate.experts import expert_layers, expert_memory
 from .estimate.setup import Setup
 from .estimate.pricing import NotPriced, machine_pricing
 from .estimate.quantized import loaded_dtype
@@ -58,8 +60,9 @@ def _build(model_or_config, dtype: torch.dtype | None) -> nn.Module:
 
 def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None, plan: Any = None) -> nn.Module:
     """Run `model` under a setup (the search's `result.best`, or a `Setup`) on `comm`'s ranks (default the world):
-    split them into tp x dp groups (pp x dp x cp x tp with context parallelism, `tpkit.comm.groups`), convert with
-    the setup's plan, make it context-parallel over its cp group, recompute, wrap in DDP / FSDP2. `goal` (a
+    split them into tp x dp groups (pp x dp x cp x tp with context or expert parallelism, `tpkit.comm.groups`),
+    convert with the setup's plan, make it context-parallel over its cp group, spread its experts over its expert
+    group (`tpkit.expert_parallel`; the plan keeps them whole), recompute, wrap in DDP / FSDP2. `goal` (a
     candidate knows its own; default "train") decides training or inference mode. Returns the model to use; for a
     setup with pipeline stages (`pp > 1`), the `tpkit.Pipeline` (`tpkit.pipeline`: train with `.step`)."""
     comm = comm or get_communicator()
@@ -71,13 +74,13 @@ def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None
         raise ValueError(f"apply_setup: {setup.label()} needs {setup.devices} ranks, the communicator has "
                          f"{comm.world_size}")
     mode = "training" if goal == "train" else "inference"
-    cp = getattr(setup, "cp", 1)
+    cp, ep = getattr(setup, "cp", 1), getattr(setup, "ep", 1)
     if getattr(setup, "pp", 1) > 1:  # stages: a `tpkit.Pipeline` (its `.model` is this rank's part)
         return pipeline(model, comm, pp=setup.pp, tp=setup.tp, cp=cp, cp_method=getattr(setup, "cp_method", "auto"),
                         schedule=setup.schedule, microbatches=setup.microbatches,
                         stages_per_rank=setup.stages_per_rank, dp_mode=setup.dp_mode or "fsdp", mode=mode)
-    if cp > 1:  # FSDP2 shards over every rank holding the same weights (dp x cp), DDP averages over dp
-        laid = groups(comm, tp=setup.tp, cp=cp)
+    if cp > 1 or ep > 1:  # FSDP2 shards over every rank holding the same weights (dp x cp), DDP averages over dp
+        laid = groups(comm, tp=setup.tp, cp=cp, ep=ep)
         engine = laid.dp_cp if setup.dp_mode == "fsdp" else laid.dp
         tp, dp = laid.tp, engine if engine.world_size > 1 else None
     else:
@@ -87,6 +90,8 @@ def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None
         model = parallelize(model, plan, tp, mode=mode, sequence_parallel=setup.sequence_parallel)
     if cp > 1:  # after conversion (`tpkit.context`): gradients summed over cp, then DDP averages over dp (FSDP2: dp x cp)
         context_parallel(model, laid.cp, method=setup.cp_method)
+    if ep > 1:  # each rank keeps its experts of the expert group; the engines below leave them alone
+        expert_parallel(model, laid)
     if goal == "train" and setup.recompute != "none":
         recompute(model, setup.recompute)
     if goal == "train" and dp is not None and setup.dp_mode in ("ddp", "fsdp"):
@@ -276,13 +281,25 @@ def analyze(model: nn.Module, world_size: int | None = None, max_world_size: int
     of a known kind this machine is measured first (a quick calibration, written for the next call), unless
     `calibrate=False`: then the memory rule suggests (as the demo does). In training mode a transformer's report
     also shows its activations per rank by sequence length and context parallelism, and the longest sequence that
-    fits the budget at each cp (`sequence_table`)."""
+    fits the budget at each cp (`sequence_table`). A model with fused experts also gets its expert memory per rank
+    by expert parallelism (`expert_table`)."""
     report = analyze_plan(model, world_size, max_world_size, device_memory, mode, example_inputs,
                           advisor=search_advisor(profile, batch_size, seq_len, hardware, devices_per_node,
                                                  device_memory, calibrate),
                           devices_per_node=devices_per_node)
     report.sequences = sequence_table(model, report, batch_size)
+    report.experts = expert_table(model, report)
     return report
+
+
+def expert_table(model: nn.Module, report: AnalysisReport):
+    """Expert memory per rank by ep at the report's TP size beside the rest it counted
+    (`tpkit.estimate.experts.ExpertMemory`), for a model with fused experts; None for any other."""
+    layers = expert_layers(model)
+    if isinstance(layers, str):
+        return None
+    t = report.world_size
+    return expert_memory(layers, t, report.mode, report.per_rank_memory[t], report.device_memory)
 
 
 def sequence_table(model: nn.Module, report: AnalysisReport, batch_size: int = 1, cps=(1, 2, 4, 8)):

@@ -8,7 +8,10 @@ measured profile when there is one (each world size priced op by op, as `tpkit s
 known kind, else this machine measured now (a quick calibration, written for the next command); `--hardware`
 prices a datasheet machine instead. `--cp C` prices training with C context-parallel ranks sharing each sequence
 beside every world size's TP ranks (memory: the rank's share of the tokens; speed: the attention split, its
-all-to-alls or ring sends and the gradients summed over cp). `--calibrate` measures this machine (matmul rates,
+all-to-alls or ring sends and the gradients summed over cp). `--ep E` spreads a mixture-of-experts model's experts
+over E ranks (`tpkit.expert_parallel`): each world size dividing E runs with the data-parallel replicas that make up
+the expert group (memory: ceil(experts / E) whole experts per rank; speed: each MoE layer's all-to-alls, the expert
+work as uniform routing times `--ep-imbalance` sends it, the experts' gradients summed over their own group). `--calibrate` measures this machine (matmul rates,
 streaming bandwidth alone and shared, the framework's per-module time, collectives over `--backend` on 2 local
 ranks), writes the speed profile (`--profile FILE`, default `$TPKIT_PROFILE` or ~/.cache/tpkit/profile.json) and prints each term read back
 from that file; `--plot out.png` draws memory per rank and throughput against world size.
@@ -57,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp-method", default="auto", choices=["auto", "all_to_all", "ring"],
                         help="context-parallel attention (default auto: all-to-all where the local heads divide by C, "
                              "else the ring)")
+    parser.add_argument("--ep", type=int, default=1, metavar="E", help="a mixture-of-experts model's experts spread "
+                        "over E ranks, a multiple of each world size (others are left out), with the data-parallel "
+                        "replicas that make up the expert group (default 1)")
+    parser.add_argument("--ep-imbalance", type=float, default=1.0, metavar="F",
+                        help="with --ep: the busiest expert rank's load over uniform routing's (default 1.0)")
     parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     parser.add_argument("--attention", default=None, choices=["eager", "sdpa", "flash"],
                         help="attention kernel (default: the config's, else fused)")
@@ -88,7 +96,8 @@ def _memory_table(target: str, estimates, device_bytes: int, device_name: str, w
     title = (f"{target}: memory per rank, {first.mode}, {first.dtype}, batch {first.batch_size}"
              + (f" x seq {first.seq_len}" if first.seq_len else "") + (" + SP" if first.sequence_parallel else "")
              + (f", recompute {first.recompute}" if first.recompute != "none" else "")
-             + (f", each world size x cp {first.cp} ({first.cp_method})" if first.cp > 1 else ""))
+             + (f", each world size x cp {first.cp} ({first.cp_method})" if first.cp > 1 else "")
+             + (f", ep {first.ep}" if first.ep > 1 else ""))
     parts = [("params", "parameters", 1), ("grads", "gradients", 5), ("optimizer", "optimizer_states", 3),
              ("activations", "activations", 4), ("kv cache", "kv_cache", 2), ("comm buf", "communication_buffers", 7)]
     columns = [Column("world size")]
@@ -162,6 +171,25 @@ def _world_sizes(args: argparse.Namespace, pricing) -> list[int]:
     return sizes + ([pricing.devices] if pricing.devices not in sizes else [])
 
 
+def _with_ep(sizes: list[int], ep: int) -> list[int]:
+    """The world sizes an expert group of `ep` holds whole (all of them at ep 1)."""
+    kept = [t for t in sizes if ep % t == 0] if ep > 1 else sizes
+    if not kept:
+        raise ValueError(f"--ep {ep} is not a multiple of any world size asked ({sizes}): an expert group holds whole "
+                         f"TP groups; pass --world-size with sizes dividing {ep}")
+    return kept
+
+
+def _experts(args: argparse.Namespace, t: int) -> dict:
+    """estimate_memory's expert parallelism at world size `t`: the data-parallel replicas the expert group needs."""
+    if args.ep == 1:
+        return {}
+    from tpkit.estimate.experts import replicas_for
+
+    dp = replicas_for(args.ep, t * args.cp)
+    return {"ep": args.ep, **({"dp_size": dp, "dp_mode": "ddp"} if dp > 1 else {})}
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
 
@@ -198,7 +226,8 @@ def _run(args: argparse.Namespace) -> int:
     estimates = [estimate_memory(subject, t, dtype=dtype, mode=args.mode, optimizer=args.optimizer,
                                  batch_size=args.batch_size, seq_len=args.seq_len,
                                  sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                                 attention=args.attention, **extra, **context) for t in sizes]
+                                 attention=args.attention, **extra, **context, **_experts(args, t))
+                 for t in _with_ep(sizes, args.ep)]
     speed = None
     transformer = estimates[0].seq_len is not None  # the shape-modelled path; others were measured
     if transformer or extra:
@@ -208,7 +237,8 @@ def _run(args: argparse.Namespace) -> int:
         speed = estimate_speed(subject if not transformer else config, sizes, hardware=pricing.hardware,
                                dtype=dtype, mode=mode, batch_size=args.batch_size, seq_len=seq,
                                sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                               attention=args.attention, profile=pricing.profile, **extra, **context)
+                               attention=args.attention, profile=pricing.profile, **extra, **context,
+                               **({"ep": args.ep, "ep_imbalance": args.ep_imbalance} if args.ep != 1 else {}))
     if args.plot:
         from .estimate_plot import plot_estimate
 

@@ -24,12 +24,15 @@ Memory
     communication   the largest collective buffer
     context         context parallelism: a rank's share of the sequence, the attention method, its traffic and
                     working set, and their price
+    experts         expert parallelism: the experts a rank holds at each ep, the runtime's dispatch traced with
+                    uniform routing's sizes (imbalance factor), its all-to-alls and the expert-data all-reduce, the
+                    ep sizes a layout can carve, and the expert memory table (`tpkit analyze`)
     sequences       activations by sequence length and cp, and the longest sequence that fits (`tpkit analyze`)
     measure         a plain module's forward followed leaf by leaf: activations attributed to a rank by the plan
     report          MemoryEstimate / Breakdown, the result, and its table
 
 Speed: one pricing engine
-    setup           Setup: how a model runs on pp x dp x cp x tp devices
+    setup           Setup: how a model runs on pp x dp x cp x tp devices (and ep of them sharing the experts)
     predict         Prediction: a setup's traced step priced op by op at a machine's rates
     speed           estimate_speed: each world size a Setup through predict; SpeedEstimate and its table
     pipeline        a setup with pipeline stages, priced from the same setup without them: the bubble, the sends

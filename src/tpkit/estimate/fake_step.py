@@ -16,7 +16,8 @@ tests measure a real forward). The linear layers a quantized checkpoint stores p
 the products a rank's load runs.
 
 Transformers' experts run through batched_mm here, as in the planner's trace (`traceable_experts`): their eager
-loop asks which experts got tokens (`nonzero`), which fake tensors cannot answer.
+loop asks which experts got tokens (`nonzero`), which fake tensors cannot answer. Under expert parallelism (`ep` > 1)
+they are the runtime's dispatched experts of ep rank `rank`, exchanging what uniform routing sends (`experts.py`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from torch import nn
 from ..convert import parallelize, quiet_conversions
 from ..convert.trace.structure import traceable_experts
 from .calls import as_call, meta_copy, to_empty_tied
+from .experts import DEFAULT_IMBALANCE, expert_shapes, spread_experts
 from .ops import Collective, Op, OpRecorder, RecordingCommunicator
 from .peak import LiveBytes
 from .quantized import quantized_layers
@@ -55,6 +57,7 @@ class StepTrace:
     peak_bytes: int = 0         # the most tensor bytes held at once in a steady step (`peak.LiveBytes`)
     parameter_shapes: tuple[tuple[int, ...], ...] = ()  # this rank's parameters, each once (tied ones too)
     quantized: tuple = ()  # the linear layers a quantized checkpoint stores packed (`quantized.QuantizedLayer`)
+    expert_shapes: tuple[tuple[int, ...], ...] = ()  # expert weights spread over ep (kept apart from DDP / FSDP2)
 
 
 @contextlib.contextmanager
@@ -117,9 +120,11 @@ def loss_of(out: Any) -> torch.Tensor:
 
 
 def convert_for_rank(model: nn.Module, rank: int, world_size: int, plan: Any = "auto", mode: str = "inference",
-                     sequence_parallel: bool = False, example_inputs: Any = None) -> tuple[nn.Module, RecordingCommunicator]:
-    """A weightless copy of `model` converted for `rank` of `world_size` with `plan`, and the communicator that
-    records its collectives."""
+                     sequence_parallel: bool = False, example_inputs: Any = None, ep: int = 1,
+                     imbalance: float = DEFAULT_IMBALANCE) -> tuple[nn.Module, RecordingCommunicator]:
+    """A weightless copy of `model` converted for `rank` of `world_size` with `plan` (its experts then spread over
+    `ep` ranks as ep rank `rank`: `experts.spread_experts`), and the communicator that records its collectives
+    (the expert group's too)."""
     from ..quant import config_quantization
 
     comm = RecordingCommunicator(rank, world_size)
@@ -130,21 +135,25 @@ def convert_for_rank(model: nn.Module, rank: int, world_size: int, plan: Any = "
             parallelize(copy_, plan, comm=comm, mode=mode, sequence_parallel=sequence_parallel,
                         example_inputs=example_inputs,
                         quantization=config_quantization(config) if config is not None else None)
+    if ep > 1:
+        spread_experts(copy_, RecordingCommunicator(rank, ep, comm.calls, "ep"), comm, imbalance)
     return copy_, comm
 
 
 def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, batch: int = 1, seq: int = 128,
                plan: Any = "auto", sequence_parallel: bool = False, example=None,
-               meta_example: Any = None, backward: bool = True) -> StepTrace:
+               meta_example: Any = None, backward: bool = True, ep: int = 1,
+               imbalance: float = DEFAULT_IMBALANCE) -> StepTrace:
     """One `goal` step of `model` as rank `rank` of `world_size` runs it (see the module docstring). `model` may
     be on the meta device; it is not changed. `example`: the forward's input (its shapes and dtypes), else token
     ids of `batch` x `seq`; `meta_example`: the example on the meta device, for the plan's trace of a module without
-    a config; `backward=False`: a training step's forward only (its saved bytes; no op recorded)."""
+    a config; `backward=False`: a training step's forward only (its saved bytes; no op recorded); `ep` > 1: its
+    experts spread over ep ranks (`plan` keeping them whole), routing uniform up to `imbalance`."""
     if goal not in GOALS:
         raise ValueError(f"trace_step: goal must be one of {GOALS}, got {goal!r}")
     training = goal == "train"
     work, comm = convert_for_rank(model, rank, world_size, plan, "training" if training else "inference",
-                                  sequence_parallel and training, meta_example)
+                                  sequence_parallel and training, meta_example, ep, imbalance)
     unique = list({id(p): p for p in work.parameters()}.values())
     params, shapes = sum(p.numel() * p.element_size() for p in unique), tuple(tuple(p.shape) for p in unique)
     quantized = quantized_layers(model, work)
@@ -158,7 +167,7 @@ def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, 
     tokens = batch if goal == "decode" else batch * seq
     tensors = sum(1 for p in unique if p.requires_grad)
     return StepTrace(goal, world_size, rank, tuple(recorder.ops), tuple(comm.calls), params, saved, cache, tokens,
-                     tensors, live.peak, shapes, tuple(quantized.values()))
+                     tensors, live.peak, shapes, tuple(quantized.values()), expert_shapes(work))
 
 
 def _run_step(work: nn.Module, goal: str, batch: int, seq: int, example, recorder: OpRecorder, live: LiveBytes,

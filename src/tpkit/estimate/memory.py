@@ -21,9 +21,11 @@ from ..convert.planning.decide import plan
 from ..quant import config_quantization
 from .activations import (context_extra_bytes, normalise_recompute, transformer_activation_bytes,
                           transformer_inference_bytes)
+from .calls import with_layers
 from .communication import largest_collective_bytes
 from .config import attention_kind, config_value, own_dtype, resolve_target
 from .context import attention_method, check_cp, local_tokens
+from .experts import check_ep, memory_experts
 from .measure import measure_step
 from .params import (OPTIMIZERS, analysed_parameters, fullest_quantized, optimizer_bytes_per_parameter,
                      parameter_counts, quantized_weights)
@@ -37,7 +39,7 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
                     seq_len: int | None = None, sequence_parallel: bool = False, recompute="none",
                     attention: str | None = None, master_weights: bool | None = None,
                     example_input=None, input_shape: Iterable[int] | None = None, dp_size: int = 1,
-                    dp_mode: str | None = None, cp: int = 1, cp_method: str = "auto") -> MemoryEstimate:
+                    dp_mode: str | None = None, cp: int = 1, cp_method: str = "auto", ep: int = 1) -> MemoryEstimate:
     """Estimate memory on one device and per rank at TP `world_size`.
 
     `model_or_config`: a Hugging Face config, a model with a `.config`, or any `nn.Module` (then pass
@@ -62,6 +64,11 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
     plain sequence of that length, plus what the method keeps differently and one layer's working set
     (`activations.context_extra_bytes`). Weights, gradients and optimizer states are replicated over cp, except
     that `dp_mode="fsdp"` shards them over dp x cp (`dp_size` may then be 1), as tpkit's runs do.
+
+    Expert parallelism (a model with fused experts, `tpkit.expert_parallel`): `ep` ranks of dp_size x cp x world_size
+    share each MoE layer's experts (ep a multiple of `world_size`, dividing that product, at most the experts), TP
+    keeping them whole; a rank holds its ceil(E / ep) experts, their gradients and optimizer states (never sharded
+    by FSDP2); everything else as without it (`experts.py`). `expert_parameters_per_rank` says how many it holds.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -75,6 +82,7 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
     recompute = normalise_recompute(recompute)
     _check_dp(dp_size, dp_mode)
     check_cp(cp, cp_method)
+    check_ep(ep)
     if cp > 1 and mode != "training":
         raise ValueError(f"estimate_memory: context parallelism (cp={cp}) splits training sequences; generation runs "
                          f"with it off (tpkit.context_off) and holds the whole K/V cache: use mode='training'")
@@ -82,7 +90,7 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
         with bare_model(model_or_config) as (target, wrapped):  # PEFT LoRA: the bare model, then the adapter
             est = estimate_memory(target, world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel,
                                   recompute, attention, master_weights, example_input, input_shape, dp_size, dp_mode,
-                                  cp, cp_method)
+                                  cp, cp_method, ep)
             the_plan = plan(target, world_size, mode=mode) if world_size > 1 else None
         return _with_adapter(est, wrapped, the_plan, optimizer, master_weights)
     config, shape = resolve_target(model_or_config, "estimate_memory")
@@ -91,12 +99,12 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
                          f"transformer; {type(model_or_config).__name__} has no config tpkit models")
     engine = dp_size * cp if dp_mode == "fsdp" else dp_size  # FSDP2 shards over dp x cp, DDP averages over dp
     dp = (engine, dp_mode if engine > 1 else None)
+    experts = memory_experts(model_or_config, dtype, ep, world_size, dp_size, cp, shape is not None)
     if shape is not None:
-        counted = analysed_parameters(model_or_config, world_size, mode) if isinstance(model_or_config,
-                                                                                          nn.Module) else None
+        counted = _counted(model_or_config, shape, world_size, mode, dtype, experts)
         est = _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len,
                                     sequence_parallel, recompute, attention, master_weights, counted,
-                                    model_or_config, dp, (cp, cp_method))
+                                    model_or_config, dp, (cp, cp_method), (ep, experts))
     else:
         est = _estimate_module(model_or_config, world_size, dtype, mode, optimizer, batch_size, master_weights,
                                example_input, input_shape, seq_len, dp)
@@ -104,6 +112,16 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
     if cp > 1 and dp[1] == "fsdp":
         est.notes.append(f"FSDP2 shards over dp x cp = {engine} ranks (every rank that holds the same weights)")
     return est
+
+
+def _counted(model_or_config, shape, world_size: int, mode: str, dtype, experts) -> tuple[int, int] | None:
+    """(parameters, on the fullest rank) as the converter counts them: a model object's own analysis, a MoE config's
+    weightless build (the shape's formula has no experts); None: the formula's."""
+    if isinstance(model_or_config, nn.Module):
+        return analysed_parameters(model_or_config, world_size, mode)
+    if experts is not None:
+        return analysed_parameters(with_layers(model_or_config, None, shape.num_layers, dtype), world_size, mode)
+    return None
 
 
 def _with_adapter(est: MemoryEstimate, wrapped: dict, the_plan, optimizer: str,
@@ -172,16 +190,16 @@ def _even(shape, t: int) -> bool:
 
 
 def _traced(subject, world_size, dtype, batch_size, seq_len, sequence_parallel, attention, even, example=None,
-            local=None):
+            local=None, ep=1):
     """(traced step at t=1, at t=world_size) or (None, why): the graph path of the estimate (`traced.py`); the
-    second at `local` tokens when given (a context-parallel rank's share of the sequence)."""
+    second at `local` tokens when given (a context-parallel rank's share of the sequence), its experts over `ep`."""
     from .traced import trace_fullest_rank
 
     local = local or seq_len
     try:
         one = trace_fullest_rank(subject, 1, dtype, batch_size, seq_len, False, attention, example, True)
-        many = one if world_size == 1 and local == seq_len else trace_fullest_rank(
-            subject, world_size, dtype, batch_size, local, sequence_parallel, attention, example, even)
+        many = one if world_size == 1 and local == seq_len and ep == 1 else trace_fullest_rank(
+            subject, world_size, dtype, batch_size, local, sequence_parallel, attention, example, even, ep)
     except Exception as exc:  # noqa: BLE001 - the formula / measured path stands, and the note says why
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
     return (one, many), ""
@@ -197,7 +215,8 @@ def _fsdp_note(dp) -> str:
 
 
 def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel,
-                          recompute, attention, master_weights, counted, subject, dp, context=(1, "auto")) -> MemoryEstimate:
+                          recompute, attention, master_weights, counted, subject, dp, context=(1, "auto"),
+                          experts=(1, None)) -> MemoryEstimate:
     if seq_len is None:
         seq_len = min(int(config_value(config, "max_position_embeddings", "n_positions", default=2048)), 4096)
     B = dtype.itemsize
@@ -217,13 +236,17 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
     traced, why = (None, "")
     if mode == "training" and recompute == "none" or dp[1] == "fsdp":
         traced, why = _traced(subject, world_size, dtype, batch_size, seq_len, sp, attention,
-                              _even(shape, world_size), local=local)
+                              _even(shape, world_size), local=local, ep=experts[0])
     extra = {}
     if traced is not None:
         params_one, params_rank = traced[0].parameters(), traced[1].parameters()
+    held = _expert_share(experts, world_size, traced, extra, notes)
+    if experts[0] > 1 and traced is None:  # counted with the TP plan's experts: the rank's share of them instead
+        params_rank += held - experts[1].held(1, world_size)
     if dp[1] == "fsdp":
+        spread = held if experts[0] > 1 else 0  # FSDP2 leaves the experts of expert parallelism whole
         extra["params_sharded"] = (traced[1].parameters(dp[0]) if traced is not None
-                                   else -(-params_rank // dp[0]))
+                                   else -(-(params_rank - spread) // dp[0]) + spread)
         notes.append(_fsdp_note(dp) + ("" if traced is not None else f" (per-tensor padding not counted: {why})"))
     elif dp[1] == "ddp":
         notes.append(_fsdp_note(dp))
@@ -250,6 +273,22 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
     return _assemble(world_size, dtype, mode, optimizer, batch_size, seq_len, sequence_parallel, recompute,
                      master_weights, params_one, params_rank, acts[0], acts[1], kv[0], kv[1], comm, what, notes,
                      **extra)
+
+
+def _expert_share(experts, world_size, traced, extra: dict, notes: list) -> int:
+    """Expert parameters the fullest rank holds (traced when `traced`; `extra` and `notes` filled in); 0 without
+    experts counted apart."""
+    ep, layers = experts
+    if layers is None:
+        return 0
+    held = traced[1].expert_parameters() if traced is not None and ep > 1 else layers.held(ep, world_size)
+    extra.update(ep=ep, expert_parameters_per_rank=held)
+    whole = -(-layers.num_experts // ep)
+    notes.append(f"{len(layers.infos)} MoE layers of {layers.num_experts} experts: " + (
+        f"expert parallel over ep {ep}, each rank holds {whole} of them whole (the fullest), with their gradients and "
+        f"optimizer states; FSDP2 and DDP leave them alone (summed over the ranks holding the same experts)"
+        if ep > 1 else f"{held:,} expert parameters per rank as the TP plan splits them (ep 1)"))
+    return held
 
 
 def _training_activations(shape, batch_size, seq_len, B, world_size, sp, recompute, kind, traced, why, context,

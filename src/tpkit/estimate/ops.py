@@ -46,23 +46,28 @@ class Op:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective the plan adds: its kind, the bytes of this rank's input, the world size it spans."""
+    """One collective the plan adds: its kind, the bytes of this rank's input, the world size it spans, and the
+    group it runs in ("tp"; "ep": the expert group's all-to-alls, `experts.py`)."""
 
     kind: str
     nbytes: int
     world_size: int
     phase: str
+    group: str = "tp"
 
 
 class RecordingCommunicator(ShapeCommunicator):
-    """A shape-only communicator that writes down every collective (kind, input bytes, phase)."""
+    """A shape-only communicator that writes down every collective (kind, input bytes, phase) in `calls` (a list
+    it may share with another group's), as collectives of `group`."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, calls: list[Collective] | None = None, group: str = "tp"):
         super().__init__(rank, world_size)
-        self.calls: list[Collective] = []
+        self.calls: list[Collective] = calls if calls is not None else []
+        self.group = group
 
     def _note(self, kind: str, tensor: torch.Tensor) -> None:
-        self.calls.append(Collective(kind, tensor.numel() * tensor.element_size(), self.world_size, _phase()))
+        self.calls.append(Collective(kind, tensor.numel() * tensor.element_size(), self.world_size, _phase(),
+                                     self.group))
 
     def _all_reduce(self, tensor, op, async_op):
         self._note("all_reduce", tensor)
@@ -75,6 +80,10 @@ class RecordingCommunicator(ShapeCommunicator):
     def _all_gather(self, tensor, dim, sizes, async_op):
         self._note("all_gather", tensor)
         return super()._all_gather(tensor, dim, sizes, async_op)
+
+    def _all_to_all(self, tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes, async_op):
+        self._note("all_to_all", tensor)
+        return super()._all_to_all(tensor, scatter_dim, gather_dim, scatter_sizes, gather_sizes, async_op)
 
     def _reduce_scatter(self, tensor, op, dim, sizes, async_op):
         self._note("reduce_scatter", tensor)

@@ -19,6 +19,9 @@ has no fixed cost per op and ring collectives; one composition for both):
          + context parallelism's (`context.py`): the step is traced at the rank's share of the sequence, its
            attention kernels counted cp times (1/cp of the whole sequence's), plus each attention layer's
            all-to-alls or ring sends and one all-reduce over cp per parameter
+         + expert parallelism's (`experts.py`): the step is traced with the rank's experts dispatched as uniform
+           routing sends them (times the imbalance), each MoE layer's all-to-alls over ep, and one all-reduce over
+           the expert-data group per expert tensor; DDP / FSDP2 leave the expert weights alone
 
 Memory is the most tensor bytes the traced step holds at once (`peak.LiveBytes`: parameters, and what the step's
 ops make while it is alive, optimizer states included), moved by what DP, recompute and context parallelism
@@ -43,6 +46,7 @@ from .activations import context_extra_bytes
 from .calls import models_to_trace
 from .config import attention_kind, own_dtype, transformer_shape
 from .context import attention_method, check_priced, context_messages, context_seconds, layer_traffic, local_tokens
+from .experts import check_experts, expert_data_seconds, expert_layers
 from .fake_step import GOALS, StepTrace, trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
 from .pipeline import pipelined
@@ -79,6 +83,8 @@ class Prediction:
     pp_communication_s: float = 0.0  # pipelining: the activations and gradients sent between stages
     quantized: str = ""  # what the quantized layers were priced as (`quantized.quantized_note`); "" for a dense model
     cp_communication_s: float = 0.0  # context parallelism: attention's all-to-alls or ring sends, gradients over cp
+    ep_communication_s: float = 0.0  # expert parallelism: MoE layers' all-to-alls, expert gradients over edp
+    expert_bytes: float = 0.0        # the expert weights a rank holds under expert parallelism (0 at ep 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "setup": self.setup.to_dict()}
@@ -137,13 +143,15 @@ class _Priced:
     flops: float = 0.0
     nbytes: float = 0.0
     comm_bytes: float = 0.0
+    ep_comm: float = 0.0  # the expert group's all-to-alls (not in `comm`)
 
 
 def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers: int | None = None,
           family: str | None = None, tp: bool | None = None, dp_mode: str | None = None,
           vocab: int | None = None) -> _Priced:
     """The step's kernels, fixed costs and tensor-parallel collectives at `rates` (recompute re-runs forward
-    ops in the backward).
+    ops in the backward); the expert group's all-to-alls apart (`ep_comm`, with their in-step cost: the measured
+    framework terms have none of them).
 
     Converted over ranks, the kernels take the measured skew longer (`skew_factor`).
     The fixed costs are the framework's own time composed per module where the machine measured it for the
@@ -171,10 +179,13 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers
         in_step = 0.0
     else:
         overhead = (n + len(again)) * per_op
-    comm = sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) + in_step for c in trace.collectives)
+    experts = rates.train_collective_overhead_s if trace.goal == "train" else rates.collective_overhead_s
+    comm, ep_comm = (sum(rates.collective(c.kind, c.world_size).seconds(c.nbytes) + wait for c in trace.collectives
+                         if (c.group == "ep") == ep) for ep, wait in ((False, in_step), (True, experts)))
     work = [o for o in (*trace.ops, *again) if not o.view]
     return _Priced(kernels, overhead, comm, n + len(again), len(trace.collectives), compute,
-                   sum(o.flops for o in work), sum(o.nbytes for o in work), sum(c.nbytes for c in trace.collectives))
+                   sum(o.flops for o in work), sum(o.nbytes for o in work), sum(c.nbytes for c in trace.collectives),
+                   ep_comm)
 
 
 def plan_for(model: nn.Module, setup: Setup, goal: str, example=None):
@@ -184,10 +195,12 @@ def plan_for(model: nn.Module, setup: Setup, goal: str, example=None):
 
 
 def _trace(model: nn.Module, setup: Setup, goal: str, batch: int, seq: int, example) -> StepTrace:
-    """Rank 0's step; under context parallelism, a plain step of its share of the sequence (`context.py`)."""
+    """Rank 0's step; under context parallelism, a plain step of its share of the sequence (`context.py`); under
+    expert parallelism, its experts dispatched over ep (`experts.py`)."""
     plan = plan_for(model, setup, goal, example) if setup.tp > 1 else "auto"
     return trace_step(model, goal, setup.tp, 0, batch, local_tokens(seq, setup.cp), plan=plan,
-                      sequence_parallel=setup.sequence_parallel, example=example, meta_example=example)
+                      sequence_parallel=setup.sequence_parallel, example=example, meta_example=example, ep=setup.ep,
+                      imbalance=setup.ep_imbalance)
 
 
 def _extrapolate(values: list[tuple[int, float]], layers: int) -> float:
@@ -215,6 +228,7 @@ def trace_setup(model_or_config, setup: Setup, goal: str, batch_size: int, seq_l
     check_priced(setup.cp, goal, model_or_config)
     local = -(-batch_size // setup.dp)
     models, layers = models_to_trace(model_or_config, dtype, attention)
+    check_experts(setup.ep, expert_layers(models[-1][1]) if setup.ep > 1 else "", type(models[-1][1]).__name__)
     rows = tuple((n, _trace(model, setup, goal, local, seq_len, example)) for n, model in models)
     return Traced(rows, layers, models[0][1])
 
@@ -248,14 +262,21 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
         return _extrapolate([(n, f(t, p)) for n, t, p in rows], layers)
     kernels, overhead = ex(lambda t, p: p.kernels), ex(lambda t, p: p.overhead)
     tp_comm, params = ex(lambda t, p: p.comm), ex(lambda t, p: t.parameter_bytes)
-    dp_comm, compute = dp_seconds(setup, goal, params, layers or 1, rates), ex(lambda t, p: p.compute)
+    experts = ex(lambda t, p: sum(math.prod(s) for s in t.expert_shapes) * item)  # kept apart from DDP / FSDP2
+    dp_comm, compute = dp_seconds(setup, goal, params - experts, layers or 1, rates), ex(lambda t, p: p.compute)
+    ep_comm = ex(lambda t, p: p.ep_comm + (expert_data_seconds(
+        [math.prod(s) * item for s in t.expert_shapes], rates, setup.edp, rates.train_collective_overhead_s)
+        if goal == "train" else 0.0))
     cp_parts = (0.0, 0.0, 0.0, 0.0)
     if setup.cp > 1:  # attention's kernels beyond the traced share, communication, messages, activations
         cp_parts = _context(setup, traced, rates, -(-batch_size // setup.dp), seq_len, item, attention)
         wait = skew_factor(rates, goal, setup.tp == 1)  # ranks meet at collectives: the TP skew, counted once
         kernels, compute = kernels * wait + cp_parts[0], compute * wait + cp_parts[0]
+    elif setup.ep > 1 and setup.tp == 1:  # the expert group's ranks meet at every MoE layer: the skew, once
+        wait = skew_factor(rates, goal, True)
+        kernels, compute = kernels * wait, compute * wait
     parts = (params, ex(lambda t, p: t.saved_bytes), ex(lambda t, p: t.cache_bytes), traced.model, layers or 1,
-             -(-batch_size // setup.dp), local_tokens(seq_len, setup.cp))
+             -(-batch_size // setup.dp), local_tokens(seq_len, setup.cp), experts)
     memory = _memory(setup, goal, *parts)
     peak = ex(lambda t, p: t.peak_bytes)
     if peak:  # the traced peak of the plain step, moved by what DP and recompute change (the sum of parts' delta)
@@ -264,12 +285,12 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     memory += cp_parts[3]
     saved = min(ex(lambda t, p: t.saved_bytes) + cp_parts[3], memory) if goal == "train" else 0.0
     note = quantized_note({q.name: q for q in traced.rows[-1][1].quantized}, rates) or ""
-    return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm + cp_parts[1], kernels, overhead, tp_comm,
-                      dp_comm, memory, int(round(ex(lambda t, p: p.ops))),
+    return Prediction(setup, goal, kernels + overhead + tp_comm + dp_comm + cp_parts[1] + ep_comm, kernels, overhead,
+                      tp_comm, dp_comm, memory, int(round(ex(lambda t, p: p.ops))),
                       int(round(ex(lambda t, p: p.collectives) + cp_parts[2])),
                       memory + rates.import_bytes + rates.runtime_bytes, compute,
                       ex(lambda t, p: p.flops), ex(lambda t, p: p.nbytes), ex(lambda t, p: p.comm_bytes), saved,
-                      quantized=note, cp_communication_s=cp_parts[1])
+                      quantized=note, cp_communication_s=cp_parts[1], ep_communication_s=ep_comm, expert_bytes=experts)
 
 
 def _context(setup: Setup, traced: Traced, rates: MachineRates, batch: int, seq: int, item: int,
@@ -329,17 +350,18 @@ def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: 
 
 
 def _memory(setup: Setup, goal: str, params: float, saved: float, cache: float, model: nn.Module, layers: int,
-            batch: int, seq: int) -> float:
+            batch: int, seq: int, experts: float = 0.0) -> float:
     """Bytes one device holds: weights; training adds gradients, AdamW's two fp32 states per parameter and
-    the activations (recompute keeps a block's input instead); decode the KV cache."""
+    the activations (recompute keeps a block's input instead); decode the KV cache. DDP / FSDP2 leave the
+    `experts` bytes of expert-parallel weights alone (never sharded, not in a bucket)."""
     if goal != "train":
         return params + cache
     item = next((p.element_size() for p in model.parameters()), 4)
-    states = params + params + params / item * 8
-    if setup.dp_mode == "fsdp" and setup.engine > 1:
-        states = states / setup.engine + 2 * params / max(layers, 1)  # a block's full parameters and gradients
+    states, dense = params + params + params / item * 8, params - experts
+    if setup.dp_mode == "fsdp" and setup.engine > 1:  # a block's full parameters and gradients besides its shard
+        states = states - (1 - 1 / setup.engine) * (dense + dense + dense / item * 8) + 2 * dense / max(layers, 1)
     elif setup.dp > 1:
-        states += 2 * min(params, DDP_BUCKET)
+        states += 2 * min(dense, DDP_BUCKET)
     if setup.recompute == "full":
         hidden = getattr(getattr(model, "config", None), "hidden_size", None) or 0
         tokens = batch * seq // (setup.tp if setup.sequence_parallel else 1)

@@ -57,6 +57,8 @@ class MemoryEstimate:
     activations_formula: float | None = None     # the Korthikanti-style cross-check, per rank
     cp: int = 1                          # context-parallel ranks sharing each sequence (training)
     cp_method: str | None = None         # their attention: "all_to_all" or "ring" (None at cp 1)
+    ep: int = 1                          # expert-parallel ranks sharing a MoE model's experts
+    expert_parameters_per_rank: int | None = None  # expert weights on the fullest rank (None: no experts counted)
 
     @property
     def total(self) -> float:
@@ -80,6 +82,7 @@ class MemoryEstimate:
                 "dp_size": self.dp_size, "dp_mode": self.dp_mode, "activation_method": self.activation_method,
                 "activations_per_layer": self.activations_per_layer,
                 "activations_formula": self.activations_formula, "cp": self.cp, "cp_method": self.cp_method,
+                "ep": self.ep, "expert_parameters_per_rank": self.expert_parameters_per_rank,
                 "notes": list(self.notes)}
 
     def summary(self, width: int | None = None) -> str:
@@ -87,7 +90,8 @@ class MemoryEstimate:
         caption = (f"batch {self.batch_size}" + (f" x seq {self.seq_len}" if self.seq_len else "")
                    + (", sequence parallel" if self.sequence_parallel else "")
                    + (f", {self.recompute} recompute" if self.recompute != "none" else "")
-                   + (f", cp {self.cp} {self.cp_method}" if self.cp > 1 else ""))
+                   + (f", cp {self.cp} {self.cp_method}" if self.cp > 1 else "")
+                   + (f", ep {self.ep}" if self.ep > 1 else ""))
         rows = []
         for name in ("parameters", "gradients", "optimizer_states", "activations", "kv_cache",
                      "communication_buffers"):

@@ -5,7 +5,8 @@ Candidates (`candidates`): every tensor-parallel size dividing the devices, data
 (DDP or FSDP2 for training; independent replicas for inference, each taking its share of the batch), sequence
 parallelism and recompute (training), pipeline stages (training: pp x tp x dp, priced with their bubble and sends,
 `pipeline.py`), context parallelism (training a model whose attention `tpkit.context_parallel` can split over the
-sequence: tp x dp x cp, `context_candidates`), and each architecture family's alternatives as its proposals offer them
+sequence: tp x dp x cp, `context_candidates`), expert parallelism (a model with fused experts: tp x dp with an expert
+group of ep ranks, `expert_candidates`), and each architecture family's alternatives as its proposals offer them
 (attention split by heads or whole, MLP pairs split or whole, the LM head vocab-parallel or replicated, experts
 TP, EP or whole): one family's alternative at a time over the defaults, so the count stays linear in the
 alternatives. Each is predicted by `predict.predict` (one traced step per distinct conversion, reused for the
@@ -26,6 +27,7 @@ from ..convert.trace import analyze_structure
 from ..tables import Column, format_bytes, render_table, wrap_text
 from .calls import meta_copy, with_layers
 from .context import context_refusal
+from .experts import EXPERTS_NOTE, ExpertLayers, expert_layers, valid_eps
 from .predict import Prediction, predict, trace_setup
 from .profile import SpeedProfile, load_profile
 from .setup import Setup
@@ -54,7 +56,7 @@ class Candidate:
 
     def __getattr__(self, name: str):
         if name in ("tp", "dp", "dp_mode", "sequence_parallel", "recompute", "devices", "choices", "pp",
-                    "microbatches", "stages_per_rank", "schedule", "cp", "cp_method"):
+                    "microbatches", "stages_per_rank", "schedule", "cp", "cp_method", "ep", "ep_imbalance"):
             return getattr(self.prediction.setup, name)
         raise AttributeError(name)
 
@@ -121,7 +123,7 @@ class SearchResult:
             rows.append([str(i), c.setup.label(), f"{p.seconds * 1e3:.2f}",
                          *([f"{c.measured_s * 1e3:.2f}" if c.measured_s is not None else ""] if measured else []),
                          format_bytes(p.memory_bytes), f"{p.kernels_s * 1e3:.2f}", f"{p.overhead_s * 1e3:.2f}",
-                         f"{(p.tp_communication_s + p.dp_communication_s + p.cp_communication_s) * 1e3:.2f}",
+                         f"{_comm_s(p) * 1e3:.2f}",
                          "yes" if c.fits else "no"])
         cap = format_bytes(self.memory_per_device) if self.memory_per_device else "no cap"
         title = (f"setups for {self.goal} on {self.devices} devices (batch {self.batch_size}, seq {self.seq_len}, "
@@ -135,8 +137,8 @@ class SearchResult:
         lines = [f"best: {b.setup.label()}: {p.seconds * 1e3:.2f} ms predicted"
                  + (f", {b.measured_s * 1e3:.2f} ms measured" if b.measured_s is not None else "")
                  + f" ({p.kernels_s * 1e3:.2f} ms kernels, {p.overhead_s * 1e3:.2f} ms fixed cost of {p.ops} ops, "
-                   f"{(p.tp_communication_s + p.dp_communication_s + p.cp_communication_s) * 1e3:.2f} ms in "
-                   f"{p.collectives} tensor-parallel " + ("and context-parallel " if b.setup.cp > 1 else "")
+                   f"{_comm_s(p) * 1e3:.2f} ms in {p.collectives} tensor-parallel "
+                 + ("and context-parallel " if b.setup.cp > 1 else "") + ("and expert-parallel " if b.ep > 1 else "")
                  + f"collectives and data parallelism); {format_bytes(p.memory_bytes)} per device"]
         if len(self.fitting) > 1:
             r = self.fitting[1]
@@ -195,6 +197,10 @@ class SearchResult:
                                for c in self.candidates]}
 
 
+def _comm_s(p: Prediction) -> float:
+    return p.tp_communication_s + p.dp_communication_s + p.cp_communication_s + p.ep_communication_s
+
+
 def family_alternatives(model, tp: int, goal: str) -> list[tuple[str, str]]:
     """(family, alternative) pairs a plan at `tp` offers besides the defaults (one entry per pair)."""
     mode = "training" if goal == "train" else "inference"
@@ -210,13 +216,15 @@ def family_alternatives(model, tp: int, goal: str) -> list[tuple[str, str]]:
 
 
 def candidates(model, devices: int, goal: str, alternatives: bool = True, layers: int | None = None,
-               batch_size: int = 1, context: bool = False) -> list[Setup]:
+               batch_size: int = 1, context: bool = False, experts: int = 0) -> list[Setup]:
     """Every setup tpkit can build for `goal` on `devices` devices (see the module docstring); without
-    `alternatives`, only the TP / DP (/ CP) layouts with the families' defaults, no sequence parallel, no recompute.
-    For training, pipeline stages too (`pipeline_candidates`: a model of `layers` blocks), and with `context` (the
-    model's attention can be split over the sequence) context parallelism (`context_candidates`)."""
+    `alternatives`, only the TP / DP (/ CP / EP) layouts with the families' defaults, no sequence parallel, no
+    recompute. For training, pipeline stages too (`pipeline_candidates`: a model of `layers` blocks), with `context`
+    (the model's attention can be split over the sequence) context parallelism (`context_candidates`), and for a
+    model whose MoE layers hold `experts` experts each, expert parallelism (`expert_candidates`)."""
     out = pipeline_candidates(devices, layers, batch_size) if goal == "train" else []
     out += context_candidates(devices, alternatives) if goal == "train" and context else []
+    out += expert_candidates(devices, goal, experts) if experts else []
     for tp in [t for t in range(1, devices + 1) if devices % t == 0]:
         dp = devices // tp
         modes = ([None] if dp == 1 else ["ddp", "fsdp"] if goal == "train" else ["replicas"])
@@ -261,6 +269,19 @@ def context_candidates(devices: int, alternatives: bool = True) -> list[Setup]:
     return out
 
 
+def expert_candidates(devices: int, goal: str, num_experts: int) -> list[Setup]:
+    """tp x dp layouts with an expert group of ep > 1 ranks for a model whose MoE layers hold `num_experts` experts:
+    every ep `tpkit.comm.groups` can carve (a multiple of tp dividing the devices, at most the experts: `valid_eps`),
+    TP keeping the experts whole; DDP or FSDP2 over dp for training (the experts reduced over their own expert-data
+    group), replicas for inference; families' defaults, no sequence parallel, no recompute."""
+    out = []
+    for tp in [t for t in range(1, devices + 1) if devices % t == 0]:
+        dp = devices // tp
+        modes = [None] if dp == 1 else ["ddp", "fsdp"] if goal == "train" else ["replicas"]
+        out += [Setup(tp, dp, mode, ep=ep) for ep in valid_eps(tp, devices, num_experts) for mode in modes]
+    return out
+
+
 def _check(devices: int, goal: str, batch_size: int, seq_len: int) -> None:
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"search: devices must be a positive int, got {devices!r}")
@@ -273,7 +294,7 @@ def _check(devices: int, goal: str, batch_size: int, seq_len: int) -> None:
 def search(model_or_config, devices: int, goal: str = "decode", memory_per_device: float | None = None,
            batch_size: int = 1, seq_len: int = 128, profile: SpeedProfile | str | None = None, measure: int = 0,
            runner: Runner | None = None, dtype: torch.dtype | None = None, alternatives: bool = True,
-           hardware=None, context: bool = True) -> SearchResult:
+           hardware=None, context: bool = True, experts: bool = True) -> SearchResult:
     """Rank every setup of `model_or_config` on `devices` devices for `goal` (see the module docstring).
 
     `memory_per_device`: bytes (drops setups that need more; ValueError naming the smallest need when none
@@ -281,7 +302,8 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
     the top K and rank them by measured time; `alternatives=False`: the TP / DP layouts only (see `candidates`);
     `hardware`: a `Hardware` to price on when the profile was not measured op by op. `context`: training setups
     include context parallelism (`context_candidates`) when the model's attention can be split over the sequence
-    (`context.context_refusal`, tpkit.context's own checks; the notes say why not); False leaves it out."""
+    (`context.context_refusal`, tpkit.context's own checks; the notes say why not); False leaves it out. `experts`:
+    a model with fused experts is offered expert parallelism too (`expert_candidates`); False leaves it out."""
     _check(devices, goal, batch_size, seq_len)
     profile = profile if isinstance(profile, SpeedProfile) else load_profile(profile)
     model = _weightless(model_or_config)
@@ -289,10 +311,12 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
     preds, unbuildable = [], {}
     layers = getattr(getattr(model_or_config, "config", model_or_config), "num_hidden_layers", None)
     refused = context_refusal(model) if context and goal == "train" else None
+    moe = expert_layers(model) if experts else None
     setups = candidates(model, devices, goal, alternatives, layers if isinstance(layers, int) else None, batch_size,
-                        context and goal == "train" and refused is None)
+                        context and goal == "train" and refused is None,
+                        moe.num_experts if isinstance(moe, ExpertLayers) else 0)
     for s in setups:
-        key = (s.tp, s.dp, s.sequence_parallel, s.choices, s.cp)  # DP mode and recompute price the same trace
+        key = (s.tp, s.dp, s.sequence_parallel, s.choices, s.cp, s.ep, s.ep_imbalance)  # DP mode, recompute: same
         if key not in traces:
             try:
                 traces[key] = trace_setup(model_or_config, s, goal, batch_size, seq_len, dtype=dtype)
@@ -316,6 +340,7 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
     notes += [f"cannot be built: {label}: {why}" for label, why in unbuildable.items()]
     notes += [f"no context parallelism: {refused}"] if refused else []
     notes += [_context_note(devices)] if any(s.cp > 1 for s in setups) else []
+    notes += [EXPERTS_NOTE] if any(s.ep > 1 for s in setups) else []
     if measure:
         if runner is None:
             raise ValueError("search: measure=K runs setups on real ranks; call tpkit.search, which provides them")

@@ -4,9 +4,11 @@
 `tp` ranks split each layer (the architecture families' `choices`: attention by heads or whole, the LM head
 vocab-parallel or replicated, experts TP or EP; `sequence_parallel` between them), `cp` ranks share each training
 sequence (`tpkit.context_parallel`, `cp_method`), `dp` replicas take a share of the batch (DDP, FSDP2, or inference
-`replicas`; FSDP2 shards over dp x cp, every rank that holds the same weights: `engine`), `pp` pipeline stages run
-`microbatches` through `schedule`, `stages_per_rank` each, and `recompute` trades the backward's saved activations
-for forward work again.
+`replicas`; FSDP2 shards over dp x cp, every rank that holds the same weights: `engine`), `ep` ranks of dp x cp x tp
+share a mixture-of-experts model's experts (`tpkit.expert_parallel`: experts kept whole by TP, tokens sent to them by
+all-to-all, `ep_imbalance` the busiest rank's load over the uniform one; the rest of the model as without it), `pp`
+pipeline stages run `microbatches` through `schedule`, `stages_per_rank` each, and `recompute` trades the backward's
+saved activations for forward work again.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from .context import check_cp
+from .experts import DEFAULT_IMBALANCE, check_ep, check_layout
 
 DP_MODES = ("ddp", "fsdp", "replicas")  # replicas: inference copies that each take a share of the batch
 RECOMPUTE = ("none", "selective", "full")
@@ -36,6 +39,8 @@ class Setup:
     schedule: str = "1f1b"
     cp: int = 1
     cp_method: str = "auto"
+    ep: int = 1
+    ep_imbalance: float = DEFAULT_IMBALANCE
 
     def __post_init__(self):
         if self.tp < 1 or self.dp < 1 or self.pp < 1 or self.microbatches < 1 or self.stages_per_rank < 1:
@@ -47,6 +52,11 @@ class Setup:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Setup: recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         check_cp(self.cp, self.cp_method)
+        check_ep(self.ep, self.ep_imbalance)
+        check_layout(self.ep, self.tp, self.dp * self.cp * self.tp)
+        if self.ep > 1 and any(f == "fused_experts" and c != "whole" for f, c in self.choices):
+            raise ValueError(f"Setup: ep={self.ep} spreads the experts over the expert group; tensor parallelism keeps "
+                             f"them whole, so no other fused_experts choice: got {dict(self.choices)}")
 
     @property
     def devices(self) -> int:
@@ -58,13 +68,21 @@ class Setup:
         tpkit's runs and torchtitan shard them), DDP averages over dp."""
         return self.dp * self.cp if self.dp_mode == "fsdp" else self.dp
 
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (the expert-data group): dp x cp x tp / ep; 1 without expert parallelism."""
+        return self.dp * self.cp * self.tp // self.ep if self.ep > 1 else 1
+
     def choose(self) -> dict[str, str]:
-        return dict(self.choices)
+        """The families' alternatives taken; under expert parallelism TP keeps the experts whole."""
+        return {**dict(self.choices), **({"fused_experts": "whole"} if self.ep > 1 else {})}
 
     def label(self) -> str:
         parts = [f"pp{self.pp} {self.schedule} m{self.microbatches}"] if self.pp > 1 else []
         parts += [f"tp{self.tp}"] + ([f"cp{self.cp}" + (f" {self.cp_method}" if self.cp_method != "auto" else "")]
                                      if self.cp > 1 else [])
+        parts += [f"ep{self.ep}" + (f" x{self.ep_imbalance:g} load" if self.ep_imbalance != 1 else "")] \
+            if self.ep > 1 else []
         parts += ([f"dp{self.dp} {self.dp_mode}"] if self.dp > 1
                   else [f"{self.dp_mode} over cp"] if self.engine > 1 else [])
         parts += ["sp"] if self.sequence_parallel else []

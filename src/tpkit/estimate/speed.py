@@ -27,6 +27,7 @@ from ..tables import Column, format_bytes, render_table, wrap_text
 from .activations import normalise_recompute
 from .config import own_dtype, resolve_target
 from .context import check_cp, check_priced
+from .experts import DEFAULT_IMBALANCE, EXPERTS_NOTE, check_ep, replicas_for
 from .hardware import Hardware
 from .predict import Prediction, predict
 from .pricing import Pricing, machine_pricing
@@ -79,6 +80,7 @@ class SpeedEstimate:
     unit: str = "tokens"  # what `tokens_per_s` counts: tokens, or samples for a module without a config
     parts: tuple[str, ...] = PARTS  # the time columns, in the order of `SpeedRow.parts_s`
     cp: int = 1  # context-parallel ranks beside each world size's TP ranks (its rows run on world size x cp devices)
+    ep: int = 1  # expert-parallel ranks sharing a MoE model's experts (`estimate_speed`'s `ep`)
 
     def row(self, world_size: int) -> SpeedRow:
         for r in self.rows:
@@ -91,7 +93,7 @@ class SpeedEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"hardware": self.hardware, "interconnect": self.interconnect, "mode": self.mode, "dtype": self.dtype,
-                "batch_size": self.batch_size, "seq_len": self.seq_len, "unit": self.unit, "cp": self.cp,
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "unit": self.unit, "cp": self.cp, "ep": self.ep,
                 "rows": [asdict(r) for r in self.rows], "notes": list(self.notes), "parts": list(self.parts)}
 
     def summary(self, width: int | None = None) -> str:
@@ -99,6 +101,7 @@ class SpeedEstimate:
         unit = "token" if self.mode == "decode" else "step"
         seq = f" x seq {self.seq_len}" if self.seq_len else ""
         seq += f", each world size x cp {self.cp}" if self.cp > 1 else ""
+        seq += f", ep {self.ep}" if self.ep > 1 else ""
         names = ("world size", *self.parts, f"time/{unit}", f"{self.unit}/s", "speedup", "bound")
         rows = [[str(r.world_size), *(milliseconds(s) for s in r.parts_s()), milliseconds(r.total_s),
                  f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", r.bound] for r in self.rows]
@@ -133,7 +136,8 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
                    attention: str | None = None, efficiency: float | None = None,
                    memory_efficiency: float | None = None, link_efficiency: float | None = None,
                    example_input=None, input_shape=None, profile: SpeedProfile | str | None = None,
-                   vocab_parallel: bool = True, cp: int = 1, cp_method: str = "auto") -> SpeedEstimate:
+                   vocab_parallel: bool = True, cp: int = 1, cp_method: str = "auto", ep: int = 1,
+                   ep_imbalance: float = DEFAULT_IMBALANCE) -> SpeedEstimate:
     """Step time (training, prefill) or time per decoded token (decode, with a context of `seq_len`) and
     speedup over one device, for each world size (see the module docstring).
 
@@ -143,11 +147,16 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     config's attention kernel ("eager", else sdpa). A module without a config: `example_input` or `input_shape`
     (batch first; its batch becomes `batch_size`); training and prefill only. `cp`: context-parallel ranks beside
     every world size's TP ranks (training a transformer; `cp_method` "auto", "all_to_all" or "ring"): each row runs
-    on world size x cp devices, its speedup still over one device."""
+    on world size x cp devices, its speedup still over one device. `ep`: a mixture-of-experts model's experts spread
+    over ep ranks (`tpkit.expert_parallel`, `experts.py`; `ep_imbalance` >= 1: the busiest rank's load over uniform
+    routing's): a world size t dividing ep runs on t x cp x dp devices, dp = ep / gcd(ep, t x cp) replicas (DDP in
+    training) that make up the expert group, each on `batch_size` sequences, its throughput counting all of them;
+    other world sizes are left out (noted)."""
     fractions = {"efficiency": efficiency, "memory_efficiency": memory_efficiency, "link_efficiency": link_efficiency}
     sizes = _check(mode, world_size, batch_size, seq_len, fractions)
     recompute = normalise_recompute(recompute)
     check_cp(cp, cp_method)
+    check_ep(ep, ep_imbalance)
     pricing = machine_pricing(profile, hardware, interconnect)
     config, shape = resolve_target(model_or_config, "estimate_speed")
     check_priced(cp, mode, model_or_config)
@@ -165,27 +174,32 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     prof, rates_note = _rates_of(pricing, fractions, dtype.itemsize)
     goal, choices = GOAL[mode], () if vocab_parallel else (("vocab", "whole"),)
     units = batch_size if goal == "decode" or shape is None else batch_size * seq_len
-    rows, padded, quantized = [], [], {}
-    first = [1] if sizes[0] > 1 or cp > 1 else []
+    rows, padded, quantized, replicas = [], [], {}, []
+    first = [1] if sizes[0] > 1 or cp > 1 or ep > 1 else []
+    sizes = _dividing(sizes, ep, notes) if ep > 1 else sizes
     for i, t in enumerate(first + sizes):  # one device is what the speedup is over
-        c = 1 if i < len(first) else cp
+        c, e = (1, 1) if i < len(first) else (cp, ep)
+        dp = replicas_for(e, t * c) if e > 1 else 1
         sp = sequence_parallel and t > 1 and goal == "train"
         step = t * (2 * c if c > 1 else 1)  # a cp rank's share (2 x cp chunks) splits further over t
         seq = -(-seq_len // step) * step if sp else seq_len  # sequence parallelism splits the sequence: padded to t
         padded += [f"TP {t}: {seq}"] if seq != seq_len else []
-        setup = Setup(t, sequence_parallel=sp, recompute=recompute if goal == "train" else "none", choices=choices,
-                      cp=c, cp_method=cp_method)
-        p = predict(subject, setup, goal, batch_size, seq, prof, example=example, dtype=dtype,
+        setup = Setup(t, dp, None if dp == 1 else "ddp" if goal == "train" else "replicas", sequence_parallel=sp,
+                      recompute=recompute if goal == "train" else "none", choices=choices, cp=c, cp_method=cp_method,
+                      ep=e, ep_imbalance=ep_imbalance)
+        p = predict(subject, setup, goal, batch_size * dp, seq, prof, example=example, dtype=dtype,
                     hardware=pricing.hardware, attention=attention)
-        rows.append(_row(p, units))
+        rows.append(_row(p, units * dp))
+        replicas.append(dp)
         if p.quantized:  # what its quantized layers were priced as (one note per distinct pricing)
             quantized.setdefault(p.quantized, []).append(t)
     if padded:
         notes.append(f"sequence parallelism splits the sequence over the ranks: {seq_len} tokens padded to a multiple "
                      f"of the world size ({', '.join(padded)})")
-    for r in rows:
-        r.speedup = rows[0].total_s / r.total_s
-    rows = rows[len(first):]
+    for r, dp in zip(rows, replicas):
+        r.speedup = rows[0].total_s / r.total_s * dp
+    rows, replicas = rows[len(first):], replicas[len(first):]
+    notes += [_experts_note(rows, replicas, ep, cp)] if ep > 1 else []
     notes += [note if len(quantized) == 1 else f"TP {', '.join(map(str, ts))}: {note}" for note, ts in quantized.items()]
     notes = [rates_note, *notes, *_notes(rows, pricing, sizes, vocab_parallel)]
     hw = pricing.hardware or pricing.profile.hardware
@@ -193,17 +207,33 @@ def estimate_speed(model_or_config, world_size: int | Iterable[int] = (1, 2, 4, 
     link = hw.interconnect.name if hw is not None else "its own ranks (measured)"
     return SpeedEstimate(name, link, mode, str(dtype).replace("torch.", ""), batch_size,
                          seq_len if shape is not None else None, rows, notes,
-                         unit="tokens" if shape is not None else "samples", cp=cp)
+                         unit="tokens" if shape is not None else "samples", cp=cp, ep=ep)
 
 
 def _row(p: Prediction, units: int) -> SpeedRow:
     """A world size's row from its prediction; the part that takes longest bounds it."""
     memory = p.kernels_s - p.compute_s
-    comm = p.tp_communication_s + p.dp_communication_s + p.cp_communication_s
+    comm = p.tp_communication_s + p.dp_communication_s + p.cp_communication_s + p.ep_communication_s
     parts = {"compute": p.compute_s, "memory": memory, "framework": p.overhead_s, "communication": comm}
     return SpeedRow(p.setup.tp, p.flops, p.nbytes, p.collective_bytes, p.collectives, p.compute_s, memory, comm,
                     p.seconds, units / p.seconds, 1.0, max(parts, key=parts.get), p.memory_bytes, p.process_bytes,
                     p.overhead_s)
+
+
+def _dividing(sizes: list[int], ep: int, notes: list[str]) -> list[int]:
+    """The world sizes that divide `ep` (an expert group holds whole TP groups); the others noted as left out."""
+    kept, left = [t for t in sizes if ep % t == 0], [t for t in sizes if ep % t]
+    if not kept:
+        raise ValueError(f"estimate_speed: ep {ep} is not a multiple of any world size asked ({sizes}): an expert "
+                         f"group holds whole TP groups; ask for world sizes dividing {ep}")
+    notes += [f"world sizes {', '.join(map(str, left))} left out: ep {ep} is not a multiple of them"] if left else []
+    return kept
+
+
+def _experts_note(rows: list[SpeedRow], replicas: list[int], ep: int, cp: int) -> str:
+    return (f"expert parallelism over ep {ep}: TP " + "; ".join(f"{r.world_size} on {r.world_size * cp * dp} devices "
+                                                                f"({dp} replica{'s' * (dp > 1)})" for r, dp in zip(rows, replicas))
+            + f", each replica's tokens counted; {EXPERTS_NOTE}")
 
 
 def _rates_of(pricing: Pricing, fractions: dict[str, float | None], item: int) -> tuple[SpeedProfile, str]:

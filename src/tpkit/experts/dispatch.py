@@ -62,15 +62,23 @@ def dispatch(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, c
     numbers) with `weights` [n, k]: `sum_j weights[:, j] * expert[index[:, j]](hidden)`; and how many of this
     rank's choices went to each expert [E]. `compute(rows, counts)` runs this rank's experts on `rows` sorted by
     local expert, `counts[e]` rows each."""
-    n, k = index.shape
-    ep, me = comm.world_size, comm.rank
-    mine = owners.counts[me]
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=owners.num_experts)
+    ep, mine = comm.world_size, owners.counts[comm.rank]
+    counts = torch.bincount(index.reshape(-1), minlength=owners.num_experts)
     received = comm.all_to_all(counts, 0, 0, owners.counts, [mine] * ep)
     sizes = torch.cat([counts, received]).tolist()  # the layer's one sync: the exchange below needs its sizes
-    sent_per_expert, got = sizes[:owners.num_experts], sizes[owners.num_experts:]  # got: (source, local expert)
+    return exchange(hidden, index, weights, comm, owners, compute, sizes[:owners.num_experts],
+                    sizes[owners.num_experts:]), counts
+
+
+def exchange(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, comm: Communicator,
+             owners: ExpertOwners, compute: Callable[[torch.Tensor, list[int]], torch.Tensor],
+             sent_per_expert: Sequence[int], got: Sequence[int]) -> torch.Tensor:
+    """`dispatch` once the sizes are known: `sent_per_expert[e]` of this rank's (row, choice) pairs go to expert e,
+    `got[i * mine + e]` pairs come from rank i for local expert e. (The estimates trace this very exchange with the
+    sizes uniform routing gives: `tpkit.estimate.experts`.)"""
+    n, k = index.shape
+    ep, mine = comm.world_size, owners.counts[comm.rank]
+    order = torch.argsort(index.reshape(-1), stable=True)
     send = [sum(sent_per_expert[a:b]) for a, b in zip(owners.starts, owners.starts[1:])]
     recv = [sum(got[i * mine:(i + 1) * mine]) for i in range(ep)]
     rows = all_to_all(hidden.index_select(0, order // k), comm, 0, 0, send, recv)
@@ -81,5 +89,5 @@ def dispatch(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, c
     back = all_to_all(_regroup(out, back_sizes, mine, ep), comm, 0, 0, recv, send)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    pairs = back.index_select(0, inverse).view(n, k, hidden.shape[-1])
-    return (pairs * weights.unsqueeze(-1).to(pairs.dtype)).sum(1).to(hidden.dtype), counts
+    pairs = back.index_select(0, inverse).view(n, k, hidden.shape[-1])  # n may be 0 (fewer rows than tp ranks)
+    return (pairs * weights.unsqueeze(-1).to(pairs.dtype)).sum(1).to(hidden.dtype)

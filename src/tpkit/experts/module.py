@@ -55,15 +55,19 @@ class DispatchedExperts(nn.Module):
                 f"the experts' gradient rule; tpkit's expert parallelism trains LoRA on the other layers only (leave "
                 f"the experts out of target_parameters)")
         if self.tp is None:
-            out, load = dispatch(hidden_states, top_k_index, top_k_weights, self.ep, self.owners, self.compute)
-        else:
-            sizes = split_sizes(hidden_states.shape[0], self.tp.world_size)
-            start = sum(sizes[:self.tp.rank])
-            index = top_k_index[start:start + sizes[self.tp.rank]]
-            rows, weights = scatter_to_region(hidden_states, self.tp, 0), scatter_to_region(top_k_weights, self.tp, 0)
-            out, load = dispatch(rows, index, weights, self.ep, self.owners, self.compute)
-            out = gather_from_region(out, self.tp, 0)
-        if self.training:  # for balancing by the router's bias (`balance.update_expert_bias`), not a gradient
+            return self.route(hidden_states, top_k_index, top_k_weights)
+        sizes = split_sizes(hidden_states.shape[0], self.tp.world_size)
+        start = sum(sizes[:self.tp.rank])
+        index = top_k_index[start:start + sizes[self.tp.rank]]
+        rows, weights = scatter_to_region(hidden_states, self.tp, 0), scatter_to_region(top_k_weights, self.tp, 0)
+        out = self.route(rows, index, weights)
+        return gather_from_region(out, self.tp, 0, sizes)  # uneven: fewer rows than tp ranks when decoding
+
+    def route(self, rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's rows to their experts over the expert group and back (`dispatch.dispatch`); in training, the
+        tokens each expert was chosen for, kept for balancing by the router's bias (`balance.update_expert_bias`)."""
+        out, load = dispatch(rows, index, weights, self.ep, self.owners, self.compute)
+        if self.training:
             self.tokens_per_expert = self.tokens_per_expert + load if self.tokens_per_expert is not None else load
         return out
 

@@ -90,6 +90,9 @@ class AnalysisReport:
     # training activations by sequence length and context parallelism, with `.summary(width)` and `.to_dict()`
     # (`tpkit.estimate.sequences.SequenceMemory`: `tpkit.analyze` adds it for a transformer in training mode)
     sequences: Any = None
+    # expert memory per rank by expert parallelism, with `.summary(width)` and `.to_dict()` (`tpkit.estimate.experts.
+    # ExpertMemory`: `tpkit.analyze` adds it for a model with fused experts)
+    experts: Any = None
 
     @property
     def parallelizable_percent(self) -> float:
@@ -103,6 +106,7 @@ class AnalysisReport:
         d["per_rank_bytes"] = {str(k): v for k, v in self.per_rank_bytes.items()}
         d["per_rank_memory"] = {str(k): v for k, v in self.per_rank_memory.items()}
         d["sequences"] = self.sequences.to_dict() if self.sequences is not None else None
+        d["experts"] = self.experts.to_dict() if self.experts is not None else None
         return d
 
     def grouped_layers(self) -> list[tuple[str, int, LayerReport]]:
@@ -142,6 +146,8 @@ class AnalysisReport:
                          [Column("world size"), Column("parameters"), Column(self.mode)], memory, width),
             wrap_text(self.suggestion, width),
         ]
+        if self.experts is not None:
+            parts.append(self.experts.summary(width))
         if self.sequences is not None:
             parts.append(self.sequences.summary(width))
         if self.recommendations:
