@@ -1,4 +1,5 @@
-"""examples/finetune.py --cp under real torchrun (gloo processes), float64: the directory --consolidate writes equals
+"""examples/finetune.py --cp on gloo processes (its `main()` under `tpkit.launch`, which sets each rank up as torchrun
+does, and the cp2 x tp2 run under real torchrun), float64: the directory --consolidate writes equals
 ONE process of plain transformers + torch doing the example's documented steps on the WHOLE sequences (its batch
 rule, `model(input_ids=x, labels=x).loss`, backward, `clip_grad_norm_`, AdamW), and the printed loss and gradient
 norm equal that process's to their 4 printed decimals: cp2 on a several-hundred-token sequence that does not divide
@@ -8,13 +9,17 @@ in each stage), and a Qwen2 with tied embeddings and q/k/v biases."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import os
 import re
+import sys
 
 import pytest
 import torch
 
+import tpkit
 from tests.torchrun import ROOT, torchrun
 
 FINETUNE = os.path.join(ROOT, "examples", "finetune.py")
@@ -45,22 +50,41 @@ def models(tmp_path_factory) -> dict[str, str]:
     return {"llama": str(root / "llama"), "qwen2": str(root / "qwen2")}
 
 
-def _run(nproc: int, *args: str) -> str:
+def _run(nproc: int, *args: str, under_torchrun: bool = False) -> str:
+    """Rank 0's output of the example at `nproc` ranks: under real torchrun, or (the default, seconds faster per run
+    on this box) its `main()` in `tpkit.launch`'s processes, forked from a server that imported torch and
+    transformers once, each rank set up as torchrun sets its workers (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    if not under_torchrun:
+        return tpkit.launch(example_main, nproc, args=(list(args),), timeout=300)[0]
     code, output, _ = torchrun(FINETUNE, *args, nproc=nproc, env=ENV, timeout=300)
     assert code == 0, output
     return output
+
+
+def example_main(argv: list[str]) -> str:
+    """The example's `main()` on this rank with `argv`; what it printed (a SystemExit with a message raises)."""
+    module, printed = _finetune_module(), io.StringIO()
+    sys.argv = [FINETUNE, *argv]
+    with contextlib.redirect_stdout(printed):
+        try:
+            module.main()
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise RuntimeError(f"finetune.py exited: {exc.code}\n{printed.getvalue()}") from None
+    return printed.getvalue()
 
 
 def _printed(output: str) -> list[tuple[str, str]]:
     return re.findall(r"^step \d+: loss (\S+)\s+grad norm (\S+)", output, re.MULTILINE)
 
 
-def _reference(model_dir: str, seq: int, global_batch: int, steps: int = STEPS):
-    """One process, no tpkit, float64: the example's batches, transformers' loss, torch's clipping and AdamW."""
+def _reference(model_dir: str, seq: int, global_batch: int, steps: int = STEPS, **load):
+    """One process, no tpkit, float64: the example's batches, transformers' loss, torch's clipping and AdamW.
+    `load`: more arguments of transformers' from_pretrained."""
     import transformers as tr
 
     finetune = _finetune_module()
-    model = tr.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).train()
+    model = tr.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, **load).train()
     args = argparse.Namespace(seed=0, seq=seq, global_batch=global_batch)
     opt = torch.optim.AdamW(model.parameters(), lr=float(LR))
     printed = []
@@ -88,12 +112,13 @@ def _equal_to_reference(output: str, out_dir: str, reference) -> None:
         assert err < 1e-4, (key, err)
 
 
-def _train(nproc, model_dir, tmp_path, name, seq, global_batch, *layout, steps=STEPS, resume=False, consolidate=True):
+def _train(nproc, model_dir, tmp_path, name, seq, global_batch, *layout, steps=STEPS, resume=False, consolidate=True,
+           under_torchrun=False):
     save, out = str(tmp_path / f"{name}-ckpt"), str(tmp_path / f"{name}-hf")
     args = ["--model", model_dir, *layout, "--dtype", "float64", "--seq", str(seq), "--global-batch",
             str(global_batch), "--lr", LR, "--steps", str(steps), "--save", save,
             *(["--consolidate", out] if consolidate else [])]
-    return _run(nproc, *args, *(["--resume"] if resume else [])), out
+    return _run(nproc, *args, *(["--resume"] if resume else []), under_torchrun=under_torchrun), out
 
 
 @pytest.mark.slow
@@ -112,7 +137,7 @@ def test_cp3_with_heads_that_do_not_divide(models, tmp_path):
 @pytest.mark.slow
 def test_cp2_x_tp2_resumes_at_tp2_alone(models, tmp_path):
     first, _ = _train(4, models["llama"], tmp_path, "cp2tp2", 24, 4, "--tp", "2", "--cp", "2", steps=2,
-                      consolidate=False)
+                      consolidate=False, under_torchrun=True)
     assert "world 4 = tp2 x dp1 x cp2" in first, first
     rest, out = _train(2, models["llama"], tmp_path, "cp2tp2", 24, 4, "--tp", "2", steps=STEPS, resume=True)
     printed, state = _reference(models["llama"], 24, 4)

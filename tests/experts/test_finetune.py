@@ -1,4 +1,5 @@
-"""examples/finetune.py --ep under real torchrun (gloo processes), float64, on a Qwen3-MoE with fused experts (6
+"""examples/finetune.py --ep on gloo processes (its `main()` under `tpkit.launch`; the ep4 over tp2 x dp2 run under
+real torchrun), float64, on a Qwen3-MoE with fused experts (6
 experts, top-2): the directory --consolidate writes equals ONE process of plain transformers + torch doing the
 example's documented steps on the whole global batch (its batch rule, `model(input_ids=x, labels=x).loss`,
 backward, `clip_grad_norm_`, AdamW; transformers' eager experts, its fused kernel having no float64), and the printed
@@ -8,14 +9,12 @@ ep4 over cp2 x dp2 (FSDP2 over dp x cp, the experts reduced over their own group
 carved from the world, refused before step 1."""
 from __future__ import annotations
 
-import argparse
 import os
 
 import pytest
 import torch
 
-from tests.context.test_finetune import _finetune_module, _printed, _run, FINETUNE, ENV
-from tests.torchrun import torchrun
+from tests.context.test_finetune import _printed, _reference, _run
 
 STEPS, LR = 3, "1e-3"
 
@@ -35,24 +34,8 @@ def moe(tmp_path_factory) -> str:
 
 
 def reference(model_dir: str, seq: int, global_batch: int, steps: int = STEPS):
-    """One process, no tpkit, float64: the example's batches, transformers' loss, torch's clipping and AdamW."""
-    import transformers as tr
-
-    finetune = _finetune_module()
-    model = tr.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64,
-                                                    experts_implementation="eager").train()
-    args = argparse.Namespace(seed=0, seq=seq, global_batch=global_batch)
-    opt = torch.optim.AdamW(model.parameters(), lr=float(LR))
-    printed = []
-    for step in range(steps):
-        ids = finetune.batch(step, None, model.config.vocab_size, args)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        printed.append((f"{loss.item():.4f}", f"{norm.item():.4f}"))
-    return printed, model.state_dict()
+    """One process of plain transformers (eager experts: its fused kernel has no float64), the example's steps."""
+    return _reference(model_dir, seq, global_batch, steps, experts_implementation="eager")
 
 
 def equal_to_reference(output: str, out_dir: str, want) -> None:
@@ -67,11 +50,12 @@ def equal_to_reference(output: str, out_dir: str, want) -> None:
         assert err < 1e-4, (key, err)
 
 
-def train(nproc, model_dir, tmp_path, name, *layout, steps=STEPS, resume=False, consolidate=True, seq=12, batch=4):
+def train(nproc, model_dir, tmp_path, name, *layout, steps=STEPS, resume=False, consolidate=True, seq=12, batch=4,
+          under_torchrun=False):
     save, out = str(tmp_path / f"{name}-ckpt"), str(tmp_path / f"{name}-hf")
     args = ["--model", model_dir, *layout, "--dtype", "float64", "--seq", str(seq), "--global-batch", str(batch),
             "--lr", LR, "--steps", str(steps), "--save", save, *(["--consolidate", out] if consolidate else [])]
-    return _run(nproc, *args, *(["--resume"] if resume else [])), out
+    return _run(nproc, *args, *(["--resume"] if resume else []), under_torchrun=under_torchrun), out
 
 
 @pytest.mark.slow
@@ -100,7 +84,8 @@ def test_ep_over_four_ranks(moe, tmp_path, layout, printed):
 
 @pytest.mark.slow
 def test_ep4_over_tp2_x_dp2_resumes_at_tp2_alone(moe, tmp_path):
-    first, _ = train(4, moe, tmp_path, "ep4tp2", "--tp", "2", "--ep", "4", steps=2, consolidate=False)
+    first, _ = train(4, moe, tmp_path, "ep4tp2", "--tp", "2", "--ep", "4", steps=2, consolidate=False,
+                     under_torchrun=True)
     assert "world 4 = tp2 x dp2, ep4" in first, first
     rest, out = train(2, moe, tmp_path, "ep4tp2", "--tp", "2", resume=True)
     printed, state = reference(moe, 12, 4)
@@ -109,10 +94,10 @@ def test_ep4_over_tp2_x_dp2_resumes_at_tp2_alone(moe, tmp_path):
 
 
 def test_an_ep_that_cannot_be_carved_stops_before_step_one(moe, tmp_path):
-    code, output, _ = torchrun(FINETUNE, "--model", moe, "--tp", "2", "--ep", "3", "--steps", "1", nproc=2, env=ENV,
-                               timeout=120)
-    assert code != 0 and "--ep 3" in output and "not a multiple of tp 2" in output, output
-    assert "step 1:" not in output, output
+    with pytest.raises(RuntimeError) as info:
+        _run(2, "--model", moe, "--tp", "2", "--ep", "3", "--steps", "1")
+    assert "--ep 3" in str(info.value) and "not a multiple of tp 2" in str(info.value), info.value
+    assert "step 1:" not in str(info.value)
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from ..convert.families.expert_blocks import find_block
 from ..convert.families.experts import FusedExperts, fused_experts
 from ..convert.stock_calls import install_whole_model_calls
 from ..layout import ShardLayout
-from ..nn.mappings import copy_to_region
+from ..nn.mappings import copy_to_region, scale_grad
 from ..nn.quantized_experts import ExpertsQuantMethod
 from ..nn.record import ModelRecord, attach_record, find_record
 from ..nn.rewrites import Rewrite, rewrite, rewrites_of
@@ -40,17 +40,6 @@ KEEP_EXPERTS_WHOLE = {"*.experts": "replicate"}
 _CAPACITY_ATTRS = ("capacity_factor", "moe_capacity_factor", "expert_capacity")
 
 
-class _Divide(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, n):
-        ctx.n = n
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad / ctx.n, None
-
-
 class OverExperts(Rewrite):
     """An expert weight's gradient summed over the ranks holding the same experts (`edp`, None when it is this rank
     alone) and divided by the data-parallel size `dp`."""
@@ -60,7 +49,7 @@ class OverExperts(Rewrite):
 
     def read(self, module: nn.Module, name: str, stored: torch.Tensor | None) -> torch.Tensor:
         seen = copy_to_region(stored, self.edp) if self.edp is not None else stored
-        return _Divide.apply(seen, self.dp) if self.dp > 1 else seen
+        return scale_grad(seen, over=self.dp)
 
 
 @dataclasses.dataclass(eq=False)

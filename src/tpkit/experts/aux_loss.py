@@ -24,18 +24,7 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
-from ..nn.mappings import gather_from_region
-
-
-class _Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, n):
-        ctx.n = n
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.n, None
+from ..nn.mappings import gather_from_region, scale_grad
 
 
 def aux_loss_on(model: nn.Module) -> bool:
@@ -75,7 +64,7 @@ class GlobalAuxLoss:
         output["aux_loss"] = aux
         loss = output.get("loss")
         if loss is not None:
-            output["loss"] = loss + self.coef * _Scale.apply(aux, self.dp.world_size).to(loss.device)
+            output["loss"] = loss + self.coef * scale_grad(aux, times=self.dp.world_size).to(loss.device)
         return output
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
-from .mappings import copy_to_region, reduce_from_region
+from .mappings import copy_to_region, reduce_from_region, scale_grad
 
 
 class ExpertsRegion:
@@ -94,19 +94,6 @@ def _set_arg(args: list, kwargs: dict, i: int, name: str, value) -> None:
         args[i] = value
 
 
-class _ShareGrad(torch.autograd.Function):
-    """Identity forward; backward divides the gradient by the world size (see `BlockRegion`)."""
-
-    @staticmethod
-    def forward(ctx, x, n):
-        ctx.n = n
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad / ctx.n, None
-
-
 class BlockRegion:
     """Hooks that make a whole MoE block one partial-sum region, for experts kept as separate modules (whose
     combine happens in the block's own forward).
@@ -145,7 +132,7 @@ class BlockRegion:
         if not isinstance(output, tuple) or not output or not isinstance(output[0], torch.Tensor):
             raise TypeError(f"{type(module).__name__}: a MoE block split by tpkit must return its combined output, "
                             f"alone or first in a tuple; got {type(output).__name__}")
-        rest = tuple(_ShareGrad.apply(o, self.comm.world_size)
+        rest = tuple(scale_grad(o, over=self.comm.world_size)
                      if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad else o
                      for o in output[1:])
         return (reduce_from_region(output[0], self.comm),) + rest

@@ -26,6 +26,9 @@ Parameters a rank uses for part of the work only (applied to the parameter where
                                  ranks holding it (KV heads replicated when fewer than ranks; each holder's
                                  gradient covers only its query heads)
 
+A gradient counted once over several ranks, or averaged by an engine that does not know it (no communication):
+    scale_grad                   forward identity         backward the gradient times `times`, over `over`
+
 Every mapping returns its input unchanged, without creating an autograd node, when the world size is 1.
 Uneven sizes follow `tpkit.comm.split_sizes` unless `sizes` (every rank's size along `dim`) is given.
 
@@ -159,6 +162,19 @@ class _AllToAll(torch.autograd.Function):
         return traceable.all_to_all(grad, ctx.comm, gd, sd, gs, ss), None, None, None, None, None
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, times, over):
+        ctx.times, ctx.over = times, over
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.times != 1:
+            grad = grad * ctx.times
+        return (grad / ctx.over if ctx.over != 1 else grad), None, None
+
+
 def _dim(x: torch.Tensor, dim: int) -> int:
     """A non-negative dim, so forward and backward agree even if a rank's shard changes rank."""
     if not -x.dim() <= dim < x.dim():
@@ -226,7 +242,13 @@ def all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim
     return _AllToAll.apply(x, comm, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
 
 
+def scale_grad(x: torch.Tensor, times: float = 1, over: float = 1) -> torch.Tensor:
+    """Identity forward; backward multiplies the gradient by `times` and divides it by `over` (`x` itself, with no
+    node, when both are 1)."""
+    return x if times == 1 and over == 1 else _ScaleGrad.apply(x, times, over)
+
+
 __all__ = [
-    "all_to_all", "copy_rows_to_region", "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region",
+    "all_to_all", "copy_rows_to_region", "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region", "scale_grad",
     "reduce_scatter_to_sequence_region", "scatter_to_region", "scatter_to_sequence_region",
 ]
