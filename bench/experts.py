@@ -8,7 +8,8 @@ the same model (deep copies), each with its own AdamW:
 - dp4-fsdp: the model as it is under `tpkit.data_parallel(model, groups.dp_cp, mode="fsdp")`, experts included;
 - tp4: `tpkit.parallelize(model, comm=world, mode="training")` (the default plan: `experts_tp`), whole batch;
 - ep2 / ep4: `tpkit.expert_parallel(model, tpkit.comm.groups(world, tp=1, ep=E))`, then FSDP2 over dp x cp for
-  the rest (it leaves the experts alone), as `examples/finetune.py --ep E` does.
+  the rest, as `examples/finetune.py --ep E` does (the experts sharded over their expert-data group: edp 2 at ep2,
+  none at ep4).
 A step: forward + backward of this rank's share of the batch, `tpkit.clip_grad_norm_`, AdamW. The first step of
 each setup is a check (same model, same batch: the dp-mean loss and the gradient norm must agree), then the
 setups run in turn, the order rotating every round, a barrier before and after each step; the figure is rank 0's
@@ -117,14 +118,15 @@ def other_traffic(name: str, shape: dict, full: int, world: int = 4) -> float:
     """Bytes a rank sends per step for the experts besides the all-to-alls, by formula (a ring all-reduce sends
     2 (n - 1) / n of the tensor, an all-gather or reduce-scatter (n - 1) / n): dp4-fsdp gathers the experts in the
     forward and again in the backward and reduce-scatters their gradients; tp4 all-reduces each MoE layer's output
-    (forward) and its input's gradient (backward), whole batch; epE all-reduces its experts' gradients over edp."""
+    (forward) and its input's gradient (backward), whole batch; epE with an expert-data group (edp = 4 / E > 1):
+    FSDP2 over edp, its experts gathered in the forward and the backward and their gradients reduce-scattered."""
     if name == "dp4-fsdp":
         return 3 * (world - 1) / world * full
     if name == "tp4":
         return shape["layers"] * 2 * 2 * (world - 1) / world * shape["batch"] * shape["seq"] * shape["hidden"] * 4
     ep = int(name[2])
     edp = world // ep
-    return 2 * (edp - 1) / edp * full / ep
+    return 3 * (edp - 1) / edp * full / ep
 
 
 def body(args, shape: dict) -> dict:

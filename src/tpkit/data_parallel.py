@@ -181,7 +181,8 @@ def data_parallel(model: nn.Module, dp_comm: Communicator, mode: str = "fsdp", *
 def shard_experts(record: ModelRecord, torch_kwargs: dict[str, Any]) -> bool:
     """FSDP2 over the expert-data group for each experts module of an expert-parallel model (before the blocks
     around them, which then leave their weights alone), its gradients summed over that group and divided by the
-    dp size (the expert rule, `tpkit.expert_parallel`); False when each expert is held by one rank only."""
+    dp size (the expert rule, `tpkit.expert_parallel`: `ExpertParallel.hand_to_fsdp`); False when each expert is
+    held by one rank only."""
     experts = record.experts
     if experts is None or experts.edp is None or record.owner is None:
         return False
@@ -192,7 +193,6 @@ def shard_experts(record: ModelRecord, torch_kwargs: dict[str, Any]) -> bool:
                                  device_type(experts.edp))
     for module in experts.hand_to_fsdp(record.owner):
         fully_shard(module, mesh=mesh, **torch_kwargs)
-        module.set_gradient_divide_factor(float(experts.dp))
     return True
 
 

@@ -42,14 +42,15 @@ _CAPACITY_ATTRS = ("capacity_factor", "moe_capacity_factor", "expert_capacity")
 
 class OverExperts(Rewrite):
     """An expert weight's gradient summed over the ranks holding the same experts (`edp`, None when it is this rank
-    alone) and divided by the data-parallel size `dp`."""
+    alone, or when FSDP2 sums it there) and multiplied by `times` / `dp` (`times` > 1: FSDP2's mean over an
+    expert-data group of that size, undone)."""
 
-    def __init__(self, edp: Communicator | None, dp: int):
-        self.edp, self.dp = edp, dp
+    def __init__(self, edp: Communicator | None, dp: int, times: int = 1):
+        self.edp, self.dp, self.times = edp, dp, times
 
     def read(self, module: nn.Module, name: str, stored: torch.Tensor | None) -> torch.Tensor:
         seen = copy_to_region(stored, self.edp) if self.edp is not None else stored
-        return scale_grad(seen, over=self.dp)
+        return scale_grad(seen, times=self.times, over=self.dp)
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,14 +66,15 @@ class ExpertParallel:
     fsdp: bool = False  # FSDP2 shards the experts over edp and reduces their gradients (`tpkit.data_parallel`)
 
     def hand_to_fsdp(self, owner: nn.Module) -> list[nn.Module]:
-        """The experts modules of `owner` (the record's model), their gradient rule handed to FSDP2 over the
-        expert-data group: its reduce-scatter sums over edp and `set_gradient_divide_factor(dp)` divides, so the
-        rewrites keep only marking them. Called by `tpkit.data_parallel` before it shards them."""
+        """The experts modules of `owner` (the record's model), their sum over the expert-data group handed to FSDP2
+        sharding them there: its reduce-scatter averages over edp, so each rank's gradient enters it multiplied by
+        edp / dp (the sum over edp divided by dp, on any backend: gloo has no pre-multiplied reduce for FSDP2's own
+        divide factor). Called by `tpkit.data_parallel` before it shards them."""
         found = [owner.get_submodule(name) for name in self.modules]
         for module in found:
             for how in rewrites_of(module).values():
                 if isinstance(how, OverExperts):
-                    how.edp, how.dp = None, 1
+                    how.edp, how.times = None, self.edp.world_size
         self.fsdp = True
         return found
 
