@@ -284,8 +284,8 @@ class ExpertMemory:
                 for ep, n, w, m in self.rows]
         title = f"expert memory per rank by expert parallelism (tp {self.tp}, {self.mode}: {what})"
         note = (f"{self.layers} MoE layers of {self.num_experts} experts; ep ranks of dp x cp x tp share them "
-                f"(tpkit.expert_parallel: ep a multiple of tp dividing dp x cp x tp), ceil(E / ep) whole experts on the "
-                f"fullest rank, TP keeping them whole; ep 1: as the TP plan splits them; per rank: the rest of the "
+                f"(tpkit.expert_parallel: ep a multiple of tp dividing dp x cp x tp), ceil(E / ep) whole experts on "
+                f"the fullest rank, TP keeping them whole; ep 1: as the TP plan splits them; per rank: the rest of the "
                 f"model as counted above at tp {self.tp}, activations not included")
         return "\n".join([render_table(title, columns, rows, width), wrap_text(note, width, "", "  ")])
 

@@ -231,8 +231,9 @@ def _dividing(sizes: list[int], ep: int, notes: list[str]) -> list[int]:
 
 
 def _experts_note(rows: list[SpeedRow], replicas: list[int], ep: int, cp: int) -> str:
-    return (f"expert parallelism over ep {ep}: TP " + "; ".join(f"{r.world_size} on {r.world_size * cp * dp} devices "
-                                                                f"({dp} replica{'s' * (dp > 1)})" for r, dp in zip(rows, replicas))
+    each = [f"{r.world_size} on {r.world_size * cp * dp} devices ({dp} replica{'s' * (dp > 1)})"
+            for r, dp in zip(rows, replicas)]
+    return (f"expert parallelism over ep {ep}: TP " + "; ".join(each)
             + f", each replica's tokens counted; {EXPERTS_NOTE}")
 
 

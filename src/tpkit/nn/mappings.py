@@ -249,6 +249,7 @@ def scale_grad(x: torch.Tensor, times: float = 1, over: float = 1) -> torch.Tens
 
 
 __all__ = [
-    "all_to_all", "copy_rows_to_region", "copy_to_region", "gather_from_region", "gather_from_sequence_region", "reduce_from_region", "scale_grad",
-    "reduce_scatter_to_sequence_region", "scatter_to_region", "scatter_to_sequence_region",
+    "all_to_all", "copy_rows_to_region", "copy_to_region", "gather_from_region", "gather_from_sequence_region",
+    "reduce_from_region", "reduce_scatter_to_sequence_region", "scale_grad", "scatter_to_region",
+    "scatter_to_sequence_region",
 ]
