@@ -142,12 +142,14 @@ def main() -> None:
         except ValueError as exc:
             raise SystemExit(f"--ep {args.ep}: {exc}") from None
         tp, dp = groups.tp, groups.dp
+        def spread_experts(meta_model):  # each rank reads and keeps its experts; tokens travel to them by all-to-all
+            tpkit.parallelize(meta_model, tpkit.KEEP_EXPERTS_WHOLE, comm=tp, mode="training")
+            tpkit.expert_parallel(meta_model, groups)
+
         model = tpkit.from_pretrained(args.model, comm=tp, mode="training", dtype=args.dtype,
-                                      plan=tpkit.KEEP_EXPERTS_WHOLE if args.ep > 1 else "auto").train()
+                                      convert=spread_experts if args.ep > 1 else None).train()
         if args.cp > 1:  # whole sequences in, each cp rank keeps its zigzag share of every sequence
             tpkit.context_parallel(model, groups.cp, method=args.cp_method)
-        if args.ep > 1:  # each rank keeps its experts of the expert group; tokens travel to them by all-to-all
-            tpkit.expert_parallel(model, groups)
     if args.global_batch % dp.world_size or pipe is not None and args.global_batch // dp.world_size % pipe.microbatches:
         raise SystemExit(f"--global-batch {args.global_batch} must divide by the dp size {dp.world_size}"
                          + (f" times the micro-batches {pipe.microbatches}" if pipe is not None else ""))

@@ -6,6 +6,7 @@ anything changes."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -343,3 +344,37 @@ def test_lora_on_the_fused_experts_is_refused_naming_it(reference):
     for refused, trained in tpkit.run_threads(body, 2):
         assert "target_parameters" in refused and "LoRA" in refused, refused
         assert trained and "lora_A" in trained[0], trained
+
+
+def test_from_pretrained_reads_only_each_ranks_experts(reference, tmp_path, monkeypatch):
+    """`from_pretrained(..., convert=)` spreading the experts on the meta model: each rank reads its experts' slices
+    of the checkpoint (6 experts over 4 ranks: 2, 2, 1, 1), and holds exactly those values."""
+    import tpkit.checkpoint.pretrained as pretrained
+
+    model, _, _, _ = reference["qwen3"]
+    model.save_pretrained(tmp_path / "moe")
+    whole = {k: v for k, v in model.state_dict().items()}
+    read: dict[int, dict[str, int]] = {}
+    real = pretrained.read_targets
+
+    def counting(source, targets, *args, **kwargs):
+        read[threading.get_ident()] = {t.name: t.layout.local_numel for t in targets}
+        return real(source, targets, *args, **kwargs)
+
+    monkeypatch.setattr(pretrained, "read_targets", counting)
+
+    def body(comm):
+        g = make_groups(comm, tp=1, ep=4)
+
+        def spread(meta):
+            tpkit.expert_parallel(meta, g)
+
+        m = tpkit.from_pretrained(str(tmp_path / "moe"), comm=g.tp, dtype=torch.float64, convert=spread,
+                                  experts_implementation="eager")
+        return threading.get_ident(), g.ep.rank, {k: v.clone() for k, v in m.state_dict().items()}
+
+    for ident, ep_rank, state in tpkit.run_threads(body, 4):
+        first, count = [0, 2, 4, 5][ep_rank], [2, 2, 1, 1][ep_rank]
+        for key in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+            assert read[ident][key] == whole[key][first:first + count].numel(), key
+            torch.testing.assert_close(state[key], whole[key][first:first + count], rtol=0, atol=0)

@@ -30,6 +30,7 @@ from ..comm.communicator import Communicator
 from ..context import context_parallel
 from ..convert.families.experts import FusedExperts, fused_experts
 from ..experts import KEEP_EXPERTS_WHOLE, expert_parallel
+from ..experts.aux_loss import aux_loss_on
 from ..context.pipeline import StageContext
 from ..nn._layer import resolve_comm
 from ..nn.record import find_record
@@ -127,8 +128,12 @@ def prepare(model: nn.Module, cut: Cut) -> PipelineParallel:
         if cut.tp > 1 else None
     if groups.cp_size > 1:  # what context_parallel refuses (method, attention kernel, layers) refused now
         context_parallel(weightless_copy(model), groups.cp, cut.cp_method)
-    if groups.ep is not None:  # and what expert_parallel refuses (no experts, fewer experts than ep)
+    if groups.ep is not None:  # and what expert_parallel refuses (no experts, fewer experts than ep, the aux loss)
         expert_parallel(weightless_copy(model), groups)
+        if aux_loss_on(model) and groups.dp.world_size > 1:
+            raise NotImplementedError(f"pipeline: ep {cut.ep} with the router's auxiliary loss (output_router_logits): "
+                                      f"tpkit computes it over the global batch only without a pipeline (the loss is "
+                                      f"on the last stage, the router logits on every stage); turn it off")
     if pairs and first == last == groups.pp_rank:
         untie(model, pairs)
     prune(model, split, mine)
@@ -136,6 +141,8 @@ def prepare(model: nn.Module, cut: Cut) -> PipelineParallel:
     tied = _tied(pairs, tied_comm, groups.pp_rank, first, last)
     facts = PipelineParallel.of(groups, split, tuple(mine), cut.schedule, tied, keys, record, plan)
     record.pipeline = facts
+    if groups.ep is not None and any(isinstance(fused_experts(m), FusedExperts) for m in model.modules()):
+        expert_parallel(model, groups)  # this stage's experts over its expert group: a load reads only this rank's
     return facts
 
 
@@ -158,8 +165,6 @@ def _run_stages(part: nn.Module, facts: PipelineParallel, microbatches: int, dp_
     if groups.cp_size > 1:  # after the tp conversion (the cp sums wrap TP's) and the read; before FSDP2 / DDP
         context_parallel(part, groups.cp, cp_method)
         context = StageContext(part)
-    if groups.ep is not None and any(isinstance(fused_experts(m), FusedExperts) for m in part.modules()):
-        expert_parallel(part, groups)  # this stage's experts over its expert group; before FSDP2 / DDP
     modules: list[nn.Module] = list(stage_modules(part, facts.split, list(facts.stages), context))
     views: list[StageModule] = list(modules)  # type: ignore[arg-type]
     if groups.dp.world_size > 1:
