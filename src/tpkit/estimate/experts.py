@@ -36,7 +36,7 @@ import math
 import torch
 from torch import nn
 
-from ..convert.families.experts import FusedExperts, fused_experts
+from ..convert.families.experts import FusedExperts, experts_in, fused_experts
 from ..experts.dispatch import ExpertOwners, exchange
 from ..experts.module import DispatchedExperts
 from ..layout import split_sizes
@@ -100,13 +100,8 @@ def expert_layers(model_or_config, dtype: torch.dtype | None = None) -> ExpertLa
         if not isinstance(layers, int) or not hasattr(model_or_config, "model_type"):
             return f"{type(model_or_config).__name__} is not a Hugging Face config the estimates can build"
         model = with_layers(model_or_config, None, layers, dtype or torch.bfloat16)
-    found, refused = [], []
-    for name, m in model.named_modules():
-        info = fused_experts(m)
-        if isinstance(info, str):
-            refused.append(f"{name}: {info}")
-        elif info is not None:
-            found.append(info)
+    named, refused = experts_in(model)
+    found = [info for _, info in named]
     if refused:
         return "experts tpkit cannot dispatch exactly: " + "; ".join(refused[:2])
     if not found:

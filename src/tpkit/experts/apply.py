@@ -24,7 +24,7 @@ from torch import nn
 from ..comm.communicator import Communicator
 from ..comm.rank_groups import Groups
 from ..convert.families.expert_blocks import find_block
-from ..convert.families.experts import FusedExperts, fused_experts
+from ..convert.families.experts import FusedExperts, experts_in
 from ..convert.stock_calls import install_whole_model_calls
 from ..layout import ShardLayout
 from ..nn.mappings import copy_to_region, scale_grad
@@ -80,24 +80,17 @@ class ExpertParallel:
 
 
 def _experts_modules(model: nn.Module, record: ModelRecord | None) -> list[tuple[str, FusedExperts]]:
-    found, refused = [], []
-    for name, m in model.named_modules():
-        info = fused_experts(m)
-        if isinstance(info, str):
-            refused.append(f"{name}: {info}")
-        elif info is not None:
-            if record is not None:
-                split = [p for p in (info.up, "down_proj") if not record.layout(f"{name}.{p}", getattr(
-                    m, p).shape).is_replicated]
-                if any(isinstance(how, ExpertsQuantMethod) for how in rewrites_of(m).values()):
-                    raise NotImplementedError(f"expert_parallel: {name} ({type(m).__name__}) holds quantized experts; "
-                                              f"tpkit dispatches experts of a floating dtype (load with "
-                                              f"dequantize=True)")
-                if split:
-                    raise ValueError(f"expert_parallel: {name} ({type(m).__name__}) was split by tensor parallelism "
-                                     f"already; convert with its experts whole (tpkit.parallelize / from_pretrained "
-                                     f"with plan=tpkit.KEEP_EXPERTS_WHOLE), then call expert_parallel")
-            found.append((name, info))
+    found, refused = experts_in(model)
+    for name, info in found:
+        m = model.get_submodule(name)
+        if any(isinstance(how, ExpertsQuantMethod) for how in rewrites_of(m).values()):
+            raise NotImplementedError(f"expert_parallel: {name} ({type(m).__name__}) holds quantized experts; tpkit "
+                                      f"dispatches experts of a floating dtype (load with dequantize=True)")
+        if record is not None and any(not record.layout(f"{name}.{p}", getattr(m, p).shape).is_replicated
+                                      for p in (info.up, "down_proj")):
+            raise ValueError(f"expert_parallel: {name} ({type(m).__name__}) was split by tensor parallelism already; "
+                             f"convert with its experts whole (tpkit.parallelize / from_pretrained with "
+                             f"plan=tpkit.KEEP_EXPERTS_WHOLE), then call expert_parallel")
     if refused:
         raise NotImplementedError("expert_parallel: experts tpkit cannot dispatch exactly: " + "; ".join(refused[:3]))
     if not found:

@@ -86,6 +86,19 @@ def fused_experts(m: nn.Module) -> FusedExperts | str | None:
     return FusedExperts(up, e, h, i, transposed, names)
 
 
+def experts_in(model: nn.Module) -> tuple[list[tuple[str, FusedExperts]], list[str]]:
+    """`(every fused experts module of `model` with its layout, by name; "name: why" for each module that looks like
+    one but cannot be split exactly)`."""
+    found, refused = [], []
+    for name, m in model.named_modules():
+        info = fused_experts(m)
+        if isinstance(info, str):
+            refused.append(f"{name}: {info}")
+        elif info is not None:
+            found.append((name, info))
+    return found, refused
+
+
 def _forward_names(cls: type) -> tuple | None:
     try:
         params = list(inspect.signature(cls.forward).parameters)[1:]
