@@ -123,3 +123,15 @@ def test_ep2_over_dp2_with_the_auxiliary_loss(tmp_path):
     output, out = train(2, model_dir, tmp_path, "aux", "--tp", "1", "--ep", "2")
     want = reference(model_dir, 12, 4)
     equal_to_reference(output, out, want)
+
+
+@pytest.mark.slow
+def test_ep2_over_dp4_under_fsdp2_in_float32(moe, tmp_path):
+    """FSDP2 over the expert-data group in float32 on gloo (which has no pre-multiplied reduce for FSDP2's own
+    divide factor): trains, and its printed figures equal the float64 reference's to float32's precision."""
+    output = _run(4, "--model", moe, "--tp", "1", "--ep", "2", "--dtype", "float32", "--seq", "12",
+                  "--global-batch", "4", "--lr", LR, "--steps", "2", "--save", str(tmp_path / "f32"))
+    got = [(float(loss), float(norm)) for loss, norm in _printed(output)]
+    want = [(float(loss), float(norm)) for loss, norm in reference(moe, 12, 4, steps=2)[0]]
+    assert len(got) == 2 and all(abs(a - b) <= 2e-4 and abs(c - d) <= 2e-4 for (a, c), (b, d) in zip(got, want)), \
+        (output, want)
