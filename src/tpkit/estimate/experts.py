@@ -4,9 +4,11 @@
 What a rank of an expert group does (`tpkit.experts`), and what the estimates take from it:
 * its weights: each fused experts module's E experts split by the split rule over the ep ranks (6 over 4: 2, 2, 1,
   1), so the fullest rank (rank 0) holds ceil(E / ep) of them, whole: tensor parallelism leaves them whole (the
-  plan's fused_experts "whole", `tpkit.KEEP_EXPERTS_WHOLE`); their gradients and AdamW states follow them. DDP and
-  FSDP2 leave them alone (never sharded over dp x cp): each expert tensor's gradient is all-reduced once per step
-  over the expert-data group instead (`edp`: the dp x cp x tp / ep ranks holding the same experts; none at edp 1);
+  plan's fused_experts "whole", `tpkit.KEEP_EXPERTS_WHOLE`); their gradients and AdamW states follow them. DDP
+  leaves them alone: each expert tensor's gradient is all-reduced once per step over the expert-data group instead
+  (`edp`: the dp x cp x tp / ep ranks holding the same experts; none at edp 1). At runtime FSDP2 shards them over
+  edp (`tpkit.data_parallel`); the estimates still count them whole and all-reduced there, an upper bound on their
+  memory at rest when edp > 1;
 * every MoE layer's messages: forward, an all-to-all of the expert counts (E int64s), one of the rank's (row,
   choice) pairs to their experts' ranks (n / tp rows x k choices x H: each tp rank dispatches its own share of the
   rows) and the reverse one of the results; backward, the reverse of those two. Two forward, two backward (two

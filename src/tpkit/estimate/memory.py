@@ -67,8 +67,9 @@ def estimate_memory(model_or_config, world_size: int, dtype: torch.dtype | None 
 
     Expert parallelism (a model with fused experts, `tpkit.expert_parallel`): `ep` ranks of dp_size x cp x world_size
     share each MoE layer's experts (ep a multiple of `world_size`, dividing that product, at most the experts), TP
-    keeping them whole; a rank holds its ceil(E / ep) experts, their gradients and optimizer states (never sharded
-    by FSDP2); everything else as without it (`experts.py`). `expert_parameters_per_rank` says how many it holds.
+    keeping them whole; a rank holds its ceil(E / ep) experts, their gradients and optimizer states (counted whole
+    under FSDP2 too, which at runtime shards them over the expert-data group: an upper bound there); everything else
+    as without it (`experts.py`). `expert_parameters_per_rank` says how many it holds.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -244,7 +245,7 @@ def _estimate_transformer(shape, config, world_size, dtype, mode, optimizer, bat
     if experts[0] > 1 and traced is None:  # counted with the TP plan's experts: the rank's share of them instead
         params_rank += held - experts[1].held(1, world_size)
     if dp[1] == "fsdp":
-        spread = held if experts[0] > 1 else 0  # FSDP2 leaves the experts of expert parallelism whole
+        spread = held if experts[0] > 1 else 0  # counted whole: an upper bound (FSDP2 shards them over edp)
         extra["params_sharded"] = (traced[1].parameters(dp[0]) if traced is not None
                                    else -(-(params_rank - spread) // dp[0]) + spread)
         notes.append(_fsdp_note(dp) + ("" if traced is not None else f" (per-tensor padding not counted: {why})"))
@@ -286,7 +287,8 @@ def _expert_share(experts, world_size, traced, extra: dict, notes: list) -> int:
     whole = -(-layers.num_experts // ep)
     notes.append(f"{len(layers.infos)} MoE layers of {layers.num_experts} experts: " + (
         f"expert parallel over ep {ep}, each rank holds {whole} of them whole (the fullest), with their gradients and "
-        f"optimizer states; FSDP2 and DDP leave them alone (summed over the ranks holding the same experts)"
+        f"optimizer states (summed over the ranks holding the same experts; counted whole under FSDP2, which shards "
+        f"them over those ranks: an upper bound)"
         if ep > 1 else f"{held:,} expert parameters per rank as the TP plan splits them (ep 1)"))
     return held
 
