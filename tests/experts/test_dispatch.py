@@ -175,23 +175,52 @@ def test_experts_that_receive_no_tokens_take_part_with_zero_gradients():
 
 def test_copies_and_assigned_weights_keep_the_gradient_rule(reference):
     """A deep copy of an expert-parallel model, and one whose weights were replaced by load_state_dict(assign=True),
-    still sum expert gradients over the expert-data group and divide by dp: the same gradients as the original."""
-    model, ids, _, _ = reference["qwen3"]
+    still sum expert gradients over the expert-data group and divide by dp: each rank's expert gradients equal its
+    experts' slice of one process's on the whole batch (ep2 over dp4: expert-data groups of 2)."""
+    model, ids, _, want = reference["qwen3"]
+    key = "model.layers.0.mlp.experts.gate_up_proj"
 
     def body(comm):
         g = make_groups(comm, tp=1, ep=2)
-        m = tpkit.expert_parallel(copy.deepcopy(model), g)
-        twin = copy.deepcopy(m)
-        twin.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+        twin = copy.deepcopy(tpkit.expert_parallel(copy.deepcopy(model), g))
+        twin.load_state_dict({k: v.clone() for k, v in twin.state_dict().items()}, assign=True)
         mine = ids.chunk(g.dp.world_size)[g.dp.rank]
-        out = []
-        for each in (m, twin):
-            each(input_ids=mine, labels=mine).loss.backward()
-            out.append(each.model.layers[0].mlp.experts.gate_up_proj.grad)
-        return out
+        twin(input_ids=mine, labels=mine).loss.backward()
+        return tpkit.shard_layouts(twin)[key], twin.get_parameter(key).grad
 
-    for first, second in tpkit.run_threads(body, 4):
-        torch.testing.assert_close(first, second, rtol=0, atol=0)
+    for layout, grad in tpkit.run_threads(body, 4):
+        expected = layout.shard(want[key])
+        assert ((grad - expected).norm() / expected.norm()).item() < 1e-6
+
+
+def test_a_bf16_checkpoint_loads_and_runs_as_transformers_does(tmp_path):
+    """A bf16 Hugging Face checkpoint through `from_pretrained` with the experts spread on the meta model (each rank
+    reads its own), the logits of every rank against plain transformers' bf16 model on one process (eager experts),
+    within bf16's rounding."""
+    import transformers as tr
+
+    qwen3_moe().to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    one = tr.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", experts_implementation="eager")
+    assert one.dtype == torch.bfloat16
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = one(input_ids=ids).logits.float()
+
+    def body(comm):
+        g = make_groups(comm, tp=2, ep=4)
+
+        def spread(meta):
+            tpkit.parallelize(meta, tpkit.KEEP_EXPERTS_WHOLE, comm=g.tp)
+            tpkit.expert_parallel(meta, g)
+
+        m = tpkit.from_pretrained(str(tmp_path / "bf16"), comm=g.tp, dtype="auto", convert=spread)
+        with torch.no_grad():
+            return m.dtype, m(input_ids=ids).logits.float()
+
+    for dtype, logits in tpkit.run_threads(body, 4):
+        assert dtype == torch.bfloat16
+        err = ((logits - want).norm() / want.norm()).item()
+        assert err < 2e-2, err
 
 
 def test_replica_sentinel_compares_experts_over_their_expert_data_group(reference):

@@ -171,32 +171,28 @@ def two(out):
     return tpkit.launch(_two, 2, args=(os.path.join(out, "moe"), out), timeout=400)[0]
 
 
-@pytest.fixture(scope="module")
-def reference(out):
-    """ONE process of plain transformers.Trainer on the unconverted model, 4 rows a step."""
+def _one_process(out: str, name: str, wrap=lambda model: model) -> list[dict]:
+    """ONE process of plain transformers.Trainer on the unconverted model (`wrap`: stock PEFT around it), 4 rows a
+    step; its log history."""
     import transformers as tr
 
     model = tr.AutoModelForCausalLM.from_pretrained(os.path.join(out, "moe"), dtype=torch.float64,
                                                     experts_implementation="eager")
-    trainer = tr.Trainer(model=model, args=arguments(os.path.join(out, "ref")), train_dataset=train_rows(),
+    trainer = tr.Trainer(model=wrap(model), args=arguments(os.path.join(out, name)), train_dataset=train_rows(),
                          eval_dataset=eval_rows(), compute_metrics=next_token_accuracy)
     trainer.train()
     trainer.save_model()
     return trainer.state.log_history
+
+
+@pytest.fixture(scope="module")
+def reference(out):
+    return _one_process(out, "ref")
 
 
 @pytest.fixture(scope="module")
 def lora_reference(out):
-    """ONE process of stock PEFT + Trainer on the unconverted model."""
-    import transformers as tr
-
-    model = tr.AutoModelForCausalLM.from_pretrained(os.path.join(out, "moe"), dtype=torch.float64,
-                                                    experts_implementation="eager")
-    trainer = tr.Trainer(model=_lora(model), args=arguments(os.path.join(out, "ref-lora")), train_dataset=train_rows(),
-                         eval_dataset=eval_rows(), compute_metrics=next_token_accuracy)
-    trainer.train()
-    trainer.save_model()
-    return trainer.state.log_history
+    return _one_process(out, "ref-lora", _lora)
 
 
 @pytest.fixture(scope="module")

@@ -69,8 +69,7 @@ def install_whole_model_calls(model: nn.Module, record: ModelRecord) -> None:
 def world_of(record: ModelRecord):
     """The world communicator of a record's groups: its tensor-parallel group's, or its expert group's (a model
     expert-parallel on a tp size of 1 holds no tensor-parallel group)."""
-    experts = getattr(record, "experts", None)
-    return root_of(record.comm if record.comm is not None or experts is None else experts.ep)
+    return root_of(record.comm if record.comm is not None or record.experts is None else record.experts.ep)
 
 
 class FullOutputs:

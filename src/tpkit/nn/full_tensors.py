@@ -47,7 +47,7 @@ def full_state_dict(record: ModelRecord, state_dict: dict[str, torch.Tensor], ke
     whatever the tp size). Collective. `keep=False` (a rank that writes nothing) gathers and drops each tensor, and
     returns {}; `keep=True` returns them, on the CPU."""
     out = {}
-    experts = getattr(record, "experts", None)
+    experts = record.experts
     for key in (keys if keys is not None else list(state_dict)):
         t = tp_local(state_dict[key])
         layout = record.layout(key, t.shape)

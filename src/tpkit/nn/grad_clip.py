@@ -13,7 +13,6 @@ its norm over both dimensions through its record's data-parallel facts; the clip
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Iterable, Sequence
 
@@ -74,20 +73,25 @@ def partial_norm(params: list[torch.Tensor], held: dict[int, Holder], norm_type:
     """`(the sum of |g|^p over the model's tp and dp dimensions, or their maximum for the inf norm; the gradients)`:
     the norm before its root, so a pipeline can add its stages' sums."""
     experts = record.experts if record is not None else None
-    if experts is not None:  # each expert once over its expert group (`tpkit.expert_parallel`), added to the rest
-        mine = {id(p) for p in params if (h := held.get(id(p))) is not None and h.key in experts.keys}
-        rest, grads = partial_norm([p for p in params if id(p) not in mine], held, norm_type,
-                                   dataclasses.replace(record, experts=None), comm)
-        held_grads = [p.grad for p in params if id(p) in mine and p.grad is not None]
-        items = [(g.to_local() if hasattr(g, "to_local") else g, None, 0) for g in held_grads]  # FSDP2's shards
-        dtype = torch.float64 if any(g.dtype == torch.float64 for g, _, _ in items) else rest.dtype
-        op = ReduceOp.MAX if norm_type == math.inf else ReduceOp.SUM
-        part = experts.ep.all_reduce(power_sum(items, norm_type, dtype, torch.device("cpu")), op)
-        if experts.fsdp:  # each rank of the expert-data group holds a shard of its experts
-            part = experts.edp.all_reduce(part, op)
-        part = part.to(rest.device, rest.dtype)
-        total = torch.maximum(rest, part) if op is ReduceOp.MAX else rest + part
-        return total, grads + held_grads
+    if experts is None:
+        return _model_norm(params, held, norm_type, record, comm)
+    # each expert once over its expert group (`tpkit.expert_parallel`), added to the rest of the model's
+    mine = {id(p) for p in params if (h := held.get(id(p))) is not None and h.key in experts.keys}
+    rest, grads = _model_norm([p for p in params if id(p) not in mine], held, norm_type, record, comm)
+    held_grads = [p.grad for p in params if id(p) in mine and p.grad is not None]
+    items = [(g.to_local() if hasattr(g, "to_local") else g, None, 0) for g in held_grads]  # FSDP2's shards
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g, _, _ in items) else rest.dtype
+    op = ReduceOp.MAX if norm_type == math.inf else ReduceOp.SUM
+    part = experts.ep.all_reduce(power_sum(items, norm_type, dtype, torch.device("cpu")), op)
+    if experts.fsdp:  # each rank of the expert-data group holds a shard of its experts
+        part = experts.edp.all_reduce(part, op)
+    part = part.to(rest.device, rest.dtype)
+    return (torch.maximum(rest, part) if op is ReduceOp.MAX else rest + part), grads + held_grads
+
+
+def _model_norm(params: list[torch.Tensor], held: dict[int, Holder], norm_type: float, record: ModelRecord | None,
+                comm: Communicator | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`partial_norm` of parameters split or replicated over the tp and dp dimensions only (no expert weights)."""
     if record is not None and record.data_parallel is not None:
         return record.data_parallel.global_norm(params, held, norm_type, root=False)
     group = record.comm if record is not None and record.comm is not None else resolve_comm(comm)

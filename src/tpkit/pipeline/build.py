@@ -28,7 +28,7 @@ from torch import nn
 from ..checkpoint import from_pretrained
 from ..comm.communicator import Communicator
 from ..context import context_parallel
-from ..convert.families.experts import FusedExperts, fused_experts
+from ..convert.families.experts import experts_in
 from ..experts import KEEP_EXPERTS_WHOLE, expert_parallel
 from ..experts.aux_loss import aux_loss_on
 from ..context.pipeline import StageContext
@@ -141,7 +141,7 @@ def prepare(model: nn.Module, cut: Cut) -> PipelineParallel:
     tied = _tied(pairs, tied_comm, groups.pp_rank, first, last)
     facts = PipelineParallel.of(groups, split, tuple(mine), cut.schedule, tied, keys, record, plan)
     record.pipeline = facts
-    if groups.ep is not None and any(isinstance(fused_experts(m), FusedExperts) for m in model.modules()):
+    if groups.ep is not None and experts_in(model)[0]:
         expert_parallel(model, groups)  # this stage's experts over its expert group: a load reads only this rank's
     return facts
 

@@ -244,12 +244,13 @@ def _check_experts(trainer, layout) -> None:
                                 f"(PEFT target_modules such as q_proj / v_proj) or train the experts' own weights")
     text = model.config.get_text_config() if hasattr(getattr(model, "config", None), "get_text_config") else None
     if getattr(text, "output_router_logits", False) and (layout.dp is not None or layout.cp is not None):
-        raise TrainerSetupError(f"{who}: output_router_logits=True adds the router's load-balancing loss, a product of "
-                                f"means over the tokens each {'cp rank' if layout.cp is not None else 'replica'} "
-                                f"holds, not over the global batch one process sees; set output_router_logits=False "
-                                f"in the model's config (TRL: router_aux_loss_coef=0.0; tpkit's expert dispatch is "
-                                f"dropless: no capacity to balance), or train the expert-parallel model without data "
-                                f"or context parallelism (ep = tp)")
+        raise TrainerSetupError(f"{who}: output_router_logits=True adds the router's load-balancing loss, and "
+                                f"tpkit.trainer does not make it the global batch's under "
+                                f"{'context' if layout.cp is not None else 'data'} parallelism (Trainer's per-replica "
+                                f"loss scaling is not checked against the global loss tpkit.expert_parallel computes); "
+                                f"set output_router_logits=False in the model's config (TRL: router_aux_loss_coef=0.0), "
+                                f"train without data or context parallelism (ep = tp), or train in a loop as "
+                                f"examples/finetune.py does, where expert_parallel computes it over the global batch")
 
 
 def _check_arguments(args, kwargs: dict, who: str):
