@@ -57,9 +57,10 @@ def make(directory: str, shape: dict) -> dict[str, str]:
     from tests.quant.checkpoints import compressed_tensors
 
     heads = shape["hidden"] // 128
+    kv_heads = next(k for k in range(max(heads // 4, 1), 0, -1) if heads % k == 0)  # dividing heads: 18 -> 3
     config = tr.LlamaConfig(vocab_size=VOCAB, hidden_size=shape["hidden"], intermediate_size=shape["mlp"],
                             num_hidden_layers=shape["layers"], num_attention_heads=heads,
-                            num_key_value_heads=max(heads // 4, 1), max_position_embeddings=256)
+                            num_key_value_heads=kv_heads, max_position_embeddings=256)
     torch.manual_seed(0)
     model = tr.LlamaForCausalLM(config).eval()
     out = {f: os.path.join(directory, f) for f in FORMATS}

@@ -38,7 +38,10 @@ def predicted(path: str, fmt: str, profile: str) -> tuple[dict[int, float], list
     """{world size: predicted ms/token} of `tpkit estimate` over `path`, and its speed notes."""
     cmd = [sys.executable, "-m", "tpkit.cli", "estimate", path, "--world-size", "1,2", "--seq-len", str(SEQ),
            "--profile", profile, "--json"] + (["--dtype", DTYPE[fmt]] if fmt in DTYPE else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    out = done.stdout
     speed = json.loads(out)["speed"]
     return {r["world_size"]: r["total_s"] * 1e3 for r in speed["rows"]}, speed["notes"]
 

@@ -43,9 +43,12 @@ def test_calibrate_writes_a_profile_that_later_estimates_use(quick_calibration, 
     assert 0 <= two.collective_overhead_s < 0.1 and 0 <= two.train_collective_overhead_s < 0.1
     assert profile.machine["1"].collective_overhead_s == 0
     for rates in profile.machine.values():  # a quantized layer's call as the load builds it (quick: int4, int8)
-        assert {"int4/bfloat16", "int8/bfloat16"} <= set(rates.quantized)
+        assert {"int4/bfloat16", "int8/bfloat16", "dense/bfloat16"} <= set(rates.quantized)
+        assert set(rates.dtype_gemm) == {"bfloat16", "float16"}  # BLAS per dtype, as nn.Linear reads the weight
+        assert all(1e7 < f < 1e14 for tables in rates.dtype_gemm.values() for _, t in tables for _, f in t)
         assert all(q.fixed_s >= 0 and 1e7 < q.bandwidth(1) < 1e13 for q in rates.quantized.values())
-    assert "quantized layer int4/bfloat16" in out
+    assert "quantized layer int4/bfloat16" in out and "dense bfloat16 layer's decode product" in out
+    assert "weight read as nn.Linear reads it, in bfloat16, by rows" in out
     # A later estimate (default location via $TPKIT_PROFILE) runs on the measured machine.
     assert main(["estimate", "gpt2", "--world-size", "1,2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -50,6 +50,11 @@ def _with_tables(profile: SpeedProfile, tables) -> SpeedProfile:
                                                  for k, r in profile.machine.items()})
 
 
+def _packed(op) -> bool:
+    """A quantized layer's product (not a dense bf16 layer's decode product, priced by the same path)."""
+    return op.quantized is not None and op.quantized.kind != "dense"
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_each_product_is_priced_on_its_stored_bytes_by_the_rule_without_a_table(world):
     """No quantized table (the synthetic profile, as one measured before them): each quantized layer's op costs its
@@ -60,11 +65,11 @@ def test_each_product_is_priced_on_its_stored_bytes_by_the_rule_without_a_table(
     quant = trace_setup(_config(INT4), Setup(world), "decode", 1, 16, dtype=torch.bfloat16).rows[0][1]
     dense = trace_setup(_config(), Setup(world), "decode", 1, 16, dtype=torch.bfloat16).rows[0][1]
     assert [o.name for o in quant.ops] == [o.name for o in dense.ops]
-    layers = [o for o in quant.ops if o.quantized is not None]
+    layers = [o for o in quant.ops if _packed(o)]
     assert len(layers) == 2 * 7 and {o.quantized.path for o in layers} == {"kernel"}  # q k v o gate up down x 2
     saved = 0.0
     for q, d in zip(quant.ops, dense.ops):
-        if q.quantized is None:
+        if not _packed(q):
             continue
         m, n, k = q.mnk
         assert m == 1 and q.quantized.stored_bytes == _int4_bytes(n, k), q.quantized
@@ -88,11 +93,11 @@ def test_a_calibrated_table_prices_the_kernel_at_its_rows_and_beyond_them_the_de
     rates = profile.rates(1)
     for batch, rate in ((1, 5e9), (8, 1e9), (4, math.exp((math.log(5e9) * 1 + math.log(1e9) * 2) / 3))):
         trace = trace_setup(_config(INT4), Setup(1), "decode", batch, 16, dtype=torch.bfloat16).rows[0][1]
-        for op in (o for o in trace.ops if o.quantized is not None):
+        for op in (o for o in trace.ops if _packed(o)):
             assert op.mnk[0] == batch
             assert quantized_times(op, rates)[1] == pytest.approx(20e-6 + op.quantized.stored_bytes / rate, rel=1e-9)
     trace = trace_setup(_config(INT4), Setup(1), "decode", 16, 16, dtype=torch.bfloat16).rows[0][1]
-    op = next(o for o in trace.ops if o.quantized is not None)
+    op = next(o for o in trace.ops if _packed(o))
     m, n, k = op.mnk
     dense = dataclasses.replace(trace, ops=(dataclasses.replace(op, quantized=None, nbytes=op.nbytes
                                                                 - op.quantized.stored_bytes + n * k * 2),))

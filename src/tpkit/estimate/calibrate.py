@@ -42,6 +42,7 @@ GEMM_WIDTHS = (256, 1024, 4096)  # 4096: a 64 MiB weight, as large as LM heads a
 # a model's decode step and 8-9 ms repeated alone, and a rotation through 128 MiB or more reproduced the 22 ms.
 COLD_BYTES = 128 << 20
 FINE_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)  # a batched decode's rows
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # measured besides float32 (`MachineRates.dtype_gemm`)
 _SIZES = {True: dict(matmul=256, repeats=3), False: dict(matmul=1024, repeats=10)}
 
 
@@ -72,19 +73,21 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repe
     return 2 * n**3 / _best(lambda: torch.mm(a, b), repeats)
 
 
-def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool = False) -> tuple[tuple[int, float], ...]:
-    """(m, FLOP/s) of fp32 `m x n` by `n x n` matmuls, the weight read as stored (`x @ W`) or, `linear`,
+def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool = False,
+                 dtype: torch.dtype = torch.float32) -> tuple[tuple[int, float], ...]:
+    """(m, FLOP/s) of `dtype` `m x n` by `n x n` matmuls, the weight read as stored (`x @ W`) or, `linear`,
     transposed (`x @ W.T`, nn.Linear); below 1024 rows the weights rotate through a set larger than the caches
     (`COLD_BYTES`: each product reads its matrix from memory, as each layer of a model reads its own after the
     others evicted it), so memory-bound rows read as what they are."""
     out = []
+    size = n * n * dtype.itemsize
     # made once per table (filling 128 MiB per row took longer than the products), values away from denormals
-    pool = [torch.empty(n, n).uniform_(0.5, 1.0) for _ in range(max(1, COLD_BYTES // (n * n * 4)))]
+    pool = [torch.empty(n, n, dtype=dtype).uniform_(0.5, 1.0) for _ in range(max(1, COLD_BYTES // size))]
     for m in rows:
         total = COLD_BYTES if m < 256 else COLD_BYTES // 4  # from 256 rows a product reuses its matrix enough
-        count = max(1, total // (n * n * 4)) if m < 1024 else 1
+        count = max(1, total // size) if m < 1024 else 1
         ws = pool[:count]
-        x = torch.randn(m, n)
+        x = torch.randn(m, n, dtype=dtype)
         if linear:
             seconds = _median(lambda: [torch.mm(x, w.t()) for w in ws], repeats) / count
         else:
@@ -241,6 +244,12 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
             rows = tuple(m for m in rows if width <= 1024 or m <= 256)
             tables[linear, width] = measure_gemm(rows, width, 3, linear)  # cold: steady
     gemm = tables[False, 1024]
+    dtype_gemm = {}
+    for dtype in HALF_DTYPES:  # what bf16 / fp16 layers run where tpkit's decode product does not (more rows)
+        comm.barrier()
+        dtype_gemm[str(dtype).replace("torch.", "")] = tuple(
+            (w, measure_gemm(tuple(m for m in GEMM_ROWS if w <= 1024 or m <= 256), w, 3, True, dtype))
+            for w in GEMM_WIDTHS)
     comm.barrier()
     stream = measure_shared_stream_bandwidth(comm, repeats=repeats)
     comm.barrier()
@@ -250,7 +259,8 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     quantized = measure_quantized(comm, 3 if quick else 5, quick)  # every rank at once: they share the memory bus
     rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored,
                          gemm_widths=tuple((w, tables[False, w]) for w in GEMM_WIDTHS if w != 1024),
-                         linear_gemm=tuple((w, tables[True, w]) for w in GEMM_WIDTHS), quantized=quantized)
+                         linear_gemm=tuple((w, tables[True, w]) for w in GEMM_WIDTHS), quantized=quantized,
+                         dtype_gemm=dtype_gemm)
     comm.barrier()
     reset_peak_rss()
     before = rss_bytes()
@@ -306,7 +316,8 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
                                framework=_worst([r.framework for r in per_rank]),
                                tp_framework=_worst([r.tp_framework for r in per_rank]) if first.tp_framework else {},
                                dp_framework=_worst([r.dp_framework for r in per_rank]) if first.dp_framework else {},
-                               quantized=slowest_quantized([r.quantized for r in per_rank]))
+                               quantized=slowest_quantized([r.quantized for r in per_rank]),
+                               dtype_gemm={d: slowest_tables(lambda r: r.dtype_gemm[d]) for d in first.dtype_gemm})
 
 
 def calibrate_machine(backend: str = "gloo", max_ranks: int = 2, threads: int | None = None, quick: bool = False,

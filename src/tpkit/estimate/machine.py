@@ -180,6 +180,11 @@ class MachineRates:
     # layer's call as the load builds it; {} in profiles measured before, and on datasheet machines (`quantized.py`
     # prices by its rule then)
     quantized: Mapping[str, QuantizedRate] = dataclasses.field(default_factory=dict)
+    # "bfloat16" / "float16" -> matmul FLOP/s by rows at each width, the weight read as nn.Linear reads it, in that
+    # dtype: BLAS runs each dtype at its own rate (on a CPU with AMX, bf16 at 256 rows ran 5.8x float32's; fp16,
+    # without its own units, about float32's); {} in profiles measured before (the float32 tables price them then)
+    dtype_gemm: Mapping[str, tuple[tuple[int, tuple[tuple[int, float], ...]], ...]] = \
+        dataclasses.field(default_factory=dict)
 
     def framework_cost(self, family: str | None, goal: str, tp: bool,
                        dp_mode: str | None = None) -> FrameworkCost | None:
@@ -198,12 +203,15 @@ class MachineRates:
         """Bytes/s streaming a matmul's weight, read transposed (nn.Linear) or as stored (Conv1D)."""
         return self.stored_bandwidth if stored and self.stored_bandwidth else self.stream_bandwidth
 
-    def flops_rate(self, m: int, width: float | None = None, stored: bool = True) -> float:
+    def flops_rate(self, m: int, width: float | None = None, stored: bool = True, dtype: str = "") -> float:
         """Matmul FLOP/s with `m` rows (log-linear between the measured rows, flat beyond them), at `width`
         (sqrt(n k)) log-linear between the measured widths when given and measured, else at width 1024; the
-        weight read as stored, or transposed (`stored=False`, nn.Linear) where that was measured."""
+        weight read as stored, or transposed (`stored=False`, nn.Linear) where that was measured; in `dtype`
+        ("bfloat16", ...) where that dtype was measured, else at float32's rates."""
         tables = sorted({1024: tuple(self.gemm), **{w: tuple(t) for w, t in self.gemm_widths}}.items())
-        if not stored and self.linear_gemm:
+        if dtype in self.dtype_gemm:
+            tables = sorted((w, tuple(t)) for w, t in self.dtype_gemm[dtype])
+        elif not stored and self.linear_gemm:
             tables = sorted((w, tuple(t)) for w, t in self.linear_gemm)
         return self._across_widths(tables, m, 1024 if width is None else width)
 
@@ -245,6 +253,7 @@ class MachineRates:
         out["gemm"] = [list(p) for p in self.gemm]
         out["gemm_widths"] = [[w, [list(p) for p in t]] for w, t in self.gemm_widths]
         out["linear_gemm"] = [[w, [list(p) for p in t]] for w, t in self.linear_gemm]
+        out["dtype_gemm"] = {d: [[w, [list(p) for p in t]] for w, t in tables] for d, tables in self.dtype_gemm.items()}
         out["framework"] = {k: dataclasses.asdict(v) for k, v in self.framework.items()}
         out["tp_framework"] = {k: dataclasses.asdict(v) for k, v in self.tp_framework.items()}
         out["dp_framework"] = {k: dataclasses.asdict(v) for k, v in self.dp_framework.items()}
@@ -270,7 +279,8 @@ class MachineRates:
                    {k: FrameworkCost(**v) for k, v in dict(data.get("dp_framework", {})).items()},
                    _tables(data.get("linear_gemm", [])), float(data.get("skew", 0.0)),
                    float(data.get("train_skew", 0.0)),
-                   {k: QuantizedRate.from_dict(v) for k, v in dict(data.get("quantized", {})).items()})
+                   {k: QuantizedRate.from_dict(v) for k, v in dict(data.get("quantized", {})).items()},
+                   {d: _tables(t) for d, t in dict(data.get("dtype_gemm", {})).items()})
 
 
 def _tables(data) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:

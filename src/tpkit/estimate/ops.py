@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.shapes import ShapeCommunicator
+from ..quant.products import MAX_ROWS  # rows up to which a layer runs its decode product, as the load decides
 
 # Ops that only rename, view or read metadata: no kernel runs and no bytes move (their cost is the dispatch).
 VIEWS = frozenset("view _unsafe_view reshape expand t transpose permute unsqueeze squeeze slice select alias "
@@ -42,6 +43,8 @@ class Op:
     view: bool = False
     stored: bool = False  # a matmul reading its second operand as stored, rows of k (GPT-2's Conv1D), not transposed
     quantized: Any = None  # the product of a layer stored quantized (`quantized.QuantizedLayer`): priced as it runs
+    # (or of a dense bf16 / fp16 layer at decode's rows: tpkit's product, `quantized.half_layers`)
+    dtype: str = ""  # a matmul's dtype ("bfloat16", ...): BLAS has a rate per dtype (`MachineRates.dtype_gemm`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +160,10 @@ class OpRecorder(TorchDispatchMode):
         flops, mnk, stored = _matmul(name, args, out)
         layer = self.layer if mnk is not None and name in _LINEAR else None
         x = args[1] if name == "addmm" else args[0]
-        if layer is not None and torch.is_grad_enabled() and getattr(x, "requires_grad", False):
+        grad = torch.is_grad_enabled() and getattr(x, "requires_grad", False)
+        if layer is not None and layer.kind == "dense" and (grad or mnk[0] > MAX_ROWS):
+            layer = None  # a dense layer's own product is for decode's rows only (`products.half_linear`)
+        elif layer is not None and grad:
             layer = dataclasses.replace(layer, path="dequantize")  # the kernels have no backward
         view = name in VIEWS or func.namespace == "prim"  # prim ops read metadata (a tensor's device)
         if view:
@@ -168,5 +174,6 @@ class OpRecorder(TorchDispatchMode):
             nbytes = _nbytes(list(args) + list((kwargs or {}).values())) + _nbytes(out)
         if layer is not None:  # the stored tensors are read in place of the dense weight
             nbytes += layer.stored_bytes - layer.dense_bytes
-        self.ops.append(Op(name, self.phase or _phase(), flops, float(nbytes), mnk, view, stored, layer))
+        dtype = str(out.dtype).replace("torch.", "") if mnk is not None else ""
+        self.ops.append(Op(name, self.phase or _phase(), flops, float(nbytes), mnk, view, stored, layer, dtype))
         return out

@@ -104,13 +104,14 @@ def kernel_times(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...] 
     for op in _ops(trace, phases, names):
         if op.view:
             continue
-        if op.quantized is not None:  # a quantized layer's product, as its load runs it
+        own = op.quantized  # a quantized layer's product as its load runs it; a dense one's where calibrated
+        if own is not None and (own.kind != "dense" or own.key in rates.quantized):
             arithmetic, streamed = quantized_times(op, rates)
             compute, memory = compute + arithmetic, memory + streamed
         elif op.mnk is not None or op.flops:
             m = op.mnk[0] if op.mnk is not None else 1024
             width = math.sqrt(op.mnk[1] * op.mnk[2]) if op.mnk is not None else None
-            arithmetic = op.flops / rates.flops_rate(m, width, op.stored)
+            arithmetic = op.flops / rates.flops_rate(m, width, op.stored, op.dtype)
             streamed = op.nbytes / rates.weight_bandwidth(op.stored)
             if arithmetic > streamed:
                 compute += arithmetic

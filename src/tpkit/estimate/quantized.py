@@ -23,6 +23,12 @@ call and multiplies by it. The estimate follows the same rules:
   module call and op are priced already by the framework terms and the per-op cost, so the quantized call adds only
   its difference (counting the whole call twice priced TP2 decode 18-35% high on a quiet box).
 
+A dense bf16 / fp16 layer of a converted model is priced the same way at decode's rows: there its forward runs
+tpkit's product (`tpkit.quant.products.half_linear`), not a BLAS call, so `half_layers` records its matmul as a
+"dense" layer whose stored bytes are its weight's, and the calibration times that product as it times the
+quantized ones ("dense/bfloat16", "dense/float16"). More rows, or a gradient, and it is an ordinary matmul, priced at
+its dtype's measured rates (`MachineRates.dtype_gemm`).
+
 A profile without those tables (measured before them, or a datasheet machine) is priced by a rule, said in the
 estimate's note (`quantized_note`): a kernel streams the stored bytes at the measured weight-streaming bandwidth; a
 dequantization makes `DEQUANTIZE_PASSES` elementwise passes over the stored and the dense bytes.
@@ -36,6 +42,7 @@ import time
 from typing import Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..convert.transformers_threads import config_dtype
@@ -47,6 +54,7 @@ CALIBRATED = {"int4": dict(layout="ct_pack", bits=4, strategy="group", group_siz
               "int8": dict(layout="ct_pack", bits=8, strategy="channel"),
               "fp8": dict(layout="float", bits=8, strategy="channel")}
 CALIBRATED_DTYPES = (torch.bfloat16, torch.float32)
+HALF_KINDS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # dense weights tpkit's own decode product reads
 ROWS = (1, 2, 4, 8)
 # (out, in) of the layer sizes a call's rates are measured at: the input widths of a model's projections (a wide
 # input, as a down projection's, streams more slowly); the middle one's rates are `QuantizedRate.rows`
@@ -138,6 +146,27 @@ def quantized_layers(model: nn.Module, work: nn.Module) -> dict[str, QuantizedLa
     return found
 
 
+def half_layers(work: nn.Module) -> dict[str, QuantizedLayer]:
+    """The parallel linear layers of the converted rank `work` whose weight is dense bf16 / fp16: at decode's rows
+    each runs tpkit's product (`tpkit.quant.products.half_linear`: the faster of `F.linear` and tpkit's compiled
+    one, measured at load), priced as calibrated ("dense/bfloat16"), not as a BLAS call at float32's rates. A
+    profile without that entry (measured before it; a datasheet machine, whose GPU runs no such product) prices it
+    as any matmul (`predict.kernel_times`)."""
+    from ..nn.linear import _ParallelLinear
+    from ..quant import native
+
+    found = {}
+    for name, module in work.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, _ParallelLinear) and module.quant_method is None and weight is not None and \
+                weight.dtype in HALF_KINDS:
+            nbytes = weight.numel() * weight.element_size()
+            found[name] = QuantizedLayer(name, "dense", str(weight.dtype).replace("torch.", ""), "kernel",
+                                         ("torch",) + (("native",) if native.available() else ()), nbytes, nbytes,
+                                         f"dense {HALF_KINDS[weight.dtype]}")
+    return found
+
+
 def quantized_times(op, rates: MachineRates) -> tuple[float, float]:
     """(seconds bound by arithmetic, seconds bound by bytes) of the traced op `op`, the product of a quantized layer
     (`op.quantized`) at `op.mnk`'s rows, as the load runs it (see the module docstring)."""
@@ -149,7 +178,7 @@ def quantized_times(op, rates: MachineRates) -> tuple[float, float]:
     rate = rates.quantized.get(f"{layer.kind}/{layer.dtype}/dequantize")
     dequantize = (rate.seconds(layer.stored_bytes) if rate is not None
                   else DEQUANTIZE_PASSES * (layer.stored_bytes + layer.dense_bytes) / rates.copy_bandwidth)
-    arithmetic = op.flops / rates.flops_rate(m, math.sqrt(n * k), False)
+    arithmetic = op.flops / rates.flops_rate(m, math.sqrt(n * k), False, layer.dtype)
     streamed = (op.nbytes - layer.stored_bytes + layer.dense_bytes) / rates.weight_bandwidth(False)
     return (arithmetic, dequantize) if arithmetic > streamed else (0.0, dequantize + streamed)
 
@@ -258,8 +287,9 @@ def _tiny_calls(kind: str, dtype: torch.dtype, gen: torch.Generator, repeats: in
 
 def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[str, QuantizedRate]:
     """{"kind/dtype": the calibrated call, "kind/dtype/dequantize": the dequantization alone} for the `CALIBRATED`
-    formats at `CALIBRATED_DTYPES` (see the module docstring); on every rank of `comm` at once when given. `quick`:
-    int4 and int8 in bfloat16 only, at 1 and 8 rows over a quarter of the bytes, no dequantization (a few seconds)."""
+    formats at `CALIBRATED_DTYPES`, and "dense/bfloat16", "dense/float16": a dense layer's decode product (see the
+    module docstring); on every rank of `comm` at once when given. `quick`: int4, int8 and dense in bfloat16 only,
+    at 1 and 8 rows over a quarter of the bytes, no dequantization (a few seconds)."""
     barrier = comm.barrier if comm is not None else (lambda: None)
     gen = torch.Generator().manual_seed(0)
     kinds, dtypes = (("int4", "int8"), (torch.bfloat16,)) if quick else (tuple(CALIBRATED), CALIBRATED_DTYPES)
@@ -285,7 +315,37 @@ def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[
                 out[f"{kind}/{name}"] = _fitted(product, timed, *_tiny_calls(kind, dtype, gen, repeats, barrier))
                 if not quick:
                     out[f"{kind}/{name}/dequantize"] = _intercept("dequantize", dequantized)
+        for dtype in tuple(HALF_KINDS)[:1 if quick else None]:
+            out[f"dense/{str(dtype).replace('torch.', '')}"] = _measure_half(dtype, rows, cold, repeats, barrier, gen)
     return out
+
+
+def _measure_half(dtype: torch.dtype, rows, cold: int, repeats: int, barrier, gen) -> QuantizedRate:
+    """A dense `dtype` parallel layer's product at decode's `rows` (`_ParallelLinear.matmul`: what its forward
+    computes), fitted as the quantized calls are: beyond `F.linear`'s tiny call, its weights' bytes per second."""
+    from ..comm.shapes import ShapeCommunicator
+    from ..nn.linear import ColumnParallelLinear
+    from ..quant.products import half_linear
+
+    def layer(out: int, in_: int) -> ColumnParallelLinear:
+        made = ColumnParallelLinear(in_, out, bias=False, comm=ShapeCommunicator(0, 1), dtype=dtype)
+        with torch.no_grad():
+            made.weight.normal_(0, 0.02, generator=gen)
+        return made
+    timed, product = {m: [] for m in rows}, ""
+    for o, i in SIZES:
+        layers = [layer(o, i) for _ in range(max(2, min(cold // (o * i * dtype.itemsize), 128)))]
+        for m in rows:
+            x = torch.randn(m, i, generator=gen).to(dtype)
+            timed[m].append((o * i * dtype.itemsize, _per_call([lambda L=L: L.matmul(x, None) for L in layers],
+                                                               repeats, barrier)))
+            if (o, i) == SIZES[1] and m == 1:  # what the layer chose at load, as `QuantizedRate.product` names it
+                product = "torch" if half_linear(x, layers[0].weight) is None else f"native {HALF_KINDS[dtype]}"
+    tiny = layer(*TINY)
+    x = torch.randn(1, TINY[1], generator=gen).to(dtype)
+    own = _per_call([lambda: tiny.matmul(x, None)] * 200, repeats, barrier)
+    plain = _per_call([lambda: F.linear(x, tiny.weight)] * 200, repeats, barrier)
+    return _fitted(product, timed, own, plain)
 
 
 def slowest(per_rank: list[Mapping[str, QuantizedRate]]) -> dict[str, QuantizedRate]:
@@ -310,5 +370,5 @@ def quantized_saving(trace, setup, goal: str, item: int) -> float:
     return dense - sum(q.stored_bytes for q in trace.quantized) + frozen
 
 
-__all__ = ["QuantizedLayer", "measure_quantized", "quantized_layers", "quantized_note", "quantized_saving",
+__all__ = ["QuantizedLayer", "half_layers", "measure_quantized", "quantized_layers", "quantized_note", "quantized_saving",
            "quantized_times"]

@@ -36,13 +36,16 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
         lines.append(f"[{who}] weight streaming bandwidth per rank ({alone}): {_gb(r.stream_bandwidth)}; as stored "
                      f"(Conv1D): {_gb(r.stored_bandwidth or r.stream_bandwidth)}; elementwise: {_gb(r.copy_bandwidth)}")
         for how, tables in (("as stored, x @ W", sorted(((1024, r.gemm), *r.gemm_widths))),
-                            ("as nn.Linear reads it, x @ W.T", r.linear_gemm)):
+                            ("as nn.Linear reads it, x @ W.T", r.linear_gemm),
+                            *((f"as nn.Linear reads it, in {d}", t) for d, t in sorted(r.dtype_gemm.items()))):
             for width, table in tables:
                 lines.append(f"[{who}] matmul at width {width}, weight read {how}, by rows: "
                              + ", ".join(f"{m}: {_gf(f)}" for m, f in sorted(table)))
         for key, q in sorted(r.quantized.items()):
-            lines.append(f"[{who}] quantized layer {key} ({q.product}): {_us(q.fixed_s)} per call beyond a dense "
-                         f"layer's + stored bytes at, by rows: " + ", ".join(f"{m}: {_gb(b)}" for m, b in q.rows)
+            what = (f"dense {key.split('/')[1]} layer's decode product", "F.linear's") if key.startswith("dense/") \
+                else (f"quantized layer {key}", "a dense layer's")
+            lines.append(f"[{who}] {what[0]} ({q.product}): {_us(q.fixed_s)} per call beyond {what[1]} + stored bytes "
+                         f"at, by rows: " + ", ".join(f"{m}: {_gb(b)}" for m, b in q.rows)
                          + ("; at 1 row by input width: " + ", ".join(f"{w}: {_gb(q.bandwidth(1, w))}"
                                                                       for w, _ in q.widths) if q.widths else ""))
         lines.append(f"[{who}] a process holds besides its tensors: {r.import_bytes / 2**20:.0f} MiB once torch, tpkit "

@@ -1,0 +1,125 @@
+"""Prices per dtype (issue 56 item 4): a dense bf16 / fp16 model is priced by the products it runs, not by float32's
+tables. At decode's rows a converted layer runs tpkit's own product (`tpkit.quant.products.half_linear`), priced as
+calibrated ("dense/bfloat16"); elsewhere its matmuls run BLAS in its dtype, priced at that dtype's measured rates
+(`MachineRates.dtype_gemm`)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import tpkit
+from tpkit.estimate.machine import MachineRates, QuantizedRate
+from tpkit.estimate.predict import Setup, kernel_times, trace_setup
+from tpkit.estimate.quantized import quantized_times
+from tests.conftest import synthetic_profile
+
+tr = pytest.importorskip("transformers")
+
+HALF = {"dense/bfloat16": QuantizedRate("native bf16", 7e-6, ((1, 9e9), (8, 3e9)))}
+
+
+def _config(dtype="bfloat16"):
+    """A Llama of hidden 512 (4 heads of 128, 2 KV heads), MLP 1536, 2 layers, vocabulary 512."""
+    return tr.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, dtype=dtype)
+
+
+def _rates(world: int, **changes) -> MachineRates:
+    return dataclasses.replace(synthetic_profile().rates(world), **changes)
+
+
+def _dense(trace):
+    return [o for o in trace.ops if o.quantized is not None and o.quantized.kind == "dense"]
+
+
+def _trace(world, goal="decode", batch=1, dtype=torch.bfloat16):
+    return trace_setup(_config(), Setup(world), goal, batch, 16, dtype=dtype).rows[0][1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_converted_bf16_layer_at_decode_is_priced_as_the_product_it_runs(world):
+    """Each parallel linear layer of the rank (q k v o gate up down x 2 layers, and the LM head) is one op priced
+    as the calibrated product: its fixed cost + its weight's bytes at the rate of its rows, log-linear between 1
+    and 8 rows; with no such entry in the profile (measured before it, or a datasheet) it is priced as any matmul."""
+    rates = _rates(world, quantized=HALF)
+    table = QuantizedRate("", 0.0, ((1, 9e9), (8, 3e9)))
+    for batch in (1, 3, 8):
+        dense = _dense(_trace(world, batch=batch))
+        assert len(dense) == 2 * 7 + 1 and {o.quantized.key for o in dense} == {"dense/bfloat16"}
+        for op in dense:
+            m, n, k = op.mnk
+            assert m == batch and op.quantized.stored_bytes == n * k * 2 and op.dtype == "bfloat16"
+            assert quantized_times(op, rates) == (0.0, pytest.approx(7e-6 + n * k * 2 / table.bandwidth(m), rel=1e-12))
+    assert 3e9 < table.bandwidth(3) < 9e9
+    plain = _rates(world)  # no calibrated entry: as any matmul, exactly as without the record
+    trace = _trace(world)
+    unmarked = dataclasses.replace(trace, ops=tuple(dataclasses.replace(o, quantized=None) for o in trace.ops))
+    assert kernel_times(trace, plain) == kernel_times(unmarked, plain)
+    assert sum(kernel_times(trace, rates)) != sum(kernel_times(unmarked, rates))
+
+
+def test_only_the_rows_and_steps_where_the_product_runs_are_priced_as_it():
+    """More than 8 rows, a training step (its input needs a gradient), or one rank (no conversion: the model's own
+    nn.Linear calls F.linear), or float32 weights: ordinary matmuls, none priced as the decode product."""
+    assert _dense(_trace(2, batch=9)) == []
+    assert _dense(_trace(2, goal="train", batch=1)) == []
+    assert _dense(_trace(1)) == []
+    assert _dense(_trace(2, dtype=torch.float32)) == []
+    fp16 = _dense(_trace(2, dtype=torch.float16))
+    assert fp16 and {o.quantized.key for o in fp16} == {"dense/float16"}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world):
+    """Against the runtime: a bf16 model converted on thread-ranks decodes one token; the weight shapes that reach
+    `half_linear` on rank 0 are, call for call, the shapes of the ops the estimate prices as that product."""
+    import threading
+
+    import tpkit.nn.linear as linear
+
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(_config()).eval().to(torch.bfloat16)
+    calls: dict[int, list[tuple[int, int]]] = {}  # rank -> weight shapes, of the one decoded token
+    rank_of: dict[int, int] = {}  # thread -> rank
+    real = linear.half_linear
+
+    def seen(x, weight):
+        calls.setdefault(rank_of[threading.get_ident()], []).append(tuple(weight.shape))
+        return real(x, weight)
+
+    def run(comm):
+        rank_of[threading.get_ident()] = comm.rank
+        m = tpkit.parallelize(copy.deepcopy(model), comm=comm)
+        with torch.inference_mode():
+            cache = m(input_ids=torch.tensor([[1, 2, 3, 4]]), use_cache=True).past_key_values
+            comm.barrier()
+            calls.pop(comm.rank, None)
+            m(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+    linear.half_linear = seen
+    try:
+        tpkit.run_threads(run, world)
+    finally:
+        linear.half_linear = real
+    priced = [(n, k) for _, n, k in (o.mnk for o in _dense(_trace(world)))]
+    assert sorted(calls[0]) == sorted(priced) and len(priced) == 2 * 7 + 1, (calls[0], priced)
+
+
+def test_matmuls_are_priced_at_their_dtypes_measured_rates():
+    """A bf16 training step's matmuls at the bf16 table (here 4x float32's), a float32 step's at float32's; a
+    profile without the table prices every dtype at float32's; the table survives the profile's JSON."""
+    base = _rates(2)
+    fast = dataclasses.replace(base, dtype_gemm={"bfloat16": tuple(
+        (w, tuple((m, 4 * f) for m, f in t)) for w, t in (base.linear_gemm or ((1024, base.gemm),)))})
+    assert fast.flops_rate(64, 1024, False, "bfloat16") == pytest.approx(4 * base.flops_rate(64, 1024, False))
+    assert fast.flops_rate(64, 1024, False, "float16") == base.flops_rate(64, 1024, False)
+    trace = _trace(2, goal="train", batch=4)
+    compute_bf16 = kernel_times(trace, fast)[0]
+    compute_plain = kernel_times(trace, base)[0]
+    assert 0 < compute_bf16 < compute_plain
+    assert MachineRates.from_dict(fast.to_dict()) == fast
+    half = dataclasses.replace(base, quantized=HALF)
+    assert MachineRates.from_dict(half.to_dict()) == half
