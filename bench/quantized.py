@@ -50,14 +50,19 @@ def draw(seed: int, issue: bool) -> dict:
     return {"hidden": hidden, "mlp": int(hidden * rng.uniform(2.5, 3.5)) // 256 * 256, "layers": rng.randint(4, 8)}
 
 
+def heads_of(shape: dict) -> tuple[int, int]:
+    """(attention heads of 128, KV heads: about a quarter, dividing the heads: 18 -> 3)."""
+    heads = shape["hidden"] // 128
+    return heads, next(k for k in range(max(heads // 4, 1), 0, -1) if heads % k == 0)
+
+
 def make(directory: str, shape: dict) -> dict[str, str]:
     """The five checkpoints of one random Llama of `shape`, by format."""
     import transformers as tr
 
     from tests.quant.checkpoints import compressed_tensors
 
-    heads = shape["hidden"] // 128
-    kv_heads = next(k for k in range(max(heads // 4, 1), 0, -1) if heads % k == 0)  # dividing heads: 18 -> 3
+    heads, kv_heads = heads_of(shape)
     config = tr.LlamaConfig(vocab_size=VOCAB, hidden_size=shape["hidden"], intermediate_size=shape["mlp"],
                             num_hidden_layers=shape["layers"], num_attention_heads=heads,
                             num_key_value_heads=kv_heads, max_position_embeddings=256)
@@ -284,7 +289,7 @@ def main() -> None:
     table = "\n".join(["| format | decode ms/token | / float32 | read per rank per token | memory limit ms | "
                        "/ limit | load s |", "|---|---|---|---|---|---|---|"] + rows)
     print(f"{table}\n\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, "
-          f"{shape['hidden'] // 128} / {max(shape['hidden'] // 512, 1)} heads, vocabulary {VOCAB} (seed {seed}); TP2, "
+          f"{' / '.join(map(str, heads_of(shape)))} heads, vocabulary {VOCAB} (seed {seed}); TP2, "
           f"2 gloo processes, 1 thread each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "
           f"streaming bandwidth per rank with both reading {bw / 1e9:.1f} GB/s; load average {load:.2f}; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {datetime.date.today().isoformat()}.")

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.quantized import VOCAB, _tp_rank, draw, make  # noqa: E402
+from bench.quantized import VOCAB, _tp_rank, draw, heads_of, make  # noqa: E402
 
 SEQ = 12  # the context the estimate decodes after: the prompt's 8 tokens and the tokens decoded around it
 DTYPE = {"float32": "fp32", "bf16": "bf16"}  # the plain checkpoints' dtypes; quantized ones: the CLI's default
@@ -84,9 +84,9 @@ def main() -> None:
     print("\n".join(rows))
     notes = sorted({n for f in paths for n in estimates[f][1] if "quantized" in n})
     print("\n".join(f"note: {n}" for n in notes))
-    print(f"\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, {shape['hidden'] // 128} / "
-          f"{max(shape['hidden'] // 512, 1)} heads, vocabulary {VOCAB} (seed {seed}); 1 and 2 gloo processes, 1 thread "
-          f"each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "
+    print(f"\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, "
+          f"{' / '.join(map(str, heads_of(shape)))} heads, vocabulary {VOCAB} (seed {seed}); "
+          f"1 and 2 gloo processes, 1 thread each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "
           f"profile {profile if args.profile else 'calibrated in the run'}; "
           f"load average {min(loads):.2f}-{max(loads):.2f}; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, {datetime.date.today().isoformat()}.")

@@ -370,5 +370,5 @@ def quantized_saving(trace, setup, goal: str, item: int) -> float:
     return dense - sum(q.stored_bytes for q in trace.quantized) + frozen
 
 
-__all__ = ["QuantizedLayer", "half_layers", "measure_quantized", "quantized_layers", "quantized_note", "quantized_saving",
-           "quantized_times"]
+__all__ = ["QuantizedLayer", "half_layers", "measure_quantized", "quantized_layers", "quantized_note",
+           "quantized_saving", "quantized_times"]
