@@ -22,8 +22,8 @@ def _blocks(t: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> 
 
 
 @pytest.mark.parametrize("n,k", [(64, 256), (37, 320), (5, 96)])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_each_kind_equals_the_product_of_its_decoded_weight(n, k, rows):
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_each_kind_equals_the_product_of_its_decoded_weight(n, k, rows, build):
     g = torch.Generator().manual_seed(n * k + rows)
     x = torch.randn(rows, k, generator=g)
     w = torch.randn(n, k, generator=g)

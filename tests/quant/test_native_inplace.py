@@ -2,8 +2,8 @@
 bf16 / fp16 scales converted to float32 in the kernel, zero points as int8 values or compressed-tensors' packed int32
 words, the values' storage offset a scalar. Each in-place form gives, bit for bit, what the float32 form of the same
 values gives (the tables a load used to make: float32 scales, zero points unpacked), since the kernel computes in
-float32 from the same values; and both equal the dequantized weight's product. Run on the path this machine's build
-takes (AVX-512 where the CPU has it) and on the portable path (the same source built without AVX-512)."""
+float32 from the same values; and both equal the dequantized weight's product. Run on every instruction-set path
+(`TPKIT_NATIVE_ISA`: AVX-512 where the CPU has it, AVX2, x86-64's baseline)."""
 from __future__ import annotations
 
 import pytest
@@ -16,26 +16,18 @@ from tpkit.quant.packing import unpack_signed
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler built tpkit's native product here")
 
-_BUILDS: dict = {}
-
-
-def _avx512() -> bool:
-    return "avx512f" in native._cpu().split() and "avx512bw" in native._cpu().split()
-
-
-@pytest.fixture(params=["this machine's", "portable"])
-def build(request, monkeypatch):
-    """The product as this machine runs it, or the same source built without AVX-512 (the scalar loops the
-    compiler vectorizes: what a CPU without AVX-512 runs)."""
-    if request.param == "portable":
-        if not _avx512():
-            pytest.skip("this machine's build is the portable path already")
-        if "portable" not in _BUILDS:
-            _BUILDS["portable"] = native.build(("-mno-avx512f",))
-        if _BUILDS["portable"] is None:
-            pytest.skip("the compiler did not build the portable path")
-        monkeypatch.setattr(native, "_LIB", [_BUILDS["portable"]])
-    return request.param
+def test_the_environment_picks_the_instruction_set(monkeypatch):
+    """`TPKIT_NATIVE_ISA` builds the path it names (here the baseline, which any x86-64 CPU runs), and an unknown
+    name is refused with the choices."""
+    monkeypatch.setattr(native, "_LIB", [])
+    monkeypatch.setenv("TPKIT_NATIVE_ISA", "baseline")
+    assert native.isa() == "baseline" and native.available()
+    w = torch.randint(-128, 128, (40, 96), dtype=torch.int8)
+    x = torch.randn(2, 96)
+    assert torch.allclose(native.gemv(x, w, "int8", 40), x @ w.float().t(), rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("TPKIT_NATIVE_ISA", "sse9")
+    with pytest.raises(ValueError, match="TPKIT_NATIVE_ISA='sse9': choose one of native, avx2, baseline"):
+        native.isa()
 
 
 def _blocks(t: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:

@@ -10,7 +10,8 @@ storage offset a scalar): a layer keeps no table beside its stored tensors.
 
 It is compiled on first use with the C compiler (`CC`, default `cc`; `-O3 -march=native -fopenmp-simd`) into
 `$TPKIT_CACHE` (default `~/.cache/tpkit`), keyed by the source, the compiler and the CPU, written atomically; where
-no compiler works `available()` is False and callers keep torch's paths (`TPKIT_NATIVE=0` turns it off). `gemv`
+no compiler works `available()` is False and callers keep torch's paths (`TPKIT_NATIVE=0` turns it off;
+`TPKIT_NATIVE_ISA` picks the instruction set: `ISA_FLAGS`). `gemv`
 calls it directly in eager mode and through the custom op `tpkit::gemv` under `torch.compile` (a fake
 implementation gives the shape), so the layers that use it stay traceable.
 """
@@ -81,11 +82,26 @@ def build(flags: tuple[str, ...] = ()):
     return fn
 
 
+# `TPKIT_NATIVE_ISA`: the instruction set the product is built for. "native" (the default): everything this CPU has
+# (`-march=native`: the AVX-512 loops where it has AVX-512F and BW); "avx2": the same CPU without AVX-512 (the
+# portable loops, vectorized by the compiler for AVX2 and FMA); "baseline": x86-64's SSE2 only. A CPU runs each
+# path it has, so the tests run every one here and compare them with the dequantized product.
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "baseline": ("-march=x86-64", "-mtune=generic")}
+
+
+def isa() -> str:
+    """The `TPKIT_NATIVE_ISA` path asked for (see `ISA_FLAGS`); an unknown name raises, naming the choices."""
+    name = os.environ.get("TPKIT_NATIVE_ISA", "native")
+    if name not in ISA_FLAGS:
+        raise ValueError(f"TPKIT_NATIVE_ISA={name!r}: choose one of {', '.join(ISA_FLAGS)}")
+    return name
+
+
 def _function():
     if not _LIB:
         with _LOCK:
             if not _LIB:
-                _LIB.append(None if os.environ.get("TPKIT_NATIVE", "1") == "0" else build())
+                _LIB.append(None if os.environ.get("TPKIT_NATIVE", "1") == "0" else build(ISA_FLAGS[isa()]))
     return _LIB[0]
 
 

@@ -1,0 +1,29 @@
+"""The compiled product on each instruction-set path (`build`), for the tests that compare it with torch."""
+from __future__ import annotations
+
+import pytest
+
+from tpkit.quant import native
+
+_BUILDS: dict = {}
+
+
+def _avx512() -> bool:
+    return "avx512f" in native._cpu().split() and "avx512bw" in native._cpu().split()
+
+
+@pytest.fixture(params=list(native.ISA_FLAGS))
+def build(request, monkeypatch):
+    """The product built for each instruction-set path `TPKIT_NATIVE_ISA` offers (`native.ISA_FLAGS`): all this CPU
+    has (the AVX-512 loops where it has them), the same without AVX-512 (the portable loops the compiler vectorizes
+    for AVX2), and x86-64's baseline; each is what some CPU runs."""
+    if request.param == "native":
+        return request.param
+    if request.param == "avx2" and not _avx512():
+        pytest.skip("this machine's build is the AVX2 path already")
+    if request.param not in _BUILDS:
+        _BUILDS[request.param] = native.build(native.ISA_FLAGS[request.param])
+    if _BUILDS[request.param] is None:
+        pytest.skip(f"the compiler did not build the {request.param} path")
+    monkeypatch.setattr(native, "_LIB", [_BUILDS[request.param]])
+    return request.param
