@@ -6,7 +6,7 @@ model exactly as an unwrapped one would be converted (same trace, same plan: LoR
 column -> row pair), then puts each wrapper back around its new base layer, its factors split to match. The
 result is the model `peft.get_peft_model` gives on a converted model (the other order).
 
-PEFT's objects are recognised by their class names (`seam.is_peft`): nothing here imports PEFT unless the
+PEFT's objects are recognised by their class names (`seam.peft_kinds`): nothing here imports PEFT unless the
 model holds PEFT's objects, and then it is imported already.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from ...nn.rewrites import adopt
 from ..errors import PlanError
 from . import seam
-from .seam import is_peft
+from .seam import PEFT_MODEL, SAVED_COPY, TUNER, TUNER_LAYER, peft_kinds
 from ..plan import Plan
 from ..planning.decide import plan as plan_for
 from ..registry import module_layouts
@@ -35,17 +35,17 @@ def peft_layers(model: nn.Module) -> tuple[nn.Module, dict[str, nn.Module], dict
     of the outermost PEFT adapter layers in it; `{name: wrapper}` of its `modules_to_save` wrappers, modules PEFT
     trains a copy of), by one walk; empty without PEFT."""
     target = model
-    if is_peft(target, "peft.peft_model", "PeftModel"):
+    if PEFT_MODEL in peft_kinds(type(target)):
         target = target.base_model
-    if is_peft(target, "peft.tuners.tuners_utils", "BaseTuner"):
+    if TUNER in peft_kinds(type(target)):
         target = target.model
     wrapped: dict[str, nn.Module] = {}
     saved: dict[str, nn.Module] = {}
     for name, m in target.named_modules():
-        if is_peft(m, "peft.tuners.tuners_utils", "BaseTunerLayer") and not any(
-                name.startswith(n + ".") for n in wrapped):
+        kinds = peft_kinds(type(m))
+        if TUNER_LAYER in kinds and not any(name.startswith(n + ".") for n in wrapped):
             wrapped[name] = m
-        if is_peft(m, "peft.utils.other", "ModulesToSaveWrapper"):
+        if SAVED_COPY in kinds:
             saved[name] = m
     return target, wrapped, saved
 
