@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from torch import nn
 
-from ..nn.record import SplitsParameters, records_in
+from ..nn.record import SplitsParameters, record_of
 from .errors import PlanError
 from .plan import PLAN_WORDS, Plan, check_plan_argument
 from .quantized import refuse_quantized
@@ -146,8 +146,8 @@ def begin(model: nn.Module, plan: Any, comm, adapters: Any, **options) -> Conver
     LoRA-wrapped embedding along its features (`adapters.check_plan`)."""
     request = read_request(plan, model, comm.world_size, options.pop("recorded"), options["sequence_parallel"])
     refuse_quantized(model)
-    done = [n or "the model" for n, _ in records_in(model)] + [
-        n for n, m in model.named_modules() if isinstance(m, SplitsParameters) and m.split_dims()]
+    done = [n or "the model" for n, m in model.named_modules()  # a record, or a layer holding shards: one walk
+            if record_of(m) is not None or (isinstance(m, SplitsParameters) and m.split_dims())]
     if done:
         raise PlanError(f"parallelize: the model already holds tensor-parallel shards (e.g. {done[0]}); it was "
                         f"converted before (see its tp_plan). Convert the original model once per rank")
