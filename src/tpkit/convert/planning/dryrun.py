@@ -276,7 +276,7 @@ def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
     model.eval()
     args = _to_meta(inputs) if on_meta else _to_real(inputs)
     try:
-        with torch.no_grad(), traceable_experts(model):
+        with torch.no_grad(), traceable_experts(model.modules()):
             if isinstance(args, Mapping):
                 model(**args)
             elif isinstance(args, torch.Tensor):
