@@ -156,12 +156,12 @@ def build_layer(name: str, m: nn.Module, style, layouts, comm, options: Mapping,
     return QuantizedLinear.from_module(m, method, ShardLayout.replicated(tuple(m.weight.shape), world, rank), name)
 
 
-def record_layouts(model: nn.Module) -> dict[str, ShardLayout]:
-    """The layouts the conversion record holds for the quantized layers of `model`: each stored tensor's under its
-    state-dict key, and the dense weight's under `<layer>.weight` (no state-dict key: what follows the base's split,
-    a LoRA adapter's factors, reads it there as for a dense layer)."""
+def record_layouts(modules: Mapping[str, nn.Module]) -> dict[str, ShardLayout]:
+    """The layouts the conversion record holds for the quantized layers of a model's `modules` (by name): each stored
+    tensor's under its state-dict key, and the dense weight's under `<layer>.weight` (no state-dict key: what follows
+    the base's split, a LoRA adapter's factors, reads it there as for a dense layer)."""
     out = {}
-    for name, m in model.named_modules():
+    for name, m in modules.items():
         prefix = f"{name}." if name else ""
         method = quant_method_of(m)
         if method is not None:

@@ -103,10 +103,12 @@ def record(s: ConversionState) -> Conversion:
             if n in analysis.leaves or n in p.layouts or style(st).region}
     applied = Plan(kept, world_size=s.world, mode=s.plan.mode, details=s.plan.details, reasons=s.plan.reasons,
                    prefix=s.plan.prefix)
-    layouts = {**key_layouts(s.model, p.modules, p.layouts, s.world, s.comm.rank), **record_layouts(s.model)}
+    modules = dict(s.model.named_modules())  # the converted model, walked once for its layouts and stock calls
+    layouts = {**key_layouts(modules, s.model.state_dict(keep_vars=True), p.layouts, s.world, s.comm.rank),
+               **record_layouts(modules)}
     conversion = Conversion(s.comm, layouts, plan=applied, updated_attributes=s.updates, settled=p.checked)
     attach(s.model, conversion)
-    stock_calls.install(s.model, conversion)
+    stock_calls.install(s.model, conversion, modules)
     log_kept_whole(applied, s.request.kind == AUTO, s.comm.rank)
     return conversion
 
