@@ -92,7 +92,8 @@ def shard_layouts(model: nn.Module, record: ModelRecord | None = None) -> dict[s
 
 
 def check_grad_sums(model: nn.Module, where: str, record: ModelRecord | None = None) -> None:
-    """Raise PlanError when a parameter of the converted `model` whose gradient must be summed over ranks is not:
+    """(As `check_gradients`, step 11 of `parallelize`, on the model as the user gets it back, its adapters
+    re-wrapped: the conversion's promise, checked once.) Raise PlanError when a parameter of the converted `model` whose gradient must be summed over ranks is not:
     rows several ranks hold (its layout says so) with no sum recorded, or a recorded sum whose module no longer
     applies it (its class or forward hooks replaced after the conversion). Either is a silently wrong gradient.
     `record`: the record `model` itself holds, when the caller has it (`shard_layouts`)."""
@@ -110,9 +111,4 @@ def check_grad_sums(model: nn.Module, where: str, record: ModelRecord | None = N
                         f"and do not replace its modules afterwards")
 
 
-@step
-def check_gradients(model: nn.Module, record: ModelRecord) -> None:
-    """11. of `parallelize`: every gradient that must be a sum over ranks is one (`check_grad_sums`), on the model as
-    the user gets it back (its adapters re-wrapped), `record` its conversion: the conversion's promise, checked
-    once."""
-    check_grad_sums(model, "parallelize", record)
+check_gradients = step(check_grad_sums)  # 11. of `parallelize`: the same check, once per conversion

@@ -86,6 +86,6 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
         s = build_and_swap(s)                                                               # 8. build, swap
         conversion = record(s)                                                              # 9. record
         rewrap_adapters(bare, adapters)                                                     # 10. re-wrap
-        check_gradients(bare, conversion)                                                   # 11. gradients
+        check_gradients(bare, "parallelize", conversion)                                    # 11. gradients
     return model
 
