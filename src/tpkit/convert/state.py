@@ -145,8 +145,9 @@ def begin(model: nn.Module, plan: Any, comm, adapters: Any, **options) -> Conver
     raises here); a model converted before or quantized by another library refused, and a plan that splits a
     LoRA-wrapped embedding along its features (`adapters.check_plan`)."""
     request = read_request(plan, model, comm.world_size, options.pop("recorded"), options["sequence_parallel"])
-    refuse_quantized(model)
-    done = [n or "the model" for n, m in model.named_modules()  # a record, or a layer holding shards: one walk
+    modules = dict(model.named_modules())  # walked once for both refusals
+    refuse_quantized(modules, getattr(model, "config", None))
+    done = [n or "the model" for n, m in modules.items()  # a record, or a layer holding shards
             if record_of(m) is not None or (isinstance(m, SplitsParameters) and m.split_dims())]
     if done:
         raise PlanError(f"parallelize: the model already holds tensor-parallel shards (e.g. {done[0]}); it was "
