@@ -59,7 +59,8 @@ def install_whole_model_calls(model: nn.Module, record: ModelRecord) -> bool:
     a transformers `model` whose record is `record`; returns whether `model` is one (no other model has these calls).
     `install` calls it; so does `tpkit.expert_parallel`, whose experts are split over the expert group whatever the
     tensor-parallel size (1 included, where `install` did nothing)."""
-    if not _is_transformers_model(model):
+    if not any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__):
         return False
     if all(hasattr(type(model), h) for h in SAVE_HOOKS):
         model.gather_sharded_state_dict_for_save = GatherForSave(record)
@@ -192,11 +193,6 @@ class RefuseResize:
             f"resize_token_embeddings on a tensor-parallel model: its embedding and LM head are split over "
             f"{self.record.world_size} ranks. Resize the unconverted model (model.resize_token_embeddings(n), then "
             f"tpkit.parallelize), or save the resized model (save_pretrained) and load it with tpkit.from_pretrained")
-
-
-def _is_transformers_model(model: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-               for c in type(model).__mro__)
 
 
 def vocabulary_sizes(model: nn.Module) -> tuple[int, ...] | None:
