@@ -93,7 +93,7 @@ class ConversionState:
     roles: Any = None                 # on a cut, the cut's roles renamed to every block (`expand_plan` uses them)
     plan: Plan | None = None          # resolved (module names, canonical styles) from `make_plan` on
     expanded: Plan | None = None      # on a cut, `plan` given to every block (dropped when the dry run changes it)
-    prepared: Any = None              # `steps.Prepared`: this rank's layouts and styles
+    prepared: Any = None              # `swap.Prepared`: this rank's layouts and styles
     updates: Mapping[str, Mapping[str, Any]] | None = None  # attributes set to local values by the swap
 
     @property

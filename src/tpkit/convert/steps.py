@@ -15,29 +15,17 @@ from torch import nn
 from . import stock_calls
 from .advice.notices import log_kept_whole
 from .conversion import Conversion, attach
-from .family import Checked, Planned
+from .family import Planned
 from .layouts import key_layouts, plan_layouts
 from .plan import Plan
 from .quantized import QuantizedLayers, record_layouts, with_units
 from .registry import STYLES, for_module, style
 from .roles import Role
 from .state import AUTO, ConversionState, step
-from .styles import COLWISE, ROWWISE, Layouts
-from .swap import swap
+from .styles import COLWISE, ROWWISE
+from .swap import Prepared, swap
 from .trace import Analysis
 from .validate import validate
-
-
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    """A plan checked against one model on one rank: what `swap.swap` needs."""
-
-    modules: Mapping[str, nn.Module]       # the model's modules before the swap
-    styles: Mapping[str, str]
-    layouts: Mapping[str, Layouts]         # per module, its tensors' layouts
-    planned: Planned
-    checked: Mapping[str, Checked]
-    options: Mapping[str, Mapping]         # extra keyword arguments of a module's build
 
 
 def resolved(the_plan: Plan, analysis: Analysis, modules: Mapping[str, nn.Module]) -> Plan:

@@ -8,21 +8,31 @@ MoE regions).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+import dataclasses
+from typing import Any, Iterable, Mapping
 
 from torch import nn
 
 from ..nn.quantized import quant_method_of
 from ..nn.rewrites import rewrites_of
-from .family import Family, Planned
+from .family import Checked, Family, Planned
 from .modules import is_embedding
 from .quantized import QuantizedLayers, build_layer
 from .registry import families, style
 from .styles import Layouts
 from .trace import Analysis
 
-if TYPE_CHECKING:
-    from .steps import Prepared
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A plan checked against one model on one rank: what `swap` needs (`steps.prepare` makes it)."""
+
+    modules: Mapping[str, nn.Module]       # the model's modules before the swap
+    styles: Mapping[str, str]
+    layouts: Mapping[str, Layouts]         # per module, its tensors' layouts
+    planned: Planned
+    checked: Mapping[str, Checked]
+    options: Mapping[str, Mapping]         # extra keyword arguments of a module's build
 
 
 def build(modules: Mapping[str, nn.Module], styles: Mapping[str, str], layouts: Mapping[str, Layouts], comm,
@@ -55,7 +65,7 @@ def attribute_updates(planned: Planned) -> dict[str, dict]:
     return updates
 
 
-def swap(model: nn.Module, p: "Prepared", comm, quantized: QuantizedLayers | None = None) -> dict[str, dict]:
+def swap(model: nn.Module, p: Prepared, comm, quantized: QuantizedLayers | None = None) -> dict[str, dict]:
     """Build every new layer of the prepared plan `p` (`quantized`: the layers a checkpoint stores quantized), then
     put them in and install what they need; returns the attribute updates made."""
     built = build(p.modules, p.styles, p.layouts, comm, p.options, quantized)
