@@ -124,7 +124,7 @@ def _both(model, plan_arg, comm, mode="inference"):
 def _took_reuse(model, world, plan_arg="auto", mode="inference") -> bool:
     """Whether `parallelize`'s trace step takes the model cut to its distinct blocks."""
     m = copy.deepcopy(model)
-    request = read_request(plan_arg, m, world)
+    request = read_request(plan_arg, dict(m.named_modules()), world)
     return trace_model(ConversionState(m, ShapeCommunicator(0, world), mode, request, _example(model))).cut
 
 

@@ -26,7 +26,7 @@ DEPTH = 6
 def _reused_plan(model: nn.Module, world: int, mode: str, inputs) -> ConversionState | None:
     """The state after the trace and plan steps when they stayed on the model cut to its distinct blocks, else
     None (the whole model traced)."""
-    request = read_request("auto", model, world)
+    request = read_request("auto", dict(model.named_modules()), world)
     s = ConversionState(model, ShapeCommunicator(0, world), mode, request, inputs)
     s = decide.make_plan(decide.trace_model(s))
     return s if s.cut else None

@@ -308,6 +308,6 @@ def _quantized_layers(model: nn.Module, source, quant, dtype, dequantize: bool, 
 def _not_in_files(model: nn.Module, held: dict[str, nn.Module]):
     """Which model keys a checkpoint need not hold: buffers computed by the model (not a quantized layer's stored
     tensors), and the dense weights of layers loaded dequantized (computed from their stored tensors)."""
-    stored = set(record_layouts(model))
+    stored = set(record_layouts(dict(model.named_modules())))
     computed = {n for n, _ in model.named_buffers() if n not in stored} | {k for k, _ in dequantized.dense_keys(held)}
     return computed.__contains__

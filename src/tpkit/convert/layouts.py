@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import torch
 from torch import nn
 
 from ..layout import ShardLayout
@@ -49,21 +50,20 @@ def plan_layouts(modules: Mapping[str, nn.Module], leaves: Mapping[str, nn.Modul
     return out
 
 
-def key_layouts(model: nn.Module, modules: Mapping[str, nn.Module], layouts: Mapping[str, Layouts],
-                world: int, rank: int) -> dict[str, ShardLayout]:
-    """Every `state_dict` key of the converted `model` with its layout (tensors no style split are whole).
+def key_layouts(modules: Mapping[str, nn.Module], tensors: Mapping[str, torch.Tensor],
+                layouts: Mapping[str, Layouts], world: int, rank: int) -> dict[str, ShardLayout]:
+    """Every `state_dict` key of the converted model with its layout (tensors no style split are whole).
 
-    `modules` are the model's modules before the swap; the planned layouts are found by tensor identity
-    after it, so a tensor reachable under several keys (ties) has the same layout under each."""
+    `modules` are its modules after the swap, by name; `tensors` its `state_dict(keep_vars=True)`. The planned
+    layouts are found by tensor identity, so a tensor reachable under several keys (ties) has the same layout under
+    each."""
     by_id: dict[int, ShardLayout] = {}
     for name, lays in layouts.items():
-        new = model.get_submodule(name) if name else model
         for tname, lay in lays.items():
-            t = _held(new, tname)
+            t = _held(modules[name], tname)
             if t is not None:
                 by_id.setdefault(id(t), lay)
-    return {key: by_id.get(id(t)) or ShardLayout.replicated(t.shape, world, rank)
-            for key, t in model.state_dict(keep_vars=True).items()}
+    return {key: by_id.get(id(t)) or ShardLayout.replicated(t.shape, world, rank) for key, t in tensors.items()}
 
 
 def _held(module: nn.Module, name: str):
@@ -92,7 +92,8 @@ def shard_layouts(model: nn.Module, record: ModelRecord | None = None) -> dict[s
 
 
 def check_grad_sums(model: nn.Module, where: str, record: ModelRecord | None = None) -> None:
-    """Raise PlanError when a parameter of the converted `model` whose gradient must be summed over ranks is not:
+    """(As `check_gradients`, step 11 of `parallelize`, on the model as the user gets it back, its adapters
+    re-wrapped: the conversion's promise, checked once.) Raise PlanError when a parameter of the converted `model` whose gradient must be summed over ranks is not:
     rows several ranks hold (its layout says so) with no sum recorded, or a recorded sum whose module no longer
     applies it (its class or forward hooks replaced after the conversion). Either is a silently wrong gradient.
     `record`: the record `model` itself holds, when the caller has it (`shard_layouts`)."""
@@ -110,9 +111,4 @@ def check_grad_sums(model: nn.Module, where: str, record: ModelRecord | None = N
                         f"and do not replace its modules afterwards")
 
 
-@step
-def check_gradients(model: nn.Module, record: ModelRecord) -> None:
-    """11. of `parallelize`: every gradient that must be a sum over ranks is one (`check_grad_sums`), on the model as
-    the user gets it back (its adapters re-wrapped), `record` its conversion: the conversion's promise, checked
-    once."""
-    check_grad_sums(model, "parallelize", record)
+check_gradients = step(check_grad_sums)  # 11. of `parallelize`: the same check, once per conversion

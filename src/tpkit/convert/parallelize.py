@@ -85,7 +85,7 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
         s = lay_out(s)                                                                      # 7. lay out
         s = build_and_swap(s)                                                               # 8. build, swap
         conversion = record(s)                                                              # 9. record
-        rewrap_adapters(bare, adapters)                                                     # 10. re-wrap
-        check_gradients(bare, conversion)                                                   # 11. gradients
+        rewrap_adapters(bare, adapters, conversion)                                         # 10. re-wrap
+        check_gradients(bare, "parallelize", conversion)                                    # 11. gradients
     return model
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -156,12 +156,12 @@ def build_layer(name: str, m: nn.Module, style, layouts, comm, options: Mapping,
     return QuantizedLinear.from_module(m, method, ShardLayout.replicated(tuple(m.weight.shape), world, rank), name)
 
 
-def record_layouts(model: nn.Module) -> dict[str, ShardLayout]:
-    """The layouts the conversion record holds for the quantized layers of `model`: each stored tensor's under its
-    state-dict key, and the dense weight's under `<layer>.weight` (no state-dict key: what follows the base's split,
-    a LoRA adapter's factors, reads it there as for a dense layer)."""
+def record_layouts(modules: Mapping[str, nn.Module]) -> dict[str, ShardLayout]:
+    """The layouts the conversion record holds for the quantized layers of a model's `modules` (by name): each stored
+    tensor's under its state-dict key, and the dense weight's under `<layer>.weight` (no state-dict key: what follows
+    the base's split, a LoRA adapter's factors, reads it there as for a dense layer)."""
     out = {}
-    for name, m in model.named_modules():
+    for name, m in modules.items():
         prefix = f"{name}." if name else ""
         method = quant_method_of(m)
         if method is not None:
@@ -191,14 +191,15 @@ def _shared_weight(model: nn.Module, layer: nn.Module) -> bool:
 _QUANTIZED_NAMES = ("weight_packed", "qweight", "weight_scale_inv", "weight_scale", "SCB")
 
 
-def refuse_quantized(model: nn.Module) -> None:
-    """Raise `QuantizationError` when a library already quantized `model`'s layers (transformers with
-    compressed-tensors, GPTQ, AWQ, FP8 or bitsandbytes): their packed tensors cannot be split as dense weights,
-    and a layer kept whole would fail later on a dtype mismatch. Names the first such layer and the two ways in."""
-    method = (getattr(getattr(model, "config", None), "quantization_config", None) or {})
+def refuse_quantized(modules: Mapping[str, nn.Module], config: Any) -> None:
+    """Raise `QuantizationError` when a library already quantized a model's layers (its `modules` by name, its
+    `config`: transformers with compressed-tensors, GPTQ, AWQ, FP8 or bitsandbytes): their packed tensors cannot be
+    split as dense weights, and a layer kept whole would fail later on a dtype mismatch. Names the first such layer
+    and the two ways in."""
+    method = (getattr(config, "quantization_config", None) or {})
     method = method.get("quant_method") if isinstance(method, dict) else getattr(method, "quant_method", None)
     method = getattr(method, "value", method)
-    for name, m in model.named_modules():
+    for name, m in modules.items():
         if quant_method_of(m) is not None:
             continue
         own = [n for n, _ in m.named_parameters(recurse=False)] + [n for n, _ in m.named_buffers(recurse=False)]

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from torch import nn
 
-from ..nn.record import SplitsParameters, records_in
+from ..nn.record import SplitsParameters, record_of
 from .errors import PlanError
 from .plan import PLAN_WORDS, Plan, check_plan_argument
 from .quantized import refuse_quantized
@@ -51,9 +51,10 @@ class Request:
         return self.kind in (WHOLE, RECORDED) or name in self.named
 
 
-def read_request(plan: Any, model: nn.Module, world: int, recorded: bool = False,
+def read_request(plan: Any, modules: Mapping[str, nn.Module], world: int, recorded: bool = False,
                  sequence_parallel: bool = False) -> Request:
-    """`plan` (see `parallelize`) as a `Request` for `model` (whose module names a mapping's entries must name)."""
+    """`plan` (see `parallelize`) as a `Request` for the model whose `modules` (by name, "" itself) a mapping's entries
+    must name."""
     check_plan_argument(plan)
     if isinstance(plan, str) and plan in PLAN_WORDS:
         return Request(AUTO, None, frozenset())
@@ -65,8 +66,8 @@ def read_request(plan: Any, model: nn.Module, world: int, recorded: bool = False
         return Request(WHOLE, Plan.load(plan), frozenset())
     if isinstance(plan, Mapping):
         user = Plan.from_dict(plan)
-        user.prefix = user.prefix or base_prefix(model)
-        named = frozenset(user.resolve([n for n, _ in model.named_modules() if n]))  # naming no module raises
+        user.prefix = user.prefix or base_prefix(modules[""])
+        named = frozenset(user.resolve([n for n in modules if n]))  # naming no module raises
         return Request(WHOLE if "entries" in plan else OVERRIDES, user, named)
     raise PlanError(f"parallelize: plan must be 'auto', a Plan, a mapping or a JSON path, got {type(plan).__name__}")
 
@@ -92,7 +93,7 @@ class ConversionState:
     roles: Any = None                 # on a cut, the cut's roles renamed to every block (`expand_plan` uses them)
     plan: Plan | None = None          # resolved (module names, canonical styles) from `make_plan` on
     expanded: Plan | None = None      # on a cut, `plan` given to every block (dropped when the dry run changes it)
-    prepared: Any = None              # `steps.Prepared`: this rank's layouts and styles
+    prepared: Any = None              # `swap.Prepared`: this rank's layouts and styles
     updates: Mapping[str, Mapping[str, Any]] | None = None  # attributes set to local values by the swap
 
     @property
@@ -144,10 +145,11 @@ def begin(model: nn.Module, plan: Any, comm, adapters: Any, **options) -> Conver
     """The conversion's state before its first step: `plan` read once (`read_request`: an entry naming no module
     raises here); a model converted before or quantized by another library refused, and a plan that splits a
     LoRA-wrapped embedding along its features (`adapters.check_plan`)."""
-    request = read_request(plan, model, comm.world_size, options.pop("recorded"), options["sequence_parallel"])
-    refuse_quantized(model)
-    done = [n or "the model" for n, _ in records_in(model)] + [
-        n for n, m in model.named_modules() if isinstance(m, SplitsParameters) and m.split_dims()]
+    modules = dict(model.named_modules())  # walked once: the plan's names and both refusals read it
+    request = read_request(plan, modules, comm.world_size, options.pop("recorded"), options["sequence_parallel"])
+    refuse_quantized(modules, getattr(model, "config", None))
+    done = [n or "the model" for n, m in modules.items()  # a record, or a layer holding shards
+            if record_of(m) is not None or (isinstance(m, SplitsParameters) and m.split_dims())]
     if done:
         raise PlanError(f"parallelize: the model already holds tensor-parallel shards (e.g. {done[0]}); it was "
                         f"converted before (see its tp_plan). Convert the original model once per rank")

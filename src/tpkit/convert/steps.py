@@ -1,9 +1,9 @@
 """The steps of `parallelize` after the plan is decided: quantization units, layouts and checks, build and swap,
-record; and the two functions they share with the dry run (`planning/dryrun.py`, on a copy).
+record; and the function they share with the dry run (`planning/dryrun.py`, on a copy).
 
 `resolved` turns a plan into module names and canonical styles, once (`planning/decide.py` calls it when it makes
 the plan); every later step reads those entries as they are. `prepare` only reads (a failure is a PlanError with
-the model untouched); `apply` builds every new layer, then changes the model.
+the model untouched); `swap.swap` builds every new layer, then changes the model.
 """
 from __future__ import annotations
 
@@ -15,29 +15,17 @@ from torch import nn
 from . import stock_calls
 from .advice.notices import log_kept_whole
 from .conversion import Conversion, attach
-from .family import Checked, Planned
+from .family import Planned
 from .layouts import key_layouts, plan_layouts
 from .plan import Plan
 from .quantized import QuantizedLayers, record_layouts, with_units
 from .registry import STYLES, for_module, style
 from .roles import Role
 from .state import AUTO, ConversionState, step
-from .styles import COLWISE, ROWWISE, Layouts
-from .swap import attribute_updates, build, swap
+from .styles import COLWISE, ROWWISE
+from .swap import Prepared, swap
 from .trace import Analysis
 from .validate import validate
-
-
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    """A plan checked against one model on one rank: what `apply` needs."""
-
-    modules: Mapping[str, nn.Module]       # the model's modules before the swap
-    styles: Mapping[str, str]
-    layouts: Mapping[str, Layouts]         # per module, its tensors' layouts
-    planned: Planned
-    checked: Mapping[str, Checked]
-    options: Mapping[str, Mapping]         # extra keyword arguments of a module's build
 
 
 def resolved(the_plan: Plan, analysis: Analysis, modules: Mapping[str, nn.Module]) -> Plan:
@@ -69,15 +57,6 @@ def prepare(model: nn.Module, styles: Mapping[str, str], details: Mapping[str, R
     return Prepared(modules, styles, per_module, planned, checked, options)
 
 
-def apply(model: nn.Module, p: Prepared, comm, quantized: QuantizedLayers | None = None) -> dict[str, dict]:
-    """Build every new layer (`quantized`: the layers a checkpoint stores quantized), then swap them in; returns
-    the attribute updates made."""
-    built = build(p.modules, p.styles, p.layouts, comm, p.options, quantized)
-    updates = attribute_updates(p.planned)
-    swap(model, p.modules, p.planned, built, updates, p.checked, comm)
-    return updates
-
-
 @step
 def quantization_units(s: ConversionState) -> ConversionState:
     """6. A quantized model's column / row pairs split in whole quantization groups (`quantized.with_units`); the
@@ -100,7 +79,7 @@ def lay_out(s: ConversionState) -> ConversionState:
 def build_and_swap(s: ConversionState) -> ConversionState:
     """8. Every new layer built, then swapped in (the first change to the model)."""
     quantized = s.quantization if isinstance(s.quantization, QuantizedLayers) else None
-    return dataclasses.replace(s, updates=apply(s.model, s.prepared, s.comm, quantized))
+    return dataclasses.replace(s, updates=swap(s.model, s.prepared, s.comm, quantized))
 
 
 @step
@@ -112,10 +91,12 @@ def record(s: ConversionState) -> Conversion:
             if n in analysis.leaves or n in p.layouts or style(st).region}
     applied = Plan(kept, world_size=s.world, mode=s.plan.mode, details=s.plan.details, reasons=s.plan.reasons,
                    prefix=s.plan.prefix)
-    layouts = {**key_layouts(s.model, p.modules, p.layouts, s.world, s.comm.rank), **record_layouts(s.model)}
+    modules = dict(s.model.named_modules())  # the converted model, walked once for its layouts and stock calls
+    layouts = {**key_layouts(modules, s.model.state_dict(keep_vars=True), p.layouts, s.world, s.comm.rank),
+               **record_layouts(modules)}
     conversion = Conversion(s.comm, layouts, plan=applied, updated_attributes=s.updates, settled=p.checked)
     attach(s.model, conversion)
-    stock_calls.install(s.model, conversion)
+    stock_calls.install(s.model, conversion, modules)
     log_kept_whole(applied, s.request.kind == AUTO, s.comm.rank)
     return conversion
 

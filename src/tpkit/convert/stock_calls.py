@@ -19,7 +19,7 @@ weakly), so it follows the model through `deepcopy` and pickling.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -38,32 +38,36 @@ SAVE_HOOKS = ("gather_sharded_state_dict_for_save", "should_save_on_this_rank",
               "barrier_after_gathered_checkpoint_save")
 
 
-def install(model: nn.Module, record: Conversion) -> None:
-    """Everything of the module docstring, on a converted `model` whose record is `record`."""
+def install(model: nn.Module, record: Conversion, modules: Mapping[str, nn.Module] | None = None) -> None:
+    """Everything of the module docstring, on a converted `model` whose record is `record` (`modules`: its modules
+    by name, when the caller walked them)."""
     if record.world_size == 1:
         return
+    modules = dict(model.named_modules()) if modules is None else modules
     sentinel.install(model, record)
-    heads = _attention_heads(model, record)
-    vocab = _head_sizes(model, record)
+    heads = _attention_heads(list(modules), record)
+    head = _vocab_head(record)
+    vocab = _head_sizes(modules.get(head)) if head is not None else None
     if heads or vocab is not None:
         model.register_forward_hook(FullOutputs(record, vocab, heads))
-    install_whole_model_calls(model, record)
-    if _is_transformers_model(model):
+    if install_whole_model_calls(model, record):
         model.resize_token_embeddings = RefuseResize(record)
 
 
-def install_whole_model_calls(model: nn.Module, record: ModelRecord) -> None:
+def install_whole_model_calls(model: nn.Module, record: ModelRecord) -> bool:
     """transformers' save hooks and `num_parameters` of the whole model (the second item of the module docstring) on
-    a transformers `model` whose record is `record`. `install` calls it; so does `tpkit.expert_parallel`, whose
-    experts are split over the expert group whatever the tensor-parallel size (1 included, where `install` did
-    nothing)."""
-    if not _is_transformers_model(model):
-        return
+    a transformers `model` whose record is `record`; returns whether `model` is one (no other model has these calls).
+    `install` calls it; so does `tpkit.expert_parallel`, whose experts are split over the expert group whatever the
+    tensor-parallel size (1 included, where `install` did nothing)."""
+    if not any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__):
+        return False
     if all(hasattr(type(model), h) for h in SAVE_HOOKS):
         model.gather_sharded_state_dict_for_save = GatherForSave(record)
         model.should_save_on_this_rank = SaveOnWorldRankZero(record)
         model.barrier_after_gathered_checkpoint_save = WorldBarrier(record)
     model.num_parameters = NumParameters(record)
+    return True
 
 
 def world_of(record: ModelRecord):
@@ -191,29 +195,33 @@ class RefuseResize:
             f"tpkit.parallelize), or save the resized model (save_pretrained) and load it with tpkit.from_pretrained")
 
 
-def _is_transformers_model(model: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-               for c in type(model).__mro__)
-
-
 def vocabulary_sizes(model: nn.Module) -> tuple[int, ...] | None:
     """Every rank's width of the logits a converted `model` (or a wrapper of it) returns split over the vocabulary;
     None when it returns whole logits."""
     found = conversions_in(model)
-    return _head_sizes(model.get_submodule(found[0][0]), found[0][1]) if len(found) == 1 else None
-
-
-def _head_sizes(model: nn.Module, record: Conversion) -> tuple[int, ...] | None:
-    heads = [n for n, s in record.plan.entries.items() if s == VOCAB_PARALLEL]
-    if len(heads) != 1 or record.world_size == 1:
+    if len(found) != 1:
         return None
-    sizes = getattr(model.get_submodule(heads[0]), "partition_sizes", None)
+    name, record = found[0]
+    head = _vocab_head(record)
+    return _head_sizes(model.get_submodule(f"{name}.{head}" if name else head)) if head is not None else None
+
+
+def _vocab_head(record: Conversion) -> str | None:
+    """The name of the one head a converted model's plan splits over the vocabulary, or None."""
+    heads = [n for n, s in record.plan.entries.items() if s == VOCAB_PARALLEL]
+    return heads[0] if len(heads) == 1 and record.world_size > 1 else None
+
+
+def _head_sizes(head: nn.Module | None) -> tuple[int, ...] | None:
+    """Every rank's width of the logits of a vocabulary-parallel `head`."""
+    sizes = getattr(head, "partition_sizes", None)
     return tuple(int(s) for s in sizes) if sizes is not None else None
 
 
-def _attention_heads(model: nn.Module, record: Conversion) -> list[tuple[tuple[int, ...], ...]]:
-    """Per attention block split by heads, in the model's module order: each rank's query heads (global numbers)."""
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+def _attention_heads(names: list[str], record: Conversion) -> list[tuple[tuple[int, ...], ...]]:
+    """Per attention block split by heads, in the model's module order (`names`: its modules'): each rank's query
+    heads (global numbers)."""
+    order = {n: i for i, n in enumerate(names)}
     found = []
     for name, style in record.plan.entries.items():
         d = record.plan.details.get(name)

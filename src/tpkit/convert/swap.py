@@ -1,14 +1,15 @@
 """Step 8 of `parallelize` (build and swap): build every new layer from its layouts, then change the model.
 
-`build` makes every replacement while the model is still untouched (a failure there leaves it as it was);
-`swap` puts them in, sets the attributes families asked for (local head counts, fast paths off), ties tied
+`swap` builds every replacement first (`build`: the model is still untouched, so a failure there leaves it as it
+was), then puts them in, sets the attributes families asked for (local head counts, fast paths off), ties tied
 weights again, points other holders of a replaced parameter at its shard, and lets every family install what
 its styles need (gradient sums of per-head norms, the vocab-parallel loss, sequence-parallel entry and gathers,
 MoE regions).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Iterable, Mapping
 
 from torch import nn
 
@@ -20,6 +21,18 @@ from .quantized import QuantizedLayers, build_layer
 from .registry import families, style
 from .styles import Layouts
 from .trace import Analysis
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A plan checked against one model on one rank: what `swap` needs (`steps.prepare` makes it)."""
+
+    modules: Mapping[str, nn.Module]       # the model's modules before the swap
+    styles: Mapping[str, str]
+    layouts: Mapping[str, Layouts]         # per module, its tensors' layouts
+    planned: Planned
+    checked: Mapping[str, Checked]
+    options: Mapping[str, Mapping]         # extra keyword arguments of a module's build
 
 
 def build(modules: Mapping[str, nn.Module], styles: Mapping[str, str], layouts: Mapping[str, Layouts], comm,
@@ -52,9 +65,11 @@ def attribute_updates(planned: Planned) -> dict[str, dict]:
     return updates
 
 
-def swap(model: nn.Module, modules: Mapping[str, nn.Module], planned: Planned, built: Mapping[str, nn.Module],
-         updates: Mapping[str, Mapping[str, Any]], checked: Mapping[str, Checked], comm) -> None:
-    """Put the built layers in and install what they need; `modules` are the model's modules before."""
+def swap(model: nn.Module, p: Prepared, comm, quantized: QuantizedLayers | None = None) -> dict[str, dict]:
+    """Build every new layer of the prepared plan `p` (`quantized`: the layers a checkpoint stores quantized), then
+    put them in and install what they need; returns the attribute updates made."""
+    built = build(p.modules, p.styles, p.layouts, comm, p.options, quantized)
+    updates = attribute_updates(p.planned)
     for name, new in built.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
@@ -62,14 +77,17 @@ def swap(model: nn.Module, modules: Mapping[str, nn.Module], planned: Planned, b
         target = model.get_submodule(owner) if owner else model
         for attr, value in new.items():
             setattr(target, attr, value)
-    _retie(model, planned.analysis, built)
-    _repoint_shared_parameters(model, modules, built)
+    after = dict(model.named_modules())  # the new layers in: what the ties and shared parameters are fixed in
+    _retie(after, p.planned.analysis, built)
+    _repoint_shared_parameters(after.values(), p.modules, built)
     for family in families():
         if type(family).install is not Family.install:  # (the base class installs nothing)
-            family.install(model, planned, checked.get(family.name), comm)
+            family.install(model, p.planned, p.checked.get(family.name), comm)
+    return updates
 
 
-def _retie(model: nn.Module, a: Analysis, built: Mapping[str, nn.Module]) -> None:
+def _retie(modules: Mapping[str, nn.Module], a: Analysis, built: Mapping[str, nn.Module]) -> None:
+    """Tied weights tied again (each group to its embedding's, else its first module's), in the swapped `modules`."""
     done = set()
     for name, others in a.ties.items():
         group = sorted([name] + others)
@@ -77,13 +95,14 @@ def _retie(model: nn.Module, a: Analysis, built: Mapping[str, nn.Module]) -> Non
             continue
         done.add(group[0])
         owner = next((n for n in group if is_embedding(a.leaves[n])), group[0])
-        weight = model.get_submodule(owner).weight
+        weight = modules[owner].weight
         for n in group:
             if n != owner:
-                model.get_submodule(n).weight = weight
+                modules[n].weight = weight
 
 
-def _repoint_shared_parameters(model: nn.Module, before: Mapping[str, nn.Module], built: Mapping[str, nn.Module]):
+def _repoint_shared_parameters(modules: Iterable[nn.Module], before: Mapping[str, nn.Module],
+                               built: Mapping[str, nn.Module]):
     """A module outside the plan may hold the very Parameter a replaced layer held (BERT's
     `cls.predictions.bias` is `decoder.bias`); point it at the layer's new shard so the tie survives and no
     rank keeps a stale full copy."""
@@ -96,7 +115,7 @@ def _repoint_shared_parameters(model: nn.Module, before: Mapping[str, nn.Module]
                 replaced[id(old)] = shard
     if not replaced:
         return
-    for module in model.modules():
+    for module in modules:
         for pname, p in list(module._parameters.items()):
             if p is not None and id(p) in replaced and replaced[id(p)] is not p:
                 module._parameters[pname] = replaced[id(p)]

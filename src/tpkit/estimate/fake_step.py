@@ -67,7 +67,7 @@ def fake_tensors(model: nn.Module) -> Iterator[None]:
     transformers' experts through batched_mm as in the planner's trace."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with traceable_experts(model), FakeTensorMode(allow_non_fake_inputs=True):
+    with traceable_experts(model.modules()), FakeTensorMode(allow_non_fake_inputs=True):
         yield
 
 

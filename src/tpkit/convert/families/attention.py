@@ -121,7 +121,8 @@ class Attention(Family):
             for name, s in planned.styles.items():
                 d = planned.details.get(name)
                 if s == ROWWISE and d is not None and d.is_attention and d.kv_expand:
-                    _expand_kv(model, planned, d)
+                    for column, hook in _kv_expanders(d, planned).items():
+                        model.get_submodule(column).register_forward_hook(hook)
 
 
 class ExpandKV:
@@ -141,16 +142,19 @@ class ExpandKV:
         return torch.cat(parts, -1)
 
 
-def _expand_kv(model: nn.Module, planned: Planned, o: Any) -> None:
+def _kv_expanders(o: Any, planned: Planned) -> dict[str, ExpandKV]:
+    """The `ExpandKV` hook of each K/V (or packed qkv) projection of attention block `o` on this rank, by name: none
+    where the rank's query heads share its KV heads evenly (a fact of the plan, so the model is not needed)."""
     lay, r = o.heads(planned.world_size), planned.rank
     if lay.even_groups(r):
-        return
+        return {}
+    out = {}
     for c in o.columns:
         role = planned.details[c].role
         if role in ("k", "v", "qkv"):
             keep = len(lay.q_heads[r]) * o.head_dim if role == "qkv" else 0
-            model.get_submodule(c).register_forward_hook(
-                ExpandKV(keep, lay.kv_repeats(r), o.head_dim, 2 if role == "qkv" else 1))
+            out[c] = ExpandKV(keep, lay.kv_repeats(r), o.head_dim, 2 if role == "qkv" else 1)
+    return out
 
 
 def _heads_blocker(pair: Pair, world: int) -> str | None:

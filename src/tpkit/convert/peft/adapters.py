@@ -6,7 +6,7 @@ model exactly as an unwrapped one would be converted (same trace, same plan: LoR
 column -> row pair), then puts each wrapper back around its new base layer, its factors split to match. The
 result is the model `peft.get_peft_model` gives on a converted model (the other order).
 
-PEFT's objects are recognised by their class names (`seam.is_peft`): nothing here imports PEFT unless the
+PEFT's objects are recognised by their class names (`seam.peft_kinds`): nothing here imports PEFT unless the
 model holds PEFT's objects, and then it is imported already.
 """
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Iterator, Mapping
 
 from torch import nn
 
+from ...nn.record import ModelRecord
 from ...nn.rewrites import adopt
 from ..errors import PlanError
 from . import seam
-from .seam import is_peft
+from .seam import PEFT_MODEL, SAVED_COPY, TUNER, TUNER_LAYER, peft_kinds
 from ..plan import Plan
 from ..planning.decide import plan as plan_for
 from ..registry import module_layouts
@@ -35,17 +36,17 @@ def peft_layers(model: nn.Module) -> tuple[nn.Module, dict[str, nn.Module], dict
     of the outermost PEFT adapter layers in it; `{name: wrapper}` of its `modules_to_save` wrappers, modules PEFT
     trains a copy of), by one walk; empty without PEFT."""
     target = model
-    if is_peft(target, "peft.peft_model", "PeftModel"):
+    if PEFT_MODEL in peft_kinds(type(target)):
         target = target.base_model
-    if is_peft(target, "peft.tuners.tuners_utils", "BaseTuner"):
+    if TUNER in peft_kinds(type(target)):
         target = target.model
     wrapped: dict[str, nn.Module] = {}
     saved: dict[str, nn.Module] = {}
     for name, m in target.named_modules():
-        if is_peft(m, "peft.tuners.tuners_utils", "BaseTunerLayer") and not any(
-                name.startswith(n + ".") for n in wrapped):
+        kinds = peft_kinds(type(m))
+        if TUNER_LAYER in kinds and not any(name.startswith(n + ".") for n in wrapped):
             wrapped[name] = m
-        if is_peft(m, "peft.utils.other", "ModulesToSaveWrapper"):
+        if SAVED_COPY in kinds:
             saved[name] = m
     return target, wrapped, saved
 
@@ -70,11 +71,12 @@ def _check_wrapper(name: str, w: nn.Module) -> None:
         raise PlanError(f"{name}: adapter {adapter!r}: {why}")
 
 
-def _put(target: nn.Module, modules: Mapping[str, nn.Module]) -> None:
-    """Each module of `modules` into `target` at its name."""
-    for name, module in modules.items():
+def _put(modules: Mapping[str, nn.Module], new: Mapping[str, nn.Module]) -> None:
+    """Each module of `new` into the model at its name (`modules`: the model's modules by name, "" itself: where its
+    containers are found)."""
+    for name, module in new.items():
         parent, _, child = name.rpartition(".")
-        setattr(target.get_submodule(parent) if parent else target, child, module)
+        setattr(modules[parent], child, module)
 
 
 def _bare(wrapped: Mapping[str, nn.Module], saved: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
@@ -88,32 +90,29 @@ def bare_model(model: nn.Module) -> Iterator[tuple[nn.Module, dict[str, nn.Modul
     base layer and every `modules_to_save` wrapper by its original module (the model as it was before PEFT); the
     wrappers are put back after, whatever happens."""
     target, wrapped, saved = peft_layers(model)
-    _put(target, _bare(wrapped, saved))
+    modules = dict(target.named_modules())
+    _put(modules, _bare(wrapped, saved))
     try:
         yield target, wrapped
     finally:
-        _put(target, {**saved, **wrapped})
+        _put(modules, {**saved, **wrapped})
 
 
-def split_saved_copies(target: nn.Module, saved: Mapping[str, nn.Module]) -> None:
-    """After the bare `target` was converted: each `modules_to_save` wrapper (by name; it still holds the unconverted
-    original) takes the converted original, and each trained copy becomes a copy of it holding this rank's slice of the
-    copy's values (the original's layouts), so the copy is split exactly as the original."""
+def split_saved_copies(modules: Mapping[str, nn.Module], saved: Mapping[str, nn.Module], record: ModelRecord) -> None:
+    """After the bare model was converted (`modules`: its modules by name; `record`: its conversion record): each
+    `modules_to_save` wrapper (by name; it still holds the unconverted original) takes the converted original, and each
+    trained copy becomes a copy of it holding this rank's slice of the copy's values (the original's layouts, as the
+    record holds them), so the copy is split exactly as the original."""
     import copy
 
-    from ..layouts import shard_layouts
-
-    if not saved:
-        return
-    layouts = shard_layouts(target)
     for name, w in saved.items():
-        new = target.get_submodule(name)
+        new = modules[name]
         if new is w.original_module:
             continue
         for adapter, old in list(w.modules_to_save.items()):
             split = copy.deepcopy(new)
             full = old.state_dict()
-            split.load_state_dict({k: layouts[f"{name}.{k}"].shard(v) for k, v in full.items()})
+            split.load_state_dict({k: record.layout(f"{name}.{k}", v.shape).shard(v) for k, v in full.items()})
             for pname, p in split.named_parameters():
                 p.requires_grad_(old.get_parameter(pname).requires_grad)
             w.modules_to_save[adapter] = split
@@ -227,26 +226,27 @@ def without_adapters(model: nn.Module) -> Iterator[tuple[nn.Module, Adapters | N
     for name, w in wrapped.items():
         _check_wrapper(name, w)
     adapters = Adapters(wrapped, saved)
-    _put(target, _bare(wrapped, saved))
+    _put(dict(target.named_modules()), _bare(wrapped, saved))
     try:
         yield target, adapters
     except BaseException:
-        _put(target, {**saved, **wrapped})
+        _put(dict(target.named_modules()), {**saved, **wrapped})  # (the containers as they are now)
         raise
 
 
 @step
-def rewrap_adapters(target: nn.Module, adapters: Adapters | None) -> None:
-    """10. Re-wrap: each `modules_to_save` copy split as its converted original (`split_saved_copies`), and each LoRA
-    wrapper put back around its new base layer, its factors split to match (`tpkit.nn.lora`). Nothing to do without
-    adapters."""
+def rewrap_adapters(target: nn.Module, adapters: Adapters | None, record: ModelRecord) -> None:
+    """10. Re-wrap: each `modules_to_save` copy split as its converted original (`split_saved_copies`, by `record`,
+    the conversion's), and each LoRA wrapper put back around its new base layer, its factors split to match
+    (`tpkit.nn.lora`). Nothing to do without adapters."""
     if adapters is None:
         return
     from ...nn.lora import lora_layer_for  # (imports PEFT, which a model holding adapters has imported already)
 
-    converted = {name: target.get_submodule(name) for name in adapters.wrapped}
-    split_saved_copies(target, adapters.saved)
-    _put(target, {**adapters.saved, **adapters.wrapped})
+    modules = dict(target.named_modules())  # the converted model: its new base layers, and where they sit
+    converted = {name: modules[name] for name in adapters.wrapped}
+    split_saved_copies(modules, adapters.saved, record)
+    _put(modules, {**adapters.saved, **adapters.wrapped})
     for name, w in adapters.wrapped.items():
         new = converted[name]
         if new is not w.get_base_layer():  # (the wrapper still holds the layer it wrapped)

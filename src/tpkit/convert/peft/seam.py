@@ -33,6 +33,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -54,10 +55,19 @@ class PeftVersionError(RuntimeError):
     """A tpkit model met a PEFT release the seam was not tested with."""
 
 
-def is_peft(obj: Any, module: str, name: str) -> bool:
-    """Whether `obj` is an instance of PEFT's class `module.name`, known by name (PEFT is not imported for it: no
-    PEFT object exists unless PEFT is)."""
-    return any(c.__module__ == module and c.__name__ == name for c in type(obj).__mro__)
+PEFT_MODEL, TUNER = "peft.peft_model.PeftModel", "peft.tuners.tuners_utils.BaseTuner"
+TUNER_LAYER, SAVED_COPY = "peft.tuners.tuners_utils.BaseTunerLayer", "peft.utils.other.ModulesToSaveWrapper"
+_KINDS: "weakref.WeakKeyDictionary[type, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
+def peft_kinds(cls: type) -> frozenset[str]:
+    """The PEFT classes (`module.name`) a class is an instance of, known by name (PEFT is not imported for it: no PEFT
+    object exists unless PEFT is); read once per class, as a model holds many modules of few classes."""
+    kinds = _KINDS.get(cls)
+    if kinds is None:
+        kinds = _KINDS[cls] = frozenset(f"{c.__module__}.{c.__name__}" for c in cls.__mro__
+                                        if c.__module__.startswith("peft."))
+    return kinds
 
 
 def check_version() -> None:

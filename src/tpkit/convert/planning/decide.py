@@ -162,7 +162,7 @@ def plan(model: nn.Module, world_size: int, *, mode: str = "inference", example_
         raise ValueError(f"plan: world_size must be a positive int, got {world_size!r}")
     wanted = dict(overrides.entries) if isinstance(overrides, Plan) else overrides
     with steps_once():
-        request = read_request(wanted or "auto", model, world_size)
+        request = read_request(wanted or "auto", dict(model.named_modules()), world_size)
         s = ConversionState(model, ShapeCommunicator(0, world_size), mode, request, example_inputs, reuse=reuse)
         s = make_plan(trace_model(s) if analysis is None else dataclasses.replace(s, view=model, analysis=analysis))
         return s.expanded if s.cut else s.plan

@@ -29,7 +29,8 @@ from ..errors import PlanError
 from .head_reshapes import HeadReshapes, changed, watched
 from ..plan import Plan
 from ..layouts import plan_layouts
-from ..steps import apply, prepare
+from ..steps import prepare
+from ..swap import swap
 from ..styles import REPLICATE
 from ..trace import Analysis, traceable_experts
 from ..trace.structure import copy_on
@@ -167,7 +168,7 @@ def _try(model, styles, details, analysis, world, sequence_parallel, inputs, on_
             raise _NoCopy() from exc
         prepared = prepare(copy, styles, details, copy_analysis, world, rank, sequence_parallel)
         try:
-            apply(copy, prepared, ShapeCommunicator(rank, world))
+            swap(copy, prepared, ShapeCommunicator(rank, world))
         except Exception as exc:  # noqa: BLE001 - a layer that cannot be built on meta: the dry run cannot tell
             if clean:
                 raise _Unclear() from exc
@@ -276,7 +277,7 @@ def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
     model.eval()
     args = _to_meta(inputs) if on_meta else _to_real(inputs)
     try:
-        with torch.no_grad(), traceable_experts(model):
+        with torch.no_grad(), traceable_experts(model.modules()):
             if isinstance(args, Mapping):
                 model(**args)
             elif isinstance(args, torch.Tensor):

@@ -14,6 +14,7 @@ outside a pair receives, so the pairs found alone hold there.
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 from torch import nn
 
@@ -45,10 +46,10 @@ def _members(p: Pair) -> list[str]:
     return [*p.columns, p.row, *p.carried, *p.per_head, p.attention or ""]
 
 
-def twins(model: nn.Module, leaves, ran, pairs: list[Pair], structures: dict[str, Role]) -> tuple[list, dict]:
+def twins(modules: Mapping[str, nn.Module], leaves, ran, pairs: list[Pair], structures: dict[str, Role]
+          ) -> tuple[list, dict]:
     """Pairs and roles for modules none of whose layers ran, copied from a traced module of the same class and
-    parameter shapes (`ran`: the layers that ran)."""
-    modules = dict(model.named_modules())
+    parameter shapes (`modules`: the model's, by name; `ran`: the layers that ran)."""
     under = {name: [n for n in leaves if n.startswith(name + ".")] for name in modules if name}
     traced = {}
     for name, inner in under.items():
@@ -99,11 +100,12 @@ class Alone:
     ran: set = dataclasses.field(default_factory=set)
 
 
-def towers(model: nn.Module, leaves, ran, analyze, covered=()) -> Alone:
+def towers(modules: Mapping[str, nn.Module], leaves, ran, analyze, covered=()) -> Alone:
     """What the modules none of whose layers ran (a vision tower given no image, its projector) give when each is
-    traced alone by `analyze(module)` with its default inputs; `covered`: layers given roles by `twins` already."""
+    traced alone by `analyze(module)` with its default inputs (`modules`: the model's, by name); `covered`: layers
+    given roles by `twins` already."""
     out, done = Alone(), []
-    for name, m in model.named_modules():
+    for name, m in modules.items():
         if not name or any(name.startswith(d + ".") for d in done) or not _alone(m, leaves, name):
             continue
         inner = [n for n in leaves if n.startswith(name + ".")]

@@ -38,7 +38,7 @@ def _heads_module(a: Pairing, srcs: list[str], row: str):
     top = _lca(srcs + [row])
     attn_name = _lca(srcs) if len(srcs) > 1 else srcs[0].rpartition(".")[0]
     while True:
-        attn = a.model.get_submodule(attn_name) if attn_name else a.model
+        attn = a.modules[attn_name]
         info = head_info(attn)
         if info[0] or info[1] or len(attn_name) <= len(top):
             return attn_name, attn, info
@@ -158,7 +158,7 @@ def _own_parameters(a: Pairing, attn_name: str, names: list[str]) -> dict[str, t
     scale or sink, say): the forward uses them beside the heads; `head_params.py` says whether they follow the
     heads. `{qualified name: (owner module, name there, parameter)}`."""
     top, out = _lca(names), {}
-    for name, m in a.model.named_modules():
+    for name, m in a.modules.items():
         if name not in a.leaves and (name == attn_name or (name.startswith(attn_name) and top.startswith(name))):
             for p, v in m.named_parameters(recurse=False):
                 out[f"{name}.{p}" if name else p] = (name, p, v)

@@ -185,14 +185,15 @@ def cut(sigs: list) -> tuple[int, tuple[int, ...]] | None:
 
 def repeated_blocks(model: nn.Module) -> list[Blocks]:
     """Every list of blocks in `model` whose later blocks repeat earlier ones (cut shorter than it is)."""
-    return _survey(model)[0]
+    traced: list = []
+    return _survey(_lists(model, traced), getattr(model, "config", None), traced)[0]
 
 
-def _survey(model: nn.Module) -> tuple[list[Blocks], bool]:
-    """(the repeated blocks, whether a block past a cut shares a parameter with any other module)."""
-    config = getattr(model, "config", None)
-    found, traced, dropped = [], [], []
-    for name, lst in _lists(model, traced):
+def _survey(lists: list[tuple[str, nn.ModuleList]], config: Any, traced: list) -> tuple[list[Blocks], bool]:
+    """(the repeated blocks among the model's `lists` of blocks, whether a block past a cut shares a parameter with
+    any other module); `config`: the model's, `traced`: the ids of the parameters `_lists` walked, outside them."""
+    found, dropped = [], []
+    for name, lst in lists:
         rules = _config_rules(config, len(lst))
         per_block: list[list] = [[] for _ in lst]
         found_cut = cut([block_signature(b, i, rules, per_block[i]) for i, b in enumerate(lst)])
@@ -241,7 +242,8 @@ def analyze_blocks(model: nn.Module, example_inputs: Any = None) -> tuple[Analys
     `total_params` and `copy_bytes` the whole model's); the repeated blocks), or None when the model has no
     repeated blocks or the cut's trace cannot stand in for the whole one (weights shared with a block it leaves
     out, a failed trace, a block layer the trace did not run)."""
-    blocks, shared = _survey(model)
+    traced: list = []
+    blocks, shared = _survey(_lists(model, traced), getattr(model, "config", None), traced)
     if not blocks or shared:
         return None
     short = trace_structure(cut_view(model, blocks), example_inputs)

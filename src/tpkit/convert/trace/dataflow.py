@@ -261,10 +261,11 @@ class _Tracer(TorchFunctionMode):
                     return False  # an untagged operand varies along the features
         return True
 
-def parameterised_leaves(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules that own parameters directly and have no parameterised children: the layers we plan."""
+def parameterised_leaves(modules: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
+    """Of a model's `modules` (by name), those that own parameters directly and have no parameterised children: the
+    layers we plan."""
     out = {}
-    for name, m in model.named_modules():
+    for name, m in modules.items():
         if any(True for _ in m.parameters(recurse=False)) and not any(
                 any(True for _ in c.parameters()) for c in m.children()):
             out[name] = m
@@ -289,8 +290,8 @@ def is_head_local(mod, x, tag) -> bool:
 
 def trace(model: nn.Module, example_inputs: Any, leaves: Mapping[str, nn.Module] | None = None) -> Trace:
     """Run `model(*example_inputs)` (`**example_inputs` for a mapping, `model(x)` for one tensor) once and
-    record its dataflow. `leaves`: `parameterised_leaves(model)` when the caller has it."""
-    leaves = parameterised_leaves(model) if leaves is None else leaves
+    record its dataflow. `leaves`: the model's `parameterised_leaves` when the caller has them."""
+    leaves = parameterised_leaves(dict(model.named_modules())) if leaves is None else leaves
     conv_layers = {n for n, m in leaves.items() if is_conv2d(m)}
     tracer = _Tracer(conv_layers)
     tracer.owners = {id(p): (p, n) for n, m in leaves.items() for p in m.parameters(recurse=False)}

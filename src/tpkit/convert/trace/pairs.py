@@ -10,6 +10,7 @@ Decisions come from module types and the traced dataflow, never from parameter n
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 from torch import nn
 
@@ -21,9 +22,10 @@ from .dataflow import Tag, Trace
 from .pairing import Pairing
 
 
-def find_pairs(model: nn.Module, leaves: dict[str, nn.Module], t: Trace) -> Pairing:
-    """Every column -> row pair of the traced forward, in call order of the row-wise layers."""
-    a = Pairing(model, leaves, t)
+def find_pairs(modules: Mapping[str, nn.Module], leaves: dict[str, nn.Module], t: Trace) -> Pairing:
+    """Every column -> row pair of the traced forward, in call order of the row-wise layers (`modules`: the traced
+    model's, by name)."""
+    a = Pairing(modules, leaves, t)
     taken: set = set()
     as_row: set = set()  # layers whose note says why they are no row-wise layer (a column's reason beats it)
     order = sorted((c[0].order, n) for n, c in t.calls.items())

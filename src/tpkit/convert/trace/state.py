@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
 
-def module_state(model: nn.Module) -> list:
-    """What a forward may leave behind in its modules besides parameters and buffers: caches (Levit's
+def module_state(modules: Iterable[nn.Module]) -> list:
+    """What a forward may leave behind in a model's `modules` besides parameters and buffers: caches (Levit's
     `attention_bias_cache`, filled in eval mode) and tensors set as attributes. The trace runs under no_grad on
     the whole weights; a cache it filled would be stale after the split and cut the gradient."""
     out = []
-    for m in model.modules():
+    for m in modules:
         values = {k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, (dict, list))}
         out.append((m, set(vars(m)), {k: (v, copy.copy(v)) for k, v in values.items()},
                     {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}))
@@ -47,12 +47,14 @@ def restore(state: list) -> None:
 
 
 @contextlib.contextmanager
-def real_tensors_as_meta(model: nn.Module):
-    """Inside, a model with parameters on the meta device holds meta tensors (same shape, dtype and strides) in
-    place of its real buffers and tensor attributes; after, even on error, it holds the very same tensor objects
-    it held before (a forward that reassigned one is undone too). Tensors of no dimension stay: they combine with
-    meta tensors as numbers do, and code may read their value. A model with no meta parameter is left as it is."""
-    if not any(p.is_meta for p in model.parameters()):
+def real_tensors_as_meta(modules: Iterable[nn.Module]):
+    """Inside, a model (all its `modules`) with parameters on the meta device holds meta tensors (same shape, dtype
+    and strides) in place of its real buffers and tensor attributes; after, even on error, it holds the very same
+    tensor objects it held before (a forward that reassigned one is undone too). Tensors of no dimension stay: they
+    combine with meta tensors as numbers do, and code may read their value. A model with no meta parameter is left
+    as it is."""
+    modules = list(modules)
+    if not any(p is not None and p.is_meta for m in modules for p in m._parameters.values()):
         yield
         return
     memo: dict[int, torch.Tensor] = {}  # a tensor held in two places stays one tensor
@@ -63,7 +65,7 @@ def real_tensors_as_meta(model: nn.Module):
         return memo[id(t)]
 
     saved = [(m, dict(m._buffers), {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)})
-             for m in model.modules()]
+             for m in modules]
     try:
         for m, buffers, tensors in saved:
             for k, b in buffers.items():
@@ -84,11 +86,12 @@ def run_once(model: nn.Module, example_inputs: Any, mode: Any) -> Any:
     """One forward under `mode` (the tracer's TorchFunctionMode), in eval mode (no dropout draws from the RNG and
     no BatchNorm statistics move; the dataflow is the same), restoring each module's training flag after. A model
     with meta parameters and real buffers runs with its buffers seen as meta (`real_tensors_as_meta`)."""
-    was_training = {m: m.training for m in model.modules()}
-    state = module_state(model)
+    modules = list(model.modules())
+    was_training = {m: m.training for m in modules}
+    state = module_state(modules)
     model.eval()
     try:
-        with torch.no_grad(), real_tensors_as_meta(model), mode:
+        with torch.no_grad(), real_tensors_as_meta(modules), mode:
             if isinstance(example_inputs, Mapping):
                 return model(**example_inputs)
             if isinstance(example_inputs, torch.Tensor):  # one input, as verify() calls it; not its rows

@@ -11,7 +11,7 @@ import copy as copying
 import inspect
 import dataclasses
 import weakref
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -143,10 +143,10 @@ def _ties(leaves: dict[str, nn.Module]) -> dict[str, list[str]]:
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def structure_signature(model: nn.Module) -> tuple:
+def structure_signature(modules: Mapping[str, nn.Module]) -> tuple:
     """What the analysis depends on: every module's name, class and parameter shapes (and identities)."""
     return tuple((n, type(m), tuple((k, tuple(p.shape), id(p)) for k, p in m.named_parameters(recurse=False)))
-                 for n, m in model.named_modules())
+                 for n, m in modules.items())
 
 
 def analyze_structure(model: nn.Module, example_inputs: Any = None, seq: int = 4) -> Analysis:
@@ -156,19 +156,20 @@ def analyze_structure(model: nn.Module, example_inputs: Any = None, seq: int = 4
     parameter shapes change, so `analyze`, `plan` and `parallelize` in a row trace a large model once."""
     if example_inputs is not None or seq != 4:
         return trace_structure(model, example_inputs, seq)
-    sig = structure_signature(model)
+    modules = dict(model.named_modules())  # walked once: the signature and the trace read it
+    sig = structure_signature(modules)
     hit = _CACHE.get(model)
     if hit is not None and hit[0] == sig:
         return dataclasses.replace(hit[1], model=model)
-    a = trace_structure(model, None)
+    a = trace_structure(model, None, modules=modules)
     _CACHE[model] = (sig, dataclasses.replace(a, model=None))
     return a
 
 
-def untraced_structure(model: nn.Module) -> Analysis:
+def untraced_structure(model: nn.Module, modules: Mapping[str, nn.Module] | None = None) -> Analysis:
     """The structure without a trace (leaves, ties, prefix): enough to apply a plan recorded for this model
-    before, not to make or check one."""
-    leaves = parameterised_leaves(model)
+    before, not to make or check one. `modules`: the model's by name, when the caller walked them."""
+    leaves = parameterised_leaves(dict(model.named_modules()) if modules is None else modules)
     params = list(model.parameters())
     held = sum(t.nbytes for t in params + list(model.buffers()))  # a copy holds meta tensors as zeros
     return Analysis(model, leaves, None, None, {}, (), {}, _ties(leaves), sum(p.numel() for p in params),
@@ -183,13 +184,15 @@ def base_prefix(model: nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def traceable_experts(model: nn.Module):
+def traceable_experts(modules: Iterable[nn.Module]):
     """On the meta device, trace transformers' mixture-of-experts blocks through their `batched_mm` kernel:
     it computes the same sums as the others, but `grouped_mm`'s meta checks reject float32 and the eager
     loop asks which experts got tokens (`.item()`), and a failed trace would leave the whole model unsplit.
-    Real tensors trace with the model's own choice."""
-    on_meta = any(p.device.type == "meta" for p in model.parameters())
-    configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_experts_implementation")]
+    Real tensors trace with the model's own choice. `modules`: every module of the model (what it reads: their
+    parameters' device, their configs)."""
+    modules = list(modules)
+    on_meta = any(p is not None and p.device.type == "meta" for m in modules for p in m._parameters.values())
+    configs = [m.config for m in modules if hasattr(getattr(m, "config", None), "_experts_implementation")]
     saved = [c._experts_implementation for c in configs]
     try:
         for c in configs:
@@ -201,9 +204,12 @@ def traceable_experts(model: nn.Module):
             c._experts_implementation = v
 
 
-def trace_structure(model: nn.Module, example_inputs: Any = None, seq: int = 4) -> Analysis:
-    """`analyze_structure` without the memory: trace the model as it is now."""
-    analysis = untraced_structure(model)
+def trace_structure(model: nn.Module, example_inputs: Any = None, seq: int = 4,
+                    modules: Mapping[str, nn.Module] | None = None) -> Analysis:
+    """`analyze_structure` without the memory: trace the model as it is now (`modules`: its modules by name, when
+    the caller walked them; the pairing and its helpers read them, not the model)."""
+    modules = dict(model.named_modules()) if modules is None else modules
+    analysis = untraced_structure(model, modules)
     try:
         candidates = default_inputs(model, seq) if example_inputs is None else [example_inputs]
     except ValueError as exc:
@@ -211,14 +217,14 @@ def trace_structure(model: nn.Module, example_inputs: Any = None, seq: int = 4) 
     error = None
     for inputs in candidates:
         try:
-            with traceable_experts(model):
+            with traceable_experts(modules.values()):
                 found = trace(model, inputs, analysis.leaves)
         except Exception as exc:  # noqa: BLE001 - any failure means: no dataflow, replicate with the reason
             error = error or f"{type(exc).__name__}: {exc}"
             continue
-        pairing = find_pairs(model, dict(analysis.leaves), found)
-        pairs, roles = twins(model, analysis.leaves, found.calls, pairing.pairs, pairing.structures)
-        alone = towers(model, analysis.leaves, found.calls, trace_structure, roles)
+        pairing = find_pairs(modules, dict(analysis.leaves), found)
+        pairs, roles = twins(modules, analysis.leaves, found.calls, pairing.pairs, pairing.structures)
+        alone = towers(modules, analysis.leaves, found.calls, trace_structure, roles)
         pairs, roles = pairs + alone.pairs, {**roles, **alone.roles}
         return dataclasses.replace(analysis, trace=found, structures={**pairing.structures, **roles},
                                    pairs=tuple(pairing.pairs) + tuple(pairs), notes={**pairing.notes, **alone.notes},
