@@ -36,8 +36,8 @@ def _dense(trace):
     return [o for o in trace.ops if o.quantized is not None and o.quantized.kind == "dense"]
 
 
-def _trace(world, goal="decode", batch=1, dtype=torch.bfloat16):
-    return trace_setup(_config(), Setup(world), goal, batch, 16, dtype=dtype).rows[0][1]
+def _trace(world, goal="decode", batch=1, dtype=torch.bfloat16, seq=16):
+    return trace_setup(_config(), Setup(world), goal, batch, seq, dtype=dtype).rows[0][1]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -66,7 +66,8 @@ def test_only_the_rows_and_steps_where_the_product_runs_are_priced_as_it():
     """More than 8 rows, a training step (its input needs a gradient), or one rank (no conversion: the model's own
     nn.Linear calls F.linear), or float32 weights: ordinary matmuls, none priced as the decode product."""
     assert _dense(_trace(2, batch=9)) == []
-    assert _dense(_trace(2, goal="train", batch=1)) == []
+    assert _dense(_trace(2, goal="train", batch=1, seq=4)) == []  # 4 rows: excluded by the gradient alone
+    assert _dense(_trace(2, goal="prefill", batch=1, seq=4))  # the same rows without a gradient: the product
     assert _dense(_trace(1)) == []
     assert _dense(_trace(2, dtype=torch.float32)) == []
     fp16 = _dense(_trace(2, dtype=torch.float16))
@@ -74,7 +75,7 @@ def test_only_the_rows_and_steps_where_the_product_runs_are_priced_as_it():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world):
+def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world, monkeypatch):
     """Against the runtime: a bf16 model converted on thread-ranks decodes one token; the weight shapes that reach
     `half_linear` on rank 0 are, call for call, the shapes of the ops the estimate prices as that product."""
     import threading
@@ -88,7 +89,8 @@ def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world)
     real = linear.half_linear
 
     def seen(x, weight):
-        calls.setdefault(rank_of[threading.get_ident()], []).append(tuple(weight.shape))
+        if threading.get_ident() in rank_of:  # a rank's forward (not the estimate's trace below, in this thread)
+            calls.setdefault(rank_of[threading.get_ident()], []).append(tuple(weight.shape))
         return real(x, weight)
 
     def run(comm):
@@ -99,11 +101,8 @@ def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world)
             comm.barrier()
             calls.pop(comm.rank, None)
             m(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
-    linear.half_linear = seen
-    try:
-        tpkit.run_threads(run, world)
-    finally:
-        linear.half_linear = real
+    monkeypatch.setattr(linear, "half_linear", seen)
+    tpkit.run_threads(run, world)
     priced = [(n, k) for _, n, k in (o.mnk for o in _dense(_trace(world)))]
     assert sorted(calls[0]) == sorted(priced) and len(priced) == 2 * 7 + 1, (calls[0], priced)
 
@@ -120,6 +119,8 @@ def test_matmuls_are_priced_at_their_dtypes_measured_rates():
     compute_bf16 = kernel_times(trace, fast)[0]
     compute_plain = kernel_times(trace, base)[0]
     assert 0 < compute_bf16 < compute_plain
+    single = _trace(2, goal="train", batch=4, dtype=torch.float32)  # float32 matmuls keep float32's rates
+    assert kernel_times(single, fast) == kernel_times(single, base)
     assert MachineRates.from_dict(fast.to_dict()) == fast
     half = dataclasses.replace(base, quantized=HALF)
     assert MachineRates.from_dict(half.to_dict()) == half

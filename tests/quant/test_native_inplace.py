@@ -16,20 +16,6 @@ from tpkit.quant.packing import unpack_signed
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler built tpkit's native product here")
 
-def test_the_environment_picks_the_instruction_set(monkeypatch):
-    """`TPKIT_NATIVE_ISA` builds the path it names (here the baseline, which any x86-64 CPU runs), and an unknown
-    name is refused with the choices."""
-    monkeypatch.setattr(native, "_LIB", [])
-    monkeypatch.setenv("TPKIT_NATIVE_ISA", "baseline")
-    assert native.isa() == "baseline" and native.available()
-    w = torch.randint(-128, 128, (40, 96), dtype=torch.int8)
-    x = torch.randn(2, 96)
-    assert torch.allclose(native.gemv(x, w, "int8", 40), x @ w.float().t(), rtol=1e-5, atol=1e-4)
-    monkeypatch.setenv("TPKIT_NATIVE_ISA", "sse9")
-    with pytest.raises(ValueError, match="TPKIT_NATIVE_ISA='sse9': choose one of native, avx2, baseline"):
-        native.isa()
-
-
 def _blocks(t: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
     return t.repeat_interleave(block[0], 0)[:shape[0]].repeat_interleave(block[1], 1)[:, :shape[1]]
 

@@ -26,9 +26,11 @@ import time
 import torch
 
 from ..comm.shm import SLOT_BYTES
+from ..quant.products import HALF
 from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
 from .hardware import Hardware, Interconnect
 from .machine import COLLECTIVES, CollectiveCost, MachineRates
+from .ops import dtype_name
 from .process_memory import reset_peak_rss, rss_bytes
 from .profile import LinkProfile, SpeedProfile
 from .quantized import measure_quantized, slowest as slowest_quantized
@@ -42,7 +44,6 @@ GEMM_WIDTHS = (256, 1024, 4096)  # 4096: a 64 MiB weight, as large as LM heads a
 # a model's decode step and 8-9 ms repeated alone, and a rotation through 128 MiB or more reproduced the 22 ms.
 COLD_BYTES = 128 << 20
 FINE_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)  # a batched decode's rows
-HALF_DTYPES = (torch.bfloat16, torch.float16)  # measured besides float32 (`MachineRates.dtype_gemm`)
 _SIZES = {True: dict(matmul=256, repeats=3), False: dict(matmul=1024, repeats=10)}
 
 
@@ -226,6 +227,13 @@ def _split_latency(latencies: dict[int, float]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
+def _table_rows(width: int, linear: bool) -> tuple[int, ...]:
+    """The rows a matmul table is timed at: `GEMM_ROWS`, and a batched decode's every row count (`FINE_ROWS`) where
+    the weight is read as nn.Linear reads it at widths from 1024; up to 256 rows past width 1024."""
+    rows = sorted(set(GEMM_ROWS) | (set(FINE_ROWS) if linear and width >= 1024 else set()))
+    return tuple(m for m in rows if width <= 1024 or m <= 256)
+
+
 def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wrappers=None) -> MachineRates:
     """On one launched rank: this rank's rates while every rank measures at once (barriers keep them in step)."""
     from ..distributed import get_communicator
@@ -237,19 +245,14 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     imports = rss_bytes()
     repeats = 3 if quick else 7
     tables = {}
-    for linear in (False, True):  # as stored (x @ W) and as nn.Linear reads it (x @ W.T), at each width
+    # as stored (x @ W) and as nn.Linear reads it (x @ W.T) in float32, and as nn.Linear reads it in bf16 and fp16
+    # (what those layers run where tpkit's decode product does not), at each width; every rank at once
+    for dtype, linear in ((torch.float32, False), (torch.float32, True), *((d, True) for d in HALF)):
         for width in GEMM_WIDTHS:
             comm.barrier()
-            rows = sorted(set(GEMM_ROWS) | (set(FINE_ROWS) if linear and width >= 1024 else set()))
-            rows = tuple(m for m in rows if width <= 1024 or m <= 256)
-            tables[linear, width] = measure_gemm(rows, width, 3, linear)  # cold: steady
-    gemm = tables[False, 1024]
-    dtype_gemm = {}
-    for dtype in HALF_DTYPES:  # what bf16 / fp16 layers run where tpkit's decode product does not (more rows)
-        comm.barrier()
-        dtype_gemm[str(dtype).replace("torch.", "")] = tuple(
-            (w, measure_gemm(tuple(m for m in GEMM_ROWS if w <= 1024 or m <= 256), w, 3, True, dtype))
-            for w in GEMM_WIDTHS)
+            tables[dtype, linear, width] = measure_gemm(_table_rows(width, linear), width, 3, linear, dtype)
+    gemm = tables[torch.float32, False, 1024]
+    dtype_gemm = {dtype_name(d): tuple((w, tables[d, True, w]) for w in GEMM_WIDTHS) for d in HALF}
     comm.barrier()
     stream = measure_shared_stream_bandwidth(comm, repeats=repeats)
     comm.barrier()
@@ -258,8 +261,9 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     comm.barrier()
     quantized = measure_quantized(comm, 3 if quick else 5, quick)  # every rank at once: they share the memory bus
     rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored,
-                         gemm_widths=tuple((w, tables[False, w]) for w in GEMM_WIDTHS if w != 1024),
-                         linear_gemm=tuple((w, tables[True, w]) for w in GEMM_WIDTHS), quantized=quantized,
+                         gemm_widths=tuple((w, tables[torch.float32, False, w]) for w in GEMM_WIDTHS if w != 1024),
+                         linear_gemm=tuple((w, tables[torch.float32, True, w]) for w in GEMM_WIDTHS),
+                         quantized=quantized,
                          dtype_gemm=dtype_gemm)
     comm.barrier()
     reset_peak_rss()

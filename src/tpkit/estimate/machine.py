@@ -207,7 +207,8 @@ class MachineRates:
         """Matmul FLOP/s with `m` rows (log-linear between the measured rows, flat beyond them), at `width`
         (sqrt(n k)) log-linear between the measured widths when given and measured, else at width 1024; the
         weight read as stored, or transposed (`stored=False`, nn.Linear) where that was measured; in `dtype`
-        ("bfloat16", ...) where that dtype was measured, else at float32's rates."""
+        ("bfloat16", ...) where that dtype was measured (its tables, read as nn.Linear reads the weight, price both
+        orientations), else at float32's rates."""
         tables = sorted({1024: tuple(self.gemm), **{w: tuple(t) for w, t in self.gemm_widths}}.items())
         if dtype in self.dtype_gemm:
             tables = sorted((w, tuple(t)) for w, t in self.dtype_gemm[dtype])

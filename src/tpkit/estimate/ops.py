@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.shapes import ShapeCommunicator
-from ..quant.products import MAX_ROWS  # rows up to which a layer runs its decode product, as the load decides
+from ..quant.products import half_applies
 
 # Ops that only rename, view or read metadata: no kernel runs and no bytes move (their cost is the dispatch).
 VIEWS = frozenset("view _unsafe_view reshape expand t transpose permute unsqueeze squeeze slice select alias "
@@ -28,6 +28,12 @@ VIEWS = frozenset("view _unsafe_view reshape expand t transpose permute unsqueez
                   "unflatten flatten sym_size sym_stride sym_numel".split())
 GATHERS = frozenset(("embedding", "index_select", "gather", "take"))
 _LINEAR = frozenset(("mm", "addmm", "linear", "matmul"))  # a linear layer's product (not attention's bmm)
+DENSE = "dense"  # the kind of a dense bf16 / fp16 layer recorded as its own decode product (`quantized.half_layers`)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: how profiles and traced ops name a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +50,7 @@ class Op:
     stored: bool = False  # a matmul reading its second operand as stored, rows of k (GPT-2's Conv1D), not transposed
     quantized: Any = None  # the product of a layer stored quantized (`quantized.QuantizedLayer`): priced as it runs
     # (or of a dense bf16 / fp16 layer at decode's rows: tpkit's product, `quantized.half_layers`)
-    dtype: str = ""  # a matmul's dtype ("bfloat16", ...): BLAS has a rate per dtype (`MachineRates.dtype_gemm`)
+    dtype: str = ""  # the dtype of an op with FLOPs ("bfloat16", ...): BLAS has a rate per dtype (`dtype_gemm`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,10 +165,10 @@ class OpRecorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         flops, mnk, stored = _matmul(name, args, out)
         layer = self.layer if mnk is not None and name in _LINEAR else None
-        x = args[1] if name == "addmm" else args[0]
-        grad = torch.is_grad_enabled() and getattr(x, "requires_grad", False)
-        if layer is not None and layer.kind == "dense" and (grad or mnk[0] > MAX_ROWS):
-            layer = None  # a dense layer's own product is for decode's rows only (`products.half_linear`)
+        x, w = (args[1], args[2]) if name == "addmm" else (args[0], args[1] if len(args) > 1 else None)
+        grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (x, w))
+        if layer is not None and layer.kind == DENSE and not half_applies(w.dtype, mnk[0], grad):
+            layer = None  # a dense layer's own product runs where `half_linear` runs it, and only there
         elif layer is not None and grad:
             layer = dataclasses.replace(layer, path="dequantize")  # the kernels have no backward
         view = name in VIEWS or func.namespace == "prim"  # prim ops read metadata (a tensor's device)
@@ -174,6 +180,7 @@ class OpRecorder(TorchDispatchMode):
             nbytes = _nbytes(list(args) + list((kwargs or {}).values())) + _nbytes(out)
         if layer is not None:  # the stored tensors are read in place of the dense weight
             nbytes += layer.stored_bytes - layer.dense_bytes
-        dtype = str(out.dtype).replace("torch.", "") if mnk is not None else ""
+        first = out[0] if isinstance(out, (tuple, list)) and out else out  # attention's kernels return tuples
+        dtype = dtype_name(first.dtype) if flops and isinstance(first, torch.Tensor) else ""
         self.ops.append(Op(name, self.phase or _phase(), flops, float(nbytes), mnk, view, stored, layer, dtype))
         return out

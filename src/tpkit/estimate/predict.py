@@ -49,6 +49,7 @@ from .context import attention_method, check_priced, context_messages, context_s
 from .experts import check_experts, expert_data_seconds, expert_layers
 from .fake_step import GOALS, StepTrace, trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
+from .ops import DENSE
 from .pipeline import pipelined
 from .profile import SpeedProfile, load_profile
 from .quantized import quantized_note, quantized_saving, quantized_times
@@ -105,7 +106,7 @@ def kernel_times(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...] 
         if op.view:
             continue
         own = op.quantized  # a quantized layer's product as its load runs it; a dense one's where calibrated
-        if own is not None and (own.kind != "dense" or own.key in rates.quantized):
+        if own is not None and (own.kind != DENSE or own.key in rates.quantized):
             arithmetic, streamed = quantized_times(op, rates)
             compute, memory = compute + arithmetic, memory + streamed
         elif op.mnk is not None or op.flops:

@@ -46,15 +46,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..convert.transformers_threads import config_dtype
-from ..quant.products import MAX_ROWS  # activation rows up to which a layer runs its product, as the load decides
+from ..quant.products import HALF, MAX_ROWS  # activation rows up to which a layer runs its product
 from .machine import MachineRates, QuantizedRate
+from .ops import DENSE, dtype_name
 
 DEQUANTIZE_PASSES = 3  # the rule's elementwise passes of a dequantization: unpack, (q - z) * s, the cast
 CALIBRATED = {"int4": dict(layout="ct_pack", bits=4, strategy="group", group_size=128),
               "int8": dict(layout="ct_pack", bits=8, strategy="channel"),
               "fp8": dict(layout="float", bits=8, strategy="channel")}
 CALIBRATED_DTYPES = (torch.bfloat16, torch.float32)
-HALF_KINDS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # dense weights tpkit's own decode product reads
 ROWS = (1, 2, 4, 8)
 # (out, in) of the layer sizes a call's rates are measured at: the input widths of a model's projections (a wide
 # input, as a down projection's, streams more slowly); the middle one's rates are `QuantizedRate.rows`
@@ -140,30 +140,29 @@ def quantized_layers(model: nn.Module, work: nn.Module) -> dict[str, QuantizedLa
         scale_dtype = checkpoint_dtype(config, dtype)
         stored, mapped = _stored(scheme, dense, scale_dtype)
         products = scheme.format.products(scheme, tuple(dense.local_shape), mapped, dtype, scale_dtype)
-        found[name] = QuantizedLayer(name, kind_of(scheme), str(dtype).replace("torch.", ""),
+        found[name] = QuantizedLayer(name, kind_of(scheme), dtype_name(dtype),
                                      "kernel" if products else "dequantize", tuple(p.name for p in products), stored,
                                      math.prod(dense.local_shape) * dtype.itemsize, scheme.describe())
     return found
 
 
 def half_layers(work: nn.Module) -> dict[str, QuantizedLayer]:
-    """The parallel linear layers of the converted rank `work` whose weight is dense bf16 / fp16: at decode's rows
-    each runs tpkit's product (`tpkit.quant.products.half_linear`: the faster of `F.linear` and tpkit's compiled
-    one, measured at load), priced as calibrated ("dense/bfloat16"), not as a BLAS call at float32's rates. A
-    profile without that entry (measured before it; a datasheet machine, whose GPU runs no such product) prices it
-    as any matmul (`predict.kernel_times`)."""
-    from ..nn.linear import _ParallelLinear
-    from ..quant import native
+    """The parallel linear layers of the converted rank `work` whose weight is dense bf16 / fp16: where
+    `products.half_applies` (decode's rows, no gradient) each runs tpkit's product (`products.half_linear`: the
+    faster of `F.linear` and tpkit's compiled one, chosen on the first call of each shape and row count), priced as
+    calibrated ("dense/bfloat16"), not as a BLAS call at float32's rates. A profile without that entry (measured
+    before it; a datasheet machine, whose GPU runs no such product) prices it as any matmul (`predict.kernel_times`)."""
+    from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 
     found = {}
     for name, module in work.named_modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, _ParallelLinear) and module.quant_method is None and weight is not None and \
-                weight.dtype in HALF_KINDS:
+        parallel = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+        if parallel and module.quant_method is None and weight is not None and weight.dtype in HALF:
             nbytes = weight.numel() * weight.element_size()
-            found[name] = QuantizedLayer(name, "dense", str(weight.dtype).replace("torch.", ""), "kernel",
-                                         ("torch",) + (("native",) if native.available() else ()), nbytes, nbytes,
-                                         f"dense {HALF_KINDS[weight.dtype]}")
+            found[name] = QuantizedLayer(name, DENSE, dtype_name(weight.dtype), "kernel",
+                                         ("torch", f"native {HALF[weight.dtype]}"), nbytes, nbytes,
+                                         f"dense {HALF[weight.dtype]}")
     return found
 
 
@@ -232,6 +231,12 @@ def _layer(kind: str, dtype: torch.dtype, scale_dtype: torch.dtype, out: int, in
     return layer, method
 
 
+def _pool(nbytes: int, cold: int) -> int:
+    """How many copies of a layer of `nbytes` a timing rotates through: `cold` bytes' worth (past the caches, as a
+    model's layers are), from 2 to 128."""
+    return max(2, min(cold // nbytes, 128))
+
+
 def _per_call(calls: list, repeats: int, barrier) -> float:
     """Median seconds per call of one pass over `calls` (after an untimed pass), every rank in step."""
     for c in calls:
@@ -298,13 +303,13 @@ def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[
     with torch.inference_mode():
         for kind in kinds:
             for dtype in dtypes:
-                name = str(dtype).replace("torch.", "")
+                name = dtype_name(dtype)
                 timed, dequantized, product = {m: [] for m in rows}, {1: []}, ""
                 for o, i in SIZES:
                     first, method = _layer(kind, dtype, dtype, o, i, gen)
                     stored = sum(first._buffers[n].nbytes for n in method.specs)
                     layers = [first] + [_layer(kind, dtype, dtype, o, i, gen)[0]
-                                        for _ in range(max(2, min(cold // stored, 128)) - 1)]
+                                        for _ in range(_pool(stored, cold) - 1)]
                     product = method.kernel or "dequantize"
                     for m in rows:
                         x = torch.randn(m, i, generator=gen).to(dtype)
@@ -315,8 +320,8 @@ def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[
                 out[f"{kind}/{name}"] = _fitted(product, timed, *_tiny_calls(kind, dtype, gen, repeats, barrier))
                 if not quick:
                     out[f"{kind}/{name}/dequantize"] = _intercept("dequantize", dequantized)
-        for dtype in tuple(HALF_KINDS)[:1 if quick else None]:
-            out[f"dense/{str(dtype).replace('torch.', '')}"] = _measure_half(dtype, rows, cold, repeats, barrier, gen)
+        for dtype in tuple(HALF)[:1 if quick else None]:
+            out[f"{DENSE}/{dtype_name(dtype)}"] = _measure_half(dtype, rows, cold, repeats, barrier, gen)
     return out
 
 
@@ -332,15 +337,16 @@ def _measure_half(dtype: torch.dtype, rows, cold: int, repeats: int, barrier, ge
         with torch.no_grad():
             made.weight.normal_(0, 0.02, generator=gen)
         return made
-    timed, product = {m: [] for m in rows}, ""
+    timed, chosen = {m: [] for m in rows}, []
     for o, i in SIZES:
-        layers = [layer(o, i) for _ in range(max(2, min(cold // (o * i * dtype.itemsize), 128)))]
+        layers = [layer(o, i) for _ in range(_pool(o * i * dtype.itemsize, cold))]
         for m in rows:
             x = torch.randn(m, i, generator=gen).to(dtype)
             timed[m].append((o * i * dtype.itemsize, _per_call([lambda L=L: L.matmul(x, None) for L in layers],
                                                                repeats, barrier)))
-            if (o, i) == SIZES[1] and m == 1:  # what the layer chose at load, as `QuantizedRate.product` names it
-                product = "torch" if half_linear(x, layers[0].weight) is None else f"native {HALF_KINDS[dtype]}"
+            if (o, i) == SIZES[1]:  # what the layer chose at these rows (its first call chose), for the record
+                chosen.append(f"{'torch' if half_linear(x, layers[0].weight) is None else 'native'} at {m}")
+    product = ", ".join(chosen)
     tiny = layer(*TINY)
     x = torch.randn(1, TINY[1], generator=gen).to(dtype)
     own = _per_call([lambda: tiny.matmul(x, None)] * 200, repeats, barrier)

@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+from .ops import DENSE
 from .profile import SpeedProfile
 
 
@@ -42,7 +43,7 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
                 lines.append(f"[{who}] matmul at width {width}, weight read {how}, by rows: "
                              + ", ".join(f"{m}: {_gf(f)}" for m, f in sorted(table)))
         for key, q in sorted(r.quantized.items()):
-            what = (f"dense {key.split('/')[1]} layer's decode product", "F.linear's") if key.startswith("dense/") \
+            what = (f"dense {key.split('/')[1]} layer's decode product", "F.linear's") if key.startswith(f"{DENSE}/") \
                 else (f"quantized layer {key}", "a dense layer's")
             lines.append(f"[{who}] {what[0]} ({q.product}): {_us(q.fixed_s)} per call beyond {what[1]} + stored bytes "
                          f"at, by rows: " + ", ".join(f"{m}: {_gb(b)}" for m, b in q.rows)

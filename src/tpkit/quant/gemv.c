@@ -2,9 +2,9 @@
 
    Decode multiplies a few activation rows by the whole weight: the time is reading the weight from memory, so each
    weight row is read once, decoded in registers (no dense copy), and multiplied by every activation row while it is
-   in the cache. Plain C that the compiler vectorizes (`native.py` builds it with `-O3 -march=native`): each dot
-   product keeps 64 independent float32 lanes (several vector registers, so the multiply-adds overlap) and sums them
-   at the end.
+   in the cache, the bytes a few KiB ahead asked for meanwhile. With AVX-512 (`native.py` builds it with `-O3
+   -march=native`), intrinsics: up to MC_MAX activation rows share each decoded weight row, each keeping 4 chains of
+   16 float32 lanes; elsewhere plain C that the compiler vectorizes, 32 lanes per dot product, one row at a time.
 
    Weight kinds (`kind`), each `[N, K]` row-major in its stored bytes:
      0  bf16 bits                                 1  fp16 bits
@@ -26,6 +26,7 @@
 #include <string.h>
 
 #define LANES 32
+#define MC_MAX 4 /* activation rows that share one decode of a weight row (AVX-512 loops) */
 /* Bytes asked for ahead of the row being multiplied, into every cache level: the weight streams from memory once
    and the decode is arithmetic, so without asking ahead the two took turns (int4 rows of 1 KiB, cold: 3.3 GB/s, and
    6.4 GB/s asking 4 KiB ahead, which is what the decode does in cache; further ahead, or past the caches, was
@@ -97,8 +98,7 @@ static inline float decode(int kind, const uint8_t *w, int64_t k) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-/* AVX-512: 16 weights per step, decoded from their bytes to float32 in registers, two accumulators; acc[0..15]
-   gets s times the block's lane sums, and the tail (k past the last whole 32) is returned times s. */
+/* AVX-512: 16 weights decoded from their bytes to float32 in one register (fp16 exactly: no 2^-112 factor) */
 static inline __m512 decode16(int kind, const uint8_t *w, int64_t k) {
     switch (kind) {
     case 0: return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -120,7 +120,6 @@ static inline __m512 decode16(int kind, const uint8_t *w, int64_t k) {
    chain wait on each other; four keep the vector units busy at one row), summed into the row's total once per block,
    times the block's scale. `kind` and `mc` are constants in each instance (the switch in `rows` inlines one per
    case), so the accumulators live in registers. */
-#define MC_MAX 4
 static inline __attribute__((always_inline)) void rows_mc(
         int kind, int mc, int64_t K, const float *x, const float *halves, const uint8_t *w, int64_t size,
         const float *s_row, const float *z_row, float offset, int shifted, const float *sums, int64_t KB,
@@ -184,8 +183,8 @@ static inline __attribute__((always_inline)) void rows_mc(
                 __m512 d0 = decode16(kind, w, k);
                 for (int m = 0; m < mc; m++) a[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), d0, a[m][0]);
             }
-            for (; k < k1; k++) {
-                float d = decode(kind, w, k);
+            for (; k < k1; k++) {  /* fp16 bits decode scaled by 2^-112; this path's outputs are not scaled back */
+                float d = kind == 1 ? decode(kind, w, k) * 0x1p112f : decode(kind, w, k);
                 for (int m = 0; m < mc; m++) tail[m] += x[m * K + k] * d;
             }
         }
@@ -272,7 +271,6 @@ static float block(int kind, const float *x, const float *xe, const float *xo, c
     }
 }
 
-#define MC_MAX 4
 /* out[m] for m < mc: each activation row by itself against weight row w (see the AVX-512 `rows`) */
 static void rows(int kind, int mc, int64_t K, const float *x, const float *halves, const uint8_t *w, int64_t size,
                  const float *s_row, const float *z_row, float offset, int shifted, const float *sums, int64_t KB,
@@ -318,8 +316,10 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
     const float *s_row = 0, *z_row = 0;  /* the row block's scales and zero points, float32 */
     for (int64_t n = n0, r = -1; n < n1; n++) {
         const uint8_t *wn = (const uint8_t *)w + n * row_bytes;
-        if (n + 1 < n1)  /* ask for the bytes AHEAD on now: their reads then overlap this row's arithmetic */
-            for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(wn + AHEAD + at, 0, 3);
+        /* ask for the row's worth of bytes AHEAD on (within the rows this call reads): their reads then overlap
+           this row's arithmetic */
+        for (int64_t at = AHEAD; at < AHEAD + row_bytes && at < (n1 - n) * row_bytes; at += 64)
+            __builtin_prefetch(wn + at, 0, 3);
         if (scale && n / bh != r) {  /* a new block of rows: its scales (read in place when float32), zero points */
             r = n / bh;
             if (scale_kind == 0) s_row = (const float *)scale + r * KB;

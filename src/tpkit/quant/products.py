@@ -12,10 +12,10 @@ A `Product` computes `x W^T` from a layer's stored tensors (`format.Product`). T
   (or the format's arithmetic in float32, HF FP8), or a half-precision compute dtype (whose own rounding is larger).
 - torch's weight-only kernels (`kernels.py`, through `compressed_tensors.py`).
 
-`fastest` times the candidates a format offers for one layer on its own shape (one activation row, a few calls
-each, alternating) and returns the fastest; the choice is kept per (products, shape, dtype, threads), so a model's
-repeated layers measure once. `half_linear` is the same choice for a dense bf16 / fp16 weight (a half-precision
-model's layers): torch's `F.linear` or the native product.
+`fastest` times the candidates a format offers for one layer on its own shape (one activation row unless told, a
+few calls each, alternating) and returns the fastest; the choice is kept per (products, shape, dtype, rows,
+threads), so a model's repeated layers measure once. `half_linear` is the same choice for a dense bf16 / fp16
+weight (a half-precision model's layers): torch's `F.linear` or the native product.
 """
 from __future__ import annotations
 
@@ -122,20 +122,30 @@ class _Torch(Product):
         return F.linear(x, t["weight"])
 
 
+HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the dense weight dtypes `half_linear` may multiply natively
+
+
+def half_applies(weight_dtype: torch.dtype, rows: int, needs_grad: bool, cpu: bool = True) -> bool:
+    """Whether a dense layer's product at `rows` activation rows may be tpkit's own (`half_linear`): a bf16 / fp16
+    weight on the CPU, a decode's few rows, no gradient asked for (the native product has no backward). The one
+    rule the runtime and the speed estimate both read (`estimate/ops.py` prices such a matmul as that product)."""
+    return weight_dtype in HALF and cpu and rows <= MAX_ROWS and not needs_grad
+
+
 def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """`x weight^T` for a dense bf16 / fp16 `weight` by the faster of `F.linear` and the native product (measured
-    once per shape and row count), or None where the native product does not apply (no compiler, not the CPU, more than a few
-    rows, a gradient asked for) or was slower: the caller uses `F.linear`. Under `torch.compile` only a choice made
-    before is used."""
+    on the first call of each shape and row count), or None where the native product does not apply
+    (`half_applies`; no compiler) or was slower: the caller uses `F.linear`. Under `torch.compile` only a choice
+    made before is used."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     fake = not torch.compiler.is_compiling() and (is_fake(x) or is_fake(weight))  # a traced step: no data to read
-    if weight.dtype not in (torch.bfloat16, torch.float16) or x.device.type != "cpu" or \
-            x.numel() > MAX_ROWS * x.shape[-1] or grad or fake:
-        return None
     n, k = weight.shape
     rows = x.numel() // k
-    kind = "bf16" if weight.dtype == torch.bfloat16 else "fp16"
-    # per row count: which one wins changes with the rows (on an AMX Xeon torch's was 1.3x faster at 1 row, 3x at 8)
+    if fake or not half_applies(weight.dtype, rows, grad, x.device.type == "cpu"):
+        return None
+    kind = HALF[weight.dtype]
+    # per row count: the native product's time grew with the rows (1 to 3x from 1 to 8 rows before it shared each
+    # decoded weight row among them) where torch's stayed flat, so a choice made at one row could be the slower one
     key = ("half", kind, n, k, rows, x.dtype, torch.get_num_threads())
     with _LOCK:
         chosen = _CHOSEN.get(key)
