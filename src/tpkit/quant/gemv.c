@@ -120,6 +120,20 @@ static inline __m512 decode16(int kind, const uint8_t *w, int64_t k) {
    chain wait on each other; four keep the vector units busy at one row), summed into the row's total once per block,
    times the block's scale. `kind` and `mc` are constants in each instance (the switch in `rows` inlines one per
    case), so the accumulators live in registers. */
+/* 16 bytes of packed pairs at byte j, decoded once: their low nibbles meet each row's xe, the high ones its xo, into
+   that row's chains `chain` (low) and `chain + 1` (high) */
+static inline __attribute__((always_inline)) void pairs16(int mc, const float *halves, int64_t K, const uint8_t *w,
+                                                          int64_t j, __m512 a[][4], int chain) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + j)));
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    for (int m = 0; m < mc; m++) {
+        const float *xe = halves + m * K, *xo = xe + K / 2;
+        a[m][chain] = _mm512_fmadd_ps(_mm512_loadu_ps(xe + j), lo, a[m][chain]);
+        a[m][chain + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xo + j), hi, a[m][chain + 1]);
+    }
+}
+
 static inline __attribute__((always_inline)) void rows_mc(
         int kind, int mc, int64_t K, const float *x, const float *halves, const uint8_t *w, int64_t size,
         const float *s_row, const float *z_row, float offset, int shifted, const float *sums, int64_t KB,
@@ -136,33 +150,12 @@ static inline __attribute__((always_inline)) void rows_mc(
             tail[m] = 0.0f;
         }
         if (kind == 4) {  /* packed pairs: byte j meets xe[j] (low nibble) and xo[j] (high); see `halves` */
-            const __m512i mask = _mm512_set1_epi32(15);
             int64_t j = k0 / 2, j1 = k1 / 2;
-            for (; j + 32 <= j1; j += 32) {
-                __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + j)));
-                __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + j + 16)));
-                __m512 l0 = _mm512_cvtepi32_ps(_mm512_and_si512(b0, mask));
-                __m512 h0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4));
-                __m512 l1 = _mm512_cvtepi32_ps(_mm512_and_si512(b1, mask));
-                __m512 h1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4));
-                for (int m = 0; m < mc; m++) {
-                    const float *xe = halves + m * K, *xo = xe + K / 2;
-                    a[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xe + j), l0, a[m][0]);
-                    a[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xo + j), h0, a[m][1]);
-                    a[m][2] = _mm512_fmadd_ps(_mm512_loadu_ps(xe + j + 16), l1, a[m][2]);
-                    a[m][3] = _mm512_fmadd_ps(_mm512_loadu_ps(xo + j + 16), h1, a[m][3]);
-                }
+            for (; j + 32 <= j1; j += 32) {  /* two 16-byte runs into separate chains */
+                pairs16(mc, halves, K, w, j, a, 0);
+                pairs16(mc, halves, K, w, j + 16, a, 2);
             }
-            for (; j + 16 <= j1; j += 16) {
-                __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + j)));
-                __m512 l0 = _mm512_cvtepi32_ps(_mm512_and_si512(b0, mask));
-                __m512 h0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4));
-                for (int m = 0; m < mc; m++) {
-                    const float *xe = halves + m * K, *xo = xe + K / 2;
-                    a[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xe + j), l0, a[m][0]);
-                    a[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xo + j), h0, a[m][1]);
-                }
-            }
+            for (; j + 16 <= j1; j += 16) pairs16(mc, halves, K, w, j, a, 0);
             for (; j < j1; j++)
                 for (int m = 0; m < mc; m++)
                     tail[m] += halves[m * K + j] * (float)(w[j] & 15) + halves[m * K + K / 2 + j] * (float)(w[j] >> 4);
