@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import pytest
 import torch
 
 import tpkit
 from tpkit.estimate.machine import MachineRates, QuantizedRate
+from tpkit.estimate.ops import DENSE
 from tpkit.estimate.predict import Setup, kernel_times, trace_setup
 from tpkit.estimate.quantized import quantized_times
 from tests.conftest import synthetic_profile
@@ -22,10 +22,11 @@ tr = pytest.importorskip("transformers")
 HALF = {"dense/bfloat16": QuantizedRate("native bf16", 7e-6, ((1, 9e9), (8, 3e9)))}
 
 
-def _config(dtype="bfloat16"):
-    """A Llama of hidden 512 (4 heads of 128, 2 KV heads), MLP 1536, 2 layers, vocabulary 512."""
+def _config():
+    """A Llama of hidden 512 (4 heads of 128, 2 KV heads), MLP 1536, 2 layers, vocabulary 512 (traced at the dtype
+    each test asks for)."""
     return tr.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, dtype=dtype)
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 def _rates(world: int, **changes) -> MachineRates:
@@ -33,7 +34,7 @@ def _rates(world: int, **changes) -> MachineRates:
 
 
 def _dense(trace):
-    return [o for o in trace.ops if o.quantized is not None and o.quantized.kind == "dense"]
+    return [o for o in trace.ops if o.quantized is not None and o.quantized.kind == DENSE]
 
 
 def _trace(world, goal="decode", batch=1, dtype=torch.bfloat16, seq=16):
