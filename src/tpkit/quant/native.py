@@ -44,25 +44,27 @@ def _cpu() -> str:
         return platform.processor()
 
 
-def build(flags: tuple[str, ...] = ()):
-    """The compiled product (`tp_gemv` as a ctypes function), built with `flags` after the defaults (a test
-    builds the portable path with `("-mno-avx512f",)`), or None where no compiler works."""
+def compile_library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The C file `source` compiled (`-O3 -march=native`, then `flags`) into a shared library in the cache and
+    loaded, or None where no compiler works. Keyed by the source's bytes, the compiler, the CPU and the flags, so an
+    edit or another machine builds anew; written atomically, so processes building at once do not clash."""
     cc = os.environ.get("CC", "cc")
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
+    with open(source, "rb") as f:
+        text = f.read()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256(source + version + _cpu().encode() + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + version + _cpu().encode() + " ".join(flags).encode()).hexdigest()[:16]
     root = os.environ.get("TPKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tpkit")
-    path = os.path.join(root, f"gemv-{key}.so")
+    stem = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.join(root, f"{stem}-{key}.so")
     if not os.path.exists(path):
         os.makedirs(root, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
         os.close(fd)
         try:
-            done = subprocess.run([cc, "-O3", "-march=native", "-fopenmp-simd", *flags, "-shared", "-fPIC", _SOURCE,
+            done = subprocess.run([cc, "-O3", "-march=native", "-fopenmp-simd", *flags, "-shared", "-fPIC", source,
                                    "-o", tmp], capture_output=True, timeout=120)
             if done.returncode != 0:
                 return None
@@ -72,7 +74,15 @@ def build(flags: tuple[str, ...] = ()):
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(path)
+    return ctypes.CDLL(path)
+
+
+def build(flags: tuple[str, ...] = ()):
+    """The compiled product (`tp_gemv` as a ctypes function), built with `flags` after the defaults (a test
+    builds the portable path with `("-mno-avx512f",)`), or None where no compiler works."""
+    lib = compile_library(_SOURCE, flags)
+    if lib is None:
+        return None
     fn = lib.tp_gemv
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     c_int = ctypes.c_int
@@ -97,11 +107,16 @@ def isa() -> str:
     return name
 
 
+def wanted() -> bool:
+    """Whether compiled code may run (`TPKIT_NATIVE=0` keeps every caller on its torch path)."""
+    return os.environ.get("TPKIT_NATIVE", "1") != "0"
+
+
 def _function():
     if not _LIB:
         with _LOCK:
             if not _LIB:
-                _LIB.append(None if os.environ.get("TPKIT_NATIVE", "1") == "0" else build(ISA_FLAGS[isa()]))
+                _LIB.append(build(ISA_FLAGS[isa()]) if wanted() else None)
     return _LIB[0]
 
 
