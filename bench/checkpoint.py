@@ -10,8 +10,9 @@ time inside `read_targets`, after the model is built and planned). The clock sto
 holds has been read once (`touch`: a lazily mapped loader pays its reads there). Kinds alternate (the order
 reversed every other rep); medians over --reps; each figure is the slower rank's.
 
-Kinds: `tpkit` (HF directory), `transformers`, `tpkit-ckpt` (the tpkit checkpoint), and their `-cold`
-variants: the first load in a fresh process, with nothing but torch and tpkit imported before (the imports
+Kinds: `tpkit` (HF directory), `transformers`, `tpkit-ckpt` (the tpkit checkpoint), `tpkit-nocache` (the HF
+directory with `TPKIT_PLAN_CACHE=0`: the plan decided by every load, as before the plan cache; `tpkit` uses the
+cache, whose first trial may decide and store the plan), and their `-cold` variants: the first load in a fresh process, with nothing but torch and tpkit imported before (the imports
 the loader needs are in the figure; peak is not comparable there). `--before REF` adds `tpkit@before` and
 `tpkit-ckpt@before`: the same trials run on `git archive REF src` (the code before a change), alternating with
 the current code in the same run.
@@ -126,7 +127,7 @@ def trial(kind: str, path: str, tp: int) -> dict:
     """One trial, in this (fresh) process: `kind` without its @ suffix, on the tpkit this process imports."""
     import tpkit
 
-    base = kind.split("@")[0]
+    base = kind.split("@")[0].replace("-nocache", "")
     cold = base.endswith("-cold")
     loader = "transformers" if base.startswith("transformers") else "tpkit"
     res = tpkit.launch(rank_body, tp, backend="gloo", args=(loader, path, cold), timeout=600)
@@ -138,6 +139,8 @@ def trial(kind: str, path: str, tp: int) -> dict:
 
 def run_trial(kind: str, path: str, tp: int, src: str) -> dict:
     env = dict(os.environ, PYTHONPATH=src)
+    if "nocache" in kind:
+        env["TPKIT_PLAN_CACHE"] = "0"
     cmd = [sys.executable, os.path.abspath(__file__), "--trial", kind, "--path", path, "--tp", str(tp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:

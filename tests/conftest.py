@@ -46,6 +46,11 @@ def _hermetic_profile(monkeypatch, synthetic_profile_path):
 # `tpkit.launch.preload`).
 os.environ.setdefault("TPKIT_PRELOAD", "transformers.modeling_utils,transformers.trainer")
 
+# Every test decides its plans: tests spy on the trace, and none may read a plan an earlier test or run stored in the
+# developer's ~/.cache (`checkpoint/plan_cache.py`; tests/checkpoint/test_plan_cache.py turns it on in a temporary
+# directory). Set before any rank process starts, so every rank inherits it.
+os.environ.setdefault("TPKIT_PLAN_CACHE", "0")
+
 # `make test` runs the files on two pytest-xdist workers (`-n 2`): the suite keeps about one of the box's two cores
 # busy on its own (processes that wait on each other, Python between the ops). A file stays on one worker (its module
 # fixtures are built once); files that share a session fixture stay together (it is built once); the slowest files

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..convert.conversion import conversion_of
 from ..convert.parallelize import parallelize
 from ..convert.plan import Plan
 from ..convert.quantized import plan_quantized, record_layouts
@@ -35,7 +36,7 @@ from ..quant.schemes import FP8_DTYPES
 from ..convert.transformers_threads import config_dtype, transformers_name
 from ..nn._layer import resolve_comm
 from ..nn.quantized import finish_loading
-from . import dequantized
+from . import dequantized, plan_cache
 from .agree import agree
 from .allocate import materialize, meta_parameters, place_buffers
 from .errors import CheckpointError
@@ -215,7 +216,8 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     by `tpkit.parallelize(model, plan, comm, mode=mode)`, with every parameter and buffer on `device` (default:
     the rank's device: the current CUDA device under nccl, else the CPU). Collective; returns the model in
     eval mode. `reuse`: as for `parallelize` (default on; `TPKIT_PLAN_REUSE=0` turns it off): repeated blocks are
-    planned from the distinct ones without tracing them.
+    planned from the distinct ones without tracing them. With `plan="auto"` on a dense checkpoint, the plan decided
+    for the same model, loaded the same way, before is applied as recorded (`plan_cache`; `TPKIT_PLAN_CACHE=0`).
 
     `dtype`, as the installed transformers' `from_pretrained(path, dtype=...)`: "auto" is the checkpoint's (its
     config's `dtype`, else its first floating tensor's), and so is None under transformers 5 (4.x: float32); a floating torch dtype or its name casts every parameter and
@@ -237,8 +239,7 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     `ValueError` naming tpkit's way."""
     path, comm = os.fspath(path), resolve_comm(comm)
     device = load_device(device, comm)
-    error, source, config = None, None, None
-    quant = None
+    error, source, config, quant = None, None, None, None
     try:
         source = open_source(path, comm.rank, comm.world_size)
         config = load_config(source, path)
@@ -249,16 +250,15 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     build_kwargs, torch_dtype = transformers_kwargs(dict(kwargs), config)
     target_dtype = resolve_dtype(dtype if dtype is not None or torch_dtype is None else torch_dtype, config, source)
     model = build(config, model_cls, target_dtype, build_kwargs)
-    generation = load_generation_config(path, source.manifest)  # as transformers does: generation_config.json
-    if generation is not None and getattr(model, "generation_config", None) is not None:
-        model.generation_config = generation
-    plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
+    _set_generation_config(model, path, source)
     notes: list[str] = []
     quantized, find = _quantized_layers(model, source, quant, target_dtype, dequantize, comm, notes)
+    plan, recorded, cached = _decided_plan(model, config, source, plan, convert is None and quantized is None,
+                                           target_dtype, build_kwargs, comm, mode, reuse)
     if convert is None:  # (a pipeline's `convert` refuses quantized models itself)
         convert = lambda m: parallelize(m, plan, comm, mode=mode, recorded=recorded, reuse=reuse,  # noqa: E731
                                         quantization=quantized)
-    convert(model)
+    _convert(model, convert, cached, recorded, comm.rank)
     find = find or key_finder(model, source, notes)  # after the conversion: a pipeline stage's copies of tied weights
     materialize(model, device)
     place_buffers(model, device)
@@ -285,6 +285,38 @@ def from_pretrained(path: str | os.PathLike, comm=None, plan="auto", mode: str =
     dequantized.fill_weights(model, held)
     finish_loading(model)
     return model.eval()
+
+
+def _set_generation_config(model: nn.Module, path: str, source: Source) -> None:
+    """As transformers does: the directory's generation_config.json (or the manifest's) on the model."""
+    generation = load_generation_config(path, source.manifest)
+    if generation is not None and getattr(model, "generation_config", None) is not None:
+        model.generation_config = generation
+
+
+def _decided_plan(model: nn.Module, config, source: Source, plan, parallelized_dense: bool, dtype: torch.dtype,
+                  build_kwargs: dict, comm, mode: str, reuse: bool | None):
+    """(the plan to convert with, whether it is applied as recorded, the plan cache's key or None): a tpkit
+    checkpoint's recorded plan (`recorded_plan`); for "auto" on a dense checkpoint that `parallelize` converts, the
+    plan cache's (`plan_cache.lookup`); else `plan` as given."""
+    plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
+    if recorded or not parallelized_dense or not (isinstance(plan, str) and plan == "auto") or not plan_cache.enabled():
+        return plan, recorded, None
+    return plan_cache.lookup(model, config, source, dtype, build_kwargs, comm, mode, reuse)
+
+
+def _convert(model: nn.Module, convert: Callable[[nn.Module], None], cached: str | None, recorded: bool,
+             rank: int) -> None:
+    """`convert(model)`; under the plan cache's key `cached`, the plan decided is stored (by rank 0), and a stored
+    plan that fails is deleted (`plan_cache`)."""
+    try:
+        convert(model)
+    except Exception as exc:
+        if cached is not None and recorded:
+            plan_cache.forget(cached, exc)
+        raise
+    if cached is not None and not recorded and rank == 0:
+        plan_cache.write(cached, conversion_of(model).plan)
 
 
 def _quantized_layers(model: nn.Module, source, quant, dtype, dequantize: bool, comm, notes: list[str]):

@@ -44,6 +44,12 @@ def _cpu() -> str:
         return platform.processor()
 
 
+def cache_root() -> str:
+    """Where tpkit keeps what it makes once and reuses (compiled code, decided plans): `$TPKIT_CACHE`, default
+    `~/.cache/tpkit`."""
+    return os.environ.get("TPKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tpkit")
+
+
 def compile_library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The C file `source` compiled (`-O3 -march=native`, then `flags`) into a shared library in the cache and
     loaded, or None where no compiler works. Keyed by the source's bytes, the compiler, the CPU and the flags, so an
@@ -56,7 +62,7 @@ def compile_library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | N
     except (OSError, subprocess.SubprocessError):
         return None
     key = hashlib.sha256(text + version + _cpu().encode() + " ".join(flags).encode()).hexdigest()[:16]
-    root = os.environ.get("TPKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tpkit")
+    root = cache_root()
     stem = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(root, f"{stem}-{key}.so")
     if not os.path.exists(path):

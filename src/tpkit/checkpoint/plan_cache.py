@@ -1,0 +1,126 @@
+"""Plans `from_pretrained` decided before, kept on disk and applied as recorded: a reload skips the trace and dry run.
+
+Why: deciding the plan of a Hugging Face directory's model is most of a load that is not reading. At TP2 on a
+0.64 GB Llama (the first load in a fresh process, 2-core box): the trace 24 ms and the dry run 39 ms of 160 ms,
+against 30-55 ms of reading. A tpkit checkpoint already carries the plan it was saved with and is applied as
+recorded (`pretrained.recorded_plan`); this does the same for the plans tpkit decided itself, the second time the
+same model is loaded the same way.
+
+A plan is a function of what the model is and how it is converted, so the key is a SHA-256 over all of it:
+- the model's classes, each with its source file's path, size and modification time (an edited model is new);
+- the config (every field but the path it came from), the dtype and transformers' build keywords;
+- the checkpoint's tensors (name, dtype, shape);
+- the world size, the mode and `reuse`;
+- torch's and transformers' versions, and every tpkit source file's path, size and modification time (another
+  tpkit, even an edited checkout, decides anew);
+- every `TPKIT_*` / `TP_*` environment variable.
+
+Only `plan="auto"` on a dense checkpoint through `parallelize` is cached (a quantized checkpoint, a plan of the
+user's, a pipeline's `convert` decide as before). Files: `<cache root>/plans/<key>.json` (`quant.native.cache_root`:
+`$TPKIT_CACHE`, default `~/.cache/tpkit`), the plan's `to_dict()` as JSON, written atomically by rank 0 after a
+conversion and read with `json` only. Every rank reads its own; the plan is used only when every rank found the
+same key (one all-gather), else all decide it. A cached plan whose conversion fails is deleted before the error
+goes on (the next load decides anew). `TPKIT_PLAN_CACHE=0` turns the cache off.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+from ..comm.profiler import write_atomically
+from ..convert.plan import Plan
+from ..quant.native import cache_root
+
+_CODE: list[str] = []  # the fingerprint of tpkit's own files, once per process (they do not change under it)
+
+
+def enabled() -> bool:
+    return os.environ.get("TPKIT_PLAN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _stat(path: str | None) -> list:
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        st = None
+    return [path, st.st_size, st.st_mtime_ns] if st is not None else [path]
+
+
+def _code() -> str:
+    if not _CODE:
+        import transformers
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        files = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names
+                       if f.endswith((".py", ".c")))
+        text = json.dumps([torch.__version__, transformers.__version__] + [_stat(f) for f in files])
+        _CODE.append(hashlib.sha256(text.encode()).hexdigest())
+    return _CODE[0]
+
+
+def key(model: nn.Module, config, source, dtype: torch.dtype, build_kwargs: dict, world: int, mode: str,
+        reuse: bool | None) -> str:
+    """The cache key of converting the meta-built `model` (see the module doc for what it covers)."""
+    classes = sorted({(type(m).__module__, type(m).__qualname__) for m in model.modules()})
+    files = [_stat(getattr(sys.modules.get(mod), "__file__", None)) for mod, _ in classes]
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "name_or_path")}
+    tensors = sorted((k, str(e.dtype), list(e.shape)) for k, e in source.entries.items())
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("TPKIT_", "TP_")))
+    parts = [_code(), classes, files, settings, str(dtype), build_kwargs, tensors, world, mode, reuse, env]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def path_of(cache_key: str) -> str:
+    return os.path.join(cache_root(), "plans", f"{cache_key}.json")
+
+
+def read(cache_key: str, world: int, mode: str) -> Plan | None:
+    """The plan stored under `cache_key`, or None (none stored, unreadable, or not for this world size and mode)."""
+    try:
+        with open(path_of(cache_key)) as f:
+            plan = Plan.from_dict(json.load(f))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return plan if plan.world_size == world and plan.mode == mode and plan.entries else None
+
+
+def agreed(comm, cache_key: str, plan: Plan | None) -> Plan | None:
+    """`plan` where every rank found one under the same key, else None on every rank (collective)."""
+    if comm.world_size == 1:
+        return plan
+    mine = int(cache_key[:15], 16) if plan is not None else -1
+    every = comm.all_gather(torch.tensor([mine], dtype=torch.int64)).tolist()
+    return plan if mine >= 0 and len(set(every)) == 1 else None
+
+
+def lookup(model: nn.Module, config, source, dtype: torch.dtype, build_kwargs: dict, comm, mode: str,
+           reuse: bool | None) -> tuple[Plan | str, bool, str]:
+    """(the plan to convert with, whether it is applied as recorded, the key) for `from_pretrained`'s "auto":
+    the stored plan where every rank found it (collective), else "auto"."""
+    cache_key = key(model, config, source, dtype, build_kwargs, comm.world_size, mode, reuse)
+    found = agreed(comm, cache_key, read(cache_key, comm.world_size, mode))
+    return (found, True, cache_key) if found is not None else ("auto", False, cache_key)
+
+
+def write(cache_key: str, plan: Plan) -> None:
+    """Store `plan` under `cache_key` (atomically; a cache that cannot be written is no error)."""
+    try:
+        os.makedirs(os.path.dirname(path_of(cache_key)), exist_ok=True)
+        write_atomically(path_of(cache_key), json.dumps(plan.to_dict()))
+    except OSError:
+        pass
+
+
+def forget(cache_key: str, error: BaseException) -> None:
+    """Delete the plan stored under `cache_key` after its conversion failed, and say so on `error`."""
+    try:
+        os.unlink(path_of(cache_key))
+    except OSError:
+        pass
+    error.add_note(f"tpkit: the plan came from the plan cache ({path_of(cache_key)}), now deleted: the next load "
+                   f"decides it anew; TPKIT_PLAN_CACHE=0 turns the cache off")
