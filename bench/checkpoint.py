@@ -17,7 +17,7 @@ the loader needs are in the figure; peak is not comparable there). `--before REF
 `tpkit-ckpt@before`: the same trials run on `git archive REF src` (the code before a change), alternating with
 the current code in the same run.
 
-    PYTHONPATH=src python bench/checkpoint.py [--reps 9] [--before HEAD~3] [--kinds tpkit,transformers]
+    PYTHONPATH=src python bench/checkpoint.py [--reps 9] [--before HEAD~3] [--kinds tpkit,transformers] [--size large]
 """
 from __future__ import annotations
 
@@ -61,12 +61,17 @@ class PeakRSS:
         self.peak = max(self.peak, rss())
 
 
-def make_checkpoint(path: str) -> None:
+# --size: the Llama's (hidden, intermediate, layers): ~0.64 GB and ~3.5 GB in float32
+SIZES = {"small": (1024, 2816, 8), "large": (2048, 5632, 16)}
+
+
+def make_checkpoint(path: str, size: str = "small") -> None:
     import transformers as tr
 
     if os.path.exists(os.path.join(path, "config.json")):
         return
-    cfg = tr.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+    hidden, inter, layers = SIZES[size]
+    cfg = tr.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=16,
                          num_key_value_heads=8, vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
     torch.manual_seed(0)
     tr.LlamaForCausalLM(cfg).save_pretrained(path)
@@ -151,7 +156,8 @@ def run_trial(kind: str, path: str, tp: int, src: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default="/tmp/tpkit-bench-ckpt")
+    ap.add_argument("--dir", default=None, help="where the checkpoints are written once (default by --size)")
+    ap.add_argument("--size", choices=sorted(SIZES), default="small", help="small ~0.64 GB, large ~3.5 GB (float32)")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--kinds", default="tpkit,transformers,tpkit-ckpt")
     ap.add_argument("--before", default=None, help="git ref: also run tpkit kinds on that ref's src, alternating")
@@ -164,16 +170,21 @@ def main() -> int:
         return 0
     import tpkit
 
+    args.dir = args.dir or ("/tmp/tpkit-bench-ckpt" if args.size == "small" else f"/tmp/tpkit-bench-ckpt-{args.size}")
     hf, ck = os.path.join(args.dir, "hf"), os.path.join(args.dir, "tpkit")
-    make_checkpoint(hf)
-    if not os.path.exists(os.path.join(ck, "latest")):
+    make_checkpoint(hf, args.size)
+    kinds = args.kinds.split(",")
+    if any(k.startswith("tpkit-ckpt") for k in kinds) and not os.path.exists(os.path.join(ck, "latest")):
         tpkit.launch(save_tpkit, args.tp, backend="gloo", args=(hf, ck), timeout=600)
-    size = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf) if f.endswith(".safetensors"))
+    files = [os.path.join(hf, f) for f in os.listdir(hf) if f.endswith(".safetensors")]
+    size = sum(os.path.getsize(f) for f in files)
     from safetensors import safe_open
 
-    with safe_open(os.path.join(hf, "model.safetensors"), "pt") as f:
-        largest = max(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[-1] for k in f.keys()) * 4
-    kinds = args.kinds.split(",")
+    largest = 0
+    for name in files:
+        with safe_open(name, "pt") as f:
+            largest = max([largest] + [f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[-1] * 4
+                                       for k in f.keys()])
     srcs = {k: SRC for k in kinds}
     tmp = None
     if args.before:

@@ -173,12 +173,13 @@ def run_setup(model_or_config, setup: Setup, goal: str, batch_size: int, seq_len
 def search(model_or_config, devices: int, goal: str = "decode", memory_per_device: Any = None, batch_size: int = 1,
            seq_len: int = 128, profile=None, measure: int = 0, steps: int = 5, backend: str = "gloo",
            dtype: torch.dtype | None = None, hardware=None, progress=None,
-           timeout: float | None = None) -> SearchResult:
+           timeout: float | None = None, launches: int = 3) -> SearchResult:
     """The best setup to run `model_or_config` on `devices` devices for `goal` ("decode", "prefill", "train"):
     every setup tpkit can build (TP size, DDP / FSDP2 / replicas over the rest, sequence parallelism, recompute,
     each architecture family's alternatives), priced on this machine by a measured profile (`tpkit estimate
     --calibrate`), those that need more than `memory_per_device` ("80GB", bytes) dropped, the rest ranked; with
-    `measure=K` the top K run `steps` steps on local ranks and the measured best wins. `dtype`: the weights'
+    `measure=K` the top K run `steps` steps on local ranks, each in `launches` fresh launches taking turns, and the
+    best median wins; setups whose launches overlap the best's are reported as a tie (`SearchResult.tied`). `dtype`: the weights'
     (default: a quantized checkpoint's config its own, as `from_pretrained` loads it; a config's bfloat16 on a
     datasheet machine, float32 on a measured one; a module's own). The machine
     priced is `tpkit.estimate.pricing.machine_pricing(profile, hardware)`'s, as `tpkit estimate`'s: with no
@@ -188,20 +189,21 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
     pricing = machine_pricing(profile, hardware, dp_wrappers=DP_WRAPPERS)
     if dtype is None and not isinstance(model_or_config, nn.Module):  # what a CPU runs a config's model in (`_build`),
         dtype = loaded_dtype(model_or_config, torch.float32 if pricing.measured else None)  # a quantized one its own
-    counter = iter(range(1, max(measure, 1) + 1))
+    counter = iter(range(1, max(measure * launches, 1) + 1))
 
     def runner(model, setup: Setup, goal_: str, batch: int, seq: int) -> float:
         i = next(counter)
         if progress is not None:
-            progress(f"measuring {i}/{measure}: {setup.label()} on {setup.devices} {backend} ranks, {steps} steps ...")
+            progress(f"measuring {i}/{measure * launches}: {setup.label()} on {setup.devices} {backend} ranks, "
+                     f"{steps} steps ...")
         began = time.perf_counter()
         seconds = run_setup(model, setup, goal_, batch, seq, steps, backend, dtype=dtype, timeout=timeout)
         if progress is not None:
-            progress(f"measured {i}/{measure}: {setup.label()}: {seconds * 1e3:.2f} ms per "
+            progress(f"measured {i}/{measure * launches}: {setup.label()}: {seconds * 1e3:.2f} ms per "
                      f"{'token' if goal_ == 'decode' else 'step'} ({time.perf_counter() - began:.0f} s)")
         return seconds
     result = rank_setups(model_or_config, devices, goal, memory, batch_size, seq_len, pricing.profile, measure,
-                         runner if measure else None, dtype, hardware=pricing.hardware)
+                         runner if measure else None, dtype, hardware=pricing.hardware, launches=launches)
     notes = [pricing.origin] + [n for n in result.notes if not n.startswith("predicted with profile")]
     notes += [result.best.prediction.quantized] if result.best.prediction.quantized else []  # priced as it runs
     if pricing.this_machine and devices > pricing.devices:

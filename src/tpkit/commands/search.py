@@ -3,8 +3,9 @@
 Every setup tpkit can build (TP size, DDP / FSDP2 / replicas, sequence parallelism, recompute, each architecture
 family's alternatives) is priced on the machine `tpkit estimate` prices (its first line says which: the measured
 profile, else this machine's GPU, else this machine measured now; `--hardware` for a datasheet machine), those
-over `--memory` per device are dropped, the rest ranked; `--measure K` runs the top K on local ranks, saying on
-stderr which setup runs and what it took, and picks the measured best (Ctrl-C ends the ranks it started);
+over `--memory` per device are dropped, the rest ranked; `--measure K` runs the top K on local ranks, each in
+`--launches L` fresh launches taking turns (default 3), saying on stderr which setup runs and what it took, and
+picks the best median, calling a tie what the launches cannot separate (Ctrl-C ends the ranks it started);
 `--plot out.png` draws predicted time against memory per device.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--measure", type=int, default=0, metavar="K", help="run the top K for real and rank by that")
     parser.add_argument("--steps", type=int, default=5, help="steps per measured setup (default 5)")
+    parser.add_argument("--launches", type=int, default=3, metavar="L",
+                        help="fresh launches of each measured setup, taking turns (default 3)")
     parser.add_argument("--profile", default=None, metavar="FILE", help="speed profile (default: $TPKIT_PROFILE or "
                         "~/.cache/tpkit/profile.json)")
     parser.add_argument("--hardware", default=None, help="price this datasheet machine (e.g. H100-SXM) instead of "
@@ -47,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         model, config = load_target(args.target, device="meta")
         target = config if config is not None and hasattr(config, "model_type") else model
         result = search(target, args.devices, args.goal, args.memory, args.batch_size, args.seq_len, args.profile,
-                        args.measure, args.steps, hardware=args.hardware, progress=progress, timeout=args.timeout)
+                        args.measure, args.steps, hardware=args.hardware, progress=progress, timeout=args.timeout,
+                        launches=args.launches)
     except ValueError as exc:
         print(f"tpkit search: {exc}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ Speed: one pricing engine
     speed           estimate_speed: each world size a Setup through predict; SpeedEstimate and its table
     pipeline        a setup with pipeline stages, priced from the same setup without them: the bubble, the sends
     search          the setup search: every setup tpkit can build, predicted, filtered by memory, ranked
+    measured        the search's top setups run for real: launches taking turns, a tie where they overlap
     pricing         which machine every command prices: a measured profile, a named or detected datasheet, or
                     this machine measured now
     quantized       a quantized checkpoint's linear layers: the product each rank's load runs, its stored bytes,

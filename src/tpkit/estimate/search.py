@@ -28,6 +28,7 @@ from ..tables import Column, format_bytes, render_table, wrap_text
 from .calls import meta_copy, with_layers
 from .context import context_refusal
 from .experts import EXPERTS_NOTE, ExpertLayers, expert_layers, valid_eps
+from .measured import inseparable, median, run_alternating, runs_text
 from .predict import Prediction, predict, trace_setup
 from .profile import SpeedProfile, load_profile
 from .setup import Setup
@@ -47,12 +48,18 @@ class Candidate:
 
     prediction: Prediction
     fits: bool
-    measured_s: float | None = None
+    measured_s: float | None = None  # the median of its launches
     plan: Any = None
+    measured_runs: tuple[float, ...] = ()  # seconds of each launch (`measured.py`)
 
     @property
     def setup(self) -> Setup:
         return self.prediction.setup
+
+    @property
+    def runs(self) -> tuple[float, ...]:
+        """Its launches' seconds (its measured time alone when only that was given; none when not measured)."""
+        return self.measured_runs or (() if self.measured_s is None else (self.measured_s,))
 
     def __getattr__(self, name: str):
         if name in ("tp", "dp", "dp_mode", "sequence_parallel", "recompute", "devices", "choices", "pp",
@@ -102,7 +109,7 @@ class SearchResult:
         b = self.best
         if b.measured_s is not None:
             return [c for c in self.fitting[1:]
-                    if c.measured_s is not None and c.measured_s <= b.measured_s * (1 + NOISE)]
+                    if c.measured_s is not None and inseparable(b.runs, c.runs, NOISE)]
         return [c for c in self.fitting[1:] if c.prediction.seconds <= b.prediction.seconds * (1 + NOISE)]
 
     @property
@@ -121,7 +128,7 @@ class SearchResult:
         for i, c in enumerate(self.candidates, 1):
             p = c.prediction
             rows.append([str(i), c.setup.label(), f"{p.seconds * 1e3:.2f}",
-                         *([f"{c.measured_s * 1e3:.2f}" if c.measured_s is not None else ""] if measured else []),
+                         *([runs_text(c.runs) if c.measured_s is not None else ""] if measured else []),
                          format_bytes(p.memory_bytes), f"{p.kernels_s * 1e3:.2f}", f"{p.overhead_s * 1e3:.2f}",
                          f"{_comm_s(p) * 1e3:.2f}",
                          "yes" if c.fits else "no"])
@@ -145,10 +152,13 @@ class SearchResult:
             lines.append(f"runner-up: {r.setup.label()}: {r.prediction.seconds * 1e3:.2f} ms "
                          f"({r.prediction.seconds / max(p.seconds, 1e-12):.2f}x)")
         if self.tied:
-            what = "measured" if b.measured_s is not None else "predicted"
-            lines.append(f"a tie: {len(self.tied)} other setup(s) {what} within {NOISE:.0%} of the best ("
+            launches = len(b.runs)
+            what = (f"whose {launches} launches overlap the best's ({runs_text(b.runs)} ms)" if launches > 1
+                    else f"{'measured' if b.measured_s is not None else 'predicted'} within {NOISE:.0%} of the best")
+            lines.append(f"a tie: {len(self.tied)} other setup(s) {what} ("
                          + "; ".join(c.setup.label() for c in self.tied[:3]) + (" ..." if len(self.tied) > 3 else "")
-                         + "), within the estimate's own error: either will do"
+                         + ("): the launches cannot separate them" if launches > 1 else
+                            "), within the estimate's own error") + ": either will do"
                          + ("" if b.measured_s is not None else f"; `search --measure {len(self.tied) + 1}` runs them"
                                                                  f" to choose"))
         dropped = [c for c in self.candidates if not c.fits]
@@ -193,8 +203,8 @@ class SearchResult:
         return {"goal": self.goal, "devices": self.devices, "batch_size": self.batch_size, "seq_len": self.seq_len,
                 "memory_per_device": self.memory_per_device, "notes": list(self.notes),
                 "tied": [c.setup.label() for c in self.tied],
-                "candidates": [{**c.prediction.to_dict(), "fits": c.fits, "measured_s": c.measured_s}
-                               for c in self.candidates]}
+                "candidates": [{**c.prediction.to_dict(), "fits": c.fits, "measured_s": c.measured_s,
+                                "measured_runs": list(c.measured_runs)} for c in self.candidates]}
 
 
 def _comm_s(p: Prediction) -> float:
@@ -294,12 +304,12 @@ def _check(devices: int, goal: str, batch_size: int, seq_len: int) -> None:
 def search(model_or_config, devices: int, goal: str = "decode", memory_per_device: float | None = None,
            batch_size: int = 1, seq_len: int = 128, profile: SpeedProfile | str | None = None, measure: int = 0,
            runner: Runner | None = None, dtype: torch.dtype | None = None, alternatives: bool = True,
-           hardware=None, context: bool = True, experts: bool = True) -> SearchResult:
+           hardware=None, context: bool = True, experts: bool = True, launches: int = 1) -> SearchResult:
     """Rank every setup of `model_or_config` on `devices` devices for `goal` (see the module docstring).
 
     `memory_per_device`: bytes (drops setups that need more; ValueError naming the smallest need when none
     fits); `profile`: a measured speed profile (`tpkit estimate --calibrate`); `measure=K` with a `runner`: run
-    the top K and rank them by measured time; `alternatives=False`: the TP / DP layouts only (see `candidates`);
+    the top K, each `launches` times taking turns (`measured.py`), and rank them by their median; `alternatives=False`: the TP / DP layouts only (see `candidates`);
     `hardware`: a `Hardware` to price on when the profile was not measured op by op. `context`: training setups
     include context parallelism (`context_candidates`) when the model's attention can be split over the sequence
     (`context.context_refusal`, tpkit.context's own checks; the notes say why not); False leaves it out. `experts`:
@@ -344,8 +354,9 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
     if measure:
         if runner is None:
             raise ValueError("search: measure=K runs setups on real ranks; call tpkit.search, which provides them")
-        ranked = _measured(ranked, measure, runner, model_or_config, goal, batch_size, seq_len)
-        notes.append(f"the top {measure} were run on {devices} ranks and ranked by their measured time")
+        ranked = _measured(ranked, measure, launches, runner, model_or_config, goal, batch_size, seq_len)
+        notes.append(f"the top {measure} were run on {devices} ranks and ranked by their measured time"
+                     + (f" (the median of {launches} launches each, taking turns)" if launches > 1 else ""))
     ranked[0] = dataclasses.replace(ranked[0], plan=_plan(model_or_config, ranked[0].setup, goal, dtype))
     return SearchResult(goal, devices, batch_size, seq_len, memory_per_device, tuple(ranked), tuple(notes))
 
@@ -367,12 +378,13 @@ def _plan(model_or_config, setup: Setup, goal: str, dtype):
     return propose(analyze_structure(model), setup.tp, mode, setup.choose())[0]
 
 
-def _measured(ranked: list[Candidate], k: int, runner: Runner, model, goal: str, batch: int,
+def _measured(ranked: list[Candidate], k: int, launches: int, runner: Runner, model, goal: str, batch: int,
               seq: int) -> list[Candidate]:
     # only the top k run (each run is a set of processes for several steps: every fitting setup of a 100M model
     # took over 400 s before this slice came first)
-    top = [dataclasses.replace(c, measured_s=runner(model, c.setup, goal, batch, seq))
-           for c in [c for c in ranked if c.fits][:k]]
+    top = [c for c in ranked if c.fits][:k]
+    runs = run_alternating(len(top), launches, lambda i: runner(model, top[i].setup, goal, batch, seq))
+    top = [dataclasses.replace(c, measured_s=median(r), measured_runs=r) for c, r in zip(top, runs)]
     top.sort(key=lambda c: c.measured_s)
     chosen = {id(c.prediction) for c in top}
     return top + [c for c in ranked if id(c.prediction) not in chosen]
