@@ -8,7 +8,12 @@ the parameters on every rank.
 A GPT-2 with `pad_token_id` once split nothing through `from_pretrained` (its forward read the token ids' values,
 which meta ids do not have: the trace now tries real ids next).
 
-    PYTHONPATH=src python bench/pretrained_plans.py [--only REGEX] [--worlds 2,3]
+`--cached`: instead, the plan cache (`checkpoint/plan_cache.py`, on in a temporary directory) against no cache: each
+rank loads the directory twice, the first load deciding and storing the plan, the second applying it as recorded
+(no trace, no dry run), and the two must be the same model: the same style for every module, every parameter and
+buffer equal, and equal logits on the class's inputs.
+
+    PYTHONPATH=src python bench/pretrained_plans.py [--only REGEX] [--worlds 2,3] [--cached]
 """
 from __future__ import annotations
 
@@ -81,6 +86,53 @@ def compare(model_type: str, cls_name: str, worlds: list[int]) -> str:
     return "same"
 
 
+def compare_cached(model_type: str, cls_name: str, worlds: list[int]) -> str:
+    """"same", or how the load from the plan cache differs from the load that decided the plan."""
+    import transformers
+
+    import sweep_build
+    import tpkit
+    from tpkit.checkpoint import plan_cache
+
+    cls = getattr(transformers, cls_name)
+    config = _with_special_tokens(sweep_build.config_for(model_type))
+    torch.manual_seed(1234)
+    model = cls(config).eval()
+    x = sweep_build.inputs(model, "causal")
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        for world in worlds:
+            def rank(comm):
+                fresh = tpkit.from_pretrained(d, comm=comm, model_cls=cls, dtype=torch.float32, progress=False)
+                hit = plan_cache.read(plan_cache.key(*_key_args(d, cls, comm.world_size)), comm.world_size,
+                                      "inference") is not None
+                cached = tpkit.from_pretrained(d, comm=comm, model_cls=cls, dtype=torch.float32, progress=False)
+                with torch.no_grad():
+                    out = [m(**x).logits for m in (fresh, cached)]
+                state = [dict(m.state_dict()) for m in (fresh, cached)]
+                same_state = state[0].keys() == state[1].keys() and all(torch.equal(v, state[1][k])
+                                                                      for k, v in state[0].items())
+                return hit, fresh.tp_plan.entries == cached.tp_plan.entries, same_state, torch.equal(*out)
+
+            for r, (hit, plan, state, out) in enumerate(tpkit.launch(rank, world, backend="threads",
+                                                                       pass_comm=True)):
+                if not hit:
+                    return f"at {world} ranks: no plan stored"
+                if not (plan and state and out):
+                    return f"at {world} ranks, rank {r}: plan {plan}, state {state}, logits {out}"
+    return "same"
+
+
+def _key_args(directory: str, cls, world: int) -> tuple:
+    """`plan_cache.key`'s arguments as `from_pretrained` computes them for `directory` at float32."""
+    from tpkit.checkpoint.load import open_source
+    from tpkit.checkpoint.pretrained import build, load_config
+
+    source = open_source(directory, 0, world)
+    config = load_config(source, directory)
+    return build(config, cls, torch.float32), config, source, torch.float32, {}, world, "inference", None
+
+
 def main() -> None:
     import sweep_report
 
@@ -88,7 +140,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=None)
     ap.add_argument("--worlds", default="2,3")
+    ap.add_argument("--cached", action="store_true", help="the plan cache's load against the one that decided")
     args = ap.parse_args()
+    if args.cached:
+        import os
+
+        os.environ["TPKIT_PLAN_CACHE"] = "1"
+        os.environ["TPKIT_CACHE"] = tempfile.mkdtemp(prefix="tpkit-plan-cache-")
     worlds = [int(w) for w in args.worlds.split(",")]
     rows = [r for r in sweep_report.read(sweep_report.CSV) if r["task"] == "causal" and r["outcome"] == "exact"
             and (not args.only or re.search(args.only, r["cls"]))]
@@ -97,14 +155,15 @@ def main() -> None:
     for i, row in enumerate(rows):
         t = time.perf_counter()
         try:
-            outcome = compare(row["model_type"], row["cls"], worlds)
+            outcome = (compare_cached if args.cached else compare)(row["model_type"], row["cls"], worlds)
         except Exception as exc:  # noqa: BLE001 - a model that cannot be saved or loaded is reported as such
             outcome = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
         kind = outcome.split(":")[0] if outcome != "same" else "same"
         counts[kind] = counts.get(kind, 0) + 1
         print(f"[{i + 1}/{len(rows)} {time.perf_counter() - start:5.0f}s] {row['cls']}: {outcome} "
               f"({time.perf_counter() - t:.1f}s)", flush=True)
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}: {len(rows)} causal-LM classes, pad/bos/eos set, worlds {worlds}: "
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}: {len(rows)} causal-LM classes, pad/bos/eos set, worlds {worlds}"
+          + (", cached against decided" if args.cached else "") + ": "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
 
 

@@ -127,6 +127,33 @@ def test_unreadable_and_stale_entries(llama, cache, traced):
         assert err < 1e-5
 
 
+def _bigbird_twice(path, ids):
+    out = []
+    for _ in range(2):
+        model = tpkit.from_pretrained(path, progress=False)
+        with torch.no_grad():
+            out.append(model(input_ids=ids).logits)
+    return out
+
+
+def test_a_model_that_rewrites_itself_in_its_forward_is_not_stored(cache, tmp_path):
+    """BigBird swaps its block-sparse attention for full attention on short inputs, during the trace: a plan applied
+    without that forward would meet the other attention. Nothing is stored; both loads equal transformers'."""
+    import transformers
+
+    config = transformers.BigBirdConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=37, max_position_embeddings=64, is_decoder=True)
+    torch.manual_seed(0)
+    path = str(tmp_path / "bigbird")
+    transformers.BigBirdForCausalLM(config).save_pretrained(path)
+    ids = torch.randint(0, 99, (2, 8))
+    with torch.no_grad():
+        ref = transformers.BigBirdForCausalLM.from_pretrained(path)(input_ids=ids).logits
+    for logits in tpkit.launch(_bigbird_twice, 2, backend="threads", args=(path, ids)):
+        assert all(rel(x, ref) < 1e-5 for x in logits)
+    assert not cache.exists() or not os.listdir(cache)
+
+
 def test_ranks_use_a_stored_plan_only_when_all_found_it():
     from tpkit.convert.plan import Plan
 

@@ -309,13 +309,14 @@ def _convert(model: nn.Module, convert: Callable[[nn.Module], None], cached: str
              rank: int) -> None:
     """`convert(model)`; under the plan cache's key `cached`, the plan decided is stored (by rank 0), and a stored
     plan that fails is deleted (`plan_cache`)."""
+    before = plan_cache.structure(model) if cached is not None and not recorded else None
     try:
         convert(model)
     except Exception as exc:
         if cached is not None and recorded:
             plan_cache.forget(cached, exc)
         raise
-    if cached is not None and not recorded and rank == 0:
+    if before is not None and rank == 0 and not plan_cache.rewritten(before, model):
         plan_cache.write(cached, conversion_of(model).plan)
 
 
