@@ -159,11 +159,36 @@ def test_ranks_use_a_stored_plan_only_when_all_found_it():
 
     plan = Plan({"a": "colwise"}, world_size=2)
 
-    def body(comm, found_on):
-        return plan_cache.agreed(comm, "ab" * 32, plan if comm.rank in found_on else None)
+    def body(comm, digests):
+        return plan_cache.agreed(comm, (plan, digests[comm.rank]) if digests[comm.rank] is not None else None)
 
-    assert tpkit.launch(body, 2, backend="threads", args=((0, 1),), pass_comm=True) == [plan, plan]
-    assert tpkit.launch(body, 2, backend="threads", args=((1,),), pass_comm=True) == [None, None]
+    assert tpkit.launch(body, 2, backend="threads", args=((7, 7),), pass_comm=True) == [plan, plan]
+    assert tpkit.launch(body, 2, backend="threads", args=((None, 7),), pass_comm=True) == [None, None]
+    assert tpkit.launch(body, 2, backend="threads", args=((7, 8),), pass_comm=True) == [None, None]  # other bytes
+
+
+def test_a_class_without_a_source_file_is_never_cached(llama, cache):
+    import types
+
+    from tpkit.checkpoint.load import open_source
+    from tpkit.checkpoint.pretrained import build, load_config
+
+    path, _ = llama
+    source = open_source(path, 0, 1)
+    config = load_config(source, path)
+    model = build(config, None, torch.float32)
+    args = (config, source, torch.float32, {}, 2, "inference", None)
+    assert plan_cache.key(model, *args) is not None
+    notebook = types.ModuleType("notebook_cell")  # what a class defined in a notebook or `python -c` has
+    cls = type("CellNorm", (torch.nn.Module,), {"__module__": "notebook_cell", "forward": lambda self, x: x})
+    import sys
+
+    sys.modules["notebook_cell"] = notebook
+    try:
+        model.model.extra = cls()
+        assert plan_cache.key(model, *args) is None
+    finally:
+        del sys.modules["notebook_cell"]
 
 
 def test_off_by_the_switch(llama, cache, monkeypatch):

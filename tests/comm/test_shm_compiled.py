@@ -89,3 +89,18 @@ def test_compiled_sum_is_torch_rank_order_sum_bitwise(world_size, count):
     for res in tpkit.launch(_sums_body, world_size, backend="gloo", args=(count,), timeout=120):
         assert res.pop("compiled") == native.available(), res
         assert all(res.values()), res
+
+
+def test_an_unwritable_cache_leaves_python_steps_not_an_error(monkeypatch, tmp_path):
+    """A read-only cache directory (a container's HOME): no compiled sum, and shared memory still connects."""
+    from tpkit.comm import shm
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("TPKIT_CACHE", str(blocked / "cache"))
+    assert native.compile_library(shm._REDUCE_SOURCE) is None
+    monkeypatch.setattr(shm, "_REDUCE", [])
+    assert shm._compiled_reduce() is None
+    monkeypatch.setenv("TPKIT_NATIVE_ISA", "no-such-isa")
+    monkeypatch.setattr(shm, "_REDUCE", [])
+    assert shm._compiled_reduce() is None

@@ -7,7 +7,9 @@ recorded (`pretrained.recorded_plan`); this does the same for the plans tpkit de
 same model is loaded the same way.
 
 A plan is a function of what the model is and how it is converted, so the key is a SHA-256 over all of it:
-- the model's classes, each with its source file's path, size and modification time (an edited model is new);
+- the model's classes: the file (path, size, modification time) of every module along each class's MRO, and where
+  each `forward` is defined (an edited or patched model is new; a class without a file, from a notebook, is never
+  cached);
 - the config (every field but the path it came from), the dtype and transformers' build keywords;
 - the checkpoint's tensors (name, dtype, shape);
 - the world size, the mode and `reuse`;
@@ -18,9 +20,11 @@ A plan is a function of what the model is and how it is converted, so the key is
 Only `plan="auto"` on a dense checkpoint through `parallelize` is cached (a quantized checkpoint, a plan of the
 user's, a pipeline's `convert` decide as before). Files: `<cache root>/plans/<key>.json` (`quant.native.cache_root`:
 `$TPKIT_CACHE`, default `~/.cache/tpkit`), the plan's `to_dict()` as JSON, written atomically by rank 0 after a
-conversion (unless the model's forward rewrote its own modules meanwhile: `rewritten`) and read with `json` only. Every rank reads its own; the plan is used only when every rank found the
-same key (one all-gather), else all decide it. A cached plan whose conversion fails is deleted before the error
-goes on (the next load decides anew). `TPKIT_PLAN_CACHE=0` turns the cache off.
+conversion (unless the model's forward rewrote its own modules meanwhile: `rewritten`) and read with `json` only.
+Every rank reads its own; the plan is used only when every rank found the same file under the same key (one
+all-gather of a digest of both, made whatever each rank's switch), else all decide it. A cached plan whose
+conversion fails is deleted before the error goes on (the next load decides anew). `TPKIT_PLAN_CACHE=0` turns the
+cache off.
 """
 from __future__ import annotations
 
@@ -63,15 +67,32 @@ def _code() -> str:
     return _CODE[0]
 
 
+def _class_code(classes: set[type]) -> list | None:
+    """What decides the classes' code: the file of every module along each class's MRO, and where each `forward` is
+    defined (a forward patched in from elsewhere moves it); None when one has no file (a notebook, `python -c`)."""
+    out = []
+    for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
+        for base in cls.__mro__[:-1]:
+            path = getattr(sys.modules.get(base.__module__), "__file__", None)
+            if path is None and not base.__module__.startswith(("torch", "builtins")):
+                return None
+            out.append([base.__module__, base.__qualname__] + _stat(path))
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        out.append([code.co_filename, code.co_firstlineno] if code is not None else None)
+    return out
+
+
 def key(model: nn.Module, config, source, dtype: torch.dtype, build_kwargs: dict, world: int, mode: str,
-        reuse: bool | None) -> str:
-    """The cache key of converting the meta-built `model` (see the module doc for what it covers)."""
-    classes = sorted({(type(m).__module__, type(m).__qualname__) for m in model.modules()})
-    files = [_stat(getattr(sys.modules.get(mod), "__file__", None)) for mod, _ in classes]
+        reuse: bool | None) -> str | None:
+    """The cache key of converting the meta-built `model` (see the module doc for what it covers); None when its
+    code cannot be told apart from an edited one (a class without a source file)."""
+    classes = _class_code({type(m) for m in model.modules()})
+    if classes is None:
+        return None
     settings = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "name_or_path")}
     tensors = sorted((k, str(e.dtype), list(e.shape)) for k, e in source.entries.items())
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("TPKIT_", "TP_")))
-    parts = [_code(), classes, files, settings, str(dtype), build_kwargs, tensors, world, mode, reuse, env]
+    parts = [_code(), classes, settings, str(dtype), build_kwargs, tensors, world, mode, reuse, env]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -93,31 +114,36 @@ def path_of(cache_key: str) -> str:
     return os.path.join(cache_root(), "plans", f"{cache_key}.json")
 
 
-def read(cache_key: str, world: int, mode: str) -> Plan | None:
-    """The plan stored under `cache_key`, or None (none stored, unreadable, or not for this world size and mode)."""
+def read(cache_key: str, world: int, mode: str) -> tuple[Plan, int] | None:
+    """(the plan stored under `cache_key`, a 60-bit digest of the key and the file's bytes), or None (none stored,
+    unreadable, or not for this world size and mode)."""
     try:
-        with open(path_of(cache_key)) as f:
-            plan = Plan.from_dict(json.load(f))
+        with open(path_of(cache_key), "rb") as f:
+            data = f.read()
+        plan = Plan.from_dict(json.loads(data))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    return plan if plan.world_size == world and plan.mode == mode and plan.entries else None
+    digest = int(hashlib.sha256(cache_key.encode() + data).hexdigest()[:15], 16)
+    return (plan, digest) if plan.world_size == world and plan.mode == mode and plan.entries else None
 
 
-def agreed(comm, cache_key: str, plan: Plan | None) -> Plan | None:
-    """`plan` where every rank found one under the same key, else None on every rank (collective)."""
+def agreed(comm, found: tuple[Plan, int] | None) -> Plan | None:
+    """The plan found where every rank found the same one (the same key and bytes), else None on every rank
+    (collective: every rank calls it, with None where its cache is off or has nothing)."""
     if comm.world_size == 1:
-        return plan
-    mine = int(cache_key[:15], 16) if plan is not None else -1
+        return found[0] if found is not None else None
+    mine = found[1] if found is not None else -1
     every = comm.all_gather(torch.tensor([mine], dtype=torch.int64)).tolist()
-    return plan if mine >= 0 and len(set(every)) == 1 else None
+    return found[0] if found is not None and len(set(every)) == 1 else None
 
 
 def lookup(model: nn.Module, config, source, dtype: torch.dtype, build_kwargs: dict, comm, mode: str,
-           reuse: bool | None) -> tuple[Plan | str, bool, str]:
-    """(the plan to convert with, whether it is applied as recorded, the key) for `from_pretrained`'s "auto":
-    the stored plan where every rank found it (collective), else "auto"."""
-    cache_key = key(model, config, source, dtype, build_kwargs, comm.world_size, mode, reuse)
-    found = agreed(comm, cache_key, read(cache_key, comm.world_size, mode))
+           reuse: bool | None) -> tuple[Plan | str, bool, str | None]:
+    """(the plan to convert with, whether it is applied as recorded, the key to store the plan under or None) for
+    `from_pretrained`'s "auto": the stored plan where every rank found the same, else "auto". Collective: every rank
+    calls it, whatever its `TPKIT_PLAN_CACHE`, so ranks that disagree on the switch still meet."""
+    cache_key = key(model, config, source, dtype, build_kwargs, comm.world_size, mode, reuse) if enabled() else None
+    found = agreed(comm, read(cache_key, comm.world_size, mode) if cache_key is not None else None)
     return (found, True, cache_key) if found is not None else ("auto", False, cache_key)
 
 
@@ -126,7 +152,7 @@ def write(cache_key: str, plan: Plan) -> None:
     try:
         os.makedirs(os.path.dirname(path_of(cache_key)), exist_ok=True)
         write_atomically(path_of(cache_key), json.dumps(plan.to_dict()))
-    except OSError:
+    except Exception:  # noqa: BLE001 - rank 0 alone writes: nothing here may raise on it and not the others
         pass
 
 

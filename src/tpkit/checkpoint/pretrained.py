@@ -300,7 +300,7 @@ def _decided_plan(model: nn.Module, config, source: Source, plan, parallelized_d
     checkpoint's recorded plan (`recorded_plan`); for "auto" on a dense checkpoint that `parallelize` converts, the
     plan cache's (`plan_cache.lookup`); else `plan` as given."""
     plan, recorded = recorded_plan(source, plan, comm.world_size, mode)
-    if recorded or not parallelized_dense or not (isinstance(plan, str) and plan == "auto") or not plan_cache.enabled():
+    if recorded or not parallelized_dense or not (isinstance(plan, str) and plan == "auto"):
         return plan, recorded, None
     return plan_cache.lookup(model, config, source, dtype, build_kwargs, comm, mode, reuse)
 

@@ -24,7 +24,9 @@ says whether every rank's data fit, and all ranks fall back to gloo together whe
 
 A SUM of float32, float64 or bf16, and the barrier, run the whole call in C (`shm_reduce.c`, compiled like tpkit's
 products by `quant.native`; `TPKIT_NATIVE=0` keeps them in Python): the same steps, without the ~1 us of torch
-calls and bytecode between them (a 4 KiB all-reduce between two processes: 5.0 -> 4.1 us, BENCHMARKS.md).
+calls and bytecode between them (a 4 KiB all-reduce between two processes: 5.0 -> 4.1 us, BENCHMARKS.md). Its sums
+are torch's bit for bit but for a NaN's bits (a bf16 NaN is 0x7FC0 here, as torch's scalar conversion writes it;
+torch's vector loop writes 0xFFFF): every rank running the same steps gets the same bits either way.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import threading
 import time
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..quant import native
 from .errors import CommError
@@ -86,9 +89,12 @@ def _compiled_reduce():
     if not _REDUCE:
         with _REDUCE_LOCK:
             if not _REDUCE:
-                lib = native.compile_library(_REDUCE_SOURCE, native.ISA_FLAGS[native.isa()]) if native.wanted() \
-                    else None
-                fn = None if lib is None else lib.tp_shm_all_reduce
+                try:
+                    lib = native.compile_library(_REDUCE_SOURCE, native.ISA_FLAGS[native.isa()]) \
+                        if native.wanted() else None
+                    fn = None if lib is None else lib.tp_shm_all_reduce
+                except Exception:  # noqa: BLE001 - no compiled sum (a bad TPKIT_NATIVE_ISA, ...): Python's steps
+                    fn = None
                 if fn is not None:
                     i64, ptr = ctypes.c_int64, ctypes.c_void_p
                     fn.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
@@ -108,6 +114,7 @@ def connect(group, rank: int, world_size: int, timeout: float, name: str) -> "Sh
     import torch.distributed as dist
 
     ok = os.path.isdir(_DIR) and world_size <= 64
+    _compiled_reduce()  # compiled (or found wanting) before the ranks meet: a slow first compile delays no peer
     mine = torch.tensor([_host_key(), secrets.randbits(62), os.getpid(), int(ok)], dtype=torch.int64)
     every = torch.empty(world_size * 4, dtype=torch.int64)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -270,6 +277,8 @@ class SharedMemoryChannel:
         peer), then C resumes at the step it stopped before."""
         if out is None:
             out = torch.empty_like(tensor)  # never requires grad
+        else:
+            increment_version(out)  # written through its pointer: autograd must see the change, as torch's ops show it
         seq = self._seq = self._seq + 1
         src, dst, count = tensor.data_ptr(), out.data_ptr(), tensor.numel()
         step = self._reduce(self._context_at, seq, src, dst, count, code, 0)

@@ -8,7 +8,8 @@
    `ctx` (int64): the segment's address, this rank, the ranks, the bytes of a slot, the bytes of the flags, and
    the spins a wait may take before it hands the wait back to Python (which knows the timeout and checks that the
    peers live). Flags: rank r's line holds `arrived` at word 8r and `done` at 8r + 1. The sum runs in rank order,
-   each addition rounded to the dtype as torch rounds `a + b`, so every rank gets bitwise torch's result.
+   each addition rounded to the dtype as torch rounds `a + b`, so every rank gets bitwise torch's result (a NaN's
+   bits aside: bf16 NaN is 0x7FC0 here, torch's vector loop writes 0xFFFF).
 
    Returns 0 when done; 1 when a peer has not finished call `seq - 2` (nothing written yet); 2 when a peer has not
    arrived at `seq` (this rank's data is published). Python waits on its own, then calls again with `start` = that

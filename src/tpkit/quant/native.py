@@ -66,9 +66,12 @@ def compile_library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | N
     stem = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(root, f"{stem}-{key}.so")
     if not os.path.exists(path):
-        os.makedirs(root, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
-        os.close(fd)
+        try:
+            os.makedirs(root, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
+            os.close(fd)
+        except OSError:  # an unwritable cache: no compiled code, the callers' torch paths
+            return None
         try:
             done = subprocess.run([cc, "-O3", "-march=native", "-fopenmp-simd", *flags, "-shared", "-fPIC", source,
                                    "-o", tmp], capture_output=True, timeout=120)
@@ -80,7 +83,10 @@ def compile_library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | N
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    return ctypes.CDLL(path)
+    try:
+        return ctypes.CDLL(path)
+    except OSError:
+        return None
 
 
 def build(flags: tuple[str, ...] = ()):
