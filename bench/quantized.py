@@ -1,4 +1,4 @@
-"""Greedy decode at TP2 of one model in five formats: float32, bf16, and compressed-tensors int8 per channel (W8A16),
+"""Greedy decode at TP2 (`--world N`: TPN) of one model in five formats: float32, bf16, and compressed-tensors int8 per channel (W8A16),
 int4 group 128 (W4A16) and FP8 per channel of the bf16 model; each against float32 and against the memory limit.
 
 A random Llama is drawn from `--seed` (hidden, MLP width, layers; head dim 128, 4 query heads per KV head,
@@ -12,7 +12,7 @@ format is the bytes a rank reads per token (every tensor it holds, less the embe
 over the streaming bandwidth a rank gets while the other streams too (measured here: both ranks summing a 512 MiB
 float32 tensor at once). Prints a markdown block for BENCHMARKS.md, with the load average.
 
-    python bench/quantized.py [--seed N] [--issue-shape] [--tokens 9] [--repeats 5]
+    python bench/quantized.py [--seed N] [--issue-shape] [--tokens 9] [--repeats 5] [--world 1]
     python bench/quantized.py --kernels [--hidden 2048]   # one MLP-sized layer, batch 1, 1 thread
     python bench/quantized.py --formats                   # exactness and bytes per format, 2 and 3 thread-ranks
 
@@ -261,6 +261,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048, help="--kernels: the layer's input features")
     ap.add_argument("--tokens", type=int, default=9)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--world", type=int, default=2, help="tensor-parallel ranks (gloo processes), default 2")
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--formats", action="store_true")
     args = ap.parse_args()
@@ -276,7 +277,7 @@ def main() -> None:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         paths = make(tmp, shape)
-        ranks = tpkit.launch(_tp_rank, 2, args=(paths, args.tokens, args.repeats), timeout=3600)
+        ranks = tpkit.launch(_tp_rank, args.world, args=(paths, args.tokens, args.repeats), timeout=3600)
     load = max(load[0], os.getloadavg()[0])
     r = {k: max(x[k] for x in ranks) for k in ranks[0] if k != "bandwidth"}
     bw = min(x["bandwidth"] for x in ranks)
@@ -289,9 +290,9 @@ def main() -> None:
     table = "\n".join(["| format | decode ms/token | / float32 | read per rank per token | memory limit ms | "
                        "/ limit | load s |", "|---|---|---|---|---|---|---|"] + rows)
     print(f"{table}\n\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, "
-          f"{' / '.join(map(str, heads_of(shape)))} heads, vocabulary {VOCAB} (seed {seed}); TP2, "
-          f"2 gloo processes, 1 thread each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "
-          f"streaming bandwidth per rank with both reading {bw / 1e9:.1f} GB/s; load average {load:.2f}; "
+          f"{' / '.join(map(str, heads_of(shape)))} heads, vocabulary {VOCAB} (seed {seed}); TP{args.world}, "
+          f"{args.world} gloo process{'es' if args.world > 1 else ''}, 1 thread each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "
+          f"streaming bandwidth per rank with all {args.world} reading {bw / 1e9:.1f} GB/s; load average {load:.2f}; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {datetime.date.today().isoformat()}.")
 
 
