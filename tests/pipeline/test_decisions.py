@@ -44,8 +44,12 @@ def test_predict_prices_pp_from_the_setup_without_it():
     profile = synthetic_profile()
     flat = predict(_config(), Setup(1), "train", 8, 64, profile, ranks=2)
     staged = predict(_config(), Setup(1, pp=2, microbatches=4), "train", 8, 64, profile)
-    assert staged.bubble_s > 0 and staged.pp_communication_s > 0
-    assert staged.kernels_s == pytest.approx(flat.kernels_s / 2) and staged.memory_bytes < flat.memory_bytes
+    assert staged.bubble_s > 0 and staged.pp_communication_s > 0 and staged.memory_bytes < flat.memory_bytes
+    # each slot is one micro-batch (8 / 4 = 2 sequences) through a stage: every op runs m times, paying its fixed
+    # cost each time, and its matmuls run at 2 sequences' rows, slower per row than the whole batch's
+    micro = predict(_config(), Setup(1), "train", 2, 64, profile, ranks=2)
+    assert staged.kernels_s == pytest.approx(micro.kernels_s * 4 / 2) and staged.kernels_s > flat.kernels_s / 2
+    assert staged.overhead_s == pytest.approx(micro.overhead_s * 4 / 2) and staged.overhead_s > flat.overhead_s / 2
     more = predict(_config(), Setup(1, pp=2, microbatches=8), "train", 8, 64, profile)
     assert more.bubble_s < staged.bubble_s  # more micro-batches: a smaller bubble
     with pytest.raises(ValueError, match="pipeline parallelism .* is priced for training steps"):

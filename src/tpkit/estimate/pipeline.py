@@ -2,8 +2,11 @@
 
 `tpkit.pipeline` cuts the model into p stages (balanced: each holds about 1/p of the layers' work) and runs m
 micro-batches per step through torch's schedule, v stages per rank. With the step of the whole model at the same
-tp x dp priced op by op (`predict`), a stage's share of it is 1/p; the schedule runs v m + p - 1 slots of a
-(v-th of a) stage's micro-batch, of which p - 1 idle (`bubble_fraction`), and every slot sends its activation
+tp x dp priced op by op (`predict`) at one micro-batch's size, a slot is a (v-th of a) stage's share of it, 1/(p v):
+every op runs once per micro-batch, paying its fixed cost each time, and a micro-batch's few rows run the matmuls
+at their own (lower) rate. (Priced as 1/m of the whole batch's step instead, a GPT-2 h256 x 4 step at batch 8 x 32,
+pp2 m8 on the 2-core box, was predicted 70 ms and ran 146 ms, and the search picked it over tp2, which ran 65-69 ms.)
+The schedule runs v m + p - 1 slots, of which p - 1 idle (`bubble_fraction`), and every slot sends its activation
 forward and its gradient back: 2 point-to-point messages of `activation_bytes` per slot, priced by the calibrated
 2-rank all-gather (it moves each rank's bytes to the other once: the measured figure nearest a send; tpkit calibrates
 no send of its own). Data parallelism's collectives run once per step on the stage's 1/p of the parameters.
@@ -32,21 +35,26 @@ def send_seconds(rates: MachineRates, nbytes: float) -> float:
     return rates.collective("all_gather", 2).seconds(nbytes) if nbytes > 0 else 0.0
 
 
-def pipelined(base, setup, rates: MachineRates, activation_bytes: float):
+def pipelined(base, setup, rates: MachineRates, activation_bytes: float, micro=None):
     """`base` (the `Prediction` of the setup without pipelining, at the same tp x dp and batch) as `setup` (with
-    `pp`, `microbatches`, `stages_per_rank`, `schedule`) runs it: a `Prediction`."""
+    `pp`, `microbatches`, `stages_per_rank`, `schedule`) runs it: a `Prediction`. `micro`: the same without
+    pipelining at one micro-batch's size, which prices the slots (default: `base` over m, as if every cost shrank
+    with the batch)."""
     p, m, v = setup.pp, setup.microbatches, setup.stages_per_rank
+    unit = micro if micro is not None else dataclasses.replace(
+        base, kernels_s=base.kernels_s / m, overhead_s=base.overhead_s / m,
+        tp_communication_s=base.tp_communication_s / m, cp_communication_s=base.cp_communication_s / m)
     slots = v * m + p - 1
-    stage = (base.kernels_s + base.overhead_s + base.tp_communication_s + base.cp_communication_s) / p  # a stage's
-    per_slot = stage / (v * m)
+    per_slot = (unit.kernels_s + unit.overhead_s + unit.tp_communication_s + unit.cp_communication_s) / (p * v)
+    stage = per_slot * v * m  # a stage's busy time in a step
     sends = 2 * slots * send_seconds(rates, activation_bytes / m)
     seconds = slots * per_slot + sends + base.dp_communication_s / p
     in_flight = 1.0 if setup.schedule in SCHEDULES_IN_FLIGHT_ALL else min(p, m) / m
     weights = base.memory_bytes - base.activation_bytes
     memory = weights / p + base.activation_bytes / p * in_flight
-    return dataclasses.replace(base, setup=setup, seconds=seconds, kernels_s=base.kernels_s / p,
-                               overhead_s=base.overhead_s / p, tp_communication_s=base.tp_communication_s / p,
+    return dataclasses.replace(base, setup=setup, seconds=seconds, kernels_s=unit.kernels_s * m / p,
+                               overhead_s=unit.overhead_s * m / p, tp_communication_s=unit.tp_communication_s * m / p,
                                dp_communication_s=base.dp_communication_s / p,
-                               cp_communication_s=base.cp_communication_s / p, memory_bytes=memory,
+                               cp_communication_s=unit.cp_communication_s * m / p, memory_bytes=memory,
                                process_bytes=base.process_bytes - base.memory_bytes + memory,
                                bubble_s=slots * per_slot - stage, pp_communication_s=sends)

@@ -320,20 +320,25 @@ def _context(setup: Setup, traced: Traced, rates: MachineRates, batch: int, seq:
 
 def _pipelined(model_or_config, setup: Setup, goal, batch_size, seq_len, profile, ranks, example, traced, dtype,
                hardware, attention) -> Prediction:
-    """`setup` with pipeline stages: the same setup without them, priced at the same batch, then its bubble and
-    stage sends (`pipeline.pipelined`); training only (torch's schedules run a training step)."""
+    """`setup` with pipeline stages: the same setup without them, priced at the same batch (memory, data
+    parallelism) and at one micro-batch (the slots), then its bubble and stage sends (`pipeline.pipelined`); training
+    only (torch's schedules run a training step)."""
     if goal != "train":
         raise ValueError(f"predict: pipeline parallelism (pp={setup.pp}) is priced for training steps, not {goal!r}")
     flat = dataclasses.replace(setup, pp=1, microbatches=1, stages_per_rank=1)
     base = predict(model_or_config, flat, goal, batch_size, seq_len, profile, ranks or setup.devices, example,
                    traced, dtype, hardware, attention)
+    micro_batch = -(-batch_size // setup.microbatches)  # a slot runs one micro-batch: priced at its own size
+    micro = None if micro_batch == batch_size or example is not None else predict(  # traced anew: at its batch
+        model_or_config, flat, goal, micro_batch, seq_len, profile, ranks or setup.devices, None, None, dtype,
+        hardware, attention)
     item = (dtype or own_dtype(model_or_config)).itemsize
     config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config, "config",
                                                                                         None)
     hidden = getattr(config, "hidden_size", 0) or 0
     activation = -(-batch_size // setup.dp) * local_tokens(seq_len, setup.cp) * hidden * item  # at a stage boundary
     rates = profile.rates(ranks or setup.devices, hardware, item)
-    return pipelined(base, setup, rates, activation)
+    return pipelined(base, setup, rates, activation, micro)
 
 
 def dp_seconds(setup: Setup, goal: str, param_bytes: float, layers: int, rates: MachineRates) -> float:
