@@ -12,15 +12,22 @@ def _avx512() -> bool:
     return "avx512f" in native._cpu().split() and "avx512bw" in native._cpu().split()
 
 
+def _bf16_dot() -> bool:
+    return _avx512() and "avx512_bf16" in native._cpu().split()
+
+
 @pytest.fixture(params=list(native.ISA_FLAGS))
 def build(request, monkeypatch):
     """The product built for each instruction-set path `TPKIT_NATIVE_ISA` offers (`native.ISA_FLAGS`): all this CPU
-    has (the AVX-512 loops where it has them), the same without AVX-512 (the portable loops the compiler vectorizes
-    for AVX2), and x86-64's baseline; each is what some CPU runs."""
+    has (the AVX-512 loops where it has them, with AVX512-BF16's dot products for bf16 inputs where it has that),
+    the AVX-512 loops without them, the same CPU without AVX-512 (the portable loops the compiler vectorizes for
+    AVX2), and x86-64's baseline; each is what some CPU runs."""
     if request.param == "native":
         return request.param
     if request.param == "avx2" and not _avx512():
         pytest.skip("this machine's build is the AVX2 path already")
+    if request.param == "avx512" and not _bf16_dot():
+        pytest.skip("this machine's build has no AVX512-BF16 path: native is the AVX-512 path already")
     if request.param not in _BUILDS:
         _BUILDS[request.param] = native.build(native.ISA_FLAGS[request.param])
     if _BUILDS[request.param] is None:

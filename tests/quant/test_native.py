@@ -50,6 +50,32 @@ def test_each_kind_equals_the_product_of_its_decoded_weight(n, k, rows, build):
         assert _rel(got, x @ dense.t()) < 1e-5, kind
 
 
+@pytest.mark.parametrize("n,k,block", [(64, 256, (1, 128)), (37, 384, (4, 128)), (5, 1024, (2, 256)),
+                                         (16, 512, (1, 512)), (9, 320, (1, 64)), (7, 200, (1, 100))])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bf16_inputs_equal_the_float64_product(n, k, block, rows, build):
+    """bf16 activations (a bf16 model's) take AVX512-BF16's dot products for bf16 and int4 weights where the CPU
+    has them (int4 where its blocks are whole runs of 128 values; 64 and 100 wide blocks, and k 200, keep the
+    float32 loops): the float32 sums before the output's rounding to bf16 equal the float64 product of the same
+    values, zero points and scales of each dtype included, on every instruction-set path."""
+    g = torch.Generator().manual_seed(n * k + rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    u4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    stored = (u4[:, 0::2] | (u4[:, 1::2] << 4)).contiguous()
+    for scale_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        s = (torch.rand(nb, kb, generator=g) + 0.1).to(scale_dtype)
+        for zero in (None, torch.randint(-8, 8, (nb, kb), dtype=torch.int8, generator=g)):
+            z = 0 if zero is None else _blocks(zero, block, (n, k)).double()
+            dense = (u4.double() - z - 8) * _blocks(s.double(), block, (n, k))
+            got = native._run(x.float(), stored, native.KINDS["uint4"], s, zero, *block, n, 8.0, 0, True)
+            assert _rel(got, x.double() @ dense.t()) < 1e-6, (scale_dtype, zero is None)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    got = native._run(x.float(), w, native.KINDS["bf16"], None, None, 1, 1, n, 0.0, 0, True)
+    assert _rel(got, x.double() @ w.double().t()) < 1e-6
+    assert _rel(native.gemv(x, stored, "uint4", n, s, zero, block, 8).double(), x.double() @ dense.t()) < 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_inputs_of_each_dtype_and_layout_give_the_dtype_back(dtype):
     g = torch.Generator().manual_seed(1)
@@ -131,6 +157,7 @@ def test_the_environment_picks_the_instruction_set(monkeypatch):
         monkeypatch.setenv("TPKIT_NATIVE_ISA", name)
         assert native._function() == "a product" and built[-1] == flags
     assert native.ISA_FLAGS["avx2"] == ("-mno-avx512f",) and "-march=x86-64" in native.ISA_FLAGS["baseline"]
+    assert native.ISA_FLAGS["avx512"] == ("-mno-avx512bf16",)
     monkeypatch.setenv("TPKIT_NATIVE_ISA", "sse9")
-    with pytest.raises(ValueError, match="TPKIT_NATIVE_ISA='sse9': choose one of native, avx2, baseline"):
+    with pytest.raises(ValueError, match="TPKIT_NATIVE_ISA='sse9': choose one of native, avx512, avx2, baseline"):
         native.isa()

@@ -5,6 +5,9 @@
    in the cache, the bytes a few KiB ahead asked for meanwhile. With AVX-512 (`native.py` builds it with `-O3
    -march=native`), intrinsics: up to MC_MAX activation rows share each decoded weight row, each keeping 4 chains of
    16 float32 lanes; elsewhere plain C that the compiler vectorizes, 32 lanes per dot product, one row at a time.
+   Where the CPU has AVX512-BF16 and the activations are bf16 values (`xb`), bf16 and int4 weights are multiplied
+   as bf16 words by its dot product instead (`dot_bf16`): the same float32 sums of exact products, with no decode to
+   float32 (int4: a byte lookup per nibble), which was the int4 loop's bound.
 
    Weight kinds (`kind`), each `[N, K]` row-major in its stored bytes:
      0  bf16 bits                                 1  fp16 bits
@@ -106,11 +109,9 @@ static inline __m512 decode16(int kind, const uint8_t *w, int64_t k) {
     case 1: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * k)));
     case 2: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k))));
     case 3: return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k))));
-    default: {
-        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k)));
-        __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20),
-                                       _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24));
-        return _mm512_castsi512_ps(bits);
+    default: {  /* sign-extended, the magnitude's 7 bits moved to 20..26 and the sign (every bit from 7 on) to 31 */
+        __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k)));
+        return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32((int)0x87F00000u)));
     }
     }
 }
@@ -214,6 +215,145 @@ static void rows(int kind, int mc, int64_t K, const float *x, const float *halve
     default: ROWS_CASE(5)
     }
 }
+
+#if defined(__AVX512BF16__)
+/* Activations that are bf16 values (a bf16 model's): each product of bf16 weights, or of int4 values made bf16, is
+   exact in float32, so AVX512-BF16's `vdpbf16ps` (32 weights per instruction, summed in float32) gives the float32
+   loop's sums with no decode to float32 at all. bf16 weights are multiplied as stored. An int4 nibble q becomes the
+   bf16 word of q - 8 by two byte lookups (its low and high bytes, `INT4_*_BYTES`), so a 64-byte run of weights (128
+   values, one group of 128) is an AND, a shift, four lookups and four byte interleaves; the -8 each value carries is
+   taken off with the zero point (`BF16_INT4_BIAS`), as the offset is. (Placing q under the byte 0x43, the word of
+   128 + q, spares the lookups and ran 5-9% faster, but its sums carry 128 per value: 10-30x the rounding error of
+   the float32 loop, where q - 8 has less than it.) The interleaves work per 128-bit lane, so `bf16_activations`
+   lays x out once per call in the order the words come. On the 2-core Xeon, `vdpbf16ps` issues once per ~2 cycles:
+   four per run are the bound in cache. */
+#define BF16_INT4_BIAS (-8.0f)
+/* the bf16 word of q - 8 for q = 0..15, its low and high bytes */
+static const uint8_t INT4_LOW_BYTES[16] = {0x00, 0xE0, 0xC0, 0xA0, 0x80, 0x40, 0x00, 0x80, 0x00, 0x80, 0x00, 0x40,
+                                           0x80, 0xA0, 0xC0, 0xE0};
+static const uint8_t INT4_HIGH_BYTES[16] = {0xC1, 0xC0, 0xC0, 0xC0, 0xC0, 0xC0, 0xC0, 0xBF, 0x00, 0x3F, 0x40, 0x40,
+                                            0x40, 0x40, 0x40, 0x40};
+#define BF16_DOT 1
+
+/* xb = x's bf16 bits (the values are bf16: truncation is exact), for kind 4 in each 64-byte run's word order: the
+   run's interleaves give words for bytes 16L + (0..7) (low nibbles), 16L + (8..15) (low), then the same for the high
+   nibbles, per lane L = 0..3; byte j's low nibble is k = 2j, its high nibble 2j + 1 */
+static void bf16_activations(int kind, int64_t M, int64_t K, const float *x, uint16_t *xb) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint32_t *xm = (const uint32_t *)(x + m * K);
+        uint16_t *out = xb + m * K;
+        if (kind != 4) {
+            for (int64_t k = 0; k < K; k++) out[k] = (uint16_t)(xm[k] >> 16);
+            continue;
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += 128, out += 128)
+            for (int part = 0; part < 4; part++)  /* low nibbles' first, second halves; high nibbles' */
+                for (int i = 0; i < 32; i++) {
+                    int64_t byte = k0 / 2 + 16 * (i / 8) + 8 * (part & 1) + i % 8;
+                    out[32 * part + i] = (uint16_t)(xm[2 * byte + (part >> 1)] >> 16);
+                }
+    }
+}
+
+static inline __attribute__((always_inline)) __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+/* out[m] = sum over blocks b of s_b * (sum_k x[m, k] w[k]) for activation rows m < mc (their bf16 `xb`) and a
+   bf16 weight row; each row keeps 2 chains per block, which meet the block's scale in one multiply-add */
+static inline __attribute__((always_inline)) void dot_bf16_mc(int mc, int64_t K, const uint16_t *xb,
+                                                              const uint16_t *w, int64_t size, const float *s_row,
+                                                              float *out) {
+    __m512 tot[MC_MAX];
+    float rest[MC_MAX];
+    for (int m = 0; m < mc; m++) { tot[m] = _mm512_setzero_ps(); rest[m] = 0.0f; }
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += size, b++) {
+        int64_t k1 = k0 + size < K ? k0 + size : K, k = k0;
+        __m512 a[MC_MAX][2];
+        float tail[MC_MAX];
+        for (int m = 0; m < mc; m++) { a[m][0] = a[m][1] = _mm512_setzero_ps(); tail[m] = 0.0f; }
+        for (; k + 64 <= k1; k += 64) {
+            __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 32);
+            for (int m = 0; m < mc; m++) {
+                const uint16_t *xm = xb + m * K + k;
+                a[m][0] = _mm512_dpbf16_ps(a[m][0], as_bh(_mm512_loadu_si512(xm)), as_bh(w0));
+                a[m][1] = _mm512_dpbf16_ps(a[m][1], as_bh(_mm512_loadu_si512(xm + 32)), as_bh(w1));
+            }
+        }
+        for (; k + 32 <= k1; k += 32) {
+            __m512i w0 = _mm512_loadu_si512(w + k);
+            for (int m = 0; m < mc; m++)
+                a[m][0] = _mm512_dpbf16_ps(a[m][0], as_bh(_mm512_loadu_si512(xb + m * K + k)), as_bh(w0));
+        }
+        for (; k < k1; k++)
+            for (int m = 0; m < mc; m++)
+                tail[m] += bits_float((uint32_t)xb[m * K + k] << 16) * bits_float((uint32_t)w[k] << 16);
+        float s = s_row ? s_row[b] : 1.0f;
+        for (int m = 0; m < mc; m++) {
+            tot[m] = _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_add_ps(a[m][0], a[m][1]), tot[m]);
+            rest[m] += s * tail[m];
+        }
+    }
+    for (int m = 0; m < mc; m++) out[m] = rest[m] + _mm512_reduce_add_ps(tot[m]);
+}
+
+/* The same for an int4 row (words 128 + q) whose blocks are whole runs of 128 values: one flat loop over the runs,
+   each run's four products summed in two chains and multiplied into the row's total by its block's scale, so a run
+   costs a load, three bit operations, four interleaves, four products, an add and a multiply-add */
+static inline __attribute__((always_inline)) void dot_int4_mc(int mc, int64_t K, const uint16_t *xb,
+                                                              const uint8_t *w, int64_t size, const float *s_row,
+                                                              float *out) {
+    __m512 tot[MC_MAX];
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i lb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)INT4_LOW_BYTES));
+    const __m512i hb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)INT4_HIGH_BYTES));
+    const int64_t per_block = size / 128;
+    for (int m = 0; m < mc; m++) tot[m] = _mm512_setzero_ps();
+    for (int64_t k = 0, b = 0, in_block = 0; k < K; k += 128) {
+        __m512i bytes = _mm512_loadu_si512(w + k / 2);
+        __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+        __m512i lo_l = _mm512_shuffle_epi8(lb, lo), lo_h = _mm512_shuffle_epi8(hb, lo);
+        __m512i hi_l = _mm512_shuffle_epi8(lb, hi), hi_h = _mm512_shuffle_epi8(hb, hi);
+        __m512i w0 = _mm512_unpacklo_epi8(lo_l, lo_h), w1 = _mm512_unpackhi_epi8(lo_l, lo_h);
+        __m512i w2 = _mm512_unpacklo_epi8(hi_l, hi_h), w3 = _mm512_unpackhi_epi8(hi_l, hi_h);
+        __m512 s = _mm512_set1_ps(s_row[b]);
+        for (int m = 0; m < mc; m++) {
+            const uint16_t *xm = xb + m * K + k;
+            __m512 a0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(_mm512_loadu_si512(xm)), as_bh(w0));
+            __m512 a1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(_mm512_loadu_si512(xm + 32)), as_bh(w1));
+            a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(xm + 64)), as_bh(w2));
+            a1 = _mm512_dpbf16_ps(a1, as_bh(_mm512_loadu_si512(xm + 96)), as_bh(w3));
+            tot[m] = _mm512_fmadd_ps(s, _mm512_add_ps(a0, a1), tot[m]);
+        }
+        if (++in_block == per_block) { in_block = 0; b++; }
+    }
+    for (int m = 0; m < mc; m++) out[m] = _mm512_reduce_add_ps(tot[m]);
+}
+
+/* sum_b s[b] * (z[b] + bias) * sums[b] over b < KB (z NULL: `offset` for every block), 16 blocks per step */
+static float shift_sum(int64_t KB, const float *s, const float *z, float offset, float bias, const float *sums) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < KB; b += 16) {
+        __mmask16 live = KB - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (KB - b)) - 1u);
+        __m512 zb = z ? _mm512_maskz_loadu_ps(live, z + b) : _mm512_set1_ps(offset);
+        __m512 terms = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + b), _mm512_add_ps(zb, _mm512_set1_ps(bias)));
+        acc = _mm512_fmadd_ps(terms, _mm512_maskz_loadu_ps(live, sums + b), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+#define DOT_CASE(FN, W)                                                                                  \
+    switch (mc) {                                                                                        \
+    case 1: FN(1, K, xb, W, size, s_row, out); return;                                                   \
+    case 2: FN(2, K, xb, W, size, s_row, out); return;                                                   \
+    case 3: FN(3, K, xb, W, size, s_row, out); return;                                                   \
+    default: FN(4, K, xb, W, size, s_row, out); return;                                                  \
+    }
+
+static void dot_bf16(int kind, int mc, int64_t K, const uint16_t *xb, const uint8_t *w, int64_t size,
+                     const float *s_row, float *out) {
+    if (kind == 4) DOT_CASE(dot_int4_mc, w)
+    DOT_CASE(dot_bf16_mc, (const uint16_t *)w)
+}
+#endif
 #else
 /* acc[l] += s * (sum over k in [k0, k1), k = l mod LANES, of x[k] * decode(w, k)), and the returned tail (k past the
    last whole run of LANES) times s: the kind is a constant in each instance (inlined per case) */
@@ -286,13 +426,24 @@ static void rows(int kind, int mc, int64_t K, const float *x, const float *halve
 /* Rows [n0, n1) of y (`[M, N]` float32) for x `[M, K]` float32. `sums`: M x KB scratch (the blocks' sums of x, when
    there are zero points or an offset); `halves`: M x K scratch (x de-interleaved into even / odd k, for kind 4);
    `row`: 2 x KB scratch (a row block's scales and zero points as float32, decoded once for all M rows: the inner
-   loops then read float32 as they would from a float32 table). */
+   loops then read float32 as they would from a float32 table). `xb`: M x K scratch of 16-bit words where x's values
+   are bf16 (a bf16 model's activations), else NULL: bf16 and int4 weights then take the bf16 dot products (int4
+   where its blocks are whole runs of 128 values), the sums of x (`sums`, needed) carrying int4's bias. */
 void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const void *w, const void *scale,
              int scale_kind, const void *zero, int zero_kind, int zero_bits, float offset, int64_t bh, int64_t bw,
-             int64_t KB, float *y, int64_t n0, int64_t n1, float *sums, float *halves, float *row) {
+             int64_t KB, float *y, int64_t n0, int64_t n1, float *sums, float *halves, float *row, uint16_t *xb) {
     int64_t row_bytes = kind == 4 ? K / 2 : (kind <= 1 ? 2 * K : K);
     int64_t size = scale ? bw : K;
     int shifted = zero_kind != 0 || offset != 0.0f;
+#ifdef BF16_DOT
+    int dot = xb && ((kind == 0 && !shifted) || (kind == 4 && scale && K % 128 == 0 && size % 128 == 0));
+    float bias = kind == 4 ? BF16_INT4_BIAS : 0.0f;
+    shifted = shifted || (dot && kind == 4);
+    if (dot) bf16_activations(kind, M, K, x, xb);
+#else
+    int dot = 0;
+    (void)xb;
+#endif
     if (shifted)
         for (int64_t m = 0; m < M; m++)
             for (int64_t b = 0; b < KB; b++) {
@@ -300,7 +451,7 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
                 for (int64_t k = b * bw; k < K && k < (b + 1) * bw; k++) s += x[m * K + k];
                 sums[m * KB + b] = s;
             }
-    if (kind == 4)
+    if (kind == 4 && !dot)
         for (int64_t m = 0; m < M; m++)
             for (int64_t j = 0; j < K / 2; j++) {
                 halves[m * K + j] = x[m * K + 2 * j];
@@ -322,6 +473,14 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
         for (int64_t m0 = 0; m0 < M; m0 += MC_MAX) {  /* up to MC_MAX rows share each decode of the weight row */
             int mc = M - m0 < MC_MAX ? (int)(M - m0) : MC_MAX;
             float out[MC_MAX];
+#ifdef BF16_DOT
+            if (dot) {
+                dot_bf16(kind, mc, K, xb + m0 * K, wn, size, s_row, out);
+                if (shifted)  /* the blocks' zero points, offset and bias times the sums of x */
+                    for (int m = 0; m < mc; m++)
+                        out[m] -= shift_sum(KB, s_row, z_row, offset, bias, sums + (m0 + m) * KB);
+            } else
+#endif
             rows(kind, mc, K, x + m0 * K, halves ? halves + m0 * K : 0, wn, size, s_row, z_row, offset, shifted,
                  sums ? sums + m0 * KB : 0, KB, out);
             for (int m = 0; m < mc; m++)

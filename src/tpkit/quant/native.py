@@ -6,7 +6,10 @@ memory, and torch's CPU paths for a quantized or half-precision weight read them
 kernel at all for FP8). `gemv.c` streams each weight row once, decoding it in registers (bf16, fp16, int8, packed
 int4 pairs, FP8 e4m3) with float32 sums and per-block scales and zero points, the scales and zero points read
 where the checkpoint stored them (float32, bf16 or fp16 scales; int8 or packed int32 zero points; the values'
-storage offset a scalar): a layer keeps no table beside its stored tensors.
+storage offset a scalar): a layer keeps no table beside its stored tensors. bf16 activations times bf16 or int4
+weights take AVX512-BF16's dot products where the CPU has them (exact products, float32 sums, no decode to float32).
+Each call's scratch (sums of x, x rearranged) lives in one buffer per thread, reused: a decode step calls this for
+every layer, and the allocations had been a quarter of a small layer's call.
 
 It is compiled on first use with the C compiler (`CC`, default `cc`; `-O3 -march=native -fopenmp-simd`) into
 `$TPKIT_CACHE` (default `~/.cache/tpkit`), keyed by the source, the compiler and the CPU, written atomically; where
@@ -34,6 +37,7 @@ ZERO_KINDS = {torch.int8: 1, torch.int32: 2}  # int8 values; int32 words packing
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.c")
 _LOCK = threading.Lock()
 _LIB: list = []  # [ctypes function or None], once tried
+_BF16_DOT_KINDS = (KINDS["bf16"], KINDS["uint4"])  # the kinds `gemv.c` multiplies as bf16 words for bf16 inputs
 
 
 def _cpu() -> str:
@@ -99,16 +103,19 @@ def build(flags: tuple[str, ...] = ()):
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     c_int = ctypes.c_int
     fn.argtypes = [c_int, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int, c_int, ctypes.c_float, i64, i64, i64, ptr,
-                   i64, i64, ptr, ptr, ptr]
+                   i64, i64, ptr, ptr, ptr, ptr]
     fn.restype = None
     return fn
 
 
 # `TPKIT_NATIVE_ISA`: the instruction set the product is built for. "native" (the default): everything this CPU has
-# (`-march=native`: the AVX-512 loops where it has AVX-512F and BW); "avx2": the same CPU without AVX-512 (the
-# portable loops, vectorized by the compiler for AVX2 and FMA); "baseline": x86-64's SSE2 only. A CPU runs each
-# path it has, so the tests run every one here and compare them with the dequantized product.
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "baseline": ("-march=x86-64", "-mtune=generic")}
+# (`-march=native`: the AVX-512 loops where it has AVX-512F and BW, and AVX512-BF16's dot products for bf16
+# activations where it has that too); "avx512": the same without AVX512-BF16 (float32 multiply-adds throughout);
+# "avx2": the same CPU without AVX-512 (the portable loops, vectorized by the compiler for AVX2 and FMA);
+# "baseline": x86-64's SSE2 only. A CPU runs each path it has, so the tests run every one here and compare them with
+# the dequantized product.
+ISA_FLAGS = {"native": (), "avx512": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",),
+             "baseline": ("-march=x86-64", "-mtune=generic")}
 
 
 def isa() -> str:
@@ -141,30 +148,49 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+_SCRATCH = threading.local()  # per thread (thread-ranks call at once): one buffer the calls' scratch areas share
+
+
+def _scratch(sizes: tuple[int, ...]) -> list[int | None]:
+    """Addresses of scratch areas of `sizes` bytes (None for 0), each 64-byte aligned, in this thread's buffer,
+    grown as needed: decode calls the product for every layer and token, and one buffer spares each call its
+    allocations (the C code fills each area before reading it)."""
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total if size else None)
+        total += -(-size // 64) * 64
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < total + 64:
+        buf = _SCRATCH.buf = torch.empty(total + 64, dtype=torch.uint8)
+    base = -(-buf.data_ptr() // 64) * 64
+    return [None if at is None else base + at for at in starts]
+
+
 def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None, zero: torch.Tensor | None,
-         bh: int, bw: int, n: int, offset: float, zero_bits: int) -> torch.Tensor:
-    """`x` `[M, K]` float32 (contiguous) times the decoded `w` (`[N, ...]` bytes) -> `[M, N]` float32."""
+         bh: int, bw: int, n: int, offset: float, zero_bits: int, bf16: bool = False) -> torch.Tensor:
+    """`x` `[M, K]` float32 (contiguous) times the decoded `w` (`[N, ...]` bytes) -> `[M, N]` float32. `bf16`: x's
+    values are bf16 (a bf16 model's activations), so bf16 and int4 weights may take the bf16 dot products."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
     kb = 0 if scale is None else (scale.shape[-1] if scale.dim() > 1 else 1)
-    shifted = zero is not None or offset != 0
-    sums = torch.empty(m, max(kb, 1), dtype=torch.float32) if shifted else None
-    halves = torch.empty(m, k, dtype=torch.float32) if kind == KINDS["uint4"] else None
-    row = torch.empty(2, max(kb, 1), dtype=torch.float32)
+    uint4 = kind == KINDS["uint4"]
+    shifted = zero is not None or offset != 0 or uint4  # uint4's bf16 products carry a bias taken off with the sums
+    sums, halves, row, words = _scratch((4 * m * max(kb, 1) if shifted else 0, 4 * m * k if uint4 else 0,
+                                         8 * max(kb, 1), 2 * m * k if bf16 and kind in _BF16_DOT_KINDS else 0))
     _function()(kind, m, n, k, _ptr(x), _ptr(w), _ptr(scale), 0 if scale is None else SCALE_KINDS[scale.dtype],
                 _ptr(zero), 0 if zero is None else ZERO_KINDS[zero.dtype], zero_bits, offset, bh, bw, kb, _ptr(y), 0,
-                n, _ptr(sums), _ptr(halves), _ptr(row))
+                n, sums, halves, row, words)
     return y
 
 
 @torch.library.custom_op("tpkit::gemv", mutates_args=())
 def _op(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None, zero: torch.Tensor | None,
-        bh: int, bw: int, n: int, offset: float, zero_bits: int) -> torch.Tensor:
-    return _run(x, w, kind, scale, zero, bh, bw, n, offset, zero_bits)
+        bh: int, bw: int, n: int, offset: float, zero_bits: int, bf16: bool) -> torch.Tensor:
+    return _run(x, w, kind, scale, zero, bh, bw, n, offset, zero_bits, bf16)
 
 
 @_op.register_fake
-def _(x, w, kind, scale, zero, bh, bw, n, offset, zero_bits):
+def _(x, w, kind, scale, zero, bh, bw, n, offset, zero_bits, bf16):
     return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 
@@ -188,7 +214,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, kind: str, n: int, scale: torch.Tenso
     if not all(t is None or t.is_contiguous() for t in (w, scale, zero)):
         raise ValueError("native.gemv: the weight, scales and zero points are read in place: each contiguous")
     flat = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    args = (flat, w, KINDS[kind], scale, zero, int(block[0]), int(block[1]), int(n), float(offset), int(zero_bits))
-    traced = torch.compiler.is_compiling() or is_fake(flat) or is_fake(w)  # no data to read: the op's fake impl
+    args = (flat, w, KINDS[kind], scale, zero, int(block[0]), int(block[1]), int(n), float(offset), int(zero_bits),
+            x.dtype == torch.bfloat16)
+    traced = torch.compiler.is_compiling() or any(type(t) is not torch.Tensor and is_fake(t) for t in (flat, w))
+    # (traced: no data to read, the op's fake implementation; a plain tensor is never fake, spared the check)
     y = _op(*args) if traced else _run(*args)
     return y.to(x.dtype).view(*x.shape[:-1], n)
