@@ -93,6 +93,11 @@ def test_predictions_follow_the_rates():
     assert MachineRates.from_dict(old).collective_overhead_s == 0.0
     fit = fit_collective([(n, 40e-6 + n / 4e9) for n in (1024, 65536, 2 ** 20)])
     assert fit.latency_s == pytest.approx(40e-6, rel=1e-6) and fit.bandwidth == pytest.approx(4e9, rel=1e-6)
+    # small messages through shared memory, large through gloo: the least-squares line would start below zero
+    # (a quick calibration's gloo link once got latency 0); it starts at the smallest message's time instead
+    switched = [(4096, 2e-6), (65536, 30e-6), (2 ** 20, 1e-3), (2 ** 22, 8e-3)]
+    fit = fit_collective(switched)
+    assert fit.latency_s == pytest.approx(2e-6) and 0 < 2 ** 22 / fit.bandwidth < 8e-3
 
 
 def test_a_measured_collective_is_priced_between_its_timed_points_not_on_the_line():

@@ -135,7 +135,11 @@ def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
 
 def fit_collective(points: list[tuple[int, float]]) -> CollectiveCost:
     """The measured (bytes, seconds) points, and the line time = latency + bytes / bandwidth fitted to them by
-    least squares of the relative error (weights 1 / seconds^2), so small messages count as much as large ones."""
+    least squares of the relative error (weights 1 / seconds^2), so small messages count as much as large ones.
+    Where that line would start at or below zero (the transport switches past 1 MiB, and the small sizes ran
+    faster than the large ones' line allows), the line starts at the smallest message's time instead, the
+    bandwidth fitted with that start fixed: a collective always has a latency, and the smallest message is
+    nearly all latency."""
     w = [1.0 / max(s, 1e-12) ** 2 for _, s in points]
     x = [float(b) for b, _ in points]
     y = [s for _, s in points]
@@ -143,9 +147,11 @@ def fit_collective(points: list[tuple[int, float]]) -> CollectiveCost:
     sxx = sum(wi * xi * xi for wi, xi in zip(w, x))
     sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
     det = sw * sxx - sx * sx
-    slope = (sw * sxy - sx * sy) / det if det > 0 else 0.0
-    slope = max(slope, 1e-15)
-    latency = max((sy - slope * sx) / sw, 0.0)
+    slope = max((sw * sxy - sx * sy) / det if det > 0 else 0.0, 1e-15)
+    latency = (sy - slope * sx) / sw
+    if latency <= 0.0:
+        latency = min(points)[1]
+        slope = max((sxy - latency * sx) / sxx if sxx > 0 else 0.0, 1e-15)
     return CollectiveCost(latency, 1.0 / slope, _never_cheaper_when_larger(points))
 
 
