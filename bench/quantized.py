@@ -10,9 +10,11 @@ five with `tpkit.from_pretrained` (each at its checkpoint's dtype) and times the
 ms/token = (generate N tokens - generate 1) / (N - 1), the median of `--repeats` rounds. The memory limit of a
 format is the bytes a rank reads per token (every tensor it holds, less the embedding table it reads one row of)
 over the streaming bandwidth a rank gets while the other streams too (measured here: both ranks summing a 512 MiB
-float32 tensor at once). Prints a markdown block for BENCHMARKS.md, with the load average.
+float32 tensor at once). Prints a markdown block for BENCHMARKS.md, with the load average. `--compile` also times
+each format with its forward under `torch.compile` (eager and compiled alternating on the same model, each format
+in its own launch): what the per-token Python costs.
 
-    python bench/quantized.py [--seed N] [--issue-shape] [--tokens 9] [--repeats 5] [--world 1]
+    python bench/quantized.py [--seed N] [--issue-shape] [--tokens 9] [--repeats 5] [--world 1] [--compile]
     python bench/quantized.py --kernels [--hidden 2048]   # one MLP-sized layer, batch 1, 1 thread
     python bench/quantized.py --formats                   # exactness and bytes per format, 2 and 3 thread-ranks
 
@@ -121,7 +123,9 @@ def streaming(seconds: float = 1.0) -> float:
     return statistics.median(rates)
 
 
-def _tp_rank(paths: dict, tokens: int, repeats: int) -> dict:
+def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False) -> dict:
+    """One rank's figures. `compiled`: each model is also timed with its forward under `torch.compile` (inductor,
+    dynamic shapes), eager and compiled alternating on the same loaded model, the compile's seconds recorded."""
     import tpkit
 
     torch.set_num_threads(1)
@@ -132,13 +136,23 @@ def _tp_rank(paths: dict, tokens: int, repeats: int) -> dict:
         models[name] = tpkit.from_pretrained(path, progress=False)
         out[f"load_{name}"] = time.perf_counter() - start
         out[f"bytes_{name}"] = bytes_per_token(models[name])
-    for m in models.values():
+    forwards = {n: {"eager": m.forward} for n, m in models.items()}
+    if compiled:  # a rank compiles one model (`main` launches each format apart): never eager past the limit
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+    for n, m in models.items():
         ms_per_token(m, 3)  # warm-up
-    samples = {n: [] for n in models}
+        if compiled:
+            start = time.perf_counter()
+            m.forward = forwards[n]["compiled"] = torch.compile(forwards[n]["eager"], dynamic=True)
+            ms_per_token(m, 3)  # compiles the prefill's and the decode step's graphs
+            out[f"compile_{n}"] = time.perf_counter() - start
+    samples = {(n, way): [] for n in models for way in forwards[n]}
     for _ in range(repeats):
-        for n, m in models.items():  # alternating
-            samples[n].append(ms_per_token(m, tokens))
-    out.update({f"decode_{n}": statistics.median(v) for n, v in samples.items()})
+        for (n, way), seen in samples.items():  # alternating
+            models[n].forward = forwards[n][way]
+            seen.append(ms_per_token(models[n], tokens))
+    out.update({f"decode_{n}" if way == "eager" else f"compiled_{n}": statistics.median(v)
+                for (n, way), v in samples.items()})
     return out
 
 
@@ -264,6 +278,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2, help="tensor-parallel ranks (gloo processes), default 2")
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--formats", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also time each format's forward under torch.compile")
     args = ap.parse_args()
     if args.kernels:
         print(kernels(args.hidden))
@@ -277,7 +292,16 @@ def main() -> None:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         paths = make(tmp, shape)
-        ranks = tpkit.launch(_tp_rank, args.world, args=(paths, args.tokens, args.repeats), timeout=3600)
+        if args.compile:  # one format per launch: models compiled side by side share their forward's compiled code,
+            # whose guards every call then checks for all of them (the int4 step ran 1.2x eager that way)
+            ranks = [{} for _ in range(args.world)]
+            for f in FORMATS:
+                for mine, got in zip(ranks, tpkit.launch(_tp_rank, args.world, timeout=3600,
+                                                         args=({f: paths[f]}, args.tokens, args.repeats, True))):
+                    mine.update({k: v for k, v in got.items() if k != "bandwidth"})
+                    mine["bandwidth"] = min(mine.get("bandwidth", got["bandwidth"]), got["bandwidth"])
+        else:
+            ranks = tpkit.launch(_tp_rank, args.world, args=(paths, args.tokens, args.repeats), timeout=3600)
     load = max(load[0], os.getloadavg()[0])
     r = {k: max(x[k] for x in ranks) for k in ranks[0] if k != "bandwidth"}
     bw = min(x["bandwidth"] for x in ranks)
@@ -289,6 +313,13 @@ def main() -> None:
                     f"{r[f'load_{f}']:.1f} |")
     table = "\n".join(["| format | decode ms/token | / float32 | read per rank per token | memory limit ms | "
                        "/ limit | load s |", "|---|---|---|---|---|---|---|"] + rows)
+    if args.compile:
+        rows = [f"| {f} | {r[f'decode_{f}']:.1f} | {r[f'compiled_{f}']:.1f} | "
+                f"{r[f'compiled_{f}'] / r[f'decode_{f}']:.2f}x | "
+                f"{r[f'compiled_{f}'] / (r[f'bytes_{f}'] / bw * 1e3):.2f}x | {r[f'compile_{f}']:.0f} |"
+                for f in FORMATS]
+        table += "\n\n" + "\n".join(["| format | eager ms/token | compiled ms/token | compiled / eager | "
+                                      "compiled / limit | compile s |", "|---|---|---|---|---|---|"] + rows)
     print(f"{table}\n\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, "
           f"{' / '.join(map(str, heads_of(shape)))} heads, vocabulary {VOCAB} (seed {seed}); TP{args.world}, "
           f"{args.world} gloo process{'es' if args.world > 1 else ''}, 1 thread each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "

@@ -161,3 +161,25 @@ def test_the_environment_picks_the_instruction_set(monkeypatch):
     monkeypatch.setenv("TPKIT_NATIVE_ISA", "sse9")
     with pytest.raises(ValueError, match="TPKIT_NATIVE_ISA='sse9': choose one of native, avx512, avx2, baseline"):
         native.isa()
+
+
+def test_a_bf16_layer_compiles_fullgraph_with_the_product_chosen(monkeypatch):
+    """`torch.compile(fullgraph=True)` of a bf16 layer at decode rows traces the product its eager call chose, as one
+    op (`torch.get_num_threads()` in the choice's key broke the graph at every bf16 layer, and a TP2 model's decode
+    then recompiled each layer's pieces past dynamo's limit)."""
+    from tpkit.quant import products
+
+    monkeypatch.setattr(products, "_CHOSEN", {})
+    monkeypatch.setattr(products, "fastest", lambda candidates, *args, **kwargs: candidates[1])  # the native one
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(96, 256, generator=g).bfloat16()
+    x = torch.randn(1, 1, 256, generator=g).bfloat16()
+    eager = half_linear(x, w)  # the choice, made eagerly
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    got = torch.compile(lambda t: half_linear(t, w), fullgraph=True, backend=backend)(x)
+    assert torch.equal(got, eager) and len(graphs) == 1 and "tpkit.gemv" in graphs[0]

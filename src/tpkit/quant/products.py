@@ -132,6 +132,13 @@ def half_applies(weight_dtype: torch.dtype, rows: int, needs_grad: bool, cpu: bo
     return weight_dtype in HALF and cpu and rows <= MAX_ROWS and not needs_grad
 
 
+@torch.compiler.assume_constant_result
+def _threads() -> int:
+    """torch's intra-op threads, part of a product choice's key: a constant to a compiled graph (a rank's count does
+    not change under it), where `torch.get_num_threads()` itself broke the graph at every bf16 layer."""
+    return torch.get_num_threads()
+
+
 def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """`x weight^T` for a dense bf16 / fp16 `weight` by the faster of `F.linear` and the native product (measured
     on the first call of each shape and row count), or None where the native product does not apply
@@ -146,9 +153,12 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     kind = HALF[weight.dtype]
     # per row count: the native product's time grew with the rows (1 to 3x from 1 to 8 rows before it shared each
     # decoded weight row among them) where torch's stayed flat, so a choice made at one row could be the slower one
-    key = ("half", kind, n, k, rows, x.dtype, torch.get_num_threads())
-    with _LOCK:
+    key = ("half", kind, n, k, rows, x.dtype, _threads())
+    if torch.compiler.is_compiling():  # a traced read of a choice made before (a lock does not trace)
         chosen = _CHOSEN.get(key)
+    else:
+        with _LOCK:
+            chosen = _CHOSEN.get(key)
     if chosen is None:
         if torch.compiler.is_compiling() or not native.available():
             return None
