@@ -299,15 +299,16 @@ def main() -> None:
                 for mine, got in zip(ranks, tpkit.launch(_tp_rank, args.world, timeout=3600,
                                                          args=({f: paths[f]}, args.tokens, args.repeats, True))):
                     mine.update({k: v for k, v in got.items() if k != "bandwidth"})
-                    mine["bandwidth"] = min(mine.get("bandwidth", got["bandwidth"]), got["bandwidth"])
+                    mine[f"bandwidth_{f}"] = got["bandwidth"]
         else:
             ranks = tpkit.launch(_tp_rank, args.world, args=(paths, args.tokens, args.repeats), timeout=3600)
     load = max(load[0], os.getloadavg()[0])
-    r = {k: max(x[k] for x in ranks) for k in ranks[0] if k != "bandwidth"}
-    bw = min(x["bandwidth"] for x in ranks)
+    r = {k: max(x[k] for x in ranks) for k in ranks[0] if not k.startswith("bandwidth")}
+    bws = {f: min(x.get(f"bandwidth_{f}", x.get("bandwidth")) for x in ranks) for f in FORMATS}  # each launch's own
+    bw = min(bws.values())
     rows = []
     for f in FORMATS:
-        limit = r[f"bytes_{f}"] / bw * 1e3
+        limit = r[f"bytes_{f}"] / bws[f] * 1e3
         rows.append(f"| {f} | {r[f'decode_{f}']:.1f} | {r[f'decode_{f}'] / r['decode_float32']:.2f}x | "
                     f"{r[f'bytes_{f}'] / 2 ** 20:.0f} MiB | {limit:.1f} | {r[f'decode_{f}'] / limit:.2f}x | "
                     f"{r[f'load_{f}']:.1f} |")
@@ -316,14 +317,15 @@ def main() -> None:
     if args.compile:
         rows = [f"| {f} | {r[f'decode_{f}']:.1f} | {r[f'compiled_{f}']:.1f} | "
                 f"{r[f'compiled_{f}'] / r[f'decode_{f}']:.2f}x | "
-                f"{r[f'compiled_{f}'] / (r[f'bytes_{f}'] / bw * 1e3):.2f}x | {r[f'compile_{f}']:.0f} |"
+                f"{r[f'compiled_{f}'] / (r[f'bytes_{f}'] / bws[f] * 1e3):.2f}x | {r[f'compile_{f}']:.0f} |"
                 for f in FORMATS]
         table += "\n\n" + "\n".join(["| format | eager ms/token | compiled ms/token | compiled / eager | "
                                       "compiled / limit | compile s |", "|---|---|---|---|---|---|"] + rows)
     print(f"{table}\n\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, "
           f"{' / '.join(map(str, heads_of(shape)))} heads, vocabulary {VOCAB} (seed {seed}); TP{args.world}, "
           f"{args.world} gloo process{'es' if args.world > 1 else ''}, 1 thread each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "
-          f"streaming bandwidth per rank with all {args.world} reading {bw / 1e9:.1f} GB/s; load average {load:.2f}; "
+          f"streaming bandwidth per rank with all {args.world} reading {bw / 1e9:.1f}"
+          f"{f'-{max(bws.values()) / 1e9:.1f}' if max(bws.values()) > bw else ''} GB/s; load average {load:.2f}; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {datetime.date.today().isoformat()}.")
 
 
