@@ -295,9 +295,10 @@ static inline __attribute__((always_inline)) void dot_bf16_mc(int mc, int64_t K,
     for (int m = 0; m < mc; m++) out[m] = rest[m] + _mm512_reduce_add_ps(tot[m]);
 }
 
-/* The same for an int4 row (words 128 + q) whose blocks are whole runs of 128 values: one flat loop over the runs,
-   each run's four products summed in two chains and multiplied into the row's total by its block's scale, so a run
-   costs a load, three bit operations, four interleaves, four products, an add and a multiply-add */
+/* The same for an int4 row (words q - 8, looked up) whose blocks are whole runs of 128 values: one flat loop over
+   the runs, each run's four products summed in two chains and multiplied into the row's total by its block's scale,
+   so a run costs a load, three bit operations, four lookups, four interleaves, four products, an add and a
+   multiply-add */
 static inline __attribute__((always_inline)) void dot_int4_mc(int mc, int64_t K, const uint16_t *xb,
                                                               const uint8_t *w, int64_t size, const float *s_row,
                                                               float *out) {
