@@ -1,21 +1,35 @@
-"""Fresh destination memory for a load, backed by transparent huge pages where the kernel offers them.
+"""Fresh destination memory for a load, backed by transparent huge pages when asked (`TPKIT_HUGE_PAGES=1`).
 
-A new tensor's pages are mapped and zeroed by the kernel on first write, one 4 KiB fault at a time; filling
-0.3 GB of new parameters from the page cache spends more time in those faults than in copying. Advising the
-kernel (`madvise(MADV_HUGEPAGE)`, Linux, THP in "madvise" or "always" mode) turns them into 2 MiB faults:
-the read of a rank's shards took 0.07 s instead of 0.16 s on the development box. Elsewhere, or when the
-call fails, this does nothing.
+A new tensor's pages are mapped and zeroed by the kernel on first write, one 4 KiB fault at a time. Advising
+the kernel (`madvise(MADV_HUGEPAGE)`, Linux, THP in "madvise" or "always" mode) turns them into 2 MiB faults,
+which on a quiet bare host halves the fault cost: reading a 0.64 GB Llama's TP2 shards into fresh memory took
+0.07 s instead of 0.16 s on an earlier development box.
+
+Why not by default: where each huge page is expensive to obtain, the advice turns a load into a stall. On a
+virtual machine whose balloon reports free memory to the host (virtio free page reporting reports free 2 MiB
+blocks, which the host then discards), every huge page past the first ~0.1 GiB is a block the host must back
+again: filling 1 GiB of advised memory took 5.2 s there against 0.21 s in 4 KiB pages, and a 3.5 GB
+Llama's TP2 load 2-5 s against 0.27 s. A fragmented bare host stalls the same way in direct compaction (THP
+`defrag` "madvise"). 4 KiB faults cost about the same everywhere, so they are the default; the advice is for a
+host known to have huge pages to spare.
 """
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 
 import torch
 
+HUGE_PAGES_ENV = "TPKIT_HUGE_PAGES"
 _MIN_BYTES = 2 << 20  # below one huge page there is nothing to gain
 _madvise = None
+
+
+def huge_pages() -> bool:
+    """Whether new load destinations are advised as huge pages (`TPKIT_HUGE_PAGES=1`; default off)."""
+    return os.environ.get(HUGE_PAGES_ENV, "0") == "1"
 
 
 def _libc_madvise():
@@ -33,10 +47,11 @@ def _libc_madvise():
 
 
 def empty_for_load(shape, dtype: torch.dtype) -> torch.Tensor:
-    """`torch.empty(shape, dtype=dtype)` on the CPU, its whole pages advised as huge-page candidates."""
+    """`torch.empty(shape, dtype=dtype)` on the CPU; with `TPKIT_HUGE_PAGES=1` its whole pages advised as
+    huge-page candidates."""
     t = torch.empty(shape, dtype=dtype)
     size = t.numel() * t.element_size()
-    fn = _libc_madvise() if size >= _MIN_BYTES else None
+    fn = _libc_madvise() if size >= _MIN_BYTES and huge_pages() else None
     if fn:
         page = mmap.PAGESIZE
         start = (t.data_ptr() + page - 1) // page * page
