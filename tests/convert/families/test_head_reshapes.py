@@ -11,6 +11,9 @@ from torch import nn
 
 import tpkit
 from tpkit.comm import run_threads
+from tpkit.convert.planning import dryrun
+from tpkit.convert.planning.head_reshapes import HeadReshapes, from_trace
+from tpkit.convert.trace.dataflow import trace
 
 
 class PackedAttention(nn.Module):
@@ -88,3 +91,36 @@ def test_a_user_plan_splitting_such_a_block_is_refused_before_any_change():
 
     for same in run_threads(body, 2):
         assert all(same.values())
+
+
+def _recorded_by_a_run(model, inputs, watched):
+    with HeadReshapes(model, watched) as seen, torch.no_grad():
+        model(*inputs) if isinstance(inputs, tuple) else model(**inputs)
+    return seen.seen
+
+
+@pytest.mark.parametrize("which", ["block", "llama"])
+def test_the_trace_records_the_head_sizes_a_run_of_the_whole_model_records(which):
+    if which == "block":
+        model, inputs, watched = Block(True).double(), (torch.randn(2, 5, 32, dtype=torch.double),), ["attn"]
+    else:
+        from tests.models import hf
+        model = hf.hf_model("llama", num_hidden_layers=2)
+        inputs = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+        watched = [n for n, _ in model.named_modules() if n.endswith("self_attn")]
+    t = trace(model, inputs)
+    got = from_trace(t.head_cuts, watched)
+    assert got == _recorded_by_a_run(model, inputs, watched)
+    assert all(got[n] for n in watched)  # each cuts into heads: the comparison is not of empty lists
+
+
+def test_the_dry_run_reads_the_whole_models_head_sizes_from_the_trace(monkeypatch):
+    ran = []
+    real = dryrun._Whole._run
+    monkeypatch.setattr(dryrun._Whole, "_run", lambda self, on_meta: ran.append(on_meta) or real(self, on_meta))
+    torch.manual_seed(0)
+    model = Block(False).double()  # cut by its head count: the converted forward runs, its head sizes compared
+    x = torch.randn(2, 5, 32, dtype=torch.double)
+    m = run_threads(lambda comm: tpkit.parallelize(copy.deepcopy(model), comm=comm, example_inputs=(x,)).tp_plan, 2)
+    assert all(plan["attn.qkv_proj"] == "colwise" and plan["attn.out_proj"] == "rowwise" for plan in m)
+    assert ran == []  # compared with the trace's record: the whole model's forward was not run again

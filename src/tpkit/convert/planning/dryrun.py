@@ -26,13 +26,14 @@ from torch import nn
 
 from ...comm.shapes import ShapeCommunicator
 from ..errors import PlanError
-from .head_reshapes import HeadReshapes, changed, watched
+from .head_reshapes import HeadReshapes, changed, from_trace, watched
 from ..plan import Plan
 from ..layouts import plan_layouts
 from ..steps import prepare
 from ..swap import swap
 from ..styles import REPLICATE
 from ..trace import Analysis, traceable_experts
+from ..trace.state import popping
 from ..trace.structure import copy_on
 
 MAX_ROUNDS = 8
@@ -129,7 +130,12 @@ class _Whole:
         return self._run(on_meta)[0]
 
     def heads(self, on_meta: bool) -> dict[str, list[int]] | None:
-        """The head sizes of the whole model's forward, or None when it does not run on that kind of copy."""
+        """The head sizes of the whole model's forward, or None when it does not run on that kind of copy. The
+        trace ran that forward on the same inputs and recorded them (`Trace.head_cuts`): read there when every
+        watched module ran in it (a tower traced on its own did not), run again otherwise."""
+        trace = self.analysis.trace
+        if trace is not None and trace.head_cuts and all(n in trace.module_inputs for n in self.attention):
+            return from_trace(trace.head_cuts, self.attention)
         ran, seen = self._run(on_meta)
         return seen if ran else None
 
@@ -273,7 +279,7 @@ def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
     handles = []
     for name, m in model.named_modules():
         handles.append(m.register_forward_pre_hook(lambda *_, n=name: running.append(n)))
-        handles.append(m.register_forward_hook(lambda *_: running.pop() and None))
+        handles.append(m.register_forward_hook(popping(running)))
     model.eval()
     args = _to_meta(inputs) if on_meta else _to_real(inputs)
     try:

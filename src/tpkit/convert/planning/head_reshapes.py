@@ -15,13 +15,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
-import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..roles import ATTENTION, Pair
-
-_RESHAPES = frozenset(("view", "reshape", "unflatten"))
+from ..trace.heads import cut_size
+from ..trace.state import popping
 
 
 class HeadReshapes(TorchFunctionMode):
@@ -39,20 +38,29 @@ class HeadReshapes(TorchFunctionMode):
                 self.seen[name] = []
                 self._handles.append(modules[name].register_forward_pre_hook(
                     lambda *_, n=name: self._stack.append(n)))
-                self._handles.append(modules[name].register_forward_hook(lambda *_: self._stack.pop() and None))
+                self._handles.append(modules[name].register_forward_hook(popping(self._stack)))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self._stack and getattr(func, "__name__", "") in _RESHAPES and args \
-                and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor) \
-                and out.dim() > args[0].dim() > 0:
-            self.seen[self._stack[-1]].append(int(out.shape[-1]))
+        if self._stack and (size := cut_size(func, args, out)) is not None:
+            self.seen[self._stack[-1]].append(size)
         return out
 
     def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
         return super().__exit__(*exc)
+
+
+def from_trace(cuts: Iterable[tuple[tuple[str, ...], int]], watched: Iterable[str]) -> dict[str, list[int]]:
+    """What `HeadReshapes` over `watched` would record in the forward that recorded `cuts` (the trace's
+    `head_cuts`: the modules running at each reshape that added an axis, and its last size)."""
+    seen: dict[str, list[int]] = {name: [] for name in watched}
+    for running, size in cuts:
+        owner = next((n for n in reversed(running) if n in seen), None)
+        if owner is not None:
+            seen[owner].append(size)
+    return seen
 
 
 def watched(pairs: Iterable[Pair], split: set[str]) -> dict[str, Pair]:

@@ -22,10 +22,11 @@ from torch.overrides import TorchFunctionMode
 
 from ..modules import is_conv2d, is_per_channel, is_scalar_elementwise
 from .flat import flatten
+from .heads import cut_size
 from .loose import LooseParams
 from .ops import CUTS, ELEMENTWISE, JOINS, LAYOUT, METADATA, RESHAPES, SHAPE_OF, SPLITS
 from .pieces import Pieces, axes
-from .state import output_tensors, run_once
+from .state import output_tensors, popping, run_once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,8 @@ class Trace:
     inputs: Any = None  # the example inputs the trace ran (the dry run runs them again)
     meetings: tuple = ()  # every `Meeting` of a loose parameter with a tagged tensor, in op order
     fed: frozenset = frozenset()  # loose parameters that reached a layer's input or the output untagged
+    # every reshape that added an axis (`heads.cut_size`): (the modules running, outermost first; its last size)
+    head_cuts: tuple = ()
 
     def first(self, name: str) -> Call | None:
         calls = self.calls.get(name)
@@ -127,6 +130,8 @@ class _Tracer(TorchFunctionMode):
         self.readers: dict[str, str] = {}  # layer read directly -> the MultiheadAttention whose forward read it
         self.inside: list[str] = []  # the MultiheadAttention modules whose forward is running
         self.loose = LooseParams()  # parameters no layer owns, followed apart from the tags
+        self.running: list[str] = []  # the modules whose forward is running, outermost first
+        self.head_cuts: list[tuple[tuple[str, ...], int]] = []
 
     def tag_of(self, t: Any) -> Tag | None:
         if isinstance(t, torch.Tensor):
@@ -144,6 +149,8 @@ class _Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self._last_key = args[1] if getattr(func, "__name__", "") == "__getitem__" and len(args) > 1 else None
+        if self.running and (size := cut_size(func, args, out)) is not None:
+            self.head_cuts.append((tuple(self.running), size))
         if self.depth:
             return out
         name = getattr(func, "__name__", str(func))
@@ -288,6 +295,29 @@ def is_head_local(mod, x, tag) -> bool:
     return all(tuple(p.shape) == (d,) for p in mod.parameters(recurse=False))
 
 
+def _every_module(model: nn.Module, tracer: _Tracer, handles: list) -> tuple[dict, dict]:
+    """Hooks on every module (appended to `handles`): the running modules (`tracer.running`, and the
+    MultiheadAttention ones in `tracer.inside`), and each module's first call's tensor arguments, returned as
+    `Trace.module_inputs` and `Trace.plain_args` (filled as the forward runs)."""
+    module_inputs: dict[str, dict[int, int | str]] = {}
+    plain_args: dict[str, dict] = {}
+    for name, module in model.named_modules():
+        if type(module) is nn.MultiheadAttention:  # reads its out_proj's weight itself (see families/mha.py)
+            handles.append(module.register_forward_pre_hook(lambda *a, name=name: tracer.inside.append(name)))
+            handles.append(module.register_forward_hook(popping(tracer.inside)))
+
+        def record(mod, args, kwargs, name=name):
+            tracer.running.append(name)
+            if name not in module_inputs:
+                where = list(enumerate(args)) + list(kwargs.items())
+                module_inputs[name] = {id(v): at for at, v in reversed(where) if isinstance(v, torch.Tensor)}
+                plain_args[name] = {at: (tuple(v.shape), id(v)) for at, v in where if isinstance(v, torch.Tensor)
+                                    and v.is_floating_point() and tracer.tag_of(v) is None}
+        handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+        handles.append(module.register_forward_hook(popping(tracer.running)))
+    return module_inputs, plain_args
+
+
 def trace(model: nn.Module, example_inputs: Any, leaves: Mapping[str, nn.Module] | None = None) -> Trace:
     """Run `model(*example_inputs)` (`**example_inputs` for a mapping, `model(x)` for one tensor) once and
     record its dataflow. `leaves`: the model's `parameterised_leaves` when the caller has them."""
@@ -340,19 +370,7 @@ def trace(model: nn.Module, example_inputs: Any, leaves: Mapping[str, nn.Module]
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
-    module_inputs: dict[str, dict[int, int | str]] = {}
-    plain_args: dict[str, dict] = {}
-    for name, module in model.named_modules():
-        if type(module) is nn.MultiheadAttention:  # reads its out_proj's weight itself (see families/mha.py)
-            handles.append(module.register_forward_pre_hook(lambda *a, name=name: tracer.inside.append(name)))
-            handles.append(module.register_forward_hook(lambda *a: tracer.inside.pop() and None))
-        def record(mod, args, kwargs, name=name):
-            if name not in module_inputs:
-                where = list(enumerate(args)) + list(kwargs.items())
-                module_inputs[name] = {id(v): at for at, v in reversed(where) if isinstance(v, torch.Tensor)}
-                plain_args[name] = {at: (tuple(v.shape), id(v)) for at, v in where if isinstance(v, torch.Tensor)
-                                    and v.is_floating_point() and tracer.tag_of(v) is None}
-        handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    module_inputs, plain_args = _every_module(model, tracer, handles)
     try:
         out = run_once(model, example_inputs, tracer)
     finally:
@@ -367,4 +385,4 @@ def trace(model: nn.Module, example_inputs: Any, leaves: Mapping[str, nn.Module]
     tracer.loose.feed(output_tensors(out))  # a loose parameter's values leave the model
     return Trace(calls, consumers, pieces, escaped, carried_by, broken, head_local, module_inputs,
                  tracer.read_directly, tracer.readers, plain_args, example_inputs, tuple(tracer.loose.meetings),
-                 frozenset(tracer.loose.fed))
+                 frozenset(tracer.loose.fed), tuple(tracer.head_cuts))

@@ -7,11 +7,23 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
 from torch import nn
 
 HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "d_head", "d_k")
 NUM_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
 NUM_KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+_CUT_OPS = frozenset(("view", "reshape", "unflatten"))
+
+
+def cut_size(func, args, out) -> int | None:
+    """The last size of a reshape that adds an axis (features cut into heads; one head per rank cuts into one),
+    else None. The trace records it per running module for the whole model, the dry run per converted rank, and
+    `planning/head_reshapes.py` compares the two."""
+    if getattr(func, "__name__", "") in _CUT_OPS and args and isinstance(args[0], torch.Tensor) \
+            and isinstance(out, torch.Tensor) and out.dim() > args[0].dim() > 0:
+        return int(out.shape[-1])
+    return None
 
 
 def _int_attr(m: Any, names) -> int | None:

@@ -82,6 +82,15 @@ def real_tensors_as_meta(modules: Iterable[nn.Module]):
             vars(m).update(tensors)
 
 
+def popping(stack: list):
+    """A forward hook that pops `stack` (pushed by the module's pre-hook) and leaves the output alone: a hook
+    returning anything but None replaces the output, and `stack.pop() and None` returns the root module's name,
+    "", which is not None."""
+    def hook(*_):
+        stack.pop()
+    return hook
+
+
 def run_once(model: nn.Module, example_inputs: Any, mode: Any) -> Any:
     """One forward under `mode` (the tracer's TorchFunctionMode), in eval mode (no dropout draws from the RNG and
     no BatchNorm statistics move; the dataflow is the same), restoring each module's training flag after. A model
