@@ -142,9 +142,12 @@ def test_fake_tensors_are_never_read():
     with FakeTensorMode():
         w = torch.empty(96, 256, dtype=torch.bfloat16)
         x = torch.empty(1, 1, 256, dtype=torch.bfloat16)
+        p = torch.nn.Parameter(w, requires_grad=False)  # a fake layer's weight: a parameter, fake all the same
         with torch.inference_mode():
-            assert half_linear(x, w) is None
+            assert half_linear(x, w) is None and half_linear(x, p) is None
         assert native.gemv(x, w, "bf16", 96).shape == (1, 1, 96)
+        assert native.gemv(x, p, "bf16", 96).shape == (1, 1, 96)
+    assert native.fake(p) and not native.fake(torch.nn.Parameter(torch.empty(3))) and not native.fake(torch.empty(3))
 
 
 def test_the_environment_picks_the_instruction_set(monkeypatch):

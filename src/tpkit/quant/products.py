@@ -25,7 +25,6 @@ from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 
 from . import native
 from .format import Product
@@ -145,7 +144,7 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     (`half_applies`; no compiler) or was slower: the caller uses `F.linear`. Under `torch.compile` only a choice
     made before is used."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    fake = not torch.compiler.is_compiling() and (is_fake(x) or is_fake(weight))  # a traced step: no data to read
+    fake = not torch.compiler.is_compiling() and (native.fake(x) or native.fake(weight))  # a traced step: no data
     n, k = weight.shape
     rows = x.numel() // k
     if fake or not half_applies(weight.dtype, rows, grad, x.device.type == "cpu"):
