@@ -9,9 +9,9 @@ Why not by default: where each huge page is expensive to obtain, the advice turn
 virtual machine whose balloon reports free memory to the host (virtio free page reporting reports free 2 MiB
 blocks, which the host then discards), every huge page past the first ~0.1 GiB is a block the host must back
 again: filling 1 GiB of advised memory took 5.2 s there against 0.21 s in 4 KiB pages, and a 3.5 GB
-Llama's TP2 load 2-5 s against 0.27 s. A fragmented bare host stalls the same way in direct compaction (THP
-`defrag` "madvise"). 4 KiB faults cost about the same everywhere, so they are the default; the advice is for a
-host known to have huge pages to spare.
+Llama's TP2 load 1.2-5.0 s against 0.45-0.54 s. A fragmented bare host can stall the same way in direct
+compaction (THP `defrag` "madvise"). 4 KiB faults have no such cliff, so they are the default; the advice is for
+a host known to have huge pages to spare.
 """
 from __future__ import annotations
 

@@ -144,13 +144,16 @@ def available() -> bool:
     return _function() is not None
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # never fake: a fake tensor wrapped as a parameter keeps its own type
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a fake tensor wrapped as a parameter keeps its own type, FakeTensor
 
 
 def fake(t: torch.Tensor) -> bool:
-    """Whether `t` has no data to read (a fake tensor of a traced step). A plain tensor or parameter is answered by
-    its type: torch's `is_fake` walks wrapper subclasses, ~1.5 us, three times per decode product."""
-    return type(t) not in _PLAIN and is_fake(t)
+    """Whether `t` has no data to read (a fake tensor of a traced step). A plain tensor or parameter that is not a
+    functionalization wrapper (which may wrap a fake one) is answered without torch's `is_fake`, which unwraps
+    subclasses (~2 us, three times per decode product; the type and wrapper checks ~0.2 us)."""
+    if type(t) in _PLAIN and not torch._is_functional_tensor(t):
+        return False
+    return is_fake(t)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -124,3 +124,46 @@ def test_the_dry_run_reads_the_whole_models_head_sizes_from_the_trace(monkeypatc
     m = run_threads(lambda comm: tpkit.parallelize(copy.deepcopy(model), comm=comm, example_inputs=(x,)).tp_plan, 2)
     assert all(plan["attn.qkv_proj"] == "colwise" and plan["attn.out_proj"] == "rowwise" for plan in m)
     assert ran == []  # compared with the trace's record: the whole model's forward was not run again
+
+
+class _Raises(nn.Module):
+    def forward(self, x):
+        raise ValueError("a fast path that does not apply")
+
+
+class _Catching(PackedAttention):
+    """Tries a child that raises and catches it (a fused path with a fallback), then runs as its parent."""
+
+    def __init__(self):
+        super().__init__(constant_groups=False)
+        self.fast = _Raises()
+
+    def forward(self, x):
+        try:
+            return self.fast(x)
+        except ValueError:
+            return super().forward(x)
+
+
+class _Router(nn.Module):
+    """After the attention block, a reshape that adds an axis outside it (an MoE router's `view`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = _Catching()
+
+    def forward(self, x):
+        y = self.attn(x)
+        return y + y.view(*y.shape[:-1], 4, 8).sum(-1).repeat_interleave(8, dim=-1)
+
+
+def test_a_forward_caught_raising_leaves_the_record_as_a_run_records_it():
+    """The raising child's hooks still pop (`always_call`): the reshape after the block is not credited to it."""
+    model, x = _Router().double(), torch.randn(2, 5, 32, dtype=torch.double)
+    got = from_trace(trace(model, (x,)).head_cuts, ["attn"])
+    assert got == _recorded_by_a_run(model, (x,), ["attn"]) and 8 not in got["attn"]
+
+
+def test_the_trace_leaves_the_root_modules_output_alone():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    assert trace(model, (torch.randn(3, 8),)).escaped == {"2"}  # the output's producer: the output was kept

@@ -119,7 +119,8 @@ class _Whole:
     """The unconverted model's forward on a copy, run only when asked and once per kind of copy (meta or real):
     whether it runs, and the sizes its attention blocks cut their features into heads (`head_reshapes.py`).
     Asked whether it runs on meta only after a converted forward failed there (a converted forward that runs
-    there needs no answer), and for the head sizes only when a converted one cut a split block into heads."""
+    there needs no answer), and for the head sizes only when a converted one cut a split block into heads; those
+    the trace recorded are read from it instead (see `heads`)."""
 
     def __init__(self, model: nn.Module, analysis: Analysis, inputs: Any):
         self.model, self.analysis, self.inputs = model, analysis, inputs
@@ -130,9 +131,11 @@ class _Whole:
         return self._run(on_meta)[0]
 
     def heads(self, on_meta: bool) -> dict[str, list[int]] | None:
-        """The head sizes of the whole model's forward, or None when it does not run on that kind of copy. The
-        trace ran that forward on the same inputs and recorded them (`Trace.head_cuts`): read there when every
-        watched module ran in it (a tower traced on its own did not), run again otherwise."""
+        """The head sizes of the whole model's forward. The trace ran that forward on the same inputs and recorded
+        them (`Trace.head_cuts`): read there when every watched module ran in it (a tower traced on its own did
+        not), for either kind of copy (sizes computed from shapes and the config are the same on meta and real
+        tensors, whichever the trace ran on). Otherwise the forward runs on a copy of that kind: None when it
+        does not run there."""
         trace = self.analysis.trace
         if trace is not None and trace.head_cuts and all(n in trace.module_inputs for n in self.attention):
             return from_trace(trace.head_cuts, self.attention)
@@ -279,7 +282,7 @@ def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
     handles = []
     for name, m in model.named_modules():
         handles.append(m.register_forward_pre_hook(lambda *_, n=name: running.append(n)))
-        handles.append(m.register_forward_hook(popping(running)))
+        handles.append(m.register_forward_hook(popping(running)))  # not on a raise: the failure's place is read
     model.eval()
     args = _to_meta(inputs) if on_meta else _to_real(inputs)
     try:

@@ -38,7 +38,7 @@ class HeadReshapes(TorchFunctionMode):
                 self.seen[name] = []
                 self._handles.append(modules[name].register_forward_pre_hook(
                     lambda *_, n=name: self._stack.append(n)))
-                self._handles.append(modules[name].register_forward_hook(popping(self._stack)))
+                self._handles.append(modules[name].register_forward_hook(popping(self._stack), always_call=True))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

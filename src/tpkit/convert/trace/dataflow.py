@@ -304,7 +304,7 @@ def _every_module(model: nn.Module, tracer: _Tracer, handles: list) -> tuple[dic
     for name, module in model.named_modules():
         if type(module) is nn.MultiheadAttention:  # reads its out_proj's weight itself (see families/mha.py)
             handles.append(module.register_forward_pre_hook(lambda *a, name=name: tracer.inside.append(name)))
-            handles.append(module.register_forward_hook(popping(tracer.inside)))
+            handles.append(module.register_forward_hook(popping(tracer.inside), always_call=True))
 
         def record(mod, args, kwargs, name=name):
             tracer.running.append(name)
@@ -314,7 +314,7 @@ def _every_module(model: nn.Module, tracer: _Tracer, handles: list) -> tuple[dic
                 plain_args[name] = {at: (tuple(v.shape), id(v)) for at, v in where if isinstance(v, torch.Tensor)
                                     and v.is_floating_point() and tracer.tag_of(v) is None}
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
-        handles.append(module.register_forward_hook(popping(tracer.running)))
+        handles.append(module.register_forward_hook(popping(tracer.running), always_call=True))
     return module_inputs, plain_args
 
 
