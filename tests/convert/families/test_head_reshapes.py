@@ -115,15 +115,16 @@ def test_the_trace_records_the_head_sizes_a_run_of_the_whole_model_records(which
 
 
 def test_the_dry_run_reads_the_whole_models_head_sizes_from_the_trace(monkeypatch):
-    ran = []
-    real = dryrun._Whole._run
+    ran, read = [], []
+    real, real_read = dryrun._Whole._run, dryrun.from_trace
     monkeypatch.setattr(dryrun._Whole, "_run", lambda self, on_meta: ran.append(on_meta) or real(self, on_meta))
+    monkeypatch.setattr(dryrun, "from_trace", lambda *a: read.append(1) or real_read(*a))
     torch.manual_seed(0)
     model = Block(False).double()  # cut by its head count: the converted forward runs, its head sizes compared
     x = torch.randn(2, 5, 32, dtype=torch.double)
     m = run_threads(lambda comm: tpkit.parallelize(copy.deepcopy(model), comm=comm, example_inputs=(x,)).tp_plan, 2)
     assert all(plan["attn.qkv_proj"] == "colwise" and plan["attn.out_proj"] == "rowwise" for plan in m)
-    assert ran == []  # compared with the trace's record: the whole model's forward was not run again
+    assert read and ran == []  # compared with the trace's record: the whole model's forward was not run again
 
 
 class _Raises(nn.Module):
