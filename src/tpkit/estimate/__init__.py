@@ -12,7 +12,8 @@ What is asked about
 The one fake run
     fake_step       one step of a weightless copy converted for one rank, on fake tensors (the estimates' only
                     FakeTensorMode): the op trace, the bytes saved for backward, the peak, the parameter shapes
-    ops             what it writes down: every aten op (FLOPs, bytes, phase) and every collective the plan adds
+    ops             what it writes down: every aten op (FLOPs, bytes, phase, the new pages of large outputs) and
+                    every collective the plan adds
     peak            the most tensor bytes a step holds at once (LiveBytes)
 
 Memory
@@ -49,6 +50,7 @@ Speed: one pricing engine
 
 Measuring this machine (`tpkit estimate --calibrate`)
     calibrate       calibrate_profile: matmul, bandwidth, collective and skew measurements over 1 .. N ranks
+    bandwidth       how fast a rank's memory moves: weights streamed, elementwise work, new pages for large tensors
     reference       the per-op fixed cost and a collective's in-step cost, on a small reference model
     framework       the framework's own time per module of each family, caches flushed between modules
     process_memory  what this process holds (/proc): imports, a step's runtime

@@ -17,7 +17,6 @@ collective and a per-hop latency), for the tables' titles and the memory that fi
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import platform
 import statistics
@@ -27,6 +26,8 @@ import torch
 
 from ..comm.shm import SLOT_BYTES
 from ..quant.products import HALF
+from .bandwidth import (COLD_BYTES, best_seconds, measure_copy_bandwidth, measure_fresh_bandwidth,
+                        measure_shared_stream_bandwidth, measure_stream_bandwidth)
 from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
 from .hardware import Hardware, Interconnect
 from .machine import COLLECTIVES, CollectiveCost, MachineRates
@@ -38,23 +39,8 @@ from .reference import collective_overheads, op_overheads
 
 GEMM_ROWS = (1, 4, 8, 16, 32, 64, 256, 1024)
 GEMM_WIDTHS = (256, 1024, 4096)  # 4096: a 64 MiB weight, as large as LM heads are
-# Bytes of weights a matmul or streaming measurement rotates through: past the caches. A model's step reads its
-# weights once each, layer after layer, so by the time a layer comes round again the others have evicted it: on
-# this 2-core box (480 MiB of L3 reported, shared with the host) a [16000 x 640] LM head at 13 rows took 22 ms in
-# a model's decode step and 8-9 ms repeated alone, and a rotation through 128 MiB or more reproduced the 22 ms.
-COLD_BYTES = 128 << 20
 FINE_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)  # a batched decode's rows
 _SIZES = {True: dict(matmul=256, repeats=3), False: dict(matmul=1024, repeats=10)}
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _median(fn, repeats: int) -> float:
@@ -71,7 +57,7 @@ def _median(fn, repeats: int) -> float:
 def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 10) -> float:
     """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) on this process's threads."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _best(lambda: torch.mm(a, b), repeats)
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats)
 
 
 def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool = False,
@@ -95,42 +81,6 @@ def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool =
             seconds = _median(lambda: [torch.mm(x, w) for w in ws], repeats) / count
         out.append((m, 2.0 * m * n * n / seconds))
     return tuple(out)
-
-
-def measure_stream_bandwidth(n: int = 1024, total: int = COLD_BYTES, repeats: int = 5,
-                             stored: bool = False) -> float:
-    """Bytes/s of weights read by matrix-vector products over a set of matrices larger than the caches, each
-    read transposed (`x @ W.T`, nn.Linear) or, with `stored`, as stored (`x @ W`, Conv1D)."""
-    ws = [torch.randn(n, n) for _ in range(max(1, total // (n * n * 4)))]
-    x = torch.randn(1, n)
-    if stored:
-        return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w) for w in ws], repeats)
-    return len(ws) * n * n * 4 / _best(lambda: [torch.mm(x, w.t()) for w in ws], repeats)
-
-
-def measure_shared_stream_bandwidth(comm, n: int = 1024, total: int = COLD_BYTES, repeats: int = 5) -> float:
-    """Bytes/s one rank gets streaming weights (`x @ W.T` over matrices larger than the caches) while every rank of
-    `comm` streams at the same time (call on all): a barrier before each repeat keeps them in step, and the median
-    is kept, not the best (a best-of would catch a moment when the others were not reading). Ranks on one socket
-    share its memory bus: two ranks each get about half of what one gets alone."""
-    ws = [torch.randn(n, n) for _ in range(max(1, total // (n * n * 4)))]
-    x = torch.randn(1, n)
-
-    def once() -> float:
-        comm.barrier()
-        start = time.perf_counter()
-        for w in ws:
-            torch.mm(x, w.t())
-        return time.perf_counter() - start
-    once()
-    return len(ws) * n * n * 4 / sorted(once() for _ in range(repeats))[repeats // 2]
-
-
-def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
-    """Bytes/s of an elementwise op over a large tensor (read + write counted, as the op trace counts them)."""
-    a = torch.ones(nbytes // 4)
-    b = torch.empty_like(a)
-    return 2 * nbytes / _best(lambda: torch.mul(a, 1.0, out=b), repeats)
 
 
 def fit_collective(points: list[tuple[int, float]]) -> CollectiveCost:
@@ -268,12 +218,14 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     stored = measure_stream_bandwidth(repeats=repeats, stored=True)
     copy_bw = measure_copy_bandwidth(repeats=repeats)
     comm.barrier()
+    fresh = measure_fresh_bandwidth(repeats=repeats)
+    comm.barrier()
     quantized = measure_quantized(comm, 3 if quick else 5, quick)  # every rank at once: they share the memory bus
     rates = MachineRates(comm.world_size, threads, 0.0, 0.0, gemm, stream, copy_bw, stored_bandwidth=stored,
                          gemm_widths=tuple((w, tables[torch.float32, False, w]) for w in GEMM_WIDTHS if w != 1024),
                          linear_gemm=tuple((w, tables[torch.float32, True, w]) for w in GEMM_WIDTHS),
                          quantized=quantized,
-                         dtype_gemm=dtype_gemm)
+                         dtype_gemm=dtype_gemm, fresh_bandwidth=fresh)
     comm.barrier()
     reset_peak_rss()
     before = rss_bytes()
@@ -321,6 +273,8 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
                                stream_bandwidth=min(r.stream_bandwidth for r in per_rank),
                                stored_bandwidth=min(r.stored_bandwidth for r in per_rank),
                                copy_bandwidth=min(r.copy_bandwidth for r in per_rank),
+                               fresh_bandwidth=min((r.fresh_bandwidth for r in per_rank if r.fresh_bandwidth),
+                                                   default=0.0),
                                optimizer_tensor_s=max(r.optimizer_tensor_s for r in per_rank),
                                skew=max(r.skew for r in per_rank),
                                train_skew=max(r.train_skew for r in per_rank),

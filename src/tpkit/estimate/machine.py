@@ -16,6 +16,10 @@ known only by its datasheet gets the same record from `hardware.datasheet_rates`
   matrices larger than the last-level cache: what a decode step does), the weight read transposed as
   `nn.Linear` reads it; `stored_bandwidth` the same with the weight read as stored (GPT-2's `Conv1D`, `x @ W`),
   which BLAS streams differently; `copy_bandwidth`: bytes/s of elementwise work (read + write);
+* `fresh_bandwidth`: bytes/s at which new pages come to a tensor the allocator does not keep (`ops.FRESH_BLOCK_BYTES`
+  and up: glibc unmaps it when freed), on top of the op writing it: a CPU training step makes its large gradients,
+  AdamW's temporaries and a large vocabulary's logits anew each step (on this 2-core VM 1.2-1.8 us per 4 KiB page,
+  0.44 s of a 2.98 s step of a Llama h1792 x 2 layers);
 * `collectives`: for each kind (all_reduce, all_gather, reduce_scatter; all_to_all where measured, else priced from
   the all-gather: `collective`) and group size, a latency and a bandwidth fitted to calls through tpkit's own
   communicator (its checks, its transport) at several sizes;
@@ -185,6 +189,9 @@ class MachineRates:
     # without its own units, about float32's); {} in profiles measured before (the float32 tables price them then)
     dtype_gemm: Mapping[str, tuple[tuple[int, tuple[tuple[int, float], ...]], ...]] = \
         dataclasses.field(default_factory=dict)
+    # bytes/s of new pages for a tensor of at least `ops.FRESH_BLOCK_BYTES` (`calibrate.measure_fresh_bandwidth`);
+    # 0: no such cost (profiles measured before, datasheet machines, a caching allocator)
+    fresh_bandwidth: float = 0.0
 
     def framework_cost(self, family: str | None, goal: str, tp: bool,
                        dp_mode: str | None = None) -> FrameworkCost | None:
@@ -198,6 +205,10 @@ class MachineRates:
         if dp_mode and f"{family}/{goal}/{dp_mode}" in self.dp_framework:
             return self.dp_framework[f"{family}/{goal}/{dp_mode}"]
         return self.framework.get(f"{family}/{goal}")
+
+    def fresh_seconds(self, nbytes: float) -> float:
+        """What new pages for `nbytes` of tensors the allocator does not keep add (0 where not measured)."""
+        return nbytes / self.fresh_bandwidth if self.fresh_bandwidth else 0.0
 
     def weight_bandwidth(self, stored: bool) -> float:
         """Bytes/s streaming a matmul's weight, read transposed (nn.Linear) or as stored (Conv1D)."""
@@ -281,7 +292,8 @@ class MachineRates:
                    _tables(data.get("linear_gemm", [])), float(data.get("skew", 0.0)),
                    float(data.get("train_skew", 0.0)),
                    {k: QuantizedRate.from_dict(v) for k, v in dict(data.get("quantized", {})).items()},
-                   {d: _tables(t) for d, t in dict(data.get("dtype_gemm", {})).items()})
+                   {d: _tables(t) for d, t in dict(data.get("dtype_gemm", {})).items()},
+                   float(data.get("fresh_bandwidth", 0.0)))
 
 
 def _tables(data) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:

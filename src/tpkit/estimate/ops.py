@@ -29,6 +29,11 @@ VIEWS = frozenset("view _unsafe_view reshape expand t transpose permute unsqueez
 GATHERS = frozenset(("embedding", "index_select", "gather", "take"))
 _LINEAR = frozenset(("mm", "addmm", "linear", "matmul"))  # a linear layer's product (not attention's bmm)
 DENSE = "dense"  # the kind of a dense bf16 / fp16 layer recorded as its own decode product (`quantized.half_layers`)
+# glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): torch's CPU allocator asks glibc for every
+# tensor, and a block at least this large is always its own mapping, unmapped when freed, so each one a step makes
+# comes back as new pages the kernel must fault in and zero (a Llama h1792 x 2 layers faulted 78k pages in its
+# backward, its gradients this large, and twice that in AdamW, every step). `Op.fresh` counts such outputs.
+FRESH_BLOCK_BYTES = 32 << 20
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -51,6 +56,7 @@ class Op:
     quantized: Any = None  # the product of a layer stored quantized (`quantized.QuantizedLayer`): priced as it runs
     # (or of a dense bf16 / fp16 layer at decode's rows: tpkit's product, `quantized.half_layers`)
     dtype: str = ""  # the dtype of an op with FLOPs ("bfloat16", ...): BLAS has a rate per dtype (`dtype_gemm`)
+    fresh: float = 0.0  # bytes of the new tensors it returns of at least FRESH_BLOCK_BYTES each (new pages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +115,18 @@ def _nbytes(x: Any) -> int:
     if isinstance(x, (list, tuple)):
         return sum(_nbytes(v) for v in x)
     return 0
+
+
+def _fresh_bytes(func, out: Any) -> int:
+    """Bytes of the tensors `func` returns newly made (its schema names no alias: not a view, not written in place,
+    not an `out=`) that are each at least FRESH_BLOCK_BYTES."""
+    returns = func._schema.returns
+    if any(r.alias_info is not None for r in returns):
+        return 0
+    tensors = [t for v in (out if isinstance(out, (tuple, list)) else (out,))
+               for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)]
+    sizes = (t.numel() * t.element_size() for t in tensors)
+    return sum(n for n in sizes if n >= FRESH_BLOCK_BYTES)
 
 
 def _matmul(name: str, args: tuple, out: Any) -> tuple[float, tuple[int, int, int] | None, bool]:
@@ -182,5 +200,7 @@ class OpRecorder(TorchDispatchMode):
             nbytes += layer.stored_bytes - layer.dense_bytes
         first = out[0] if isinstance(out, (tuple, list)) and out else out  # attention's kernels return tuples
         dtype = dtype_name(first.dtype) if flops and isinstance(first, torch.Tensor) else ""
-        self.ops.append(Op(name, self.phase or _phase(), flops, float(nbytes), mnk, view, stored, layer, dtype))
+        fresh = 0 if view else _fresh_bytes(func, out)
+        self.ops.append(Op(name, self.phase or _phase(), flops, float(nbytes), mnk, view, stored, layer, dtype,
+                           float(fresh)))
         return out

@@ -10,7 +10,8 @@ step op by op (`fake_step.trace_step`) and prices it with the rates of `tp x dp`
 (`machine.MachineRates`: measured by the calibration, or read off a datasheet by `hardware.datasheet_rates`, which
 has no fixed cost per op and ring collectives; one composition for both):
 
-    step = sum over ops (fixed cost per op + max(FLOPs / matmul rate at its rows, bytes / bandwidth))
+    step = sum over ops (fixed cost per op + max(FLOPs / matmul rate at its rows, bytes / bandwidth)
+                         + new pages for its outputs too large for the allocator to keep, `MachineRates.fresh_bandwidth`)
            (a linear layer a quantized checkpoint stores packed: its product as the load runs it, `quantized.py`)
          + every tensor-parallel collective (measured latency + bytes / bandwidth at its group size, plus what a
            collective costs inside a step beyond an isolated call: `MachineRates.collective_overhead_s`)
@@ -94,7 +95,8 @@ class Prediction:
 def kernel_seconds(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...] | None = None,
                    names: tuple[str, ...] | None = None) -> float:
     """What the step's kernels take at `rates` (matmuls: FLOPs or streamed bytes, whichever is slower; other ops:
-    their bytes), with no fixed cost; only ops of `phases` / whose name starts with one of `names` when given."""
+    their bytes; both plus the new pages of outputs the allocator does not keep), with no fixed cost; only ops of
+    `phases` / whose name starts with one of `names` when given."""
     return sum(kernel_times(trace, rates, phases, names))
 
 
@@ -120,6 +122,7 @@ def kernel_times(trace: StepTrace, rates: MachineRates, phases: tuple[str, ...] 
                 memory += streamed
         else:
             memory += op.nbytes / rates.copy_bandwidth
+        memory += rates.fresh_seconds(op.fresh)
     return compute, memory
 
 

@@ -3,7 +3,7 @@
 """
 from __future__ import annotations
 
-from .ops import DENSE
+from .ops import DENSE, FRESH_BLOCK_BYTES
 from .profile import SpeedProfile
 
 
@@ -49,6 +49,9 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
                          f"at, by rows: " + ", ".join(f"{m}: {_gb(b)}" for m, b in q.rows)
                          + ("; at 1 row by input width: " + ", ".join(f"{w}: {_gb(q.bandwidth(1, w))}"
                                                                       for w, _ in q.widths) if q.widths else ""))
+        if r.fresh_bandwidth:
+            lines.append(f"[{who}] new pages for a tensor of {_bytes(FRESH_BLOCK_BYTES)} or more (not kept by the "
+                         f"allocator), beyond writing it: {_gb(r.fresh_bandwidth)}")
         lines.append(f"[{who}] a process holds besides its tensors: {r.import_bytes / 2**20:.0f} MiB once torch, tpkit "
                      f"and transformers are imported, {r.runtime_bytes / 2**20:.0f} MiB of runtime in a training step")
         lines.append(f"[{who}] fixed cost per op (reference model): forward {_us(r.op_overhead_s)}, training "
