@@ -189,7 +189,7 @@ class MachineRates:
     # without its own units, about float32's); {} in profiles measured before (the float32 tables price them then)
     dtype_gemm: Mapping[str, tuple[tuple[int, tuple[tuple[int, float], ...]], ...]] = \
         dataclasses.field(default_factory=dict)
-    # bytes/s of new pages for a tensor of at least `ops.FRESH_BLOCK_BYTES` (`calibrate.measure_fresh_bandwidth`);
+    # bytes/s of new pages for a tensor of at least `ops.FRESH_BLOCK_BYTES` (`bandwidth.measure_fresh_bandwidth`);
     # 0: no such cost (profiles measured before, datasheet machines, a caching allocator)
     fresh_bandwidth: float = 0.0
 
