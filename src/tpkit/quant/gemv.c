@@ -15,7 +15,9 @@
      4  uint4 pairs: byte j of a row holds k = 2j (low nibble) and 2j + 1 (high nibble), values unsigned 0..15
      5  FP8 e4m3fn bits
    fp16 and FP8 bits are placed in a float32's exponent and mantissa (normal and subnormal values alike): that float
-   is the value times 2^-112 (fp16) or 2^-120 (FP8), and each output is multiplied back once at the end.
+   is the value times 2^-112 (fp16) or 2^-120 (FP8), and each output is multiplied back once at the end. x is
+   scaled by 2^64 first (exact), so that such a weight times a small activation stays a normal float32. (An FP8
+   subnormal, below 2^-6, is still a denormal input; a checkpoint scaled to FP8's range has few of them.)
    Scales and zero points (optional) cover blocks of `bh` rows x `bw` columns: entry (n / bh, k / bw) of a
    `[ceil(N / bh), KB]` table, read where the checkpoint stored them (no table is made at load, so a layer holds no
    more than its stored tensors). Scales (`scale_kind`): 0 float32, 1 bf16 bits, 2 fp16 bits, each converted to the
@@ -25,6 +27,7 @@
    compressed-tensors' int4, 128 for its packed int8 words): the block's zero is z + offset, a constant where there
    are no zero points. The product is factored per block, y += s * (sum_k x q - (z + offset) * sum_k x), so the inner
    loop is a decode and a multiply-add. Integers and FP8 values are exact in float32; the sums are float32. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -425,7 +428,8 @@ static void rows(int kind, int mc, int64_t K, const float *x, const float *halve
 #endif
 
 /* Rows [n0, n1) of y (`[M, N]` float32) for x `[M, K]` float32. `sums`: M x KB scratch (the blocks' sums of x, when
-   there are zero points or an offset); `halves`: M x K scratch (x de-interleaved into even / odd k, for kind 4);
+   there are zero points or an offset); `halves`: M x K scratch (x de-interleaved into even / odd k, for kind 4; x
+   scaled up, for kind 5);
    `row`: 2 x KB scratch (a row block's scales and zero points as float32, decoded once for all M rows: the inner
    loops then read float32 as they would from a float32 table). `xb`: M x K scratch of 16-bit words where x's values
    are bf16 (a bf16 model's activations), else NULL: bf16 and int4 weights then take the bf16 dot products (int4
@@ -445,6 +449,18 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
     int dot = 0;
     (void)xb;
 #endif
+    float factor = kind == 1 ? FP16_FACTOR : kind == 5 ? 0x1p120f : 1.0f;  /* multiplies each output back */
+    if (factor != 1.0f) {  /* x times 2^64 into `halves` (exact: a power of two), so products of weights placed at
+        2^-120 (FP8) or 2^-112 (fp16 without AVX-512) stay normal floats: unscaled, an activation under ~2^-6 times a
+        small weight made a denormal, which the CPU multiplies in microcode (FP8: 15x slower at activations of 1e-3)
+        and with fewer bits */
+        float amax = 0.0f;
+        for (int64_t i = 0; i < M * K; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        float up = amax < 0x1p62f ? 0x1p64f : 1.0f;  /* not past float32's range (inf and NaN: left as they are) */
+        for (int64_t i = 0; i < M * K; i++) halves[i] = x[i] * up;
+        x = halves;
+        factor /= up;
+    }
     if (shifted)
         for (int64_t m = 0; m < M; m++)
             for (int64_t b = 0; b < KB; b++) {
@@ -485,7 +501,7 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
             rows(kind, mc, K, x + m0 * K, halves ? halves + m0 * K : 0, wn, size, s_row, z_row, offset, shifted,
                  sums ? sums + m0 * KB : 0, KB, out);
             for (int m = 0; m < mc; m++)
-                y[(m0 + m) * N + n] = kind == 1 ? out[m] * FP16_FACTOR : kind == 5 ? out[m] * 0x1p120f : out[m];
+                y[(m0 + m) * N + n] = out[m] * factor;
         }
     }
 }

@@ -187,7 +187,8 @@ def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None
     kb = 0 if scale is None else (scale.shape[-1] if scale.dim() > 1 else 1)
     uint4 = kind == KINDS["uint4"]
     shifted = zero is not None or offset != 0 or uint4  # uint4's bf16 products carry a bias taken off with the sums
-    sums, halves, row, words = _scratch((4 * m * max(kb, 1) if shifted else 0, 4 * m * k if uint4 else 0,
+    scaled = uint4 or kind in (KINDS["fp8"], KINDS["fp16"])  # x de-interleaved (uint4), scaled up (`gemv.c`)
+    sums, halves, row, words = _scratch((4 * m * max(kb, 1) if shifted else 0, 4 * m * k if scaled else 0,
                                          8 * max(kb, 1), 2 * m * k if bf16 and kind in _BF16_DOT_KINDS else 0))
     _function()(kind, m, n, k, _ptr(x), _ptr(w), _ptr(scale), 0 if scale is None else SCALE_KINDS[scale.dtype],
                 _ptr(zero), 0 if zero is None else ZERO_KINDS[zero.dtype], zero_bits, offset, bh, bw, kb, _ptr(y), 0,
