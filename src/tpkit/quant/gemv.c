@@ -429,7 +429,7 @@ static void rows(int kind, int mc, int64_t K, const float *x, const float *halve
 
 /* Rows [n0, n1) of y (`[M, N]` float32) for x `[M, K]` float32. `sums`: M x KB scratch (the blocks' sums of x, when
    there are zero points or an offset); `halves`: M x K scratch (x de-interleaved into even / odd k, for kind 4; x
-   scaled up, for kind 5);
+   scaled up, for kind 5 and for kind 1 without AVX-512);
    `row`: 2 x KB scratch (a row block's scales and zero points as float32, decoded once for all M rows: the inner
    loops then read float32 as they would from a float32 table). `xb`: M x K scratch of 16-bit words where x's values
    are bf16 (a bf16 model's activations), else NULL: bf16 and int4 weights then take the bf16 dot products (int4
