@@ -214,3 +214,14 @@ def test_a_rate_by_input_width_and_the_fit_anchored_at_a_tiny_call():
     two = slowest([{"k": fitted}, {"k": dataclasses.replace(fitted, fixed_s=9e-6, widths=tuple(
         (w, tuple((m, b / 2) for m, b in rows)) for w, rows in fitted.widths))}])["k"]
     assert two.fixed_s == 9e-6 and two.bandwidth(1, SIZES[2][1]) == pytest.approx(2e9)
+
+
+def test_the_calibrations_fp8_layers_hold_values_as_a_checkpoint_does():
+    """Each row's largest value at FP8's largest, as a per-channel checkpoint stores them: unscaled values made 1%
+    FP8 subnormals, denormal inputs the CPU multiplies in microcode, and the calibration priced FP8 at 1.2 GB/s."""
+    from tpkit.estimate.quantized import _layer
+
+    layer, method = _layer("fp8", torch.bfloat16, torch.bfloat16, 256, 512, torch.Generator().manual_seed(0))
+    w = next(layer._buffers[n] for n in method.specs if layer._buffers[n].dtype == torch.float8_e4m3fn).float()
+    assert w.abs().amax(-1).eq(torch.finfo(torch.float8_e4m3fn).max).all()
+    assert (w.abs() < 2 ** -6).float().mean() < 1e-3  # subnormals and zeros: a few in 10^4 at most

@@ -228,7 +228,7 @@ def _layer(kind: str, dtype: torch.dtype, scale_dtype: torch.dtype, out: int, in
             # as quantized per channel: each row's largest value at FP8's largest. Unscaled, 1% of N(0, 1) is FP8
             # subnormal, a denormal input the CPU multiplies in microcode: the product timed 1.2 GB/s, not 8
             r = torch.randn(t.shape, generator=gen)
-            t.copy_((r * (448.0 / r.abs().amax(-1, keepdim=True))).to(t.dtype))
+            t.copy_((r * (torch.finfo(t.dtype).max / r.abs().amax(-1, keepdim=True))).to(t.dtype))
         else:  # scales
             t.copy_(torch.rand(t.shape, generator=gen) * 0.01 + 0.001)
     method.after_loading(layer)
