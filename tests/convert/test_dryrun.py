@@ -243,3 +243,47 @@ def test_a_failure_on_the_real_copy_first_is_decided_on_meta_tensors(monkeypatch
     plan = tpkit.parallelize(FailsOffMeta().to("meta"), comm=ShapeCommunicator(0, 2), example_inputs=(x,)).tp_plan
     assert kinds[0] is False and True in kinds
     assert plan["up"] == "colwise" and plan["down"] == "rowwise" and not plan.reasons.get("up")
+
+
+class FastPath(nn.Module):
+    """An optional fast path holding layers of its own: it starts, then gives up (raises), and its caller falls
+    back, as a model with a kernel it cannot always use does."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.back = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        self.proj(x)
+        raise NotImplementedError("no fast path for this input")
+
+
+class FallbackBlock(nn.Module):
+    """Tries its fast path, then, in its own code, a gated MLP whose hidden features it views as 4 groups of a
+    value and a gate of 8 each (a size fixed at construction: it fails once `up` is split)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fast = FastPath()
+        self.up, self.down, self.half = nn.Linear(32, 64), nn.Linear(32, 32), 8
+
+    def forward(self, x):
+        try:
+            return self.fast(x)
+        except NotImplementedError:
+            pass
+        value, gate = torch.split(self.up(x).reshape(*x.shape[:-1], 4, -1), self.half, dim=-1)
+        return x + self.down((value * gate.sigmoid()).flatten(-2))
+
+
+def test_a_failure_is_placed_where_it_happened_not_in_a_child_that_raised_and_was_caught():
+    """A child that raised and whose caller caught it has left the forward: a later failure in the caller's own
+    code is the caller's, not the child's."""
+    from tpkit.convert.planning import dryrun
+
+    torch.manual_seed(0)
+    model = nn.Sequential(FallbackBlock()).double()
+    model[0].up = nn.Linear(32, 48).double()  # 48 features: groups of 12, not a value and a gate of 8
+    running, error = dryrun._run(model, (torch.randn(2, 32, dtype=torch.double),), on_meta=False)
+    assert running == ("", "0") and error.startswith("RuntimeError")
+

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -33,7 +34,6 @@ from ..steps import prepare
 from ..swap import swap
 from ..styles import REPLICATE
 from ..trace import Analysis, traceable_experts
-from ..trace.state import popping
 from ..trace.structure import copy_on
 
 MAX_ROUNDS = 8
@@ -279,10 +279,18 @@ def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
     """One eval forward of `model` on `inputs` (meta copies of them when `on_meta`); None, or where it failed
     and why."""
     running: list[str] = []
+    left: dict[BaseException, tuple] = {}  # each exception: the running modules when it left the innermost one
     handles = []
+
+    def popped(*_):  # on a return and on a raise (`always_call`): a child that raised and was caught has left
+        exc = sys.exc_info()[1]
+        if exc is not None and exc not in left:
+            left[exc] = tuple(running)
+        running.pop()
+
     for name, m in model.named_modules():
         handles.append(m.register_forward_pre_hook(lambda *_, n=name: running.append(n)))
-        handles.append(m.register_forward_hook(popping(running)))  # not on a raise: the failure's place is read
+        handles.append(m.register_forward_hook(popped, always_call=True))
     model.eval()
     args = _to_meta(inputs) if on_meta else _to_real(inputs)
     try:
@@ -294,7 +302,7 @@ def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
             else:
                 model(*args)
     except Exception as exc:  # noqa: BLE001 - any failure of the forward is the finding
-        return tuple(running), f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return left.get(exc, tuple(running)), f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     finally:
         for h in handles:
             h.remove()

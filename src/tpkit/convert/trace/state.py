@@ -85,8 +85,8 @@ def real_tensors_as_meta(modules: Iterable[nn.Module]):
 def popping(stack: list):
     """A forward hook that pops `stack` (pushed by the module's pre-hook) and leaves the output alone: a hook
     returning anything but None replaces the output, and `stack.pop() and None` returns the root module's name,
-    "", which is not None. A stack that attributes ops registers it with `always_call=True` (a forward that
-    raises, caught by a parent, still pops); the dry run's does not, since it reads where a failure happened."""
+    "", which is not None. Register it with `always_call=True`: a forward that raises, caught by a parent, still
+    pops."""
     def hook(*_):
         stack.pop()
     return hook
