@@ -4,6 +4,7 @@ at 2 and 3 ranks; what the key covers; unreadable, stale and disagreeing entries
 the cache off (tests/conftest.py): these tests turn it on, in a temporary directory."""
 from __future__ import annotations
 
+import glob
 import importlib
 import json
 import os
@@ -127,6 +128,23 @@ def test_unreadable_and_stale_entries(llama, cache, traced):
         assert err < 1e-5
 
 
+@pytest.fixture(scope="module")
+def bigbird(tmp_path_factory):
+    """A BigBird causal LM directory, inputs, and transformers' logits. BigBird swaps its block-sparse attention for
+    full attention on short inputs, in its forward (the trace's)."""
+    import transformers
+
+    config = transformers.BigBirdConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=37, max_position_embeddings=64, is_decoder=True)
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("bigbird") / "hf")
+    transformers.BigBirdForCausalLM(config).save_pretrained(path)
+    ids = torch.randint(0, 99, (2, 8))
+    with torch.no_grad():
+        ref = transformers.BigBirdForCausalLM.from_pretrained(path)(input_ids=ids).logits
+    return path, ids, ref
+
+
 def _bigbird_twice(path, ids):
     out = []
     for _ in range(2):
@@ -136,22 +154,35 @@ def _bigbird_twice(path, ids):
     return out
 
 
-def test_a_model_that_rewrites_itself_in_its_forward_is_not_stored(cache, tmp_path):
-    """BigBird swaps its block-sparse attention for full attention on short inputs, during the trace: a plan applied
-    without that forward would meet the other attention. Nothing is stored; both loads equal transformers'."""
-    import transformers
-
-    config = transformers.BigBirdConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        intermediate_size=37, max_position_embeddings=64, is_decoder=True)
-    torch.manual_seed(0)
-    path = str(tmp_path / "bigbird")
-    transformers.BigBirdForCausalLM(config).save_pretrained(path)
-    ids = torch.randint(0, 99, (2, 8))
-    with torch.no_grad():
-        ref = transformers.BigBirdForCausalLM.from_pretrained(path)(input_ids=ids).logits
+def test_a_model_that_rewrites_itself_in_its_forward_is_not_stored(cache, bigbird):
+    """A plan applied without BigBird's forward would meet the other attention. Nothing is stored; both loads equal
+    transformers'."""
+    path, ids, ref = bigbird
     for logits in tpkit.launch(_bigbird_twice, 2, backend="threads", args=(path, ids)):
         assert all(rel(x, ref) < 1e-5 for x in logits)
     assert not cache.exists() or not os.listdir(cache)
+
+
+def _saved_and_reloaded(path, out, ids):
+    model = tpkit.from_pretrained(path, progress=False)
+    tpkit.save_sharded(model, out, progress=False)
+    again = tpkit.from_pretrained(out, progress=False)
+    with torch.no_grad():
+        return again(input_ids=ids).logits, model.tp_plan.replaced_by_forward
+
+
+def test_a_tpkit_checkpoint_of_a_model_that_rewrites_itself_is_traced_again_on_reload(bigbird, tmp_path, traced):
+    """Its plan records the modules its forward replaced, and the reload at the saved world size runs that forward
+    (a trace) before applying it, instead of applying it as recorded to the attention from before."""
+    path, ids, ref = bigbird
+    out = str(tmp_path / "tp")
+    for logits, replaced in tpkit.launch(_saved_and_reloaded, 2, backend="threads", args=(path, out, ids)):
+        assert rel(logits, ref) < 1e-5
+        assert sorted(replaced) == [f"bert.encoder.layer.{i}.attention.self" for i in (0, 1)]
+    (manifest,) = glob.glob(os.path.join(out, "*", "manifest.json"))
+    with open(manifest) as f:
+        assert json.load(f)["plan"]["replaced_by_forward"] == list(replaced)
+    assert len(traced) == 4  # each rank: the first load's trace and the reload's
 
 
 def test_ranks_use_a_stored_plan_only_when_all_found_it():

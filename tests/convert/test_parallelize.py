@@ -94,6 +94,10 @@ def test_plan_json_round_trip_and_hf_style_strings():
     p = plan(model, 2)
     again = Plan.from_json(p.to_json())
     assert again.entries == p.entries and again.details == p.details and again.reasons == p.reasons
+    assert p.replaced_by_forward == () and "replaced_by_forward" not in p.to_dict()  # Llama's forward replaces none
+    marked = Plan(p.entries, replaced_by_forward=["model.layers.0.self_attn"])  # the copies keep the mark
+    for copied in (Plan.from_json(marked.to_json()), marked.replaced(), marked.updated({"lm_head": "replicate"})):
+        assert copied.replaced_by_forward == ("model.layers.0.self_attn",)
     # Hugging Face's own plan for Llama (relative names, HF style strings) as the whole plan.
     hf = dict(model.config.base_model_tp_plan)
     hf["lm_head"] = "colwise_gather_output"

@@ -20,7 +20,8 @@ A plan is a function of what the model is and how it is converted, so the key is
 Only `plan="auto"` on a dense checkpoint through `parallelize` is cached (a quantized checkpoint, a plan of the
 user's, a pipeline's `convert` decide as before). Files: `<cache root>/plans/<key>.json` (`quant.native.cache_root`:
 `$TPKIT_CACHE`, default `~/.cache/tpkit`), the plan's `to_dict()` as JSON, written atomically by rank 0 after a
-conversion (unless the model's forward rewrote its own modules meanwhile: `rewritten`) and read with `json` only.
+conversion (unless the model's forward replaced some of its modules meanwhile: `Plan.replaced_by_forward`) and
+read with `json` only.
 Every rank reads its own; the plan is used only when every rank found the same file under the same key (one
 all-gather of a digest of both, made whatever each rank's switch), else all decide it. A cached plan whose
 conversion fails is deleted before the error goes on (the next load decides anew). `TPKIT_PLAN_CACHE=0` turns the
@@ -94,20 +95,6 @@ def key(model: nn.Module, config, source, dtype: torch.dtype, build_kwargs: dict
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("TPKIT_", "TP_")))
     parts = [_code(), classes, settings, str(dtype), build_kwargs, tensors, world, mode, reuse, env]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def structure(model: nn.Module) -> dict[str, type]:
-    """Every module's class by name: what `rewritten` compares before and after a conversion."""
-    return {name: type(m) for name, m in model.named_modules()}
-
-
-def rewritten(before: dict[str, type], model: nn.Module) -> list[str]:
-    """Modules whose class changed under a conversion other than by tpkit's swap: a model that rewrites itself in
-    its forward (BigBird swaps its block-sparse attention for full attention on short inputs, in the trace). Its plan
-    is not stored: applied as recorded, without the forward that rewrote it, the model would not be the one planned."""
-    after = structure(model)
-    return [n for n, cls in before.items()  # (tpkit's installs may subclass a module's class: not a rewrite)
-            if n in after and not issubclass(after[n], cls) and not after[n].__module__.startswith("tpkit.")]
 
 
 def path_of(cache_key: str) -> str:

@@ -185,11 +185,14 @@ def load_config(source: Source, path: str):
 
 def recorded_plan(source: Source, plan, world: int, mode: str):
     """`(plan, recorded)`: a tpkit checkpoint saved at this world size and mode carries the plan its model was
-    converted with; with `plan="auto"` that plan is applied as recorded (no trace: a reload is mostly reading)."""
+    converted with; with `plan="auto"` that plan is applied as recorded (no trace: a reload is mostly reading), or,
+    where the model's forward replaced some of its modules while it was made (`Plan.replaced_by_forward`), applied
+    after a trace that runs that forward again."""
     saved = (source.manifest or {}).get("plan")
     if isinstance(plan, str) and plan == "auto" and saved and saved.get("world_size") == world \
             and saved.get("mode") == mode:
-        return Plan.from_dict(saved), True
+        made = Plan.from_dict(saved)
+        return made, not made.replaced_by_forward
     return plan, False
 
 
@@ -307,16 +310,16 @@ def _decided_plan(model: nn.Module, config, source: Source, plan, parallelized_d
 
 def _convert(model: nn.Module, convert: Callable[[nn.Module], None], cached: str | None, recorded: bool,
              rank: int) -> None:
-    """`convert(model)`; under the plan cache's key `cached`, the plan decided is stored (by rank 0), and a stored
-    plan that fails is deleted (`plan_cache`)."""
-    before = plan_cache.structure(model) if cached is not None and not recorded else None
+    """`convert(model)`; under the plan cache's key `cached`, the plan decided is stored (by rank 0) unless the
+    model's forward replaced some of its modules meanwhile (`Plan.replaced_by_forward`: applied as recorded, without
+    that forward, it would meet the modules from before), and a stored plan that fails is deleted (`plan_cache`)."""
     try:
         convert(model)
     except Exception as exc:
         if cached is not None and recorded:
             plan_cache.forget(cached, exc)
         raise
-    if before is not None and rank == 0 and not plan_cache.rewritten(before, model):
+    if cached is not None and not recorded and rank == 0 and not conversion_of(model).plan.replaced_by_forward:
         plan_cache.write(cached, conversion_of(model).plan)
 
 

@@ -64,7 +64,8 @@ class Plan(Mapping[str, str]):
 
     def __init__(self, entries: Mapping[str, str] | None = None, *, world_size: int | None = None,
                  mode: str = "inference", details: Mapping[str, Role | Mapping] | None = None,
-                 reasons: Mapping[str, str] | None = None, prefix: str | None = None):
+                 reasons: Mapping[str, str] | None = None, prefix: str | None = None,
+                 replaced_by_forward: Iterable[str] = ()):
         self.entries: dict[str, str] = {}
         for k, v in dict(entries or {}).items():
             self.entries[str(k)] = canonical_style(v, f"plan entry {k!r}")
@@ -78,6 +79,10 @@ class Plan(Mapping[str, str]):
                 raise PlanError(f"plan details of {k!r}: {exc}") from None
         self.reasons = dict(reasons or {})
         self.prefix = prefix
+        # modules the model's own forward replaced while this plan was made (BigBird swaps its block-sparse attention
+        # for full attention on short inputs): applied as recorded, without that forward, the plan would meet the
+        # modules from before (`recorded_plan` traces such a model again; the plan cache does not store its plan)
+        self.replaced_by_forward = tuple(replaced_by_forward)
 
     # Mapping protocol: the entries.
     def __getitem__(self, key: str) -> str:
@@ -168,7 +173,8 @@ class Plan(Mapping[str, str]):
         """A copy with `entries`, `details` or `reasons` given in place of this plan's: entries already canonical
         styles and details `Role` records, as the conversion's steps make them (not checked again: a plan of a
         whole model is copied in every step that changes it)."""
-        out = Plan(world_size=self.world_size, mode=self.mode, prefix=self.prefix)
+        out = Plan(world_size=self.world_size, mode=self.mode, prefix=self.prefix,
+                   replaced_by_forward=self.replaced_by_forward)
         out.entries = dict(self.entries if entries is None else entries)
         out.details = dict(self.details if details is None else details)
         out.reasons = dict(self.reasons if reasons is None else reasons)
@@ -179,7 +185,7 @@ class Plan(Mapping[str, str]):
         style wins over this plan's entry (user entries over auto ones)."""
         over = overrides if isinstance(overrides, Plan) else Plan(overrides)
         merged = Plan(self.entries, world_size=self.world_size, mode=self.mode, details=self.details,
-                      reasons=self.reasons, prefix=self.prefix)
+                      reasons=self.reasons, prefix=self.prefix, replaced_by_forward=self.replaced_by_forward)
         for pattern, style in over.entries.items():
             for name in list(merged.entries):
                 if name == pattern or (not is_glob(name) and merged._matches(pattern, name)):
@@ -193,9 +199,12 @@ class Plan(Mapping[str, str]):
 
     # Data in / out.
     def to_dict(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "mode": self.mode, "prefix": self.prefix,
-                "entries": dict(self.entries), "details": {k: v.to_dict() for k, v in self.details.items()},
-                "reasons": self.reasons}
+        out = {"world_size": self.world_size, "mode": self.mode, "prefix": self.prefix,
+               "entries": dict(self.entries), "details": {k: v.to_dict() for k, v in self.details.items()},
+               "reasons": self.reasons}
+        if self.replaced_by_forward:
+            out["replaced_by_forward"] = list(self.replaced_by_forward)
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -210,7 +219,8 @@ class Plan(Mapping[str, str]):
             return data
         if "entries" in data and isinstance(data["entries"], Mapping):
             return cls(data["entries"], world_size=data.get("world_size"), mode=data.get("mode", "inference"),
-                       details=data.get("details"), reasons=data.get("reasons"), prefix=data.get("prefix"))
+                       details=data.get("details"), reasons=data.get("reasons"), prefix=data.get("prefix"),
+                       replaced_by_forward=data.get("replaced_by_forward") or ())
         return cls(data)
 
     @classmethod

@@ -86,6 +86,7 @@ class ConversionState:
     reuse: bool | None = None         # plan reuse on a cut (None: the environment decides, `reuse.enabled`)
     quantization: Any = None          # a checkpoint's `QuantizedLayers`, a bare `Quantization`, or None
     adapters: Any = None              # PEFT's wrappers taken out (`peft.adapters.Adapters`), or None
+    classes: Mapping[str, type] = dataclasses.field(default_factory=dict)  # every module's class at `begin`
     view: nn.Module | None = None     # the model the plan is decided on: `model`, or it cut to its distinct blocks
     blocks: tuple = ()                # the repeated blocks `view` cuts (empty when it is the model)
     outside: tuple = ()               # on a cut, the view's modules outside the blocks (`reuse.outside_blocks`)
@@ -155,4 +156,5 @@ def begin(model: nn.Module, plan: Any, comm, adapters: Any, **options) -> Conver
                         f"converted before (see its tp_plan). Convert the original model once per rank")
     if adapters is not None:
         adapters.check_plan(request.user)
-    return ConversionState(model, comm, request=request, adapters=adapters, **options)
+    classes = {name: type(m) for name, m in modules.items()}
+    return ConversionState(model, comm, request=request, adapters=adapters, classes=classes, **options)

@@ -82,6 +82,13 @@ def build_and_swap(s: ConversionState) -> ConversionState:
     return dataclasses.replace(s, updates=swap(s.model, s.prepared, s.comm, quantized))
 
 
+def replaced_by_forward(before: Mapping[str, type], modules: Mapping[str, nn.Module]) -> list[str]:
+    """Modules whose class changed during the conversion other than by tpkit's swap (which installs tpkit's own
+    classes, or subclasses of a module's class): the model's own forward replaced them in the trace."""
+    return [n for n, cls in before.items() if n in modules and not isinstance(modules[n], cls)
+            and not type(modules[n]).__module__.startswith("tpkit.")]
+
+
 @step
 def record(s: ConversionState) -> Conversion:
     """9. The `Conversion` record on the model (the plan as applied, every tensor's layout), what stock tools call
@@ -89,9 +96,9 @@ def record(s: ConversionState) -> Conversion:
     p, analysis = s.prepared, s.analysis
     kept = {n: st for n, st in p.styles.items()  # leaves, modules with layouts, containers acting as regions
             if n in analysis.leaves or n in p.layouts or style(st).region}
-    applied = Plan(kept, world_size=s.world, mode=s.plan.mode, details=s.plan.details, reasons=s.plan.reasons,
-                   prefix=s.plan.prefix)
     modules = dict(s.model.named_modules())  # the converted model, walked once for its layouts and stock calls
+    applied = Plan(kept, world_size=s.world, mode=s.plan.mode, details=s.plan.details, reasons=s.plan.reasons,
+                   prefix=s.plan.prefix, replaced_by_forward=replaced_by_forward(s.classes, modules))
     layouts = {**key_layouts(modules, s.model.state_dict(keep_vars=True), p.layouts, s.world, s.comm.rank),
                **record_layouts(modules)}
     conversion = Conversion(s.comm, layouts, plan=applied, updated_attributes=s.updates, settled=p.checked)
