@@ -90,6 +90,28 @@ def test_bf16_inputs_equal_the_float64_product(n, k, block, rows, build):
     assert _rel(native.gemv(x, stored, "uint4", n, s, zero, block, 8).double(), x.double() @ dense.t()) < 1e-2
 
 
+@pytest.mark.parametrize("x_scale", [1e-7, 1.0, 1e20])
+@pytest.mark.parametrize("n,k,block", [(48, 640, (1, 640)), (9, 200, (1, 200)), (16, 512, (4, 128)), (5, 300, (1, 100))])
+def test_fp8_weights_with_bf16_inputs_equal_the_float64_product_subnormals_included(n, k, block, x_scale, build):
+    """bf16 activations take the bf16 dot products for FP8 weights too, which read a bf16 denormal (an FP8 subnormal)
+    as 0: those products are added apart. A checkpoint scaled to FP8's range (few subnormals), one of unscaled
+    normal values (1% subnormal), and subnormals in every run and in the tail past the last 64 values, at
+    activations from 1e-7 to 1e20, per channel and per block scales, on every instruction-set path."""
+    g = torch.Generator().manual_seed(n * k)
+    x = (torch.randn(3, k, generator=g) * x_scale).bfloat16()
+    w = torch.randn(n, k, generator=g)
+    subnormals = torch.tensor([2.0 ** -9, -(2.0 ** -8), 3 * 2.0 ** -9, -(7 * 2.0 ** -9)])
+    dense = w.clone()
+    dense[:, 5::61] = subnormals[torch.arange(dense[:, 5::61].numel()) % 4].view(n, -1)
+    dense[:, -1] = subnormals[torch.arange(n) % 4]  # in the tail past the last whole 64 (k 200, 300)
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    s = (torch.rand(nb, kb, generator=g) + 0.1).bfloat16()
+    for stored in ((w / w.abs().amax(1, keepdim=True) * 448).to(torch.float8_e4m3fn), dense.to(torch.float8_e4m3fn)):
+        want = x.double() @ (stored.double() * _blocks(s.double(), block, (n, k))).t()
+        got = native._run(x.float(), stored, native.KINDS["fp8"], s, None, *block, n, 0.0, 0, True)
+        assert _rel(got, want) < 1e-6, x_scale
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_inputs_of_each_dtype_and_layout_give_the_dtype_back(dtype):
     g = torch.Generator().manual_seed(1)

@@ -5,9 +5,10 @@
    in the cache, the bytes a few KiB ahead asked for meanwhile. With AVX-512 (`native.py` builds it with `-O3
    -march=native`), intrinsics: up to MC_MAX activation rows share each decoded weight row, each keeping 4 chains of
    16 float32 lanes; elsewhere plain C that the compiler vectorizes, 32 lanes per dot product, one row at a time.
-   Where the CPU has AVX512-BF16 and the activations are bf16 values (`xb`), bf16 and int4 weights are multiplied
-   as bf16 words by its dot product instead (`dot_bf16`): the same float32 sums of exact products, with no decode to
-   float32 (int4: a byte lookup per nibble), which was the int4 loop's bound.
+   Where the CPU has AVX512-BF16 and the activations are bf16 values (`xb`), bf16, int4 and FP8 weights are
+   multiplied as bf16 words by its dot product instead (`dot_bf16`): the same float32 sums of exact products, with no
+   decode to float32 (int4: a byte lookup per nibble; FP8: two bit operations per 32 values), which was the int4 and
+   FP8 loops' bound.
 
    Weight kinds (`kind`), each `[N, K]` row-major in its stored bytes:
      0  bf16 bits                                 1  fp16 bits
@@ -17,7 +18,7 @@
    fp16 and FP8 bits are placed in a float32's exponent and mantissa (normal and subnormal values alike): that float
    is the value times 2^-112 (fp16) or 2^-120 (FP8), and each output is multiplied back once at the end. x is
    scaled by 2^64 first (exact), so that such a weight times a small activation stays a normal float32. (An FP8
-   subnormal, below 2^-6, is still a denormal input; a checkpoint scaled to FP8's range has few of them.)
+   subnormal, below 2^-6, is still a denormal input to the float32 loops; the bf16 dot products add those apart.)
    Scales and zero points (optional) cover blocks of `bh` rows x `bw` columns: entry (n / bh, k / bw) of a
    `[ceil(N / bh), KB]` table, read where the checkpoint stored them (no table is made at load, so a layer holds no
    more than its stored tensors). Scales (`scale_kind`): 0 float32, 1 bf16 bits, 2 fp16 bits, each converted to the
@@ -352,9 +353,58 @@ static float shift_sum(int64_t KB, const float *s, const float *z, float offset,
     default: FN(4, K, xb, W, size, s_row, out); return;                                                  \
     }
 
+/* The same for an FP8 (e4m3fn) row, each byte made the bf16 word of its value times 2^-120 (as the float32 loops place
+   it): sign-extended to 16 bits, shifted left 4 (the sign lands at 15, the magnitude's 7 bits at 4..10), the bits in
+   between cleared. An FP8 subnormal (exponent 0, mantissa not 0) becomes a bf16 denormal, which the dot product reads
+   as 0: a 64-byte run holding one (two byte tests; rare where a checkpoint is scaled to FP8's range) adds those
+   products apart, one by one, each x times the signed mantissa (a normal float32; the subnormal is that times
+   2^-9, placed at 2^-129), the block's sum of them placed once */
+static inline __attribute__((always_inline)) void dot_fp8_mc(int mc, int64_t K, const uint16_t *xb,
+                                                             const uint8_t *w, int64_t size, const float *s_row,
+                                                             float *out) {
+    __m512 tot[MC_MAX];
+    float rest[MC_MAX];
+    const __m512i keep = _mm512_set1_epi16((short)0x87F0);
+    const __m512i exponent = _mm512_set1_epi8(0x78), mantissa = _mm512_set1_epi8(0x07);
+    for (int m = 0; m < mc; m++) { tot[m] = _mm512_setzero_ps(); rest[m] = 0.0f; }
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += size, b++) {
+        int64_t k1 = k0 + size < K ? k0 + size : K, k = k0;
+        __m512 a[MC_MAX][2];
+        float tail[MC_MAX], low[MC_MAX];
+        for (int m = 0; m < mc; m++) { a[m][0] = a[m][1] = _mm512_setzero_ps(); tail[m] = low[m] = 0.0f; }
+        for (; k + 64 <= k1; k += 64) {
+            __m512i bytes = _mm512_loadu_si512(w + k);
+            __m512i w0 = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(bytes)), 4),
+                                          keep);
+            __m512i w1 = _mm512_and_si512(
+                _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(bytes, 1)), 4), keep);
+            for (int m = 0; m < mc; m++) {
+                const uint16_t *xm = xb + m * K + k;
+                a[m][0] = _mm512_dpbf16_ps(a[m][0], as_bh(_mm512_loadu_si512(xm)), as_bh(w0));
+                a[m][1] = _mm512_dpbf16_ps(a[m][1], as_bh(_mm512_loadu_si512(xm + 32)), as_bh(w1));
+            }
+            __mmask64 sub = _mm512_mask_test_epi8_mask(_mm512_testn_epi8_mask(bytes, exponent), bytes, mantissa);
+            for (; sub; sub &= sub - 1) {
+                int i = __builtin_ctzll(sub);
+                float q = (float)(w[k + i] & 7) * (w[k + i] & 0x80 ? -1.0f : 1.0f);
+                for (int m = 0; m < mc; m++) low[m] += bits_float((uint32_t)xb[m * K + k + i] << 16) * q;
+            }
+        }
+        for (; k < k1; k++)
+            for (int m = 0; m < mc; m++) tail[m] += bits_float((uint32_t)xb[m * K + k] << 16) * decode(5, w, k);
+        float s = s_row ? s_row[b] : 1.0f;
+        for (int m = 0; m < mc; m++) {
+            tot[m] = _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_add_ps(a[m][0], a[m][1]), tot[m]);
+            rest[m] += s * (tail[m] + low[m] * 0x1p-129f);
+        }
+    }
+    for (int m = 0; m < mc; m++) out[m] = rest[m] + _mm512_reduce_add_ps(tot[m]);
+}
+
 static void dot_bf16(int kind, int mc, int64_t K, const uint16_t *xb, const uint8_t *w, int64_t size,
                      const float *s_row, float *out) {
     if (kind == 4) DOT_CASE(dot_int4_mc, w)
+    if (kind == 5) DOT_CASE(dot_fp8_mc, w)
     DOT_CASE(dot_bf16_mc, (const uint16_t *)w)
 }
 #endif
@@ -432,8 +482,8 @@ static void rows(int kind, int mc, int64_t K, const float *x, const float *halve
    scaled up, for kind 5 and for kind 1 without AVX-512);
    `row`: 2 x KB scratch (a row block's scales and zero points as float32, decoded once for all M rows: the inner
    loops then read float32 as they would from a float32 table). `xb`: M x K scratch of 16-bit words where x's values
-   are bf16 (a bf16 model's activations), else NULL: bf16 and int4 weights then take the bf16 dot products (int4
-   where its blocks are whole runs of 128 values), the sums of x (`sums`, needed) carrying int4's bias. */
+   are bf16 (a bf16 model's activations), else NULL: bf16, int4 and FP8 weights then take the bf16 dot products
+   (int4 where its blocks are whole runs of 128 values), the sums of x (`sums`, needed) carrying int4's bias. */
 void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const void *w, const void *scale,
              int scale_kind, const void *zero, int zero_kind, int zero_bits, float offset, int64_t bh, int64_t bw,
              int64_t KB, float *y, int64_t n0, int64_t n1, float *sums, float *halves, float *row, uint16_t *xb) {
@@ -441,10 +491,10 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
     int64_t size = scale ? bw : K;
     int shifted = zero_kind != 0 || offset != 0.0f;
 #ifdef BF16_DOT
-    int dot = xb && ((kind == 0 && !shifted) || (kind == 4 && scale && K % 128 == 0 && size % 128 == 0));
+    int dot = xb && (((kind == 0 || kind == 5) && !shifted) ||
+                     (kind == 4 && scale && K % 128 == 0 && size % 128 == 0));
     float bias = kind == 4 ? BF16_INT4_BIAS : 0.0f;
     shifted = shifted || (dot && kind == 4);
-    if (dot) bf16_activations(kind, M, K, x, xb);
 #else
     int dot = 0;
     (void)xb;
@@ -461,6 +511,9 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
         x = halves;
         factor /= up;
     }
+#ifdef BF16_DOT
+    if (dot) bf16_activations(kind, M, K, x, xb);  /* (after the scaling: x times 2^64 is still bf16 values) */
+#endif
     if (shifted)
         for (int64_t m = 0; m < M; m++)
             for (int64_t b = 0; b < KB; b++) {

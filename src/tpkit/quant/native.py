@@ -37,7 +37,7 @@ ZERO_KINDS = {torch.int8: 1, torch.int32: 2}  # int8 values; int32 words packing
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.c")
 _LOCK = threading.Lock()
 _LIB: list = []  # [ctypes function or None], once tried
-_BF16_DOT_KINDS = (KINDS["bf16"], KINDS["uint4"])  # the kinds `gemv.c` multiplies as bf16 words for bf16 inputs
+_BF16_DOT_KINDS = (KINDS["bf16"], KINDS["uint4"], KINDS["fp8"])  # multiplied as bf16 words for bf16 inputs
 
 
 def _cpu() -> str:
@@ -181,7 +181,8 @@ def _scratch(sizes: tuple[int, ...]) -> list[int | None]:
 def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None, zero: torch.Tensor | None,
          bh: int, bw: int, n: int, offset: float, zero_bits: int, bf16: bool = False) -> torch.Tensor:
     """`x` `[M, K]` float32 (contiguous) times the decoded `w` (`[N, ...]` bytes) -> `[M, N]` float32. `bf16`: x's
-    values are bf16 (a bf16 model's activations), so bf16 and int4 weights may take the bf16 dot products."""
+    values are bf16 (a bf16 model's activations), so bf16, int4 and FP8 weights may take the bf16 dot
+    products."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
     kb = 0 if scale is None else (scale.shape[-1] if scale.dim() > 1 else 1)
