@@ -167,6 +167,18 @@ def test_the_op_traces_under_compile():
     f = torch.compile(lambda x: native.gemv(x, w, "fp8", 64, s, None, (64, 128)) * 2, fullgraph=True, backend="eager")
     x = torch.randn(1, 128, generator=g)
     assert _rel(f(x), 2 * x @ (w.float() * s).t()) < 1e-5
+    assert _rel(torch.compile(f, backend="inductor")(x), 2 * x @ (w.float() * s).t()) < 1e-5
+
+
+def test_an_input_that_asks_for_a_gradient_is_refused():
+    """The product has no backward: refused, eagerly and compiled, rather than returning an output with none."""
+    w = torch.randn(16, 32).bfloat16()
+    x = torch.randn(1, 32, requires_grad=True)
+    for f in (lambda t: native.gemv(t, w, "bf16", 16), torch.compile(lambda t: native.gemv(t, w, "bf16", 16))):
+        with pytest.raises(Exception, match="no backward"):
+            f(x)
+    with torch.no_grad():
+        assert _rel(native.gemv(x, w, "bf16", 16), x.detach() @ w.float().t()) < 1e-5
 
 
 def test_fake_tensors_are_never_read():
