@@ -234,3 +234,35 @@ def test_a_bf16_layer_compiles_fullgraph_with_the_product_chosen(monkeypatch):
 
     got = torch.compile(lambda t: half_linear(t, w), fullgraph=True, backend=backend)(x)
     assert torch.equal(got, eager) and len(graphs) == 1 and "tpkit.gemv" in graphs[0]
+
+
+@pytest.mark.parametrize("native_faster", [True, False])
+def test_a_bf16_layer_compiled_before_any_eager_call_chooses_its_product_as_it_traces(monkeypatch, native_faster):
+    """Compiled first (no eager call made the choice): the choice is measured as the layer is traced, on a stand-in
+    of the weight's shape and dtype (the traced weight is a fake tensor), and the graph holds the product chosen.
+    Before, such a graph found no choice and ran `F.linear` at every bf16 layer."""
+    from tpkit.quant import products
+
+    monkeypatch.setattr(products, "_CHOSEN", {})
+    measured = []
+
+    def fastest(candidates, tensors, *args, **kwargs):
+        measured.append((tuple(tensors["weight"].shape), tensors["weight"].dtype, native.fake(tensors["weight"])))
+        return candidates[1 if native_faster else 0]
+
+    monkeypatch.setattr(products, "fastest", fastest)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(80, 256, generator=g).bfloat16()
+    x = torch.randn(1, 1, 256, generator=g).bfloat16()
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    got = torch.compile(lambda t: half_linear(t, w), fullgraph=True, backend=backend)(x)
+    assert measured == [((80, 256), torch.bfloat16, False)]  # once, on real tensors
+    assert any("tpkit.gemv" in code for code in graphs) == native_faster
+    assert (got is None) != native_faster
+    if native_faster:
+        assert _rel(got.float(), x.float() @ w.float().t()) < 1e-2

@@ -131,18 +131,10 @@ def half_applies(weight_dtype: torch.dtype, rows: int, needs_grad: bool, cpu: bo
     return weight_dtype in HALF and cpu and rows <= MAX_ROWS and not needs_grad
 
 
-@torch.compiler.assume_constant_result
-def _threads() -> int:
-    """torch's intra-op threads, part of a product choice's key: a constant to a compiled graph (a rank's count does
-    not change under it), where `torch.get_num_threads()` itself broke the graph at every bf16 layer."""
-    return torch.get_num_threads()
-
-
 def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """`x weight^T` for a dense bf16 / fp16 `weight` by the faster of `F.linear` and the native product (measured
-    on the first call of each shape and row count), or None where the native product does not apply
-    (`half_applies`; no compiler) or was slower: the caller uses `F.linear`. Under `torch.compile` only a choice
-    made before is used."""
+    on the first call of each shape and row count, `half_choice`), or None where the native product does not apply
+    (`half_applies`; no compiler) or was slower: the caller uses `F.linear`."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     fake = not torch.compiler.is_compiling() and (native.fake(x) or native.fake(weight))  # a traced step: no data
     n, k = weight.shape
@@ -150,21 +142,45 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if fake or not half_applies(weight.dtype, rows, grad, x.device.type == "cpu"):
         return None
     kind = HALF[weight.dtype]
-    # per row count: the native product's time grew with the rows (1 to 3x from 1 to 8 rows before it shared each
-    # decoded weight row among them) where torch's stayed flat, so a choice made at one row could be the slower one
-    key = ("half", kind, n, k, rows, x.dtype, _threads())
-    if torch.compiler.is_compiling():  # a traced read of a choice made before (a lock does not trace)
-        chosen = _CHOSEN.get(key)
+    if torch.compiler.is_compiling():
+        chosen = _traced_half_choice(kind, n, k, rows, x.dtype)
     else:
-        with _LOCK:
-            chosen = _CHOSEN.get(key)
-    if chosen is None:
-        if torch.compiler.is_compiling() or not native.available():
-            return None
-        candidate = Native(kind, "weight", n)
-        chosen = 1 if fastest([_Torch(), candidate], {"weight": weight}, k, x.dtype, rows) is candidate else 0
-        with _LOCK:
-            _CHOSEN[key] = chosen
+        chosen = half_choice(kind, n, k, rows, x.dtype, weight)
     if not chosen or not native.available():
         return None
     return native.gemv(x, weight, kind, n)
+
+
+STAND_IN_ROWS = 8192  # the most weight rows a stand-in weight has (an LM head's vocabulary: its rate is the same)
+
+
+def half_choice(kind: str, n: int, k: int, rows: int, dtype: torch.dtype, weight: torch.Tensor | None = None) -> int:
+    """1 where the native product of a dense `[n, k]` weight of `kind` outran `F.linear` at `rows` activation rows of
+    `dtype`, else 0; measured once per (shape, rows, dtype, threads), on `weight`, or without one on a random stand-in
+    of its shape (at most `STAND_IN_ROWS` rows). Per row count: the native product's time grew with the rows (1 to 3x
+    from 1 to 8 rows before it shared each decoded weight row among them) where torch's stayed flat, so a choice made
+    at one row could be the slower one."""
+    key = ("half", kind, n, k, rows, dtype, torch.get_num_threads())
+    with _LOCK:
+        chosen = _CHOSEN.get(key)
+    if chosen is None:
+        if not native.available():
+            return 0
+        if weight is None:
+            weight_dtype = next(d for d, name in HALF.items() if name == kind)
+            n = min(n, STAND_IN_ROWS)
+            weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(weight_dtype)
+        candidate = Native(kind, "weight", n)
+        chosen = 1 if fastest([_Torch(), candidate], {"weight": weight}, k, dtype, rows) is candidate else 0
+        with _LOCK:
+            _CHOSEN[key] = chosen
+    return chosen
+
+
+@torch.compiler.assume_constant_result
+def _traced_half_choice(kind: str, n: int, k: int, rows: int, dtype: torch.dtype) -> int:
+    """`half_choice` as a compiled graph's constant: dynamo runs it when it traces the layer (where the layer's weight
+    is a fake tensor, so a choice not made before is measured on a stand-in), and the graph holds the product chosen.
+    A model compiled before any eager call used to find no choice there and run `F.linear` at every bf16 layer (TP2
+    bf16 decode 43-47 ms/token against 38-41 with the choice)."""
+    return half_choice(kind, n, k, rows, dtype)
