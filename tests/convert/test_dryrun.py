@@ -3,6 +3,7 @@ count must not crash after conversion; the block stays whole with the reason, a 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 
 import pytest
@@ -245,6 +246,13 @@ def test_a_failure_on_the_real_copy_first_is_decided_on_meta_tensors(monkeypatch
     assert plan["up"] == "colwise" and plan["down"] == "rowwise" and not plan.reasons.get("up")
 
 
+@dataclasses.dataclass
+class GaveUp(NotImplementedError):
+    """A dataclass exception: it defines __eq__, so it cannot be hashed."""
+
+    reason: str
+
+
 class FastPath(nn.Module):
     """An optional fast path holding layers of its own: it starts, then gives up (raises), and its caller falls
     back, as a model with a kernel it cannot always use does."""
@@ -255,7 +263,7 @@ class FastPath(nn.Module):
 
     def forward(self, x):
         self.proj(x)
-        raise NotImplementedError("no fast path for this input")
+        raise GaveUp("no fast path for this input")
 
 
 class FallbackBlock(nn.Module):

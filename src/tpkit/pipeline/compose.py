@@ -46,14 +46,15 @@ def part_plan(plan: Plan, part: nn.Module) -> Plan:
     names = {n for n, m in part.named_modules() if not isinstance(m, HeldElsewhere)}
     keep = lambda d: {k: v for k, v in d.items() if k in names}  # noqa: E731
     return Plan(keep(plan.entries), world_size=plan.world_size, mode=plan.mode, details=keep(plan.details),
-                reasons=keep(plan.reasons), prefix=plan.prefix)
+                reasons=keep(plan.reasons), prefix=plan.prefix, replaced_by_forward=plan.replaced_by_forward)
 
 
 def convert_part(part: nn.Module, plan: Plan | None, tp: Communicator, mode: str) -> ModelRecord:
     """Convert the rank's part on `tp` with the whole model's `plan` (None at tp 1: the part gets a plain record);
-    return its record."""
+    return its record. A plan made while the model's forward replaced some of its modules is applied after a trace
+    that runs that forward again (`Plan.replaced_by_forward`), as a checkpoint's is."""
     if plan is not None and tp.world_size > 1:
-        parallelize(part, part_plan(plan, part), tp, mode=mode, recorded=True)
+        parallelize(part, part_plan(plan, part), tp, mode=mode, recorded=not plan.replaced_by_forward)
         return find_record(part, "pipeline")[1]
     return attach_record(part, ModelRecord(tp, {}))
 

@@ -358,7 +358,7 @@ static float shift_sum(int64_t KB, const float *s, const float *z, float offset,
    between cleared. An FP8 subnormal (exponent 0, mantissa not 0) becomes a bf16 denormal, which the dot product reads
    as 0: a 64-byte run holding one (two byte tests; rare where a checkpoint is scaled to FP8's range) adds those
    products apart, one by one, each x times the signed mantissa (a normal float32; the subnormal is that times
-   2^-9, placed at 2^-129), the block's sum of them placed once */
+   2^-9, placed at 2^-129), the block's sum of them placed once (skipped where there is none) */
 static inline __attribute__((always_inline)) void dot_fp8_mc(int mc, int64_t K, const uint16_t *xb,
                                                              const uint8_t *w, int64_t size, const float *s_row,
                                                              float *out) {
@@ -395,7 +395,10 @@ static inline __attribute__((always_inline)) void dot_fp8_mc(int mc, int64_t K, 
         float s = s_row ? s_row[b] : 1.0f;
         for (int m = 0; m < mc; m++) {
             tot[m] = _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_add_ps(a[m][0], a[m][1]), tot[m]);
-            rest[m] += s * (tail[m] + low[m] * 0x1p-129f);
+            rest[m] += s * tail[m];
+            if (low[m] != 0.0f)  /* 2^-129 in two normal factors: a denormal constant would cost an assist, and
+                                    reads as 0 where denormals are flushed */
+                rest[m] += s * ((low[m] * 0x1p-64f) * 0x1p-65f);
         }
     }
     for (int m = 0; m < mc; m++) out[m] = rest[m] + _mm512_reduce_add_ps(tot[m]);

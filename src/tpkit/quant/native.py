@@ -40,6 +40,11 @@ _LIB: list = []  # [ctypes function or None], once tried
 _BF16_DOT_KINDS = (KINDS["bf16"], KINDS["uint4"], KINDS["fp8"])  # multiplied as bf16 words for bf16 inputs
 
 
+def _dot(kind: int, rows: int) -> bool:
+    """Whether `gemv.c` may multiply `kind` as bf16 words for bf16 inputs at `rows` (FP8 at one row only)."""
+    return kind in _BF16_DOT_KINDS and (kind != KINDS["fp8"] or rows == 1)
+
+
 def _cpu() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -190,7 +195,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None
     shifted = zero is not None or offset != 0 or uint4  # uint4's bf16 products carry a bias taken off with the sums
     scaled = uint4 or kind in (KINDS["fp8"], KINDS["fp16"])  # x de-interleaved (uint4), scaled up (`gemv.c`)
     sums, halves, row, words = _scratch((4 * m * max(kb, 1) if shifted else 0, 4 * m * k if scaled else 0,
-                                         8 * max(kb, 1), 2 * m * k if bf16 and kind in _BF16_DOT_KINDS else 0))
+                                         8 * max(kb, 1), 2 * m * k if bf16 and _dot(kind, m) else 0))
     _function()(kind, m, n, k, _ptr(x), _ptr(w), _ptr(scale), 0 if scale is None else SCALE_KINDS[scale.dtype],
                 _ptr(zero), 0 if zero is None else ZERO_KINDS[zero.dtype], zero_bits, offset, bh, bw, kb, _ptr(y), 0,
                 n, sums, halves, row, words)
@@ -201,7 +206,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None
 # `torch.library.custom_op`, whose wrappers (autograd, functionalization) cost 14 us of each call (9 in a compiled
 # graph: 30 us per product instead of 21, ~0.5 ms per token of a TP2 decode's 57 products). It has no backward:
 # `gemv` refuses inputs that ask for a gradient (its callers never pass one: `half_applies`, `QuantizedLinear`).
-_LIBRARY = torch.library.Library("tpkit", "DEF")
+_LIBRARY = torch.library.Library("tpkit", "FRAGMENT")  # (the namespace holds tpkit's other ops too)
 _LIBRARY.define("gemv(Tensor x, Tensor w, int kind, Tensor? scale, Tensor? zero, int bh, int bw, int n, float offset, "
                 "int zero_bits, bool bf16) -> Tensor")
 _LIBRARY.impl("gemv", _run, "CPU")

@@ -169,7 +169,7 @@ def half_choice(kind: str, n: int, k: int, rows: int, dtype: torch.dtype, weight
         if weight is None:
             weight_dtype = next(d for d, name in HALF.items() if name == kind)
             n = min(n, STAND_IN_ROWS)
-            weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(weight_dtype)
+            weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=weight_dtype)
         candidate = Native(kind, "weight", n)
         chosen = 1 if fastest([_Torch(), candidate], {"weight": weight}, k, dtype, rows) is candidate else 0
         with _LOCK:

@@ -279,13 +279,13 @@ def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
     """One eval forward of `model` on `inputs` (meta copies of them when `on_meta`); None, or where it failed
     and why."""
     running: list[str] = []
-    left: dict[BaseException, tuple] = {}  # each exception: the running modules when it left the innermost one
+    left: dict[int, tuple] = {}  # id of each exception: (it, the running modules when it left the innermost one)
     handles = []
 
     def popped(*_):  # on a return and on a raise (`always_call`): a child that raised and was caught has left
         exc = sys.exc_info()[1]
-        if exc is not None and exc not in left:
-            left[exc] = tuple(running)
+        if exc is not None and id(exc) not in left:  # (by id: an exception class may define __eq__ unhashably)
+            left[id(exc)] = exc, tuple(running)
         running.pop()
 
     for name, m in model.named_modules():
@@ -302,8 +302,10 @@ def _run(model: nn.Module, inputs: Any, on_meta: bool) -> Failure | None:
             else:
                 model(*args)
     except Exception as exc:  # noqa: BLE001 - any failure of the forward is the finding
-        return left.get(exc, tuple(running)), f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        place = left[id(exc)][1] if id(exc) in left else tuple(running)
+        return place, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     finally:
+        left.clear()  # the exceptions' tracebacks hold this frame, and with it the model's copy
         for h in handles:
             h.remove()
     return None
