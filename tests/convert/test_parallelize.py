@@ -98,6 +98,7 @@ def test_plan_json_round_trip_and_hf_style_strings():
     marked = Plan(p.entries, replaced_by_forward=["model.layers.0.self_attn"])  # the copies keep the mark
     for copied in (Plan.from_json(marked.to_json()), marked.replaced(), marked.updated({"lm_head": "replicate"})):
         assert copied.replaced_by_forward == ("model.layers.0.self_attn",)
+
     # Hugging Face's own plan for Llama (relative names, HF style strings) as the whole plan.
     hf = dict(model.config.base_model_tp_plan)
     hf["lm_head"] = "colwise_gather_output"
@@ -105,6 +106,19 @@ def test_plan_json_round_trip_and_hf_style_strings():
     for plan_arg in (again, {"entries": hf}):
         for out in _logits_on_threads(model, 2, plan_arg):
             assert ((out - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_a_recorded_plan_made_while_the_forward_replaced_modules_is_traced_again():
+    """`recorded=True` applies a plan untraced, except one made while the model's forward replaced some of its
+    modules (a checkpoint's or a pipeline part's plan of BigBird): the trace replaces them again first."""
+    from tpkit.convert.state import RECORDED, WHOLE, read_request
+
+    model = hf_model("llama")
+    modules = dict(model.named_modules())
+    p = plan(model, 2)
+    assert read_request(p, modules, 2, recorded=True).kind == RECORDED
+    marked = Plan(p.entries, world_size=2, replaced_by_forward=["model.layers.0.self_attn"])
+    assert read_request(marked, modules, 2, recorded=True).kind == WHOLE
 
 
 def test_user_entries_override_auto_ones():

@@ -185,14 +185,12 @@ def load_config(source: Source, path: str):
 
 def recorded_plan(source: Source, plan, world: int, mode: str):
     """`(plan, recorded)`: a tpkit checkpoint saved at this world size and mode carries the plan its model was
-    converted with; with `plan="auto"` that plan is applied as recorded (no trace: a reload is mostly reading), or,
-    where the model's forward replaced some of its modules while it was made (`Plan.replaced_by_forward`), applied
-    after a trace that runs that forward again."""
+    converted with; with `plan="auto"` that plan is applied as recorded (no trace: a reload is mostly reading; a plan
+    made while the model's forward replaced some of its modules is traced again: `state.read_request`)."""
     saved = (source.manifest or {}).get("plan")
     if isinstance(plan, str) and plan == "auto" and saved and saved.get("world_size") == world \
             and saved.get("mode") == mode:
-        made = Plan.from_dict(saved)
-        return made, not made.replaced_by_forward
+        return Plan.from_dict(saved), True
     return plan, False
 
 

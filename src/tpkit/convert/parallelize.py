@@ -58,7 +58,9 @@ def parallelize(model: nn.Module, plan: Any = "auto", comm=None, *, mode: str = 
 
     `recorded=True`: `plan` is the `Plan` this same model was converted with before at this world size (as a
     checkpoint records it); it is applied without tracing the model or re-checking the dataflow, which was
-    done when it was made (reloads skip the trace). Ignored with sequence parallelism, which needs the trace.
+    done when it was made (reloads skip the trace). Ignored with sequence parallelism, which needs the trace, and
+    for a plan made while the model's forward replaced some of its modules (`Plan.replaced_by_forward`: BigBird's
+    attention), which the trace replaces again.
 
     A model holding PEFT LoRA adapters (a `PeftModel`, or layers PEFT wrapped) converts as the bare model would,
     each adapter following its base layer's split (`tpkit.nn.lora`): the model `peft.get_peft_model` gives on the

@@ -81,7 +81,7 @@ class Plan(Mapping[str, str]):
         self.prefix = prefix
         # modules the model's own forward replaced while this plan was made (BigBird swaps its block-sparse attention
         # for full attention on short inputs): applied as recorded, without that forward, the plan would meet the
-        # modules from before (`recorded_plan` traces such a model again; the plan cache does not store its plan)
+        # modules from before (`state.read_request` traces such a model again; the plan cache does not store it)
         self.replaced_by_forward = tuple(replaced_by_forward)
 
     # Mapping protocol: the entries.

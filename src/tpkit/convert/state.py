@@ -58,9 +58,9 @@ def read_request(plan: Any, modules: Mapping[str, nn.Module], world: int, record
     check_plan_argument(plan)
     if isinstance(plan, str) and plan in PLAN_WORDS:
         return Request(AUTO, None, frozenset())
-    if isinstance(plan, Plan):
+    if isinstance(plan, Plan):  # recorded: applied untraced, unless made while the forward replaced modules
         whole = recorded and plan.world_size == world and not sequence_parallel and \
-            SEQUENCE_PARALLEL not in plan.entries.values()
+            SEQUENCE_PARALLEL not in plan.entries.values() and not plan.replaced_by_forward
         return Request(RECORDED if whole else WHOLE, plan.updated({}), frozenset())  # a copy: never filled in
     if isinstance(plan, (str, Path)):
         return Request(WHOLE, Plan.load(plan), frozenset())

@@ -51,10 +51,9 @@ def part_plan(plan: Plan, part: nn.Module) -> Plan:
 
 def convert_part(part: nn.Module, plan: Plan | None, tp: Communicator, mode: str) -> ModelRecord:
     """Convert the rank's part on `tp` with the whole model's `plan` (None at tp 1: the part gets a plain record);
-    return its record. A plan made while the model's forward replaced some of its modules is applied after a trace
-    that runs that forward again (`Plan.replaced_by_forward`), as a checkpoint's is."""
+    return its record."""
     if plan is not None and tp.world_size > 1:
-        parallelize(part, part_plan(plan, part), tp, mode=mode, recorded=not plan.replaced_by_forward)
+        parallelize(part, part_plan(plan, part), tp, mode=mode, recorded=True)
         return find_record(part, "pipeline")[1]
     return attach_record(part, ModelRecord(tp, {}))
 

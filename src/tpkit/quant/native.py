@@ -37,12 +37,7 @@ ZERO_KINDS = {torch.int8: 1, torch.int32: 2}  # int8 values; int32 words packing
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.c")
 _LOCK = threading.Lock()
 _LIB: list = []  # [ctypes function or None], once tried
-_BF16_DOT_KINDS = (KINDS["bf16"], KINDS["uint4"], KINDS["fp8"])  # multiplied as bf16 words for bf16 inputs
-
-
-def _dot(kind: int, rows: int) -> bool:
-    """Whether `gemv.c` may multiply `kind` as bf16 words for bf16 inputs at `rows` (FP8 at one row only)."""
-    return kind in _BF16_DOT_KINDS and (kind != KINDS["fp8"] or rows == 1)
+_BF16_DOT_KINDS = (KINDS["bf16"], KINDS["uint4"], KINDS["fp8"])  # may be multiplied as bf16 words (`gemv.c` decides)
 
 
 def _cpu() -> str:
@@ -195,7 +190,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None
     shifted = zero is not None or offset != 0 or uint4  # uint4's bf16 products carry a bias taken off with the sums
     scaled = uint4 or kind in (KINDS["fp8"], KINDS["fp16"])  # x de-interleaved (uint4), scaled up (`gemv.c`)
     sums, halves, row, words = _scratch((4 * m * max(kb, 1) if shifted else 0, 4 * m * k if scaled else 0,
-                                         8 * max(kb, 1), 2 * m * k if bf16 and _dot(kind, m) else 0))
+                                         8 * max(kb, 1), 2 * m * k if bf16 and kind in _BF16_DOT_KINDS else 0))
     _function()(kind, m, n, k, _ptr(x), _ptr(w), _ptr(scale), 0 if scale is None else SCALE_KINDS[scale.dtype],
                 _ptr(zero), 0 if zero is None else ZERO_KINDS[zero.dtype], zero_bits, offset, bh, bw, kb, _ptr(y), 0,
                 n, sums, halves, row, words)
