@@ -158,7 +158,7 @@ def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False) -> 
 
 def kernels(hidden: int, repeats: int = 20) -> str:
     from tpkit.quant import native
-    from tpkit.quant.kernels import int4_kernel_layout
+    from tpkit.quant.kernels import int4_kernel_block, int4_kernel_layout
 
     torch.set_num_threads(1)
     O, I, g = int(hidden * 2.75) // 128 * 128, hidden, 128
@@ -188,8 +188,8 @@ def kernels(hidden: int, repeats: int = 20) -> str:
                  x, q8[k], s8[:, 0].bfloat16())), 1),
              "torch _weight_int4pack_mm_for_cpu (bf16 x, layout kept)": (rot(
                  lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t4[k], g, sz)), 0.5),
-             "torch int4 with the layout rebuilt per call": (rot(
-                 lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4_kernel_layout(p4[k]), g, sz)), 0.5)}
+             "torch int4 with the layout rebuilt per call": (rot(lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                 x, int4_kernel_layout(p4[k], int4_kernel_block()), g, sz)), 0.5)}
     if native.available():
         calls.update({"tpkit native bf16": (rot(lambda k: native.gemv(x, wbf[k], "bf16", O)), 2),
                       "tpkit native int8": (rot(lambda k: native.gemv(x, q8[k], "int8", O, s8, None, (1, I))), 1),

@@ -27,7 +27,7 @@ import torch
 
 from .format import Format, Product, Refused, Roles
 from .products import Native, native_applies
-from .kernels import INT4_GROUPS, INT8_K_MULTIPLE, int4_linear, int8_linear
+from .kernels import INT4_GROUPS, INT8_K_MULTIPLE, int4_kernel_block, int4_linear, int8_linear
 from .packing import unpack_signed
 from .schemes import DimRule, Quantization, StoredTensor, WeightQuant, groups
 
@@ -158,8 +158,9 @@ class CompressedTensors(Format):
         found = [p for p in [_native(q, out, in_)] if p is not None and native_applies(dtype, scale_dtype)]
         if dtype != scale_dtype:  # torch's kernels compute in the activations' dtype (the module docstring)
             return found
+        rows = int4_kernel_block()
         if q.layout == "ct_pack" and q.bits == 4 and q.strategy == "group" and q.group_size in INT4_GROUPS \
-                and out % 64 == 0 and in_ % q.group_size == 0:
+                and rows and out % rows == 0 and in_ % q.group_size == 0:
             found.append(_Int4(q.group_size, q.bits))
         if q.layout in ("ct_pack", "ct_int") and q.bits == 8 and q.strategy == "channel" and q.symmetric \
                 and in_ % INT8_K_MULTIPLE == 0:

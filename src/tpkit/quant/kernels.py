@@ -1,8 +1,11 @@
 """torch's CPU weight-only kernels for the formats that map onto them, fed from the packed tensors as stored.
 
 - int4, group 32 / 64 / 128 / 256 (compressed-tensors `pack-quantized`): `_weight_int4pack_mm_for_cpu`, whose
-  packed layout holds, per block of 64 output rows and per input feature, rows `j` and `j + 32` in one byte.
-  `int4_kernel_layout` rearranges the stored nibbles into it (a few byte passes, no unpacking to int32), and the
+  packed layout holds, per block of B output rows and per input feature, rows `j` and `j + B / 2` in one byte. B
+  is the CPU's: torch 2.13 packs 64 rows where it has AVX-512 and 32 with AVX2 only (an AMD Zen 3), so
+  `int4_kernel_block` asks torch's own converter once which it is (the 64-row layout fed to the AVX2 kernel gave
+  sums 1.5x off). `int4_kernel_layout` rearranges the stored nibbles into it (a few byte passes, no unpacking to
+  int32), and the
   kernel's `w = (q - 8) * scale + zero` takes compressed-tensors' `(q_signed - zp) * scale` as
   `zero = -zp * scale`.
 - int8 per channel, symmetric (`pack-quantized` 8-bit or `int-quantized`): `_weight_int8pack_mm` on the int8
@@ -21,6 +24,8 @@ faults on bf16 activations when they do not start on a 64-byte boundary (a view 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 INT4_GROUPS = (32, 64, 128, 256)
@@ -31,11 +36,29 @@ INT8_K_MULTIPLE = 16  # input features: the int8 kernel's bf16 path reads whole 
 # 2.13: 40 features gave wrong sums, 43 at a row split over 3 ranks a segfault), so other widths dequantize
 
 
-def int4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
+@functools.cache
+def int4_kernel_block() -> int | None:
+    """The output rows per block of torch's int4 layout on this CPU (see the module docstring), read off torch's own
+    converter on a small random weight; None where none of 64, 32, 16 matches it (or torch lacks the kernel): no
+    int4 product is offered then."""
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    try:
+        want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1).view(torch.uint8).reshape(-1)
+    except (RuntimeError, AttributeError):
+        return None
+    words = sum(q[:, t::8] << (4 * t) for t in range(8))  # compressed-tensors' words of the same values
+    for rows in (64, 32, 16):
+        if torch.equal(int4_kernel_layout(words, rows).view(torch.uint8).reshape(-1), want):
+            return rows
+    return None
+
+
+def int4_kernel_layout(packed: torch.Tensor, rows: int) -> torch.Tensor:
     """compressed-tensors' int4 words `[N, K / 8]` (value + 8, value `j` in bits `4j..4j+3`) in the layout of
-    `torch.ops.aten._convert_weight_to_int4pack_for_cpu` (`[N, K / 2]` bytes; N a multiple of 64)."""
+    `torch.ops.aten._convert_weight_to_int4pack_for_cpu` (`[N, K / 2]` bytes) that pairs rows `j` and `j + rows / 2`
+    per block of `rows` (`int4_kernel_block()`; N a multiple of it)."""
     n = packed.shape[0]
-    blocks = packed.contiguous().view(n // 64, 2, 32, -1)
+    blocks = packed.contiguous().view(n // rows, 2, rows // 2, -1)
     low, high = blocks[:, 0], blocks[:, 1]  # rows j and j + 32 of each block, [blocks, 32, K / 8] words
     # a word's nibbles t = 0..7 are features 8w + t: pair row j's nibble (low half) with row j+32's (high half),
     # even t and odd t in the bytes of two words, then interleave the bytes back into feature order
@@ -54,7 +77,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     zero = torch.zeros_like(s) if zero_point is None else -(zero_point.to(x.dtype) * s)
     sz = torch.stack((s.t(), zero.t()), -1).contiguous()
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels read rows in place
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, int4_kernel_layout(packed), group, sz)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, int4_kernel_layout(packed, int4_kernel_block()), group, sz)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
