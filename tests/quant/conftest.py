@@ -20,8 +20,8 @@ def _bf16_dot() -> bool:
 def build(request, monkeypatch):
     """The product built for each instruction-set path `TPKIT_NATIVE_ISA` offers (`native.ISA_FLAGS`): all this CPU
     has (the AVX-512 loops where it has them, with AVX512-BF16's dot products for bf16 inputs where it has that),
-    the AVX-512 loops without them, the same CPU without AVX-512 (the portable loops the compiler vectorizes for
-    AVX2), and x86-64's baseline; each is what some CPU runs."""
+    the AVX-512 loops without them, the same CPU without AVX-512 (the AVX2 loops, with the int16 runs for integer
+    weights), and x86-64's baseline (the portable loops); each is what some CPU runs."""
     if request.param == "native":
         return request.param
     if request.param == "avx2" and not _avx512():

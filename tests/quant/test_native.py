@@ -10,6 +10,8 @@ import torch
 from tpkit.quant import native
 from tpkit.quant.products import half_linear
 
+from .test_native_int16 import int16_runs, run_of
+
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler built tpkit's native product here")
 
 
@@ -70,10 +72,13 @@ def test_fp8_and_fp16_weights_keep_their_precision_at_any_activation_size(scale,
 def test_bf16_inputs_equal_the_float64_product(n, k, block, rows, build):
     """bf16 activations (a bf16 model's) take AVX512-BF16's dot products for bf16 and int4 weights where the CPU
     has them (int4 where its blocks are whole runs of 128 values; 64 and 100 wide blocks, and k 200, keep the
-    float32 loops): the float32 sums before the output's rounding to bf16 equal the float64 product of the same
-    values, zero points and scales of each dtype included, on every instruction-set path."""
+    float32 loops), and the int16 runs of x for int4 weights in AVX2 builds: the float32 sums before the output's
+    rounding to bf16 equal the float64 product of the same values (x as its runs stand for it, where taken), zero
+    points and scales of each dtype included, on every instruction-set path."""
     g = torch.Generator().manual_seed(n * k + rows)
     x = torch.randn(rows, k, generator=g).bfloat16()
+    unit = run_of(k, block[1])  # AVX2 builds: the int16 runs of x (test_native_int16.py)
+    runs = int16_runs(x, unit)[0] if "int16 runs" in native.paths() and unit else x.double()
     nb, kb = -(-n // block[0]), -(-k // block[1])
     u4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     stored = (u4[:, 0::2] | (u4[:, 1::2] << 4)).contiguous()
@@ -83,7 +88,7 @@ def test_bf16_inputs_equal_the_float64_product(n, k, block, rows, build):
             z = 0 if zero is None else _blocks(zero, block, (n, k)).double()
             dense = (u4.double() - z - 8) * _blocks(s.double(), block, (n, k))
             got = native._run(x.float(), stored, native.KINDS["uint4"], s, zero, *block, n, 8.0, 0, True)
-            assert _rel(got, x.double() @ dense.t()) < 1e-6, (scale_dtype, zero is None)
+            assert _rel(got, runs @ dense.t()) < 1e-6, (scale_dtype, zero is None)
     w = torch.randn(n, k, generator=g).bfloat16()
     got = native._run(x.float(), w, native.KINDS["bf16"], None, None, 1, 1, n, 0.0, 0, True)
     assert _rel(got, x.double() @ w.double().t()) < 1e-6

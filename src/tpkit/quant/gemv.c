@@ -4,7 +4,9 @@
    weight row is read once, decoded in registers (no dense copy), and multiplied by every activation row while it is
    in the cache, the bytes a few KiB ahead asked for meanwhile. With AVX-512 (`native.py` builds it with `-O3
    -march=native`), intrinsics: up to MC_MAX activation rows share each decoded weight row, each keeping 4 chains of
-   16 float32 lanes; elsewhere plain C that the compiler vectorizes, 32 lanes per dot product, one row at a time.
+   16 float32 lanes; with AVX2 (and FMA, F16C) the same at 8 lanes; elsewhere plain C that the compiler vectorizes,
+   32 lanes per dot product, one row at a time. In AVX2 builds, integer weights times bf16 activations take integer
+   products instead (X16: x made int16 per run, `vpmaddwd`), which need a quarter of the instructions.
    Where the CPU has AVX512-BF16 and the activations are bf16 values (`xb`), bf16, int4 and FP8 weights are
    multiplied as bf16 words by its dot product instead (`dot_bf16`): the same float32 sums of exact products, with no
    decode to float32 (int4: a byte lookup per nibble; FP8: two bit operations per 32 values), which was the int4 and
@@ -33,14 +35,14 @@
 #include <string.h>
 
 #define LANES 32
-#define MC_MAX 4 /* activation rows that share one decode of a weight row (AVX-512 loops) */
+#define MC_MAX 4 /* activation rows that share one decode of a weight row (AVX-512 and AVX2 loops) */
 /* Bytes asked for ahead of the row being multiplied, into every cache level: the weight streams from memory once
    and the decode is arithmetic, so without asking ahead the two took turns (int4 rows of 1 KiB, cold: 3.3 GB/s, and
    6.4 GB/s asking 4 KiB ahead, which is what the decode does in cache; further ahead, or past the caches, was
    slower on the 2-core box). */
 #define AHEAD 4096
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define FP16_FACTOR 1.0f /* _mm512_cvtph_ps converts fp16 exactly */
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define FP16_FACTOR 1.0f /* _mm512_cvtph_ps / _mm256_cvtph_ps convert fp16 exactly */
 #else
 #define FP16_FACTOR 0x1p112f
 #endif
@@ -197,6 +199,271 @@ static inline __attribute__((always_inline)) void rows_mc(
     for (int m = 0; m < mc; m++) out[m] = rest[m] + _mm512_reduce_add_ps(tot[m]);
 }
 
+#define VECTOR_ROWS 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+/* AVX2 (with FMA and F16C; AMD's Zen 3, Intel before AVX-512): the AVX-512 loops' plan at 8 lanes. 8 weights decoded
+   from their bytes to float32 in one register (each a widening load and at most two bit operations or a conversion;
+   fp16 exactly by F16C) */
+static inline __m256 decode8(int kind, const uint8_t *w, int64_t k) {
+    switch (kind) {
+    case 0: return _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 2 * k))), 16));
+    case 1: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * k)));
+    case 2: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k))));
+    case 3: return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + k))));
+    default: {  /* as decode16 */
+        __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k)));
+        return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32((int)0x87F00000u)));
+    }
+    }
+}
+
+/* 8 bytes of packed pairs at byte j, decoded once: low nibbles into each row's chain `lo` (with xe), high into `hi`
+   (with xo) */
+static inline __attribute__((always_inline)) void pairs8(int mc, const float *halves, int64_t K, const uint8_t *w,
+                                                         int64_t j, __m256 a[][4], int lo, int hi) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + j)));
+    __m256 l = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    __m256 h = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    for (int m = 0; m < mc; m++) {
+        const float *xe = halves + m * K, *xo = xe + K / 2;
+        a[m][lo] = _mm256_fmadd_ps(_mm256_loadu_ps(xe + j), l, a[m][lo]);
+        a[m][hi] = _mm256_fmadd_ps(_mm256_loadu_ps(xo + j), h, a[m][hi]);
+    }
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* As the AVX-512 rows_mc, with 16 registers: 4 chains per activation row at one or two rows, 2 at three or four (the
+   accumulators, the decoded weights and a loaded activation then still fit) */
+static inline __attribute__((always_inline)) void rows_mc(
+        int kind, int mc, int64_t K, const float *x, const float *halves, const uint8_t *w, int64_t size,
+        const float *s_row, const float *z_row, float offset, int shifted, const float *sums, int64_t KB,
+        float *out) {
+    const int c1 = mc <= 2 ? 1 : 0, c2 = mc <= 2 ? 2 : 1, c3 = mc <= 2 ? 3 : 1;  /* chains 1, 2, 3 or 0, 1, 1 */
+    __m256 tot[MC_MAX];
+    float rest[MC_MAX];
+    for (int m = 0; m < mc; m++) { tot[m] = _mm256_setzero_ps(); rest[m] = 0.0f; }
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += size, b++) {
+        int64_t k1 = k0 + size < K ? k0 + size : K;
+        __m256 a[MC_MAX][4];
+        float tail[MC_MAX];
+        for (int m = 0; m < mc; m++) {
+            a[m][0] = a[m][1] = a[m][2] = a[m][3] = _mm256_setzero_ps();
+            tail[m] = 0.0f;
+        }
+        if (kind == 4) {
+            int64_t j = k0 / 2, j1 = k1 / 2;
+            for (; j + 16 <= j1; j += 16) {
+                pairs8(mc, halves, K, w, j, a, 0, c1);
+                pairs8(mc, halves, K, w, j + 8, a, c2, c3);
+            }
+            for (; j + 8 <= j1; j += 8) pairs8(mc, halves, K, w, j, a, 0, c1);
+            for (; j < j1; j++)
+                for (int m = 0; m < mc; m++)
+                    tail[m] += halves[m * K + j] * (float)(w[j] & 15) + halves[m * K + K / 2 + j] * (float)(w[j] >> 4);
+        } else {
+            int64_t k = k0;
+            for (; k + 32 <= k1; k += 32) {
+                __m256 d0 = decode8(kind, w, k), d1 = decode8(kind, w, k + 8);
+                __m256 d2 = decode8(kind, w, k + 16), d3 = decode8(kind, w, k + 24);
+                for (int m = 0; m < mc; m++) {
+                    const float *xm = x + m * K;
+                    a[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k), d0, a[m][0]);
+                    a[m][c1] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 8), d1, a[m][c1]);
+                    a[m][c2] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 16), d2, a[m][c2]);
+                    a[m][c3] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + k + 24), d3, a[m][c3]);
+                }
+            }
+            for (; k + 8 <= k1; k += 8) {
+                __m256 d0 = decode8(kind, w, k);
+                for (int m = 0; m < mc; m++) a[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), d0, a[m][0]);
+            }
+            for (; k < k1; k++) {  /* fp16 bits decode scaled by 2^-112; this path's outputs are not scaled back */
+                float d = kind == 1 ? decode(kind, w, k) * 0x1p112f : decode(kind, w, k);
+                for (int m = 0; m < mc; m++) tail[m] += x[m * K + k] * d;
+            }
+        }
+        float s = s_row ? s_row[b] : 1.0f;
+        for (int m = 0; m < mc; m++) {
+            __m256 sum = _mm256_add_ps(_mm256_add_ps(a[m][0], a[m][1]), _mm256_add_ps(a[m][2], a[m][3]));
+            tot[m] = _mm256_fmadd_ps(_mm256_set1_ps(s), sum, tot[m]);
+            rest[m] += s * tail[m];
+            if (shifted) rest[m] -= s * (z_row ? z_row[b] : offset) * sums[m * KB + b];
+        }
+    }
+    for (int m = 0; m < mc; m++) out[m] = rest[m] + sum8(tot[m]);
+}
+
+/* Integer weights (kinds 2, 3, 4) times bf16 activations: `vpmaddwd` multiplies 16 words by 16 words and adds pairs
+   into 8 int32 lanes, 4x the weights per instruction of the float32 multiply-adds and half their activation bytes.
+   So each run of `unit` activations (the scale block's width, at most UNIT_MAX) is made int16 once per call
+   (`x16_activations`): scaled by the power of two 2^(15 - e) that puts its largest |x| below 2^15 and rounded to
+   the nearest integer. Each value is then off by at most 2^(e - 16) (2^(e - 15) where it saturates at 32767), under
+   2^-14 of the run's largest |x|: a bf16 activation's own rounding is 2^-9 of itself. The integer products and their
+   sums within a run are exact; each run's int32 sums become float32 once, times the run's 2^(e - 15) and the block's
+   scale. The zero points and offset come off with the sums of the int16 values times their scales (`sums`), as in
+   the float32 loops. Per lane a run adds at most UNIT_MAX / 8 products of |w| <= 255 and |x| <= 2^15: under 2^31. */
+#define X16 1
+#define UNIT_MAX 128
+
+/* The run length the int16 path takes for this layer, or 0 (the float32 loops): whole runs of 32 values in each
+   scale block and in K */
+static int64_t x16_unit(int kind, int64_t K, int64_t size) {
+    int64_t unit = size < UNIT_MAX ? size : UNIT_MAX;
+    if (kind < 2 || kind > 4 || unit % 32 != 0 || size % unit != 0 || K % unit != 0) return 0;
+    return unit;
+}
+
+/* 8 int32 lanes each run's values (for kind 4: the even entries of a and b, or the odd ones), in order */
+static inline __m256i x16_pick(__m256i a, __m256i b, int odd) {
+    __m256 p = odd ? _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), 0xDD)
+                   : _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), 0x88);
+    return _mm256_permute4x64_epi64(_mm256_castps_si256(p), 0xD8);
+}
+
+/* 16 int32 lanes (a, then b) as 16 words in order, saturated to int16 */
+static inline __m256i x16_words(__m256i a, __m256i b) {
+    return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+}
+
+/* xq = x's runs as int16 (kind 4: each 32 values as their 16 even then 16 odd entries, the order a 16-byte run of
+   pairs decodes in), xs[m * (K / unit) + u] = run u's 2^(e - 15); `sums` (where shifted) the blocks' sums of the
+   int16 values times their run's scale. Returns 0 (the float32 loops then run, reading none of it) where some |x| is
+   not below 2^100 (inf, NaN) or a run's largest |x| is not 0 and below 2^-100. Rounds to nearest, ties to even (the
+   default rounding mode). */
+static int x16_activations(int kind, int64_t M, int64_t K, int64_t unit, int64_t size, const float *x, int16_t *xq,
+                           float *xs, int shifted, float *sums, int64_t KB) {
+    const int64_t KU = K / unit;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), huge = _mm256_set1_ps(0x1p100f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t u = 0; u < KU; u++) {
+            const float *xu = x + m * K + u * unit;
+            int16_t *qu = xq + m * K + u * unit;
+            __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+            for (int64_t i = 0; i < unit; i += 8) {
+                __m256 v = _mm256_and_ps(_mm256_loadu_ps(xu + i), magnitude);
+                top = _mm256_max_ps(top, v);
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, huge, _CMP_NLT_UQ));  /* NaN, or 2^100 and up */
+            }
+            if (_mm256_movemask_ps(bad)) return 0;
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+            if (amax != 0.0f && amax < 0x1p-100f) return 0;  /* its scales would leave float32's range */
+            int e = 0;
+            frexpf(amax, &e);  /* amax < 2^e (e 0 where amax is 0) */
+            const __m256 up = _mm256_set1_ps(ldexpf(1.0f, 15 - e));
+            __m256i total = _mm256_setzero_si256();
+            for (int64_t i = 0; i < unit; i += 32) {
+                __m256i q[4], w0, w1;
+                for (int j = 0; j < 4; j++)
+                    q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xu + i + 8 * j), up));
+                if (kind == 4) {
+                    w0 = x16_words(x16_pick(q[0], q[1], 0), x16_pick(q[2], q[3], 0));
+                    w1 = x16_words(x16_pick(q[0], q[1], 1), x16_pick(q[2], q[3], 1));
+                } else {
+                    w0 = x16_words(q[0], q[1]);
+                    w1 = x16_words(q[2], q[3]);
+                }
+                _mm256_storeu_si256((__m256i *)(qu + i), w0);
+                _mm256_storeu_si256((__m256i *)(qu + i + 16), w1);
+                total = _mm256_add_epi32(total,
+                                         _mm256_add_epi32(_mm256_madd_epi16(w0, ones), _mm256_madd_epi16(w1, ones)));
+            }
+            xs[m * KU + u] = ldexpf(1.0f, e - 15);
+            if (shifted) {
+                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+                int64_t b = u * unit / size;
+                if (u * unit % size == 0) sums[m * KB + b] = 0.0f;
+                sums[m * KB + b] += (float)_mm_cvtsi128_si32(h) * xs[m * KU + u];
+            }
+        }
+    return 1;
+}
+
+/* sum over blocks b < KB of s[b] * (z[b], or `offset` where z is NULL) * sums[b], 8 blocks per step */
+static float x16_shift(int64_t KB, const float *s, const float *z, float offset, const float *sums) {
+    __m256 acc = _mm256_setzero_ps();
+    float rest = 0.0f;
+    int64_t b = 0;
+    for (; b + 8 <= KB; b += 8) {
+        __m256 zb = z ? _mm256_loadu_ps(z + b) : _mm256_set1_ps(offset);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + b), zb), _mm256_loadu_ps(sums + b), acc);
+    }
+    for (; b < KB; b++) rest += s[b] * (z ? z[b] : offset) * sums[b];
+    return rest + sum8(acc);
+}
+
+/* As rows_mc, from the int16 runs: 32 weights per step widened to words once for all rows (kind 4: a 16-byte run
+   of pairs, its low nibbles meeting the run's first 16 words, the high its next 16) */
+static inline __attribute__((always_inline)) void x16_rows_mc(
+        int kind, int mc, int64_t K, int64_t unit, const int16_t *xq, const float *xs, const uint8_t *w,
+        int64_t size, const float *s_row, const float *z_row, float offset, int shifted, const float *sums,
+        int64_t KB, float *out) {
+    const int64_t KU = K / unit, per_block = size / unit, step = kind == 4 ? unit / 2 : unit;  /* (bytes per run) */
+    __m256 tot[MC_MAX];
+    for (int m = 0; m < mc; m++) tot[m] = _mm256_setzero_ps();
+    float s = s_row ? s_row[0] : 1.0f;
+    for (int64_t u = 0, b = 0, in_block = 0; u < KU; u++, w += step) {  /* one flat loop over the runs */
+        __m256i a[MC_MAX][2];
+        for (int m = 0; m < mc; m++) a[m][0] = a[m][1] = _mm256_setzero_si256();
+        for (int64_t k = 0; k < unit; k += 32) {
+            __m256i w0, w1;
+            if (kind == 4) {
+                __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + (k >> 1))));
+                w0 = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+                w1 = _mm256_srli_epi16(bytes, 4);
+            } else if (kind == 2) {
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
+            } else {
+                w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
+                w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
+            }
+            for (int m = 0; m < mc; m++) {
+                const int16_t *xm = xq + m * K + u * unit + k;
+                a[m][0] = _mm256_add_epi32(a[m][0], _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xm)));
+                a[m][1] = _mm256_add_epi32(a[m][1],
+                                           _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xm + 16))));
+            }
+        }
+        for (int m = 0; m < mc; m++)
+            tot[m] = _mm256_fmadd_ps(_mm256_set1_ps(s * xs[m * KU + u]),
+                                     _mm256_cvtepi32_ps(_mm256_add_epi32(a[m][0], a[m][1])), tot[m]);
+        if (++in_block == per_block && u + 1 < KU) { in_block = 0; b++; s = s_row ? s_row[b] : 1.0f; }
+    }
+    for (int m = 0; m < mc; m++)
+        out[m] = sum8(tot[m]) - (shifted ? x16_shift(KB, s_row, z_row, offset, sums + m * KB) : 0.0f);
+}
+
+#define X16_CASE(KIND)                                                                                          \
+    switch (mc) {                                                                                               \
+    case 1: x16_rows_mc(KIND, 1, K, unit, xq, xs, w, size, s_row, z_row, offset, shifted, sums, KB, out); return; \
+    case 2: x16_rows_mc(KIND, 2, K, unit, xq, xs, w, size, s_row, z_row, offset, shifted, sums, KB, out); return; \
+    case 3: x16_rows_mc(KIND, 3, K, unit, xq, xs, w, size, s_row, z_row, offset, shifted, sums, KB, out); return; \
+    default: x16_rows_mc(KIND, 4, K, unit, xq, xs, w, size, s_row, z_row, offset, shifted, sums, KB, out); return; \
+    }
+
+static void x16_rows(int kind, int mc, int64_t K, int64_t unit, const int16_t *xq, const float *xs,
+                     const uint8_t *w, int64_t size, const float *s_row, const float *z_row, float offset,
+                     int shifted, const float *sums, int64_t KB, float *out) {
+    if (kind == 2) X16_CASE(2)
+    if (kind == 3) X16_CASE(3)
+    X16_CASE(4)
+}
+#define VECTOR_ROWS 1
+#endif
+
+#ifdef VECTOR_ROWS
 #define ROWS_CASE(KIND)                                                                                         \
     switch (mc) {                                                                                               \
     case 1: rows_mc(KIND, 1, K, x, halves, w, size, s_row, z_row, offset, shifted, sums, KB, out); return;      \
@@ -220,7 +487,9 @@ static void rows(int kind, int mc, int64_t K, const float *x, const float *halve
     }
 }
 
-#if defined(__AVX512BF16__)
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 /* Activations that are bf16 values (a bf16 model's): each product of bf16 weights, or of int4 values made bf16, is
    exact in float32, so AVX512-BF16's `vdpbf16ps` (32 weights per instruction, summed in float32) gives the float32
    loop's sums with no decode to float32 at all. bf16 weights are multiplied as stored. An int4 nibble q becomes the
@@ -411,7 +680,8 @@ static void dot_bf16(int kind, int mc, int64_t K, const uint16_t *xb, const uint
     DOT_CASE(dot_bf16_mc, (const uint16_t *)w)
 }
 #endif
-#else
+
+#ifndef VECTOR_ROWS
 /* acc[l] += s * (sum over k in [k0, k1), k = l mod LANES, of x[k] * decode(w, k)), and the returned tail (k past the
    last whole run of LANES) times s: the kind is a constant in each instance (inlined per case) */
 #define BLOCK(NAME, KIND)                                                                                   \
@@ -480,14 +750,28 @@ static void rows(int kind, int mc, int64_t K, const float *x, const float *halve
 }
 #endif
 
+/* The products this build has, for bf16 activations: 1 AVX512-BF16's dot products (BF16_DOT), 2 int16 runs of x
+   for integer weights (X16); 0 the float32 loops only */
+int tp_paths(void) {
+    int paths = 0;
+#ifdef BF16_DOT
+    paths |= 1;
+#endif
+#ifdef X16
+    paths |= 2;
+#endif
+    return paths;
+}
+
 /* Rows [n0, n1) of y (`[M, N]` float32) for x `[M, K]` float32. `sums`: M x KB scratch (the blocks' sums of x, when
    there are zero points or an offset); `halves`: M x K scratch (x de-interleaved into even / odd k, for kind 4; x
-   scaled up, for kind 5 and for kind 1 without AVX-512);
+   scaled up, for kind 5 and for kind 1 without F16C);
    `row`: 2 x KB scratch (a row block's scales and zero points as float32, decoded once for all M rows: the inner
    loops then read float32 as they would from a float32 table). `xb`: M x K scratch of 16-bit words where x's values
    are bf16 (a bf16 model's activations), else NULL: bf16, int4 and FP8 weights then take the bf16 dot products
    (int4 where its blocks are whole runs of 128 values, FP8 at one row), the sums of x (`sums`, needed) carrying
-   int4's bias. */
+   int4's bias; in AVX2 builds, integer weights take x's int16 runs (X16): then M x K words followed by M x K / 32
+   float32 (the runs' scales). */
 void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const void *w, const void *scale,
              int scale_kind, const void *zero, int zero_kind, int zero_bits, float offset, int64_t bh, int64_t bw,
              int64_t KB, float *y, int64_t n0, int64_t n1, float *sums, float *halves, float *row, uint16_t *xb) {
@@ -520,14 +804,20 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
 #ifdef BF16_DOT
     if (dot) bf16_activations(kind, M, K, x, xb);  /* (after the scaling: x times 2^64 is still bf16 values) */
 #endif
-    if (shifted)
+    int x16 = 0;  /* integer weights by the int16 runs of x (AVX2 builds; see X16) */
+#ifdef X16
+    int64_t unit = xb && scale ? x16_unit(kind, K, size) : 0;
+    float *xs = xb ? (float *)(xb + M * K) : 0;
+    x16 = unit && x16_activations(kind, M, K, unit, size, x, (int16_t *)xb, xs, shifted, sums, KB);
+#endif
+    if (shifted && !x16)
         for (int64_t m = 0; m < M; m++)
             for (int64_t b = 0; b < KB; b++) {
                 float s = 0.0f;
                 for (int64_t k = b * bw; k < K && k < (b + 1) * bw; k++) s += x[m * K + k];
                 sums[m * KB + b] = s;
             }
-    if (kind == 4 && !dot)
+    if (kind == 4 && !dot && !x16)
         for (int64_t m = 0; m < M; m++)
             for (int64_t j = 0; j < K / 2; j++) {
                 halves[m * K + j] = x[m * K + 2 * j];
@@ -556,6 +846,12 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
                     for (int m = 0; m < mc; m++)
                         out[m] -= shift_sum(KB, s_row, z_row, offset, bias, sums + (m0 + m) * KB);
             } else
+#endif
+#ifdef X16
+            if (x16)
+                x16_rows(kind, mc, K, unit, (const int16_t *)xb + m0 * K, xs + m0 * (K / unit), wn, size, s_row,
+                         z_row, offset, shifted, sums ? sums + m0 * KB : 0, KB, out);
+            else
 #endif
             rows(kind, mc, K, x + m0 * K, halves ? halves + m0 * K : 0, wn, size, s_row, z_row, offset, shifted,
                  sums ? sums + m0 * KB : 0, KB, out);

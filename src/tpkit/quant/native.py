@@ -7,7 +7,9 @@ kernel at all for FP8). `gemv.c` streams each weight row once, decoding it in re
 int4 pairs, FP8 e4m3) with float32 sums and per-block scales and zero points, the scales and zero points read
 where the checkpoint stored them (float32, bf16 or fp16 scales; int8 or packed int32 zero points; the values'
 storage offset a scalar): a layer keeps no table beside its stored tensors. bf16 activations times bf16 or int4
-weights take AVX512-BF16's dot products where the CPU has them (exact products, float32 sums, no decode to float32).
+weights take AVX512-BF16's dot products where the CPU has them (exact products, float32 sums, no decode to float32);
+on AVX2 CPUs (AMD Zen 3), int8 and int4 weights times bf16 activations take integer products of x made int16 per
+run of 128 (within 2^-14 of each run's largest |x|: `paths()`).
 Each call's scratch (sums of x, x rearranged) lives in one buffer per thread, reused: a decode step calls this for
 every layer, and the allocations had been a quarter of a small layer's call.
 
@@ -37,7 +39,9 @@ ZERO_KINDS = {torch.int8: 1, torch.int32: 2}  # int8 values; int32 words packing
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.c")
 _LOCK = threading.Lock()
 _LIB: list = []  # [ctypes function or None], once tried
-_BF16_DOT_KINDS = (KINDS["bf16"], KINDS["uint4"], KINDS["fp8"])  # may be multiplied as bf16 words (`gemv.c` decides)
+# kinds whose product may read bf16 activations as 16-bit words (`gemv.c` decides): bf16 bits for AVX512-BF16's dot
+# products (bf16, int4, FP8 weights), or int16 runs with their scales for AVX2's integer products (int8, int4)
+_WORD_KINDS = (KINDS["bf16"], KINDS["uint4"], KINDS["fp8"], KINDS["int8"], KINDS["uint8"])
 
 
 def _cpu() -> str:
@@ -105,15 +109,17 @@ def build(flags: tuple[str, ...] = ()):
     fn.argtypes = [c_int, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int, c_int, ctypes.c_float, i64, i64, i64, ptr,
                    i64, i64, ptr, ptr, ptr, ptr]
     fn.restype = None
+    fn.paths = {name for bit, name in ((1, "bf16 dot"), (2, "int16 runs")) if lib.tp_paths() & bit}
     return fn
 
 
 # `TPKIT_NATIVE_ISA`: the instruction set the product is built for. "native" (the default): everything this CPU has
 # (`-march=native`: the AVX-512 loops where it has AVX-512F and BW, and AVX512-BF16's dot products for bf16
 # activations where it has that too); "avx512": the same without AVX512-BF16 (float32 multiply-adds throughout);
-# "avx2": the same CPU without AVX-512 (the portable loops, vectorized by the compiler for AVX2 and FMA);
-# "baseline": x86-64's SSE2 only. A CPU runs each path it has, so the tests run every one here and compare them with
-# the dequantized product.
+# "avx2": the same CPU without AVX-512 (AVX2, FMA and F16C intrinsics: the float32 loops at 8 lanes, and int8 / int4
+# weights by the int16 runs of bf16 activations); "baseline": x86-64's SSE2 only (the portable loops the compiler
+# vectorizes). A CPU runs each path it has, so the tests run every one here and compare them with the dequantized
+# product.
 ISA_FLAGS = {"native": (), "avx512": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",),
              "baseline": ("-march=x86-64", "-mtune=generic")}
 
@@ -137,6 +143,13 @@ def _function():
             if not _LIB:
                 _LIB.append(build(ISA_FLAGS[isa()]) if wanted() else None)
     return _LIB[0]
+
+
+def paths() -> set[str]:
+    """The products this build takes for bf16 activations besides the float32 loops (`gemv.c`'s `tp_paths`): "bf16
+    dot" (AVX512-BF16's dot products: bf16, int4, FP8 weights, exact), "int16 runs" (AVX2 builds: int8 and int4
+    weights times x made int16 per run, within 2^-14 of each run's largest |x|)."""
+    return set(_function().paths) if available() else set()
 
 
 def available() -> bool:
@@ -190,7 +203,8 @@ def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None
     shifted = zero is not None or offset != 0 or uint4  # uint4's bf16 products carry a bias taken off with the sums
     scaled = uint4 or kind in (KINDS["fp8"], KINDS["fp16"])  # x de-interleaved (uint4), scaled up (`gemv.c`)
     sums, halves, row, words = _scratch((4 * m * max(kb, 1) if shifted else 0, 4 * m * k if scaled else 0,
-                                         8 * max(kb, 1), 2 * m * k if bf16 and kind in _BF16_DOT_KINDS else 0))
+                                         8 * max(kb, 1), 2 * m * k + 4 * m * (k // 32) if bf16 and kind in _WORD_KINDS
+                                         else 0))
     _function()(kind, m, n, k, _ptr(x), _ptr(w), _ptr(scale), 0 if scale is None else SCALE_KINDS[scale.dtype],
                 _ptr(zero), 0 if zero is None else ZERO_KINDS[zero.dtype], zero_bits, offset, bh, bw, kb, _ptr(y), 0,
                 n, sums, halves, row, words)
