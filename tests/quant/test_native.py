@@ -127,6 +127,28 @@ def test_inputs_of_each_dtype_and_layout_give_the_dtype_back(dtype):
     assert _rel(got.float(), x.float() @ w.float().t()) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8", "uint4", "fp8"])
+def test_bf16_inputs_are_read_and_outputs_written_as_torch_rounds_them(kind, build):
+    """A bf16 model's activations go in and come out as bf16 (`tp_gemv_bf16`, no conversions around the call): the
+    float32 sums of the same call on x widened, rounded to nearest even by torch, bit for bit; NaN where it is."""
+    g = torch.Generator().manual_seed(12)
+    n, k = 40, 256
+    x = torch.randn(3, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g)
+    s = torch.rand(n, 2, generator=g) + 0.1
+    stored, scale, block = {"bf16": (w.bfloat16(), None, (1, 1)),
+                            "int8": (torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), s, (1, 128)),
+                            "uint4": (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g), s, (1, 128)),
+                            "fp8": ((w * 16).to(torch.float8_e4m3fn), s[:, :1].contiguous(), (1, k))}[kind]
+    x[2, 3] = float("nan")
+    args = (stored, native.KINDS[kind], scale, None, *block, n, 8.0 if kind == "uint4" else 0.0, 0, True)
+    want = native._run(x.float(), *args).bfloat16()
+    for got in (native._run(x, *args), native.gemv(x, stored, kind, n, scale, None, block, args[-3])):
+        nan = want.isnan()  # (torch's NaN bits vary with its conversion path; a NaN is what is asked)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.isnan(), nan) and bool(nan.any())
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_a_dense_half_layer_at_decode_computes_its_product():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(96, 256, generator=g).bfloat16()

@@ -110,6 +110,10 @@ def build(flags: tuple[str, ...] = ()):
                    i64, i64, ptr, ptr, ptr, ptr]
     fn.restype = None
     fn.paths = {name for bit, name in ((1, "bf16 dot"), (2, "int16 runs")) if lib.tp_paths() & bit}
+    fn.bf16 = lib.tp_gemv_bf16  # the same for bf16 activations and outputs, as torch holds them
+    fn.bf16.argtypes = [c_int, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int, c_int, ctypes.c_float, i64, i64, i64,
+                        ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    fn.bf16.restype = None
     return fn
 
 
@@ -193,21 +197,26 @@ def _scratch(sizes: tuple[int, ...]) -> list[int | None]:
 
 def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None, zero: torch.Tensor | None,
          bh: int, bw: int, n: int, offset: float, zero_bits: int, bf16: bool = False) -> torch.Tensor:
-    """`x` `[M, K]` float32 (contiguous) times the decoded `w` (`[N, ...]` bytes) -> `[M, N]` float32. `bf16`: x's
-    values are bf16 (a bf16 model's activations), so bf16, int4 and FP8 weights may take the bf16 dot
-    products."""
+    """`x` `[M, K]` float32 or bf16 (contiguous) times the decoded `w` (`[N, ...]` bytes) -> `[M, N]` in x's dtype
+    (float32 sums; bf16 rounded to nearest, as torch rounds). `bf16`: x's values are bf16 (a bf16 model's
+    activations), so bf16, int4 and FP8 weights may take the bf16 dot products, int8 and int4 the int16 runs."""
     m, k = x.shape
-    y = torch.empty(m, n, dtype=torch.float32)
+    io = x.dtype == torch.bfloat16  # read and written as bf16 by the C code (`tp_gemv_bf16`), no conversions here
+    y = torch.empty(m, n, dtype=x.dtype)
     kb = 0 if scale is None else (scale.shape[-1] if scale.dim() > 1 else 1)
     uint4 = kind == KINDS["uint4"]
     shifted = zero is not None or offset != 0 or uint4  # uint4's bf16 products carry a bias taken off with the sums
     scaled = uint4 or kind in (KINDS["fp8"], KINDS["fp16"])  # x de-interleaved (uint4), scaled up (`gemv.c`)
-    sums, halves, row, words = _scratch((4 * m * max(kb, 1) if shifted else 0, 4 * m * k if scaled else 0,
-                                         8 * max(kb, 1), 2 * m * k + 4 * m * (k // 32) if bf16 and kind in _WORD_KINDS
-                                         else 0))
-    _function()(kind, m, n, k, _ptr(x), _ptr(w), _ptr(scale), 0 if scale is None else SCALE_KINDS[scale.dtype],
-                _ptr(zero), 0 if zero is None else ZERO_KINDS[zero.dtype], zero_bits, offset, bh, bw, kb, _ptr(y), 0,
-                n, sums, halves, row, words)
+    sums, halves, row, words, xf, yf = _scratch((
+        4 * m * max(kb, 1) if shifted else 0, 4 * m * k if scaled else 0, 8 * max(kb, 1),
+        2 * m * k + 4 * m * (k // 32) if bf16 and kind in _WORD_KINDS else 0, 4 * m * k if io else 0,
+        4 * m * n if io else 0))
+    common = (kind, m, n, k, _ptr(x), _ptr(w), _ptr(scale), 0 if scale is None else SCALE_KINDS[scale.dtype],
+              _ptr(zero), 0 if zero is None else ZERO_KINDS[zero.dtype], zero_bits, offset, bh, bw, kb, _ptr(y))
+    if io:
+        _function().bf16(*common, sums, halves, row, words, xf, yf)
+    else:
+        _function()(*common, 0, n, sums, halves, row, words)
     return y
 
 
@@ -223,7 +232,7 @@ _LIBRARY.impl("gemv", _run, "CPU")
 
 @torch.library.register_fake("tpkit::gemv", lib=_LIBRARY)
 def _(x, w, kind, scale, zero, bh, bw, n, offset, zero_bits, bf16):
-    return x.new_empty(x.shape[0], n, dtype=torch.float32)
+    return x.new_empty(x.shape[0], n, dtype=x.dtype if x.dtype == torch.bfloat16 else torch.float32)
 
 
 _op = torch.ops.tpkit.gemv.default
@@ -251,9 +260,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, kind: str, n: int, scale: torch.Tenso
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         raise RuntimeError("native.gemv has no backward: call it without a gradient (torch.no_grad()), or use "
                            "torch's product of the dequantized weight")
-    flat = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    flat = x.reshape(-1, x.shape[-1])  # bf16 read as it is; other dtypes as float32
+    flat = (flat if flat.dtype == torch.bfloat16 else flat.to(torch.float32)).contiguous()
     args = (flat, w, KINDS[kind], scale, zero, int(block[0]), int(block[1]), int(n), float(offset), int(zero_bits),
             x.dtype == torch.bfloat16)
     traced = torch.compiler.is_compiling() or fake(flat) or fake(w)  # no data to read: the op's fake implementation
     y = _op(*args) if traced else _run(*args)
-    return y.to(x.dtype).view(*x.shape[:-1], n)
+    return (y if y.dtype == x.dtype else y.to(x.dtype)).view(*x.shape[:-1], n)
