@@ -36,6 +36,15 @@ def synthetic_profile_path(tmp_path_factory) -> str:
     return save_profile(synthetic_profile(), str(tmp_path_factory.mktemp("profile") / "profile.json"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _hermetic_profile_for_the_session(synthetic_profile_path):
+    """The same for module and session fixtures, which run before any function fixture: a module fixture that
+    searched (tests/test_training_paths.py's) found no profile on a fresh machine and calibrated it, 5+ minutes."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPKIT_PROFILE", synthetic_profile_path)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _hermetic_profile(monkeypatch, synthetic_profile_path):
     monkeypatch.setenv("TPKIT_PROFILE", synthetic_profile_path)

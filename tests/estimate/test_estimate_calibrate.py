@@ -12,6 +12,8 @@ from tpkit.cli import main
 from tpkit.estimate.calibrate import _split_latency, measure_copy_bandwidth, measure_matmul_flops
 from tpkit.estimate.profile import load_profile
 
+from .conftest import CALIBRATION_TIMEOUT
+
 pytest.importorskip("transformers")
 
 
@@ -27,6 +29,7 @@ def test_latency_split():
     assert fixed == pytest.approx(10e-6) and hop == pytest.approx(1e-6)
 
 
+@pytest.mark.timeout(CALIBRATION_TIMEOUT)
 @pytest.mark.slow
 def test_calibrate_writes_a_profile_that_later_estimates_use(quick_calibration, tmp_path, monkeypatch, capsys):
     """`--calibrate --quick --backend gloo` writes to $TPKIT_PROFILE (run once per session: `quick_calibration`,

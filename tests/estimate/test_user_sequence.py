@@ -19,6 +19,8 @@ from tpkit.estimate.presets import load_target  # noqa: E402
 from tpkit.estimate.profile import load_profile  # noqa: E402
 from tpkit.estimate.terms import profile_terms  # noqa: E402
 
+from .conftest import CALIBRATION_TIMEOUT  # noqa: E402
+
 CONFIG = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1024,
           "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 128,
           "tie_word_embeddings": False}
@@ -43,6 +45,7 @@ def _peak_rss_of_training(batch: int, seq: int) -> int:
     return rss_bytes("VmHWM")
 
 
+@pytest.mark.timeout(CALIBRATION_TIMEOUT)
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU host's sequence")
 def test_estimate_calibrate_estimate_analyze_search_agree(quick_calibration, tmp_path, monkeypatch, capsys):
