@@ -59,8 +59,8 @@ def int4_kernel_layout(packed: torch.Tensor, rows: int) -> torch.Tensor:
     per block of `rows` (`int4_kernel_block()`; N a multiple of it)."""
     n = packed.shape[0]
     blocks = packed.contiguous().view(n // rows, 2, rows // 2, -1)
-    low, high = blocks[:, 0], blocks[:, 1]  # rows j and j + 32 of each block, [blocks, 32, K / 8] words
-    # a word's nibbles t = 0..7 are features 8w + t: pair row j's nibble (low half) with row j+32's (high half),
+    low, high = blocks[:, 0], blocks[:, 1]  # rows j and j + rows / 2 of each block, [blocks, rows / 2, K / 8] words
+    # a word's nibbles t = 0..7 are features 8w + t: pair row j's nibble (low half) with row j + rows / 2's (high),
     # even t and odd t in the bytes of two words, then interleave the bytes back into feature order
     mask = 0x0F0F0F0F
     even = (low & mask) | ((high & mask) << 4)
