@@ -96,7 +96,9 @@ def _overhead_us(tries: int) -> list[tuple[float, float]]:
 
 
 def test_call_path_costs_little_above_the_transport():
-    # Before the lean path: ~4 us above a ~4.5 us transport here; now ~0.8. The bound allows a loaded machine's
-    # noise; the best of three tries, as a real overhead shows in all of them.
+    # Before the lean path: ~4 us above a ~4.5 us transport on the Intel Xeon (1.9x); now ~0.8 there (1.2x), and
+    # 2.1-2.5 us above 6.4-6.8 on the AMD EPYC (1.33-1.36x, under a CI run's load), whose Python costs more per
+    # call. So the bound is a ratio to the transport, which the old path's 1.9x exceeds: the best of three tries, as
+    # a real overhead shows in all of them.
     tries = tpkit.launch(_overhead_us, 1, backend="gloo", args=(3,), timeout=120)[0]
-    assert any(ours - bare <= 2.0 for bare, ours in tries), f"(transport us, comm.all_reduce us) per try: {tries}"
+    assert any(ours <= 1.5 * bare for bare, ours in tries), f"(transport us, comm.all_reduce us) per try: {tries}"
