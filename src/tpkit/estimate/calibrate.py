@@ -17,6 +17,7 @@ collective and a per-hop latency), for the tables' titles and the memory that fi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import statistics
@@ -40,6 +41,8 @@ from .reference import collective_overheads, op_overheads
 GEMM_ROWS = (1, 4, 8, 16, 32, 64, 256, 1024)
 GEMM_WIDTHS = (256, 1024, 4096)  # 4096: a 64 MiB weight, as large as LM heads are
 FINE_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)  # a batched decode's rows
+COMPUTE_BOUND = 8  # a product this many times slower than reading its matrix is not held up by the read
+ROUND_SECONDS = 0.02  # a compute-bound row's timing: enough products to make this long
 _SIZES = {True: dict(matmul=256, repeats=3), False: dict(matmul=1024, repeats=10)}
 
 
@@ -61,18 +64,25 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repe
 
 
 def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool = False,
-                 dtype: torch.dtype = torch.float32) -> tuple[tuple[int, float], ...]:
+                 dtype: torch.dtype = torch.float32, bandwidth: float = 0.0) -> tuple[tuple[int, float], ...]:
     """(m, FLOP/s) of `dtype` `m x n` by `n x n` matmuls, the weight read as stored (`x @ W`) or, `linear`,
     transposed (`x @ W.T`, nn.Linear); below 1024 rows the weights rotate through a set larger than the caches
     (`COLD_BYTES`: each product reads its matrix from memory, as each layer of a model reads its own after the
-    others evicted it), so memory-bound rows read as what they are."""
+    others evicted it), so memory-bound rows read as what they are.
+
+    `bandwidth` (bytes/s this rank streams, 0: unknown): once a row's product takes `COMPUTE_BOUND` times as long
+    as reading its matrix at that rate, the caches no longer change its time, and the larger rows after it (more
+    arithmetic per byte) rotate through only enough matrices for `ROUND_SECONDS` a timing. Without it a 2-core
+    AMD EPYC (bf16 by conversion, ~10 GFLOP/s) spent 25 of a quick calibration's 190 s multiplying bf16 rows
+    from 32 to 256 through 128 MiB four times each."""
     out = []
     size = n * n * dtype.itemsize
     # made once per table (filling 128 MiB per row took longer than the products), values away from denormals
     pool = [torch.empty(n, n, dtype=dtype).uniform_(0.5, 1.0) for _ in range(max(1, COLD_BYTES // size))]
+    enough = len(pool)  # matrices a timing rotates through
     for m in rows:
         total = COLD_BYTES if m < 256 else COLD_BYTES // 4  # from 256 rows a product reuses its matrix enough
-        count = max(1, total // size) if m < 1024 else 1
+        count = min(max(1, total // size) if m < 1024 else 1, enough)
         ws = pool[:count]
         x = torch.randn(m, n, dtype=dtype)
         if linear:
@@ -80,6 +90,8 @@ def measure_gemm(rows=GEMM_ROWS, n: int = 1024, repeats: int = 5, linear: bool =
         else:
             seconds = _median(lambda: [torch.mm(x, w) for w in ws], repeats) / count
         out.append((m, 2.0 * m * n * n / seconds))
+        if bandwidth > 0 and seconds >= COMPUTE_BOUND * size / bandwidth:
+            enough = max(1, math.ceil(ROUND_SECONDS / seconds))
     return tuple(out)
 
 
@@ -205,15 +217,15 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     # (what those layers run where tpkit's decode product does not), at each width; every rank at once. `quick`:
     # bf16 only, at `GEMM_ROWS` (the fine rows of both half dtypes added 30 s to a 80 s quick calibration)
     half = tuple(HALF)[:1] if quick else tuple(HALF)
+    comm.barrier()
+    stream = measure_shared_stream_bandwidth(comm, repeats=repeats)  # first: the tables read with it
     for dtype, linear in ((torch.float32, False), (torch.float32, True), *((d, True) for d in half)):
         for width in GEMM_WIDTHS:
             comm.barrier()
             rows = _table_rows(width, linear and not (quick and dtype != torch.float32))
-            tables[dtype, linear, width] = measure_gemm(rows, width, 3, linear, dtype)
+            tables[dtype, linear, width] = measure_gemm(rows, width, 3, linear, dtype, stream)
     gemm = tables[torch.float32, False, 1024]
     dtype_gemm = {dtype_name(d): tuple((w, tables[d, True, w]) for w in GEMM_WIDTHS) for d in half}
-    comm.barrier()
-    stream = measure_shared_stream_bandwidth(comm, repeats=repeats)
     comm.barrier()
     stored = measure_stream_bandwidth(repeats=repeats, stored=True)
     copy_bw = measure_copy_bandwidth(repeats=repeats)
