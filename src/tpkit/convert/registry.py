@@ -63,6 +63,15 @@ def _add_styles(styles) -> None:
 _add_styles(CORE_STYLES + CONTAINER_NO_OPS + tuple(s for f in FAMILIES for s in f.styles))
 
 
+_CHANGES = [0]  # families registered or unregistered since import
+
+
+def generation() -> int:
+    """How often the families changed since import: a value derived from plans (a traced step an estimate keeps)
+    is stale once this moves."""
+    return _CHANGES[0]
+
+
 def register_family(family: Family, *, before: str | None = None) -> Family:
     """Add `family` (and its styles) to the registry: last, or just before the family named `before`."""
     if any(f.name == family.name for f in FAMILIES):
@@ -72,6 +81,7 @@ def register_family(family: Family, *, before: str | None = None) -> Family:
         raise PlanError(f"register_family: no family {before!r} to go before; registered: {names}")
     _add_styles(family.styles)
     FAMILIES.insert(names.index(before) if before else len(FAMILIES), family)
+    _CHANGES[0] += 1
     return family
 
 
@@ -83,6 +93,7 @@ def unregister_family(name: str) -> Family:
     FAMILIES.remove(family)
     for s in family.styles:
         STYLES.pop(s.name, None)
+    _CHANGES[0] += 1
     return family
 
 

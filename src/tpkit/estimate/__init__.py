@@ -15,6 +15,7 @@ The one fake run
     ops             what it writes down: every aten op (FLOPs, bytes, phase, the new pages of large outputs) and
                     every collective the plan adds
     peak            the most tensor bytes a step holds at once (LiveBytes)
+    trace_memo      the traces this process made, kept by what they are made of: asked again, not traced again
 
 Memory
     memory          estimate_memory, the entry that picks the traced, the formula or the measured path

@@ -7,6 +7,7 @@ the same way and never touch the user's weights.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import torch
@@ -77,20 +78,44 @@ def with_layers(config, model_cls, layers: int, dtype: torch.dtype, attention: s
     return model.to(dtype)
 
 
-def models_to_trace(model_or_config, dtype: torch.dtype | None = None,
-                    attention: str | None = None) -> tuple[list[tuple[int, nn.Module]], int]:
-    """Weightless models for `predict` to trace, with their layer counts, and the layer count to extrapolate to (a
-    config in `dtype`, default bfloat16 as the other estimates; a module keeps its own unless `dtype` says
-    otherwise; a config rebuilt with `attention`'s kernel when given: "eager", else sdpa)."""
+def _recipe(model_or_config, dtype: torch.dtype | None):
+    """How `models_to_trace` makes its models: (config, the class to build or None for the config's own, [(the
+    row's layer count, the layers to build)], the layer count to extrapolate to, dtype), or None where it copies
+    the module itself (a module without a config, or of at most 2 layers)."""
     config = model_or_config if not isinstance(model_or_config, nn.Module) else getattr(model_or_config, "config",
                                                                                         None)
     layers = getattr(config, "num_hidden_layers", None) if config is not None else None
     cls = type(model_or_config) if isinstance(model_or_config, nn.Module) else None
     dtype = dtype or own_dtype(model_or_config)
     if isinstance(layers, int) and layers > 2 and hasattr(config, "model_type"):
-        return [(n, with_layers(config, cls, n, dtype, attention)) for n in (1, 2)], layers
+        return config, cls, [(1, 1), (2, 2)], layers, dtype
     if isinstance(model_or_config, nn.Module):
-        return [(0, meta_copy(model_or_config).to(dtype))], 0
+        return None
     if config is not None and hasattr(config, "model_type"):
-        return [(layers or 0, with_layers(config, None, layers, dtype, attention))], layers or 0
+        return config, None, [(layers or 0, layers)], layers or 0, dtype
     raise TypeError(f"predict needs an nn.Module or a Hugging Face config, got {type(model_or_config).__name__}")
+
+
+def models_to_trace(model_or_config, dtype: torch.dtype | None = None,
+                    attention: str | None = None) -> tuple[list[tuple[int, nn.Module]], int]:
+    """Weightless models for `predict` to trace, with their layer counts, and the layer count to extrapolate to (a
+    config in `dtype`, default bfloat16 as the other estimates; a module keeps its own unless `dtype` says
+    otherwise; a config rebuilt with `attention`'s kernel when given: "eager", else sdpa)."""
+    recipe = _recipe(model_or_config, dtype)
+    if recipe is None:
+        return [(0, meta_copy(model_or_config).to(dtype or own_dtype(model_or_config)))], 0
+    config, cls, rows, layers, dtype = recipe
+    return [(n, with_layers(config, cls, build, dtype, attention)) for n, build in rows], layers
+
+
+def trace_source(model_or_config, dtype: torch.dtype | None = None, attention: str | None = None) -> tuple | None:
+    """What `models_to_trace` builds its models from, as a hashable value, where that is the config alone (the
+    config's every field, the class, the layer counts, the dtype, the attention kernel); None where it copies a
+    module, whose weights, adapters or code a value cannot stand for."""
+    recipe = _recipe(model_or_config, dtype)
+    if recipe is None:
+        return None
+    config, cls, rows, layers, dtype = recipe
+    fields = json.dumps(config.to_dict(), sort_keys=True, default=repr)
+    name = None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+    return type(config).__qualname__, fields, name, tuple(rows), layers, str(dtype), attention

@@ -41,10 +41,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..convert.errors import PlanError
 from ..convert.planning.planner import propose
+from ..convert.registry import generation
 from ..convert.trace import analyze_structure
 from .activations import context_extra_bytes
-from .calls import models_to_trace
+from .calls import models_to_trace, trace_source
 from .config import attention_kind, own_dtype, transformer_shape
 from .context import attention_method, check_priced, context_messages, context_seconds, layer_traffic, local_tokens
 from .experts import check_experts, expert_data_seconds, expert_layers
@@ -55,6 +57,7 @@ from .pipeline import pipelined
 from .profile import SpeedProfile, load_profile
 from .quantized import quantized_note, quantized_saving, quantized_times
 from .setup import Setup  # (also read from here: tpkit.Setup, the tests)
+from .trace_memo import remembered
 
 DDP_BUCKET = 25 * 2 ** 20
 ATTENTION_CORE = ("_scaled_dot_product", "softmax", "_softmax", "bmm", "baddbmm")
@@ -232,10 +235,20 @@ def trace_setup(model_or_config, setup: Setup, goal: str, batch_size: int, seq_l
         raise ValueError(f"predict: goal must be one of {GOALS}, got {goal!r}")
     check_priced(setup.cp, goal, model_or_config)
     local = -(-batch_size // setup.dp)
-    models, layers = models_to_trace(model_or_config, dtype, attention)
-    check_experts(setup.ep, expert_layers(models[-1][1]) if setup.ep > 1 else "", type(models[-1][1]).__name__)
-    rows = tuple((n, _trace(model, setup, goal, local, seq_len, example)) for n, model in models)
-    return Traced(rows, layers, models[0][1])
+
+    def traced() -> Traced:
+        models, layers = models_to_trace(model_or_config, dtype, attention)
+        check_experts(setup.ep, expert_layers(models[-1][1]) if setup.ep > 1 else "", type(models[-1][1]).__name__)
+        rows = tuple((n, _trace(model, setup, goal, local, seq_len, example)) for n, model in models)
+        return Traced(rows, layers, models[0][1])
+    source = trace_source(model_or_config, dtype, attention) if example is None else None
+    key = None if source is None else (source, generation(), split_of(setup), goal, local, seq_len)
+    return remembered(key, traced, errors=(PlanError,))
+
+
+def split_of(setup: Setup) -> tuple:
+    """What of `setup` its rank-0 step is traced under (`_trace`): setups alike in it share a trace."""
+    return setup.tp, setup.sequence_parallel, setup.choices, setup.cp, setup.ep, setup.ep_imbalance
 
 
 def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int = 1, seq_len: int = 128,

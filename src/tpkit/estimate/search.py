@@ -29,7 +29,7 @@ from .calls import meta_copy, with_layers
 from .context import context_refusal
 from .experts import EXPERTS_NOTE, ExpertLayers, expert_layers, valid_eps
 from .measured import inseparable, median, run_alternating, runs_text
-from .predict import Prediction, predict, trace_setup
+from .predict import Prediction, predict, split_of, trace_setup
 from .profile import SpeedProfile, load_profile
 from .setup import Setup
 
@@ -326,7 +326,7 @@ def search(model_or_config, devices: int, goal: str = "decode", memory_per_devic
                         context and goal == "train" and refused is None,
                         moe.num_experts if isinstance(moe, ExpertLayers) else 0)
     for s in setups:
-        key = (s.tp, s.dp, s.sequence_parallel, s.choices, s.cp, s.ep, s.ep_imbalance)  # DP mode, recompute: same
+        key = (s.dp, split_of(s))  # DP mode, recompute: the same trace
         if key not in traces:
             try:
                 traces[key] = trace_setup(model_or_config, s, goal, batch_size, seq_len, dtype=dtype)
