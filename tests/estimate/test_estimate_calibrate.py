@@ -7,6 +7,7 @@ import platform
 import shutil
 
 import pytest
+import torch
 
 from tpkit.cli import main
 from tpkit.estimate.calibrate import _split_latency, measure_copy_bandwidth, measure_matmul_flops
@@ -21,6 +22,28 @@ def test_measurements_are_positive_and_plausible():
     flops = measure_matmul_flops(n=128, repeats=2)
     bw = measure_copy_bandwidth(4 * 2**20, repeats=2)
     assert 1e7 < flops < 1e14 and 1e8 < bw < 1e13
+
+
+def test_a_compute_bound_row_is_timed_on_fewer_matrices(monkeypatch):
+    """`measure_gemm(bandwidth=)`: a row whose product takes 8x its matrix's read at that rate rotates through the
+    whole pool no more; the rows after it are timed on ROUND_SECONDS' worth. Unknown (0) or a rate at which no row
+    is compute-bound: every row of fewer than 256 reads the whole pool (its matrices from memory)."""
+    from tpkit.estimate import calibrate
+
+    rows, n = (1, 4, 16), 64
+    pool = calibrate.COLD_BYTES // (n * n * 4)
+    real = torch.mm
+
+    def products(bandwidth):
+        calls = []
+        monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(a.shape[0]) or real(a, b))
+        table = calibrate.measure_gemm(rows, n, 1, True, torch.float32, bandwidth)
+        monkeypatch.setattr(torch, "mm", real)
+        assert [m for m, _ in table] == list(rows) and all(f > 0 for _, f in table)
+        return [calls.count(m) // 2 for m in rows]  # one untimed call of the timing, one timed
+    assert products(0.0) == products(1.0) == [pool] * 3  # 1 byte/s: nothing is compute-bound
+    first, *later = products(1e30)  # every row compute-bound
+    assert first == pool and all(1 <= c < pool for c in later), (first, later)
 
 
 def test_latency_split():
