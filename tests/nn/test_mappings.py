@@ -91,3 +91,47 @@ def _errors() -> str:
 
 def test_errors():
     assert run(_errors, 2, "threads") == ["ok", "ok"]
+
+
+def _inference_forwards() -> list[str]:
+    """Every mapping a decoded token calls, three ways on this rank: recorded (autograd on, an input that needs a
+    gradient), under `no_grad`, and on an input that needs none; the last two must give the recorded forward's
+    values, with no autograd node, and leave the input as the recorded one does (in place only when asked)."""
+    comm = tpkit.get_communicator()
+    n, r = comm.world_size, comm.rank
+    sizes = split_sizes(7, n)
+    bad = []
+    cases = {"copy": (lambda x: copy_to_region(x, comm), (5, 7)),
+             "reduce": (lambda x: reduce_from_region(x, comm), (5, 7)),
+             "reduce in place": (lambda x: reduce_from_region(x, comm, inplace=True), (5, 7)),
+             "gather": (lambda x: gather_from_region(x, comm, -1, sizes), (5, sizes[r]))}
+    for name, (fn, shape) in cases.items():
+        base = randn(shape, 60 + r)
+        want = fn(base.clone().requires_grad_() * 1.0)  # a non-leaf: in place is allowed on it
+        if want.grad_fn is None:
+            bad.append(f"{name}: the recorded call made no node")
+        for how in ("no_grad", "no gradient"):
+            x = base.clone()
+            with torch.no_grad() if how == "no_grad" else torch.enable_grad():
+                y = fn(x.requires_grad_() if how == "no_grad" else x)
+            if y.grad_fn is not None or rel_err(y, want.detach()) > 0:
+                bad.append(f"{name} ({how}): node {y.grad_fn}, rel err {rel_err(y, want.detach()):.1e}")
+            if name == "reduce in place" and rel_err(x.detach(), want.detach()) > 0:
+                bad.append(f"{name} ({how}): the input was not summed into")
+            if name == "reduce" and rel_err(x.detach(), base) > 0:
+                bad.append(f"{name} ({how}): the input changed")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inference_runs_each_mapping_forward_without_an_autograd_node(world, monkeypatch):
+    from tpkit.nn import mappings
+
+    applied = []  # (the Function, whether autograd records it), every apply
+    for cls in (mappings._CopyToRegion, mappings._ReduceFromRegion, mappings._GatherFromRegion):
+        real = cls.apply
+        monkeypatch.setattr(cls, "apply", lambda x, *a, _r=real, _c=cls: applied.append(
+            (_c.__name__, torch.is_grad_enabled() and x.requires_grad)) or _r(x, *a))
+    for bad in run(_inference_forwards, world, "threads"):
+        assert not bad, bad
+    assert len(applied) == 4 * world and all(recorded for _, recorded in applied), applied  # the recorded calls only

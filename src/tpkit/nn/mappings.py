@@ -29,7 +29,9 @@ Parameters a rank uses for part of the work only (applied to the parameter where
 A gradient counted once over several ranks, or averaged by an engine that does not know it (no communication):
     scale_grad                   forward identity         backward the gradient times `times`, over `over`
 
-Every mapping returns its input unchanged, without creating an autograd node, when the world size is 1.
+Every mapping returns its input unchanged, without creating an autograd node, when the world size is 1. Where
+autograd records nothing (inference), the three a decoded token calls (`copy_to_region`, `reduce_from_region`,
+`gather_from_region`) run their forward directly, without an autograd.Function.
 Uneven sizes follow `tpkit.comm.split_sizes` unless `sizes` (every rank's size along `dim`) is given.
 
 Every collective goes through `tpkit.comm.traceable` (the communicator's own method in eager mode, a
@@ -69,16 +71,28 @@ class _CopyToRegion(torch.autograd.Function):
         return traceable.all_reduce(grad, ctx.comm), None
 
 
+def _sum(x: torch.Tensor, comm: Communicator, inplace: bool) -> torch.Tensor:
+    """`reduce_from_region`'s forward. In place only on a temporary the calling layer owns and nobody else reads
+    (its partial product); compiled graphs take the out-of-place op: the compiler reuses buffers itself."""
+    if inplace and not torch.compiler.is_compiling():
+        traceable.all_reduce_(x, comm)
+        return x
+    return traceable.all_reduce(x, comm)
+
+
+def _recorded(x: torch.Tensor) -> bool:
+    """Whether autograd records an op on `x` here. Where it does not (inference, `no_grad`, a tensor that needs no
+    gradient) a mapping is its forward alone: an autograd.Function's apply costs Python on every call, and an eager
+    decoded token calls a few per layer."""
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, inplace):
-        # In place only on a temporary the calling layer owns and nobody else reads (its partial product).
-        # Compiled graphs take the out-of-place op: the compiler reuses buffers itself.
         if inplace and not torch.compiler.is_compiling():
             ctx.mark_dirty(x)
-            traceable.all_reduce_(x, comm)
-            return x
-        return traceable.all_reduce(x, comm)
+        return _sum(x, comm, inplace)
 
     @staticmethod
     def backward(ctx, grad):
@@ -184,7 +198,7 @@ def _dim(x: torch.Tensor, dim: int) -> int:
 
 def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Enter a tensor-parallel region with a replicated input: identity forward, all-reduce of the gradient."""
-    return x if comm.world_size == 1 else _CopyToRegion.apply(x, comm)
+    return x if comm.world_size == 1 or not _recorded(x) else _CopyToRegion.apply(x, comm)
 
 
 def copy_rows_to_region(p: torch.Tensor, rows: Sequence[int], full_rows: int, comm: Communicator) -> torch.Tensor:
@@ -198,7 +212,9 @@ def reduce_from_region(x: torch.Tensor, comm: Communicator, inplace: bool = Fals
     """Leave a tensor-parallel region by summing partial results: all-reduce forward, identity backward.
 
     `inplace=True` sums into `x` itself (`all_reduce_`): only for a temporary the caller made and owns."""
-    return x if comm.world_size == 1 else _ReduceFromRegion.apply(x, comm, inplace)
+    if comm.world_size == 1:
+        return x
+    return _ReduceFromRegion.apply(x, comm, inplace) if _recorded(x) else _sum(x, comm, inplace)
 
 
 def scatter_to_region(x: torch.Tensor, comm: Communicator, dim: int = -1,
@@ -210,7 +226,11 @@ def scatter_to_region(x: torch.Tensor, comm: Communicator, dim: int = -1,
 def gather_from_region(x: torch.Tensor, comm: Communicator, dim: int = -1,
                        sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Concatenate every rank's piece along `dim` (forward); keep this rank's piece of the gradient."""
-    return x if comm.world_size == 1 else _GatherFromRegion.apply(x, comm, _dim(x, dim), sizes)
+    if comm.world_size == 1:
+        return x
+    if not _recorded(x):
+        return traceable.all_gather(x, comm, _dim(x, dim), sizes)
+    return _GatherFromRegion.apply(x, comm, _dim(x, dim), sizes)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 0,
