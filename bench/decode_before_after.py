@@ -66,6 +66,7 @@ def main() -> None:
     if args.child:
         return child(json.loads(args.child))
     sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+    from bench.before_after import checked_out, print_table
     from bench.quantized import draw, make
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,10 +74,7 @@ def main() -> None:
         made = make(os.path.join(tmp, "ck"), shape)
         paths = {f: made[f] for f in args.formats}
         print(f"seed {args.seed}: {shape}", flush=True)
-        old = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(old), args.rev], check=True)
-        try:
-            trees = {"before": old, "this tree": ROOT}
+        with checked_out(args.rev, Path(tmp) / "before") as trees:
             runs: dict[tuple[str, str], list[float]] = {}
             for r in range(args.rounds):
                 for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
@@ -87,14 +85,8 @@ def main() -> None:
                     print(f"round {r + 1}, {name}: " + ", ".join(f"{f} {v:.2f}" for f, v in figures.items()),
                           flush=True)
                     for f, v in figures.items():
-                        runs.setdefault((name, f), []).append(v)
-            print("\n| format | before (ms/token) | this tree (ms/token) | ratio |\n|---|---:|---:|---:|")
-            for f in args.formats:
-                a, b = (statistics.median(runs[t, f]) for t in trees)
-                print(f"| {f} | {a:.2f} | {b:.2f} | {b / a:.3f} |")
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
-
+                        runs.setdefault((f, name), []).append(v)
+            print_table("format", "ms/token", args.formats, runs, 2)
 
 if __name__ == "__main__":
     main()

@@ -16,14 +16,14 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from before_after import ROOT, checked_out, print_table
+
 THREE = ("import sys; from tpkit.cli import main; c = sys.argv[1]; "
          "main(['estimate', c, '--mode', 'training', '--batch-size', '2', '--seq-len', '32', '--json']); "
          "main(['search', c, '--devices', '2', '--goal', 'train', '--batch-size', '2', '--seq-len', '32', '--json']); "
@@ -64,14 +64,11 @@ def main() -> None:
     parser.add_argument("--calibrate", action="store_true", help="time a quick calibration too (minutes each)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(old), args.rev], check=True)
-        try:
+        with checked_out(args.rev, Path(tmp) / "before") as trees:
             config = Path(tmp) / "config.json"
             config.write_text(json.dumps(drawn_config(args.seed)))
             print(f"config (seed {args.seed}): {config.read_text()}")
             profile = synthetic(str(Path(tmp) / "synthetic.json"))
-            trees = {"before": old, "this tree": ROOT}
             commands = {"analyze": ["-m", "tpkit.cli", "analyze", str(config), "--mode", "training",
                                     "--max-world-size", "8", "--json"],
                         "estimate + search + analyze": ["-c", THREE, str(config)]}
@@ -86,12 +83,7 @@ def main() -> None:
                         t = timed(trees[tree], command, profile)
                         times.setdefault((name, tree), []).append(t)
                         print(f"round {r + 1}: {name}, {tree}: {t:.1f} s", flush=True)
-            print("\n| command | before (s) | this tree (s) | ratio |\n|---|---:|---:|---:|")
-            for name in commands:
-                a, b = (statistics.median(times[name, t]) for t in trees)
-                print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
+            print_table("command", "s", commands, times)
 
 
 if __name__ == "__main__":
