@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from before_after import ROOT, checked_out, print_table
+
 
 
 def _rank(paths: dict[str, str]) -> dict[str, float]:
@@ -66,7 +67,6 @@ def main() -> None:
     if args.child:
         return child(json.loads(args.child))
     sys.path[:0] = [str(ROOT), str(ROOT / "src")]
-    from bench.before_after import checked_out, print_table
     from bench.quantized import draw, make
 
     with tempfile.TemporaryDirectory() as tmp:

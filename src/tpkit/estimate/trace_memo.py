@@ -34,18 +34,18 @@ def remembered(key: Hashable | None, make: Callable[[], Any], errors: tuple[type
             _KEPT.move_to_end(key)
             kept = _KEPT[key]
             if isinstance(kept, _Refused):
-                raise kept.error
+                raise kept.error.with_traceback(None)
             return kept
     try:
         value = make()
     except errors as exc:
-        value = _Refused(exc)
+        value = _Refused(exc.with_traceback(None))  # not its frames: they hold the traced copies
     with _LOCK:
         _KEPT[key] = value
         while len(_KEPT) > KEEP:
             _KEPT.popitem(last=False)
     if isinstance(value, _Refused):
-        raise value.error
+        raise value.error.with_traceback(None)
     return value
 
 
