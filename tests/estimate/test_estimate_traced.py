@@ -221,8 +221,8 @@ def test_fsdp_of_a_plain_module_and_bad_dp_arguments():
 
 def test_a_training_trace_records_each_collective_of_its_step_once():
     """A Llama layer at TP 2 adds 2 all-reduces to a training forward (attention and MLP outputs) and 5 to the
-    backward (the q, k, v, gate and up layers' input gradients): the steady second step the trace runs for the
-    peak memory calls them again, and must not be counted."""
+    backward (the q, k, v, gate and up layers' input gradients), each once: the unrecorded optimizer step that makes
+    the AdamW states before the traced step must not add any."""
     import collections
 
     import transformers as tr
@@ -238,3 +238,30 @@ def test_a_training_trace_records_each_collective_of_its_step_once():
 
     one, two = counts(1), counts(2)
     assert two["forward"] - one["forward"] == 2 and two["backward"] - one["backward"] == 5, (one, two)
+
+
+def test_a_training_trace_runs_the_forward_once_and_holds_the_steady_peak():
+    """One traced training step runs the model's forward once (saved bytes and peak counted in the same pass; two
+    passes were a third of a search's time), records AdamW's step without the states' making, and its peak counts
+    the states from the start: weights, gradients and two states per weight at least."""
+    from tpkit.estimate.fake_step import trace_step
+
+    class Counted(nn.Module):
+        calls = 0
+
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            Counted.calls += 1
+            return self.down(torch.relu(self.up(x)))
+
+    with torch.device("meta"):
+        model = Counted()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    trace = trace_step(model, "train", example=torch.zeros(8, 16))
+    assert Counted.calls == 1
+    optimizer = [op.name for op in trace.ops if op.phase == "optimizer"]
+    assert "zeros_like" not in optimizer and "zero_" not in optimizer and optimizer.count("lerp_") == 4, optimizer
+    assert trace.peak_bytes >= 4 * weights and trace.saved_bytes > 0

@@ -79,11 +79,12 @@ def saved_bytes(model: nn.Module, args=(), kwargs=None, outputs: list | None = N
     skip = {p.untyped_storage()._cdata for p in model.parameters()}
     skip |= {b.untyped_storage()._cdata for b in model.buffers()}
     seen: dict[int, int] = {}
-    alive = []  # keep every saved tensor alive, so no storage address is reused while counting
+    alive = []  # keep every saved storage alive, so no storage address is reused while counting (the storages,
+    # not the tensors: a tensor's lifetime is what `peak.LiveBytes` follows in the same pass)
 
     def pack(x):
         storage = x.untyped_storage()
-        alive.append(x)
+        alive.append(storage)
         if storage._cdata not in skip:
             seen[storage._cdata] = storage.nbytes()
         return x
@@ -202,33 +203,35 @@ def _decode(work: nn.Module, batch: int, seq: int, recorder: OpRecorder, comm: R
 
 def _train(work: nn.Module, batch: int, seq: int, example, recorder: OpRecorder, live: LiveBytes,
            backward: bool = True, comm: RecordingCommunicator | None = None) -> int:
-    """Forward with the loss (saved bytes counted), backward, one AdamW step; returns the saved bytes (`backward`
-    False: the forward alone, unrecorded). Then a second step, the steady one (its optimizer states exist from the start), runs
-    under `live` alone, its optimizer ops recorded (the first step's include making the states, which a later step
-    does not): its peak is the memory the step needs (the first one's is not: a real first step held 4.4 MB less
-    than every later one on a 2.2 MB model). Two passes, because counting saved bytes keeps every saved tensor alive
-    to the forward's end, which would move the peak. The collectives are the recorded step's: the steady step's
-    are the same calls again, dropped from `comm`'s record."""
+    """The steady training step: forward with the loss (saved bytes counted), backward, one AdamW step, all recorded
+    and followed by `live`; returns the saved bytes (`backward` False: the forward alone, unrecorded).
+
+    The optimizer states exist from the step's start, as in every step after a real first one: an unrecorded
+    AdamW step on zero gradients makes them first (the first step's `zeros_like` per tensor is not a step's work,
+    and a real first step held 4.4 MB less than every later one on a 2.2 MB model). One pass counts both the saved
+    bytes and the peak: `saved_bytes` keeps the saved tensors' storages alive, not the tensors `live` follows. The
+    collectives are the step's: the state-making step's, if any, are dropped from `comm`'s record."""
     args, kwargs = fake_inputs(work, batch, seq, example, labels=True)
     if not backward:  # the memory estimate's forward: its saved bytes alone, no op recorded
         return saved_bytes(work, args, kwargs)
-    outputs: list = []
-    with recorder:
-        saved = saved_bytes(work, args, kwargs, outputs)
-        loss_of(outputs[0]).backward()
-    outputs.clear()
-    recorded = len(comm.calls) if comm is not None else 0
-    optimizer = torch.optim.AdamW([p for p in work.parameters() if p.requires_grad], lr=1e-3)
-    optimizer.step()  # makes the states (zeros_like per tensor): a first step's work, not a step's
+    trained = [p for p in work.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-3)
+    before = len(comm.calls) if comm is not None else 0
+    for p in trained:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # makes the states
     optimizer.zero_grad(set_to_none=True)
-    live.hold(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    step = OpRecorder("optimizer")
-    with live:
-        loss_of(work(*args, **kwargs)).backward()
-        with step:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    recorder.ops.extend(step.ops)
     if comm is not None:
-        del comm.calls[recorded:]
+        del comm.calls[before:]
+    live.hold(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    outputs: list = []
+    with recorder, live:
+        saved = saved_bytes(work, args, kwargs, outputs)
+        loss_of(outputs.pop()).backward()  # the output let go before the backward, as `model(x).loss.backward()` does
+        recorder.phase, phase = "optimizer", recorder.phase
+        try:
+            optimizer.step()
+        finally:
+            recorder.phase = phase
+    optimizer.zero_grad(set_to_none=True)
     return saved

@@ -5,9 +5,9 @@ alive together, gradients appearing while activations are still held, the optimi
 Why: a sum of parameters, gradients, optimizer states and saved activations came out 0.4 GiB under the peak RSS of
 a 100M Llama's training step (2.27 GiB measured, 1.63 predicted, 0.24 of it imports). `fake_step.trace_step`
 runs its step under this mode (a weightless copy converted for the rank, `FakeTensorMode`: the same tensors a real
-step makes, none allocated); storages are counted once however many views share them. Training is followed over a
-second step, the steady one, whose optimizer states exist from its start (on real tensors the count equals the
-fake one to the byte: tests/estimate/test_search.py). What a process holds on top (the interpreter and its
+step makes, none allocated); storages are counted once however many views share them. The training step followed is
+the steady one, whose optimizer states exist from its start (on a real second step the count equals the fake one to
+the byte: tests/estimate/test_search.py). What a process holds on top (the interpreter and its
 imports, the allocator's and autograd's own objects) is measured on the machine (`machine.MachineRates.import_bytes`,
 `runtime_bytes`) and added apart (`predict.Prediction.process_bytes`).
 """
