@@ -5,10 +5,12 @@ Each round runs, for each tree in a fresh process (the order alternating between
 config drawn from `--seed` (training, world sizes up to 8: a setup search at each size), then `tpkit search` and
 `tpkit estimate` of the same config in one process (what a program that asks all three pays); with `--calibrate`, a
 quick calibration (`tpkit estimate --calibrate --quick`, minutes each). Every command prices the profile the first
-calibration wrote, or, without `--calibrate`, a synthetic one (the tests' rates: nothing here is timed by it). The
+calibration wrote, or, without `--calibrate`, a synthetic one (the tests' rates: nothing here is timed by it). With
+`--models`, also the search at 3 devices of each model tests/test_training_paths.py trains (15 architectures, two
+layers each: traced as they are, so nothing is kept between setups). The
 earlier commit is checked out with `git worktree` into a temporary folder and removed afterwards.
 
-    python bench/estimate_commands.py --rev <commit> [--rounds 3] [--seed 11] [--calibrate]
+    python bench/estimate_commands.py --rev <commit> [--rounds 3] [--seed 11] [--calibrate] [--models]
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ THREE = ("import sys; from tpkit.cli import main; c = sys.argv[1]; "
          "main(['estimate', c, '--mode', 'training', '--batch-size', '2', '--seq-len', '32', '--json']); "
          "main(['search', c, '--devices', '2', '--goal', 'train', '--batch-size', '2', '--seq-len', '32', '--json']); "
          "main(['analyze', c, '--mode', 'training', '--max-world-size', '8', '--json'])")
+MODELS = "from tests.models import paths as P; [P.tp_setup(P.ARCHS[name](), 3) for name in sorted(P.ARCHS)]"
 
 
 def drawn_config(seed: int) -> dict:
@@ -42,7 +45,7 @@ def drawn_config(seed: int) -> dict:
 
 
 def timed(tree: Path, args: list[str], profile: str) -> float:
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"), TPKIT_PROFILE=profile)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "src"), str(tree)]), TPKIT_PROFILE=profile)
     start = time.perf_counter()
     subprocess.run([sys.executable, *args], env=env, check=True, capture_output=True, text=True)
     return time.perf_counter() - start
@@ -62,6 +65,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--calibrate", action="store_true", help="time a quick calibration too (minutes each)")
+    parser.add_argument("--models", action="store_true", help="time the training-paths models' searches too")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         with checked_out(args.rev, Path(tmp) / "before") as trees:
@@ -72,6 +76,8 @@ def main() -> None:
             commands = {"analyze": ["-m", "tpkit.cli", "analyze", str(config), "--mode", "training",
                                     "--max-world-size", "8", "--json"],
                         "estimate + search + analyze": ["-c", THREE, str(config)]}
+            if args.models:
+                commands["search of the training-paths models"] = ["-c", MODELS]
             if args.calibrate:
                 commands["estimate --calibrate --quick"] = ["-m", "tpkit.cli", "estimate", "--calibrate", "--quick",
                                                             "--profile", str(Path(tmp) / "calibrated.json")]

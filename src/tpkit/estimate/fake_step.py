@@ -215,11 +215,13 @@ def _train(work: nn.Module, batch: int, seq: int, example, recorder: OpRecorder,
     if not backward:  # the memory estimate's forward: its saved bytes alone, no op recorded
         return saved_bytes(work, args, kwargs)
     trained = [p for p in work.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=1e-3)
+    optimizer = torch.optim.AdamW(trained, lr=1e-3)  # as a CPU step runs it: one tensor at a time
     before = len(comm.calls) if comm is not None else 0
     for p in trained:
         p.grad = torch.zeros_like(p)
-    optimizer.step()  # makes the states
+    maker = torch.optim.AdamW(trained, lr=1e-3, foreach=True)  # the same states, in a tenth of the ops
+    maker.step()
+    optimizer.state = maker.state
     optimizer.zero_grad(set_to_none=True)
     if comm is not None:
         del comm.calls[before:]
