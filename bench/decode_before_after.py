@@ -24,7 +24,6 @@ from pathlib import Path
 from before_after import ROOT, checked_out, print_table
 
 
-
 def _rank(paths: dict[str, str]) -> dict[str, float]:
     """On one rank: each format's median ms/token (see the module doc)."""
     import torch
@@ -87,6 +86,7 @@ def main() -> None:
                     for f, v in figures.items():
                         runs.setdefault((f, name), []).append(v)
             print_table("format", "ms/token", args.formats, runs, 2)
+
 
 if __name__ == "__main__":
     main()

@@ -221,8 +221,8 @@ def test_fsdp_of_a_plain_module_and_bad_dp_arguments():
 
 def test_a_training_trace_records_each_collective_of_its_step_once():
     """A Llama layer at TP 2 adds 2 all-reduces to a training forward (attention and MLP outputs) and 5 to the
-    backward (the q, k, v, gate and up layers' input gradients), each once: the unrecorded optimizer step that makes
-    the AdamW states before the traced step must not add any."""
+    backward (the q, k, v, gate and up layers' input gradients), each once: a second pass of the step (as the trace
+    once ran for the peak memory) must not count them again."""
     import collections
 
     import transformers as tr

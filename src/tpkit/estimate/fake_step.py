@@ -183,7 +183,7 @@ def _run_step(work: nn.Module, goal: str, batch: int, seq: int, example, recorde
         with torch.no_grad(), recorder, live:
             work(*args, **kwargs)
         return 0, 0
-    return _train(work, batch, seq, example, recorder, live, backward, comm), 0
+    return _train(work, batch, seq, example, recorder, live, backward), 0
 
 
 def _decode(work: nn.Module, batch: int, seq: int, recorder: OpRecorder, comm: RecordingCommunicator) -> int:
@@ -202,29 +202,26 @@ def _decode(work: nn.Module, batch: int, seq: int, recorder: OpRecorder, comm: R
 
 
 def _train(work: nn.Module, batch: int, seq: int, example, recorder: OpRecorder, live: LiveBytes,
-           backward: bool = True, comm: RecordingCommunicator | None = None) -> int:
+           backward: bool = True) -> int:
     """The steady training step: forward with the loss (saved bytes counted), backward, one AdamW step, all recorded
     and followed by `live`; returns the saved bytes (`backward` False: the forward alone, unrecorded).
 
     The optimizer states exist from the step's start, as in every step after a real first one: an unrecorded
     AdamW step on zero gradients makes them first (the first step's `zeros_like` per tensor is not a step's work,
     and a real first step held 4.4 MB less than every later one on a 2.2 MB model). One pass counts both the saved
-    bytes and the peak: `saved_bytes` keeps the saved tensors' storages alive, not the tensors `live` follows. The
-    collectives are the step's: the state-making step's, if any, are dropped from `comm`'s record."""
+    bytes and the peak: `saved_bytes` keeps the saved tensors' storages alive, not the tensors `live` follows, and
+    the communicator records each collective of the step once."""
     args, kwargs = fake_inputs(work, batch, seq, example, labels=True)
     if not backward:  # the memory estimate's forward: its saved bytes alone, no op recorded
         return saved_bytes(work, args, kwargs)
     trained = [p for p in work.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-3)  # as a CPU step runs it: one tensor at a time
-    before = len(comm.calls) if comm is not None else 0
     for p in trained:
         p.grad = torch.zeros_like(p)
     maker = torch.optim.AdamW(trained, lr=1e-3, foreach=True)  # the same states, in a tenth of the ops
     maker.step()
     optimizer.state = maker.state
     optimizer.zero_grad(set_to_none=True)
-    if comm is not None:
-        del comm.calls[before:]
     live.hold(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     outputs: list = []
     with recorder, live:
