@@ -8,7 +8,7 @@ one call and prints markdown rows for BENCHMARKS.md (and `--json` writes them). 
 failure as a row rather than stopping the others. Load trials run each in a fresh process (this script with
 `--load-trial`), alternating tpkit and transformers, the order reversed every other rep; medians.
 
-    PYTHONPATH=src python bench/gpu_checks.py [--reps 5] [--json out.json] [--skip-load]
+    PYTHONPATH=src python bench/gpu_checks.py [--reps 5] [--json out.json] [--skip-load | --load-only]
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def check_quantized(comm) -> list[str]:
     """An FP8 block-scaled checkpoint (DeepSeek-V3's format, tests/quant/checkpoints.py) loaded by
     `tpkit.from_pretrained(device="cuda")` on a one-rank NCCL group: logits against transformers' load with
     `FineGrainedFP8Config(dequantize=True)` on CUDA, and greedy decode ms/token against the dense fp32 model (the
-    quantized layers dequantize per call on CUDA: no CUDA weight-only kernel is wired in)."""
+    decode products: `tpkit.quant.fused`; `bench/gpu_decode.py` measures them per path)."""
     import tempfile
 
     import transformers as tr
@@ -207,6 +207,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-load", action="store_true")
+    ap.add_argument("--load-only", action="store_true", help="only the loads onto cuda against transformers")
     ap.add_argument("--load-trial", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -221,7 +222,8 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("| check | result |\n|---|---|")
     comm = tpkit.init("nccl")
-    checks = [lambda: check_nccl(comm), lambda: check_converted(comm), lambda: check_quantized(comm), check_pinned]
+    checks = [] if args.load_only else [lambda: check_nccl(comm), lambda: check_converted(comm),
+                                        lambda: check_quantized(comm), check_pinned]
     rows = []
     for check in checks:
         try:

@@ -58,8 +58,8 @@ def heads_of(shape: dict) -> tuple[int, int]:
     return heads, next(k for k in range(max(heads // 4, 1), 0, -1) if heads % k == 0)
 
 
-def make(directory: str, shape: dict) -> dict[str, str]:
-    """The five checkpoints of one random Llama of `shape`, by format."""
+def make(directory: str, shape: dict, device: str = "cpu") -> dict[str, str]:
+    """The five checkpoints of one random Llama of `shape`, by format (drawn and quantized on `device`)."""
     import transformers as tr
 
     from tests.quant.checkpoints import compressed_tensors
@@ -69,7 +69,8 @@ def make(directory: str, shape: dict) -> dict[str, str]:
                             num_hidden_layers=shape["layers"], num_attention_heads=heads,
                             num_key_value_heads=kv_heads, max_position_embeddings=256)
     torch.manual_seed(0)
-    model = tr.LlamaForCausalLM(config).eval()
+    with torch.device(device):
+        model = tr.LlamaForCausalLM(config).eval()
     out = {f: os.path.join(directory, f) for f in FORMATS}
     model.save_pretrained(out["float32"])
     model = model.to(torch.bfloat16)

@@ -19,7 +19,7 @@ import torch
 import tpkit
 from tpkit.comm import run_threads
 from tpkit.nn.quantized import quant_method_of
-from tpkit.quant import QuantizationError, native
+from tpkit.quant import QuantizationError, fused, native
 from tests.quant import checkpoints as C
 
 pytest.importorskip("compressed_tensors")
@@ -100,6 +100,14 @@ def _check(directory: str, ref, want: torch.Tensor, world: int, fast: set | None
         err = _rel(got, want)
         if not err < 1e-5:
             bad.append(f"rank {comm.rank}: logits rel {err:.2e}")
+        for way in fused.CANDIDATES:  # a GPU's decode products (uncompiled: the test's `_compiled`), one row each
+            comm.barrier()
+            os.environ[fused.ENV] = way
+            comm.barrier()
+            with torch.no_grad():
+                err = _rel(model(IDS[:, :1]).logits, want[:, :1])
+            if not err < 1e-5:
+                bad.append(f"rank {comm.rank}: the fused {way} product's logits rel {err:.2e}")
         return bad
 
     return [b for r in run_threads(body, world) for b in r]
@@ -107,10 +115,16 @@ def _check(directory: str, ref, want: torch.Tensor, world: int, fast: set | None
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_each_rank_reads_its_packed_slice_and_equals_transformers(made, fmt, world):
+def test_each_rank_reads_its_packed_slice_and_equals_transformers(made, fmt, world, monkeypatch):
     directory, ref, want = made(fmt)
+    fused_calls = []
+    monkeypatch.setenv(fused.ENV, "0")  # restored after; `_check` forces each fused candidate in turn
+    monkeypatch.setattr(fused, "_CHOSEN", {})  # the choices made with the uncompiled candidates stay here
+    monkeypatch.setattr(fused, "_compiled", lambda fn: lambda *a: fused_calls.append(fn.__name__) or fn(*a))
     bad = _check(directory, ref, want, world, FAST.get(fmt))
     assert not bad, f"{fmt} at {world} ranks:\n" + "\n".join(bad[:8])
+    assert "generic_product" in fused_calls
+    assert ("words_product" in fused_calls) is fmt.startswith(("ct-int4", "ct-int8-channel-pack")), fused_calls
 
 
 def test_processes_greedy_generate_gives_transformers_tokens(made):

@@ -5,8 +5,10 @@ checkpoint's format (`tpkit.quant`): `create_weights(layer, dense, device)` regi
 stored names, the tensors the format stores in place of `weight` (packed integers or FP8 values, scales, zero
 points, `g_idx`), each holding this rank's slice (`tpkit.quant.stored_layout` of the dense weight's layout `dense`),
 so the state dict keeps the format's keys and a save keeps the format; `apply(layer, x, bias)` is the layer's
-product: the format's fast product where one applies to the local slice (`Format.product`: torch's weight-only CPU
-kernels) and the input needs no gradient (the kernels have none), else `F.linear` of the dequantized slice. No
+product: on a GPU for a decode's few rows, a fused compiled kernel (`tpkit.quant.fused`) where it measured faster;
+on the CPU, the format's fast product where one applies to the local slice (`Format.products`: tpkit's native
+product, torch's weight-only CPU kernels); where the input needs a gradient (the kernels have none) or none applies,
+`F.linear` of the dequantized slice. No
 dense copy is held: reading `layer.weight` dequantizes this rank's slice in the compute dtype, through the one
 rewrite protocol (`rewrites.py`: the method is the `weight`'s rewrite, `in_forward_only = False`). The weight is
 frozen (buffers): gradients reach the input and the bias, as for a quantized base under an adapter; the dense
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layout import Piece, ShardLayout
-from ..quant import WeightQuant, dequantize, layer_tensors
+from ..quant import WeightQuant, dequantize, fused, layer_tensors
 from ..quant.products import fastest
 from .grad_sums import GradSum, rows_sum
 from .rewrites import Rewrite, rewrite
@@ -110,7 +112,14 @@ class QuantMethod(StoredWeight):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x W^T + bias` with the layer's local weight (see the module docstring for the path taken)."""
         p = self.product
-        if p is None or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad) or \
+        grad = torch.is_grad_enabled() and x.requires_grad
+        if not grad and fused.wanted(x, self.shape[1]):
+            b = layer._buffers
+            y = fused.linear(x, self.scheme, self.specs, {n: b[n] for n in self.specs},
+                             {key: b[_MAP.format(*key)] for key in self.maps}, self.shape, self.dtype, self.format)
+            if y is not None:
+                return y if bias is None else y + bias
+        if p is None or x.device.type != "cpu" or grad or \
                 (p.max_rows is not None and x.numel() > p.max_rows * x.shape[-1]):
             return F.linear(x, self.weight(layer), bias)
         b = layer._buffers
@@ -128,7 +137,9 @@ class QuantMethod(StoredWeight):
             del b[n]
             layer._non_persistent_buffers_set.discard(n)
         stored = {n: b[n] for n in self.specs}
-        self.product = fastest(self.candidates, stored, self.shape[1], self.dtype)
+        on_cpu = all(t.device.type == "cpu" for t in stored.values())  # the candidates are CPU products: measured
+        # on device tensors, the native one read GPU addresses from the host (a segfault loading int8 onto cuda)
+        self.product = fastest(self.candidates, stored, self.shape[1], self.dtype) if on_cpu else None
         resident = self.product.resident(stored) if self.product is not None else {}
         kept = []
         for key, t in resident.items():

@@ -20,7 +20,7 @@ from .schemes import StoredTensor, WeightQuant
 Maps = Mapping[tuple[str, int], "torch.Tensor | None"]
 
 
-def _grid(spec: StoredTensor, values: torch.Tensor, maps: Maps, shape: tuple[int, int]) -> torch.Tensor:
+def on_grid(spec: StoredTensor, values: torch.Tensor, maps: Maps, shape: tuple[int, int]) -> torch.Tensor:
     """`values` brought onto the rank's dense features, `[out, in]`-oriented: a dim with a `positions` map is
     indexed by it; a grouped dim without one holds whole aligned groups and keeps one entry per group (`_apply`
     broadcasts it); a packed dim loses the padding of its last word; a whole or `g_idx` dim is kept."""
@@ -50,11 +50,11 @@ def dequantize(q: WeightQuant, specs: Mapping[str, StoredTensor], tensors: Mappi
     up once by a caller on a hot path)."""
     fmt = fmt or q.format
     r = fmt.roles(q)
-    w = _grid(specs[r.values], fmt.values(q, r.values, tensors[r.values]), maps, shape)
+    w = on_grid(specs[r.values], fmt.values(q, r.values, tensors[r.values]), maps, shape)
     scale = tensors[r.scale]
     math_dtype = fmt.math_dtype(q, scale.dtype)
-    s = _grid(specs[r.scale], scale, maps, shape).to(math_dtype)
-    z = _grid(specs[r.zero_point], fmt.values(q, r.zero_point, tensors[r.zero_point]), maps, shape) \
+    s = on_grid(specs[r.scale], scale, maps, shape).to(math_dtype)
+    z = on_grid(specs[r.zero_point], fmt.values(q, r.zero_point, tensors[r.zero_point]), maps, shape) \
         if r.zero_point in tensors else None
     if q.act_order:  # scales and zero points whole along the groups; each column reads its own group
         g = tensors[r.g_idx].long()

@@ -20,7 +20,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...
     """The unsigned values of int32 `packed`, `32 // bits` per word along `dim` (int32, the packed dim grown by
     that factor). `order`: the position in the word of each output value of a run (AWQ), default in order."""
     per = 32 // bits
-    if bits == 4 and order is None and dim == packed.dim() - 1:  # nibbles in byte order: no shifts of int32s
+    if bits == 4 and order is None and dim == packed.dim() - 1 and not torch.compiler.is_compiling():
+        # nibbles in byte order, no shifts of int32s (eager); compiled, the shifts fuse into the reader's kernel
+        # where a byte view of another dtype would be a copy
         b = packed.contiguous().view(torch.uint8)
         if not _LITTLE_ENDIAN and packed.device.type == "cpu":  # a word's bytes in reverse order
             b = b.unflatten(-1, (-1, 4)).flip(-1).flatten(-2)
