@@ -4,8 +4,8 @@ quantized layers' fused decode product (`tpkit.quant.fused`) against the dequant
 A random Llama is drawn from `--seed` (hidden 3072-4096, MLP 2.5-3.5x, 3-5 layers; head dim 128; vocabulary 8000;
 printed) and saved, as `bench/quantized.py` makes them, in float32, bf16 and compressed-tensors int8 channel /
 int4 group 128 / FP8 channel of the bf16 model (LM head dense bf16). Each loads with `tpkit.from_pretrained(device=
-"cuda")` on a one-rank NCCL group. Per format and product path (`TPKIT_FUSED` 1 / 0; one path for the dense
-formats), alternating rounds, medians:
+"cuda")` on a one-rank NCCL group. Per format and product path (`tpkit.quant.fused.set_policy`; one path for
+the dense formats), alternating rounds, medians:
 - wall ms/token of greedy `generate` ((N tokens - 1 token) / (N - 1)): what a user sees, Python and launches in it;
 - GPU ms per decode step: the kernels' own time (torch.profiler, CUDA activity) over 5 steps with a KV cache, so the
   products' distance from the memory limit shows apart from the launch cost;
@@ -36,15 +36,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 from quantized import VOCAB, bytes_per_token, heads_of, make  # noqa: E402
 
 QUANTIZED = ("int8", "int4", "fp8")
-PATHS = ("measured", "generic", "words", "dequant")  # a quantized layer's product: `TPKIT_FUSED` unset / forced / 0
+PATHS = ("measured", "generic", "words", "dequant")  # a quantized layer's product: `fused.set_policy` "" / forced / "0"
 
 
 def setting(way: str) -> None:
     from tpkit.quant import fused
 
-    os.environ.pop(fused.ENV, None)
-    if way in ("generic", "words", "dequant"):
-        os.environ[fused.ENV] = "0" if way == "dequant" else way
+    fused.set_policy({"measured": "", "dense": "", "dequant": "0"}.get(way, way))
 
 
 def layer_error(model, device: torch.device) -> float:

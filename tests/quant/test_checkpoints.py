@@ -102,7 +102,7 @@ def _check(directory: str, ref, want: torch.Tensor, world: int, fast: set | None
             bad.append(f"rank {comm.rank}: logits rel {err:.2e}")
         for way in fused.CANDIDATES:  # a GPU's decode products (uncompiled: the test's `_compiled`), one row each
             comm.barrier()
-            os.environ[fused.ENV] = way
+            fused.set_policy(way)
             comm.barrier()
             with torch.no_grad():
                 err = _rel(model(IDS[:, :1]).logits, want[:, :1])
@@ -118,7 +118,7 @@ def _check(directory: str, ref, want: torch.Tensor, world: int, fast: set | None
 def test_each_rank_reads_its_packed_slice_and_equals_transformers(made, fmt, world, monkeypatch):
     directory, ref, want = made(fmt)
     fused_calls = []
-    monkeypatch.setenv(fused.ENV, "0")  # restored after; `_check` forces each fused candidate in turn
+    monkeypatch.setattr(fused, "POLICY", "0")  # restored after; `_check` forces each fused candidate in turn
     monkeypatch.setattr(fused, "_CHOSEN", {})  # the choices made with the uncompiled candidates stay here
     monkeypatch.setattr(fused, "_compiled", lambda fn: lambda *a: fused_calls.append(fn.__name__) or fn(*a))
     bad = _check(directory, ref, want, world, FAST.get(fmt))

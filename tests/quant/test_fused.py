@@ -74,7 +74,7 @@ def test_words_applies_only_where_its_unrounded_weight_is_the_layer_s():
 def test_the_compiled_kernels_equal_their_uncompiled_products_and_keep_apart_per_shape(monkeypatch):
     monkeypatch.setattr(fused, "_CHOSEN", {})
     for name in ("generic", "words"):
-        monkeypatch.setenv(fused.ENV, name)
+        monkeypatch.setattr(fused, "POLICY", name)
         for out in (48, 80):  # two signatures: two compiled functions, each on its own code object
             q, specs, tensors = _layer(4, "group", False, out, 256, 128, torch.bfloat16, out)
             x = torch.randn(1, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -88,7 +88,7 @@ def test_the_compiled_kernels_equal_their_uncompiled_products_and_keep_apart_per
 
 @pytest.mark.parametrize("fastest,expected", [("words", "words"), ("generic", "generic"), ("dequant", None)])
 def test_the_choice_is_the_fastest_measured_and_kept(monkeypatch, fastest, expected):
-    monkeypatch.delenv(fused.ENV, raising=False)
+    monkeypatch.setattr(fused, "POLICY", "")
     monkeypatch.setattr(fused, "_CHOSEN", {})
     monkeypatch.setattr(fused, "_compiled", lambda fn: fn)  # the choice's logic, not inductor
     measured = []
@@ -122,12 +122,14 @@ def test_the_choice_is_the_fastest_measured_and_kept(monkeypatch, fastest, expec
 
 def test_the_policy(monkeypatch):
     x = torch.randn(2, 64)
-    monkeypatch.delenv(fused.ENV, raising=False)
+    monkeypatch.setattr(fused, "POLICY", "")
     assert not fused.wanted(x, 64)  # the CPU has its native product
     for setting, want in (("generic", True), ("words", True), ("0", False)):
-        monkeypatch.setenv(fused.ENV, setting)
+        fused.set_policy(setting)
         assert fused.wanted(x, 64) is want
-    monkeypatch.setenv(fused.ENV, "generic")
+    with pytest.raises(ValueError, match="'fast' is not one of"):
+        fused.set_policy("fast")
+    fused.set_policy("generic")
     assert not fused.wanted(torch.randn(MAX_ROWS + 1, 64), 64)  # a prefill: the dequantized product's GEMM
     from torch._subclasses.fake_tensor import FakeTensorMode
 

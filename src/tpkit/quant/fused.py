@@ -21,8 +21,10 @@ packed int8's 2.6x but made packed int4's slower (BENCHMARKS.md). Each compiled 
 function's code, so dynamo keeps its entries apart (one code object shared by every shape would hit its recompile
 limit after 8 and fall back to eager without a word). Inside a model the user compiles, "generic" is traced inline.
 
-`TPKIT_FUSED`: "0" turns it off; "generic" or "words" forces that candidate on any device, the CPU included (tests
-run the compiled kernels here); default: the measured choice on CUDA tensors where Triton is present.
+`TPKIT_FUSED` (read when tpkit is imported; `set_policy` changes it later): "0" turns it off; "generic" or "words"
+forces that candidate on any device, the CPU included (tests run the compiled kernels here); default: the measured
+choice on CUDA tensors where Triton is present. A CPU layer's decode call pays one comparison for all this (reading
+the variable on every call cost 0.24 ms of an 8.1 ms TP2 int4 token).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from .schemes import StoredTensor, WeightQuant
 
 ENV = "TPKIT_FUSED"
 CANDIDATES = ("generic", "words")
+POLICY = os.environ.get(ENV, "")  # "", "0" or a candidate's name (the module docstring)
 _CHOSEN: dict[tuple, Callable | None] = {}
 _LOCK = threading.Lock()
 Product = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Maps], torch.Tensor]
@@ -55,15 +58,24 @@ def _triton() -> bool:
     return has_triton()
 
 
+def set_policy(value: str) -> None:
+    """Set the policy `TPKIT_FUSED` set at import: "" (the default), "0", "generic" or "words"."""
+    global POLICY
+    if value not in ("", "0") + CANDIDATES:
+        raise ValueError(f"tpkit.quant.fused.set_policy: {value!r} is not one of '', '0', " + ", ".join(
+            repr(c) for c in CANDIDATES))
+    POLICY = value
+
+
 def wanted(x: torch.Tensor, in_features: int) -> bool:
-    """Whether a product of `x` (`[..., in_features]`, no gradient asked for) may take a fused kernel: a few rows,
-    real data, and a device the policy (`TPKIT_FUSED`, the module docstring) allows."""
-    setting = os.environ.get(ENV, "")
-    if setting == "0" or x.numel() > MAX_ROWS * in_features:
+    """Whether a product of `x` (`[..., in_features]`, no gradient asked for) may take a fused kernel: a device the
+    policy (`POLICY`, the module docstring) allows, a few rows, and real data."""
+    if not (POLICY in CANDIDATES or (POLICY == "" and x.device.type == "cuda" and _triton())):
         return False
-    if isinstance(x, torch._subclasses.fake_tensor.FakeTensor) and not torch.compiler.is_compiling():
-        return False  # a traced step (the estimate) prices the dequantized product it has always priced
-    return setting in CANDIDATES or (x.device.type == "cuda" and _triton())
+    if x.numel() > MAX_ROWS * in_features:
+        return False
+    # a traced step (the estimate) prices the dequantized product it has always priced
+    return torch.compiler.is_compiling() or not isinstance(x, torch._subclasses.fake_tensor.FakeTensor)
 
 
 def generic(q: WeightQuant, specs: Mapping[str, StoredTensor], shape: tuple[int, int], dtype: torch.dtype,
@@ -137,7 +149,7 @@ def chosen(x: torch.Tensor, q: WeightQuant, specs: Mapping[str, StoredTensor], t
            maps: Maps, shape: tuple[int, int], dtype: torch.dtype, fmt: Format) -> Callable | None:
     """The compiled candidate this layer's signature runs (None: the dequantized product was fastest), measured on
     the first call and kept; `TPKIT_FUSED` naming a candidate forces it."""
-    setting = os.environ.get(ENV, "")
+    setting = POLICY
     scale_dtype = tensors[fmt.roles(q).scale].dtype
     rows = x.numel() // shape[1]
     key = (q, tuple(sorted(specs.items())), tuple(shape), dtype, scale_dtype, fmt.method, tuple(maps), rows,
