@@ -160,3 +160,23 @@ def test_a_layer_on_another_device_takes_no_cpu_product(tmp_path):
     x = torch.randn(1, layer.in_features)
     with torch.no_grad():
         assert _rel(layer(x), F.linear(x, layer.weight)) < 1e-5
+
+
+def test_a_layer_the_user_compiles_traces_the_fused_product_inline(monkeypatch):
+    """Under the user's `torch.compile(fullgraph=True)` the layer's product is "generic" traced into their graph: no
+    graph break, no compiled function called inside another, the dequantized product's value."""
+    from tpkit.nn.quantized import QuantMethod, QuantizedLinear
+
+    monkeypatch.setattr(fused, "POLICY", "generic")
+    monkeypatch.setattr(fused, "_CHOSEN", {})
+    q, specs, tensors = _layer(4, "group", False, 32, 256, 128, torch.float32, 3)
+    layer = QuantizedLinear(256, 32, False, QuantMethod(q, torch.float32), device="cpu", where="probe")
+    for name, t in tensors.items():
+        layer._buffers[name].copy_(t)
+    layer.quant_method.after_loading(layer)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = torch.compile(layer, fullgraph=True)(x)
+        want = F.linear(x.double(), layer.weight.double())
+    assert _rel(got, want) < 1e-5
+    assert fused._CHOSEN == {}  # nothing measured or compiled apart: traced inline

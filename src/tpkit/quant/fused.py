@@ -50,7 +50,9 @@ _LOCK = threading.Lock()
 Product = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Maps], torch.Tensor]
 
 
+@torch.compiler.assume_constant_result
 def _triton() -> bool:
+    """Whether Triton is present (a constant to a compiled graph: dynamo does not trace the cached check)."""
     try:
         from torch.utils._triton import has_triton
     except ImportError:
