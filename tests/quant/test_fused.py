@@ -123,18 +123,18 @@ def test_the_choice_is_the_fastest_measured_and_kept(monkeypatch, fastest, expec
 def test_the_policy(monkeypatch):
     x = torch.randn(2, 64)
     monkeypatch.setattr(fused, "POLICY", "")
-    assert not fused.wanted(x, 64)  # the CPU has its native product
+    assert not fused.wanted(x)  # the CPU has its native product
     for setting, want in (("generic", True), ("words", True), ("0", False)):
         fused.set_policy(setting)
-        assert fused.wanted(x, 64) is want
+        assert fused.wanted(x) is want
     with pytest.raises(ValueError, match="'fast' is not one of"):
         fused.set_policy("fast")
     fused.set_policy("generic")
-    assert not fused.wanted(torch.randn(MAX_ROWS + 1, 64), 64)  # a prefill: the dequantized product's GEMM
+    assert not fused.wanted(torch.randn(MAX_ROWS + 1, 64))  # a prefill: the dequantized product's GEMM
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        assert not fused.wanted(torch.randn(1, 64), 64)  # a traced step
+        assert not fused.wanted(torch.randn(1, 64))  # a traced step
 
 
 def test_a_layer_on_another_device_takes_no_cpu_product(tmp_path):

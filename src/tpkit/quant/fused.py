@@ -69,12 +69,12 @@ def set_policy(value: str) -> None:
     POLICY = value
 
 
-def wanted(x: torch.Tensor, in_features: int) -> bool:
+def wanted(x: torch.Tensor) -> bool:
     """Whether a product of `x` (`[..., in_features]`, no gradient asked for) may take a fused kernel: a device the
     policy (`POLICY`, the module docstring) allows, a few rows, and real data."""
-    if not (POLICY in CANDIDATES or (POLICY == "" and x.device.type == "cuda" and _triton())):
+    if not (POLICY in CANDIDATES or (POLICY == "" and x.is_cuda and _triton())):  # (`is_cuda`: 0.07 us, `device`: 0.25)
         return False
-    if x.numel() > MAX_ROWS * in_features:
+    if x.numel() > MAX_ROWS * x.shape[-1]:
         return False
     # a traced step (the estimate) prices the dequantized product it has always priced
     return torch.compiler.is_compiling() or not isinstance(x, torch._subclasses.fake_tensor.FakeTensor)
