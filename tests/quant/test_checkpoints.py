@@ -119,7 +119,8 @@ def test_each_rank_reads_its_packed_slice_and_equals_transformers(made, fmt, wor
     directory, ref, want = made(fmt)
     fused_calls = []
     monkeypatch.setattr(fused, "POLICY", "0")  # restored after; `_check` forces each fused candidate in turn
-    monkeypatch.setattr(fused, "_CHOSEN", {})  # the choices made with the uncompiled candidates stay here
+    monkeypatch.setattr(fused, "_CHOSEN", {})  # the choices and functions made with the uncompiled candidates
+    monkeypatch.setattr(fused, "_COMPILED", {})  # stay here
     monkeypatch.setattr(fused, "_compiled", lambda fn: lambda *a: fused_calls.append(fn.__name__) or fn(*a))
     bad = _check(directory, ref, want, world, FAST.get(fmt))
     assert not bad, f"{fmt} at {world} ranks:\n" + "\n".join(bad[:8])

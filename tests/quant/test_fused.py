@@ -73,6 +73,7 @@ def test_words_applies_only_where_its_unrounded_weight_is_the_layer_s():
 
 def test_the_compiled_kernels_equal_their_uncompiled_products_and_keep_apart_per_shape(monkeypatch):
     monkeypatch.setattr(fused, "_CHOSEN", {})
+    monkeypatch.setattr(fused, "_COMPILED", {})
     for name in ("generic", "words"):
         monkeypatch.setattr(fused, "POLICY", name)
         for out in (48, 80):  # two signatures: two compiled functions, each on its own code object
@@ -83,13 +84,20 @@ def test_the_compiled_kernels_equal_their_uncompiled_products_and_keep_apart_per
             assert torch.allclose(fn(x, tensors, {}).float(), eager.float(), rtol=1e-2, atol=1e-2)
             assert fn is fused.chosen(x, q, specs, tensors, {}, (out, 256), torch.bfloat16, FORMAT)
     codes = [k for k, v in fused._CHOSEN.items() if v is not None]
-    assert len({id(fused._CHOSEN[k]._torchdynamo_orig_callable.__code__) for k in codes}) == len(codes)
+    assert len({id(fused._CHOSEN[k]._torchdynamo_orig_callable.__code__) for k in codes}) == len(codes) == 4
+    q, specs, tensors = _layer(4, "group", False, 48, 256, 128, torch.bfloat16, 48)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).bfloat16()  # a batched decode's 3 rows
+    fn = fused.chosen(x, q, specs, tensors, {}, (48, 256), torch.bfloat16, FORMAT)
+    assert fn is fused._COMPILED[next(k for k in fused._COMPILED if k[0][2] == (48, 256) and k[1] == "words")]
+    assert len(fused._COMPILED) == 4  # the same compiled function, its rows made dynamic
+    assert _rel(fn(x, tensors, {}), fused.words(q, specs, (48, 256), torch.bfloat16, FORMAT)(x, tensors, {})) < 1e-2
 
 
 @pytest.mark.parametrize("fastest,expected", [("words", "words"), ("generic", "generic"), ("dequant", None)])
 def test_the_choice_is_the_fastest_measured_and_kept(monkeypatch, fastest, expected):
     monkeypatch.setattr(fused, "POLICY", "")
     monkeypatch.setattr(fused, "_CHOSEN", {})
+    monkeypatch.setattr(fused, "_COMPILED", {})
     monkeypatch.setattr(fused, "_compiled", lambda fn: fn)  # the choice's logic, not inductor
     measured = []
 
@@ -169,6 +177,7 @@ def test_a_layer_the_user_compiles_traces_the_fused_product_inline(monkeypatch):
 
     monkeypatch.setattr(fused, "POLICY", "generic")
     monkeypatch.setattr(fused, "_CHOSEN", {})
+    monkeypatch.setattr(fused, "_COMPILED", {})
     q, specs, tensors = _layer(4, "group", False, 32, 256, 128, torch.float32, 3)
     layer = QuantizedLinear(256, 32, False, QuantMethod(q, torch.float32), device="cpu", where="probe")
     for name, t in tensors.items():

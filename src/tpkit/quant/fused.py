@@ -15,16 +15,16 @@ moved about 9 bytes per weight where the stored tensors hold half a byte. Here t
   group. Its weights are the values times their scales unrounded, so it applies where the native CPU product does
   (`products.native_applies`: float32 scales or a half-precision compute dtype).
 
-Which runs is measured once per layer signature (scheme, stored shapes, local shape, compute dtype, rows) on the
-device, against the dequantized product, and kept: on an H200 the generic kernel cut FP8's decode step 5x and
-packed int8's 2.6x but made packed int4's slower (BENCHMARKS.md). Each compiled candidate has its own copy of the
+Which runs is measured once per layer signature (scheme, stored shapes, local shape, compute dtype) and row count on
+the device, against the dequantized product, and kept: on an H200 (BENCHMARKS.md) "generic" cut FP8's decode step
+4-5x and packed int8's 2.4-2.6x but made packed int4's slower, where "words" cut int4's 5.4x and int8's 3.9x. Each compiled candidate has its own copy of the
 function's code, so dynamo keeps its entries apart (one code object shared by every shape would hit its recompile
 limit after 8 and fall back to eager without a word). Inside a model the user compiles, "generic" is traced inline.
 
 `TPKIT_FUSED` (read when tpkit is imported; `set_policy` changes it later): "0" turns it off; "generic" or "words"
 forces that candidate on any device, the CPU included (tests run the compiled kernels here); default: the measured
-choice on CUDA tensors where Triton is present. A CPU layer's decode call pays one comparison for all this (reading
-the variable on every call cost 0.24 ms of an 8.1 ms TP2 int4 token).
+choice on CUDA tensors where Triton is present. A CPU layer's decode call pays 0.1 us for all this (reading the
+variable on every call had cost 0.24 ms of an 8.1 ms TP2 int4 token).
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ from .schemes import StoredTensor, WeightQuant
 ENV = "TPKIT_FUSED"
 CANDIDATES = ("generic", "words")
 POLICY = os.environ.get(ENV, "")  # "", "0" or a candidate's name (the module docstring)
-_CHOSEN: dict[tuple, Callable | None] = {}
+_CHOSEN: dict[tuple, Callable | None] = {}  # per (signature, rows, x's dtype and device, policy): the pick
+_COMPILED: dict[tuple, Callable] = {}  # per (signature, candidate): the compiled function
 _LOCK = threading.Lock()
 Product = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Maps], torch.Tensor]
 
@@ -149,13 +150,12 @@ def _timed(fn: Callable, calls: int = 10) -> float:
 
 def chosen(x: torch.Tensor, q: WeightQuant, specs: Mapping[str, StoredTensor], tensors: Mapping[str, torch.Tensor],
            maps: Maps, shape: tuple[int, int], dtype: torch.dtype, fmt: Format) -> Callable | None:
-    """The compiled candidate this layer's signature runs (None: the dequantized product was fastest), measured on
-    the first call and kept; `TPKIT_FUSED` naming a candidate forces it."""
+    """The compiled candidate this layer's signature runs at `x`'s rows (None: the dequantized product was fastest),
+    measured on the first call of each row count and kept; `TPKIT_FUSED` naming a candidate forces it."""
     setting = POLICY
     scale_dtype = tensors[fmt.roles(q).scale].dtype
-    rows = x.numel() // shape[1]
-    key = (q, tuple(sorted(specs.items())), tuple(shape), dtype, scale_dtype, fmt.method, tuple(maps), rows,
-           x.dtype, x.device.type, setting)
+    signature = (q, tuple(sorted(specs.items())), tuple(shape), dtype, scale_dtype, fmt.method, tuple(maps))
+    key = (signature, x.numel() // shape[1], x.dtype, x.device.type, setting)
     with _LOCK:
         if key in _CHOSEN:
             return _CHOSEN[key]
@@ -164,7 +164,12 @@ def chosen(x: torch.Tensor, q: WeightQuant, specs: Mapping[str, StoredTensor], t
         makers["words"] = words
     if setting in CANDIDATES:
         makers = {setting: makers[setting]} if setting in makers else {}
-    found = {n: _compiled(m(q, specs, tuple(shape), dtype, fmt)) for n, m in makers.items()}
+    found = {}
+    for n, make in makers.items():  # compiled once per signature: another row count recompiles it (rows dynamic)
+        with _LOCK:
+            if (signature, n) not in _COMPILED:
+                _COMPILED[signature, n] = _compiled(make(q, specs, tuple(shape), dtype, fmt))
+            found[n] = _COMPILED[signature, n]
     pick = next(iter(found.values()), None)
     if setting not in CANDIDATES:  # measured against the dequantized product, alternating rounds, the best of each
         ways = dict(found, dequant=lambda x_, t_, m_: F.linear(x_, dequantize(q, specs, t_, m_, shape, dtype, fmt)))
