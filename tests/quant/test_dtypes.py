@@ -25,6 +25,7 @@ import torch
 import tpkit
 from tpkit.comm import run_threads
 from tpkit.nn.quantized import quant_method_of
+from tpkit.quant import fused
 from tests.quant import checkpoints as C
 
 pytest.importorskip("compressed_tensors")
@@ -130,20 +131,49 @@ def _problems(model, ref: dict, where: str) -> list[str]:
     return bad
 
 
-def cases_body(refs: dict) -> list[str]:
-    """Every case of `refs` on this rank (module level: gloo processes import it)."""
+def _fused_problems(model, ref: dict, where: str, comm) -> list[str]:
+    """A decoded row (the first token) by each of a GPU's fused candidates (`tpkit.quant.fused`, forced on every
+    rank at once) against transformers' logits of that position, within the case's bound."""
+    bad = []
+    for way in fused.CANDIDATES:
+        comm.barrier()
+        fused.set_policy(way)
+        comm.barrier()
+        with torch.no_grad():
+            logits = model(C.IDS[:, :1]).logits
+        err = _rel(logits, ref["logits"][:, :1])
+        if logits.dtype != ref["logits"].dtype or not err <= ref["bound"]:
+            bad.append(f"{where}: the fused {way} product's logits {logits.dtype} rel {err:.2e} (bound "
+                       f"{ref['bound']:.1e})")
+    return bad
+
+
+def cases_body(refs: dict, fused_ways: bool = False) -> list[str]:
+    """Every case of `refs` on this rank (module level: gloo processes import it); `fused_ways`: each case's decoded
+    row by the fused candidates too (the caller forces them uncompiled)."""
     comm = tpkit.get_communicator()
     bad = []
     for (base_dtype, f, dtype), ref in refs.items():
         model = tpkit.from_pretrained(ref["dir"], comm=comm, dtype=dtype, progress=False)
-        bad += _problems(model, ref, f"rank {comm.rank} {f} of the {base_dtype} model at dtype={dtype}")
+        where = f"rank {comm.rank} {f} of the {base_dtype} model at dtype={dtype}"
+        bad += _problems(model, ref, where)
+        if fused_ways:
+            bad += _fused_problems(model, ref, where, comm)
     return bad
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_quantized_checkpoints_load_at_each_dtype_as_transformers(made, world):
-    bad = [p for r in run_threads(lambda comm: cases_body(made), world) for p in r]
+def test_quantized_checkpoints_load_at_each_dtype_as_transformers(made, world, monkeypatch):
+    """And a GPU's fused decode products (uncompiled here: `test_fused.py` checks the compiled kernels against
+    them) in bf16 and float32 against the same reference."""
+    calls = []
+    monkeypatch.setattr(fused, "POLICY", "0")  # restored after: `_fused_problems` forces each candidate in turn
+    monkeypatch.setattr(fused, "_CHOSEN", {})
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    monkeypatch.setattr(fused, "_compiled", lambda fn: lambda *a: calls.append(fn.__name__) or fn(*a))
+    bad = [p for r in run_threads(lambda comm: cases_body(made, True), world) for p in r]
     assert not bad, "\n".join(bad[:12])
+    assert {"generic_product", "words_product"} <= set(calls)
 
 
 @pytest.mark.slow

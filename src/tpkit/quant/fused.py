@@ -13,13 +13,14 @@ moved about 9 bytes per weight where the stored tensors hold half a byte. Here t
   over the words: each word is loaded once, its `32 / bits` values unpacked by shifts against the activations they
   meet, the offset and zero point subtracted once per word through the activations' sum, the scale applied once per
   group. Its weights are the values times their scales unrounded, so it applies where the native CPU product does
-  (`products.native_applies`: float32 scales or a half-precision compute dtype).
+  (`products.unrounded_applies`: float32 scales or a half-precision compute dtype).
 
 Which runs is measured once per layer signature (scheme, stored shapes, local shape, compute dtype) and row count on
 the device, against the dequantized product, and kept: on an H200 (BENCHMARKS.md) "generic" cut FP8's decode step
-4-5x and packed int8's 2.4-2.6x but made packed int4's slower, where "words" cut int4's 5.4x and int8's 3.9x. Each compiled candidate has its own copy of the
-function's code, so dynamo keeps its entries apart (one code object shared by every shape would hit its recompile
-limit after 8 and fall back to eager without a word). Inside a model the user compiles, "generic" is traced inline.
+4-5x and packed int8's 2.4-2.6x but made packed int4's slower, where "words" cut int4's 5.4x and int8's 3.9x.
+Each compiled candidate has its own copy of the function's code, so dynamo keeps its entries apart (one code object
+shared by every shape would hit its recompile limit after 8 and fall back to eager without a word). Inside a model
+the user compiles, "generic" is traced inline.
 
 `TPKIT_FUSED` (read when tpkit is imported; `set_policy` changes it later): "0" turns it off; "generic" or "words"
 forces that candidate on any device, the CPU included (tests run the compiled kernels here); default: the measured
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 
 from .dequant import Maps, on_grid, dequantize
 from .format import Format
-from .products import MAX_ROWS
+from .products import MAX_ROWS, unrounded_applies
 from .schemes import StoredTensor, WeightQuant
 
 ENV = "TPKIT_FUSED"
@@ -73,7 +74,8 @@ def set_policy(value: str) -> None:
 def wanted(x: torch.Tensor) -> bool:
     """Whether a product of `x` (`[..., in_features]`, no gradient asked for) may take a fused kernel: a device the
     policy (`POLICY`, the module docstring) allows, a few rows, and real data."""
-    if not (POLICY in CANDIDATES or (POLICY == "" and x.is_cuda and _triton())):  # (`is_cuda`: 0.07 us, `device`: 0.25)
+    # (`is_cuda` costs 0.07 us a call, `x.device.type` 0.25)
+    if not (POLICY in CANDIDATES or (POLICY == "" and x.is_cuda and _triton())):
         return False
     if x.numel() > MAX_ROWS * x.shape[-1]:
         return False
@@ -101,7 +103,7 @@ def words_apply(q: WeightQuant, shape: tuple[int, int], dtype: torch.dtype, scal
     group = q.group_size if q.strategy == "group" else in_
     return (q.layout == "ct_pack" and q.strategy in ("group", "channel") and not mapped and not q.act_order
             and bool(per) and in_ % per == 0 and bool(group) and group % per == 0 and in_ % group == 0
-            and (scale_dtype == torch.float32 or dtype in (torch.bfloat16, torch.float16)))
+            and unrounded_applies(dtype, scale_dtype))
 
 
 def words(q: WeightQuant, specs: Mapping[str, StoredTensor], shape: tuple[int, int], dtype: torch.dtype,

@@ -68,10 +68,17 @@ class Native(Product):
                            self.offset, self.zero_bits)
 
 
+def unrounded_applies(dtype: torch.dtype, scale_dtype: torch.dtype | None) -> bool:
+    """Whether a product whose weight is the values times their scales unrounded (this module's native product,
+    `fused.py`'s "words") computes a layer's weight as the format defines it (see the module docstring): float32
+    scales (arithmetic in float32), or a half-precision compute dtype (whose own rounding is larger)."""
+    return scale_dtype == torch.float32 or dtype in (torch.bfloat16, torch.float16)
+
+
 def native_applies(dtype: torch.dtype, scale_dtype: torch.dtype | None) -> bool:
-    """Whether the compiled product computes a layer's weight as the format defines it (see the module docstring):
-    float32 scales (arithmetic in float32), or a half-precision compute dtype; and a compiler built it here."""
-    return (scale_dtype == torch.float32 or dtype in (torch.bfloat16, torch.float16)) and native.available()
+    """Whether the compiled product computes a layer's weight as the format defines it (`unrounded_applies`) and a
+    compiler built it here."""
+    return unrounded_applies(dtype, scale_dtype) and native.available()
 
 
 def _time(product: Product, tensors: Mapping[str, torch.Tensor], x: torch.Tensor, calls: int = 5) -> list[float]:
