@@ -881,3 +881,33 @@ void tp_gemv_bf16(int kind, int64_t M, int64_t N, int64_t K, const uint16_t *x16
             halves, row, xb);
     for (int64_t i = 0; i < M * N; i++) y16[i] = bf16_bits(yf[i]);
 }
+
+/* One product as a caller holds its tensors, the scratch laid out here in one buffer of `bytes` (64-byte aligned):
+   x and y float32, or bf16 words where `io` (tp_gemv_bf16); `bf16`: x's values are bf16, so the paths that read them
+   as 16-bit words may. Returns the bytes the call needs; where `bytes` is fewer it computes nothing, and the caller
+   grows its buffer and calls again. The scratch's sizes are known here only: `native.py`'s Python kernel and
+   `gemv_op.cpp`'s C++ kernel of `tpkit::gemv` both call this. */
+int64_t tp_gemv_call(int kind, int64_t M, int64_t N, int64_t K, const void *x, const void *w, const void *scale,
+                     int scale_kind, const void *zero, int zero_kind, int zero_bits, float offset, int64_t bh,
+                     int64_t bw, int64_t KB, void *y, int io, int bf16, uint8_t *scratch, int64_t bytes) {
+    int64_t blocks = KB > 1 ? KB : 1;
+    int shifted = zero_kind != 0 || offset != 0.0f || kind == 4;  /* int4's bf16 products carry a bias too */
+    int scaled = kind == 4 || kind == 5 || kind == 1;  /* x de-interleaved (int4) or scaled up (FP8, fp16) */
+    int words = bf16 && kind != 1;  /* the kinds the bf16 dot products or the int16 runs may take */
+    int64_t sizes[6] = {shifted ? 4 * M * blocks : 0, scaled ? 4 * M * K : 0, 8 * blocks,
+                        words ? 2 * M * K + 4 * M * (K / 32) : 0, io ? 4 * M * K : 0, io ? 4 * M * N : 0};
+    void *area[6];
+    int64_t total = 0;
+    for (int i = 0; i < 6; i++) {
+        area[i] = sizes[i] ? scratch + total : 0;
+        total += (sizes[i] + 63) / 64 * 64;
+    }
+    if (bytes < total) return total;
+    if (io)
+        tp_gemv_bf16(kind, M, N, K, (const uint16_t *)x, w, scale, scale_kind, zero, zero_kind, zero_bits, offset, bh,
+                     bw, KB, (uint16_t *)y, area[0], area[1], area[2], area[3], area[4], area[5]);
+    else
+        tp_gemv(kind, M, N, K, (const float *)x, w, scale, scale_kind, zero, zero_kind, zero_bits, offset, bh, bw, KB,
+                (float *)y, 0, N, area[0], area[1], area[2], area[3]);
+    return total;
+}

@@ -1,4 +1,4 @@
-"""tpkit's compiled small-batch products (`gemv.c`): built once per machine, loaded with ctypes, one op for torch.
+"""tpkit's compiled small-batch products (`gemv.c`): built once per machine, called as one op of torch's.
 
 Decode multiplies one activation row (a few, batched) by every weight: its time is the weight's bytes read from
 memory, and torch's CPU paths for a quantized or half-precision weight read them slower than memory allows (bf16
@@ -16,9 +16,10 @@ every layer, and the allocations had been a quarter of a small layer's call.
 It is compiled on first use with the C compiler (`CC`, default `cc`; `-O3 -march=native -fopenmp-simd`) into
 `$TPKIT_CACHE` (default `~/.cache/tpkit`), keyed by the source, the compiler and the CPU, written atomically; where
 no compiler works `available()` is False and callers keep torch's paths (`TPKIT_NATIVE=0` turns it off;
-`TPKIT_NATIVE_ISA` picks the instruction set: `ISA_FLAGS`). `gemv`
-calls it directly in eager mode and through the dispatcher's op `tpkit::gemv` under `torch.compile` (a fake
-implementation gives the shape), so the layers that use it stay traceable.
+`TPKIT_NATIVE_ISA` picks the instruction set: `ISA_FLAGS`). `gemv` calls it through the dispatcher's op
+`tpkit::gemv` (a fake implementation gives the shape, so the layers that use it stay traceable), whose CPU kernel is
+C++ (`gemv_op.cpp`, built the same way with `CXX` against torch's headers) where that builds, else Python through
+ctypes (`TPKIT_NATIVE_OP=0` keeps the Python one).
 """
 from __future__ import annotations
 
@@ -58,18 +59,22 @@ def cache_root() -> str:
     return os.environ.get("TPKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tpkit")
 
 
-def compile_library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def compile_library(source: str, flags: tuple[str, ...] = (), cxx: bool = False) -> ctypes.CDLL | None:
     """The C file `source` compiled (`-O3 -march=native`, then `flags`) into a shared library in the cache and
-    loaded, or None where no compiler works. Keyed by the source's bytes, the compiler, the CPU and the flags, so an
-    edit or another machine builds anew; written atomically, so processes building at once do not clash."""
-    cc = os.environ.get("CC", "cc")
+    loaded, or None where no compiler works. Keyed by the source's bytes, the compiler, the CPU, torch's version and
+    the flags, so an edit or another machine builds anew; written atomically, so processes building at once do not
+    clash. `cxx`: a C++ file against torch's headers and libraries (`CXX`, default `c++`): its static registrations
+    (an op's kernel) run as it loads."""
+    compiler = os.environ.get("CXX", "c++") if cxx else os.environ.get("CC", "cc")
     with open(source, "rb") as f:
         text = f.read()
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
+        version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256(text + version + _cpu().encode() + " ".join(flags).encode()).hexdigest()[:16]
+    command = [compiler, "-O3", "-march=native", *(_torch_flags() if cxx else ("-fopenmp-simd",)), *flags]
+    key = hashlib.sha256(text + version + _cpu().encode() + torch.__version__.encode()
+                         + " ".join(command).encode()).hexdigest()[:16]
     root = cache_root()
     stem = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(root, f"{stem}-{key}.so")
@@ -81,8 +86,9 @@ def compile_library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | N
         except OSError:  # an unwritable cache: no compiled code, the callers' torch paths
             return None
         try:
-            done = subprocess.run([cc, "-O3", "-march=native", "-fopenmp-simd", *flags, "-shared", "-fPIC", source,
-                                   "-o", tmp], capture_output=True, timeout=120)
+            link = _torch_libraries() if cxx else ()
+            done = subprocess.run([*command, "-shared", "-fPIC", source, "-o", tmp, *link], capture_output=True,
+                                  timeout=300)
             if done.returncode != 0:
                 return None
             os.replace(tmp, path)  # atomic: a concurrent build by another process writes the same bytes
@@ -95,6 +101,20 @@ def compile_library(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | N
         return ctypes.CDLL(path)
     except OSError:
         return None
+
+
+def _torch_flags() -> tuple[str, ...]:
+    """A C++ file's flags against this torch: its headers, its C++ standard and ABI."""
+    from torch.utils import cpp_extension
+
+    return ("-std=c++17", "-w", *(f"-I{p}" for p in cpp_extension.include_paths()),
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}")
+
+
+def _torch_libraries() -> tuple[str, ...]:
+    """A C++ file's link against this torch's libraries, found again where they are when it loads."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    return (f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}")
 
 
 def build(flags: tuple[str, ...] = ()):
@@ -114,6 +134,10 @@ def build(flags: tuple[str, ...] = ()):
     fn.bf16.argtypes = [c_int, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int, c_int, ctypes.c_float, i64, i64, i64,
                         ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     fn.bf16.restype = None
+    fn.call = lib.tp_gemv_call  # either, its scratch laid out in one buffer given (`tp_gemv_call`): the op's kernels
+    fn.call.argtypes = [c_int, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int, c_int, ctypes.c_float, i64, i64, i64,
+                        ptr, c_int, c_int, ptr, i64]
+    fn.call.restype = i64
     return fn
 
 
@@ -180,62 +204,93 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 _SCRATCH = threading.local()  # per thread (thread-ranks call at once): one buffer the calls' scratch areas share
 
 
-def _scratch(sizes: tuple[int, ...]) -> list[int | None]:
-    """Addresses of scratch areas of `sizes` bytes (None for 0), each 64-byte aligned, in this thread's buffer,
-    grown as needed: decode calls the product for every layer and token, and one buffer spares each call its
-    allocations (the C code fills each area before reading it)."""
-    starts, total = [], 0
-    for size in sizes:
-        starts.append(total if size else None)
-        total += -(-size // 64) * 64
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < total + 64:
-        buf = _SCRATCH.buf = torch.empty(total + 64, dtype=torch.uint8)
-    base = -(-buf.data_ptr() // 64) * 64
-    return [None if at is None else base + at for at in starts]
+def _python_kernel(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None, scale_kind: int,
+                   zero: torch.Tensor | None, zero_kind: int, zero_bits: int, bh: int, bw: int, kb: int, n: int,
+                   offset: float, bf16: bool) -> torch.Tensor:
+    """The op's CPU kernel where the C++ one (`gemv_op.cpp`) was not built: the product through ctypes, its scratch
+    in this thread's buffer, grown as the product asks (`tp_gemv_call`): decode calls it for every layer and token,
+    and one buffer spares each call its allocations."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=x.dtype)
+    args = (kind, m, n, k, x.data_ptr(), w.data_ptr(), _ptr(scale), scale_kind, _ptr(zero), zero_kind, zero_bits,
+            offset, bh, bw, kb, y.data_ptr(), x.dtype == torch.bfloat16, bf16)
+    while True:
+        buf = getattr(_SCRATCH, "buf", None)
+        room = 0 if buf is None else buf.numel() - 64
+        base = 0 if buf is None else -(-buf.data_ptr() // 64) * 64
+        need = _function().call(*args, base or None, room)
+        if need <= room:
+            return y
+        _SCRATCH.buf = torch.empty(need + 64, dtype=torch.uint8)
+
+
+def _op_args(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None, zero: torch.Tensor | None,
+             bh: int, bw: int, n: int, offset: float, zero_bits: int, bf16: bool) -> tuple:
+    """The op's arguments: the stored tensors with their dtypes' codes (`SCALE_KINDS`, `ZERO_KINDS`) and the scale
+    blocks per row, computed here once for both kernels."""
+    kb = 0 if scale is None else (scale.shape[-1] if scale.dim() > 1 else 1)
+    return (x, w, kind, scale, 0 if scale is None else SCALE_KINDS[scale.dtype], zero,
+            0 if zero is None else ZERO_KINDS[zero.dtype], zero_bits, bh, bw, kb, n, offset, bf16)
 
 
 def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None, zero: torch.Tensor | None,
          bh: int, bw: int, n: int, offset: float, zero_bits: int, bf16: bool = False) -> torch.Tensor:
     """`x` `[M, K]` float32 or bf16 (contiguous) times the decoded `w` (`[N, ...]` bytes) -> `[M, N]` in x's dtype
-    (float32 sums; bf16 rounded to nearest, as torch rounds). `bf16`: x's values are bf16 (a bf16 model's
-    activations), so bf16, int4 and FP8 weights may take the bf16 dot products, int8 and int4 the int16 runs."""
-    m, k = x.shape
-    io = x.dtype == torch.bfloat16  # read and written as bf16 by the C code (`tp_gemv_bf16`), no conversions here
-    y = torch.empty(m, n, dtype=x.dtype)
-    kb = 0 if scale is None else (scale.shape[-1] if scale.dim() > 1 else 1)
-    uint4 = kind == KINDS["uint4"]
-    shifted = zero is not None or offset != 0 or uint4  # uint4's bf16 products carry a bias taken off with the sums
-    scaled = uint4 or kind in (KINDS["fp8"], KINDS["fp16"])  # x de-interleaved (uint4), scaled up (`gemv.c`)
-    sums, halves, row, words, xf, yf = _scratch((
-        4 * m * max(kb, 1) if shifted else 0, 4 * m * k if scaled else 0, 8 * max(kb, 1),
-        2 * m * k + 4 * m * (k // 32) if bf16 and kind in _WORD_KINDS else 0, 4 * m * k if io else 0,
-        4 * m * n if io else 0))
-    common = (kind, m, n, k, _ptr(x), _ptr(w), _ptr(scale), 0 if scale is None else SCALE_KINDS[scale.dtype],
-              _ptr(zero), 0 if zero is None else ZERO_KINDS[zero.dtype], zero_bits, offset, bh, bw, kb, _ptr(y))
-    if io:
-        _function().bf16(*common, sums, halves, row, words, xf, yf)
-    else:
-        _function()(*common, 0, n, sums, halves, row, words)
-    return y
+    (float32 sums; bf16 rounded to nearest, as torch rounds) by this process's kernel (`_kernel`). `bf16`: x's values
+    are bf16 (a bf16 model's activations), so bf16, int4 and FP8 weights may take the bf16 dot products, int8 and
+    int4 the int16 runs."""
+    return _kernel()(*_op_args(x, w, kind, scale, zero, bh, bw, n, offset, zero_bits, bf16))
 
 
-# The op a compiled graph calls: defined on the dispatcher with `_run` as its CPU kernel, not by
+# The op a compiled graph calls (and eager code, where its kernel is C++): defined on the dispatcher, not by
 # `torch.library.custom_op`, whose wrappers (autograd, functionalization) cost 14 us of each call (9 in a compiled
-# graph: 30 us per product instead of 21, ~0.5 ms per token of a TP2 decode's 57 products). It has no backward:
-# `gemv` refuses inputs that ask for a gradient (its callers never pass one: `half_applies`, `QuantizedLinear`).
+# graph: 30 us per product instead of 21, ~0.5 ms per token of a TP2 decode's 57 products). Its CPU kernel is
+# registered once the product is built (`_kernel`): `gemv_op.cpp` where it builds, else `_python_kernel`. It has no
+# backward: `gemv` refuses inputs that ask for a gradient (its callers never pass one: `half_applies`,
+# `QuantizedLinear`).
 _LIBRARY = torch.library.Library("tpkit", "FRAGMENT")  # (the namespace holds tpkit's other ops too)
-_LIBRARY.define("gemv(Tensor x, Tensor w, int kind, Tensor? scale, Tensor? zero, int bh, int bw, int n, float offset, "
-                "int zero_bits, bool bf16) -> Tensor")
-_LIBRARY.impl("gemv", _run, "CPU")
+_LIBRARY.define("gemv(Tensor x, Tensor w, int kind, Tensor? scale, int scale_kind, Tensor? zero, int zero_kind, "
+                "int zero_bits, int bh, int bw, int kb, int n, float offset, bool bf16) -> Tensor")
+_OP_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_op.cpp")
+_KERNEL: dict = {}  # "op": the C++ library or None (registered once), "bound": the product it calls
 
 
 @torch.library.register_fake("tpkit::gemv", lib=_LIBRARY)
-def _(x, w, kind, scale, zero, bh, bw, n, offset, zero_bits, bf16):
+def _(x, w, kind, scale, scale_kind, zero, zero_kind, zero_bits, bh, bw, kb, n, offset, bf16):
     return x.new_empty(x.shape[0], n, dtype=x.dtype if x.dtype == torch.bfloat16 else torch.float32)
 
 
 _op = torch.ops.tpkit.gemv.default
+
+
+def _kernel():
+    """What runs a product in this process: the op (its C++ kernel, bound to `_function()`'s build, rebound when
+    that changes, as the tests' builds per instruction set do), or `_python_kernel` where the C++ kernel was not
+    built (no C++ compiler or torch headers; `TPKIT_NATIVE_OP=0`). Registers the op's CPU kernel on first use."""
+    fn = _function()
+    if fn is None:
+        raise RuntimeError("tpkit's native product is not built here (native.available() is False): use torch's")
+    if "op" not in _KERNEL:
+        with _LOCK:
+            if "op" not in _KERNEL:
+                op = compile_library(_OP_SOURCE, cxx=True) if os.environ.get("TPKIT_NATIVE_OP", "1") != "0" else None
+                if op is None:
+                    _LIBRARY.impl("gemv", _python_kernel, "CPU")
+                _KERNEL["op"] = op
+    op = _KERNEL["op"]
+    if op is None:
+        return _python_kernel
+    if _KERNEL.get("bound") is not fn:
+        op.tp_bind(ctypes.cast(fn.call, ctypes.c_void_p))
+        _KERNEL["bound"] = fn
+    return _op
+
+
+@torch.compiler.assume_constant_result
+def _registered() -> bool:
+    """`_kernel()` run where a product is traced (dynamo runs it and keeps the constant): the graph's op finds its
+    kernel registered and bound when it runs later."""
+    return _kernel() is not None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, kind: str, n: int, scale: torch.Tensor | None = None,
@@ -262,8 +317,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, kind: str, n: int, scale: torch.Tenso
                            "torch's product of the dequantized weight")
     flat = x.reshape(-1, x.shape[-1])  # bf16 read as it is; other dtypes as float32
     flat = (flat if flat.dtype == torch.bfloat16 else flat.to(torch.float32)).contiguous()
-    args = (flat, w, KINDS[kind], scale, zero, int(block[0]), int(block[1]), int(n), float(offset), int(zero_bits),
-            x.dtype == torch.bfloat16)
-    traced = torch.compiler.is_compiling() or fake(flat) or fake(w)  # no data to read: the op's fake implementation
-    y = _op(*args) if traced else _run(*args)
+    args = _op_args(flat, w, KINDS[kind], scale, zero, int(block[0]), int(block[1]), int(n), float(offset),
+                    int(zero_bits), x.dtype == torch.bfloat16)
+    if torch.compiler.is_compiling() or fake(flat) or fake(w):  # no data to read: the op's fake implementation
+        _registered()
+        y = _op(*args)
+    else:
+        y = _kernel()(*args)
     return (y if y.dtype == x.dtype else y.to(x.dtype)).view(*x.shape[:-1], n)
