@@ -10,7 +10,12 @@ five with `tpkit.from_pretrained` (each at its checkpoint's dtype) and times the
 ms/token = (generate N tokens - generate 1) / (N - 1), the median of `--repeats` rounds. The memory limit of a
 format is the bytes a rank reads per token (every tensor it holds, less the embedding table it reads one row of)
 over the streaming bandwidth a rank gets while the other streams too (measured here: both ranks summing a 512 MiB
-float32 tensor at once). Prints a markdown block for BENCHMARKS.md, with the load average. `--compile` also times
+float32 tensor at once). Prints a markdown block for BENCHMARKS.md, with the load average. This box's
+bandwidth drifts by a third within minutes, so the bandwidth is measured again before each format's turn in each
+round and each turn's ms/token set against that moment's limit ("/ limit, each turn's bandwidth": the median over
+rounds). The floor is a Llama of the same depth at hidden 128 (float32 and bf16) loaded by plain transformers and
+timed in the same turns: the per-token cost of transformers' eager forward and `generate` alone; "less the floor" is
+the ratio with it taken off, what the products and tpkit's own code cost against the limit. `--compile` also times
 each format with its forward under `torch.compile` (eager and compiled alternating on the same model, each format
 in its own launch): what the per-token Python costs.
 
@@ -83,6 +88,27 @@ def make(directory: str, shape: dict, device: str = "cpu") -> dict[str, str]:
     return out
 
 
+FLOOR_WIDTH = 128  # the floor model's hidden size: one head of 128, its weights a few MiB
+
+
+def make_floor(directory: str, shape: dict) -> dict[str, str]:
+    """A Llama of `shape`'s depth at hidden `FLOOR_WIDTH` (MLP twice that, vocabulary `VOCAB`), in float32 and in
+    bf16 (the quantized formats compute in bf16, whose small ops cost transformers more): what a token costs
+    transformers' own eager forward and `generate` when the products read next to nothing."""
+    import transformers as tr
+
+    config = tr.LlamaConfig(vocab_size=VOCAB, hidden_size=FLOOR_WIDTH, intermediate_size=2 * FLOOR_WIDTH,
+                            num_hidden_layers=shape["layers"], num_attention_heads=FLOOR_WIDTH // 128,
+                            num_key_value_heads=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(config).eval()
+    out = {}
+    for dtype in ("float32", "bf16"):
+        out[dtype] = os.path.join(directory, dtype)
+        model.to(torch.bfloat16 if dtype == "bf16" else torch.float32).save_pretrained(out[dtype])
+    return out
+
+
 def ms_per_token(model, tokens: int) -> float:
     ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
 
@@ -105,12 +131,17 @@ def bytes_per_token(model) -> int:
     return total if tied else total - embedding.numel() * embedding.element_size() + embedding[0].nbytes
 
 
+_STREAMED: list = []  # the tensor `streaming` sums, made once per process
+
+
 def streaming(seconds: float = 1.0) -> float:
     """Bytes per second this rank reads from memory while the other ranks do the same (a float32 sum over 512 MiB,
     after a barrier)."""
     import tpkit
 
-    t = torch.ones(128 * 2 ** 20)
+    if not _STREAMED:
+        _STREAMED.append(torch.ones(128 * 2 ** 20))
+    t = _STREAMED[0]
     t.sum()
     comm = tpkit.get_communicator()
     rates = []
@@ -124,9 +155,14 @@ def streaming(seconds: float = 1.0) -> float:
     return statistics.median(rates)
 
 
-def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False) -> dict:
+def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False, floor: dict | None = None) -> dict:
     """One rank's figures. `compiled`: each model is also timed with its forward under `torch.compile` (inductor,
-    dynamic shapes), eager and compiled alternating on the same loaded model, the compile's seconds recorded."""
+    dynamic shapes), eager and compiled alternating on the same loaded model, the compile's seconds recorded.
+    Before each format's turn in a round, the streaming bandwidth is measured again (0.2 s): this box's bandwidth
+    drifts by a third within minutes, so each turn's ms/token is set against the limit of that moment
+    (`ratio_<format>`: the median over rounds). `floor`: checkpoints (by dtype) of the same depth at a small width,
+    loaded by plain transformers in this process (no tpkit, no communication) and timed in the same turns: the
+    per-token cost of transformers' own eager forward and `generate`, which no product can remove."""
     import tpkit
 
     torch.set_num_threads(1)
@@ -138,22 +174,34 @@ def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False) -> 
         out[f"load_{name}"] = time.perf_counter() - start
         out[f"bytes_{name}"] = bytes_per_token(models[name])
     forwards = {n: {"eager": m.forward} for n, m in models.items()}
+    for dtype, path in (floor or {}).items():
+        import transformers as tr
+
+        models[f"floor_{dtype}"] = tr.AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
+        forwards[f"floor_{dtype}"] = {"eager": models[f"floor_{dtype}"].forward}
     if compiled:  # a rank compiles one model (`main` launches each format apart): never eager past the limit
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     for n, m in models.items():
         ms_per_token(m, 3)  # warm-up
-        if compiled:
+        if compiled and not n.startswith("floor"):
             start = time.perf_counter()
             m.forward = forwards[n]["compiled"] = torch.compile(forwards[n]["eager"], dynamic=True)
             ms_per_token(m, 3)  # compiles the prefill's and the decode step's graphs
             out[f"compile_{n}"] = time.perf_counter() - start
     samples = {(n, way): [] for n in models for way in forwards[n]}
+    ratios = {key: [] for key in samples}
     for _ in range(repeats):
         for (n, way), seen in samples.items():  # alternating
+            bandwidth = streaming(0.2)
             models[n].forward = forwards[n][way]
             seen.append(ms_per_token(models[n], tokens))
+            if not n.startswith("floor"):
+                ratios[n, way].append(seen[-1] / (out[f"bytes_{n}"] / bandwidth * 1e3))
+            out.setdefault("bandwidths", []).append(bandwidth)
     out.update({f"decode_{n}" if way == "eager" else f"compiled_{n}": statistics.median(v)
                 for (n, way), v in samples.items()})
+    out.update({f"ratio_{n}" if way == "eager" else f"compiled_ratio_{n}": statistics.median(v)
+                for (n, way), v in ratios.items() if v})
     return out
 
 
@@ -302,19 +350,33 @@ def main() -> None:
                     mine.update({k: v for k, v in got.items() if k != "bandwidth"})
                     mine[f"bandwidth_{f}"] = got["bandwidth"]
         else:
-            ranks = tpkit.launch(_tp_rank, args.world, args=(paths, args.tokens, args.repeats), timeout=3600)
+            floor = make_floor(os.path.join(tmp, "floor"), shape)
+            ranks = tpkit.launch(_tp_rank, args.world, args=(paths, args.tokens, args.repeats, False, floor),
+                                 timeout=3600)
     load = max(load[0], os.getloadavg()[0])
     r = {k: max(x[k] for x in ranks) for k in ranks[0] if not k.startswith("bandwidth")}
+    turns = [b for x in ranks for b in x["bandwidths"]]
     bws = {f: min(x.get(f"bandwidth_{f}", x.get("bandwidth")) for x in ranks) for f in FORMATS}  # each launch's own
     bw = min(bws.values())
     rows = []
+    floors = {f: r.get(f"decode_floor_{'float32' if f == 'float32' else 'bf16'}") for f in FORMATS}
+    floor = floors["bf16"]
     for f in FORMATS:
         limit = r[f"bytes_{f}"] / bws[f] * 1e3
+        paired = r.get(f"ratio_{f}")
+        beyond = "" if floor is None else f" {paired * (r[f'decode_{f}'] - floors[f]) / r[f'decode_{f}']:.2f}x |"
         rows.append(f"| {f} | {r[f'decode_{f}']:.1f} | {r[f'decode_{f}'] / r['decode_float32']:.2f}x | "
                     f"{r[f'bytes_{f}'] / 2 ** 20:.0f} MiB | {limit:.1f} | {r[f'decode_{f}'] / limit:.2f}x | "
-                    f"{r[f'load_{f}']:.1f} |")
+                    f"{'' if paired is None else f'{paired:.2f}x'} |{beyond} {r[f'load_{f}']:.1f} |")
     table = "\n".join(["| format | decode ms/token | / float32 | read per rank per token | memory limit ms | "
-                       "/ limit | load s |", "|---|---|---|---|---|---|---|"] + rows)
+                       "/ limit | / limit, each turn's bandwidth |" + (" the same less the floor |" if floor else "")
+                       + " load s |", "|---|---|---|---|---|---|---|" + ("---|" if floor else "") + "---|"] + rows)
+    if floor is not None:
+        table += (f"\n\nFloor: transformers' own eager `generate` of the same {shape['layers']} layers at hidden "
+                  f"{FLOOR_WIDTH} (one process per rank, no tpkit, no communication), timed in the same turns: "
+                  f"{floors['float32']:.2f} ms/token in float32 (taken off float32), {floor:.2f} in bf16 (taken off "
+                  f"the others, which compute in bf16). Streaming per rank measured before each turn: "
+                  f"{min(turns) / 1e9:.1f}-{max(turns) / 1e9:.1f} GB/s.")
     if args.compile:
         rows = [f"| {f} | {r[f'decode_{f}']:.1f} | {r[f'compiled_{f}']:.1f} | "
                 f"{r[f'compiled_{f}'] / r[f'decode_{f}']:.2f}x | "
