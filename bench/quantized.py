@@ -347,8 +347,9 @@ def main() -> None:
             for f in FORMATS:
                 for mine, got in zip(ranks, tpkit.launch(_tp_rank, args.world, timeout=3600,
                                                          args=({f: paths[f]}, args.tokens, args.repeats, True))):
-                    mine.update({k: v for k, v in got.items() if k != "bandwidth"})
+                    mine.update({k: v for k, v in got.items() if not k.startswith("bandwidth")})
                     mine[f"bandwidth_{f}"] = got["bandwidth"]
+                    mine.setdefault("bandwidths", []).extend(got["bandwidths"])
         else:
             floor = make_floor(os.path.join(tmp, "floor"), shape)
             ranks = tpkit.launch(_tp_rank, args.world, args=(paths, args.tokens, args.repeats, False, floor),
@@ -380,10 +381,11 @@ def main() -> None:
     if args.compile:
         rows = [f"| {f} | {r[f'decode_{f}']:.1f} | {r[f'compiled_{f}']:.1f} | "
                 f"{r[f'compiled_{f}'] / r[f'decode_{f}']:.2f}x | "
-                f"{r[f'compiled_{f}'] / (r[f'bytes_{f}'] / bws[f] * 1e3):.2f}x | {r[f'compile_{f}']:.0f} |"
-                for f in FORMATS]
+                f"{r[f'compiled_{f}'] / (r[f'bytes_{f}'] / bws[f] * 1e3):.2f}x | {r[f'compiled_ratio_{f}']:.2f}x | "
+                f"{r[f'compile_{f}']:.0f} |" for f in FORMATS]
         table += "\n\n" + "\n".join(["| format | eager ms/token | compiled ms/token | compiled / eager | "
-                                      "compiled / limit | compile s |", "|---|---|---|---|---|---|"] + rows)
+                                      "compiled / limit | compiled / limit, each turn's bandwidth | compile s |",
+                                      "|---|---|---|---|---|---|---|"] + rows)
     print(f"{table}\n\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, "
           f"{' / '.join(map(str, heads_of(shape)))} heads, vocabulary {VOCAB} (seed {seed}); TP{args.world}, "
           f"{args.world} gloo process{'es' if args.world > 1 else ''}, 1 thread each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "

@@ -63,6 +63,26 @@ def test_one_injected_class_per_module_shared_and_removable():
         remove_rewrite(a, "bias")
 
 
+def test_the_forward_count_is_hooked_only_where_a_rewrite_reads_it():
+    """A module whose rewrites all apply everywhere (a quantized weight) carries no hooks: torch then calls it
+    without the hooks' path. The first rewrite that applies inside the forward only adds the count, once."""
+    m = _linear()
+    half = m.weight.detach()[:2].clone()
+    del m._parameters["weight"]
+    m.register_buffer("half_weight", half)
+    rewrite(m, "weight", Computed())
+    assert not m._forward_pre_hooks and not m._forward_hooks and not unapplied(m)
+    rewrite(m, "bias", Doubled())
+    rewrite(m, "bias", Doubled())
+    assert len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1 and not unapplied(m)
+    x = torch.ones(1, 3)
+    assert torch.equal(m(x), torch.nn.functional.linear(x, half.repeat(2, 1), 2 * m._parameters["bias"]))
+    assert torch.equal(m.bias, m._parameters["bias"])  # outside the forward: the stored bias
+    remove_rewrite(m, "bias")
+    remove_rewrite(m, "weight")
+    assert not m._forward_pre_hooks and not m._forward_hooks and type(m) is nn.Linear
+
+
 def test_a_computed_tensor_is_read_everywhere():
     m = _linear()
     half = m.weight.detach()[:2].clone()
