@@ -40,9 +40,6 @@ ZERO_KINDS = {torch.int8: 1, torch.int32: 2}  # int8 values; int32 words packing
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.c")
 _LOCK = threading.Lock()
 _LIB: list = []  # [ctypes function or None], once tried
-# kinds whose product may read bf16 activations as 16-bit words (`gemv.c` decides): bf16 bits for AVX512-BF16's dot
-# products (bf16, int4, FP8 weights), or int16 runs with their scales for AVX2's integer products (int8, int4)
-_WORD_KINDS = (KINDS["bf16"], KINDS["uint4"], KINDS["fp8"], KINDS["int8"], KINDS["uint8"])
 
 
 def _cpu() -> str:
