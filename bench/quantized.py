@@ -94,7 +94,9 @@ FLOOR_WIDTH = 128  # the floor model's hidden size: one head of 128, its weights
 def make_floor(directory: str, shape: dict) -> dict[str, str]:
     """A Llama of `shape`'s depth at hidden `FLOOR_WIDTH` (MLP twice that, vocabulary `VOCAB`), in float32 and in
     bf16 (the quantized formats compute in bf16, whose small ops cost transformers more): what a token costs
-    transformers' own eager forward and `generate` when the products read next to nothing."""
+    transformers' own eager forward and `generate` when the products read next to nothing. Its LM head (`VOCAB` x
+    `FLOOR_WIDTH`, 2-4 MiB) is still read every token, ~0.1-0.2 ms at this box's rates, which the formats' limits
+    count as well: "less the floor" takes off that much too many."""
     import transformers as tr
 
     config = tr.LlamaConfig(vocab_size=VOCAB, hidden_size=FLOOR_WIDTH, intermediate_size=2 * FLOOR_WIDTH,

@@ -83,6 +83,17 @@ def test_the_forward_count_is_hooked_only_where_a_rewrite_reads_it():
     assert not m._forward_pre_hooks and not m._forward_hooks and type(m) is nn.Linear
 
 
+def test_a_lost_count_hook_is_not_registered_again():
+    """A module whose count hook was lost stays named by `unapplied`: a later rewrite does not add a second pair
+    (which would count each forward twice, or leave the count at -1 with one hook lost)."""
+    m = _linear()
+    rewrite(m, "weight", Doubled())
+    m._forward_pre_hooks.clear()
+    rewrite(m, "bias", Doubled())
+    assert len(m._forward_pre_hooks) == 0 and len(m._forward_hooks) == 1
+    assert unapplied(m) == ["weight", "bias"]
+
+
 def test_a_computed_tensor_is_read_everywhere():
     m = _linear()
     half = m.weight.detach()[:2].clone()

@@ -46,7 +46,8 @@ def _case(kind: str, rows: int, n: int, k: int, bf16: bool, scale_dtype: torch.d
 def _cpp_kernel() -> None:
     native._kernel()
     if native._KERNEL["op"] is None:
-        assert shutil.which(os.environ.get("CXX", "c++")) is None, "a C++ compiler is here, yet no kernel was built"
+        assert os.environ.get("TPKIT_NATIVE_OP") == "0" or shutil.which(os.environ.get("CXX", "c++")) is None, \
+            "a C++ compiler is here, yet no kernel was built"
         pytest.skip("no C++ compiler here: the Python kernel is the op's")
 
 
@@ -112,3 +113,24 @@ def test_without_a_cpp_compiler_the_python_kernel_serves(tmp_path):
         done = subprocess.run([sys.executable, "-c", _WITHOUT_CXX], capture_output=True, text=True, timeout=300,
                               env={**os.environ, **env})
         assert done.returncode == 0 and "python kernel" in done.stdout, (env, done.stderr[-2000:])
+
+
+_OP_FIRST = """
+import torch
+from tpkit.quant import native
+g = torch.Generator().manual_seed(0)
+w = torch.randint(0, 256, (24, 64), dtype=torch.uint8, generator=g)
+s = torch.rand(24, 1, generator=g).bfloat16()
+args = native._op_args(torch.randn(2, 128, generator=g), w, native.KINDS["uint4"], s, None, 1, 128, 24, 8.0, 0, False)
+assert not native._KERNEL  # nothing registered yet
+first = torch.ops.tpkit.gemv.default(*args)
+assert native._KERNEL and torch.equal(first, native._python_kernel(*args))
+print("op first")
+"""
+
+
+def test_the_op_called_before_any_product_registers_its_kernel():
+    """A graph or caller that reaches `tpkit::gemv` before any `native.gemv` in the process (a fresh process):
+    the op's first call registers the CPU kernel and runs the product."""
+    done = subprocess.run([sys.executable, "-c", _OP_FIRST], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "op first" in done.stdout, done.stderr[-2000:]

@@ -55,6 +55,7 @@ class Rewrites:
     def __init__(self, base: type):
         self.entries: dict[str, Rewrite] = {}
         self.base, self.depth = base, 0
+        self.counted = False  # the counter hooks registered (once: a second pair would count each forward twice)
 
     def enter(self, module: nn.Module, args) -> None:
         self.depth += 1
@@ -107,10 +108,13 @@ def rewrite(module: nn.Module, name: str, how: Rewrite) -> None:
     state: Rewrites | None = module.__dict__.get(_ATTR)
     if state is None:
         state = module.__dict__[_ATTR] = Rewrites(type(module))
-    if how.in_forward_only and not _counting(module, state):  # only such a rewrite reads the count: a module
-        # without one (a quantized weight) keeps torch's call without hooks, ~1.2 us less per call at decode
+    if how.in_forward_only and not getattr(state, "counted", True):  # only such a rewrite reads the count: a
+        # module without one (a quantized weight) keeps torch's call without hooks, ~1.2 us less per call at decode.
+        # Registered once: a hook lost since stays lost, for `unapplied` to name (a registry pickled before the flag
+        # existed had its hooks from the start)
         module.register_forward_pre_hook(state.enter)
         module.register_forward_hook(state.leave, always_call=True)
+        state.counted = True
     state.entries[name] = how
     module.__class__ = _class(state.base, frozenset(state.entries))
 

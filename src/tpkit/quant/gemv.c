@@ -896,13 +896,14 @@ int64_t tp_gemv_call(int kind, int64_t M, int64_t N, int64_t K, const void *x, c
     int words = bf16 && kind != 1;  /* the kinds the bf16 dot products or the int16 runs may take */
     int64_t sizes[6] = {shifted ? 4 * M * blocks : 0, scaled ? 4 * M * K : 0, 8 * blocks,
                         words ? 2 * M * K + 4 * M * (K / 32) : 0, io ? 4 * M * K : 0, io ? 4 * M * N : 0};
-    void *area[6];
-    int64_t total = 0;
+    int64_t at[6], total = 0;
     for (int i = 0; i < 6; i++) {
-        area[i] = sizes[i] ? scratch + total : 0;
+        at[i] = total;
         total += (sizes[i] + 63) / 64 * 64;
     }
     if (bytes < total) return total;
+    void *area[6];
+    for (int i = 0; i < 6; i++) area[i] = sizes[i] ? scratch + at[i] : 0;
     if (io)
         tp_gemv_bf16(kind, M, N, K, (const uint16_t *)x, w, scale, scale_kind, zero, zero_kind, zero_bits, offset, bh,
                      bw, KB, (uint16_t *)y, area[0], area[1], area[2], area[3], area[4], area[5]);

@@ -260,6 +260,16 @@ def _(x, w, kind, scale, scale_kind, zero, zero_kind, zero_bits, bh, bw, kb, n, 
 _op = torch.ops.tpkit.gemv.default
 
 
+def _first_call(*args) -> torch.Tensor:
+    """The op's kernel until `_kernel` has registered the CPU one (a graph or a caller that reaches the op before
+    any `gemv` in this process): registers it, then runs the product. A CPU kernel, once there, is dispatched before
+    this one."""
+    return _kernel()(*args)
+
+
+_LIBRARY.impl("gemv", _first_call, "CompositeExplicitAutograd")
+
+
 def _kernel():
     """What runs a product in this process: the op (its C++ kernel, bound to `_function()`'s build, rebound when
     that changes, as the tests' builds per instruction set do), or `_python_kernel` where the C++ kernel was not
@@ -317,7 +327,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, kind: str, n: int, scale: torch.Tenso
     args = _op_args(flat, w, KINDS[kind], scale, zero, int(block[0]), int(block[1]), int(n), float(offset),
                     int(zero_bits), x.dtype == torch.bfloat16)
     if torch.compiler.is_compiling() or fake(flat) or fake(w):  # no data to read: the op's fake implementation
-        _registered()
+        if torch.compiler.is_compiling():
+            _registered()  # (the graph's op then runs the kernel bound to this process's build)
         y = _op(*args)
     else:
         y = _kernel()(*args)
