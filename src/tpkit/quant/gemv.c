@@ -872,10 +872,10 @@ static inline uint16_t bf16_bits(float f) {
 /* tp_gemv for a bf16 model's activations and outputs as torch holds them (bf16 bits): x16 widened into `xf` (M x K,
    exact), the float32 outputs into `yf` (M x N) and rounded into y16, so a call needs no conversions around it
    (torch's two cost more than a small layer's product). */
-void tp_gemv_bf16(int kind, int64_t M, int64_t N, int64_t K, const uint16_t *x16, const void *w, const void *scale,
-                  int scale_kind, const void *zero, int zero_kind, int zero_bits, float offset, int64_t bh,
-                  int64_t bw, int64_t KB, uint16_t *y16, float *sums, float *halves, float *row, uint16_t *xb,
-                  float *xf, float *yf) {
+static void tp_gemv_bf16(int kind, int64_t M, int64_t N, int64_t K, const uint16_t *x16, const void *w,
+                         const void *scale, int scale_kind, const void *zero, int zero_kind, int zero_bits,
+                         float offset, int64_t bh, int64_t bw, int64_t KB, uint16_t *y16, float *sums, float *halves,
+                         float *row, uint16_t *xb, float *xf, float *yf) {
     for (int64_t i = 0; i < M * K; i++) xf[i] = bits_float((uint32_t)x16[i] << 16);
     tp_gemv(kind, M, N, K, xf, w, scale, scale_kind, zero, zero_kind, zero_bits, offset, bh, bw, KB, yf, 0, N, sums,
             halves, row, xb);

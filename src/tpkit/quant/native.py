@@ -127,11 +127,8 @@ def build(flags: tuple[str, ...] = ()):
                    i64, i64, ptr, ptr, ptr, ptr]
     fn.restype = None
     fn.paths = {name for bit, name in ((1, "bf16 dot"), (2, "int16 runs")) if lib.tp_paths() & bit}
-    fn.bf16 = lib.tp_gemv_bf16  # the same for bf16 activations and outputs, as torch holds them
-    fn.bf16.argtypes = [c_int, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int, c_int, ctypes.c_float, i64, i64, i64,
-                        ptr, ptr, ptr, ptr, ptr, ptr, ptr]
-    fn.bf16.restype = None
-    fn.call = lib.tp_gemv_call  # either, its scratch laid out in one buffer given (`tp_gemv_call`): the op's kernels
+    fn.call = lib.tp_gemv_call  # the op's kernels call this: float32 or bf16 activations, its scratch laid out in
+    # one buffer given
     fn.call.argtypes = [c_int, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int, c_int, ctypes.c_float, i64, i64, i64,
                         ptr, c_int, c_int, ptr, i64]
     fn.call.restype = i64
@@ -242,7 +239,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None
 # The op a compiled graph calls (and eager code, where its kernel is C++): defined on the dispatcher, not by
 # `torch.library.custom_op`, whose wrappers (autograd, functionalization) cost 14 us of each call (9 in a compiled
 # graph: 30 us per product instead of 21, ~0.5 ms per token of a TP2 decode's 57 products). Its CPU kernel is
-# registered once the product is built (`_kernel`): `gemv_op.cpp` where it builds, else `_python_kernel`. It has no
+# registered by the first product (`_kernel`): `gemv_op.cpp` where it builds, else `_python_kernel`. It has no
 # backward: `gemv` refuses inputs that ask for a gradient (its callers never pass one: `half_applies`,
 # `QuantizedLinear`).
 _LIBRARY = torch.library.Library("tpkit", "FRAGMENT")  # (the namespace holds tpkit's other ops too)
@@ -293,13 +290,6 @@ def _kernel():
     return _op
 
 
-@torch.compiler.assume_constant_result
-def _registered() -> bool:
-    """`_kernel()` run where a product is traced (dynamo runs it and keeps the constant): the graph's op finds its
-    kernel registered and bound when it runs later."""
-    return _kernel() is not None
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, kind: str, n: int, scale: torch.Tensor | None = None,
          zero: torch.Tensor | None = None, block: tuple[int, int] = (1, 1), offset: int = 0,
          zero_bits: int = 0) -> torch.Tensor:
@@ -326,10 +316,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, kind: str, n: int, scale: torch.Tenso
     flat = (flat if flat.dtype == torch.bfloat16 else flat.to(torch.float32)).contiguous()
     args = _op_args(flat, w, KINDS[kind], scale, zero, int(block[0]), int(block[1]), int(n), float(offset),
                     int(zero_bits), x.dtype == torch.bfloat16)
-    if torch.compiler.is_compiling() or fake(flat) or fake(w):  # no data to read: the op's fake implementation
-        if torch.compiler.is_compiling():
-            _registered()  # (the graph's op then runs the kernel bound to this process's build)
-        y = _op(*args)
-    else:
-        y = _kernel()(*args)
+    traced = torch.compiler.is_compiling() or fake(flat) or fake(w)  # no data to read: the op's fake implementation
+    y = _op(*args) if traced else _kernel()(*args)  # (a graph's first call registers the kernel: `_first_call`)
     return (y if y.dtype == x.dtype else y.to(x.dtype)).view(*x.shape[:-1], n)
