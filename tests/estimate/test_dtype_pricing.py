@@ -1,6 +1,6 @@
-"""Prices per dtype (issue 56 item 4): a dense bf16 / fp16 model is priced by the products it runs, not by float32's
-tables. At decode's rows a converted layer runs tpkit's own product (`tpkit.quant.products.half_linear`), priced as
-calibrated ("dense/bfloat16"); elsewhere its matmuls run BLAS in its dtype, priced at that dtype's measured rates
+"""Prices per dtype (issue 56 item 4): a dense bf16 / fp16 / float32 model is priced by the products it runs, not by
+float32's tables. At decode's rows a converted layer runs tpkit's own product (`tpkit.quant.products.dense_linear`),
+priced as calibrated ("dense/bfloat16", "dense/float32"); elsewhere its matmuls run BLAS in its dtype, priced at that dtype's measured rates
 (`MachineRates.dtype_gemm`)."""
 from __future__ import annotations
 
@@ -65,29 +65,31 @@ def test_a_converted_bf16_layer_at_decode_is_priced_as_the_product_it_runs(world
 
 def test_only_the_rows_and_steps_where_the_product_runs_are_priced_as_it():
     """More than 8 rows, a training step (its input needs a gradient), or one rank (no conversion: the model's own
-    nn.Linear calls F.linear), or float32 weights: ordinary matmuls, none priced as the decode product."""
+    nn.Linear calls F.linear): ordinary matmuls, none priced as the decode product. fp16 and float32 weights at
+    decode are priced as their own product's entry."""
     assert _dense(_trace(2, batch=9)) == []
     assert _dense(_trace(2, goal="train", batch=1, seq=4)) == []  # 4 rows: excluded by the gradient alone
     assert _dense(_trace(2, goal="prefill", batch=1, seq=4))  # the same rows without a gradient: the product
     assert _dense(_trace(1)) == []
-    assert _dense(_trace(2, dtype=torch.float32)) == []
-    fp16 = _dense(_trace(2, dtype=torch.float16))
-    assert fp16 and {o.quantized.key for o in fp16} == {"dense/float16"}
+    assert _dense(_trace(2, dtype=torch.float32, batch=9)) == []
+    for dtype in (torch.float16, torch.float32):
+        dense = _dense(_trace(2, dtype=dtype))
+        assert len(dense) == 2 * 7 + 1 and {o.quantized.key for o in dense} == {f"dense/{str(dtype)[6:]}"}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world, monkeypatch):
-    """Against the runtime: a bf16 model converted on thread-ranks decodes one token; the weight shapes that reach
-    `half_linear` on rank 0 are, call for call, the shapes of the ops the estimate prices as that product."""
+@pytest.mark.parametrize("world,dtype", [(2, torch.bfloat16), (3, torch.bfloat16), (3, torch.float32)])
+def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world, dtype, monkeypatch):
+    """Against the runtime: a bf16 (float32) model converted on thread-ranks decodes one token; the weight shapes that
+    reach `dense_linear` on rank 0 are, call for call, the shapes of the ops the estimate prices as that product."""
     import threading
 
     import tpkit.nn.linear as linear
 
     torch.manual_seed(0)
-    model = tr.LlamaForCausalLM(_config()).eval().to(torch.bfloat16)
+    model = tr.LlamaForCausalLM(_config()).eval().to(dtype)
     calls: dict[int, list[tuple[int, int]]] = {}  # rank -> weight shapes, of the one decoded token
     rank_of: dict[int, int] = {}  # thread -> rank
-    real = linear.half_linear
+    real = linear.dense_linear
 
     def seen(x, weight):
         if threading.get_ident() in rank_of:  # a rank's forward (not the estimate's trace below, in this thread)
@@ -102,9 +104,9 @@ def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world,
             comm.barrier()
             calls.pop(comm.rank, None)
             m(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
-    monkeypatch.setattr(linear, "half_linear", seen)
+    monkeypatch.setattr(linear, "dense_linear", seen)
     tpkit.run_threads(run, world)
-    priced = [(n, k) for _, n, k in (o.mnk for o in _dense(_trace(world)))]
+    priced = [(n, k) for _, n, k in (o.mnk for o in _dense(_trace(world, dtype=dtype)))]
     assert sorted(calls[0]) == sorted(priced) and len(priced) == 2 * 7 + 1, (calls[0], priced)
 
 

@@ -1,6 +1,6 @@
 """tpkit's compiled small-batch product (`tpkit.quant.native`, `gemv.c`) against the plain torch product of the
 decoded weight: every weight kind, block scales and zero points, one and several rows, odd shapes (tails past the
-vector width), inputs of every floating dtype; and its use by dense half-precision layers (`products.half_linear`).
+vector width), inputs of every floating dtype; and its use by dense bf16 / fp16 / float32 layers (`products.dense_linear`).
 Its scales and zero points read in place: `test_native_inplace.py`."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tpkit.quant import native
-from tpkit.quant.products import half_linear
+from tpkit.quant.products import dense_linear
 
 from .test_native_int16 import int16_runs, run_of
 
@@ -47,6 +47,7 @@ def test_each_kind_equals_the_product_of_its_decoded_weight(n, k, rows, build):
     f8 = (w * 64).to(torch.float8_e4m3fn)  # normal and subnormal FP8 values
     f8[0, :8] = torch.tensor([0.0, -0.0, 2 ** -9, -(2 ** -7), 448.0, -448.0, 0.001953125, 1.0]).to(f8.dtype)
     cases["fp8"] = (f8, f8.float() * _blocks(s, block, (n, k)), s, None)
+    cases["fp32"] = (w, w, None, None)  # a float32 model's dense weight
     for kind, (stored, dense, scale, zero) in cases.items():
         got = native.gemv(x, stored, kind, n, scale, zero, block if scale is not None else (1, 1))
         assert _rel(got, x @ dense.t()) < 1e-5, kind
@@ -154,12 +155,31 @@ def test_a_dense_half_layer_at_decode_computes_its_product():
     w = torch.randn(96, 256, generator=g).bfloat16()
     x = torch.randn(1, 1, 256, generator=g).bfloat16()
     with torch.inference_mode():
-        got = half_linear(x, w)
+        got = dense_linear(x, w)
     want = torch.nn.functional.linear(x.float(), w.float())
     assert got is None or (got.dtype == torch.bfloat16 and _rel(got.float(), want) < 1e-2)
     x.requires_grad_(True)
-    assert half_linear(x, w) is None  # a gradient asked for: torch's product
-    assert half_linear(torch.randn(16, 256).bfloat16(), w) is None  # a long input (prefill): torch's product
+    assert dense_linear(x, w) is None  # a gradient asked for: torch's product
+    assert dense_linear(torch.randn(16, 256).bfloat16(), w) is None  # a long input (prefill): torch's product
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_a_dense_float32_layer_at_decode_runs_the_product_chosen_and_autocast_keeps_torchs(monkeypatch, rows):
+    """float32 weights take the native product where it was measured faster (forced here), to float32 rounding of
+    the float64 product; under autocast torch's `F.linear` runs, whose dtype rules autocast sets."""
+    from tpkit.quant import products
+
+    monkeypatch.setattr(products, "fastest", lambda candidates, *a, **k: candidates[1])  # the native product
+    monkeypatch.setattr(products, "_CHOSEN", {})
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(200, 330, generator=g), torch.randn(1, rows, 330, generator=g)
+    with torch.inference_mode():
+        got = products.dense_linear(x, w)
+        assert got is not None and got.dtype == torch.float32 and got.shape == (1, rows, 200)
+        assert _rel(got, x.double() @ w.double().t()) < 1e-6
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert products.dense_linear(x, w) is None
+    assert products.dense_linear(x.requires_grad_(True), w) is None  # a gradient asked for: torch's product
 
 
 def test_a_dense_half_layer_chooses_its_product_per_row_count(monkeypatch):
@@ -168,7 +188,7 @@ def test_a_dense_half_layer_chooses_its_product_per_row_count(monkeypatch):
     from tpkit.quant import products
 
     if not native.available():
-        pytest.skip("no compiler: half_linear always leaves the product to torch")
+        pytest.skip("no compiler: dense_linear always leaves the product to torch")
     timed = []
 
     def fastest(candidates, tensors, in_features, dtype, rows=1):
@@ -180,7 +200,7 @@ def test_a_dense_half_layer_chooses_its_product_per_row_count(monkeypatch):
     with torch.inference_mode():
         for rows in (1, 2, 3, 1, 2, 8):
             x = torch.randn(rows, 128).bfloat16()
-            got = products.half_linear(x, w)
+            got = products.dense_linear(x, w)
             assert (got is None) == (rows % 2 == 0), rows
             if got is not None:
                 assert _rel(got.float(), x.float() @ w.float().t()) < 1e-2
@@ -219,7 +239,7 @@ def test_fake_tensors_are_never_read():
         x = torch.empty(1, 1, 256, dtype=torch.bfloat16)
         p = torch.nn.Parameter(w, requires_grad=False)  # a fake layer's weight: a parameter, fake all the same
         with torch.inference_mode():
-            assert half_linear(x, w) is None and half_linear(x, p) is None
+            assert dense_linear(x, w) is None and dense_linear(x, p) is None
         assert native.gemv(x, w, "bf16", 96).shape == (1, 1, 96)
         assert native.gemv(x, p, "bf16", 96).shape == (1, 1, 96)
     assert native.fake(p) and not native.fake(torch.nn.Parameter(torch.empty(3))) and not native.fake(torch.empty(3))
@@ -252,14 +272,14 @@ def test_a_bf16_layer_compiles_fullgraph_with_the_product_chosen(monkeypatch):
     g = torch.Generator().manual_seed(4)
     w = torch.randn(96, 256, generator=g).bfloat16()
     x = torch.randn(1, 1, 256, generator=g).bfloat16()
-    eager = half_linear(x, w)  # the choice, made eagerly
+    eager = dense_linear(x, w)  # the choice, made eagerly
     graphs = []
 
     def backend(gm, inputs):
         graphs.append(gm.code)
         return gm.forward
 
-    got = torch.compile(lambda t: half_linear(t, w), fullgraph=True, backend=backend)(x)
+    got = torch.compile(lambda t: dense_linear(t, w), fullgraph=True, backend=backend)(x)
     assert torch.equal(got, eager) and len(graphs) == 1 and "tpkit.gemv" in graphs[0]
 
 
@@ -287,7 +307,7 @@ def test_a_bf16_layer_compiled_before_any_eager_call_chooses_its_product_as_it_t
         graphs.append(gm.code)
         return gm.forward
 
-    got = torch.compile(lambda t: half_linear(t, w), fullgraph=True, backend=backend)(x)
+    got = torch.compile(lambda t: dense_linear(t, w), fullgraph=True, backend=backend)(x)
     assert measured == [((80, 256), torch.bfloat16, False)]  # once, on real tensors
     assert any("tpkit.gemv" in code for code in graphs) == native_faster
     assert (got is None) != native_faster

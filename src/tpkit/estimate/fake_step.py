@@ -13,8 +13,8 @@ AdamW step; `backward=False` stops after the forward, all the memory estimate ne
 autograd saves for backward (`saved_bytes`: distinct storages, parameters and buffers excluded, exactly as the
 tests measure a real forward). The linear layers a quantized checkpoint stores packed (its config's
 `quantization_config`) are found on the converted copy (`quantized.quantized_layers`) and their matmuls recorded as
-the products a rank's load runs; so are the dense bf16 / fp16 parallel layers' at decode's rows (`half_layers`:
-tpkit's own product there, not BLAS).
+the products a rank's load runs; so are the dense bf16 / fp16 / float32 parallel layers' at decode's rows
+(`dense_layers`: tpkit's own product there, not BLAS).
 
 Transformers' experts run through batched_mm here, as in the planner's trace (`traceable_experts`): their eager
 loop asks which experts got tokens (`nonzero`), which fake tensors cannot answer. Under expert parallelism (`ep` > 1)
@@ -36,7 +36,7 @@ from .calls import as_call, meta_copy, to_empty_tied
 from .experts import DEFAULT_IMBALANCE, expert_shapes, spread_experts
 from .ops import Collective, Op, OpRecorder, RecordingCommunicator
 from .peak import LiveBytes
-from .quantized import half_layers, quantized_layers
+from .quantized import dense_layers, quantized_layers
 
 GOALS = ("decode", "prefill", "train")
 
@@ -164,7 +164,7 @@ def trace_step(model: nn.Module, goal: str, world_size: int = 1, rank: int = 0, 
         work = to_empty_tied(work)
         recorder, saved, cache = OpRecorder(), 0, 0
         live = LiveBytes([*work.parameters(), *work.buffers()])
-        with recorder.quantized_layers(work, {**half_layers(work), **quantized}):
+        with recorder.quantized_layers(work, {**dense_layers(work), **quantized}):
             saved, cache = _run_step(work, goal, batch, seq, example, recorder, live, backward, comm)
     tokens = batch if goal == "decode" else batch * seq
     tensors = sum(1 for p in unique if p.requires_grad)

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.shapes import ShapeCommunicator
-from ..quant.products import half_applies
+from ..quant.products import dense_applies
 
 # Ops that only rename, view or read metadata: no kernel runs and no bytes move (their cost is the dispatch).
 VIEWS = frozenset("view _unsafe_view reshape expand t transpose permute unsqueeze squeeze slice select alias "
@@ -28,7 +28,7 @@ VIEWS = frozenset("view _unsafe_view reshape expand t transpose permute unsqueez
                   "unflatten flatten sym_size sym_stride sym_numel".split())
 GATHERS = frozenset(("embedding", "index_select", "gather", "take"))
 _LINEAR = frozenset(("mm", "addmm", "linear", "matmul"))  # a linear layer's product (not attention's bmm)
-DENSE = "dense"  # the kind of a dense bf16 / fp16 layer recorded as its own decode product (`quantized.half_layers`)
+DENSE = "dense"  # the kind of a dense layer recorded as its own decode product (`quantized.dense_layers`)
 # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): torch's CPU allocator asks glibc for every
 # tensor, and a block at least this large is always its own mapping, unmapped when freed, so each one a step makes
 # comes back as new pages the kernel must fault in and zero (a Llama h1792 x 2 layers faulted 78k pages in its
@@ -54,7 +54,7 @@ class Op:
     view: bool = False
     stored: bool = False  # a matmul reading its second operand as stored, rows of k (GPT-2's Conv1D), not transposed
     quantized: Any = None  # the product of a layer stored quantized (`quantized.QuantizedLayer`): priced as it runs
-    # (or of a dense bf16 / fp16 layer at decode's rows: tpkit's product, `quantized.half_layers`)
+    # (or of a dense bf16 / fp16 / float32 layer at decode's rows: tpkit's product, `quantized.dense_layers`)
     dtype: str = ""  # the dtype of an op with FLOPs ("bfloat16", ...): BLAS has a rate per dtype (`dtype_gemm`)
     fresh: float = 0.0  # bytes of the new tensors it returns of at least FRESH_BLOCK_BYTES each (new pages)
 
@@ -185,8 +185,8 @@ class OpRecorder(TorchDispatchMode):
         layer = self.layer if mnk is not None and name in _LINEAR else None
         x, w = (args[1], args[2]) if name == "addmm" else (args[0], args[1] if len(args) > 1 else None)
         grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (x, w))
-        if layer is not None and layer.kind == DENSE and not half_applies(w.dtype, mnk[0], grad):
-            layer = None  # a dense layer's own product runs where `half_linear` runs it, and only there
+        if layer is not None and layer.kind == DENSE and not dense_applies(w.dtype, mnk[0], grad):
+            layer = None  # a dense layer's own product runs where `dense_linear` runs it, and only there
         elif layer is not None and grad:
             layer = dataclasses.replace(layer, path="dequantize")  # the kernels have no backward
         view = name in VIEWS or func.namespace == "prim"  # prim ops read metadata (a tensor's device)

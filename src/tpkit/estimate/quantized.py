@@ -23,10 +23,10 @@ call and multiplies by it. The estimate follows the same rules:
   module call and op are priced already by the framework terms and the per-op cost, so the quantized call adds only
   its difference (counting the whole call twice priced TP2 decode 18-35% high on a quiet box).
 
-A dense bf16 / fp16 layer of a converted model is priced the same way at decode's rows: there its forward runs
-tpkit's product (`tpkit.quant.products.half_linear`), not a BLAS call, so `half_layers` records its matmul as a
-"dense" layer whose stored bytes are its weight's, and the calibration times that product as it times the
-quantized ones ("dense/bfloat16", "dense/float16"). More rows, or a gradient, and it is an ordinary matmul, priced at
+A dense bf16 / fp16 / float32 layer of a converted model is priced the same way at decode's rows: there its
+forward runs tpkit's product (`tpkit.quant.products.dense_linear`), not a BLAS call, so `dense_layers` records its
+matmul as a "dense" layer whose stored bytes are its weight's, and the calibration times that product as it times
+the quantized ones ("dense/bfloat16", "dense/float16", "dense/float32"). More rows, or a gradient, and it is an ordinary matmul, priced at
 its dtype's measured rates (`MachineRates.dtype_gemm`).
 
 A profile without those tables (measured before them, or a datasheet machine) is priced by a rule, said in the
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..convert.transformers_threads import config_dtype
-from ..quant.products import HALF, MAX_ROWS  # activation rows up to which a layer runs its product
+from ..quant.products import MAX_ROWS, NATIVE_DENSE  # activation rows up to which a layer runs its product
 from .machine import MachineRates, QuantizedRate
 from .ops import DENSE, dtype_name
 
@@ -146,9 +146,9 @@ def quantized_layers(model: nn.Module, work: nn.Module) -> dict[str, QuantizedLa
     return found
 
 
-def half_layers(work: nn.Module) -> dict[str, QuantizedLayer]:
-    """The parallel linear layers of the converted rank `work` whose weight is dense bf16 / fp16: where
-    `products.half_applies` (decode's rows, no gradient) each runs tpkit's product (`products.half_linear`: the
+def dense_layers(work: nn.Module) -> dict[str, QuantizedLayer]:
+    """The parallel linear layers of the converted rank `work` whose weight is dense bf16 / fp16 / float32: where
+    `products.dense_applies` (decode's rows, no gradient) each runs tpkit's product (`products.dense_linear`: the
     faster of `F.linear` and tpkit's compiled one, chosen on the first call of each shape and row count), priced as
     calibrated ("dense/bfloat16"), not as a BLAS call at float32's rates. A profile without that entry (measured
     before it; a datasheet machine, whose GPU runs no such product) prices it as any matmul (`predict.kernel_times`)."""
@@ -158,11 +158,11 @@ def half_layers(work: nn.Module) -> dict[str, QuantizedLayer]:
     for name, module in work.named_modules():
         weight = getattr(module, "weight", None)
         parallel = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
-        if parallel and module.quant_method is None and weight is not None and weight.dtype in HALF:
+        if parallel and module.quant_method is None and weight is not None and weight.dtype in NATIVE_DENSE:
             nbytes = weight.numel() * weight.element_size()
             found[name] = QuantizedLayer(name, DENSE, dtype_name(weight.dtype), "kernel",
-                                         ("torch", f"native {HALF[weight.dtype]}"), nbytes, nbytes,
-                                         f"dense {HALF[weight.dtype]}")
+                                         ("torch", f"native {NATIVE_DENSE[weight.dtype]}"), nbytes, nbytes,
+                                         f"dense {NATIVE_DENSE[weight.dtype]}")
     return found
 
 
@@ -324,17 +324,17 @@ def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[
                 out[f"{kind}/{name}"] = _fitted(product, timed, *_tiny_calls(kind, dtype, gen, repeats, barrier))
                 if not quick:
                     out[f"{kind}/{name}/dequantize"] = _intercept("dequantize", dequantized)
-        for dtype in tuple(HALF)[:1 if quick else None]:
-            out[f"{DENSE}/{dtype_name(dtype)}"] = _measure_half(dtype, rows, cold, repeats, barrier, gen)
+        for dtype in tuple(NATIVE_DENSE)[:1 if quick else None]:
+            out[f"{DENSE}/{dtype_name(dtype)}"] = _measure_dense(dtype, rows, cold, repeats, barrier, gen)
     return out
 
 
-def _measure_half(dtype: torch.dtype, rows, cold: int, repeats: int, barrier, gen) -> QuantizedRate:
+def _measure_dense(dtype: torch.dtype, rows, cold: int, repeats: int, barrier, gen) -> QuantizedRate:
     """A dense `dtype` parallel layer's product at decode's `rows` (`_ParallelLinear.matmul`: what its forward
     computes), fitted as the quantized calls are: beyond `F.linear`'s tiny call, its weights' bytes per second."""
     from ..comm.shapes import ShapeCommunicator
     from ..nn.linear import ColumnParallelLinear
-    from ..quant.products import half_linear
+    from ..quant.products import dense_linear
 
     def layer(out: int, in_: int) -> ColumnParallelLinear:
         made = ColumnParallelLinear(in_, out, bias=False, comm=ShapeCommunicator(0, 1), dtype=dtype)
@@ -349,7 +349,7 @@ def _measure_half(dtype: torch.dtype, rows, cold: int, repeats: int, barrier, ge
             timed[m].append((o * i * dtype.itemsize, _per_call([lambda L=L: L.matmul(x, None) for L in layers],
                                                                repeats, barrier)))
             if (o, i) == SIZES[1]:  # what the layer chose at these rows (its first call chose), for the record
-                chosen.append(f"{'torch' if half_linear(x, layers[0].weight) is None else 'native'} at {m}")
+                chosen.append(f"{'torch' if dense_linear(x, layers[0].weight) is None else 'native'} at {m}")
     product = ", ".join(chosen)
     tiny = layer(*TINY)
     x = torch.randn(1, TINY[1], generator=gen).to(dtype)
@@ -380,5 +380,5 @@ def quantized_saving(trace, setup, goal: str, item: int) -> float:
     return dense - sum(q.stored_bytes for q in trace.quantized) + frozen
 
 
-__all__ = ["QuantizedLayer", "half_layers", "measure_quantized", "quantized_layers", "quantized_note",
+__all__ = ["QuantizedLayer", "dense_layers", "measure_quantized", "quantized_layers", "quantized_note",
            "quantized_saving", "quantized_times"]

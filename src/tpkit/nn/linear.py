@@ -31,7 +31,7 @@ from ._layer import (TensorParallelModule, check_index, check_last_dim, check_mo
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
                        reduce_scatter_to_sequence_region, scatter_to_region)
 from .partition import partition_sizes
-from ..quant.products import half_linear
+from ..quant.products import dense_linear
 from .quantized import QuantMethod, plain_layout
 from .sequence_parallel import mark_sequence_parallel
 
@@ -105,12 +105,12 @@ class _ParallelLinear(TensorParallelModule):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x W^T + bias` with this rank's weight: the one product the forward computes (a quantized layer's method
-        computes it from the stored weights, `tpkit.nn.quantized`; a bf16 / fp16 weight at a few rows goes through
-        the faster of `F.linear` and tpkit's compiled product, `tpkit.quant.products.half_linear`)."""
+        computes it from the stored weights, `tpkit.nn.quantized`; a bf16 / fp16 / float32 weight at a few rows goes
+        through the faster of `F.linear` and tpkit's compiled product, `tpkit.quant.products.dense_linear`)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
         weight = self.weight
-        y = half_linear(x, weight)  # a bf16 / fp16 weight at decode: the faster product measured
+        y = dense_linear(x, weight)  # a bf16 / fp16 / float32 weight at decode: the faster product
         if y is not None:
             return y if bias is None else y + bias
         return F.linear(x, weight, bias)

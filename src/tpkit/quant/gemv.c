@@ -16,7 +16,7 @@
      0  bf16 bits                                 1  fp16 bits
      2  int8 values                               3  uint8 values (compressed-tensors' packed 8-bit words: value+128)
      4  uint4 pairs: byte j of a row holds k = 2j (low nibble) and 2j + 1 (high nibble), values unsigned 0..15
-     5  FP8 e4m3fn bits
+     5  FP8 e4m3fn bits                            6  float32 (a float32 model's dense weight)
    fp16 and FP8 bits are placed in a float32's exponent and mantissa (normal and subnormal values alike): that float
    is the value times 2^-112 (fp16) or 2^-120 (FP8), and each output is multiplied back once at the end. x is
    scaled by 2^64 first (exact), so that such a weight times a small activation stays a normal float32. (An FP8
@@ -101,6 +101,7 @@ static inline float decode(int kind, const uint8_t *w, int64_t k) {
               return bits_float(((uint32_t)(h & 0x7FFFu) << 13) | ((uint32_t)(h & 0x8000u) << 16)); }
     case 2: return (float)(int8_t)w[k];
     case 3: return (float)w[k];
+    case 6: { float f; memcpy(&f, w + 4 * k, 4); return f; }
     default: { uint32_t b = w[k]; return bits_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)); }
     }
 }
@@ -115,6 +116,7 @@ static inline __m512 decode16(int kind, const uint8_t *w, int64_t k) {
     case 1: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * k)));
     case 2: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k))));
     case 3: return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k))));
+    case 6: return _mm512_loadu_ps((const float *)(w + 4 * k));
     default: {  /* sign-extended, the magnitude's 7 bits moved to 20..26 and the sign (every bit from 7 on) to 31 */
         __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k)));
         return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32((int)0x87F00000u)));
@@ -212,6 +214,7 @@ static inline __m256 decode8(int kind, const uint8_t *w, int64_t k) {
     case 1: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * k)));
     case 2: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k))));
     case 3: return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + k))));
+    case 6: return _mm256_loadu_ps((const float *)(w + 4 * k));
     default: {  /* as decode16 */
         __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k)));
         return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32((int)0x87F00000u)));
@@ -483,6 +486,7 @@ static void rows(int kind, int mc, int64_t K, const float *x, const float *halve
     case 2: ROWS_CASE(2)
     case 3: ROWS_CASE(3)
     case 4: ROWS_CASE(4)
+    case 6: ROWS_CASE(6)
     default: ROWS_CASE(5)
     }
 }
@@ -701,6 +705,7 @@ BLOCK(block_fp16, 1)
 BLOCK(block_int8, 2)
 BLOCK(block_uint8, 3)
 BLOCK(block_fp8, 5)
+BLOCK(block_fp32, 6)
 
 /* packed pairs over bytes [j0, j1): xe / xo are x's even / odd entries, so byte j meets xe[j] (low nibble) and
    xo[j] (high) */
@@ -727,6 +732,7 @@ static float block(int kind, const float *x, const float *xe, const float *xo, c
     case 2: return block_int8(x, row, k0, k1, s, acc);
     case 3: return block_uint8(x, row, k0, k1, s, acc);
     case 4: return block_uint4(xe, xo, row, k0 / 2, k1 / 2, s, acc);
+    case 6: return block_fp32(x, row, k0, k1, s, acc);
     default: return block_fp8(x, row, k0, k1, s, acc);
     }
 }
@@ -775,7 +781,7 @@ int tp_paths(void) {
 void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const void *w, const void *scale,
              int scale_kind, const void *zero, int zero_kind, int zero_bits, float offset, int64_t bh, int64_t bw,
              int64_t KB, float *y, int64_t n0, int64_t n1, float *sums, float *halves, float *row, uint16_t *xb) {
-    int64_t row_bytes = kind == 4 ? K / 2 : (kind <= 1 ? 2 * K : K);
+    int64_t row_bytes = kind == 4 ? K / 2 : kind == 6 ? 4 * K : (kind <= 1 ? 2 * K : K);
     int64_t size = scale ? bw : K;
     int shifted = zero_kind != 0 || offset != 0.0f;
 #ifdef BF16_DOT

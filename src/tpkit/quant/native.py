@@ -34,7 +34,7 @@ import threading
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-KINDS = {"bf16": 0, "fp16": 1, "int8": 2, "uint8": 3, "uint4": 4, "fp8": 5}
+KINDS = {"bf16": 0, "fp16": 1, "int8": 2, "uint8": 3, "uint4": 4, "fp8": 5, "fp32": 6}
 SCALE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the scale dtypes read in place
 ZERO_KINDS = {torch.int8: 1, torch.int32: 2}  # int8 values; int32 words packing 32 / zero_bits rows each
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.c")
@@ -240,7 +240,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Tensor | None
 # `torch.library.custom_op`, whose wrappers (autograd, functionalization) cost 14 us of each call (9 in a compiled
 # graph: 30 us per product instead of 21, ~0.5 ms per token of a TP2 decode's 57 products). Its CPU kernel is
 # registered by the first product (`_kernel`): `gemv_op.cpp` where it builds, else `_python_kernel`. It has no
-# backward: `gemv` refuses inputs that ask for a gradient (its callers never pass one: `half_applies`,
+# backward: `gemv` refuses inputs that ask for a gradient (its callers never pass one: `dense_applies`,
 # `QuantizedLinear`).
 _LIBRARY = torch.library.Library("tpkit", "FRAGMENT")  # (the namespace holds tpkit's other ops too)
 _LIBRARY.define("gemv(Tensor x, Tensor w, int kind, Tensor? scale, int scale_kind, Tensor? zero, int zero_kind, "

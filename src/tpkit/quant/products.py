@@ -14,8 +14,8 @@ A `Product` computes `x W^T` from a layer's stored tensors (`format.Product`). T
 
 `fastest` times the candidates a format offers for one layer on its own shape (one activation row unless told, a
 few calls each, alternating) and returns the fastest; the choice is kept per (products, shape, dtype, rows,
-threads), so a model's repeated layers measure once. `half_linear` is the same choice for a dense bf16 / fp16
-weight (a half-precision model's layers): torch's `F.linear` or the native product.
+threads), so a model's repeated layers measure once. `dense_linear` is the same choice for a dense bf16 / fp16
+/ float32 weight (a parallel layer of an unquantized model): torch's `F.linear` or the native product.
 """
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def fastest(products: Sequence[Product], tensors: Mapping[str, torch.Tensor], in
 
 
 class _Torch(Product):
-    """`F.linear` on a dense weight (the candidate `half_linear` measures the native product against)."""
+    """`F.linear` on a dense weight (the candidate `dense_linear` measures the native product against)."""
 
     name = "torch"
 
@@ -128,31 +128,36 @@ class _Torch(Product):
         return F.linear(x, t["weight"])
 
 
-HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the dense weight dtypes `half_linear` may multiply natively
+HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the half-precision dense dtypes (their own BLAS tables)
+# The dense weight dtypes `dense_linear` may multiply natively. float32 too: at decode's rows torch's `F.linear` read
+# a float32 weight at 22 GB/s where the native product read 35 (one process, 2-core EPYC, 46 MiB weights).
+NATIVE_DENSE = {**HALF, torch.float32: "fp32"}
 
 
-def half_applies(weight_dtype: torch.dtype, rows: int, needs_grad: bool, cpu: bool = True) -> bool:
-    """Whether a dense layer's product at `rows` activation rows may be tpkit's own (`half_linear`): a bf16 / fp16
-    weight on the CPU, a decode's few rows, no gradient asked for (the native product has no backward). The one
+def dense_applies(weight_dtype: torch.dtype, rows: int, needs_grad: bool, cpu: bool = True) -> bool:
+    """Whether a dense layer's product at `rows` activation rows may be tpkit's own (`dense_linear`): a bf16 / fp16 /
+    float32 weight on the CPU, a decode's few rows, no gradient asked for (the native product has no backward). The one
     rule the runtime and the speed estimate both read (`estimate/ops.py` prices such a matmul as that product)."""
-    return weight_dtype in HALF and cpu and rows <= MAX_ROWS and not needs_grad
+    return weight_dtype in NATIVE_DENSE and cpu and rows <= MAX_ROWS and not needs_grad
 
 
-def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """`x weight^T` for a dense bf16 / fp16 `weight` by the faster of `F.linear` and the native product (measured
-    on the first call of each shape and row count, `half_choice`), or None where the native product does not apply
-    (`half_applies`; no compiler) or was slower: the caller uses `F.linear`."""
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`x weight^T` for a dense bf16 / fp16 / float32 `weight` by the faster of `F.linear` and the native product
+    (measured on the first call of each shape and row count, `dense_choice`), or None where the native product does
+    not apply (`dense_applies`; no compiler; under autocast, whose dtype rules are torch's) or was slower: the caller
+    uses `F.linear`."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     fake = not torch.compiler.is_compiling() and (native.fake(x) or native.fake(weight))  # a traced step: no data
     n, k = weight.shape
     rows = x.numel() // k
-    if fake or not half_applies(weight.dtype, rows, grad, x.device.type == "cpu"):
+    if fake or not dense_applies(weight.dtype, rows, grad, x.device.type == "cpu") or \
+            torch.is_autocast_enabled(x.device.type):
         return None
-    kind = HALF[weight.dtype]
+    kind = NATIVE_DENSE[weight.dtype]
     if torch.compiler.is_compiling():
-        chosen = _traced_half_choice(kind, n, k, rows, x.dtype)
+        chosen = _traced_dense_choice(kind, n, k, rows, x.dtype)
     else:
-        chosen = half_choice(kind, n, k, rows, x.dtype, weight)
+        chosen = dense_choice(kind, n, k, rows, x.dtype, weight)
     if not chosen or not native.available():
         return None
     return native.gemv(x, weight, kind, n)
@@ -161,20 +166,20 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 STAND_IN_ROWS = 8192  # the most weight rows a stand-in weight has (an LM head's vocabulary: its rate is the same)
 
 
-def half_choice(kind: str, n: int, k: int, rows: int, dtype: torch.dtype, weight: torch.Tensor | None = None) -> int:
+def dense_choice(kind: str, n: int, k: int, rows: int, dtype: torch.dtype, weight: torch.Tensor | None = None) -> int:
     """1 where the native product of a dense `[n, k]` weight of `kind` outran `F.linear` at `rows` activation rows of
     `dtype`, else 0; measured once per (shape, rows, dtype, threads), on `weight`, or without one on a random stand-in
     of its shape (at most `STAND_IN_ROWS` rows). Per row count: the native product's time grew with the rows (1 to 3x
     from 1 to 8 rows before it shared each decoded weight row among them) where torch's stayed flat, so a choice made
     at one row could be the slower one."""
-    key = ("half", kind, n, k, rows, dtype, torch.get_num_threads())
+    key = ("dense", kind, n, k, rows, dtype, torch.get_num_threads())
     with _LOCK:
         chosen = _CHOSEN.get(key)
     if chosen is None:
         if not native.available():
             return 0
         if weight is None:
-            weight_dtype = next(d for d, name in HALF.items() if name == kind)
+            weight_dtype = next(d for d, name in NATIVE_DENSE.items() if name == kind)
             n = min(n, STAND_IN_ROWS)
             weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=weight_dtype)
         candidate = Native(kind, "weight", n)
@@ -185,9 +190,9 @@ def half_choice(kind: str, n: int, k: int, rows: int, dtype: torch.dtype, weight
 
 
 @torch.compiler.assume_constant_result
-def _traced_half_choice(kind: str, n: int, k: int, rows: int, dtype: torch.dtype) -> int:
-    """`half_choice` as a compiled graph's constant: dynamo runs it when it traces the layer (where the layer's weight
+def _traced_dense_choice(kind: str, n: int, k: int, rows: int, dtype: torch.dtype) -> int:
+    """`dense_choice` as a compiled graph's constant: dynamo runs it when it traces the layer (where the layer's weight
     is a fake tensor, so a choice not made before is measured on a stand-in), and the graph holds the product chosen.
     A model compiled before any eager call used to find no choice there and run `F.linear` at every bf16 layer (TP2
     bf16 decode 43-47 ms/token against 38-41 with the choice)."""
-    return half_choice(kind, n, k, rows, dtype)
+    return dense_choice(kind, n, k, rows, dtype)
