@@ -383,7 +383,8 @@ def main() -> None:
         table += (f"\n\nFloor: transformers' own eager `generate` of the same {shape['layers']} layers at hidden "
                   f"{FLOOR_WIDTH} (one process per rank, no tpkit, no communication), timed in the same turns: "
                   f"{floor:.2f} ms/token in float32 (taken off every format), {floor_bf16:.2f} in bf16 (not taken "
-                  f"off: most of it is torch's bf16 product at that width, which no format here runs). Streaming per rank measured before each turn: "
+                  f"off: most of it is torch's bf16 product at that width, which no format here runs). Streaming "
+                  f"per rank measured before each turn: "
                   f"{min(turns) / 1e9:.1f}-{max(turns) / 1e9:.1f} GB/s.")
     if args.compile:
         rows = [f"| {f} | {r[f'decode_{f}']:.1f} | {r[f'compiled_{f}']:.1f} | "

@@ -1,7 +1,7 @@
 """Prices per dtype (issue 56 item 4): a dense bf16 / fp16 / float32 model is priced by the products it runs, not by
 float32's tables. At decode's rows a converted layer runs tpkit's own product (`tpkit.quant.products.dense_linear`),
-priced as calibrated ("dense/bfloat16", "dense/float32"); elsewhere its matmuls run BLAS in its dtype, priced at that dtype's measured rates
-(`MachineRates.dtype_gemm`)."""
+priced as calibrated ("dense/bfloat16", "dense/float32"); elsewhere its matmuls run BLAS in its dtype, priced at
+that dtype's measured rates (`MachineRates.dtype_gemm`)."""
 from __future__ import annotations
 
 import copy

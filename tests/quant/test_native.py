@@ -1,6 +1,7 @@
 """tpkit's compiled small-batch product (`tpkit.quant.native`, `gemv.c`) against the plain torch product of the
 decoded weight: every weight kind, block scales and zero points, one and several rows, odd shapes (tails past the
-vector width), inputs of every floating dtype; and its use by dense bf16 / fp16 / float32 layers (`products.dense_linear`).
+vector width), inputs of every floating dtype; and its use by dense bf16 / fp16 / float32 layers
+(`products.dense_linear`).
 Its scales and zero points read in place: `test_native_inplace.py`."""
 from __future__ import annotations
 

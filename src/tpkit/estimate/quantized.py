@@ -26,8 +26,8 @@ call and multiplies by it. The estimate follows the same rules:
 A dense bf16 / fp16 / float32 layer of a converted model is priced the same way at decode's rows: there its
 forward runs tpkit's product (`tpkit.quant.products.dense_linear`), not a BLAS call, so `dense_layers` records its
 matmul as a "dense" layer whose stored bytes are its weight's, and the calibration times that product as it times
-the quantized ones ("dense/bfloat16", "dense/float16", "dense/float32"). More rows, or a gradient, and it is an ordinary matmul, priced at
-its dtype's measured rates (`MachineRates.dtype_gemm`).
+the quantized ones ("dense/bfloat16", "dense/float16", "dense/float32"). More rows, or a gradient, and it is an
+ordinary matmul, priced at its dtype's measured rates (`MachineRates.dtype_gemm`).
 
 A profile without those tables (measured before them, or a datasheet machine) is priced by a rule, said in the
 estimate's note (`quantized_note`): a kernel streams the stored bytes at the measured weight-streaming bandwidth; a
