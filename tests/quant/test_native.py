@@ -101,9 +101,11 @@ def test_bf16_inputs_equal_the_float64_product(n, k, block, rows, build):
 @pytest.mark.parametrize("n,k,block", [(48, 640, (1, 640)), (9, 200, (1, 200)), (16, 512, (4, 128)), (5, 300, (1, 100))])
 def test_fp8_weights_with_bf16_inputs_equal_the_float64_product_subnormals_included(n, k, block, x_scale, build):
     """One row of bf16 activations (a decode step's) takes the bf16 dot products for FP8 weights too, which read a
-    bf16 denormal (an FP8 subnormal) as 0: those products are added apart. A checkpoint scaled to FP8's range (few subnormals), one of unscaled
-    normal values (1% subnormal), and subnormals in every run and in the tail past the last 64 values, at
-    activations from 1e-7 to 1e20, per channel and per block scales, on every instruction-set path."""
+    bf16 denormal (an FP8 subnormal) as 0: those products are added apart. A checkpoint scaled to FP8's range (few
+    subnormals), the same with one subnormal per row first met mid-row (after runs without one, the rest of the block
+    takes their product), one of unscaled normal values (1% subnormal), and subnormals in every run and in the tail
+    past the last 64 values, at activations from 1e-7 to 1e20, per channel and per block scales, on every
+    instruction-set path."""
     g = torch.Generator().manual_seed(n * k)
     x = (torch.randn(1, k, generator=g) * x_scale).bfloat16()
     w = torch.randn(n, k, generator=g)
@@ -113,7 +115,10 @@ def test_fp8_weights_with_bf16_inputs_equal_the_float64_product_subnormals_inclu
     dense[:, -1] = subnormals[torch.arange(n) % 4]  # in the tail past the last whole 64 (k 200, 300)
     nb, kb = -(-n // block[0]), -(-k // block[1])
     s = (torch.rand(nb, kb, generator=g) + 0.1).bfloat16()
-    for stored in ((w / w.abs().amax(1, keepdim=True) * 448).to(torch.float8_e4m3fn), dense.to(torch.float8_e4m3fn)):
+    scaled = w / w.abs().amax(1, keepdim=True) * 448
+    late = scaled.clone()
+    late[:, k // 2] = subnormals[torch.arange(n) % 4]  # first met mid-row, after runs without one
+    for stored in (scaled.to(torch.float8_e4m3fn), late.to(torch.float8_e4m3fn), dense.to(torch.float8_e4m3fn)):
         want = x.double() @ (stored.double() * _blocks(s.double(), block, (n, k))).t()
         got = native._run(x.float(), stored, native.KINDS["fp8"], s, None, *block, n, 0.0, 0, True)
         assert _rel(got, want) < 1e-6, x_scale

@@ -626,44 +626,75 @@ static float shift_sum(int64_t KB, const float *s, const float *z, float offset,
     default: FN(4, K, xb, W, size, s_row, out); return;                                                  \
     }
 
+/* An FP8 subnormal's bf16 word, per 16-bit lane of `v` (32 FP8 bytes sign-extended): the word of its signed
+   mantissa (+-1..7, by a lookup of sign and mantissa), 0 in a lane whose byte is not a subnormal (or is +-0) */
+static const uint16_t SUBNORMAL_WORDS[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                             0x8000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0A0, 0xC0C0, 0xC0E0};
+static inline __attribute__((always_inline)) __m512i subnormal_words(__m512i v) {
+    __mmask32 exponent0 = _mm512_testn_epi16_mask(v, _mm512_set1_epi16(0x78));
+    __m512i index = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(7)),
+                                    _mm512_and_si512(_mm512_srli_epi16(v, 12), _mm512_set1_epi16(8)));
+    return _mm512_maskz_permutexvar_epi16(exponent0, index, _mm512_loadu_si512(SUBNORMAL_WORDS));
+}
+
 /* The same for an FP8 (e4m3fn) row, each byte made the bf16 word of its value times 2^-120 (as the float32 loops place
    it): sign-extended to 16 bits, shifted left 4 (the sign lands at 15, the magnitude's 7 bits at 4..10), the bits in
    between cleared. An FP8 subnormal (exponent 0, mantissa not 0) becomes a bf16 denormal, which the dot product reads
-   as 0: a 64-byte run holding one (two byte tests; rare where a checkpoint is scaled to FP8's range) adds those
-   products apart, one by one, each x times the signed mantissa (a normal float32; the subnormal is that times
-   2^-9, placed at 2^-129), the block's sum of them placed once (skipped where there is none) */
+   as 0. From the first 64-byte run of a block that holds one (two byte tests per run; rare where a checkpoint is
+   scaled to FP8's range), every run takes a second dot product of x with its subnormals as the words of their
+   signed mantissas (`subnormal_words`: normal bf16 values, exact products; the subnormal is that times 2^-9, placed
+   at 2^-129), the block's sum of them placed once. (They were added one by one where a run held one: with 1% of the
+   weights subnormal, as unscaled `randn` gives, half the runs held one, the branch went either way, and the row
+   read 4.8 GB/s against 26. Testing a whole block before its products cost the usual rows a quarter of their
+   rate.) The runs of 64 values from `k`, with the subnormals' dot product (`with_subnormals`, a constant in each
+   instance), or without it until a run holding one: returns where it stopped (`k1`: the block's runs done). */
+static inline __attribute__((always_inline)) int64_t fp8_runs(int mc, int with_subnormals, int64_t K,
+                                                              const uint16_t *xb, const uint8_t *w, int64_t k,
+                                                              int64_t k1, __m512 a[][2], __m512 *c) {
+    const __m512i keep = _mm512_set1_epi16((short)0x87F0);
+    const __m512i exponent = _mm512_set1_epi8(0x78), mantissa = _mm512_set1_epi8(0x07);
+    for (; k < k1; k += 64) {
+        __m512i bytes = _mm512_loadu_si512(w + k);
+        if (!with_subnormals && _mm512_mask_test_epi8_mask(_mm512_testn_epi8_mask(bytes, exponent), bytes, mantissa))
+            return k;
+        __m512i v0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(bytes));
+        __m512i v1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(bytes, 1));
+        __m512i w0 = _mm512_and_si512(_mm512_slli_epi16(v0, 4), keep);
+        __m512i w1 = _mm512_and_si512(_mm512_slli_epi16(v1, 4), keep);
+        for (int m = 0; m < mc; m++) {
+            const uint16_t *xm = xb + m * K + k;
+            a[m][0] = _mm512_dpbf16_ps(a[m][0], as_bh(_mm512_loadu_si512(xm)), as_bh(w0));
+            a[m][1] = _mm512_dpbf16_ps(a[m][1], as_bh(_mm512_loadu_si512(xm + 32)), as_bh(w1));
+        }
+        if (with_subnormals) {
+            __m512i s0 = subnormal_words(v0), s1 = subnormal_words(v1);
+            for (int m = 0; m < mc; m++) {
+                const uint16_t *xm = xb + m * K + k;
+                c[m] = _mm512_dpbf16_ps(c[m], as_bh(_mm512_loadu_si512(xm)), as_bh(s0));
+                c[m] = _mm512_dpbf16_ps(c[m], as_bh(_mm512_loadu_si512(xm + 32)), as_bh(s1));
+            }
+        }
+    }
+    return k1;
+}
+
 static inline __attribute__((always_inline)) void dot_fp8_mc(int mc, int64_t K, const uint16_t *xb,
                                                              const uint8_t *w, int64_t size, const float *s_row,
                                                              float *out) {
     __m512 tot[MC_MAX];
     float rest[MC_MAX];
-    const __m512i keep = _mm512_set1_epi16((short)0x87F0);
-    const __m512i exponent = _mm512_set1_epi8(0x78), mantissa = _mm512_set1_epi8(0x07);
     for (int m = 0; m < mc; m++) { tot[m] = _mm512_setzero_ps(); rest[m] = 0.0f; }
     for (int64_t k0 = 0, b = 0; k0 < K; k0 += size, b++) {
-        int64_t k1 = k0 + size < K ? k0 + size : K, k = k0;
-        __m512 a[MC_MAX][2];
+        int64_t k1 = k0 + size < K ? k0 + size : K, runs = k0 + (k1 - k0) / 64 * 64;
+        __m512 a[MC_MAX][2], c[MC_MAX];
         float tail[MC_MAX], low[MC_MAX];
-        for (int m = 0; m < mc; m++) { a[m][0] = a[m][1] = _mm512_setzero_ps(); tail[m] = low[m] = 0.0f; }
-        for (; k + 64 <= k1; k += 64) {
-            __m512i bytes = _mm512_loadu_si512(w + k);
-            __m512i w0 = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(bytes)), 4),
-                                          keep);
-            __m512i w1 = _mm512_and_si512(
-                _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(bytes, 1)), 4), keep);
-            for (int m = 0; m < mc; m++) {
-                const uint16_t *xm = xb + m * K + k;
-                a[m][0] = _mm512_dpbf16_ps(a[m][0], as_bh(_mm512_loadu_si512(xm)), as_bh(w0));
-                a[m][1] = _mm512_dpbf16_ps(a[m][1], as_bh(_mm512_loadu_si512(xm + 32)), as_bh(w1));
-            }
-            __mmask64 sub = _mm512_mask_test_epi8_mask(_mm512_testn_epi8_mask(bytes, exponent), bytes, mantissa);
-            for (; sub; sub &= sub - 1) {
-                int i = __builtin_ctzll(sub);
-                float q = (float)(w[k + i] & 7) * (w[k + i] & 0x80 ? -1.0f : 1.0f);
-                for (int m = 0; m < mc; m++) low[m] += bits_float((uint32_t)xb[m * K + k + i] << 16) * q;
-            }
+        for (int m = 0; m < mc; m++) { a[m][0] = a[m][1] = c[m] = _mm512_setzero_ps(); tail[m] = low[m] = 0.0f; }
+        int64_t k = fp8_runs(mc, 0, K, xb, w, k0, runs, a, c);
+        if (k < runs) {
+            fp8_runs(mc, 1, K, xb, w, k, runs, a, c);
+            for (int m = 0; m < mc; m++) low[m] = _mm512_reduce_add_ps(c[m]);
         }
-        for (; k < k1; k++)
+        for (k = runs; k < k1; k++)
             for (int m = 0; m < mc; m++) tail[m] += bits_float((uint32_t)xb[m * K + k] << 16) * decode(5, w, k);
         float s = s_row ? s_row[b] : 1.0f;
         for (int m = 0; m < mc; m++) {
