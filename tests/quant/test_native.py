@@ -185,6 +185,8 @@ def test_a_dense_float32_layer_at_decode_runs_the_product_chosen_and_autocast_ke
         assert _rel(got, x.double() @ w.double().t()) < 1e-6
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert products.dense_linear(x, w) is None
+        for wrong in (torch.randn(1, rows, 2 * 330), x.double()):  # past the cached choice: torch's error, not a read
+            assert products.dense_linear(wrong, w) is None
     assert products.dense_linear(x.requires_grad_(True), w) is None  # a gradient asked for: torch's product
 
 

@@ -20,7 +20,7 @@ from tpkit.quant import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler built tpkit's native product here")
 
-KINDS = ["bf16", "fp16", "int8", "uint8", "uint4", "fp8"]
+KINDS = ["bf16", "fp16", "int8", "uint8", "uint4", "fp8", "fp32"]
 
 
 def _case(kind: str, rows: int, n: int, k: int, bf16: bool, scale_dtype: torch.dtype, zero: bool, seed: int) -> tuple:
@@ -34,8 +34,9 @@ def _case(kind: str, rows: int, n: int, k: int, bf16: bool, scale_dtype: torch.d
               "int8": lambda: torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g),
               "uint8": lambda: torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g),
               "uint4": lambda: torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
-              "fp8": lambda: (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn)}[kind]()
-    dense = kind in ("bf16", "fp16")
+              "fp8": lambda: (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn),
+              "fp32": lambda: torch.randn(n, k, generator=g)}[kind]()
+    dense = kind in ("bf16", "fp16", "fp32")
     scale = None if dense else (torch.rand(n, k // 32, generator=g) + 0.1).to(scale_dtype)
     zeros = torch.randint(-8, 8, (n, k // 32), dtype=torch.int8, generator=g) if zero and kind in (
         "int8", "uint8", "uint4") else None

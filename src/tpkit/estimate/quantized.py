@@ -150,7 +150,7 @@ def dense_layers(work: nn.Module) -> dict[str, QuantizedLayer]:
     """The parallel linear layers of the converted rank `work` whose weight is dense bf16 / fp16 / float32: where
     `products.dense_applies` (decode's rows, no gradient) each runs tpkit's product (`products.dense_linear`: the
     faster of `F.linear` and tpkit's compiled one, chosen on the first call of each shape and row count), priced as
-    calibrated ("dense/bfloat16"), not as a BLAS call at float32's rates. A profile without that entry (measured
+    calibrated ("dense/bfloat16", "dense/float32"), not as a BLAS call. A profile without that entry (measured
     before it; a datasheet machine, whose GPU runs no such product) prices it as any matmul (`predict.kernel_times`)."""
     from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -296,8 +296,8 @@ def _tiny_calls(kind: str, dtype: torch.dtype, gen: torch.Generator, repeats: in
 
 def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[str, QuantizedRate]:
     """{"kind/dtype": the calibrated call, "kind/dtype/dequantize": the dequantization alone} for the `CALIBRATED`
-    formats at `CALIBRATED_DTYPES`, and "dense/bfloat16", "dense/float16": a dense layer's decode product (see the
-    module docstring); on every rank of `comm` at once when given. `quick`: int4, int8 and dense in bfloat16 only,
+    formats at `CALIBRATED_DTYPES`, and "dense/bfloat16", "dense/float16", "dense/float32": a dense layer's decode
+    product (see the module docstring); on every rank of `comm` at once when given. `quick`: int4, int8 and dense in bfloat16 only,
     at 1 and 8 rows over a quarter of the bytes, no dequantization (a few seconds)."""
     barrier = comm.barrier if comm is not None else (lambda: None)
     gen = torch.Generator().manual_seed(0)

@@ -153,6 +153,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if fake or not dense_applies(weight.dtype, rows, grad, x.device.type == "cpu") or \
             torch.is_autocast_enabled(x.device.type):
         return None
+    if x.shape[-1] != k or x.dtype != weight.dtype or x.device != weight.device:
+        return None  # `F.linear` raises its error (the product, past its first call, would read what is not there)
     kind = NATIVE_DENSE[weight.dtype]
     if torch.compiler.is_compiling():
         chosen = _traced_dense_choice(kind, n, k, rows, x.dtype)
