@@ -1,9 +1,11 @@
 """`model.generate` of a converted HF model gives the unconverted model's tokens: greedy at world sizes 2 and 3,
-sampled with the same seed (gloo processes: thread-ranks share one RNG), dynamic and static KV caches."""
+sampled with the same seed (gloo processes: thread-ranks share one RNG), dynamic and static KV caches; a float32
+model through tpkit's native decode product."""
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import tpkit
@@ -52,3 +54,35 @@ def test_generate_threads_world_size_3_greedy_dynamic_and_static():
     for got in tpkit.launch(_body, 3, backend="threads", args=(names, cases, base)):
         for key, tokens in want.items():
             assert torch.equal(got[key], tokens), (key, got[key].tolist(), tokens.tolist())
+
+
+def test_a_float32_model_at_decode_through_tpkits_product_gives_transformers_logits_and_tokens(monkeypatch):
+    """float32 weights at decode's rows take tpkit's native product where it was measured faster (forced here, on 3
+    thread-ranks): the converted model's logits equal one process of plain transformers to float32 rounding, and
+    greedy tokens are the same; the product ran for every parallel layer of every rank."""
+    from tpkit.quant import native, products
+
+    if not native.available():
+        pytest.skip("no C compiler: float32 layers keep F.linear")
+    monkeypatch.setattr(products, "fastest", lambda candidates, *a, **k: candidates[1])  # the native product
+    monkeypatch.setattr(products, "_CHOSEN", {})
+    kinds, real = [], native.gemv
+
+    def counted(x, w, kind, *args, **kwargs):
+        kinds.append(kind)
+        return real(x, w, kind, *args, **kwargs)
+    monkeypatch.setattr(native, "gemv", counted)
+    base = hf_model("llama").eval()
+    ids = inputs()[:1, :4]
+    with torch.no_grad():
+        want = base(ids).logits
+    want_tokens = _generate(base, CASES["greedy"])
+
+    def body(comm):
+        model = parallelize(copy.deepcopy(base), comm=comm)
+        with torch.no_grad():
+            return model(ids).logits, _generate(model, CASES["greedy"])
+    for logits, tokens in tpkit.launch(body, 3, backend="threads", pass_comm=True):
+        assert float((logits - want).abs().max() / want.abs().max()) < 1e-5
+        assert torch.equal(tokens, want_tokens)
+    assert len(kinds) >= 3 * (2 * 7 + 1) and set(kinds) == {"fp32"}  # q k v o gate up down x 2 layers, the head
