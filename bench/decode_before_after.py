@@ -1,13 +1,13 @@
-"""TP2 eager greedy decode, ms/token, of this tree against an earlier commit, measured in one run (issue 56 item 1:
-the per-token fixed cost).
+"""TP2 (`--world N`: N ranks) eager greedy decode, ms/token, of this tree against an earlier commit, measured in one run
+(issue 56 item 1: the per-token fixed cost).
 
-The checkpoints are `bench/quantized.py`'s, made by this tree for the shape drawn from `--seed`. Each round launches 2
-gloo ranks once per tree (the order alternating between rounds); a launch loads every format asked for, decodes 3
+The checkpoints are `bench/quantized.py`'s, made by this tree for the shape drawn from `--seed`. Each round launches
+the gloo ranks once per tree (the order alternating between rounds); a launch loads every format asked for, decodes 3
 tokens untimed, then times 17 tokens less 1 token, over 16, five times per format, taking turns, and keeps the
 median. The figure per tree is the median over rounds. The earlier commit is checked out with `git worktree` into a
 temporary folder and removed afterwards.
 
-    python bench/decode_before_after.py --rev <commit> [--rounds 4] [--seed 8725] [--formats int4 bf16]
+    python bench/decode_before_after.py --rev <commit> [--rounds 4] [--seed 8725] [--formats int4 bf16] [--world 2]
 """
 from __future__ import annotations
 
@@ -48,11 +48,11 @@ def _rank(paths: dict[str, str]) -> dict[str, float]:
     return {f: statistics.median(t) for f, t in times.items()}
 
 
-def child(paths: dict[str, str]) -> None:
-    """A launch of this tree's (or the PYTHONPATH's) tpkit: rank 0's figures as one JSON line."""
+def child(paths: dict[str, str], world: int) -> None:
+    """A launch of this tree's (or the PYTHONPATH's) tpkit on `world` ranks: rank 0's figures as one JSON line."""
     import tpkit
 
-    print(json.dumps(tpkit.launch(_rank, 2, args=(paths,), timeout=3600)[0]))
+    print(json.dumps(tpkit.launch(_rank, world, args=(paths,), timeout=3600)[0]))
 
 
 def main() -> None:
@@ -61,10 +61,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seed", type=int, default=8725)
     parser.add_argument("--formats", nargs="+", default=["int4", "bf16"])
+    parser.add_argument("--world", type=int, default=2, help="tensor-parallel ranks (gloo processes)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(json.loads(args.child))
+        return child(json.loads(args.child), args.world)
     sys.path[:0] = [str(ROOT), str(ROOT / "src")]
     from bench.quantized import draw, make
 
@@ -72,13 +73,14 @@ def main() -> None:
         shape = draw(args.seed, False)
         made = make(os.path.join(tmp, "ck"), shape)
         paths = {f: made[f] for f in args.formats}
-        print(f"seed {args.seed}: {shape}", flush=True)
+        print(f"seed {args.seed}, world {args.world}: {shape}", flush=True)
         with checked_out(args.rev, Path(tmp) / "before") as trees:
             runs: dict[tuple[str, str], list[float]] = {}
             for r in range(args.rounds):
                 for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
                     env = dict(os.environ, PYTHONPATH=str(trees[name] / "src"))
-                    out = subprocess.run([sys.executable, __file__, "--rev", args.rev, "--child", json.dumps(paths)],
+                    out = subprocess.run([sys.executable, __file__, "--rev", args.rev, "--world", str(args.world),
+                                          "--child", json.dumps(paths)],
                                          env=env, check=True, capture_output=True, text=True).stdout
                     figures = json.loads(out.strip().splitlines()[-1])
                     print(f"round {r + 1}, {name}: " + ", ".join(f"{f} {v:.2f}" for f, v in figures.items()),

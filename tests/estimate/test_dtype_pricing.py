@@ -41,9 +41,10 @@ def _trace(world, goal="decode", batch=1, dtype=torch.bfloat16, seq=16):
     return trace_setup(_config(), Setup(world), goal, batch, seq, dtype=dtype).rows[0][1]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_a_converted_bf16_layer_at_decode_is_priced_as_the_product_it_runs(world):
-    """Each parallel linear layer of the rank (q k v o gate up down x 2 layers, and the LM head) is one op priced
+    """Each linear layer of the rank (q k v o gate up down x 2 layers, and the LM head; split, or whole at world 1,
+    `DecodeLinear`) is one op priced
     as the calibrated product: its fixed cost + its weight's bytes at the rate of its rows, log-linear between 1
     and 8 rows; with no such entry in the profile (measured before it, or a datasheet) it is priced as any matmul."""
     rates = _rates(world, quantized=HALF)
@@ -64,25 +65,28 @@ def test_a_converted_bf16_layer_at_decode_is_priced_as_the_product_it_runs(world
 
 
 def test_only_the_rows_and_steps_where_the_product_runs_are_priced_as_it():
-    """More than 8 rows, a training step (its input needs a gradient), or one rank (no conversion: the model's own
-    nn.Linear calls F.linear): ordinary matmuls, none priced as the decode product. fp16 and float32 weights at
-    decode are priced as their own product's entry."""
-    assert _dense(_trace(2, batch=9)) == []
-    assert _dense(_trace(2, goal="train", batch=1, seq=4)) == []  # 4 rows: excluded by the gradient alone
-    assert _dense(_trace(2, goal="prefill", batch=1, seq=4))  # the same rows without a gradient: the product
-    assert _dense(_trace(1)) == []
+    """More than 8 rows, or a training step (its input needs a gradient), at one rank as at two: ordinary matmuls,
+    none priced as the decode product. fp16 and float32 weights at decode are priced as their own product's
+    entry."""
+    for world in (1, 2):
+        assert _dense(_trace(world, batch=9)) == []
+        assert _dense(_trace(world, goal="train", batch=1, seq=4)) == []  # 4 rows: excluded by the gradient alone
+        assert _dense(_trace(world, goal="prefill", batch=1, seq=4))  # the same rows, no gradient: the product
     assert _dense(_trace(2, dtype=torch.float32, batch=9)) == []
     for dtype in (torch.float16, torch.float32):
         dense = _dense(_trace(2, dtype=dtype))
         assert len(dense) == 2 * 7 + 1 and {o.quantized.key for o in dense} == {f"dense/{str(dtype)[6:]}"}
 
 
-@pytest.mark.parametrize("world,dtype", [(2, torch.bfloat16), (3, torch.bfloat16), (3, torch.float32)])
+@pytest.mark.parametrize("world,dtype", [(1, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16),
+                                         (3, torch.float32)])
 def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world, dtype, monkeypatch):
     """Against the runtime: a bf16 (float32) model converted on thread-ranks decodes one token; the weight shapes that
-    reach `dense_linear` on rank 0 are, call for call, the shapes of the ops the estimate prices as that product."""
+    reach `dense_linear` on rank 0 are, call for call, the shapes of the ops the estimate prices as that product (at
+    world 1 every layer whole: each a `DecodeLinear`)."""
     import threading
 
+    import tpkit.nn.decode_linear as decode_linear
     import tpkit.nn.linear as linear
 
     torch.manual_seed(0)
@@ -105,6 +109,7 @@ def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world,
             calls.pop(comm.rank, None)
             m(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
     monkeypatch.setattr(linear, "dense_linear", seen)
+    monkeypatch.setattr(decode_linear, "dense_linear", seen)
     tpkit.run_threads(run, world)
     priced = [(n, k) for _, n, k in (o.mnk for o in _dense(_trace(world, dtype=dtype)))]
     assert sorted(calls[0]) == sorted(priced) and len(priced) == 2 * 7 + 1, (calls[0], priced)

@@ -34,7 +34,8 @@ def is_transposed_linear(m: nn.Module) -> bool:
 
 # nn.Linear subclasses whose own forward computes exactly `x @ weight.T + bias` (checked by a test against
 # F.linear), so a split Linear replaces them as it replaces nn.Linear. Keyed by class (module.qualname).
-LINEAR_FORWARDS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+LINEAR_FORWARDS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear",
+                             "tpkit.nn.decode_linear.DecodeLinear"})  # (a whole layer of a converted model)
 
 
 def is_linear(m: nn.Module) -> bool:

@@ -4,7 +4,8 @@
 was), then puts them in, sets the attributes families asked for (local head counts, fast paths off), ties tied
 weights again, points other holders of a replaced parameter at its shard, and lets every family install what
 its styles need (gradient sums of per-head norms, the vocab-parallel loss, sequence-parallel entry and gathers,
-MoE regions).
+MoE regions). Last, every plain `nn.Linear` left whole (every one at world size 1) becomes a `DecodeLinear`, whose
+product at decode is the faster one a split layer's shard runs (`tpkit.nn.decode_linear`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, Iterable, Mapping
 
 from torch import nn
 
+from ..nn.decode_linear import adopt_decode_products
 from ..nn.quantized import quant_method_of
 from ..nn.rewrites import rewrites_of
 from .family import Checked, Family, Planned
@@ -83,6 +85,7 @@ def swap(model: nn.Module, p: Prepared, comm, quantized: QuantizedLayers | None 
     for family in families():
         if type(family).install is not Family.install:  # (the base class installs nothing)
             family.install(model, p.planned, p.checked.get(family.name), comm)
+    adopt_decode_products(model)  # the layers kept whole multiply at decode as the split ones do
     return updates
 
 

@@ -147,18 +147,21 @@ def quantized_layers(model: nn.Module, work: nn.Module) -> dict[str, QuantizedLa
 
 
 def dense_layers(work: nn.Module) -> dict[str, QuantizedLayer]:
-    """The parallel linear layers of the converted rank `work` whose weight is dense bf16 / fp16 / float32: where
+    """The linear layers of the converted rank `work` (split ones, and those kept whole, `DecodeLinear`) whose weight
+    is dense bf16 / fp16 / float32: where
     `products.dense_applies` (decode's rows, no gradient) each runs tpkit's product (`products.dense_linear`: the
     faster of `F.linear` and tpkit's compiled one, chosen on the first call of each shape and row count), priced as
     calibrated ("dense/bfloat16", "dense/float32"), not as a BLAS call. A profile without that entry (measured
     before it; a datasheet machine, whose GPU runs no such product) prices it as any matmul (`predict.kernel_times`)."""
+    from ..nn.decode_linear import DecodeLinear
     from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 
     found = {}
     for name, module in work.named_modules():
         weight = getattr(module, "weight", None)
-        parallel = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
-        if parallel and module.quant_method is None and weight is not None and weight.dtype in NATIVE_DENSE:
+        linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear, DecodeLinear))
+        if linear and getattr(module, "quant_method", None) is None and weight is not None and \
+                weight.dtype in NATIVE_DENSE:
             nbytes = weight.numel() * weight.element_size()
             found[name] = QuantizedLayer(name, DENSE, dtype_name(weight.dtype), "kernel",
                                          ("torch", f"native {NATIVE_DENSE[weight.dtype]}"), nbytes, nbytes,

@@ -21,7 +21,8 @@ property reads whatever sits under the name when the forward runs; the registry 
 module (the class is rebuilt by name on unpickling); `torch.compile` traces the property as module code.
 
 This module is also the one place a tpkit module's class changes at all (`adopt`: PEFT's LoRA wrapper becoming
-tpkit's LoRA layer for a base the converter split, `tpkit.nn.lora`).
+tpkit's LoRA layer for a base the converter split, `tpkit.nn.lora`; a plain `nn.Linear` a conversion keeps whole
+becoming a `DecodeLinear`, `decode_linear.py`).
 """
 from __future__ import annotations
 
@@ -151,7 +152,8 @@ def base_class(module: nn.Module) -> type:
 
 def adopt(module: nn.Module, cls: type) -> None:
     """Make `module` an instance of `cls`, a subclass of its class that adds behaviour but no state of its own
-    (PEFT's LoRA wrapper becoming tpkit's LoRA layer on a split base). Rewrites registered on it are kept."""
+    (PEFT's LoRA wrapper becoming tpkit's LoRA layer on a split base; an `nn.Linear` becoming a `DecodeLinear`).
+    Rewrites registered on it are kept."""
     state: Rewrites | None = module.__dict__.get(_ATTR)
     base = state.base if state is not None else type(module)
     if not issubclass(cls, base):

@@ -22,6 +22,7 @@ from torch import nn
 
 from ...layout import ShardLayout
 from ...nn.experts import BlockRegion
+from ...nn.decode_linear import DecodeLinear
 from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal
 from ..roles import Role
@@ -42,7 +43,7 @@ class ExpertBlock:
 
 
 def _plain_linear(m: nn.Module) -> bool:
-    return type(m) is nn.Linear
+    return type(m) in (nn.Linear, DecodeLinear)  # (a conversion makes the Linear layers it keeps whole DecodeLinear)
 
 
 def find_block(name: str, block: nn.Module) -> ExpertBlock | str | None:
