@@ -2,8 +2,9 @@
 
 A split layer's shard (`ColumnParallelLinear`, `RowParallelLinear`) multiplies a dense bf16 / fp16 / float32 weight
 at up to 8 activation rows through `tpkit.quant.products.dense_linear`: the faster of torch's `F.linear` and tpkit's
-compiled product, measured per shape. A layer a conversion keeps whole (every layer at world size 1; a replicated one,
-a dense LM head beside quantized layers, at any) stayed a plain `nn.Linear` and ran torch's product alone. At world
+compiled product, measured per shape. A layer a conversion keeps whole (every layer at world size 1, a quantized
+checkpoint's dense LM head included; one the plan keeps replicated, at any) stayed a plain `nn.Linear` and ran torch's
+product alone. At world
 size 1 a bf16 Llama (hidden 2048, 8 layers, one 2-core EPYC process) decoded at 55 ms/token through torch's product
 and at 26 ms through the faster one.
 
