@@ -12,10 +12,11 @@ A `Product` computes `x W^T` from a layer's stored tensors (`format.Product`). T
   (or the format's arithmetic in float32, HF FP8), or a half-precision compute dtype (whose own rounding is larger).
 - torch's weight-only kernels (`kernels.py`, through `compressed_tensors.py`).
 
-`fastest` times the candidates a format offers for one layer on its own shape (one activation row unless told, a
-few calls each, alternating) and returns the fastest; the choice is kept per (products, shape, dtype, rows,
-threads), so a model's repeated layers measure once. `dense_linear` is the same choice for a dense bf16 / fp16
-/ float32 weight (a parallel layer of an unquantized model): torch's `F.linear` or the native product.
+`fastest` times the candidates a format offers for one layer on its own shape (one activation row unless told, each
+call on the next of copies of its tensors that together pass the caches, alternating) and returns the fastest; the
+choice is kept per (products, shape, dtype, rows, threads), so a model's repeated layers measure once. `dense_linear`
+is the same choice for a dense bf16 / fp16 / float32 weight (a linear layer of an unquantized model, split or kept
+whole): torch's `F.linear` or the native product.
 """
 from __future__ import annotations
 
@@ -81,13 +82,29 @@ def native_applies(dtype: torch.dtype, scale_dtype: torch.dtype | None) -> bool:
     return unrounded_applies(dtype, scale_dtype) and native.available()
 
 
-def _time(product: Product, tensors: Mapping[str, torch.Tensor], x: torch.Tensor, calls: int = 5) -> list[float]:
-    resident = product.resident(tensors)
-    product(x, resident)
+# The bytes a choice's timing reads in rotation (copies of the layer's tensors, each call the next): past a last-level
+# cache, as a decoded model's weights stream from memory. Timed hot (one weight called again and again), a 16 MB float32
+# weight sat in this 2-core EPYC's 32 MB L3, where torch's `F.linear` won; from memory tpkit's product ran 1.3x faster,
+# and half a float32 Llama's layers had taken the slower one (TP1 decode 64 ms/token against 54).
+COLD_BYTES = 64 << 20
+
+
+def _cold_copies(tensors: Mapping[str, torch.Tensor]) -> list[Mapping[str, torch.Tensor]]:
+    """`tensors` and copies of them, `COLD_BYTES` in all (at least two entries, at most 64): what a timing rotates
+    through."""
+    nbytes = max(sum(t.nbytes for t in tensors.values()), 1)
+    count = min(max(COLD_BYTES // nbytes, 2), 64)
+    return [tensors] + [{n: t.clone() for n, t in tensors.items()} for _ in range(count - 1)]
+
+
+def _time(product: Product, copies: Sequence[Mapping[str, torch.Tensor]], x: torch.Tensor) -> list[float]:
+    """Seconds per call of `product` at `x`, each call on the next of `copies` (cold: `_cold_copies`)."""
+    residents = [product.resident(t) for t in copies]
+    product(x, residents[-1])
     start = time.perf_counter()
-    for _ in range(calls):
+    for resident in residents:
         product(x, resident)
-    return [(time.perf_counter() - start) / calls]
+    return [(time.perf_counter() - start) / len(residents)]
 
 
 def fastest(products: Sequence[Product], tensors: Mapping[str, torch.Tensor], in_features: int,
@@ -104,9 +121,11 @@ def fastest(products: Sequence[Product], tensors: Mapping[str, torch.Tensor], in
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
         times = [[] for _ in products]
         with torch.inference_mode():
+            copies = _cold_copies(tensors)
             for _ in range(3):  # alternating rounds, the best of each
                 for i, p in enumerate(products):
-                    times[i] += _time(p, tensors, x)
+                    times[i] += _time(p, copies, x)
+            del copies
         chosen = min(range(len(products)), key=lambda i: min(times[i]))
         with _LOCK:
             _CHOSEN[key] = chosen
