@@ -50,6 +50,25 @@ def _hermetic_profile(monkeypatch, synthetic_profile_path):
     monkeypatch.setenv("TPKIT_PROFILE", synthetic_profile_path)
 
 
+@pytest.fixture
+def forced_native(monkeypatch) -> list[str]:
+    """tpkit's native product chosen wherever a choice offers it (whatever this box would measure), and the kinds it
+    ran, call by call. Skips where no compiler built it."""
+    from tpkit.quant import native, products
+
+    if not native.available():
+        pytest.skip("no C compiler: every product is torch's")
+    monkeypatch.setattr(products, "fastest", lambda candidates, *a, **k: candidates[1])
+    monkeypatch.setattr(products, "_CHOSEN", {})
+    kinds, real = [], native.gemv
+
+    def counted(x, w, kind, *args, **kwargs):
+        kinds.append(kind)
+        return real(x, w, kind, *args, **kwargs)
+    monkeypatch.setattr(native, "gemv", counted)
+    return kinds
+
+
 # Most launched ranks build a Hugging Face model (and tests/trainer's run its Trainer): the fork server imports
 # transformers' modeling core and Trainer once, not every rank (about 2-3 s of a core per rank process;
 # `tpkit.launch.preload`).

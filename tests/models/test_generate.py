@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 import tpkit
@@ -56,22 +55,11 @@ def test_generate_threads_world_size_3_greedy_dynamic_and_static():
             assert torch.equal(got[key], tokens), (key, got[key].tolist(), tokens.tolist())
 
 
-def test_a_float32_model_at_decode_through_tpkits_product_gives_transformers_logits_and_tokens(monkeypatch):
+def test_a_float32_model_at_decode_through_tpkits_product_gives_transformers_logits_and_tokens(forced_native):
     """float32 weights at decode's rows take tpkit's native product where it was measured faster (forced here, on 3
     thread-ranks): the converted model's logits equal one process of plain transformers to float32 rounding, and
     greedy tokens are the same; the product ran for every parallel layer of every rank."""
-    from tpkit.quant import native, products
-
-    if not native.available():
-        pytest.skip("no C compiler: float32 layers keep F.linear")
-    monkeypatch.setattr(products, "fastest", lambda candidates, *a, **k: candidates[1])  # the native product
-    monkeypatch.setattr(products, "_CHOSEN", {})
-    kinds, real = [], native.gemv
-
-    def counted(x, w, kind, *args, **kwargs):
-        kinds.append(kind)
-        return real(x, w, kind, *args, **kwargs)
-    monkeypatch.setattr(native, "gemv", counted)
+    kinds = forced_native
     base = hf_model("llama").eval()
     ids = inputs()[:1, :4]
     with torch.no_grad():

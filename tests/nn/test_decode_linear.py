@@ -1,7 +1,7 @@
-"""A plain `nn.Linear` a conversion keeps whole (every one at world size 1) multiplies at decode as a split layer's shard
-does (`tpkit.nn.decode_linear.DecodeLinear`): a world-1 `from_pretrained` decodes with one process of transformers'
-logits and tokens, its state dict is transformers', stock PEFT wraps it as a Linear, and outside a decode its forward
-is `F.linear` bit for bit."""
+"""A plain `nn.Linear` a conversion keeps whole (every one at world size 1) multiplies at decode as a split layer's
+shard does (`tpkit.nn.decode_linear.DecodeLinear`): a world-1 `from_pretrained` decodes with one process of
+transformers' logits and tokens, its state dict is transformers', stock PEFT wraps it as a Linear, and outside a
+decode its forward is `F.linear` bit for bit."""
 from __future__ import annotations
 
 import copy
@@ -14,10 +14,9 @@ from torch import nn
 
 import tpkit
 from tpkit.nn.decode_linear import DecodeLinear, adopt_decode_products
-from tpkit.quant import native, products
+from tpkit.quant import products
 
 tr = pytest.importorskip("transformers")
-needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler: whole layers keep F.linear")
 
 
 def _llama(dtype: torch.dtype):
@@ -27,21 +26,6 @@ def _llama(dtype: torch.dtype):
     return tr.LlamaForCausalLM(config).to(dtype).eval()
 
 
-@pytest.fixture
-def forced_native(monkeypatch):
-    """The native product chosen wherever it applies (whatever this box measures), and the kinds it ran, in order."""
-    monkeypatch.setattr(products, "fastest", lambda candidates, *a, **k: candidates[1])
-    monkeypatch.setattr(products, "_CHOSEN", {})
-    kinds, real = [], native.gemv
-
-    def counted(x, w, kind, *args, **kwargs):
-        kinds.append(kind)
-        return real(x, w, kind, *args, **kwargs)
-    monkeypatch.setattr(native, "gemv", counted)
-    return kinds
-
-
-@needs_native
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_world_1_from_pretrained_decodes_with_transformers_logits_and_tokens(dtype, tolerance, tmp_path,
                                                                              forced_native):
@@ -89,7 +73,8 @@ def test_outside_a_decode_the_forward_is_f_linear_exactly():
         assert [type(m) for m in again] == [DecodeLinear, DecodeLinear]
     fresh, shifted = copy.deepcopy(ours).float(), {k: v + 1 for k, v in plain.float().state_dict().items()}
     fresh.load_state_dict(shifted, assign=True)
-    assert [type(m) for m in fresh] == [DecodeLinear, DecodeLinear] and torch.equal(fresh[0].weight, shifted["0.weight"])
+    assert [type(m) for m in fresh] == [DecodeLinear, DecodeLinear]
+    assert torch.equal(fresh[0].weight, shifted["0.weight"])
     with torch.no_grad():
         rows = torch.randn(9, 24)
         want = F.linear(F.linear(rows, shifted["0.weight"], shifted["0.bias"]), shifted["1.weight"])
@@ -127,7 +112,6 @@ def test_only_plain_linears_are_adopted_and_a_rewritten_one_keeps_its_rewrite():
         assert torch.equal(model[4](x), F.linear(x, model[4].weight * 2, model[4].bias))
 
 
-@needs_native
 def test_stock_peft_wraps_it_as_a_linear_and_gives_plain_peft_outputs_and_gradients(forced_native):
     """`peft.get_peft_model` on a world-1 converted float32 Llama gives the same model as on transformers' own: a
     training step's LoRA gradients and a decode's logits within float32 rounding. (A frozen base layer whose input needs
@@ -135,7 +119,8 @@ def test_stock_peft_wraps_it_as_a_linear_and_gives_plain_peft_outputs_and_gradie
     shard does: nothing flows back through it.)"""
     peft = pytest.importorskip("peft")
     base = _llama(torch.float32)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                             init_lora_weights=False)
     torch.manual_seed(2)
     want = peft.get_peft_model(copy.deepcopy(base), config)
     torch.manual_seed(2)

@@ -84,8 +84,8 @@ def native_applies(dtype: torch.dtype, scale_dtype: torch.dtype | None) -> bool:
 
 # The bytes a choice's timing reads in rotation (copies of the layer's tensors, each call the next): past a last-level
 # cache, as a decoded model's weights stream from memory. Timed hot (one weight called again and again), a 16 MB float32
-# weight sat in this 2-core EPYC's 32 MB L3, where torch's `F.linear` won; from memory tpkit's product ran 1.3x faster,
-# and half a float32 Llama's layers had taken the slower one (TP1 decode 64 ms/token against 54).
+# weight sat in this 2-core EPYC's 32 MB L3, where torch's `F.linear` won; from memory tpkit's product ran 1.5-1.7x
+# faster, and half a float32 Llama's layers had taken the slower one (TP1 decode 64.0 ms/token, 59.5 chosen cold).
 COLD_BYTES = 64 << 20
 
 
