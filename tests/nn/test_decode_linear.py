@@ -140,3 +140,19 @@ def test_stock_peft_wraps_it_as_a_linear_and_gives_plain_peft_outputs_and_gradie
         logits, reference = got(ids).logits, want(ids).logits
     assert forced_native and set(forced_native) == {"fp32"}
     assert float((logits - reference).abs().max() / reference.abs().max()) < 1e-5
+
+
+def test_a_world_1_model_compiled_with_dynamic_shapes_decodes_as_transformers(tmp_path):
+    """`torch.compile(forward, dynamic=True)` right after the load, before any eager decode: each layer's choice is
+    made as dynamo traces it (fake tensors, symbolic sizes: `products._traced_dense_choice`), and the compiled model
+    gives transformers' logits and greedy tokens."""
+    _llama(torch.float32).save_pretrained(tmp_path)
+    want = tr.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    got = tpkit.from_pretrained(str(tmp_path), progress=False)
+    got.forward = torch.compile(got.forward, dynamic=True)
+    ids = torch.tensor([[3, 17, 250]])
+    with torch.no_grad():
+        logits, reference = got(ids).logits, want(ids).logits
+        assert float((logits - reference).abs().max() / reference.abs().max()) < 1e-5
+        tokens = got.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(tokens, want.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))

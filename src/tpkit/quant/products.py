@@ -113,6 +113,7 @@ def fastest(products: Sequence[Product], tensors: Mapping[str, torch.Tensor], in
     `dtype`, or None when there is none; measured once per (candidates, shape, dtype, rows, threads)."""
     if len(products) <= 1:
         return products[0] if products else None
+    traced = torch.compiler.is_compiling()  # (`_traced_dense_choice`: fake tensors, sizes maybe symbolic, no copies)
     shapes = tuple(tuple(t.shape) for t in tensors.values())
     key = (tuple(p.key() for p in products), shapes, dtype, rows, torch.get_num_threads())
     with _LOCK:
@@ -121,7 +122,7 @@ def fastest(products: Sequence[Product], tensors: Mapping[str, torch.Tensor], in
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
         times = [[] for _ in products]
         with torch.inference_mode():
-            copies = _cold_copies(tensors)
+            copies = [tensors, tensors] if traced else _cold_copies(tensors)
             for _ in range(3):  # alternating rounds, the best of each
                 for i, p in enumerate(products):
                     times[i] += _time(p, copies, x)
