@@ -86,14 +86,13 @@ def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world,
     world 1 every layer whole: each a `DecodeLinear`)."""
     import threading
 
-    import tpkit.nn.decode_linear as decode_linear
-    import tpkit.nn.linear as linear
+    import tpkit.quant.products as products
 
     torch.manual_seed(0)
     model = tr.LlamaForCausalLM(_config()).eval().to(dtype)
     calls: dict[int, list[tuple[int, int]]] = {}  # rank -> weight shapes, of the one decoded token
     rank_of: dict[int, int] = {}  # thread -> rank
-    real = linear.dense_linear
+    real = products.dense_linear
 
     def seen(x, weight):
         if threading.get_ident() in rank_of:  # a rank's forward (not the estimate's trace below, in this thread)
@@ -108,8 +107,7 @@ def test_the_priced_layers_are_the_ones_whose_forward_runs_tpkits_product(world,
             comm.barrier()
             calls.pop(comm.rank, None)
             m(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
-    monkeypatch.setattr(linear, "dense_linear", seen)
-    monkeypatch.setattr(decode_linear, "dense_linear", seen)
+    monkeypatch.setattr(products, "dense_linear", seen)  # (`products.faster_linear`: every linear layer's product)
     tpkit.run_threads(run, world)
     priced = [(n, k) for _, n, k in (o.mnk for o in _dense(_trace(world, dtype=dtype)))]
     assert sorted(calls[0]) == sorted(priced) and len(priced) == 2 * 7 + 1, (calls[0], priced)

@@ -156,3 +156,26 @@ def test_a_world_1_model_compiled_with_dynamic_shapes_decodes_as_transformers(tm
         assert float((logits - reference).abs().max() / reference.abs().max()) < 1e-5
         tokens = got.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(tokens, want.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+
+
+def test_world_1_meta_load_sharded_and_save_pretrained_against_transformers(tmp_path, forced_native):
+    """A bf16 Llama built on the meta device, converted at world 1 and filled by `load_sharded` from transformers'
+    checkpoint: its Linear layers are `DecodeLinear`, its decode runs tpkit's product, its logits are transformers' own;
+    `save_pretrained` of it writes a checkpoint transformers loads back to the same state dict."""
+    _llama(torch.bfloat16).save_pretrained(tmp_path / "ck")
+    want = tr.AutoModelForCausalLM.from_pretrained(tmp_path / "ck", dtype="auto").eval()
+    with torch.device("meta"):
+        meta = tr.LlamaForCausalLM._from_config(want.config, dtype=torch.bfloat16)
+    got = tpkit.parallelize(meta)
+    tpkit.load_sharded(got, str(tmp_path / "ck"))
+    got.eval()
+    assert all(type(m) is DecodeLinear for m in got.modules() if isinstance(m, nn.Linear))
+    ids = torch.tensor([[3, 17, 250, 9]])
+    with torch.no_grad():
+        logits, reference = got(ids).logits.float(), want(ids).logits.float()
+    assert forced_native == ["bf16"] * (2 * 7 + 1)
+    assert float((logits - reference).abs().max() / reference.abs().max()) < 3e-2
+    got.save_pretrained(tmp_path / "saved")
+    back = tr.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype="auto").state_dict()
+    theirs = want.state_dict()
+    assert back.keys() == theirs.keys() and all(torch.equal(back[k], theirs[k]) for k in back)

@@ -4,9 +4,8 @@ A split layer's shard (`ColumnParallelLinear`, `RowParallelLinear`) multiplies a
 at up to 8 activation rows through `tpkit.quant.products.dense_linear`: the faster of torch's `F.linear` and tpkit's
 compiled product, measured per shape. A layer a conversion keeps whole (every layer at world size 1, a quantized
 checkpoint's dense LM head included; one the plan keeps replicated, at any) stayed a plain `nn.Linear` and ran torch's
-product alone. At world
-size 1 a bf16 Llama (hidden 2048, 8 layers, one 2-core EPYC process) decoded at 55 ms/token through torch's product
-and at 26 ms through the faster one.
+product alone. At world size 1 a bf16 Llama (hidden 2048, 8 layers, one 2-core EPYC process) decoded at 55 ms/token
+through torch's product and at 26 ms through the faster one. Both layers compute through `products.faster_linear`.
 
 `parallelize` gives every plain `nn.Linear` it leaves in the model this class (`adopt_decode_products`), in place:
 the object stays (its hooks, its parameters, its state-dict keys), `isinstance(m, nn.Linear)` holds (stock tools and
@@ -17,10 +16,9 @@ PEFT see a Linear), and outside a decode (a gradient asked for, autocast, more r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..quant.products import dense_linear
+from ..quant.products import faster_linear
 from .rewrites import adopt, base_class
 
 
@@ -28,12 +26,7 @@ class DecodeLinear(nn.Linear):
     """`nn.Linear` with a decode's product (see the module docstring); built by `adopt_decode_products`."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not input.is_cpu:  # (an eager GPU decode is bound by the host's calls: it pays no checks for a CPU product)
-            return F.linear(input, self.weight, self.bias)
-        y = dense_linear(input, self.weight)
-        if y is None:
-            return F.linear(input, self.weight, self.bias)
-        return y if self.bias is None else y + self.bias
+        return faster_linear(input, self.weight, self.bias)
 
 
 def adopt_decode_products(model: nn.Module) -> list[str]:

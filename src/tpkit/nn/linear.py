@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..comm.communicator import Communicator
@@ -31,7 +30,7 @@ from ._layer import (TensorParallelModule, check_index, check_last_dim, check_mo
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
                        reduce_scatter_to_sequence_region, scatter_to_region)
 from .partition import partition_sizes
-from ..quant.products import dense_linear
+from ..quant.products import faster_linear
 from .quantized import QuantMethod, plain_layout
 from .sequence_parallel import mark_sequence_parallel
 
@@ -106,14 +105,10 @@ class _ParallelLinear(TensorParallelModule):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x W^T + bias` with this rank's weight: the one product the forward computes (a quantized layer's method
         computes it from the stored weights, `tpkit.nn.quantized`; a bf16 / fp16 / float32 weight at a few rows goes
-        through the faster of `F.linear` and tpkit's compiled product, `tpkit.quant.products.dense_linear`)."""
+        through the faster of `F.linear` and tpkit's compiled product, `tpkit.quant.products.faster_linear`)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
-        weight = self.weight
-        y = dense_linear(x, weight)  # a bf16 / fp16 / float32 weight at decode: the faster product
-        if y is not None:
-            return y if bias is None else y + bias
-        return F.linear(x, weight, bias)
+        return faster_linear(x, self.weight, bias)
 
     @property
     def in_features_local(self) -> int:

@@ -166,6 +166,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     (measured on the first call of each shape and row count, `dense_choice`), or None where the native product does
     not apply (`dense_applies`; no compiler; under autocast, whose dtype rules are torch's) or was slower: the caller
     uses `F.linear`."""
+    if not x.is_cpu:  # (an eager GPU decode is bound by the host's calls: it pays no checks for a CPU product)
+        return None
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     fake = not torch.compiler.is_compiling() and (native.fake(x) or native.fake(weight))  # a traced step: no data
     n, k = weight.shape
@@ -183,6 +185,15 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if not chosen or not native.available():
         return None
     return native.gemv(x, weight, kind, n)
+
+
+def faster_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, its product by `dense_linear` where that applies and was faster: the one product
+    of a split layer's shard (`tpkit.nn.linear`) and of a Linear kept whole (`tpkit.nn.decode_linear`)."""
+    y = dense_linear(x, weight)
+    if y is None:
+        return F.linear(x, weight, bias)
+    return y if bias is None else y + bias
 
 
 STAND_IN_ROWS = 8192  # the most weight rows a stand-in weight has (an LM head's vocabulary: its rate is the same)
