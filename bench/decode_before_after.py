@@ -8,6 +8,7 @@ median. The figure per tree is the median over rounds. The earlier commit is che
 temporary folder and removed afterwards.
 
     python bench/decode_before_after.py --rev <commit> [--rounds 4] [--seed 8725] [--formats int4 bf16] [--world 2]
+        [--prompt 8]
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from before_after import ROOT, checked_out, print_table
 
 
-def _rank(paths: dict[str, str]) -> dict[str, float]:
+def _rank(paths: dict[str, str], prompt: int = 8) -> dict[str, float]:
     """On one rank: each format's median ms/token (see the module doc)."""
     import torch
 
@@ -32,7 +33,7 @@ def _rank(paths: dict[str, str]) -> dict[str, float]:
 
     torch.set_num_threads(1)
     models = {f: tpkit.from_pretrained(p, progress=False) for f, p in paths.items()}
-    ids = torch.randint(3, 1000, (1, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 1000, (1, prompt), generator=torch.Generator().manual_seed(1))
 
     def seconds(model, tokens: int) -> float:
         start = time.perf_counter()
@@ -48,11 +49,11 @@ def _rank(paths: dict[str, str]) -> dict[str, float]:
     return {f: statistics.median(t) for f, t in times.items()}
 
 
-def child(paths: dict[str, str], world: int) -> None:
+def child(paths: dict[str, str], world: int, prompt: int) -> None:
     """A launch of this tree's (or the PYTHONPATH's) tpkit on `world` ranks: rank 0's figures as one JSON line."""
     import tpkit
 
-    print(json.dumps(tpkit.launch(_rank, world, args=(paths,), timeout=3600)[0]))
+    print(json.dumps(tpkit.launch(_rank, world, args=(paths, prompt), timeout=3600)[0]))
 
 
 def main() -> None:
@@ -62,10 +63,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=8725)
     parser.add_argument("--formats", nargs="+", default=["int4", "bf16"])
     parser.add_argument("--world", type=int, default=2, help="tensor-parallel ranks (gloo processes)")
+    parser.add_argument("--prompt", type=int, default=8, help="prompt tokens (the cache a decode step attends over)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(json.loads(args.child), args.world)
+        return child(json.loads(args.child), args.world, args.prompt)
     sys.path[:0] = [str(ROOT), str(ROOT / "src")]
     from bench.quantized import draw, make
 
@@ -73,14 +75,14 @@ def main() -> None:
         shape = draw(args.seed, False)
         made = make(os.path.join(tmp, "ck"), shape)
         paths = {f: made[f] for f in args.formats}
-        print(f"seed {args.seed}, world {args.world}: {shape}", flush=True)
+        print(f"seed {args.seed}, world {args.world}, prompt {args.prompt}: {shape}", flush=True)
         with checked_out(args.rev, Path(tmp) / "before") as trees:
             runs: dict[tuple[str, str], list[float]] = {}
             for r in range(args.rounds):
                 for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
                     env = dict(os.environ, PYTHONPATH=str(trees[name] / "src"))
                     out = subprocess.run([sys.executable, __file__, "--rev", args.rev, "--world", str(args.world),
-                                          "--child", json.dumps(paths)],
+                                          "--prompt", str(args.prompt), "--child", json.dumps(paths)],
                                          env=env, check=True, capture_output=True, text=True).stdout
                     figures = json.loads(out.strip().splitlines()[-1])
                     print(f"round {r + 1}, {name}: " + ", ".join(f"{f} {v:.2f}" for f, v in figures.items()),

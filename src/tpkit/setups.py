@@ -41,7 +41,7 @@ from .estimate.search import SearchResult
 from .estimate.search import search as rank_setups
 from .estimate.sequences import sequence_memory
 from .launch import launch
-from .nn.decode_linear import adopt_decode_products
+from .nn.decode import adopt_decode_paths
 from .pipeline import Pipeline, pipeline
 from .recompute import recompute
 from .tables import format_bytes as human
@@ -90,7 +90,7 @@ def apply_setup(model: nn.Module, setup: Any, comm=None, goal: str | None = None
         plan = plan if plan is not None else propose(analyze_structure(model), setup.tp, mode, setup.choose())[0]
         model = parallelize(model, plan, tp, mode=mode, sequence_parallel=setup.sequence_parallel)
     else:  # nothing split: its Linear layers multiply at decode as a conversion's do (and as the estimate prices)
-        adopt_decode_products(model)
+        adopt_decode_paths(model)
     if cp > 1:  # after conversion (`tpkit.context`): gradients summed over cp, then DDP averages over dp (FSDP2: dp x cp)
         context_parallel(model, laid.cp, method=setup.cp_method)
     if ep > 1:  # each rank keeps its experts of the expert group; the engines below leave them alone

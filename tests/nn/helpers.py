@@ -73,3 +73,15 @@ def copied(model: nn.Module, how: str) -> nn.Module:
         buffer.seek(0)
         return torch.load(buffer, weights_only=False)
     raise ValueError(how)
+
+
+def assert_greedy_up_to_ties(tokens: torch.Tensor, exact: nn.Module, prompt: int, tie: float = 0.01) -> None:
+    """Each token of `tokens` after the first `prompt` is the greedy choice of `exact` (the model in float64) on the
+    tokens before it, or within `tie` of the logits' range from it: a bf16 decode may take either side of a near tie
+    (docs/how-to/generate.md), never a token the exact model ranks well below."""
+    with torch.no_grad():
+        logits = exact.eval()(tokens).logits[0, prompt - 1:-1]
+    chosen = logits.gather(-1, tokens[0, prompt:, None])[:, 0]
+    best, spread = logits.max(-1).values, logits.max(-1).values - logits.min(-1).values
+    deficit = ((best - chosen) / spread).tolist()
+    assert all(d <= tie for d in deficit), f"tokens {tokens[0, prompt:].tolist()}: below the exact best by {deficit}"

@@ -16,6 +16,8 @@ import tpkit
 from tpkit.nn.decode_linear import DecodeLinear, adopt_decode_products
 from tpkit.quant import products
 
+from .helpers import assert_greedy_up_to_ties
+
 tr = pytest.importorskip("transformers")
 
 
@@ -45,7 +47,10 @@ def test_world_1_from_pretrained_decodes_with_transformers_logits_and_tokens(dty
     assert forced_native == [products.NATIVE_DENSE[dtype]] * (2 * 7 + 1)
     assert float((logits.float() - reference.float()).abs().max() / reference.float().abs().max()) < tolerance
     tokens = got.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(tokens, want.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    if dtype == torch.float32:
+        assert torch.equal(tokens, want.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    else:  # bf16 ties (docs/how-to/generate.md): each token is the exact model's choice on its prefix, up to a tie
+        assert_greedy_up_to_ties(tokens, tr.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64), 4)
 
 
 def test_outside_a_decode_the_forward_is_f_linear_exactly():

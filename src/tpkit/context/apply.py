@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
+from ..nn.decode_attention import uses_attention_interface
 from ..nn.mappings import reduce_from_region
 from ..nn.record import ModelRecord, attach_record, record_of
 from ..nn.split_logits import gather_logits
@@ -77,15 +78,6 @@ def hf_model(model: nn.Module) -> nn.Module:
     return base
 
 
-def _uses_interface(module: nn.Module) -> bool:
-    forward = type(module).forward
-    try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
-        return False
-    return "ALL_ATTENTION_FUNCTIONS" in source and "_attn_implementation" in source
-
-
 def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The attention layers reached through the AttentionInterface, each checked for what cannot be split."""
     config = model.config
@@ -93,10 +85,10 @@ def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if getattr(config, attr, None):
             raise NotImplementedError(f"context_parallel: {type(model).__name__} uses {what} ({attr}="
                                       f"{getattr(config, attr)}), which tpkit cannot split over the sequence exactly")
-    layers = [(n, m) for n, m in model.named_modules() if _uses_interface(m)]
+    layers = [(n, m) for n, m in model.named_modules() if uses_attention_interface(m)]
     inside = tuple(f"{n}." for n, _ in layers)
     unreached = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
-                 if "Attention" in type(m).__name__ and not _uses_interface(m) and not n.startswith(inside)
+                 if "Attention" in type(m).__name__ and not uses_attention_interface(m) and not n.startswith(inside)
                  and any(True for _ in m.parameters())]
     if layers and unreached:  # it would attend over this rank's tokens only: refused, never silently partial
         raise NotImplementedError(f"context_parallel: attention layer(s) {', '.join(unreached[:4])} of "

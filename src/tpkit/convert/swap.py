@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 from torch import nn
 
-from ..nn.decode_linear import adopt_decode_products
+from ..nn.decode import adopt_decode_paths
 from ..nn.quantized import quant_method_of
 from ..nn.rewrites import rewrites_of
 from .family import Checked, Family, Planned
@@ -85,7 +85,7 @@ def swap(model: nn.Module, p: Prepared, comm, quantized: QuantizedLayers | None 
     for family in families():
         if type(family).install is not Family.install:  # (the base class installs nothing)
             family.install(model, p.planned, p.checked.get(family.name), comm)
-    adopt_decode_products(model)  # the layers kept whole multiply at decode as the split ones do
+    adopt_decode_paths(model)  # the layers kept whole multiply at decode as the split ones do; attention at decode
     return updates
 
 

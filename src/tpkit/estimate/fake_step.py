@@ -32,7 +32,7 @@ from torch import nn
 
 from ..convert import parallelize, quiet_conversions
 from ..convert.trace.structure import traceable_experts
-from ..nn.decode_linear import adopt_decode_products
+from ..nn.decode import adopt_decode_paths
 from .calls import as_call, meta_copy, to_empty_tied
 from .experts import DEFAULT_IMBALANCE, expert_shapes, spread_experts
 from .ops import Collective, Op, OpRecorder, RecordingCommunicator
@@ -139,7 +139,7 @@ def convert_for_rank(model: nn.Module, rank: int, world_size: int, plan: Any = "
                         example_inputs=example_inputs,
                         quantization=config_quantization(config) if config is not None else None)
     else:  # nothing split: every Linear whole, multiplying at decode as the conversion makes it (`DecodeLinear`)
-        adopt_decode_products(copy_)
+        adopt_decode_paths(copy_)
     if ep > 1:
         spread_experts(copy_, RecordingCommunicator(rank, ep, comm.calls, "ep"), comm, imbalance)
     return copy_, comm

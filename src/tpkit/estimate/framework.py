@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..nn.decode_linear import adopt_decode_products
+from ..nn.decode import adopt_decode_paths
 from .calls import meta_copy
 from .fake_step import trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FrameworkCost
@@ -231,7 +231,7 @@ def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5, tenso
                                                            mode="training" if goal == "train" else "inference")
                     else:  # whole, as one rank runs it (its Linear layers as a conversion leaves them)
                         built[layers, vocab] = copy.deepcopy(plain)
-                        adopt_decode_products(built[layers, vocab])
+                        adopt_decode_paths(built[layers, vocab])
                 explained.append(_explained(built[layers, vocab], plains[layers, vocab], goal, rates, comm, tensor_s,
                                             dp[0] if dp else None, layers, batch))
             flush = CacheFlush()  # after the traces: a fake tensor run must not meet the hook

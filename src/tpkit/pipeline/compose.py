@@ -21,7 +21,7 @@ from torch import nn
 from ..comm.communicator import Communicator
 from ..convert import Plan, parallelize
 from ..data_parallel import DataParallel, device_type, expert_params, shard_experts
-from ..nn.decode_linear import adopt_decode_products
+from ..nn.decode import adopt_decode_paths
 from ..nn.record import ModelRecord, attach_record, find_record
 from .split import StageSplit
 from .stage import HeldElsewhere, StageModule
@@ -56,7 +56,7 @@ def convert_part(part: nn.Module, plan: Plan | None, tp: Communicator, mode: str
     if plan is not None and tp.world_size > 1:
         parallelize(part, part_plan(plan, part), tp, mode=mode, recorded=True)
         return find_record(part, "pipeline")[1]
-    adopt_decode_products(part)  # whole: its Linear layers multiply at decode as a conversion's do
+    adopt_decode_paths(part)  # whole: its Linear layers multiply at decode as a conversion's do
     return attach_record(part, ModelRecord(tp, {}))
 
 
