@@ -1,4 +1,4 @@
-"""A plain `nn.Linear` a conversion keeps whole (every one at world size 1) multiplies at decode as a split layer's
+"""A plain `nn.Linear` a conversion keeps whole at world size 1 (every one) multiplies at decode as a split layer's
 shard does (`tpkit.nn.decode_linear.DecodeLinear`): a world-1 `from_pretrained` decodes with one process of
 transformers' logits and tokens, its state dict is transformers', stock PEFT wraps it as a Linear, and outside a
 decode its forward is `F.linear` bit for bit."""
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import threading
 
 import pytest
 import torch
@@ -184,3 +185,34 @@ def test_world_1_meta_load_sharded_and_save_pretrained_against_transformers(tmp_
     back = tr.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype="auto").state_dict()
     theirs = want.state_dict()
     assert back.keys() == theirs.keys() and all(torch.equal(back[k], theirs[k]) for k in back)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_linear_kept_whole_on_several_ranks_stays_torch_s_and_its_replicas_round_alike(world, monkeypatch):
+    """Qwen2-MoE's shared-expert gate (hidden -> 1) is kept whole at 2 and 3 ranks: a replica on each rank, so it stays
+    a plain `nn.Linear` (a `DecodeLinear` times its product choice on each rank apart), even when each rank would
+    choose another product; every rank's gate gives the same bits at each decode step."""
+    torch.manual_seed(0)
+    config = tr.Qwen2MoeConfig(hidden_size=96, intermediate_size=192, moe_intermediate_size=48,
+                               shared_expert_intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+                               num_key_value_heads=3, vocab_size=256, num_experts=4, num_experts_per_tok=2)
+    base = tr.Qwen2MoeForCausalLM(config).eval()
+    order: dict[int, int] = {}  # each rank thread by its first call: ranks 0, 2 take torch's product, rank 1 tpkit's
+
+    def disagreeing(*args, **kwargs) -> int:
+        return order.setdefault(threading.get_ident(), len(order) % 2)
+    monkeypatch.setattr(products, "dense_choice", disagreeing)
+
+    def rank(comm):
+        model = tpkit.parallelize(copy.deepcopy(base), comm=comm)
+        gates = [m for n, m in model.named_modules() if n.endswith("shared_expert_gate")]
+        seen = []
+        for gate in gates:
+            gate.register_forward_hook(lambda m, args, out: seen.append(out.clone()))
+        model.generate(torch.tensor([[3, 17, 50, 9]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        return [type(g) for g in gates], seen
+
+    results = tpkit.run_threads(rank, world)
+    for kinds, seen in results:
+        assert kinds == [nn.Linear, nn.Linear] and len(seen) == 2 * 4
+        assert all(torch.equal(a, b) for a, b in zip(seen, results[0][1]))

@@ -85,7 +85,7 @@ def swap(model: nn.Module, p: Prepared, comm, quantized: QuantizedLayers | None 
     for family in families():
         if type(family).install is not Family.install:  # (the base class installs nothing)
             family.install(model, p.planned, p.checked.get(family.name), comm)
-    adopt_decode_paths(model)  # the layers kept whole multiply at decode as the split ones do; attention at decode
+    adopt_decode_paths(model, comm.world_size)  # the decode paths: attention; at world 1 the Linear layers too
     return updates
 
 

@@ -9,11 +9,16 @@ from .decode_attention import adopt_decode_attention
 from .decode_linear import adopt_decode_products
 
 
-def adopt_decode_paths(model: nn.Module) -> list[str]:
-    """Every plain `nn.Linear` of `model` made a `DecodeLinear` (`decode_linear.py`), every attention layer that
-    dispatches on transformers' `AttentionInterface` marked for a half-precision decode step in float32
-    (`decode_attention.py`); in place. Returns the names of the modules changed."""
-    return adopt_decode_products(model) + adopt_decode_attention(model)
+def adopt_decode_paths(model: nn.Module, ranks: int = 1) -> list[str]:
+    """Every attention layer of `model` that dispatches on transformers' `AttentionInterface` marked for a
+    half-precision decode step in float32 (`decode_attention.py`: decided by shapes and dtypes alone), and, on one
+    rank, every plain `nn.Linear` made a `DecodeLinear` (`decode_linear.py`); in place. Returns the names changed.
+
+    A Linear kept whole on `ranks` > 1 ranks (a router, a gate: a replica on each) stays torch's: a `DecodeLinear`
+    times its product choice on each rank apart, and two ranks choosing differently would round their replicas'
+    outputs differently, so the ranks' hidden states, and a router's top-k at a near tie, could part."""
+    products = adopt_decode_products(model) if ranks == 1 else []
+    return products + adopt_decode_attention(model)
 
 
 __all__ = ["adopt_decode_paths"]

@@ -7,7 +7,9 @@ checkpoint's dense LM head included; one the plan keeps replicated, at any) stay
 product alone. At world size 1 a bf16 Llama (hidden 2048, 8 layers, one 2-core EPYC process) decoded at 55 ms/token
 through torch's product and at 26 ms through the faster one. Both layers compute through `products.faster_linear`.
 
-`parallelize` gives every plain `nn.Linear` it leaves in the model this class (`adopt_decode_products`), in place:
+At world size 1 `parallelize` gives every plain `nn.Linear` in the model this class (`adopt_decode_products`, through
+`tpkit.nn.decode.adopt_decode_paths`), in place. On several ranks a Linear kept whole is a replica on each, and stays
+torch's: the choice is timed on each rank apart, and replicas must round alike. The adopted layer:
 the object stays (its hooks, its parameters, its state-dict keys), `isinstance(m, nn.Linear)` holds (stock tools and
 PEFT see a Linear), and outside a decode (a gradient asked for, autocast, more rows, a GPU) the forward is exactly
 `F.linear`. A class change, as `torch.nn.utils.parametrize` makes one, made where tpkit makes them all

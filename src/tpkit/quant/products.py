@@ -13,7 +13,8 @@ A `Product` computes `x W^T` from a layer's stored tensors (`format.Product`). T
 - torch's weight-only kernels (`kernels.py`, through `compressed_tensors.py`).
 
 `fastest` times the candidates a format offers for one layer on its own shape (one activation row unless told, each
-call on the next of copies of its tensors that together pass the caches, alternating) and returns the fastest; the
+call on the next of copies of its tensors that together pass the caches, alternating; a candidate whose call in cache
+is already slower than another's from memory is not timed further) and returns the fastest; the
 choice is kept per (products, shape, dtype, rows, threads), so a model's repeated layers measure once. `dense_linear`
 is the same choice for a dense bf16 / fp16 / float32 weight (a linear layer of an unquantized model, split or kept
 whole): torch's `F.linear` or the native product.
