@@ -3,12 +3,12 @@
 
 The checkpoints are `bench/quantized.py`'s, made by this tree for the shape drawn from `--seed`. Each round launches
 the gloo ranks once per tree (the order alternating between rounds); a launch loads every format asked for, decodes 3
-tokens untimed, then times 17 tokens less 1 token, over 16, five times per format, taking turns, and keeps the
-median. The figure per tree is the median over rounds. The earlier commit is checked out with `git worktree` into a
+tokens untimed after a prompt of `--prompt` tokens, then times `--tokens` (17) tokens less 1 token, over 16 (tokens - 1), five
+times per format, taking turns, and keeps the median. The figure per tree is the median over rounds. The earlier commit is checked out with `git worktree` into a
 temporary folder and removed afterwards.
 
     python bench/decode_before_after.py --rev <commit> [--rounds 4] [--seed 8725] [--formats int4 bf16] [--world 2]
-        [--prompt 8]
+        [--prompt 8] [--tokens 17]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from before_after import ROOT, checked_out, print_table
 
 
-def _rank(paths: dict[str, str], prompt: int = 8) -> dict[str, float]:
+def _rank(paths: dict[str, str], prompt: int = 8, tokens: int = 17) -> dict[str, float]:
     """On one rank: each format's median ms/token (see the module doc)."""
     import torch
 
@@ -45,15 +45,15 @@ def _rank(paths: dict[str, str], prompt: int = 8) -> dict[str, float]:
     times: dict[str, list[float]] = {}
     for _ in range(5):
         for f, model in models.items():
-            times.setdefault(f, []).append((seconds(model, 17) - seconds(model, 1)) / 16 * 1e3)
+            times.setdefault(f, []).append((seconds(model, tokens) - seconds(model, 1)) / (tokens - 1) * 1e3)
     return {f: statistics.median(t) for f, t in times.items()}
 
 
-def child(paths: dict[str, str], world: int, prompt: int) -> None:
+def child(paths: dict[str, str], world: int, prompt: int, tokens: int) -> None:
     """A launch of this tree's (or the PYTHONPATH's) tpkit on `world` ranks: rank 0's figures as one JSON line."""
     import tpkit
 
-    print(json.dumps(tpkit.launch(_rank, world, args=(paths, prompt), timeout=3600)[0]))
+    print(json.dumps(tpkit.launch(_rank, world, args=(paths, prompt, tokens), timeout=3600)[0]))
 
 
 def main() -> None:
@@ -64,10 +64,12 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["int4", "bf16"])
     parser.add_argument("--world", type=int, default=2, help="tensor-parallel ranks (gloo processes)")
     parser.add_argument("--prompt", type=int, default=8, help="prompt tokens (the cache a decode step attends over)")
+    parser.add_argument("--tokens", type=int, default=17,
+                        help="tokens timed, less 1 (after a long prompt take more: the prefill's noise cancels less)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(json.loads(args.child), args.world, args.prompt)
+        return child(json.loads(args.child), args.world, args.prompt, args.tokens)
     sys.path[:0] = [str(ROOT), str(ROOT / "src")]
     from bench.quantized import draw, make
 
@@ -82,7 +84,8 @@ def main() -> None:
                 for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
                     env = dict(os.environ, PYTHONPATH=str(trees[name] / "src"))
                     out = subprocess.run([sys.executable, __file__, "--rev", args.rev, "--world", str(args.world),
-                                          "--prompt", str(args.prompt), "--child", json.dumps(paths)],
+                                          "--prompt", str(args.prompt), "--tokens", str(args.tokens),
+                                          "--child", json.dumps(paths)],
                                          env=env, check=True, capture_output=True, text=True).stdout
                     figures = json.loads(out.strip().splitlines()[-1])
                     print(f"round {r + 1}, {name}: " + ", ".join(f"{f} {v:.2f}" for f, v in figures.items()),
