@@ -3,9 +3,9 @@
 
 The checkpoints are `bench/quantized.py`'s, made by this tree for the shape drawn from `--seed`. Each round launches
 the gloo ranks once per tree (the order alternating between rounds); a launch loads every format asked for, decodes 3
-tokens untimed after a prompt of `--prompt` tokens, then times `--tokens` (17) tokens less 1 token, over 16 (tokens - 1), five
-times per format, taking turns, and keeps the median. The figure per tree is the median over rounds. The earlier commit is checked out with `git worktree` into a
-temporary folder and removed afterwards.
+tokens untimed after a prompt of `--prompt` tokens, then times `--tokens` (17) tokens less 1 token, over 16 (tokens
+- 1), five times per format, taking turns, and keeps the median. The figure per tree is the median over rounds. The
+earlier commit is checked out with `git worktree` into a temporary folder and removed afterwards.
 
     python bench/decode_before_after.py --rev <commit> [--rounds 4] [--seed 8725] [--formats int4 bf16] [--world 2]
         [--prompt 8] [--tokens 17]
