@@ -11,7 +11,7 @@ import torch
 from tpkit.quant import native
 from tpkit.quant.products import dense_linear
 
-from .test_native_int16 import int16_runs, run_of
+from .test_native_int16 import int_runs, runs_of
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler built tpkit's native product here")
 
@@ -79,8 +79,8 @@ def test_bf16_inputs_equal_the_float64_product(n, k, block, rows, build):
     points and scales of each dtype included, on every instruction-set path."""
     g = torch.Generator().manual_seed(n * k + rows)
     x = torch.randn(rows, k, generator=g).bfloat16()
-    unit = run_of(k, block[1])  # AVX2 builds: the int16 runs of x (test_native_int16.py)
-    runs = int16_runs(x, unit)[0] if "int16 runs" in native.paths() and unit else x.double()
+    unit, bits = runs_of(k, block[1], "uint4")  # AVX2 builds, VNNI without BF16: x's integer runs (test_native_int16)
+    runs = int_runs(x, unit, bits)[0] if unit else x.double()
     nb, kb = -(-n // block[0]), -(-k // block[1])
     u4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     stored = (u4[:, 0::2] | (u4[:, 1::2] << 4)).contiguous()
@@ -263,9 +263,11 @@ def test_the_environment_picks_the_instruction_set(monkeypatch):
         monkeypatch.setenv("TPKIT_NATIVE_ISA", name)
         assert native._function() == "a product" and built[-1] == flags
     assert native.ISA_FLAGS["avx2"] == ("-mno-avx512f",) and "-march=x86-64" in native.ISA_FLAGS["baseline"]
-    assert native.ISA_FLAGS["avx512"] == ("-mno-avx512bf16",)
+    assert native.ISA_FLAGS["avx512"] == ("-mno-avx512bf16", "-mno-avx512vnni")
+    assert native.ISA_FLAGS["avx512-vnni"] == ("-mno-avx512bf16",)
     monkeypatch.setenv("TPKIT_NATIVE_ISA", "sse9")
-    with pytest.raises(ValueError, match="TPKIT_NATIVE_ISA='sse9': choose one of native, avx512, avx2, baseline"):
+    with pytest.raises(ValueError, match="TPKIT_NATIVE_ISA='sse9': choose one of native, avx512-vnni, avx512, avx2, "
+                                         "baseline"):
         native.isa()
 
 

@@ -1,9 +1,11 @@
-"""Integer weights times bf16 activations as int16 runs (`gemv.c`'s X16, AVX2 builds): each run of x made int16 by a
-power of two and rounded, then exact integer products. Checked against the float64 product of the same rounded
-activations (the path is what it says, exactly), against the float64 product of x itself within the documented bound
-(2^(e - 15) per value of a run whose largest |x| is below 2^e), and falling back to the float32 loops where the
-runs do not fit the blocks or x holds inf or NaN. On every instruction-set path: a build without the runs must
-equal the float64 product of x."""
+"""Integer weights times bf16 activations as integer runs: each run of x made an integer by a power of two and
+rounded, then exact integer products. Two paths: int16 runs (`gemv.c`'s X16, AVX2 builds: int8 and int4 weights, runs
+of 32 to 128) and 15-bit runs split into bytes (VNNI_RUNS, AVX512-VNNI: int8 weights, and int4 where the build has
+no AVX512-BF16; runs of 128). Checked against the float64 product of the same rounded activations (the path is what
+it says, exactly), against the float64 product of x itself within the documented bound (half a step per value,
+the step 2^(e - 15) or 2^(e - 14) for a run whose largest |x| is below 2^e), and falling back to the other loops
+where the runs do not fit the blocks or x holds inf or NaN. On every instruction-set path: a build without the runs
+must equal the float64 product of x."""
 from __future__ import annotations
 
 import pytest
@@ -13,24 +15,29 @@ from tpkit.quant import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler built tpkit's native product here")
 
-UNIT_MAX = 128  # gemv.c's longest run
+UNIT_MAX = 128  # gemv.c's longest int16 run; the VNNI runs are all this long
 
 
-def run_of(k: int, size: int) -> int:
-    """The run length the int16 path takes for a layer of `k` inputs and scale blocks `size` wide (`x16_unit`), or 0
-    where it keeps the float32 loops."""
-    unit = min(size, UNIT_MAX)
-    return unit if unit % 32 == 0 and size % unit == 0 and k % unit == 0 else 0
+def runs_of(k: int, size: int, kind: str) -> tuple[int, int]:
+    """(run length, bits) of the integer runs the build in use takes for `kind` weights, `k` inputs, scale blocks
+    `size` wide (`x16_unit`, `i8_fits`), or (0, 0) where it keeps other loops."""
+    paths = native.paths()
+    if "vnni runs" in paths and (kind != "uint4" or "bf16 dot" not in paths):
+        return (UNIT_MAX, 15) if k % UNIT_MAX == 0 and size % UNIT_MAX == 0 else (0, 0)
+    if "int16 runs" in paths:
+        unit = min(size, UNIT_MAX)
+        return (unit, 16) if unit % 32 == 0 and size % unit == 0 and k % unit == 0 else (0, 0)
+    return 0, 0
 
 
-def int16_runs(x: torch.Tensor, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x as the int16 runs stand for it, each value's step 2^(e - 15)), float64: each run scaled by the power of two
-    that puts its largest |x| below 2^15, rounded half to even, saturated at 32767."""
+def int_runs(x: torch.Tensor, unit: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x as its runs of `bits`-bit integers stand for it, each value's step 2^(e - bits + 1)), float64: each run
+    scaled by the power of two that puts its largest |x| below 2^(bits - 1), rounded half to even, saturated."""
     m, k = x.shape
     runs = x.double().view(m, k // unit, unit)
     e = torch.frexp(runs.abs().amax(-1, keepdim=True).float()).exponent
-    step = torch.ldexp(torch.ones_like(runs[..., :1]), (e - 15).double())
-    q = torch.round(runs / step).clamp(-32768, 32767)
+    step = torch.ldexp(torch.ones_like(runs[..., :1]), (e - bits + 1).double())
+    q = torch.round(runs / step).clamp(-2 ** (bits - 1), 2 ** (bits - 1) - 1)
     return (q * step).view(m, k), step.expand_as(runs).reshape(m, k)
 
 
@@ -67,9 +74,9 @@ def _check(x: torch.Tensor, kind: str, n: int, block: tuple[int, int], zeros: bo
     dense = (values - z - offset) * _blocks(s.double(), block, (n, k))
     got = native._run(x.float(), stored, native.KINDS[kind], s, zero, *block, n, offset, 0, True).double()
     exact = x.double() @ dense.t()
-    unit = run_of(k, block[1])
-    if "int16 runs" in native.paths() and unit and takes_runs(x, unit):
-        rounded, step = int16_runs(x, unit)
+    unit, bits = runs_of(k, block[1], kind)
+    if unit and takes_runs(x, unit):
+        rounded, step = int_runs(x, unit, bits)
         scale = exact.abs().max() + (rounded.abs() @ dense.abs().t()).max()
         assert float((got - rounded @ dense.t()).abs().max() / scale) < 1e-6, (kind, block)
         bound = step @ dense.abs().t()  # per output: each value off by at most its step
@@ -87,9 +94,10 @@ def _check(x: torch.Tensor, kind: str, n: int, block: tuple[int, int], zeros: bo
                                          (16, 512, (1, 512)), (9, 320, (1, 32)), (7, 200, (1, 100)),
                                          (6, 96, (1, 96))])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_integer_weights_by_bf16_inputs_equal_the_product_of_the_int16_runs(kind, n, k, block, rows, build):
-    """Blocks of 32 to 512 (runs of 32 to 128, several per block; a 96-wide block: runs of 96), per-channel, with and
-    without zero points, activations from 1e-3 to 1e2 in each run; blocks 100 wide keep the float32 loops."""
+def test_integer_weights_by_bf16_inputs_equal_the_product_of_the_integer_runs(kind, n, k, block, rows, build):
+    """Blocks of 32 to 512 (int16 runs of 32 to 128, several per block; a 96-wide block: runs of 96; VNNI runs of 128
+    only), per-channel, with and without zero points, activations from 1e-3 to 1e2 in each run; blocks 100 wide keep
+    the float32 loops."""
     g = torch.Generator().manual_seed(n * k + rows)
     x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 2, k)[torch.randperm(k, generator=g)]
     for zeros in (False, True):
@@ -118,13 +126,14 @@ def test_runs_of_zeros_small_and_large_values_inf_and_nan_fall_where_they_should
         _check(y.bfloat16(), "uint4", 8, (1, 128), True, 3)
 
 
-def test_the_runs_are_taken_only_by_avx2_builds(build):
-    """The paths a build reports: AVX512-BF16's dot products on the native build of a CPU that has them, the int16
-    runs on AVX2 builds (not on x86-64's baseline)."""
-    paths = native.paths()
-    assert paths <= {"bf16 dot", "int16 runs"} and not (paths == {"bf16 dot", "int16 runs"})
-    if build == "baseline":
-        assert paths == set()
-    flags = native._cpu().split()
-    if build == "avx2" or (build == "native" and "avx2" in flags and "avx512f" not in flags):
-        assert paths == {"int16 runs"}
+def test_each_build_reports_the_runs_its_instruction_set_has(build):
+    """The paths a build reports (`native.paths()`): the int16 runs on AVX2 builds only, the VNNI runs on builds with
+    AVX512-VNNI (native, where the CPU has it, and "avx512-vnni"), AVX512-BF16's dot products on the native build of
+    a CPU that has them; none on the "avx512" build (as Skylake-X) and on x86-64's baseline."""
+    flags = set(native._cpu().split())
+    avx512 = {"avx512f", "avx512bw"} <= flags
+    expected = {"baseline": set(), "avx2": {"int16 runs"}, "avx512": set(), "avx512-vnni": {"vnni runs"},
+                "native": ({"bf16 dot"} if avx512 and "avx512_bf16" in flags else set())
+                | ({"vnni runs"} if avx512 and "avx512_vnni" in flags else set())
+                | ({"int16 runs"} if not avx512 and "avx2" in flags else set())}
+    assert native.paths() == expected[build]
