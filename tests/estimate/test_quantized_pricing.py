@@ -225,3 +225,24 @@ def test_the_calibrations_fp8_layers_hold_values_as_a_checkpoint_does():
     w = next(layer._buffers[n] for n in method.specs if layer._buffers[n].dtype == torch.float8_e4m3fn).float()
     assert w.abs().amax(-1).eq(torch.finfo(torch.float8_e4m3fn).max).all()
     assert (w.abs() < 2 ** -6).float().mean() < 1e-3  # subnormals and zeros: a few in 10^4 at most
+
+
+def test_a_profile_measured_with_another_product_build_says_so(tmp_path):
+    """A calibration records the compiled product it timed (`native.build_id`: its source and instruction set), and
+    the profile keeps it through a save and a load. An estimate priced by a profile measured with another build (an
+    older `gemv.c`, another `TPKIT_NATIVE_ISA`) says so and names the way to measure again; one measured with this
+    build, or before builds were recorded, says nothing."""
+    from tpkit.quant import native
+
+    for build, noted in (("0123456789ab", True), (native.build_id(), False), ("", False)):
+        base = synthetic_profile()
+        profile = dataclasses.replace(base, machine={k: dataclasses.replace(r, product_build=build)
+                                                     for k, r in base.machine.items()})
+        path = save_profile(profile, str(tmp_path / f"profile{build}.json"))
+        assert load_profile(path).rates(1).product_build == build
+        est = tpkit.estimate_speed(_config(INT4), [1, 2], mode="decode", seq_len=16, profile=path)
+        notes = [n for n in est.notes if "another build of tpkit's compiled product" in n]
+        assert len(notes) == noted, est.notes
+        if noted:
+            assert build in notes[0] and native.build_id() in notes[0] and "tpkit estimate --calibrate" in notes[0]
+    assert native.build_id() != "torch" or not native.available()

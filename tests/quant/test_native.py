@@ -323,3 +323,15 @@ def test_a_bf16_layer_compiled_before_any_eager_call_chooses_its_product_as_it_t
     assert (got is None) != native_faster
     if native_faster:
         assert _rel(got.float(), x.float() @ w.float().t()) < 1e-2
+
+
+def test_the_build_id_names_the_source_and_the_instruction_set(monkeypatch):
+    """`build_id` (what a calibrated profile records) differs per `TPKIT_NATIVE_ISA` path and is "torch" where no
+    compiled product runs, so a profile timed on another path is known to be."""
+    ids = set()
+    for name in native.ISA_FLAGS:
+        monkeypatch.setenv("TPKIT_NATIVE_ISA", name)
+        ids.add(native.build_id())
+    assert len(ids) == len(native.ISA_FLAGS) and "torch" not in ids
+    monkeypatch.setattr(native, "_LIB", [None])
+    assert native.build_id() == "torch"

@@ -26,6 +26,7 @@ import time
 import torch
 
 from ..comm.shm import SLOT_BYTES
+from ..quant import native
 from ..quant.products import HALF
 from .bandwidth import (COLD_BYTES, best_seconds, measure_copy_bandwidth, measure_fresh_bandwidth,
                         measure_shared_stream_bandwidth, measure_stream_bandwidth)
@@ -237,7 +238,7 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
                          gemm_widths=tuple((w, tables[torch.float32, False, w]) for w in GEMM_WIDTHS if w != 1024),
                          linear_gemm=tuple((w, tables[torch.float32, True, w]) for w in GEMM_WIDTHS),
                          quantized=quantized,
-                         dtype_gemm=dtype_gemm, fresh_bandwidth=fresh)
+                         dtype_gemm=dtype_gemm, fresh_bandwidth=fresh, product_build=native.build_id())
     comm.barrier()
     reset_peak_rss()
     before = rss_bytes()

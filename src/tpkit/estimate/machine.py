@@ -192,6 +192,9 @@ class MachineRates:
     # bytes/s of new pages for a tensor of at least `ops.FRESH_BLOCK_BYTES` (`bandwidth.measure_fresh_bandwidth`);
     # 0: no such cost (profiles measured before, datasheet machines, a caching allocator)
     fresh_bandwidth: float = 0.0
+    # the compiled product the decode rates were measured with (`tpkit.quant.native.build_id`); "" in profiles
+    # measured before it was recorded, and on datasheet machines
+    product_build: str = ""
 
     def framework_cost(self, family: str | None, goal: str, tp: bool,
                        dp_mode: str | None = None) -> FrameworkCost | None:
@@ -293,7 +296,7 @@ class MachineRates:
                    float(data.get("train_skew", 0.0)),
                    {k: QuantizedRate.from_dict(v) for k, v in dict(data.get("quantized", {})).items()},
                    {d: _tables(t) for d, t in dict(data.get("dtype_gemm", {})).items()},
-                   float(data.get("fresh_bandwidth", 0.0)))
+                   float(data.get("fresh_bandwidth", 0.0)), str(data.get("product_build", "")))
 
 
 def _tables(data) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:

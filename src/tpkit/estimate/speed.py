@@ -23,6 +23,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..quant import native
 from ..tables import Column, format_bytes, render_table, wrap_text
 from .activations import normalise_recompute
 from .config import own_dtype, resolve_target
@@ -282,6 +283,10 @@ def _notes(rows: list[SpeedRow], pricing: Pricing, sizes: list[int], vocab_paral
                      + "; ".join(f"TP {r.world_size}: {format_bytes(r.process_bytes)} ({format_bytes(r.memory_bytes)}"
                                  f" + {format_bytes(rates.import_bytes)} + {format_bytes(rates.runtime_bytes)})"
                                  for r in rows))
+        if rates.product_build and rates.product_build != native.build_id():
+            notes.append(f"the profile's product rates were measured with another build of tpkit's compiled product "
+                         f"({rates.product_build}; this one: {native.build_id()}): decode products are priced as they "
+                         f"ran then; recalibrate (`tpkit estimate --calibrate`)")
     else:
         notes.append("the most tensor bytes a rank holds in the traced step: "
                      + "; ".join(f"TP {r.world_size}: {format_bytes(r.memory_bytes)}" for r in rows))

@@ -732,9 +732,9 @@ static void dot_bf16(int kind, int mc, int64_t K, const uint16_t *xb, const uint
    per run (under 2^31: 8 products of 255 x 128 per lane) and multiplied into float32 by the run's 2^(e - 14) and
    its block's scale. The zero points and offset come off with the sums of the q values times their run's scale
    (`sums`), as in the int16 runs. int8 weights ran 1.6x faster in cache than by the float32 loops (one 5632 x 2048
-   layer on the 2-core EPYC: 55 against 34 GB/s; from memory 32-34 against 22-29). int4 weights take it only where the
-   CPU has no AVX512-BF16 (Ice Lake, Cascade Lake): there the bf16 dot products are exact and hardly slower (the same
-   layer from memory: 25-27 against 27 GB/s; both bound by their vector instructions per run, not by reading). */
+   layer on the 2-core EPYC: 55 against 34 GB/s; from memory 31-36 against 25-27). int4 weights take it only where the
+   CPU has no AVX512-BF16 (Ice Lake, Cascade Lake): where it has, the bf16 dot products are exact and as fast (the
+   same layer from memory: 24-25 GB/s either way, both bound by their vector instructions per run, not by reading). */
 #define VNNI_RUNS 1
 #define I8_RUN 128
 #define VNNI_INT8_BIAS 128.0f
@@ -960,8 +960,7 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
 #ifdef VNNI_RUNS
     float *vs = xb ? (float *)(xb + M * K) : 0;
 #ifdef BF16_DOT
-    int vnni_kind = kind == 2 || kind == 3;  /* int4 keeps the bf16 dot products: exact, and as fast (cold: 25-27
-                                                against 27 GB/s) */
+    int vnni_kind = kind == 2 || kind == 3;  /* int4 keeps the bf16 dot products: exact, and as fast */
 #else
     int vnni_kind = 1;
 #endif

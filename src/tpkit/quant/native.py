@@ -180,6 +180,16 @@ def paths() -> set[str]:
     return set(_function().paths) if available() else set()
 
 
+def build_id() -> str:
+    """What a calibration's product rates were measured with (`tpkit.estimate`'s profile records it): a digest of
+    `gemv.c` and the instruction set asked for (`TPKIT_NATIVE_ISA`), or "torch" where no compiled product runs
+    (`TPKIT_NATIVE=0`, no compiler). A profile measured with another build prices the products as they ran then."""
+    if not available():
+        return "torch"
+    with open(_SOURCE, "rb") as f:
+        return hashlib.sha256(f.read() + isa().encode()).hexdigest()[:12]
+
+
 def available() -> bool:
     """Whether the compiled products can run here (a C compiler built them, or a build is cached)."""
     return _function() is not None
