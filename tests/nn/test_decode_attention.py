@@ -1,7 +1,8 @@
 """A converted model's attention layers compute a half-precision decode step in float32 on the CPU
 (`tpkit.nn.decode_attention`): at least as close to the exact attention as torch's own half-precision kernel, every
 other call handed to transformers' "sdpa" function untouched, a stock model in the same process unchanged, and a
-converted bf16 Llama decoding transformers' tokens at 1, 2 and 3 ranks."""
+converted bf16 Llama decoding transformers' tokens at 1, 2 and 3 ranks: from `parallelize`, `from_pretrained`, meta and
+`load_sharded`, and a quantized checkpoint."""
 from __future__ import annotations
 
 import copy
@@ -154,3 +155,43 @@ def test_world_1_from_pretrained_deepcopy_and_save_pretrained_keep_transformers_
     assert again.config._attn_implementation == "sdpa"
     with torch.no_grad():
         assert torch.equal(again(ids).logits, want(ids).logits)
+
+
+@pytest.mark.parametrize("world,heads,kv_heads", [(2, 4, 2), (3, 6, 3)])
+def test_meta_and_load_sharded_at_2_and_3_ranks_take_the_float32_step(world, heads, kv_heads, tmp_path,
+                                                                      monkeypatch):
+    """A bf16 Llama built on the meta device, converted at 2 and 3 thread-ranks and filled by `load_sharded` from
+    transformers' checkpoint (each rank its slices): every rank's attention layers take the float32 step, and the
+    ranks decode the same tokens, each the exact (float64) model's choice up to a bf16 tie."""
+    _llama(heads, kv_heads).save_pretrained(tmp_path / "ck")
+    want = tr.AutoModelForCausalLM.from_pretrained(tmp_path / "ck", dtype="auto").eval()
+    taken = _counting(monkeypatch)
+    ids = torch.tensor([[3, 17, 250, 9]])
+    with torch.device("meta"):  # built once: `_from_config` sets torch's default dtype, which thread-ranks share
+        meta = tr.LlamaForCausalLM._from_config(want.config, dtype=torch.bfloat16)
+
+    def rank(comm):
+        model = tpkit.parallelize(copy.deepcopy(meta), comm=comm)
+        tpkit.load_sharded(model, str(tmp_path / "ck"), comm=comm, progress=False)
+        return model.eval().generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+
+    results = tpkit.run_threads(rank, world)
+    assert all(torch.equal(tokens, results[0]) for tokens in results)
+    assert_greedy_up_to_ties(results[0], copy.deepcopy(want).double(), ids.shape[1])
+    assert taken.count(True) == world * 2 * 4  # every rank, both layers, the 4 steps after the prefill
+
+
+def test_a_quantized_checkpoint_takes_the_float32_step(tmp_path, monkeypatch):
+    """A compressed-tensors int4 checkpoint of a bf16 Llama (group 128) loaded by `from_pretrained` at world 1: its
+    attention layers take the float32 step, and its tokens are each the choice of transformers' own load of the
+    checkpoint (dequantized, in float64) up to a bf16 tie."""
+    from tests.quant.checkpoints import compressed_tensors, reference
+
+    directory = compressed_tensors(_llama(4, 2), str(tmp_path / "int4"), "pack-quantized", num_bits=4, type="int",
+                                   symmetric=True, strategy="group", group_size=128)
+    got = tpkit.from_pretrained(directory, progress=False)
+    taken = _counting(monkeypatch)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    tokens = got.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert taken.count(True) == 2 * 3
+    assert_greedy_up_to_ties(tokens, reference(directory).double(), ids.shape[1])
