@@ -72,9 +72,10 @@ def test_fp8_and_fp16_weights_keep_their_precision_at_any_activation_size(scale,
                                          (16, 512, (1, 512)), (9, 320, (1, 64)), (7, 200, (1, 100))])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_bf16_inputs_equal_the_float64_product(n, k, block, rows, build):
-    """bf16 activations (a bf16 model's) take AVX512-BF16's dot products for bf16 and int4 weights where the CPU
-    has them (int4 where its blocks are whole runs of 128 values; 64 and 100 wide blocks, and k 200, keep the
-    float32 loops), and the int16 runs of x for int4 weights in AVX2 builds: the float32 sums before the output's
+    """bf16 activations (a bf16 model's) take AVX512-BF16's dot products for bf16 weights where the CPU has them,
+    and for int4 weights where it has no VNNI (int4 where its blocks are whole runs of 128 values; 64 and 100 wide
+    blocks, and k 200, keep the float32 loops), the VNNI runs or, in AVX2 builds, the int16 runs of x for int4
+    weights (test_native_int16.py): the float32 sums before the output's
     rounding to bf16 equal the float64 product of the same values (x as its runs stand for it, where taken), zero
     points and scales of each dtype included, on every instruction-set path."""
     g = torch.Generator().manual_seed(n * k + rows)
@@ -266,8 +267,9 @@ def test_the_environment_picks_the_instruction_set(monkeypatch):
     assert native.ISA_FLAGS["avx512"] == ("-mno-avx512bf16", "-mno-avx512vnni")
     assert native.ISA_FLAGS["avx512-vnni"] == ("-mno-avx512bf16",)
     monkeypatch.setenv("TPKIT_NATIVE_ISA", "sse9")
-    with pytest.raises(ValueError, match="TPKIT_NATIVE_ISA='sse9': choose one of native, avx512-vnni, avx512, avx2, "
-                                         "baseline"):
+    assert native.ISA_FLAGS["avx512-bf16"] == ("-mno-avx512vnni",)
+    with pytest.raises(ValueError, match="TPKIT_NATIVE_ISA='sse9': choose one of native, avx512-bf16, avx512-vnni, "
+                                         "avx512, avx2, baseline"):
         native.isa()
 
 

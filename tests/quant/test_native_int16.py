@@ -1,7 +1,6 @@
 """Integer weights times bf16 activations as integer runs: each run of x made an integer by a power of two and
 rounded, then exact integer products. Two paths: int16 runs (`gemv.c`'s X16, AVX2 builds: int8 and int4 weights, runs
-of 32 to 128) and 15-bit runs split into bytes (VNNI_RUNS, AVX512-VNNI: int8 weights, and int4 where the build has
-no AVX512-BF16; runs of 128). Checked against the float64 product of the same rounded activations (the path is what
+of 32 to 128) and 15-bit runs split into bytes (VNNI_RUNS, AVX512-VNNI: int8 and int4 weights; runs of 128). Checked against the float64 product of the same rounded activations (the path is what
 it says, exactly), against the float64 product of x itself within the documented bound (half a step per value,
 the step 2^(e - 15) or 2^(e - 14) for a run whose largest |x| is below 2^e), and falling back to the other loops
 where the runs do not fit the blocks or x holds inf or NaN. On every instruction-set path: a build without the runs
@@ -22,7 +21,7 @@ def runs_of(k: int, size: int, kind: str) -> tuple[int, int]:
     """(run length, bits) of the integer runs the build in use takes for `kind` weights, `k` inputs, scale blocks
     `size` wide (`x16_unit`, `i8_fits`), or (0, 0) where it keeps other loops."""
     paths = native.paths()
-    if "vnni runs" in paths and (kind != "uint4" or "bf16 dot" not in paths):
+    if "vnni runs" in paths:
         return (UNIT_MAX, 15) if k % UNIT_MAX == 0 and size % UNIT_MAX == 0 else (0, 0)
     if "int16 runs" in paths:
         unit = min(size, UNIT_MAX)
@@ -128,11 +127,13 @@ def test_runs_of_zeros_small_and_large_values_inf_and_nan_fall_where_they_should
 
 def test_each_build_reports_the_runs_its_instruction_set_has(build):
     """The paths a build reports (`native.paths()`): the int16 runs on AVX2 builds only, the VNNI runs on builds with
-    AVX512-VNNI (native, where the CPU has it, and "avx512-vnni"), AVX512-BF16's dot products on the native build of
-    a CPU that has them; none on the "avx512" build (as Skylake-X) and on x86-64's baseline."""
+    AVX512-VNNI (native, where the CPU has it, and "avx512-vnni"), AVX512-BF16's dot products on builds with it
+    (native, where the CPU has it, and "avx512-bf16"); none on the "avx512" build (as Skylake-X) and on x86-64's
+    baseline."""
     flags = set(native._cpu().split())
     avx512 = {"avx512f", "avx512bw"} <= flags
     expected = {"baseline": set(), "avx2": {"int16 runs"}, "avx512": set(), "avx512-vnni": {"vnni runs"},
+                "avx512-bf16": {"bf16 dot"},
                 "native": ({"bf16 dot"} if avx512 and "avx512_bf16" in flags else set())
                 | ({"vnni runs"} if avx512 and "avx512_vnni" in flags else set())
                 | ({"int16 runs"} if not avx512 and "avx2" in flags else set())}

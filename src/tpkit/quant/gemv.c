@@ -10,8 +10,8 @@
    Where the CPU has AVX512-BF16 and the activations are bf16 values (`xb`), bf16, int4 and FP8 weights are
    multiplied as bf16 words by its dot product instead (`dot_bf16`): the same float32 sums of exact products, with no
    decode to float32 (int4: a byte lookup per nibble; FP8: two bit operations per 32 values), which was the int4 and
-   FP8 loops' bound. Where it has AVX512-VNNI, int8 weights times bf16 activations take its byte products (VNNI_RUNS:
-   x made 15-bit integers per run, split into two bytes), and int4 too where there is no AVX512-BF16.
+   FP8 loops' bound. Where it has AVX512-VNNI, int8 and int4 weights times bf16 activations take its byte products
+   instead (VNNI_RUNS: x made 15-bit integers per run, split into two bytes).
 
    Weight kinds (`kind`), each `[N, K]` row-major in its stored bytes:
      0  bf16 bits                                 1  fp16 bits
@@ -495,9 +495,21 @@ static void rows(int kind, int mc, int64_t K, const float *x, const float *halve
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && (defined(__AVX512BF16__) || defined(__AVX512VNNI__))
-/* sum_b s[b] * (z[b] + bias) * sums[b] over b < KB (z NULL: `offset` for every block), 16 blocks per step: the
-   bf16 dot products' and the VNNI runs' zero points */
-static float shift_sum(int64_t KB, const float *s, const float *z, float offset, float bias, const float *sums) {
+/* What comes off a row's integer products (see the header): its blocks' zero points `z_row` (NULL: `offset` for
+   every block), a path's `bias` per value, times the activation rows' block sums `sums` (KB per row) */
+struct shift {
+    const float *z_row;
+    float offset, bias;
+    const float *sums;
+    int64_t KB;
+};
+
+/* s[b] * (z[b] + bias) * sums[b] over b < KB (z NULL: `offset` for every block), summed into 16 lanes, 16 blocks
+   per step: the bf16 dot products' and the VNNI runs' zero points. Unreduced, so a row's products take it off their
+   own lanes before their one sum across the lanes (a second sum had cost an int4 row of 1 KiB an eighth of its
+   time). */
+static inline __m512 shift_lanes(int64_t KB, const float *s, const float *z, float offset, float bias,
+                                 const float *sums) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < KB; b += 16) {
         __mmask16 live = KB - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (KB - b)) - 1u);
@@ -505,8 +517,14 @@ static float shift_sum(int64_t KB, const float *s, const float *z, float offset,
         __m512 terms = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + b), _mm512_add_ps(zb, _mm512_set1_ps(bias)));
         acc = _mm512_fmadd_ps(terms, _mm512_maskz_loadu_ps(live, sums + b), acc);
     }
-    return _mm512_reduce_add_ps(acc);
+    return acc;
 }
+
+#ifdef __AVX512BF16__
+static float shift_sum(int64_t KB, const float *s, const float *z, float offset, float bias, const float *sums) {
+    return _mm512_reduce_add_ps(shift_lanes(KB, s, z, offset, bias, sums));
+}
+#endif
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -731,10 +749,10 @@ static void dot_bf16(int kind, int mc, int64_t K, const uint16_t *xb, const uint
    with the zero points, `VNNI_INT8_BIAS`), meet h and l in two products each, exact in int32, summed as 128 h + l
    per run (under 2^31: 8 products of 255 x 128 per lane) and multiplied into float32 by the run's 2^(e - 14) and
    its block's scale. The zero points and offset come off with the sums of the q values times their run's scale
-   (`sums`), as in the int16 runs. int8 weights ran 1.6x faster in cache than by the float32 loops (one 5632 x 2048
-   layer on the 2-core EPYC: 55 against 34 GB/s; from memory 31-36 against 25-27). int4 weights take it only where the
-   CPU has no AVX512-BF16 (Ice Lake, Cascade Lake): where it has, the bf16 dot products are exact and as fast (the
-   same layer from memory: 24-25 GB/s either way, both bound by their vector instructions per run, not by reading). */
+   (`sums`), as in the int16 runs, off each row's lanes before their one sum. One 5632 x 2048 layer at one row on the
+   2-core EPYC: int8 weights ran 1.6x faster in cache than by the float32 loops (55 against 34 GB/s; from memory
+   31-36 against 25-27), int4 weights 1.2x faster from memory than by the bf16 dot products (32-35 against 28-29
+   GB/s), which are exact and remain where the CPU has AVX512-BF16 without VNNI (`TPKIT_NATIVE_ISA=avx512-bf16`). */
 #define VNNI_RUNS 1
 #define I8_RUN 128
 #define VNNI_INT8_BIAS 128.0f
@@ -803,7 +821,8 @@ static int i8_activations(int kind, int64_t M, int64_t K, int64_t size, const fl
    64 weight bytes loaded (and for kind 4 split into nibbles) once for all rows */
 static inline __attribute__((always_inline)) void i8_rows_mc(int kind, int mc, int64_t K, const uint8_t *xq,
                                                              const float *xs, const uint8_t *w, int64_t size,
-                                                             const float *s_row, float *out) {
+                                                             const float *s_row, const struct shift *shift,
+                                                             float *out) {
     const int64_t KU = K / I8_RUN, per_block = size / I8_RUN;
     const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     __m512 tot[MC_MAX], odd[MC_MAX];  /* even and odd runs' sums: one chain of multiply-adds waited on itself */
@@ -835,19 +854,25 @@ static inline __attribute__((always_inline)) void i8_rows_mc(int kind, int mc, i
         }
         if (++in_block == per_block && u + 1 < KU) { in_block = 0; b++; s = s_row ? s_row[b] : 1.0f; }
     }
-    for (int m = 0; m < mc; m++) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(tot[m], odd[m]));
+    for (int m = 0; m < mc; m++) {
+        __m512 sum = _mm512_add_ps(tot[m], odd[m]);
+        if (shift)  /* the blocks' zero points and offset (and int8's bias) times the sums of q */
+            sum = _mm512_sub_ps(sum, shift_lanes(shift->KB, s_row, shift->z_row, shift->offset, shift->bias,
+                                                 shift->sums + m * shift->KB));
+        out[m] = _mm512_reduce_add_ps(sum);
+    }
 }
 
 #define I8_CASE(KIND)                                                                                        \
     switch (mc) {                                                                                            \
-    case 1: i8_rows_mc(KIND, 1, K, xq, xs, w, size, s_row, out); return;                                     \
-    case 2: i8_rows_mc(KIND, 2, K, xq, xs, w, size, s_row, out); return;                                     \
-    case 3: i8_rows_mc(KIND, 3, K, xq, xs, w, size, s_row, out); return;                                     \
-    default: i8_rows_mc(KIND, 4, K, xq, xs, w, size, s_row, out); return;                                    \
+    case 1: i8_rows_mc(KIND, 1, K, xq, xs, w, size, s_row, shift, out); return;                              \
+    case 2: i8_rows_mc(KIND, 2, K, xq, xs, w, size, s_row, shift, out); return;                              \
+    case 3: i8_rows_mc(KIND, 3, K, xq, xs, w, size, s_row, shift, out); return;                              \
+    default: i8_rows_mc(KIND, 4, K, xq, xs, w, size, s_row, shift, out); return;                             \
     }
 
 static void i8_rows(int kind, int mc, int64_t K, const uint8_t *xq, const float *xs, const uint8_t *w, int64_t size,
-                    const float *s_row, float *out) {
+                    const float *s_row, const struct shift *shift, float *out) {
     if (kind == 2) I8_CASE(2)
     if (kind == 3) I8_CASE(3)
     I8_CASE(4)
@@ -925,8 +950,9 @@ static void rows(int kind, int mc, int64_t K, const float *x, const float *halve
 }
 #endif
 
-/* The products this build has, for bf16 activations: 1 AVX512-BF16's dot products (BF16_DOT), 2 int16 runs of x
-   for integer weights (X16), 4 15-bit runs of x for integer weights by VNNI (VNNI_RUNS); 0 the float32 loops only */
+/* The products this build has, for bf16 activations: 1 AVX512-BF16's dot products (BF16_DOT: bf16, FP8 weights, and
+   int4 without VNNI), 2 int16 runs of x for integer weights (X16), 4 15-bit runs of x for integer weights by VNNI
+   (VNNI_RUNS); 0 the float32 loops only */
 int tp_paths(void) {
     int paths = 0;
 #ifdef BF16_DOT
@@ -959,12 +985,7 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
     int vnni = 0;  /* integer weights by x's 15-bit runs and VNNI's byte products (VNNI_RUNS) */
 #ifdef VNNI_RUNS
     float *vs = xb ? (float *)(xb + M * K) : 0;
-#ifdef BF16_DOT
-    int vnni_kind = kind == 2 || kind == 3;  /* int4 keeps the bf16 dot products: exact, and as fast */
-#else
-    int vnni_kind = 1;
-#endif
-    if (vnni_kind && xb && scale && i8_fits(kind, K, size)) {
+    if (xb && scale && i8_fits(kind, K, size)) {
         vnni = i8_activations(kind, M, K, size, x, (uint8_t *)xb, vs, shifted || kind == 2, sums, KB);
         shifted = shifted || (vnni && kind == 2);  /* int8's flipped sign bit: 128 more per value */
     }
@@ -1032,11 +1053,9 @@ void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const vo
             float out[MC_MAX];
 #ifdef VNNI_RUNS
             if (vnni) {
-                i8_rows(kind, mc, K, (const uint8_t *)xb + 2 * m0 * K, vs + m0 * (K / I8_RUN), wn, size, s_row, out);
-                if (shifted)  /* the blocks' zero points and offset (and int8's bias) times the sums of q */
-                    for (int m = 0; m < mc; m++)
-                        out[m] -= shift_sum(KB, s_row, z_row, offset, kind == 2 ? VNNI_INT8_BIAS : 0.0f,
-                                            sums + (m0 + m) * KB);
+                struct shift sh = {z_row, offset, kind == 2 ? VNNI_INT8_BIAS : 0.0f, sums ? sums + m0 * KB : 0, KB};
+                i8_rows(kind, mc, K, (const uint8_t *)xb + 2 * m0 * K, vs + m0 * (K / I8_RUN), wn, size, s_row,
+                        shifted ? &sh : 0, out);
             } else
 #endif
 #ifdef BF16_DOT

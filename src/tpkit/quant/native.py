@@ -7,11 +7,11 @@ kernel at all for FP8; float32 `F.linear` at one row about 60% of memory speed o
 each weight row once, decoding it in registers (bf16, fp16, int8, packed int4 pairs, FP8 e4m3; float32 as it is)
 with float32 sums and per-block scales and zero points, the scales and zero points read
 where the checkpoint stored them (float32, bf16 or fp16 scales; int8 or packed int32 zero points; the values'
-storage offset a scalar): a layer keeps no table beside its stored tensors. bf16 activations times bf16 or int4
+storage offset a scalar): a layer keeps no table beside its stored tensors. bf16 activations times bf16 or FP8
 weights take AVX512-BF16's dot products where the CPU has them (exact products, float32 sums, no decode to float32);
-int8 weights times bf16 activations take AVX512-VNNI's byte products where it has those, and on AVX2 CPUs (AMD Zen
-3) int8 and int4 weights integer products of words: both of x made integers per run of 128 (within 2^-14 of each
-run's largest |x|: `paths()`).
+int8 and int4 weights times bf16 activations take AVX512-VNNI's byte products where it has those, and on AVX2 CPUs
+(AMD Zen 3) integer products of words: both of x made integers per run of 128 (within 2^-14 of each run's largest
+|x|: `paths()`).
 Each call's scratch (sums of x, x rearranged) lives in one buffer per thread, reused: a decode step calls this for
 every layer, and the allocations had been a quarter of a small layer's call.
 
@@ -139,15 +139,17 @@ def build(flags: tuple[str, ...] = ()):
 
 # `TPKIT_NATIVE_ISA`: the instruction set the product is built for. "native" (the default): everything this CPU has
 # (`-march=native`: the AVX-512 loops where it has AVX-512F and BW, AVX512-BF16's dot products for bf16 activations
-# where it has that too, and AVX512-VNNI's byte products for int8 weights times bf16 activations where it has
-# that); "avx512-vnni": the same without AVX512-BF16 (as Ice Lake: int8 and int4 weights by VNNI, the rest by float32
-# multiply-adds); "avx512": without AVX512-BF16 and VNNI (as Skylake-X: float32 multiply-adds throughout); "avx2":
+# where it has that too, and AVX512-VNNI's byte products for int8 and int4 weights times bf16 activations where it
+# has that); "avx512-bf16": the same without VNNI (int4 weights by the bf16 dot products: exact, 1.2x slower);
+# "avx512-vnni": without AVX512-BF16 (as Ice Lake: int8 and int4 weights by VNNI, the rest by float32 multiply-adds);
+# "avx512": without AVX512-BF16 and VNNI (as Skylake-X: float32 multiply-adds throughout); "avx2":
 # the same CPU without AVX-512 (AVX2, FMA and F16C intrinsics: the float32 loops at 8 lanes, and int8 / int4 weights
 # by the int16 runs of bf16 activations); "baseline": x86-64's SSE2 only (the portable loops the compiler
 # vectorizes). A CPU runs each path it has, so the tests run every one here and compare them with the dequantized
 # product.
-ISA_FLAGS = {"native": (), "avx512-vnni": ("-mno-avx512bf16",), "avx512": ("-mno-avx512bf16", "-mno-avx512vnni"),
-             "avx2": ("-mno-avx512f",), "baseline": ("-march=x86-64", "-mtune=generic")}
+ISA_FLAGS = {"native": (), "avx512-bf16": ("-mno-avx512vnni",), "avx512-vnni": ("-mno-avx512bf16",),
+             "avx512": ("-mno-avx512bf16", "-mno-avx512vnni"), "avx2": ("-mno-avx512f",),
+             "baseline": ("-march=x86-64", "-mtune=generic")}
 
 
 def isa() -> str:
@@ -173,9 +175,9 @@ def _function():
 
 def paths() -> set[str]:
     """The products this build takes for bf16 activations besides the float32 loops (`gemv.c`'s `tp_paths`): "bf16
-    dot" (AVX512-BF16's dot products: bf16, int4, FP8 weights, exact), "int16 runs" (AVX2 builds: int8 and int4
-    weights times x made int16 per run, within 2^-14 of each run's largest |x|), "vnni runs" (AVX512-VNNI: int8
-    weights, and int4 where there is no "bf16 dot", times x made 15-bit integers per run of 128, within 2^-14 of each
+    dot" (AVX512-BF16's dot products: bf16, FP8 weights, and int4 where there are no "vnni runs", exact), "int16
+    runs" (AVX2 builds: int8 and int4 weights times x made int16 per run, within 2^-14 of each run's largest |x|),
+    "vnni runs" (AVX512-VNNI: int8 and int4 weights times x made 15-bit integers per run of 128, within 2^-14 of each
     run's largest |x|)."""
     return set(_function().paths) if available() else set()
 
