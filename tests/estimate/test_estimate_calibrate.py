@@ -74,7 +74,12 @@ def test_calibrate_writes_a_profile_that_later_estimates_use(quick_calibration, 
         assert set(rates.dtype_gemm) == {"bfloat16"}  # BLAS per dtype, as nn.Linear reads the weight (quick: bf16)
         assert all(1e7 < f < 1e14 for tables in rates.dtype_gemm.values() for _, t in tables for _, f in t)
         assert all(q.fixed_s >= 0 and 1e7 < q.bandwidth(1) < 1e13 for q in rates.quantized.values())
+    from tpkit.quant import native
+
+    for rates in profile.machine.values():  # what the products were timed with; the bandwidth at the end as well
+        assert rates.product_build == native.build_id() and 1e8 < rates.stream_bandwidth_end < 1e13
     assert "quantized layer int4/bfloat16" in out and "dense bfloat16 layer's decode product" in out
+    assert "GB/s at the start" in out and "at the end" in out
     assert "weight read as nn.Linear reads it, in bfloat16, by rows" in out
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":  # glibc unmaps a freed 64 MiB block
         assert all(r.fresh_bandwidth > 0 for r in profile.machine.values()) and "new pages for a tensor" in out

@@ -246,3 +246,31 @@ def test_a_profile_measured_with_another_product_build_says_so(tmp_path):
         if noted:
             assert build in notes[0] and native.build_id() in notes[0] and "tpkit estimate --calibrate" in notes[0]
     assert native.build_id() != "torch" or not native.available()
+
+
+def test_a_calibration_whose_bandwidth_moved_says_so(tmp_path):
+    """A calibration measures the streaming bandwidth again at its end (`stream_bandwidth_end`, kept through a save
+    and a load, printed with the terms): an estimate priced by a profile whose bandwidth moved by more than
+    `STREAM_DRIFT` either way says so with both figures; within it, or measured once (a profile from before), it
+    says nothing."""
+    from tpkit.estimate.speed import STREAM_DRIFT
+    from tpkit.estimate.terms import profile_terms
+
+    base = synthetic_profile()
+    start = base.machine["2"].stream_bandwidth
+    for end, noted in ((start * 0.6, True), (start * 1.4, True), (start * (1 + STREAM_DRIFT / 2), False),
+                       (0.0, False)):
+        profile = dataclasses.replace(base, machine={k: dataclasses.replace(r, stream_bandwidth_end=end
+                                                                            * r.stream_bandwidth / start)
+                                                     for k, r in base.machine.items()})
+        path = save_profile(profile, str(tmp_path / f"profile{end}.json"))
+        loaded = load_profile(path)
+        assert loaded.rates(2).stream_bandwidth_end == pytest.approx(end)
+        assert any(("at the end" in line) == bool(end) for line in profile_terms(loaded))
+        est = tpkit.estimate_speed(_config(INT4), [1, 2], mode="decode", seq_len=16, profile=path)
+        notes = [n for n in est.notes if "memory bandwidth moved during the calibration" in n]
+        assert len(notes) == noted, est.notes
+        if noted:  # (both rank counts moved alike: the note names the first, one rank alone)
+            one = profile.machine["1"]
+            assert (f"(1 rank reading: {one.stream_bandwidth / 1e9:.1f} GB/s per rank at its start, "
+                    f"{one.stream_bandwidth_end / 1e9:.1f} at its end)") in notes[0]

@@ -250,7 +250,7 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     comm.barrier()
     rates = dataclasses.replace(rates, framework=framework_costs(rates, None, families, repeats, tensor_s))
     if comm.world_size == 1:
-        return rates
+        return _stream_at_end(rates, comm, repeats)
     sizes = collective_sizes(quick)
     collectives = {k: {str(comm.world_size): c} for k, c in measure_collectives(comm, sizes, repeats).items()}
     rates = dataclasses.replace(rates, collectives=collectives, skew=measure_rank_skew(comm, 1, repeats=repeats),
@@ -261,7 +261,13 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     dp: dict = {}
     for mode, wrap in sorted((dp_wrappers or {}).items()):
         dp.update(framework_costs(rates, comm, families, repeats, tensor_s, dp=(mode, wrap)))
-    return dataclasses.replace(rates, dp_framework=dp)
+    return _stream_at_end(dataclasses.replace(rates, dp_framework=dp), comm, repeats)
+
+
+def _stream_at_end(rates: MachineRates, comm, repeats: int) -> MachineRates:
+    """`rates` with the streaming bandwidth measured again as the rank's calibration ends (`stream_drift`)."""
+    comm.barrier()
+    return dataclasses.replace(rates, stream_bandwidth_end=measure_shared_stream_bandwidth(comm, repeats=repeats))
 
 
 def _worst(per_rank: list[dict[str, FrameworkCost]]) -> dict[str, FrameworkCost]:
@@ -284,6 +290,7 @@ def _slowest(per_rank: list[MachineRates]) -> MachineRates:
                                collective_overhead_s=max(r.collective_overhead_s for r in per_rank),
                                train_collective_overhead_s=max(r.train_collective_overhead_s for r in per_rank),
                                stream_bandwidth=min(r.stream_bandwidth for r in per_rank),
+                               stream_bandwidth_end=min(r.stream_bandwidth_end for r in per_rank),
                                stored_bandwidth=min(r.stored_bandwidth for r in per_rank),
                                copy_bandwidth=min(r.copy_bandwidth for r in per_rank),
                                fresh_bandwidth=min((r.fresh_bandwidth for r in per_rank if r.fresh_bandwidth),

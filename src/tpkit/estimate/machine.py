@@ -195,6 +195,18 @@ class MachineRates:
     # the compiled product the decode rates were measured with (`tpkit.quant.native.build_id`); "" in profiles
     # measured before it was recorded, and on datasheet machines
     product_build: str = ""
+    # `stream_bandwidth` measured again as the calibration ended: a machine whose memory bandwidth moves (a shared
+    # host's spells: 20 against 35 GB/s per rank minutes apart on the 2-core EPYC) gave rates that hold for neither
+    # spell, and the estimate says so (`stream_drift`); 0 in profiles measured before
+    stream_bandwidth_end: float = 0.0
+
+    def stream_drift(self) -> float:
+        """How far the streaming bandwidth moved during the calibration: end / start or start / end, the larger, less
+        1 (0 where not measured twice)."""
+        if not self.stream_bandwidth_end or not self.stream_bandwidth:
+            return 0.0
+        ratio = self.stream_bandwidth_end / self.stream_bandwidth
+        return max(ratio, 1 / ratio) - 1
 
     def framework_cost(self, family: str | None, goal: str, tp: bool,
                        dp_mode: str | None = None) -> FrameworkCost | None:
@@ -296,7 +308,8 @@ class MachineRates:
                    float(data.get("train_skew", 0.0)),
                    {k: QuantizedRate.from_dict(v) for k, v in dict(data.get("quantized", {})).items()},
                    {d: _tables(t) for d, t in dict(data.get("dtype_gemm", {})).items()},
-                   float(data.get("fresh_bandwidth", 0.0)), str(data.get("product_build", "")))
+                   float(data.get("fresh_bandwidth", 0.0)), str(data.get("product_build", "")),
+                   float(data.get("stream_bandwidth_end", 0.0)))
 
 
 def _tables(data) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:

@@ -274,6 +274,9 @@ def _module_example(model, dtype, batch_size: int, example_input, input_shape, s
                      f"throughput is in samples/s", *notes]
 
 
+STREAM_DRIFT = 0.15  # the streaming bandwidth's move during a calibration past which an estimate says so
+
+
 def _notes(rows: list[SpeedRow], pricing: Pricing, sizes: list[int], vocab_parallel: bool) -> list[str]:
     """What a rank holds at each world size, and where the figures are for another machine."""
     notes = []
@@ -283,6 +286,14 @@ def _notes(rows: list[SpeedRow], pricing: Pricing, sizes: list[int], vocab_paral
                      + "; ".join(f"TP {r.world_size}: {format_bytes(r.process_bytes)} ({format_bytes(r.memory_bytes)}"
                                  f" + {format_bytes(rates.import_bytes)} + {format_bytes(rates.runtime_bytes)})"
                                  for r in rows))
+        moved = max((pricing.profile.rates(t) for t in sizes), key=lambda r: r.stream_drift())
+        if moved.stream_drift() > STREAM_DRIFT:
+            who = "1 rank" if moved.ranks == 1 else f"{moved.ranks} ranks"
+            notes.append(f"this machine's memory bandwidth moved during the calibration ({who} reading: "
+                         f"{moved.stream_bandwidth / 1e9:.1f} GB/s per rank at its start, "
+                         f"{moved.stream_bandwidth_end / 1e9:.1f} at its end): its rates hold for neither, and decode "
+                         f"figures may be off by as much; calibrate again when the machine is quiet "
+                         f"(`tpkit estimate --calibrate`)")
         if rates.product_build and rates.product_build != native.build_id():
             notes.append(f"the profile's product rates were measured with another build of tpkit's compiled product "
                          f"({rates.product_build}; this one: {native.build_id()}): decode products are priced as they "

@@ -34,8 +34,10 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
         r = profile.machine[key]
         who = f"{r.ranks} rank{'s' if r.ranks > 1 else ''} at once, {r.threads} thread{'s' if r.threads > 1 else ''} each"
         alone = "alone" if r.ranks == 1 else f"while all {r.ranks} stream at once"
-        lines.append(f"[{who}] weight streaming bandwidth per rank ({alone}): {_gb(r.stream_bandwidth)}; as stored "
-                     f"(Conv1D): {_gb(r.stored_bandwidth or r.stream_bandwidth)}; elementwise: {_gb(r.copy_bandwidth)}")
+        end = f" at the start, {_gb(r.stream_bandwidth_end)} at the end" if r.stream_bandwidth_end else ""
+        lines.append(f"[{who}] weight streaming bandwidth per rank ({alone}): {_gb(r.stream_bandwidth)}{end}; as "
+                     f"stored (Conv1D): {_gb(r.stored_bandwidth or r.stream_bandwidth)}; elementwise: "
+                     f"{_gb(r.copy_bandwidth)}")
         for how, tables in (("as stored, x @ W", sorted(((1024, r.gemm), *r.gemm_widths))),
                             ("as nn.Linear reads it, x @ W.T", r.linear_gemm),
                             *((f"as nn.Linear reads it, in {d}", t) for d, t in sorted(r.dtype_gemm.items()))):
