@@ -266,7 +266,8 @@ def test_a_calibration_whose_bandwidth_moved_says_so(tmp_path):
         path = save_profile(profile, str(tmp_path / f"profile{end}.json"))
         loaded = load_profile(path)
         assert loaded.rates(2).stream_bandwidth_end == pytest.approx(end)
-        assert any(("at the end" in line) == bool(end) for line in profile_terms(loaded))
+        streaming = [line for line in profile_terms(loaded) if "weight streaming bandwidth" in line]
+        assert len(streaming) == 2 and all(("at the end" in line) == bool(end) for line in streaming)
         est = tpkit.estimate_speed(_config(INT4), [1, 2], mode="decode", seq_len=16, profile=path)
         notes = [n for n in est.notes if "memory bandwidth moved during the calibration" in n]
         assert len(notes) == noted, est.notes

@@ -22,12 +22,12 @@ survives `copy.deepcopy` and pickling; the model's config (what `save_pretrained
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import threading
 
 import torch
 from torch import nn
+
+from .sources import forward_source
 
 MARK = "_tpkit_decode_attention"
 MAX_COPY_BYTES = 16 << 20  # the largest float32 copy of the keys (or values) taken: under glibc's 32 MB mmap ceiling
@@ -36,19 +36,11 @@ _LOCK = threading.Lock()
 _WRAPPED: dict[str, object] = {}  # the "sdpa" function found in transformers' registry when `install` wrapped it
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_uses_interface(cls: type) -> bool:
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return "ALL_ATTENTION_FUNCTIONS" in source and "_attn_implementation" in source
-
-
 def uses_attention_interface(module: nn.Module) -> bool:
     """Whether `module`'s forward picks its attention from transformers' `AttentionInterface` by
     `config._attn_implementation` (read once per class from its source): the one way tpkit reaches an attention core."""
-    return _forward_uses_interface(type(module))
+    source = forward_source(type(module))
+    return "ALL_ATTENTION_FUNCTIONS" in source and "_attn_implementation" in source
 
 
 def takes(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:

@@ -16,8 +16,6 @@ one KV head per local query head. Ranks whose groups are equal keep the model's 
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 from typing import Any, Mapping
 
 import torch
@@ -25,6 +23,7 @@ from torch import nn
 
 from ...layout import HeadLayoutError
 from ...nn.grad_sums import sum_grads
+from ...nn.sources import forward_source
 from ..errors import PlanError
 from ..family import Checked, Choice, Draft, Family, Planned, Proposal, whole_choice
 from ..roles import ATTENTION, Pair
@@ -180,7 +179,8 @@ def local_head_attrs(attn: nn.Module, nh: int, nkv: int, hd: int, nh_l: int, nkv
         if getattr(attn, attr, None) == nh * hd and not isinstance(getattr(attn, attr), bool):
             new[attr] = nh_l * hd
     cfg = getattr(attn, "config", None)
-    if cfg is not None and _forward_reads_config_heads(type(attn)):
+    source = forward_source(type(attn)) if cfg is not None else ""
+    if "config.num_attention_heads" in source or "config.num_key_value_heads" in source:
         # Its forward reads head counts from the model-wide config (Phi-3: `config.num_attention_heads`):
         # give this module its own copy with the local counts; the shared config stays global.
         local = copy.copy(cfg)
@@ -190,12 +190,3 @@ def local_head_attrs(attn: nn.Module, nh: int, nkv: int, hd: int, nh_l: int, nkv
             local.num_key_value_heads = nkv_l
         new["config"] = local
     return new
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_reads_config_heads(cls: type) -> bool:
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return "config.num_attention_heads" in source or "config.num_key_value_heads" in source
