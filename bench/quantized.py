@@ -18,9 +18,12 @@ timed in the same turns: the per-token cost of transformers' eager forward and `
 the ratio with the float32 floor taken off every format, what the products and tpkit's own code cost against the
 limit (the bf16 floor is printed, not taken off: see `make_floor`). `--compile` also times
 each format with its forward under `torch.compile` (eager and compiled alternating on the same model, each format
-in its own launch): what the per-token Python costs.
+in its own launch): what the per-token Python costs; with `--static`, compiled as transformers compiles a decode
+(a static cache, the forward compiled by `generate`), the float32 floor too. `--threads N`: torch threads per rank
+(default 1; the products split their rows over them): `--world 1 --threads 2` is one rank owning both cores.
 
-    python bench/quantized.py [--seed N] [--issue-shape] [--tokens 9] [--repeats 5] [--world 1] [--compile]
+    python bench/quantized.py [--seed N] [--issue-shape] [--tokens 9] [--repeats 5] [--world 1] [--threads 2]
+                              [--compile]
     python bench/quantized.py --kernels [--hidden 2048]   # one MLP-sized layer, batch 1, 1 thread
     python bench/quantized.py --formats                   # exactness and bytes per format, 2 and 3 thread-ranks
 
@@ -115,16 +118,29 @@ def make_floor(directory: str, shape: dict) -> dict[str, str]:
     return out
 
 
-def ms_per_token(model, tokens: int) -> float:
+def ms_per_token(model, tokens: int, **generate) -> float:
+    """Greedy decode's ms/token: `generate` of `tokens` less that of 1, over the tokens between (`generate`: more
+    keywords for it, as `STATIC_COMPILED`'s)."""
     ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
 
     def run(n: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **generate)
         return time.perf_counter() - start
 
     return (run(tokens) - run(1)) / (tokens - 1) * 1e3
+
+
+def static_compiled() -> dict:
+    """`generate`'s keywords for transformers' own fast decode: a static cache (its tensors made once, every step
+    the same shapes) and the forward compiled by `generate` itself (`CompileConfig`: inductor, whole graph; on the CPU
+    too, which transformers does only where asked, `_compile_all_devices`)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
 
 
 def bytes_per_token(model) -> int:
@@ -161,17 +177,20 @@ def streaming(seconds: float = 1.0) -> float:
     return statistics.median(rates)
 
 
-def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False, floor: dict | None = None) -> dict:
+def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False, floor: dict | None = None,
+             threads: int = 1, static: bool = False) -> dict:
     """One rank's figures. `compiled`: each model is also timed with its forward under `torch.compile` (inductor,
-    dynamic shapes), eager and compiled alternating on the same loaded model, the compile's seconds recorded.
+    dynamic shapes), eager and compiled alternating on the same loaded model, the compile's seconds recorded;
+    `static`: compiled instead as transformers compiles a decode (`static_compiled`), the floor models too.
     Before each format's turn in a round, the streaming bandwidth is measured again (0.2 s): this box's bandwidth
     drifts by a third within minutes, so each turn's ms/token is set against the limit of that moment
     (`ratio_<format>`: the median over rounds). `floor`: checkpoints (by dtype) of the same depth at a small width,
     loaded by plain transformers in this process (no tpkit, no communication) and timed in the same turns: the
-    per-token cost of transformers' own eager forward and `generate`, which no product can remove."""
+    per-token cost of transformers' own eager forward and `generate`, which no product can remove. `threads`: torch's
+    intra-op threads in this rank (its products split over them; the streaming rate is read with as many)."""
     import tpkit
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     out = {"bandwidth": streaming()}
     models = {}
     for name, path in paths.items():
@@ -179,28 +198,29 @@ def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False, flo
         models[name] = tpkit.from_pretrained(path, progress=False)
         out[f"load_{name}"] = time.perf_counter() - start
         out[f"bytes_{name}"] = bytes_per_token(models[name])
-    forwards = {n: {"eager": m.forward} for n, m in models.items()}
     for dtype, path in (floor or {}).items():
         import transformers as tr
 
         models[f"floor_{dtype}"] = tr.AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
-        forwards[f"floor_{dtype}"] = {"eager": models[f"floor_{dtype}"].forward}
+    ways = {n: {"eager": (m.forward, {})} for n, m in models.items()}  # a way: (the forward, generate's keywords)
     if compiled:  # a rank compiles one model (`main` launches each format apart): never eager past the limit
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     for n, m in models.items():
         ms_per_token(m, 3)  # warm-up
-        if compiled and not n.startswith("floor"):
+        if compiled and (static or not n.startswith("floor")):
             start = time.perf_counter()
-            m.forward = forwards[n]["compiled"] = torch.compile(forwards[n]["eager"], dynamic=True)
-            ms_per_token(m, 3)  # compiles the prefill's and the decode step's graphs
+            ways[n]["compiled"] = (m.forward, static_compiled()) if static else (
+                torch.compile(m.forward, dynamic=True), {})
+            m.forward = ways[n]["compiled"][0]
+            ms_per_token(m, 3, **ways[n]["compiled"][1])  # compiles the prefill's and the decode step's graphs
             out[f"compile_{n}"] = time.perf_counter() - start
-    samples = {(n, way): [] for n in models for way in forwards[n]}
+    samples = {(n, way): [] for n in models for way in ways[n]}
     ratios = {key: [] for key in samples}
     for _ in range(repeats):
         for (n, way), seen in samples.items():  # alternating
             bandwidth = streaming(0.2)
-            models[n].forward = forwards[n][way]
-            seen.append(ms_per_token(models[n], tokens))
+            models[n].forward, generate = ways[n][way]
+            seen.append(ms_per_token(models[n], tokens, **generate))
             if not n.startswith("floor"):
                 ratios[n, way].append(seen[-1] / (out[f"bytes_{n}"] / bandwidth * 1e3))
             out.setdefault("bandwidths", []).append(bandwidth)
@@ -336,6 +356,10 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--formats", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also time each format's forward under torch.compile")
+    ap.add_argument("--static", action="store_true", help="with --compile: compiled as transformers compiles a "
+                    "decode (a static cache, CompileConfig), the float32 floor too")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1; --world 1 --threads 2 "
+                    "gives one rank both cores of a 2-core box)")
     args = ap.parse_args()
     if args.kernels:
         print(kernels(args.hidden))
@@ -349,19 +373,21 @@ def main() -> None:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         paths = make(tmp, shape)
+        floor = make_floor(os.path.join(tmp, "floor"), shape)
         if args.compile:  # one format per launch: models compiled side by side share their forward's compiled code,
             # whose guards every call then checks for all of them (the int4 step ran 1.2x eager that way)
             ranks = [{} for _ in range(args.world)]
             for f in FORMATS:
                 for mine, got in zip(ranks, tpkit.launch(_tp_rank, args.world, timeout=3600,
-                                                         args=({f: paths[f]}, args.tokens, args.repeats, True))):
+                                                         args=({f: paths[f]}, args.tokens, args.repeats, True,
+                                                               {"float32": floor["float32"]} if args.static else None,
+                                                               args.threads, args.static))):
                     mine.update({k: v for k, v in got.items() if not k.startswith("bandwidth")})
                     mine[f"bandwidth_{f}"] = got["bandwidth"]
                     mine.setdefault("bandwidths", []).extend(got["bandwidths"])
         else:
-            floor = make_floor(os.path.join(tmp, "floor"), shape)
-            ranks = tpkit.launch(_tp_rank, args.world, args=(paths, args.tokens, args.repeats, False, floor),
-                                 timeout=3600)
+            ranks = tpkit.launch(_tp_rank, args.world, timeout=3600,
+                                 args=(paths, args.tokens, args.repeats, False, floor, args.threads))
     load = max(load[0], os.getloadavg()[0])
     r = {k: max(x[k] for x in ranks) for k in ranks[0] if not k.startswith("bandwidth")}
     turns = [b for x in ranks for b in x["bandwidths"]]
@@ -382,21 +408,31 @@ def main() -> None:
     if floor is not None:
         table += (f"\n\nFloor: transformers' own eager `generate` of the same {shape['layers']} layers at hidden "
                   f"{FLOOR_WIDTH} (one process per rank, no tpkit, no communication), timed in the same turns: "
-                  f"{floor:.2f} ms/token in float32 (taken off every format), {floor_bf16:.2f} in bf16 (not taken "
-                  f"off: most of it is torch's bf16 product at that width, which no format here runs). Streaming "
+                  f"{floor:.2f} ms/token in float32 (taken off every format)"
+                  + ("" if floor_bf16 is None else f", {floor_bf16:.2f} in bf16 (not taken off: most of it is torch's "
+                     f"bf16 product at that width, which no format here runs)") + ". Streaming "
                   f"per rank measured before each turn: "
                   f"{min(turns) / 1e9:.1f}-{max(turns) / 1e9:.1f} GB/s.")
     if args.compile:
+        floored = r.get("compiled_floor_float32")  # (--static: the floor compiled the same way)
         rows = [f"| {f} | {r[f'decode_{f}']:.1f} | {r[f'compiled_{f}']:.1f} | "
                 f"{r[f'compiled_{f}'] / r[f'decode_{f}']:.2f}x | "
                 f"{r[f'compiled_{f}'] / (r[f'bytes_{f}'] / bws[f] * 1e3):.2f}x | {r[f'compiled_ratio_{f}']:.2f}x | "
-                f"{r[f'compile_{f}']:.0f} |" for f in FORMATS]
+                + ("" if floored is None else
+                   f"{r[f'compiled_ratio_{f}'] * (r[f'compiled_{f}'] - floored) / r[f'compiled_{f}']:.2f}x | ")
+                + f"{r[f'compile_{f}']:.0f} |" for f in FORMATS]
         table += "\n\n" + "\n".join(["| format | eager ms/token | compiled ms/token | compiled / eager | "
-                                      "compiled / limit | compiled / limit, each turn's bandwidth | compile s |",
-                                      "|---|---|---|---|---|---|---|"] + rows)
+                                      "compiled / limit | compiled / limit, each turn's bandwidth | "
+                                      + ("" if floored is None else "the same less the compiled floor | ")
+                                      + "compile s |", "|---|---|---|---|---|---|---|"
+                                      + ("" if floored is None else "---|")] + rows)
+        if floored is not None:
+            table += (f"\n\nCompiled as transformers compiles a decode (a static cache, the forward compiled by "
+                      f"`generate`: `static_compiled`); the float32 floor compiled so: {floored:.2f} ms/token.")
     print(f"{table}\n\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, "
           f"{' / '.join(map(str, heads_of(shape)))} heads, vocabulary {VOCAB} (seed {seed}); TP{args.world}, "
-          f"{args.world} gloo process{'es' if args.world > 1 else ''}, 1 thread each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "
+          f"{args.world} gloo process{'es' if args.world > 1 else ''}, "
+          f"{args.threads} thread{'s' if args.threads > 1 else ''} each; {args.tokens} tokens, median of {args.repeats} alternating rounds; "
           f"streaming bandwidth per rank with all {args.world} reading {bw / 1e9:.1f}"
           f"{f'-{max(bws.values()) / 1e9:.1f}' if max(bws.values()) > bw else ''} GB/s; load average {load:.2f}; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {datetime.date.today().isoformat()}.")

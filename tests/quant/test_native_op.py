@@ -1,8 +1,8 @@
 """The op `tpkit::gemv`'s two CPU kernels (`tpkit.quant.native`): the C++ one (`gemv_op.cpp`, the dispatcher calling
 the product with no Python between) against the Python one (`_python_kernel`, through ctypes), bit for bit, over
 drawn kinds, shapes, rows, dtypes, scales and zero points; the C++ kernel calling the build in use (the tests'
-builds per instruction set); a fresh thread's scratch; and a machine without a C++ compiler keeping the Python
-kernel, eager and compiled."""
+builds per instruction set); a product split over threads; a fresh thread's scratch; and a machine without a C++
+compiler keeping the Python kernel, eager and compiled."""
 from __future__ import annotations
 
 import os
@@ -74,6 +74,29 @@ def test_the_cpp_kernel_calls_the_build_in_use(build):
         assert torch.equal(native.gemv(args[0], args[1], kind, 48, args[3], args[5], (1, 32), int(args[12])),
                            native._python_kernel(*args))
         assert torch.equal(torch.ops.tpkit.gemv.default(*args), native._python_kernel(*args))
+
+
+@pytest.mark.parametrize("kind", ["int8", "uint4", "fp8", "bf16"])
+@pytest.mark.parametrize("rows,bf16", [(1, True), (1, False), (5, True)])
+def test_a_product_split_over_threads_equals_the_serial_one_bit_for_bit(kind, rows, bf16):
+    """A product with more rows than `tp_rows_per_task` is split by rows over torch's threads (`gemv_op.cpp`); at
+    2 and 3 threads (3 tasks, one of a short tail) it equals the Python kernel's single call over all rows, whose
+    result the other tests compare with torch. The build is threaded where torch's backend is OpenMP."""
+    _cpp_kernel()
+    assert native._KERNEL["op"].tp_threaded() == int(torch._C.has_openmp), "the op was built without OpenMP"
+    grain = native._function().rows_per_task(native.KINDS[kind], 256)
+    n = 2 * grain + grain // 3
+    args = _case(kind, rows, n, 256, bf16, torch.bfloat16, kind != "fp8", n + rows)
+    want = native._python_kernel(*args)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            got = torch.ops.tpkit.gemv.default(*args)
+            assert got.shape == (rows, n) and torch.equal(got.view(torch.int16) if bf16 else got,
+                                                          want.view(torch.int16) if bf16 else want), threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_fresh_thread_grows_its_own_scratch():

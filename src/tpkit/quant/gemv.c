@@ -976,10 +976,15 @@ int tp_paths(void) {
    (int4 where its blocks are whole runs of 128 values, FP8 at one row), the sums of x (`sums`, needed) carrying
    int4's bias; in AVX2 builds, integer weights take x's int16 runs (X16): then M x K words followed by M x K / 32
    float32 (the runs' scales). */
+/* The stored bytes of one weight row of `kind` and K columns */
+static inline int64_t weight_row_bytes(int kind, int64_t K) {
+    return kind == 4 ? K / 2 : kind == 6 ? 4 * K : (kind <= 1 ? 2 * K : K);
+}
+
 void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const void *w, const void *scale,
              int scale_kind, const void *zero, int zero_kind, int zero_bits, float offset, int64_t bh, int64_t bw,
              int64_t KB, float *y, int64_t n0, int64_t n1, float *sums, float *halves, float *row, uint16_t *xb) {
-    int64_t row_bytes = kind == 4 ? K / 2 : kind == 6 ? 4 * K : (kind <= 1 ? 2 * K : K);
+    int64_t row_bytes = weight_row_bytes(kind, K);
     int64_t size = scale ? bw : K;
     int shifted = zero_kind != 0 || offset != 0.0f;
     int vnni = 0;  /* integer weights by x's 15-bit runs and VNNI's byte products (VNNI_RUNS) */
@@ -1089,26 +1094,40 @@ static inline uint16_t bf16_bits(float f) {
 }
 
 /* tp_gemv for a bf16 model's activations and outputs as torch holds them (bf16 bits): x16 widened into `xf` (M x K,
-   exact), the float32 outputs into `yf` (M x N) and rounded into y16, so a call needs no conversions around it
-   (torch's two cost more than a small layer's product). */
+   exact), the float32 outputs of rows n0..n1 into `yf` (M x N) and rounded into y16, so a call needs no conversions
+   around it (torch's two cost more than a small layer's product). */
 static void tp_gemv_bf16(int kind, int64_t M, int64_t N, int64_t K, const uint16_t *x16, const void *w,
                          const void *scale, int scale_kind, const void *zero, int zero_kind, int zero_bits,
-                         float offset, int64_t bh, int64_t bw, int64_t KB, uint16_t *y16, float *sums, float *halves,
-                         float *row, uint16_t *xb, float *xf, float *yf) {
+                         float offset, int64_t bh, int64_t bw, int64_t KB, uint16_t *y16, int64_t n0, int64_t n1,
+                         float *sums, float *halves, float *row, uint16_t *xb, float *xf, float *yf) {
     for (int64_t i = 0; i < M * K; i++) xf[i] = bits_float((uint32_t)x16[i] << 16);
-    tp_gemv(kind, M, N, K, xf, w, scale, scale_kind, zero, zero_kind, zero_bits, offset, bh, bw, KB, yf, 0, N, sums,
+    tp_gemv(kind, M, N, K, xf, w, scale, scale_kind, zero, zero_kind, zero_bits, offset, bh, bw, KB, yf, n0, n1, sums,
             halves, row, xb);
-    for (int64_t i = 0; i < M * N; i++) y16[i] = bf16_bits(yf[i]);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = n0; n < n1; n++) y16[m * N + n] = bf16_bits(yf[m * N + n]);
+}
+
+/* Weight bytes one task of a threaded product reads at least (`tp_rows_per_task`): a task costs its thread's start
+   and join, a few microseconds, about what 128 KiB take to stream at this box's rate. */
+#define TASK_BYTES (256 * 1024)
+
+/* The fewest weight rows of `kind` (K columns) worth a thread of their own: the grain the op's kernel splits a
+   product's rows by (`gemv_op.cpp`), so that a small layer runs on its caller's thread alone. */
+int64_t tp_rows_per_task(int kind, int64_t K) {
+    int64_t row_bytes = weight_row_bytes(kind, K);
+    return row_bytes > 0 ? (TASK_BYTES + row_bytes - 1) / row_bytes : 1;
 }
 
 /* One product as a caller holds its tensors, the scratch laid out here in one buffer of `bytes` (64-byte aligned):
    x and y float32, or bf16 words where `io` (tp_gemv_bf16); `bf16`: x's values are bf16, so the paths that read them
    as 16-bit words may. Returns the bytes the call needs; where `bytes` is fewer it computes nothing, and the caller
    grows its buffer and calls again. The scratch's sizes are known here only: `native.py`'s Python kernel and
-   `gemv_op.cpp`'s C++ kernel of `tpkit::gemv` both call this. */
+   `gemv_op.cpp`'s C++ kernel of `tpkit::gemv` both call this. Computes the weight's rows n0..n1 (y's columns) only:
+   threads given disjoint ranges, each with its own scratch, compute one product together. */
 int64_t tp_gemv_call(int kind, int64_t M, int64_t N, int64_t K, const void *x, const void *w, const void *scale,
                      int scale_kind, const void *zero, int zero_kind, int zero_bits, float offset, int64_t bh,
-                     int64_t bw, int64_t KB, void *y, int io, int bf16, uint8_t *scratch, int64_t bytes) {
+                     int64_t bw, int64_t KB, void *y, int64_t n0, int64_t n1, int io, int bf16, uint8_t *scratch,
+                     int64_t bytes) {
     int64_t blocks = KB > 1 ? KB : 1;
     int shifted = zero_kind != 0 || offset != 0.0f || kind == 4 || kind == 2;  /* int4's bf16 products and int8's
                                                                                    VNNI products carry a bias */
@@ -1126,9 +1145,9 @@ int64_t tp_gemv_call(int kind, int64_t M, int64_t N, int64_t K, const void *x, c
     for (int i = 0; i < 6; i++) area[i] = sizes[i] ? scratch + at[i] : 0;
     if (io)
         tp_gemv_bf16(kind, M, N, K, (const uint16_t *)x, w, scale, scale_kind, zero, zero_kind, zero_bits, offset, bh,
-                     bw, KB, (uint16_t *)y, area[0], area[1], area[2], area[3], area[4], area[5]);
+                     bw, KB, (uint16_t *)y, n0, n1, area[0], area[1], area[2], area[3], area[4], area[5]);
     else
         tp_gemv(kind, M, N, K, (const float *)x, w, scale, scale_kind, zero, zero_kind, zero_bits, offset, bh, bw, KB,
-                (float *)y, 0, N, area[0], area[1], area[2], area[3]);
+                (float *)y, n0, n1, area[0], area[1], area[2], area[3]);
     return total;
 }

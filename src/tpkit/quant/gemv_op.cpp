@@ -3,7 +3,15 @@
    graph's call paid ~3 us more (the dispatch into Python and ctypes' conversions; 0.6 us of an eager call, which
    calls that kernel directly): ~0.2 ms of a TP2 decoded token's 57 products. `native.py` builds this
    where a C++ compiler and torch's headers are at hand; elsewhere the Python kernel stays. The op's schema and its
-   fake implementation are defined in `native.py`; this file registers the CPU kernel only. */
+   fake implementation are defined in `native.py`; this file registers the CPU kernel only.
+
+   A product large enough (`tp_rows_per_task`) is split by weight rows over torch's intra-op threads
+   (`at::parallel_for`, as many as `torch.set_num_threads` allows; none where a rank has one thread, as
+   `tpkit.launch` gives each rank of a full host): a decode product reads its weight once, and one core's decode
+   and multiply-adds fall short of what the memory streams to two (int4, FP8). Each thread computes its own rows with
+   its own scratch (the activations' preparation repeated per thread: K values, against the rows' K each), so the
+   result is the same bit for bit at any thread count. */
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -13,11 +21,26 @@
 #include <vector>
 
 typedef int64_t (*product_fn)(int, int64_t, int64_t, int64_t, const void *, const void *, const void *, int,
-                              const void *, int, int, float, int64_t, int64_t, int64_t, void *, int, int, uint8_t *,
-                              int64_t);
+                              const void *, int, int, float, int64_t, int64_t, int64_t, void *, int64_t, int64_t, int,
+                              int, uint8_t *, int64_t);
+typedef int64_t (*grain_fn)(int, int64_t);
 static product_fn product = nullptr;
+static grain_fn rows_per_task = nullptr;
 
-extern "C" void tp_bind(void *fn) { product = reinterpret_cast<product_fn>(fn); }
+extern "C" void tp_bind(void *fn, void *grain) {
+    product = reinterpret_cast<product_fn>(fn);
+    rows_per_task = reinterpret_cast<grain_fn>(grain);
+}
+
+/* Whether this build splits products over threads (compiled with OpenMP, as torch's parallel backend is): without,
+   `at::parallel_for` runs every product on its caller's thread. */
+extern "C" int tp_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 static const void *address(const std::optional<at::Tensor> &t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
@@ -30,17 +53,22 @@ static at::Tensor gemv(const at::Tensor &x, const at::Tensor &w, int64_t kind, c
     const int64_t m = x.size(0), k = x.size(1);
     at::Tensor y = at::empty({m, n}, x.options());
     const int io = x.scalar_type() == at::kBFloat16;
-    thread_local std::vector<uint8_t> buffer;  /* one per thread (thread-ranks call at once), grown as needed */
-    for (;;) {
-        uint8_t *base = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
-        const int64_t room = buffer.size() < 64 ? 0 : static_cast<int64_t>(buffer.size()) - 64;
-        const int64_t need = product(static_cast<int>(kind), m, n, k, x.data_ptr(), w.data_ptr(), address(scale),
-                                     static_cast<int>(scale_kind), address(zero), static_cast<int>(zero_kind),
-                                     static_cast<int>(zero_bits), static_cast<float>(offset), bh, bw, kb,
-                                     y.data_ptr(), io, bf16 ? 1 : 0, base, room);
-        if (need <= room) return y;
-        buffer.resize(need + 64);
-    }
+    const void *xp = x.data_ptr(), *wp = w.data_ptr(), *sp = address(scale), *zp = address(zero);
+    void *yp = y.data_ptr();
+    at::parallel_for(0, n, rows_per_task(static_cast<int>(kind), k), [&](int64_t n0, int64_t n1) {
+        thread_local std::vector<uint8_t> buffer;  /* one per thread (thread-ranks, the pool's), grown as needed */
+        for (;;) {
+            uint8_t *base = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
+            const int64_t room = buffer.size() < 64 ? 0 : static_cast<int64_t>(buffer.size()) - 64;
+            const int64_t need = product(static_cast<int>(kind), m, n, k, xp, wp, sp, static_cast<int>(scale_kind),
+                                         zp, static_cast<int>(zero_kind), static_cast<int>(zero_bits),
+                                         static_cast<float>(offset), bh, bw, kb, yp, n0, n1, io, bf16 ? 1 : 0, base,
+                                         room);
+            if (need <= room) return;
+            buffer.resize(need + 64);
+        }
+    });
+    return y;
 }
 
 TORCH_LIBRARY_IMPL(tpkit, CPU, m) { m.impl("gemv", TORCH_FN(gemv)); }

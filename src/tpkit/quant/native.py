@@ -132,8 +132,11 @@ def build(flags: tuple[str, ...] = ()):
     fn.call = lib.tp_gemv_call  # the op's kernels call this: float32 or bf16 activations, its scratch laid out in
     # one buffer given
     fn.call.argtypes = [c_int, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int, c_int, ctypes.c_float, i64, i64, i64,
-                        ptr, c_int, c_int, ptr, i64]
+                        ptr, i64, i64, c_int, c_int, ptr, i64]
     fn.call.restype = i64
+    fn.rows_per_task = lib.tp_rows_per_task  # the grain the op's C++ kernel splits a product's rows by, over threads
+    fn.rows_per_task.argtypes = [c_int, i64]
+    fn.rows_per_task.restype = i64
     return fn
 
 
@@ -184,12 +187,16 @@ def paths() -> set[str]:
 
 def build_id() -> str:
     """What a calibration's product rates were measured with (`tpkit.estimate`'s profile records it): a digest of
-    `gemv.c` and the instruction set asked for (`TPKIT_NATIVE_ISA`), or "torch" where no compiled product runs
-    (`TPKIT_NATIVE=0`, no compiler). A profile measured with another build prices the products as they ran then."""
+    `gemv.c`, the op's kernel (`gemv_op.cpp`: how a product is split over threads) and the instruction set asked for
+    (`TPKIT_NATIVE_ISA`), or "torch" where no compiled product runs (`TPKIT_NATIVE=0`, no compiler). A profile
+    measured with another build prices the products as they ran then."""
     if not available():
         return "torch"
-    with open(_SOURCE, "rb") as f:
-        return hashlib.sha256(f.read() + isa().encode()).hexdigest()[:12]
+    digest = hashlib.sha256(isa().encode())
+    for source in (_SOURCE, _OP_SOURCE):
+        with open(source, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def available() -> bool:
@@ -225,7 +232,7 @@ def _python_kernel(x: torch.Tensor, w: torch.Tensor, kind: int, scale: torch.Ten
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype)
     args = (kind, m, n, k, x.data_ptr(), w.data_ptr(), _ptr(scale), scale_kind, _ptr(zero), zero_kind, zero_bits,
-            offset, bh, bw, kb, y.data_ptr(), x.dtype == torch.bfloat16, bf16)
+            offset, bh, bw, kb, y.data_ptr(), 0, n, x.dtype == torch.bfloat16, bf16)
     while True:
         buf = getattr(_SCRATCH, "buf", None)
         room = 0 if buf is None else buf.numel() - 64
@@ -295,7 +302,10 @@ def _kernel():
     if "op" not in _KERNEL:
         with _LOCK:
             if "op" not in _KERNEL:
-                op = compile_library(_OP_SOURCE, cxx=True) if os.environ.get("TPKIT_NATIVE_OP", "1") != "0" else None
+                op = None
+                if os.environ.get("TPKIT_NATIVE_OP", "1") != "0":  # threaded where OpenMP builds, else serial
+                    op = ((torch._C.has_openmp and compile_library(_OP_SOURCE, ("-fopenmp",), cxx=True))
+                          or compile_library(_OP_SOURCE, cxx=True))
                 if op is None:
                     _LIBRARY.impl("gemv", _python_kernel, "CPU")
                 _KERNEL["op"] = op
@@ -303,7 +313,7 @@ def _kernel():
     if op is None:
         return _python_kernel
     if _KERNEL.get("bound") is not fn:
-        op.tp_bind(ctypes.cast(fn.call, ctypes.c_void_p))
+        op.tp_bind(ctypes.cast(fn.call, ctypes.c_void_p), ctypes.cast(fn.rows_per_task, ctypes.c_void_p))
         _KERNEL["bound"] = fn
     return _op
 
