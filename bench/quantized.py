@@ -231,11 +231,11 @@ def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False, flo
     return out
 
 
-def kernels(hidden: int, repeats: int = 20) -> str:
+def kernels(hidden: int, repeats: int = 20, threads: int = 1) -> str:
     from tpkit.quant import native
     from tpkit.quant.kernels import int4_kernel_block, int4_kernel_layout
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     O, I, g = int(hidden * 2.75) // 128 * 128, hidden, 128
     gen = torch.Generator().manual_seed(0)
     copies = max(2, 96 * 2 ** 20 // (O * I))  # the weights rotated: more bytes than the last-level cache
@@ -285,7 +285,8 @@ def kernels(hidden: int, repeats: int = 20) -> str:
     base = statistics.median(times["float32 F.linear"])
     rows = [f"| {n} | {statistics.median(v):.3f} | {O * I * calls[n][1] / statistics.median(v) / 1e6:.1f} | "
             f"{statistics.median(v) / base:.2f}x |" for n, v in times.items()]
-    return "\n".join([f"One layer [{O} x {I}], batch 1, 1 thread, {copies} weights rotated:", "",
+    return "\n".join([f"One layer [{O} x {I}], batch 1, {threads} thread{'s' if threads > 1 else ''}, {copies} weights "
+                      "rotated:", "",
                       "| call | ms | GB/s of weight | / float32 |", "|---|---|---|---|"] + rows)
 
 
@@ -362,7 +363,7 @@ def main() -> None:
                     "gives one rank both cores of a 2-core box)")
     args = ap.parse_args()
     if args.kernels:
-        print(kernels(args.hidden))
+        print(kernels(args.hidden, threads=args.threads))
         return
     if args.formats:
         print(formats())
