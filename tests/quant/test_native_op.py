@@ -80,7 +80,7 @@ def test_the_cpp_kernel_calls_the_build_in_use(build):
 @pytest.mark.parametrize("rows,bf16", [(1, True), (1, False), (5, True)])
 def test_a_product_split_over_threads_equals_the_serial_one_bit_for_bit(kind, rows, bf16):
     """A product with more rows than `tp_rows_per_task` is split by rows over torch's threads (`gemv_op.cpp`); at
-    2 and 3 threads (3 tasks, one of a short tail) it equals the Python kernel's single call over all rows, whose
+    2 and 3 threads (n not a multiple of either) it equals the Python kernel's single call over all rows, whose
     result the other tests compare with torch. The build is threaded where torch's backend is OpenMP."""
     _cpp_kernel()
     assert native._KERNEL["op"].tp_threaded() == int(torch._C.has_openmp), "the op was built without OpenMP"

@@ -5,18 +5,21 @@
    where a C++ compiler and torch's headers are at hand; elsewhere the Python kernel stays. The op's schema and its
    fake implementation are defined in `native.py`; this file registers the CPU kernel only.
 
-   A product large enough (`tp_rows_per_task`) is split by weight rows over torch's intra-op threads
-   (`at::parallel_for`, as many as `torch.set_num_threads` allows; none where a rank has one thread, as
-   `tpkit.launch` gives each rank of a full host): a decode product reads its weight once, and one core's decode
-   and multiply-adds fall short of what the memory streams to two (int4, FP8). Each thread computes its own rows with
-   its own scratch (the activations' preparation repeated per thread: K values, against the rows' K each), so the
-   result is the same bit for bit at any thread count. */
+   A product large enough (`tp_rows_per_task`) is split by weight rows over as many threads as torch's intra-op
+   setting allows (`torch.set_num_threads`; one where a rank has one thread, as `tpkit.launch` gives each rank of a
+   full host): a decode product reads its weight once, and one core's decode and multiply-adds fall short of what
+   the memory streams to two (int4, FP8). The team is sized here from torch's setting, not from the OpenMP
+   runtime's own default, so a build that loads another OpenMP runtime than torch's still runs no more threads than
+   torch would. Each thread computes its own rows with its own scratch (the activations' preparation repeated per
+   thread: K values, against the rows' K each), so the result is the same bit for bit at any thread count. */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <vector>
 
@@ -33,7 +36,7 @@ extern "C" void tp_bind(void *fn, void *grain) {
 }
 
 /* Whether this build splits products over threads (compiled with OpenMP, as torch's parallel backend is): without,
-   `at::parallel_for` runs every product on its caller's thread. */
+   every product runs on its caller's thread. */
 extern "C" int tp_threaded(void) {
 #ifdef _OPENMP
     return 1;
@@ -55,8 +58,8 @@ static at::Tensor gemv(const at::Tensor &x, const at::Tensor &w, int64_t kind, c
     const int io = x.scalar_type() == at::kBFloat16;
     const void *xp = x.data_ptr(), *wp = w.data_ptr(), *sp = address(scale), *zp = address(zero);
     void *yp = y.data_ptr();
-    at::parallel_for(0, n, rows_per_task(static_cast<int>(kind), k), [&](int64_t n0, int64_t n1) {
-        thread_local std::vector<uint8_t> buffer;  /* one per thread (thread-ranks, the pool's), grown as needed */
+    auto rows = [&](int64_t n0, int64_t n1) {
+        thread_local std::vector<uint8_t> buffer;  /* one per thread (thread-ranks, the team's), grown as needed */
         for (;;) {
             uint8_t *base = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
             const int64_t room = buffer.size() < 64 ? 0 : static_cast<int64_t>(buffer.size()) - 64;
@@ -67,7 +70,26 @@ static at::Tensor gemv(const at::Tensor &x, const at::Tensor &w, int64_t kind, c
             if (need <= room) return;
             buffer.resize(need + 64);
         }
-    });
+    };
+    const int64_t grain = rows_per_task(static_cast<int>(kind), k);
+    const int64_t tasks = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(),
+                                                                            (n + grain - 1) / grain);
+    if (tasks <= 1) {
+        rows(0, n);
+        return y;
+    }
+    const int64_t chunk = (n + tasks - 1) / tasks;
+    std::exception_ptr failed = nullptr;
+#pragma omp parallel for num_threads(tasks) schedule(static, 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        try {
+            rows(t * chunk, std::min(n, (t + 1) * chunk));
+        } catch (...) {  /* (a scratch that could not grow) raised once the team is done */
+#pragma omp critical
+            if (!failed) failed = std::current_exception();
+        }
+    }
+    if (failed) std::rethrow_exception(failed);
     return y;
 }
 
