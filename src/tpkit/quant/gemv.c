@@ -967,6 +967,11 @@ int tp_paths(void) {
     return paths;
 }
 
+/* The stored bytes of one weight row of `kind` and K columns */
+static inline int64_t weight_row_bytes(int kind, int64_t K) {
+    return kind == 4 ? K / 2 : kind == 6 ? 4 * K : (kind <= 1 ? 2 * K : K);
+}
+
 /* Rows [n0, n1) of y (`[M, N]` float32) for x `[M, K]` float32. `sums`: M x KB scratch (the blocks' sums of x, when
    there are zero points or an offset); `halves`: M x K scratch (x de-interleaved into even / odd k, for kind 4; x
    scaled up, for kind 5 and for kind 1 without F16C);
@@ -976,11 +981,6 @@ int tp_paths(void) {
    (int4 where its blocks are whole runs of 128 values, FP8 at one row), the sums of x (`sums`, needed) carrying
    int4's bias; in AVX2 builds, integer weights take x's int16 runs (X16): then M x K words followed by M x K / 32
    float32 (the runs' scales). */
-/* The stored bytes of one weight row of `kind` and K columns */
-static inline int64_t weight_row_bytes(int kind, int64_t K) {
-    return kind == 4 ? K / 2 : kind == 6 ? 4 * K : (kind <= 1 ? 2 * K : K);
-}
-
 void tp_gemv(int kind, int64_t M, int64_t N, int64_t K, const float *x, const void *w, const void *scale,
              int scale_kind, const void *zero, int zero_kind, int zero_bits, float offset, int64_t bh, int64_t bw,
              int64_t KB, float *y, int64_t n0, int64_t n1, float *sums, float *halves, float *row, uint16_t *xb) {
@@ -1108,7 +1108,7 @@ static void tp_gemv_bf16(int kind, int64_t M, int64_t N, int64_t K, const uint16
 }
 
 /* Weight bytes one task of a threaded product reads at least (`tp_rows_per_task`): a task costs its thread's start
-   and join, a few microseconds, about what 128 KiB take to stream at this box's rate. */
+   and join, a few microseconds, about what 128 KiB take to stream from memory; a task reads twice that or more. */
 #define TASK_BYTES (256 * 1024)
 
 /* The fewest weight rows of `kind` (K columns) worth a thread of their own: the grain the op's kernel splits a
