@@ -12,7 +12,7 @@ decoded ones around it; float32 and bf16 at their dtype, quantized ones at the c
 then every format is loaded on 1 and on 2 ranks and decoded alternately (ms/token = (generate N - generate 1) /
 (N - 1), median of `--repeats` rounds). Prints a markdown table (predicted / measured) with the load average seen.
 
-    python bench/quantized_prediction.py [--seed N] [--profile FILE] [--repeats 3] [--tokens 9] [--fp8]
+    python bench/quantized_prediction.py [--seed N] [--profile FILE] [--against FILE] [--repeats 3] [--tokens 9] [--fp8]
 """
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=None, help="the shape's seed (default: drawn now, printed)")
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate now into a temp file)")
+    ap.add_argument("--against", default=None, help="a second profile: the same checkpoints priced by it too, against "
+                    "the same measurements (a calibration change's A/B)")
     ap.add_argument("--tokens", type=int, default=9)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fp8", action="store_true", help="FP8 per channel too")
@@ -71,16 +73,19 @@ def main() -> None:
         if not args.fp8:
             paths.pop("fp8")
         estimates = {f: predicted(p, f, profile) for f, p in paths.items()}
+        others = {f: predicted(p, f, args.against)[0] for f, p in paths.items()} if args.against else None
         measured = {}
         for world in (1, 2):
             ranks = tpkit.launch(_tp_rank, world, args=(paths, args.tokens, args.repeats), timeout=3600)
             measured[world] = {f: max(r[f"decode_{f}"] for r in ranks) for f in paths}
             loads.append(os.getloadavg()[0])
-    rows = ["| format | TP | measured ms/token | predicted ms/token | predicted / measured |", "|---|---|---|---|---|"]
+    rows = ["| format | TP | measured ms/token | predicted ms/token | predicted / measured |"
+            + (" by --against | / measured |" if others else ""), "|---|---|---|---|---|" + ("---|---|" if others else "")]
     for f in paths:
         for world in (1, 2):
             m, p = measured[world][f], estimates[f][0][world]
-            rows.append(f"| {f} | {world} | {m:.1f} | {p:.1f} | {p / m:.2f} |")
+            rows.append(f"| {f} | {world} | {m:.1f} | {p:.1f} | {p / m:.2f} |"
+                        + (f" {others[f][world]:.1f} | {others[f][world] / m:.2f} |" if others else ""))
     print("\n".join(rows))
     notes = sorted({n for f in paths for n in estimates[f][1] if "quantized" in n})
     print("\n".join(f"note: {n}" for n in notes))

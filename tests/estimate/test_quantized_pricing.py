@@ -107,8 +107,8 @@ def test_a_calibrated_table_prices_the_kernel_at_its_rows_and_beyond_them_the_de
     rule = DEQUANTIZE_PASSES * (op.quantized.stored_bytes + n * k * 2) / no_table.copy_bandwidth
     assert sum(quantized_times(op, no_table)) == pytest.approx(sum(kernel_times(dense, no_table)) + rule, rel=1e-9)
     got = predict(_config(INT4), Setup(1), "decode", 1, 16, profile, dtype=torch.bfloat16)
-    assert "its kernel as calibrated (native uint4: the cost a call adds to a dense one + the stored bytes" in \
-        got.quantized
+    assert ("its kernel as calibrated (native uint4: the cost a call adds to the framework's linear call + the stored "
+            "bytes") in got.quantized
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -190,7 +190,7 @@ def test_the_cli_prints_the_quantized_figure_and_says_what_it_priced(tmp_path, c
 def test_a_rate_by_input_width_and_the_fit_anchored_at_a_tiny_call():
     """A calibrated call's rate depends on the layer's input width (log-linear between the widths timed, flat beyond;
     a profile written before widths were timed prices by its rows), survives the profile's JSON, and the fit's
-    fixed cost is the tiny quantized call less the tiny dense call (never below 0)."""
+    fixed cost is the tiny quantized call less the framework's linear call (never below 0)."""
     from tpkit.estimate.quantized import SIZES, _fitted, slowest
 
     rate = QuantizedRate("native uint8", 1e-6, ((1, 20e9), (8, 2e9)),
@@ -210,10 +210,28 @@ def test_a_rate_by_input_width_and_the_fit_anchored_at_a_tiny_call():
     assert fitted.fixed_s == pytest.approx(5e-6)
     assert [w for w, _ in fitted.widths] == [i for _, i in SIZES]
     assert [fitted.bandwidth(1, i) for _, i in SIZES] == pytest.approx([5e9, 10e9, 4e9])
-    assert _fitted("native uint8", timed, 40e-6, 45e-6).fixed_s == 0.0  # a call cheaper than the dense one adds none
+    assert _fitted("native uint8", timed, 40e-6, 45e-6).fixed_s == 0.0  # a call cheaper than the framework's adds none
     two = slowest([{"k": fitted}, {"k": dataclasses.replace(fitted, fixed_s=9e-6, widths=tuple(
         (w, tuple((m, b / 2) for m, b in rows)) for w, rows in fitted.widths))}])["k"]
     assert two.fixed_s == 9e-6 and two.bandwidth(1, SIZES[2][1]) == pytest.approx(2e9)
+
+
+def test_a_calls_fixed_cost_is_what_it_adds_to_the_framework_terms_linear_call(monkeypatch):
+    """The calibration sets each decode product's tiny call against the linear call the framework terms measured (a
+    float32 layer of their tiny model, `framework_linear_call`), for quantized and dense layers alike; not against a
+    dense call of the layer's own dtype, whose slow tiny bf16 product once hid every bf16 call's cost."""
+    from tpkit.estimate import framework, quantized
+
+    assert framework.tiny_config("llama", 1).hidden_size == quantized.FRAMEWORK_WIDTH
+    assert 0 < quantized.framework_linear_call(1, lambda: None) < 1e-3
+    monkeypatch.setattr(quantized, "framework_linear_call", lambda repeats, barrier: 2e-6)
+    monkeypatch.setattr(quantized, "_tiny_calls", lambda *args: 9e-6)  # a quantized layer's tiny call
+    timed = quantized._per_call
+    monkeypatch.setattr(quantized, "_per_call", lambda calls, repeats, barrier: 7e-6 if len(calls) == 200 else
+                        timed(calls, 1, barrier))  # 200 calls: the dense layer's tiny call
+    table = quantized.measure_quantized(quick=True)
+    assert [table[k].fixed_s for k in ("int4/bfloat16", "int8/bfloat16")] == pytest.approx([7e-6, 7e-6])
+    assert table["dense/bfloat16"].fixed_s == pytest.approx(5e-6)
 
 
 def test_the_calibrations_fp8_layers_hold_values_as_a_checkpoint_does():

@@ -45,7 +45,7 @@ from torch import nn
 from ..nn.decode import adopt_decode_paths
 from .calls import meta_copy
 from .fake_step import trace_step
-from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FrameworkCost
+from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FRAMEWORK_WIDTH, FrameworkCost
 from .predict import dp_seconds, kernel_seconds, skew_factor
 from .setup import Setup
 
@@ -83,15 +83,17 @@ def flush_between_modules(model: nn.Module, flush: CacheFlush) -> list:
 
 
 def tiny_config(family: str, layers: int, vocab: int = FRAMEWORK_LOGITS):
-    """A float32 config of `family` at hidden 64 (4 heads, MLP 128, vocabulary `vocab`) with `layers` layers."""
+    """A float32 config of `family` at hidden `FRAMEWORK_WIDTH` (64: 4 heads, MLP 128, vocabulary `vocab`) with
+    `layers` layers."""
     import transformers as tr
 
     if family == "gpt2":
-        return tr.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=layers, n_head=4, n_positions=128, resid_pdrop=0.0,
-                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return tr.GPT2Config(vocab_size=vocab, n_embd=FRAMEWORK_WIDTH, n_layer=layers, n_head=4, n_positions=128,
+                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     cls = tr.AutoConfig.for_model(family).__class__
-    return cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=False)
+    return cls(vocab_size=vocab, hidden_size=FRAMEWORK_WIDTH, intermediate_size=2 * FRAMEWORK_WIDTH,
+               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+               tie_word_embeddings=False)
 
 
 def tiny_model(family: str, layers: int, vocab: int = FRAMEWORK_LOGITS) -> nn.Module:

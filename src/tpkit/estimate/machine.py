@@ -107,9 +107,11 @@ class QuantizedRate:
                    tuple((int(w), table(rows)) for w, rows in data.get("widths", ())))
 
 
-# what the framework terms' reference step holds: one batch row, a vocabulary of 256 (`framework.tiny_config`)
+# what the framework terms' reference step holds: one batch row, a vocabulary of 256, hidden 64
+# (`framework.tiny_config`: float32)
 FRAMEWORK_ROWS = 1
 FRAMEWORK_LOGITS = 256
+FRAMEWORK_WIDTH = 64
 
 
 @dataclasses.dataclass(frozen=True)

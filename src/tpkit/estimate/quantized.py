@@ -19,9 +19,13 @@ call and multiplies by it. The estimate follows the same rules:
   tensors int4 group 128, int8 per channel, FP8 per channel, symmetric; each with the scales in the compute dtype,
   bfloat16 and float32), lets each pick its product as a load does, and times its call at 1 to 8 rows over two
   layer sizes streamed from memory (every rank at once, as the step's ranks run), and the dequantization alone. A
-  call's fixed cost is what it costs beyond a dense `nn.Linear` call (both timed on a tiny layer): the dense layer's
-  module call and op are priced already by the framework terms and the per-op cost, so the quantized call adds only
-  its difference (counting the whole call twice priced TP2 decode 18-35% high on a quiet box).
+  call's fixed cost is what it costs beyond the linear call the framework terms measured (`framework_linear_call`:
+  a float32 layer of the framework's tiny model, as a conversion leaves it): that module call and op are priced
+  already by the framework terms and the per-op cost, so the quantized call adds only its difference (counting the
+  whole call twice priced TP2 decode 18-35% high on a quiet box). Set against a dense call of the layer's own dtype
+  instead, a bf16 call added nothing: torch's bf16 product of a tiny layer (16 us) cost more than the int4 call
+  (14 us), while the framework's float32 call cost 7, so each decode product's 7 us went unpriced (TP1 predictions
+  15-24% under on the 2-core box).
 
 A dense bf16 / fp16 / float32 layer of a converted model is priced the same way at decode's rows: there its
 forward runs tpkit's product (`tpkit.quant.products.dense_linear`), not a BLAS call, so `dense_layers` records its
@@ -42,12 +46,11 @@ import time
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..convert.transformers_threads import config_dtype
 from ..quant.products import MAX_ROWS, NATIVE_DENSE  # activation rows up to which a layer runs its product
-from .machine import MachineRates, QuantizedRate
+from .machine import FRAMEWORK_WIDTH, MachineRates, QuantizedRate
 from .ops import DENSE, dtype_name
 
 DEQUANTIZE_PASSES = 3  # the rule's elementwise passes of a dequantization: unpack, (q - z) * s, the cast
@@ -195,8 +198,8 @@ def quantized_note(layers: Mapping[str, QuantizedLayer], rates: MachineRates) ->
         some = next(layer for layer in layers.values() if layer.key == key)
         rate = rates.quantized.get(key)
         if some.path == "kernel":
-            what = (f"its kernel as calibrated ({rate.product}: the cost a call adds to a dense one + the stored bytes "
-                    f"at the rate measured at its rows and input width)" if rate is not None else
+            what = (f"its kernel as calibrated ({rate.product}: the cost a call adds to the framework's linear call + "
+                    f"the stored bytes at the rate measured at its rows and input width)" if rate is not None else
                     f"the fastest of its products ({', '.join(some.products)}), not calibrated: the stored bytes at "
                     f"the measured weight-streaming bandwidth (a rule)")
         else:
@@ -258,16 +261,16 @@ def _per_call(calls: list, repeats: int, barrier) -> float:
     return statistics.median(times)
 
 
-def _fitted(product: str, timed: dict[int, list[tuple[float, float]]], tiny: float, dense_tiny: float) -> QuantizedRate:
-    """A `QuantizedRate` from {rows: [(stored bytes, seconds) at each of `SIZES`]} and the calls of a tiny layer of the
-    format (`tiny`) and of a tiny dense `nn.Linear` (`dense_tiny`), seconds each. The fixed cost is what a call costs
-    beyond the dense layer's it replaces (`tiny - dense_tiny`, never below 0): the module call and the op's own fixed
-    cost are priced already, for the dense layer, by the framework terms and the per-op cost; each size's rate at
+def _fitted(product: str, timed: dict[int, list[tuple[float, float]]], tiny: float, framework: float) -> QuantizedRate:
+    """A `QuantizedRate` from {rows: [(stored bytes, seconds) at each of `SIZES`]}, the call of a tiny layer of the
+    format (`tiny`) and the framework terms' linear call (`framework`, `framework_linear_call`), seconds each. The
+    fixed cost is what a call costs beyond that one (`tiny - framework`, never below 0): a linear layer's module call
+    and its op's own fixed cost are priced already by the framework terms and the per-op cost; each size's rate at
     each row count is its stored bytes over its time less the tiny call's (a line anchored at a measured call, not
     extrapolated from two sizes, whose intercept swung 23-271 us at 2 ranks on a shared box)."""
     def rates(i: int) -> tuple[tuple[int, float], ...]:
         return tuple((m, sizes[i][0] / max(sizes[i][1] - tiny, 0.1 * sizes[i][1])) for m, sizes in sorted(timed.items()))
-    return QuantizedRate(product, max(tiny - dense_tiny, 0.0), rates(1),
+    return QuantizedRate(product, max(tiny - framework, 0.0), rates(1),
                          tuple((SIZES[i][1], rates(i)) for i in range(len(SIZES))))
 
 
@@ -285,16 +288,24 @@ def _intercept(product: str, timed: dict[int, list[tuple[float, float]]]) -> Qua
 TINY = (256, 256)  # (out, in) of the tiny layers whose calls anchor the fit: a few KiB, in every product's range
 
 
-def _tiny_calls(kind: str, dtype: torch.dtype, gen: torch.Generator, repeats: int, barrier) -> tuple[float, float]:
-    """Seconds per call at one row of a tiny layer of `kind` and of a tiny dense `nn.Linear`, both in `dtype`
-    (cached: the fixed cost of each call, which the fit anchors to)."""
+def framework_linear_call(repeats: int, barrier) -> float:
+    """Seconds per call at one row of the linear layer the framework terms measured and priced: a float32
+    `FRAMEWORK_WIDTH` square layer as a conversion leaves it on one rank (`adopt_decode_paths`: its decode product
+    chosen as a model's is). What a decode product's call costs beyond it is that product's fixed cost."""
+    from ..nn.decode import adopt_decode_paths
+
+    holder = nn.Sequential(nn.Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH, bias=False))
+    adopt_decode_paths(holder)
+    x = torch.randn(1, FRAMEWORK_WIDTH, generator=torch.Generator().manual_seed(0))
+    return _per_call([lambda: holder[0](x)] * 200, repeats, barrier)
+
+
+def _tiny_calls(kind: str, dtype: torch.dtype, gen: torch.Generator, repeats: int, barrier) -> float:
+    """Seconds per call at one row of a tiny layer of `kind` in `dtype` (cached: the fixed cost of each call, which
+    the fit anchors to)."""
     layer, _ = _layer(kind, dtype, dtype, *TINY, gen)
-    dense = nn.Linear(TINY[1], TINY[0], bias=False).to(dtype)
     x = torch.randn(1, TINY[1], generator=gen).to(dtype)
-    calls = 200
-    quantized = _per_call([lambda: layer(x)] * calls, repeats, barrier)
-    plain = _per_call([lambda: dense(x)] * calls, repeats, barrier)
-    return quantized, plain
+    return _per_call([lambda: layer(x)] * 200, repeats, barrier)
 
 
 def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[str, QuantizedRate]:
@@ -308,6 +319,7 @@ def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[
     rows, cold = ((1, MAX_ROWS), COLD_BYTES // 4) if quick else (ROWS, COLD_BYTES)
     out = {}
     with torch.inference_mode():
+        framework = framework_linear_call(repeats, barrier)
         for kind in kinds:
             for dtype in dtypes:
                 name = dtype_name(dtype)
@@ -324,17 +336,20 @@ def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[
                     if not quick:  # the dequantization: bound by its arithmetic, not by streaming
                         dequantized[1].append((stored, _per_call([lambda L=L: L.quant_method.weight(L)
                                                                   for L in layers[:2]], repeats, barrier)))
-                out[f"{kind}/{name}"] = _fitted(product, timed, *_tiny_calls(kind, dtype, gen, repeats, barrier))
+                out[f"{kind}/{name}"] = _fitted(product, timed, _tiny_calls(kind, dtype, gen, repeats, barrier),
+                                                framework)
                 if not quick:
                     out[f"{kind}/{name}/dequantize"] = _intercept("dequantize", dequantized)
         for dtype in tuple(NATIVE_DENSE)[:1 if quick else None]:
-            out[f"{DENSE}/{dtype_name(dtype)}"] = _measure_dense(dtype, rows, cold, repeats, barrier, gen)
+            out[f"{DENSE}/{dtype_name(dtype)}"] = _measure_dense(dtype, rows, cold, repeats, barrier, gen, framework)
     return out
 
 
-def _measure_dense(dtype: torch.dtype, rows, cold: int, repeats: int, barrier, gen) -> QuantizedRate:
-    """A dense `dtype` parallel layer's product at decode's `rows` (`_ParallelLinear.matmul`: what its forward
-    computes), fitted as the quantized calls are: beyond `F.linear`'s tiny call, its weights' bytes per second."""
+def _measure_dense(dtype: torch.dtype, rows, cold: int, repeats: int, barrier, gen, framework: float) -> QuantizedRate:
+    """A dense `dtype` parallel layer's call at decode's `rows` (its forward: the product `dense_linear` chose),
+    fitted as the quantized calls are: beyond the framework's linear call (`framework`, seconds: see
+    `framework_linear_call`), its weights' bytes per second. Its tiny call is the layer's whole call, as the
+    quantized layers' is."""
     from ..comm.shapes import ShapeCommunicator
     from ..nn.linear import ColumnParallelLinear
     from ..quant.products import dense_linear
@@ -349,16 +364,14 @@ def _measure_dense(dtype: torch.dtype, rows, cold: int, repeats: int, barrier, g
         layers = [layer(o, i) for _ in range(_pool(o * i * dtype.itemsize, cold))]
         for m in rows:
             x = torch.randn(m, i, generator=gen).to(dtype)
-            timed[m].append((o * i * dtype.itemsize, _per_call([lambda L=L: L.matmul(x, None) for L in layers],
-                                                               repeats, barrier)))
+            timed[m].append((o * i * dtype.itemsize, _per_call([lambda L=L: L(x) for L in layers], repeats,
+                                                               barrier)))
             if (o, i) == SIZES[1]:  # what the layer chose at these rows (its first call chose), for the record
                 chosen.append(f"{'torch' if dense_linear(x, layers[0].weight) is None else 'native'} at {m}")
     product = ", ".join(chosen)
     tiny = layer(*TINY)
     x = torch.randn(1, TINY[1], generator=gen).to(dtype)
-    own = _per_call([lambda: tiny.matmul(x, None)] * 200, repeats, barrier)
-    plain = _per_call([lambda: F.linear(x, tiny.weight)] * 200, repeats, barrier)
-    return _fitted(product, timed, own, plain)
+    return _fitted(product, timed, _per_call([lambda: tiny(x)] * 200, repeats, barrier), framework)
 
 
 def slowest(per_rank: list[Mapping[str, QuantizedRate]]) -> dict[str, QuantizedRate]:

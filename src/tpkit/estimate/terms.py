@@ -45,9 +45,10 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
                 lines.append(f"[{who}] matmul at width {width}, weight read {how}, by rows: "
                              + ", ".join(f"{m}: {_gf(f)}" for m, f in sorted(table)))
         for key, q in sorted(r.quantized.items()):
-            what = (f"dense {key.split('/')[1]} layer's decode product", "F.linear's") if key.startswith(f"{DENSE}/") \
-                else (f"quantized layer {key}", "a dense layer's")
-            lines.append(f"[{who}] {what[0]} ({q.product}): {_us(q.fixed_s)} per call beyond {what[1]} + stored bytes "
+            what = f"dense {key.split('/')[1]} layer's decode product" if key.startswith(f"{DENSE}/") \
+                else f"quantized layer {key}"
+            lines.append(f"[{who}] {what} ({q.product}): {_us(q.fixed_s)} per call beyond the framework terms' linear "
+                         f"call + stored bytes "
                          f"at, by rows: " + ", ".join(f"{m}: {_gb(b)}" for m, b in q.rows)
                          + ("; at 1 row by input width: " + ", ".join(f"{w}: {_gb(q.bandwidth(1, w))}"
                                                                       for w, _ in q.widths) if q.widths else ""))
