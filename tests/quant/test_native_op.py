@@ -85,7 +85,7 @@ def test_a_product_split_over_threads_equals_the_serial_one_bit_for_bit(kind, ro
     _cpp_kernel()
     assert native._KERNEL["op"].tp_threaded() == int(torch._C.has_openmp), "the op was built without OpenMP"
     grain = native._function().rows_per_task(native.KINDS[kind], 256)
-    n = 2 * grain + grain // 3
+    n = 3 * grain + grain // 3  # 3 tasks at 3 threads, 2 at 2
     args = _case(kind, rows, n, 256, bf16, torch.bfloat16, kind != "fp8", n + rows)
     want = native._python_kernel(*args)
     before = torch.get_num_threads()

@@ -5,12 +5,12 @@
    where a C++ compiler and torch's headers are at hand; elsewhere the Python kernel stays. The op's schema and its
    fake implementation are defined in `native.py`; this file registers the CPU kernel only.
 
-   A product large enough (`tp_rows_per_task`) is split by weight rows over as many threads as torch's intra-op
-   setting allows (`torch.set_num_threads`; one where a rank has one thread, as `tpkit.launch` gives each rank of a
-   full host): a decode product reads its weight once, and one core's decode and multiply-adds fall short of what
-   the memory streams to two (int4, FP8). The team is sized here from torch's setting, not from the OpenMP
-   runtime's own default, so a build that loads another OpenMP runtime than torch's still runs no more threads than
-   torch would. Each thread computes its own rows with its own scratch (the activations' preparation repeated per
+   A product of two tasks' rows or more (`tp_rows_per_task` each: at least 256 KiB of weight) is split by weight
+   rows over as many threads as torch's intra-op setting allows (`torch.set_num_threads`; one where a rank has one
+   thread, as `tpkit.launch` gives each rank of a full host): a decode product reads its weight once, and one core's
+   decode and multiply-adds fall short of what the memory streams to two (int4, FP8). The team is sized here from
+   torch's setting, not from the OpenMP runtime's own default, so a build that loads another OpenMP runtime than
+   torch's still runs no more threads than torch would. Each thread computes its own rows with its own scratch (the activations' preparation repeated per
    thread: K values, against the rows' K each), so the result is the same bit for bit at any thread count. */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -72,8 +72,7 @@ static at::Tensor gemv(const at::Tensor &x, const at::Tensor &w, int64_t kind, c
         }
     };
     const int64_t grain = rows_per_task(static_cast<int>(kind), k);
-    const int64_t tasks = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(),
-                                                                            (n + grain - 1) / grain);
+    const int64_t tasks = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), n / grain);
     if (tasks <= 1) {
         rows(0, n);
         return y;
