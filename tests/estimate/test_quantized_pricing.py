@@ -225,7 +225,7 @@ def test_a_calls_fixed_cost_is_what_it_adds_to_the_framework_terms_linear_call(m
     assert framework.tiny_config("llama", 1).hidden_size == quantized.FRAMEWORK_WIDTH
     assert 0 < quantized.framework_linear_call(1, lambda: None) < 1e-3
     monkeypatch.setattr(quantized, "framework_linear_call", lambda repeats, barrier: 2e-6)
-    monkeypatch.setattr(quantized, "_tiny_calls", lambda *args: 9e-6)  # a quantized layer's tiny call
+    monkeypatch.setattr(quantized, "_tiny_call", lambda *args: 9e-6)  # a quantized layer's tiny call
     timed = quantized._per_call
     monkeypatch.setattr(quantized, "_per_call", lambda calls, repeats, barrier: 7e-6 if len(calls) == 200 else
                         timed(calls, 1, barrier))  # 200 calls: the dense layer's tiny call

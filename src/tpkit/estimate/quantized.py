@@ -300,7 +300,7 @@ def framework_linear_call(repeats: int, barrier) -> float:
     return _per_call([lambda: holder[0](x)] * 200, repeats, barrier)
 
 
-def _tiny_calls(kind: str, dtype: torch.dtype, gen: torch.Generator, repeats: int, barrier) -> float:
+def _tiny_call(kind: str, dtype: torch.dtype, gen: torch.Generator, repeats: int, barrier) -> float:
     """Seconds per call at one row of a tiny layer of `kind` in `dtype` (cached: the fixed cost of each call, which
     the fit anchors to)."""
     layer, _ = _layer(kind, dtype, dtype, *TINY, gen)
@@ -336,7 +336,7 @@ def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[
                     if not quick:  # the dequantization: bound by its arithmetic, not by streaming
                         dequantized[1].append((stored, _per_call([lambda L=L: L.quant_method.weight(L)
                                                                   for L in layers[:2]], repeats, barrier)))
-                out[f"{kind}/{name}"] = _fitted(product, timed, _tiny_calls(kind, dtype, gen, repeats, barrier),
+                out[f"{kind}/{name}"] = _fitted(product, timed, _tiny_call(kind, dtype, gen, repeats, barrier),
                                                 framework)
                 if not quick:
                     out[f"{kind}/{name}/dequantize"] = _intercept("dequantize", dequantized)
