@@ -120,7 +120,7 @@ def make_floor(directory: str, shape: dict) -> dict[str, str]:
 
 def ms_per_token(model, tokens: int, **generate) -> float:
     """Greedy decode's ms/token: `generate` of `tokens` less that of 1, over the tokens between (`generate`: more
-    keywords for it, as `STATIC_COMPILED`'s)."""
+    keywords for it, as `static_compiled()`'s)."""
     ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
 
     def run(n: int) -> float:
