@@ -212,7 +212,8 @@ def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False, flo
             ways[n]["compiled"] = (m.forward, static_compiled()) if static else (
                 torch.compile(m.forward, dynamic=True), {})
             m.forward = ways[n]["compiled"][0]
-            ms_per_token(m, 3, **ways[n]["compiled"][1])  # compiles the prefill's and the decode step's graphs
+            ms_per_token(m, tokens, **ways[n]["compiled"][1])  # compiles the prefill's and the decode step's graphs,
+            # at both lengths timed (a static cache is as long as the generation: each length is a graph of its own)
             out[f"compile_{n}"] = time.perf_counter() - start
     samples = {(n, way): [] for n in models for way in ways[n]}
     ratios = {key: [] for key in samples}
@@ -374,7 +375,7 @@ def main() -> None:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         paths = make(tmp, shape)
-        floor = make_floor(os.path.join(tmp, "floor"), shape)
+        floor = make_floor(os.path.join(tmp, "floor"), shape) if args.static or not args.compile else None
         if args.compile:  # one format per launch: models compiled side by side share their forward's compiled code,
             # whose guards every call then checks for all of them (the int4 step ran 1.2x eager that way)
             ranks = [{} for _ in range(args.world)]
@@ -384,6 +385,7 @@ def main() -> None:
                                                                {"float32": floor["float32"]} if args.static else None,
                                                                args.threads, args.static))):
                     mine.update({k: v for k, v in got.items() if not k.startswith("bandwidth")})
+                    mine[f"floor_of_{f}"] = got.get("compiled_floor_float32")  # (--static: timed in its turns)
                     mine[f"bandwidth_{f}"] = got["bandwidth"]
                     mine.setdefault("bandwidths", []).extend(got["bandwidths"])
         else:
@@ -415,12 +417,14 @@ def main() -> None:
                   f"per rank measured before each turn: "
                   f"{min(turns) / 1e9:.1f}-{max(turns) / 1e9:.1f} GB/s.")
     if args.compile:
-        floored = r.get("compiled_floor_float32")  # (--static: the floor compiled the same way)
+        floored = r.get("compiled_floor_float32")  # (--static: the floor compiled the same way, in each launch)
+
+        def less_floor(f: str) -> float:  # the ratio at each turn's bandwidth with its launch's compiled floor off
+            return r[f"compiled_ratio_{f}"] * (r[f"compiled_{f}"] - r[f"floor_of_{f}"]) / r[f"compiled_{f}"]
         rows = [f"| {f} | {r[f'decode_{f}']:.1f} | {r[f'compiled_{f}']:.1f} | "
                 f"{r[f'compiled_{f}'] / r[f'decode_{f}']:.2f}x | "
                 f"{r[f'compiled_{f}'] / (r[f'bytes_{f}'] / bws[f] * 1e3):.2f}x | {r[f'compiled_ratio_{f}']:.2f}x | "
-                + ("" if floored is None else
-                   f"{r[f'compiled_ratio_{f}'] * (r[f'compiled_{f}'] - floored) / r[f'compiled_{f}']:.2f}x | ")
+                + ("" if floored is None else f"{less_floor(f):.2f}x | ")
                 + f"{r[f'compile_{f}']:.0f} |" for f in FORMATS]
         table += "\n\n" + "\n".join(["| format | eager ms/token | compiled ms/token | compiled / eager | "
                                       "compiled / limit | compiled / limit, each turn's bandwidth | "
@@ -428,8 +432,9 @@ def main() -> None:
                                       + "compile s |", "|---|---|---|---|---|---|---|"
                                       + ("" if floored is None else "---|")] + rows)
         if floored is not None:
-            table += (f"\n\nCompiled as transformers compiles a decode (a static cache, the forward compiled by "
-                      f"`generate`: `static_compiled`); the float32 floor compiled so: {floored:.2f} ms/token.")
+            table += ("\n\nCompiled as transformers compiles a decode (a static cache, the forward compiled by "
+                      "`generate`: `static_compiled`); the float32 floor compiled so, in each format's launch: "
+                      + ", ".join(f"{r[f'floor_of_{f}']:.2f}" for f in FORMATS) + " ms/token.")
     print(f"{table}\n\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, "
           f"{' / '.join(map(str, heads_of(shape)))} heads, vocabulary {VOCAB} (seed {seed}); TP{args.world}, "
           f"{args.world} gloo process{'es' if args.world > 1 else ''}, "

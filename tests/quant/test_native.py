@@ -5,6 +5,8 @@ vector width), inputs of every floating dtype; and its use by dense bf16 / fp16 
 Its scales and zero points read in place: `test_native_inplace.py`."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -328,12 +330,42 @@ def test_a_bf16_layer_compiled_before_any_eager_call_chooses_its_product_as_it_t
 
 
 def test_the_build_id_names_the_source_and_the_instruction_set(monkeypatch):
-    """`build_id` (what a calibrated profile records) differs per `TPKIT_NATIVE_ISA` path and is "torch" where no
-    compiled product runs, so a profile timed on another path is known to be."""
+    """`build_id` (what a calibrated profile records) differs per `TPKIT_NATIVE_ISA` path and between the op's C++
+    kernel and its Python one (`TPKIT_NATIVE_OP=0`), and is "torch" where no compiled product runs, so a profile
+    timed on another path is known to be."""
     ids = set()
     for name in native.ISA_FLAGS:
         monkeypatch.setenv("TPKIT_NATIVE_ISA", name)
         ids.add(native.build_id())
-    assert len(ids) == len(native.ISA_FLAGS) and "torch" not in ids
+    monkeypatch.setenv("TPKIT_NATIVE_OP", "0")
+    ids.add(native.build_id())
+    monkeypatch.delenv("TPKIT_NATIVE_OP")
+    assert len(ids) == len(native.ISA_FLAGS) + 1 and "torch" not in ids
     monkeypatch.setattr(native, "_LIB", [None])
     assert native.build_id() == "torch"
+
+
+def test_an_optional_build_that_fails_is_not_tried_again(tmp_path, monkeypatch):
+    """`compile_library(..., remember_failure=True)` (the op's OpenMP build, whose serial build serves where it
+    fails) marks a failed compile in the cache, and a later call under the same key does not run the compiler again;
+    without the flag a failure is tried again."""
+    import shutil
+
+    real = shutil.which(os.environ.get("CC", "cc"))
+    if real is None:
+        pytest.skip("no C compiler here")
+    calls = tmp_path / "calls"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f(void) { return }\n")
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("TPKIT_CACHE", str(tmp_path / "cache"))
+
+    def builds() -> int:
+        return sum("-shared" in line for line in calls.read_text().splitlines()) if calls.exists() else 0
+    assert native.compile_library(str(broken), remember_failure=True) is None and builds() == 1
+    assert native.compile_library(str(broken), remember_failure=True) is None and builds() == 1
+    assert native.compile_library(str(broken)) is None and builds() == 2
+

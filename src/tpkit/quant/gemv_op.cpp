@@ -10,8 +10,9 @@
    thread, as `tpkit.launch` gives each rank of a full host): a decode product reads its weight once, and one core's
    decode and multiply-adds fall short of what the memory streams to two (int4, FP8). The team is sized here from
    torch's setting, not from the OpenMP runtime's own default, so a build that loads another OpenMP runtime than
-   torch's still runs no more threads than torch would. Each thread computes its own rows with its own scratch (the activations' preparation repeated per
-   thread: K values, against the rows' K each), so the result is the same bit for bit at any thread count. */
+   torch's still runs no more threads than torch would. Each thread computes its own rows with its own scratch (the
+   activations' preparation repeated per thread: K values, against the rows' K each), so the result is the same bit
+   for bit at any thread count. */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -45,6 +46,12 @@ extern "C" int tp_threaded(void) {
 #endif
 }
 
+static thread_local int64_t last_tasks = 0;  /* the tasks this thread's last product was split into */
+
+/* How many tasks the calling thread's last product ran as (1: on the caller's thread alone): what the tests check
+   the split by, since its result is the same either way. */
+extern "C" int64_t tp_last_tasks(void) { return last_tasks; }
+
 static const void *address(const std::optional<at::Tensor> &t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
 /* x `[M, K]` float32 or bf16 (contiguous) times the stored weight: `[M, n]` in x's dtype. The scale and zero-point
@@ -73,6 +80,7 @@ static at::Tensor gemv(const at::Tensor &x, const at::Tensor &w, int64_t kind, c
     };
     const int64_t grain = rows_per_task(static_cast<int>(kind), k);
     const int64_t tasks = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), n / grain);
+    last_tasks = tasks < 1 ? 1 : tasks;
     if (tasks <= 1) {
         rows(0, n);
         return y;

@@ -58,12 +58,15 @@ def cache_root() -> str:
     return os.environ.get("TPKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tpkit")
 
 
-def compile_library(source: str, flags: tuple[str, ...] = (), cxx: bool = False) -> ctypes.CDLL | None:
+def compile_library(source: str, flags: tuple[str, ...] = (), cxx: bool = False,
+                    remember_failure: bool = False) -> ctypes.CDLL | None:
     """The C file `source` compiled (`-O3 -march=native`, then `flags`) into a shared library in the cache and
     loaded, or None where no compiler works. Keyed by the source's bytes, the compiler, the CPU, torch's version and
     the flags, so an edit or another machine builds anew; written atomically, so processes building at once do not
     clash. `cxx`: a C++ file against torch's headers and libraries (`CXX`, default `c++`): its static registrations
-    (an op's kernel) run as it loads."""
+    (an op's kernel) run as it loads. `remember_failure`: a compile that fails leaves a mark under the same key, and
+    later processes do not try again (for an optional build, as the op's OpenMP one, whose fall-back serves; delete
+    the mark, `<key>.failed` in the cache, to retry)."""
     compiler = os.environ.get("CXX", "c++") if cxx else os.environ.get("CC", "cc")
     with open(source, "rb") as f:
         text = f.read()
@@ -77,6 +80,9 @@ def compile_library(source: str, flags: tuple[str, ...] = (), cxx: bool = False)
     root = cache_root()
     stem = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(root, f"{stem}-{key}.so")
+    failed = path[:-3] + ".failed"
+    if remember_failure and os.path.exists(failed):
+        return None
     if not os.path.exists(path):
         try:
             os.makedirs(root, exist_ok=True)
@@ -89,6 +95,9 @@ def compile_library(source: str, flags: tuple[str, ...] = (), cxx: bool = False)
             done = subprocess.run([*command, "-shared", "-fPIC", source, "-o", tmp, *link], capture_output=True,
                                   timeout=300)
             if done.returncode != 0:
+                if remember_failure:
+                    with open(failed, "w") as mark:  # (empty: its presence is the record)
+                        mark.write("")
                 return None
             os.replace(tmp, path)  # atomic: a concurrent build by another process writes the same bytes
         except (OSError, subprocess.SubprocessError):
@@ -187,13 +196,15 @@ def paths() -> set[str]:
 
 def build_id() -> str:
     """What a calibration's product rates were measured with (`tpkit.estimate`'s profile records it): a digest of
-    `gemv.c`, the op's kernel (`gemv_op.cpp`: how a product is split over threads) and the instruction set asked for
-    (`TPKIT_NATIVE_ISA`), or "torch" where no compiled product runs (`TPKIT_NATIVE=0`, no compiler). A profile
-    measured with another build prices the products as they ran then."""
+    `gemv.c`, the op's kernel (`gemv_op.cpp`: how a product is split over threads; or the Python kernel, with
+    `TPKIT_NATIVE_OP=0`) and the instruction set asked for (`TPKIT_NATIVE_ISA`), or "torch" where no compiled product
+    runs (`TPKIT_NATIVE=0`, no compiler). A profile measured with another build prices the products as they ran
+    then."""
     if not available():
         return "torch"
-    digest = hashlib.sha256(isa().encode())
-    for source in (_SOURCE, _OP_SOURCE):
+    op = os.environ.get("TPKIT_NATIVE_OP", "1") != "0"  # the op's C++ kernel asked for (else the Python one)
+    digest = hashlib.sha256(isa().encode() + (b"" if op else b" python kernel"))
+    for source in (_SOURCE, _OP_SOURCE) if op else (_SOURCE,):
         with open(source, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:12]
@@ -304,7 +315,8 @@ def _kernel():
             if "op" not in _KERNEL:
                 op = None
                 if os.environ.get("TPKIT_NATIVE_OP", "1") != "0":  # threaded where OpenMP builds, else serial
-                    op = ((torch._C.has_openmp and compile_library(_OP_SOURCE, ("-fopenmp",), cxx=True))
+                    op = ((torch._C.has_openmp and compile_library(_OP_SOURCE, ("-fopenmp",), cxx=True,
+                                                                   remember_failure=True))
                           or compile_library(_OP_SOURCE, cxx=True))
                 if op is None:
                     _LIBRARY.impl("gemv", _python_kernel, "CPU")
