@@ -294,10 +294,11 @@ def _notes(rows: list[SpeedRow], pricing: Pricing, sizes: list[int], vocab_paral
                          f"{moved.stream_bandwidth_end / 1e9:.1f} at its end): its rates hold for neither, and decode "
                          f"figures may be off by as much; calibrate again when the machine is quiet "
                          f"(`tpkit estimate --calibrate`)")
-        if rates.product_build and rates.product_build != native.build_id():
+        build = native.build_id() if rates.product_build else ""
+        if build and rates.product_build != build:
             notes.append(f"the profile's product rates were measured with another build of tpkit's compiled product "
-                         f"({rates.product_build}; this one: {native.build_id()}): decode products are priced as they "
-                         f"ran then; recalibrate (`tpkit estimate --calibrate`)")
+                         f"({rates.product_build}; this one: {build}): decode products are priced as they ran then; "
+                         f"recalibrate (`tpkit estimate --calibrate`)")
     else:
         notes.append("the most tensor bytes a rank holds in the traced step: "
                      + "; ".join(f"TP {r.world_size}: {format_bytes(r.memory_bytes)}" for r in rows))

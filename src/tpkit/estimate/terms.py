@@ -48,8 +48,7 @@ def profile_terms(profile: SpeedProfile) -> list[str]:
             what = f"dense {key.split('/')[1]} layer's decode product" if key.startswith(f"{DENSE}/") \
                 else f"quantized layer {key}"
             lines.append(f"[{who}] {what} ({q.product}): {_us(q.fixed_s)} per call beyond the framework terms' linear "
-                         f"call + stored bytes "
-                         f"at, by rows: " + ", ".join(f"{m}: {_gb(b)}" for m, b in q.rows)
+                         f"call + stored bytes at, by rows: " + ", ".join(f"{m}: {_gb(b)}" for m, b in q.rows)
                          + ("; at 1 row by input width: " + ", ".join(f"{w}: {_gb(q.bandwidth(1, w))}"
                                                                       for w, _ in q.widths) if q.widths else ""))
         if r.fresh_bandwidth:

@@ -172,6 +172,11 @@ def isa() -> str:
     return name
 
 
+def _op_wanted() -> bool:
+    """Whether the op's C++ kernel may be built and used (`TPKIT_NATIVE_OP=0` keeps the Python kernel)."""
+    return os.environ.get("TPKIT_NATIVE_OP", "1") != "0"
+
+
 def wanted() -> bool:
     """Whether compiled code may run (`TPKIT_NATIVE=0` keeps every caller on its torch path)."""
     return os.environ.get("TPKIT_NATIVE", "1") != "0"
@@ -202,7 +207,7 @@ def build_id() -> str:
     then."""
     if not available():
         return "torch"
-    op = os.environ.get("TPKIT_NATIVE_OP", "1") != "0"  # the op's C++ kernel asked for (else the Python one)
+    op = _op_wanted()
     digest = hashlib.sha256(isa().encode() + (b"" if op else b" python kernel"))
     for source in (_SOURCE, _OP_SOURCE) if op else (_SOURCE,):
         with open(source, "rb") as f:
@@ -314,7 +319,7 @@ def _kernel():
         with _LOCK:
             if "op" not in _KERNEL:
                 op = None
-                if os.environ.get("TPKIT_NATIVE_OP", "1") != "0":  # threaded where OpenMP builds, else serial
+                if _op_wanted():  # threaded where OpenMP builds, else serial
                     op = ((torch._C.has_openmp and compile_library(_OP_SOURCE, ("-fopenmp",), cxx=True,
                                                                    remember_failure=True))
                           or compile_library(_OP_SOURCE, cxx=True))
