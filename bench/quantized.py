@@ -24,11 +24,14 @@ in its own launch): what the per-token Python costs; with `--static`, compiled a
 
     python bench/quantized.py [--seed N] [--issue-shape] [--tokens 9] [--repeats 5] [--world 1] [--threads 2]
                               [--compile]
-    python bench/quantized.py --kernels [--hidden 2048]   # one MLP-sized layer, batch 1, 1 thread
+    python bench/quantized.py --kernels [--hidden 2048] [--threads 1] [--world 1]   # one MLP-sized layer, batch 1
     python bench/quantized.py --formats                   # exactness and bytes per format, 2 and 3 thread-ranks
 
-`--kernels` times one decode product of an MLP-sized layer (`out` = 2.75 x hidden, `in` = hidden, its weights
-rotated over more than the last-level cache, as a model's are) by each path a layer can take.
+`--kernels` times one decode product of an MLP-sized layer (`out` = 2.75 x hidden, `in` = hidden) by each path a
+layer can take: its weights rotated over more than the last-level cache, as a model's are ("GB/s of weight"), and one
+copy called again ("hot": what the path computes at where the weight fits the cache, its memory aside), with the
+streaming rate of the same rounds beside them. `--world N` runs it in N processes at once, a barrier before each
+timing: each rank's share of the memory when all stream, as at TPN.
 """
 from __future__ import annotations
 
@@ -232,10 +235,19 @@ def _tp_rank(paths: dict, tokens: int, repeats: int, compiled: bool = False, flo
     return out
 
 
-def kernels(hidden: int, repeats: int = 20, threads: int = 1) -> str:
+def kernels(hidden: int, repeats: int = 20, threads: int = 1) -> dict:
+    """One MLP-sized layer's decode product (batch 1) by each path, in ms: `cold`, each call the next of copies
+    rotated over more bytes than the last-level cache (as a model's weights stream from memory); `hot`, one copy
+    called again and again (where it fits the last-level cache, 32 MB on the 2-core EPYC: every format but float32,
+    bf16 just: what the path computes at, its memory aside). Under `tpkit.launch` every rank runs it, a barrier
+    before each timing, so the ranks' products stream at once, as at TPN. `stream`: this rank's streaming rate in
+    the same rounds (`streaming`: a float32 sum, every rank at once)."""
     from tpkit.quant import native
     from tpkit.quant.kernels import int4_kernel_block, int4_kernel_layout
 
+    import tpkit
+
+    comm = tpkit.get_communicator()
     torch.set_num_threads(threads)
     O, I, g = int(hidden * 2.75) // 128 * 128, hidden, 128
     gen = torch.Generator().manual_seed(0)
@@ -251,44 +263,64 @@ def kernels(hidden: int, repeats: int = 20, threads: int = 1) -> str:
     s4, sz = torch.rand(O, I // g, generator=gen).bfloat16(), torch.rand(I // g, O, 2).bfloat16()  # as loaded
     s8f = w32[0].abs().amax(1, keepdim=True) / 448  # per channel, as a checkpoint's FP8 fills the format's range
     f8 = [(w / s8f).to(torch.float8_e4m3fn) for w in w32]  # (unscaled randn: ~1% subnormals, each added apart)
-    i = [0]
-
-    def rot(f):
-        def call():
-            i[0] = (i[0] + 1) % copies
-            return f(i[0])
-        return call
-
-    calls = {"float32 F.linear": (rot(lambda k: torch.nn.functional.linear(x.float(), w32[k])), 4),
-             "bf16 F.linear": (rot(lambda k: torch.nn.functional.linear(x, wbf[k])), 2),
-             "torch _weight_int8pack_mm (bf16 x)": (rot(lambda k: torch.ops.aten._weight_int8pack_mm(
-                 x, q8[k], s8[:, 0].bfloat16())), 1),
-             "torch _weight_int4pack_mm_for_cpu (bf16 x, layout kept)": (rot(
-                 lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t4[k], g, sz)), 0.5),
-             "torch int4 with the layout rebuilt per call": (rot(lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                 x, int4_kernel_layout(p4[k], int4_kernel_block()), g, sz)), 0.5)}
+    calls = {"float32 F.linear": (lambda k: torch.nn.functional.linear(x.float(), w32[k]), 4),
+             "bf16 F.linear": (lambda k: torch.nn.functional.linear(x, wbf[k]), 2),
+             "torch _weight_int8pack_mm (bf16 x)": (lambda k: torch.ops.aten._weight_int8pack_mm(
+                 x, q8[k], s8[:, 0].bfloat16()), 1),
+             "torch _weight_int4pack_mm_for_cpu (bf16 x, layout kept)": (
+                 lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t4[k], g, sz), 0.5),
+             "torch int4 with the layout rebuilt per call": (lambda k: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                 x, int4_kernel_layout(p4[k], int4_kernel_block()), g, sz), 0.5)}
     if native.available():
-        calls.update({"tpkit native float32": (rot(lambda k: native.gemv(x.float(), w32[k], "fp32", O)), 4),
-                      "tpkit native bf16": (rot(lambda k: native.gemv(x, wbf[k], "bf16", O)), 2),
-                      "tpkit native int8": (rot(lambda k: native.gemv(x, q8[k], "int8", O, s8, None, (1, I))), 1),
-                      "tpkit native int4 g128": (rot(lambda k: native.gemv(x, p4[k], "uint4", O, s4, None, (1, g), 8)),
+        calls.update({"tpkit native float32": (lambda k: native.gemv(x.float(), w32[k], "fp32", O), 4),
+                      "tpkit native bf16": (lambda k: native.gemv(x, wbf[k], "bf16", O), 2),
+                      "tpkit native int8": (lambda k: native.gemv(x, q8[k], "int8", O, s8, None, (1, I)), 1),
+                      "tpkit native int4 g128": (lambda k: native.gemv(x, p4[k], "uint4", O, s4, None, (1, g), 8),
                                                  0.5),
-                      "tpkit native FP8 channel": (rot(lambda k: native.gemv(x, f8[k], "fp8", O, s8f, None, (1, I))),
-                                                   1)})
-    times = {}
+                      "tpkit native FP8 channel": (lambda k: native.gemv(x, f8[k], "fp8", O, s8f, None, (1, I)), 1)})
+
+    def timed(f, rotate: bool) -> float:
+        f(0)
+        comm.barrier()
+        start = time.perf_counter()
+        for i in range(repeats):
+            f((i + 1) % copies if rotate else 0)
+        return (time.perf_counter() - start) / repeats * 1e3
+
+    times, streams = {}, []
     for _ in range(5):  # alternating rounds, the median of each
+        streams.append(streaming(0.2))
         for name, (f, _b) in calls.items():
-            f()
-            start = time.perf_counter()
-            for _ in range(repeats):
-                f()
-            times.setdefault(name, []).append((time.perf_counter() - start) / repeats * 1e3)
-    base = statistics.median(times["float32 F.linear"])
-    rows = [f"| {n} | {statistics.median(v):.3f} | {O * I * calls[n][1] / statistics.median(v) / 1e6:.1f} | "
-            f"{statistics.median(v) / base:.2f}x |" for n, v in times.items()]
-    return "\n".join([f"One layer [{O} x {I}], batch 1, {threads} thread{'s' if threads > 1 else ''}, {copies} weights "
-                      "rotated:", "",
-                      "| call | ms | GB/s of weight | / float32 |", "|---|---|---|---|"] + rows)
+            times.setdefault((name, "cold"), []).append(timed(f, True))
+            times.setdefault((name, "hot"), []).append(timed(f, False))
+    return {"shape": (O, I), "copies": copies, "threads": threads, "stream": statistics.median(streams),
+            "bytes": {n: O * I * b for n, (_f, b) in calls.items()},
+            "ms": {key: statistics.median(v) for key, v in times.items()}}
+
+
+def kernels_table(ranks: list[dict]) -> str:
+    """`kernels`' figures as a markdown block: each path's ms (the slowest rank's), its GB/s of weight from memory
+    and in cache (the range over ranks where several ran at once) and the streaming rate beside them."""
+    r0 = ranks[0]
+    O, I = r0["shape"]
+
+    def rate(n: str, way: str) -> str:
+        got = [x["bytes"][n] / x["ms"][n, way] / 1e6 for x in ranks]
+        return f"{min(got):.1f}" if len(got) == 1 else f"{min(got):.1f}-{max(got):.1f}"
+
+    base = max(x["ms"]["float32 F.linear", "cold"] for x in ranks)
+    rows = []
+    for n in r0["bytes"]:
+        ms = max(x["ms"][n, "cold"] for x in ranks)
+        rows.append(f"| {n} | {ms:.3f} | {rate(n, 'cold')} | {ms / base:.2f}x | {rate(n, 'hot')} |")
+    streams = [x["stream"] / 1e9 for x in ranks]
+    each = f"{min(streams):.1f}" if len(ranks) == 1 else f"{min(streams):.1f}-{max(streams):.1f} per rank"
+    who = "" if len(ranks) == 1 else f" in each of {len(ranks)} processes at once"
+    threads = r0["threads"]
+    return "\n".join([f"One layer [{O} x {I}], batch 1, {threads} thread{'s' if threads > 1 else ''}{who}, "
+                      f"{r0['copies']} weights rotated (cold) or one called again (hot); streaming (a float32 sum, "
+                      f"in the same rounds): {each} GB/s:", "",
+                      "| call | ms | GB/s of weight | / float32 | GB/s hot |", "|---|---|---|---|---|"] + rows)
 
 
 def formats() -> str:
@@ -354,7 +386,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048, help="--kernels: the layer's input features")
     ap.add_argument("--tokens", type=int, default=9)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--world", type=int, default=2, help="tensor-parallel ranks (gloo processes), default 2")
+    ap.add_argument("--world", type=int, default=None, help="tensor-parallel ranks (gloo processes), default 2; "
+                    "--kernels: processes timing the layer at once, default 1")
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--formats", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also time each format's forward under torch.compile")
@@ -364,8 +397,11 @@ def main() -> None:
                     "gives one rank both cores of a 2-core box)")
     args = ap.parse_args()
     if args.kernels:
-        print(kernels(args.hidden, threads=args.threads))
+        world = args.world or 1
+        print(kernels_table([kernels(args.hidden, threads=args.threads)] if world == 1 else
+                            tpkit.launch(kernels, world, timeout=3600, args=(args.hidden, 20, args.threads))))
         return
+    args.world = args.world or 2
     if args.formats:
         print(formats())
         return

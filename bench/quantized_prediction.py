@@ -10,7 +10,11 @@ full calibration written to a temporary file first, `tpkit estimate --calibrate`
 estimated by the CLI (`tpkit estimate DIR --world-size 1,2 --seq-len 12 --json`: the prompt's 8 tokens and the
 decoded ones around it; float32 and bf16 at their dtype, quantized ones at the checkpoint's, the CLI's default),
 then every format is loaded on 1 and on 2 ranks and decoded alternately (ms/token = (generate N - generate 1) /
-(N - 1), median of `--repeats` rounds). Prints a markdown table (predicted / measured) with the load average seen.
+(N - 1), median of `--repeats` rounds). Prints a markdown table (predicted / measured) with the load average seen,
+and the streaming rate per rank as the calibration measures it (`measure_shared_stream_bandwidth`, every rank at
+once), the profile's against the rate measured again right after each world's decode: this box's memory moves by a
+third within minutes, and a prediction made from one moment's rates misses a measurement taken in another by that
+much.
 
     python bench/quantized_prediction.py [--seed N] [--profile FILE] [--against FILE] [--repeats 3] [--tokens 9] [--fp8]
 """
@@ -46,8 +50,17 @@ def predicted(path: str, fmt: str, profile: str) -> tuple[dict[int, float], list
     return {r["world_size"]: r["total_s"] * 1e3 for r in speed["rows"]}, speed["notes"]
 
 
+def _stream_now() -> float:
+    """This rank's streaming rate as the calibration measures it, every rank at once (bytes/s)."""
+    import tpkit
+    from tpkit.estimate.bandwidth import measure_shared_stream_bandwidth
+
+    return measure_shared_stream_bandwidth(tpkit.get_communicator())
+
+
 def main() -> None:
     import tpkit
+    from tpkit.estimate.profile import load_profile
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=None, help="the shape's seed (default: drawn now, printed)")
@@ -69,15 +82,17 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "tpkit.cli", "estimate", "--calibrate", "--profile", profile],
                            check=True, stdout=subprocess.DEVNULL)
             loads.append(os.getloadavg()[0])
+        rates = load_profile(profile)  # (a calibration's temporary file goes with the directory)
         paths = make(tmp, shape)
         if not args.fp8:
             paths.pop("fp8")
         estimates = {f: predicted(p, f, profile) for f, p in paths.items()}
         others = {f: predicted(p, f, args.against)[0] for f, p in paths.items()} if args.against else None
-        measured = {}
+        measured, streams = {}, {}
         for world in (1, 2):
             ranks = tpkit.launch(_tp_rank, world, args=(paths, args.tokens, args.repeats), timeout=3600)
             measured[world] = {f: max(r[f"decode_{f}"] for r in ranks) for f in paths}
+            streams[world] = min(tpkit.launch(_stream_now, world, timeout=600))
             loads.append(os.getloadavg()[0])
     rows = ["| format | TP | measured ms/token | predicted ms/token | predicted / measured |"
             + (" by --against | / measured |" if others else ""), "|---|---|---|---|---|" + ("---|---|" if others else "")]
@@ -87,6 +102,13 @@ def main() -> None:
             rows.append(f"| {f} | {world} | {m:.1f} | {p:.1f} | {p / m:.2f} |"
                         + (f" {others[f][world]:.1f} | {others[f][world] / m:.2f} |" if others else ""))
     print("\n".join(rows))
+
+    def calibrated(world: int) -> str:  # the calibration's rate at its start (and at its end, where it has one)
+        r = rates.rates(world)
+        return f"{r.stream_bandwidth / 1e9:.1f}" + (f" / {r.stream_bandwidth_end / 1e9:.1f}" if r.stream_bandwidth_end
+                                                     else "")
+    print("\nStreaming per rank (the calibration's probe): the profile's (start / end of its calibration) -> right "
+          "after the decode: " + ", ".join(f"TP{w} {calibrated(w)} -> {streams[w] / 1e9:.1f} GB/s" for w in (1, 2)))
     notes = sorted({n for f in paths for n in estimates[f][1] if "quantized" in n})
     print("\n".join(f"note: {n}" for n in notes))
     print(f"\nLlama hidden {shape['hidden']}, MLP {shape['mlp']}, {shape['layers']} layers, "

@@ -130,3 +130,48 @@ def test_matmuls_are_priced_at_their_dtypes_measured_rates():
     assert MachineRates.from_dict(fast.to_dict()) == fast
     half = dataclasses.replace(base, quantized=HALF)
     assert MachineRates.from_dict(half.to_dict()) == half
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_bf16_model_decodes_with_the_framework_terms_measured_in_bf16(tp):
+    """The framework's own time per token is measured per dtype for decoding (a bf16 model's norms, rotary embedding
+    and logits convert where a float32 one's do not): a bf16 model takes the bf16 terms, a float32 one float32's,
+    and a profile measured before (no bf16 terms) prices both by float32's."""
+    from tpkit.estimate.framework import FrameworkCost
+    from tpkit.estimate.machine import framework_key
+    from tpkit.estimate.predict import predict
+
+    cfg, prof = _config(), synthetic_profile()
+    terms = {framework_key("llama", "decode"): FrameworkCost(1e-3, 0.5e-3),
+             framework_key("llama", "decode", "bfloat16"): FrameworkCost(2e-3, 1.25e-3)}
+    measured = dataclasses.replace(prof, machine={k: dataclasses.replace(r, framework=terms, tp_framework=terms)
+                                                  for k, r in prof.machine.items()})
+    old = dataclasses.replace(prof, machine={
+        k: dataclasses.replace(r, framework={"llama/decode": terms["llama/decode"]},
+                               tp_framework={"llama/decode": terms["llama/decode"]}) for k, r in prof.machine.items()})
+    got = {(p, dtype): predict(cfg, Setup(tp), "decode", 1, 16, profile, dtype=dtype).overhead_s
+           for p, profile in (("measured", measured), ("old", old)) for dtype in (torch.float32, torch.bfloat16)}
+    layers = cfg.num_hidden_layers
+    assert got["measured", torch.bfloat16] - got["measured", torch.float32] == pytest.approx(1e-3 + layers * 0.75e-3)
+    assert got["old", torch.bfloat16] == pytest.approx(got["old", torch.float32])
+    assert got["old", torch.float32] == pytest.approx(got["measured", torch.float32])
+
+
+def test_the_calibration_measures_decodings_terms_in_each_dtype_on_a_model_of_that_dtype(monkeypatch):
+    """`framework_costs` runs decoding's tiny models in each dtype asked for, under each dtype's key, and training's in
+    float32 (a real run, two repeats: the terms' values are the machine's; their keys and models are checked)."""
+    from tpkit.estimate import framework
+
+    built = []
+    original = framework.tiny_model
+
+    def spy(family, layers, vocab=framework.FRAMEWORK_LOGITS, dtype=torch.float32):
+        model = original(family, layers, vocab, dtype)
+        built.append((dtype, next(model.parameters()).dtype))
+        return model
+    monkeypatch.setattr(framework, "tiny_model", spy)
+    terms = framework.framework_costs(_rates(1), None, ("llama",), repeats=2)
+    assert set(terms) == {"llama/decode", "llama/decode/bfloat16", "llama/train"}
+    assert all(asked == made for asked, made in built)
+    assert {d for d, _ in built} == {torch.float32, torch.bfloat16}
+    assert all(t.step_s >= 0 and t.layer_s >= 0 for t in terms.values())

@@ -30,7 +30,7 @@ from ..quant import native
 from ..quant.products import HALF
 from .bandwidth import (COLD_BYTES, best_seconds, measure_copy_bandwidth, measure_fresh_bandwidth,
                         measure_shared_stream_bandwidth, measure_stream_bandwidth)
-from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
+from .framework import FAMILIES, FRAMEWORK_DTYPES, FrameworkCost, framework_costs, optimizer_tensor_seconds
 from .hardware import Hardware, Interconnect
 from .machine import COLLECTIVES, CollectiveCost, MachineRates
 from .ops import dtype_name
@@ -248,7 +248,9 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     rates = dataclasses.replace(rates, op_overhead_s=forward, train_op_overhead_s=train, optimizer_tensor_s=tensor_s,
                                 import_bytes=imports, runtime_bytes=runtime)
     comm.barrier()
-    rates = dataclasses.replace(rates, framework=framework_costs(rates, None, families, repeats, tensor_s))
+    dtypes = FRAMEWORK_DTYPES[:1] if quick else FRAMEWORK_DTYPES  # `quick`: decoding's terms in float32 only
+    rates = dataclasses.replace(rates, framework=framework_costs(rates, None, families, repeats, tensor_s,
+                                                                 dtypes=dtypes))
     if comm.world_size == 1:
         return _stream_at_end(rates, comm, repeats)
     sizes = collective_sizes(quick)
@@ -257,7 +259,8 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
                                 train_skew=measure_rank_skew(comm, 256, repeats=repeats))
     in_step, train_in_step = collective_overheads(rates, comm, model, repeats)
     rates = dataclasses.replace(rates, collective_overhead_s=in_step, train_collective_overhead_s=train_in_step)
-    rates = dataclasses.replace(rates, tp_framework=framework_costs(rates, comm, families, repeats, tensor_s))
+    rates = dataclasses.replace(rates, tp_framework=framework_costs(rates, comm, families, repeats, tensor_s,
+                                                                    dtypes=dtypes))
     dp: dict = {}
     for mode, wrap in sorted((dp_wrappers or {}).items()):
         dp.update(framework_costs(rates, comm, families, repeats, tensor_s, dp=(mode, wrap)))

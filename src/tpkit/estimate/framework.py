@@ -45,7 +45,8 @@ from torch import nn
 from ..nn.decode import adopt_decode_paths
 from .calls import meta_copy
 from .fake_step import trace_step
-from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FRAMEWORK_WIDTH, FrameworkCost
+from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FRAMEWORK_WIDTH, FrameworkCost, framework_key
+from .ops import dtype_name
 from .predict import dp_seconds, kernel_seconds, skew_factor
 from .setup import Setup
 
@@ -54,6 +55,8 @@ __all__ = ["FAMILIES", "FLUSH_BYTES", "CacheFlush", "FrameworkCost", "flush_betw
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 FRAMEWORK_GOALS = ("decode", "train")
+# the dtypes decoding's terms are measured in, each under its own key (`machine.framework_key`); training in float32
+FRAMEWORK_DTYPES = (torch.float32, torch.bfloat16)
 LAYERS = (1, 3)
 CONTEXT = 32
 ROWS = 8  # the batch of the decode runs that measure what a row and a logit add
@@ -83,8 +86,8 @@ def flush_between_modules(model: nn.Module, flush: CacheFlush) -> list:
 
 
 def tiny_config(family: str, layers: int, vocab: int = FRAMEWORK_LOGITS):
-    """A float32 config of `family` at hidden `FRAMEWORK_WIDTH` (64: 4 heads, MLP 128, vocabulary `vocab`) with
-    `layers` layers."""
+    """A config of `family` at hidden `FRAMEWORK_WIDTH` (64: 4 heads, MLP 128, vocabulary `vocab`) with `layers`
+    layers."""
     import transformers as tr
 
     if family == "gpt2":
@@ -96,11 +99,12 @@ def tiny_config(family: str, layers: int, vocab: int = FRAMEWORK_LOGITS):
                tie_word_embeddings=False)
 
 
-def tiny_model(family: str, layers: int, vocab: int = FRAMEWORK_LOGITS) -> nn.Module:
+def tiny_model(family: str, layers: int, vocab: int = FRAMEWORK_LOGITS,
+               dtype: torch.dtype = torch.float32) -> nn.Module:
     import transformers as tr
 
     torch.manual_seed(0)
-    return tr.AutoModelForCausalLM.from_config(tiny_config(family, layers, vocab)).float()
+    return tr.AutoModelForCausalLM.from_config(tiny_config(family, layers, vocab)).to(dtype)
 
 
 def generate_token_seconds(model: nn.Module, context: int, repeats: int, comm=None, batch: int = 1,
@@ -208,24 +212,34 @@ def _terms(left: list[float]) -> FrameworkCost:
     return FrameworkCost(step_s, layer_s, row_s, logit_s)
 
 
+def _variants(dp, dtypes) -> tuple[tuple[str, torch.dtype], ...]:
+    """The (goal, dtype) pairs measured: training in float32 (under data parallelism: only it), decoding in each of
+    `dtypes`."""
+    if dp:
+        return (("train", torch.float32),)
+    return tuple((goal, d) for goal in FRAMEWORK_GOALS for d in (dtypes if goal == "decode" else (torch.float32,)))
+
+
 def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5, tensor_s: float = 0.0,
-                    dp: tuple[str, Callable] | None = None) -> dict[str, FrameworkCost]:
-    """`{"family/goal": FrameworkCost}` on this rank (see the module doc); with `comm` (call on every rank) the
-    tiny models are converted over its ranks, else run whole (every rank at once when launched); with `dp`
-    (mode, wrap: `wrap(model, comm)` puts a model under DDP or FSDP2 over `comm`), training only, under data
-    parallelism instead, keyed "family/train/mode". The wrapper comes from the layer above (`tpkit.setups`):
-    the estimate prices data parallelism and does not build it."""
+                    dp: tuple[str, Callable] | None = None,
+                    dtypes: tuple[torch.dtype, ...] = FRAMEWORK_DTYPES) -> dict[str, FrameworkCost]:
+    """`{"family/goal": FrameworkCost}` on this rank (see the module doc), decoding's also in each other of
+    `dtypes` ("family/decode/bfloat16": `machine.framework_key`); with `comm` (call on every rank) the tiny
+    models are converted over its ranks, else run whole (every rank at once when launched); with `dp` (mode,
+    wrap: `wrap(model, comm)` puts a model under DDP or FSDP2 over `comm`), training only, under data parallelism
+    instead, keyed "family/train/mode". The wrapper comes from the layer above (`tpkit.setups`): the estimate
+    prices data parallelism and does not build it."""
     from ..convert.parallelize import parallelize
 
     out: dict[str, FrameworkCost] = {}
     for family in families:
-        for goal in (("train",) if dp else FRAMEWORK_GOALS):
+        for goal, dtype in _variants(dp, dtypes):
             plains: dict[tuple[int, int], nn.Module] = {}  # one model per (layers, vocabulary), run at each batch
             built: dict[tuple[int, int], nn.Module] = {}
             runs, explained = _runs(goal, dp), []
             for layers, batch, vocab in runs:
                 if (layers, vocab) not in built:
-                    plain = plains[layers, vocab] = tiny_model(family, layers, vocab)
+                    plain = plains[layers, vocab] = tiny_model(family, layers, vocab, dtype)
                     if dp is not None:
                         built[layers, vocab] = dp[1](copy.deepcopy(plain), comm)
                     elif comm is not None:
@@ -243,6 +257,6 @@ def framework_costs(rates, comm=None, families=FAMILIES, repeats: int = 5, tenso
             for _ in range(max(2, repeats // 2)):  # alternating, so a slow spell weighs on every run alike
                 for i, (layers, batch, vocab) in enumerate(runs):
                     times[i].append(_measured(built[layers, vocab], goal, comm, 3, batch, flush))
-            key = f"{family}/{goal}" + (f"/{dp[0]}" if dp else "")
+            key = f"{family}/{goal}/{dp[0]}" if dp else framework_key(family, goal, dtype_name(dtype))
             out[key] = _terms([statistics.median(t) - e for t, e in zip(times, explained)])
     return out

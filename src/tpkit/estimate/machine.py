@@ -108,10 +108,19 @@ class QuantizedRate:
 
 
 # what the framework terms' reference step holds: one batch row, a vocabulary of 256, hidden 64
-# (`framework.tiny_config`: float32)
+# (`framework.tiny_config`: float32, and for decoding bfloat16 too: `framework_key`)
 FRAMEWORK_ROWS = 1
 FRAMEWORK_LOGITS = 256
 FRAMEWORK_WIDTH = 64
+
+
+def framework_key(family: str, goal: str, dtype: str = "float32") -> str:
+    """The key of `family`'s framework terms for `goal` measured with its tiny model in `dtype` (a dtype name:
+    "bfloat16"): "llama/decode" in float32, the profiles' key before dtypes were measured apart, else
+    "llama/decode/bfloat16". Decoding is measured in both (`framework.FRAMEWORK_DTYPES`): a bf16 model's norms
+    and rotary embedding convert to float32 and back, and `generate` converts its logits, work a float32 model
+    skips (on the 2-core EPYC a tiny Llama's decoder layer took 20-30 us more in bf16, ~15%)."""
+    return f"{family}/{goal}" if dtype == "float32" else f"{family}/{goal}/{dtype}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,18 +219,18 @@ class MachineRates:
         ratio = self.stream_bandwidth_end / self.stream_bandwidth
         return max(ratio, 1 / ratio) - 1
 
-    def framework_cost(self, family: str | None, goal: str, tp: bool,
-                       dp_mode: str | None = None) -> FrameworkCost | None:
+    def framework_cost(self, family: str | None, goal: str, tp: bool, dp_mode: str | None = None,
+                       dtype: str = "float32") -> FrameworkCost | None:
         """The measured framework terms of `family` for `goal`: converted (`tp`), else under data parallelism
-        (`dp_mode` "ddp" / "fsdp", where measured), else whole; None when not measured (the per-op cost prices it
+        (`dp_mode` "ddp" / "fsdp", where measured), else whole; those measured in the model's `dtype` (a name:
+        `framework_key`) where there are some, else float32's; None when not measured (the per-op cost prices it
         instead)."""
         if not family:
             return None
-        if tp:
-            return self.tp_framework.get(f"{family}/{goal}")
-        if dp_mode and f"{family}/{goal}/{dp_mode}" in self.dp_framework:
+        if dp_mode and not tp and f"{family}/{goal}/{dp_mode}" in self.dp_framework:
             return self.dp_framework[f"{family}/{goal}/{dp_mode}"]
-        return self.framework.get(f"{family}/{goal}")
+        table = self.tp_framework if tp else self.framework
+        return table.get(framework_key(family, goal, dtype)) or table.get(framework_key(family, goal))
 
     def fresh_seconds(self, nbytes: float) -> float:
         """What new pages for `nbytes` of tensors the allocator does not keep add (0 where not measured)."""

@@ -52,7 +52,7 @@ from .context import attention_method, check_priced, context_messages, context_s
 from .experts import check_experts, expert_data_seconds, expert_layers
 from .fake_step import GOALS, StepTrace, trace_step
 from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, MachineRates
-from .ops import DENSE
+from .ops import DENSE, dtype_name
 from .pipeline import pipelined
 from .profile import SpeedProfile, load_profile
 from .quantized import quantized_note, quantized_saving, quantized_times
@@ -156,7 +156,7 @@ class _Priced:
 
 def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers: int | None = None,
           family: str | None = None, tp: bool | None = None, dp_mode: str | None = None,
-          vocab: int | None = None) -> _Priced:
+          vocab: int | None = None, dtype: str = "float32") -> _Priced:
     """The step's kernels, fixed costs and tensor-parallel collectives at `rates` (recompute re-runs forward
     ops in the backward); the expert group's all-to-alls apart (`ep_comm`, with their in-step cost: the measured
     framework terms have none of them).
@@ -166,7 +166,8 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers
     model's `family` (`framework.py`: a step's cost plus one per decoder layer of the `layers` traced, plus the
     optimizer's per parameter tensor; converted when `tp`, default: the trace spans ranks; under DDP / FSDP2
     when `dp_mode` and the machine measured that path; decoding, with what its batch rows and their `vocab`
-    logits add), else the per-op cost of a reference model times the ops counted."""
+    logits add; those measured in the model's `dtype` where the machine did), else the per-op cost of a reference
+    model times the ops counted."""
     tp = trace.world_size > 1 if tp is None else tp
     per_op = rates.train_op_overhead_s if trace.goal == "train" else rates.op_overhead_s
     skew = skew_factor(rates, trace.goal, tp)
@@ -178,7 +179,7 @@ def price(trace: StepTrace, rates: MachineRates, recompute: str = "none", layers
         compute, memory = (a + b for a, b in zip((compute, memory), kernel_times(trace, rates, ("forward",), names)))
     kernels, compute = (compute + memory) * skew, compute * skew
     in_step = rates.train_collective_overhead_s if trace.goal == "train" else rates.collective_overhead_s
-    cost = rates.framework_cost(family, trace.goal, tp, dp_mode) if layers is not None else None
+    cost = rates.framework_cost(family, trace.goal, tp, dp_mode, dtype) if layers is not None else None
     if cost is not None:  # measured per module: the in-step cost of a collective is inside its layer's term
         rows, logits = ((trace.tokens, trace.tokens * vocab) if trace.goal == "decode" and vocab
                         else (FRAMEWORK_ROWS, FRAMEWORK_LOGITS))  # a training step's terms have no row terms
@@ -271,8 +272,9 @@ def predict(model_or_config, setup: Setup, goal: str = "train", batch_size: int 
     config = getattr(traced.model, "config", None)
     family = getattr(config, "model_type", None)  # the framework terms' key
     dp_mode = setup.dp_mode if setup.engine > 1 and goal == "train" else None
+    weights = next((dtype_name(p.dtype) for p in traced.model.parameters() if p.is_floating_point()), "float32")
     rows = [(n, t, price(t, rates, setup.recompute, n if family else None, family, setup.tp > 1, dp_mode,
-                         getattr(config, "vocab_size", None)))
+                         getattr(config, "vocab_size", None), weights))
             for n, t in traced.rows]
     layers = traced.layers
 
