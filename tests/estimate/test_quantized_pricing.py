@@ -216,22 +216,27 @@ def test_a_rate_by_input_width_and_the_fit_anchored_at_a_tiny_call():
     assert two.fixed_s == 9e-6 and two.bandwidth(1, SIZES[2][1]) == pytest.approx(2e9)
 
 
-def test_a_calls_fixed_cost_is_what_it_adds_to_the_framework_terms_linear_call(monkeypatch):
-    """The calibration sets each decode product's tiny call against the linear call the framework terms measured (a
-    float32 layer of their tiny model, `framework_linear_call`), for quantized and dense layers alike; not against a
-    dense call of the layer's own dtype, whose slow tiny bf16 product once hid every bf16 call's cost."""
+@pytest.mark.parametrize("bf16_terms", [False, True])
+def test_a_calls_fixed_cost_is_what_it_adds_to_the_framework_terms_linear_call(monkeypatch, bf16_terms):
+    """The calibration sets each decode product's tiny call against the linear call of the framework terms that
+    price its models (a layer of their tiny model, `framework_linear_call`): bf16's where decoding's terms are
+    measured in bf16 too, else float32's; for quantized and dense layers alike. Not against a dense call of the
+    layer's own dtype, whose slow tiny bf16 product once hid every bf16 call's cost."""
     from tpkit.estimate import framework, quantized
 
     assert framework.tiny_config("llama", 1).hidden_size == quantized.FRAMEWORK_WIDTH
-    assert 0 < quantized.framework_linear_call(1, lambda: None) < 1e-3
-    monkeypatch.setattr(quantized, "framework_linear_call", lambda repeats, barrier: 2e-6)
+    assert 0 < quantized.framework_linear_call(1, lambda: None, torch.bfloat16) < 1e-3
+    monkeypatch.setattr(quantized, "framework_dtypes", lambda quick: (torch.float32, torch.bfloat16)[:1 + bf16_terms])
+    monkeypatch.setattr(quantized, "framework_linear_call", lambda repeats, barrier, dtype: {
+        torch.float32: 2e-6, torch.bfloat16: 3e-6}[dtype])
     monkeypatch.setattr(quantized, "_tiny_call", lambda *args: 9e-6)  # a quantized layer's tiny call
     timed = quantized._per_call
     monkeypatch.setattr(quantized, "_per_call", lambda calls, repeats, barrier: 7e-6 if len(calls) == 200 else
                         timed(calls, 1, barrier))  # 200 calls: the dense layer's tiny call
     table = quantized.measure_quantized(quick=True)
-    assert [table[k].fixed_s for k in ("int4/bfloat16", "int8/bfloat16")] == pytest.approx([7e-6, 7e-6])
-    assert table["dense/bfloat16"].fixed_s == pytest.approx(5e-6)
+    base = 3e-6 if bf16_terms else 2e-6
+    assert [table[k].fixed_s for k in ("int4/bfloat16", "int8/bfloat16")] == pytest.approx([9e-6 - base] * 2)
+    assert table["dense/bfloat16"].fixed_s == pytest.approx(7e-6 - base)
 
 
 def test_the_calibrations_fp8_layers_hold_values_as_a_checkpoint_does():

@@ -368,4 +368,3 @@ def test_an_optional_build_that_fails_is_not_tried_again(tmp_path, monkeypatch):
     assert native.compile_library(str(broken), remember_failure=True) is None and builds() == 1
     assert native.compile_library(str(broken), remember_failure=True) is None and builds() == 1
     assert native.compile_library(str(broken)) is None and builds() == 2
-

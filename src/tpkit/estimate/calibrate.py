@@ -30,9 +30,9 @@ from ..quant import native
 from ..quant.products import HALF
 from .bandwidth import (COLD_BYTES, best_seconds, measure_copy_bandwidth, measure_fresh_bandwidth,
                         measure_shared_stream_bandwidth, measure_stream_bandwidth)
-from .framework import FAMILIES, FRAMEWORK_DTYPES, FrameworkCost, framework_costs, optimizer_tensor_seconds
+from .framework import FAMILIES, FrameworkCost, framework_costs, optimizer_tensor_seconds
 from .hardware import Hardware, Interconnect
-from .machine import COLLECTIVES, CollectiveCost, MachineRates
+from .machine import COLLECTIVES, CollectiveCost, MachineRates, framework_dtypes
 from .ops import dtype_name
 from .process_memory import reset_peak_rss, rss_bytes
 from .profile import LinkProfile, SpeedProfile
@@ -248,7 +248,7 @@ def _rank_rates(threads: int, quick: bool, model=None, families=FAMILIES, dp_wra
     rates = dataclasses.replace(rates, op_overhead_s=forward, train_op_overhead_s=train, optimizer_tensor_s=tensor_s,
                                 import_bytes=imports, runtime_bytes=runtime)
     comm.barrier()
-    dtypes = FRAMEWORK_DTYPES[:1] if quick else FRAMEWORK_DTYPES  # `quick`: decoding's terms in float32 only
+    dtypes = framework_dtypes(quick)
     rates = dataclasses.replace(rates, framework=framework_costs(rates, None, families, repeats, tensor_s,
                                                                  dtypes=dtypes))
     if comm.world_size == 1:

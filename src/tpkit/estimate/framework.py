@@ -45,7 +45,7 @@ from torch import nn
 from ..nn.decode import adopt_decode_paths
 from .calls import meta_copy
 from .fake_step import trace_step
-from .machine import FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FRAMEWORK_WIDTH, FrameworkCost, framework_key
+from .machine import FRAMEWORK_DTYPES, FRAMEWORK_LOGITS, FRAMEWORK_ROWS, FRAMEWORK_WIDTH, FrameworkCost, framework_key
 from .ops import dtype_name
 from .predict import dp_seconds, kernel_seconds, skew_factor
 from .setup import Setup
@@ -55,8 +55,6 @@ __all__ = ["FAMILIES", "FLUSH_BYTES", "CacheFlush", "FrameworkCost", "flush_betw
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 FRAMEWORK_GOALS = ("decode", "train")
-# the dtypes decoding's terms are measured in, each under its own key (`machine.framework_key`); training in float32
-FRAMEWORK_DTYPES = (torch.float32, torch.bfloat16)
 LAYERS = (1, 3)
 CONTEXT = 32
 ROWS = 8  # the batch of the decode runs that measure what a row and a logit add

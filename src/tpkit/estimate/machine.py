@@ -39,6 +39,8 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+import torch
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -114,12 +116,22 @@ FRAMEWORK_LOGITS = 256
 FRAMEWORK_WIDTH = 64
 
 
+# the dtypes decoding's framework terms are measured in, each under its own key (`framework_key`): a bf16 model's
+# norms and rotary embedding convert to float32 and back, and `generate` converts its logits, work a float32 model
+# skips (on the 2-core EPYC a tiny Llama's decoder layer took 20-30 us more in bf16, ~15%). Training: float32 only.
+FRAMEWORK_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def framework_dtypes(quick: bool = False) -> tuple[torch.dtype, ...]:
+    """The dtypes a calibration measures decoding's framework terms in (`quick`: float32's only); the quantized
+    calls' fixed costs are set against the linear call of the same terms (`quantized.framework_linear_call`)."""
+    return FRAMEWORK_DTYPES[:1] if quick else FRAMEWORK_DTYPES
+
+
 def framework_key(family: str, goal: str, dtype: str = "float32") -> str:
     """The key of `family`'s framework terms for `goal` measured with its tiny model in `dtype` (a dtype name:
     "bfloat16"): "llama/decode" in float32, the profiles' key before dtypes were measured apart, else
-    "llama/decode/bfloat16". Decoding is measured in both (`framework.FRAMEWORK_DTYPES`): a bf16 model's norms
-    and rotary embedding convert to float32 and back, and `generate` converts its logits, work a float32 model
-    skips (on the 2-core EPYC a tiny Llama's decoder layer took 20-30 us more in bf16, ~15%)."""
+    "llama/decode/bfloat16"."""
     return f"{family}/{goal}" if dtype == "float32" else f"{family}/{goal}/{dtype}"
 
 

@@ -19,13 +19,10 @@ call and multiplies by it. The estimate follows the same rules:
   tensors int4 group 128, int8 per channel, FP8 per channel, symmetric; each with the scales in the compute dtype,
   bfloat16 and float32), lets each pick its product as a load does, and times its call at 1 to 8 rows over two
   layer sizes streamed from memory (every rank at once, as the step's ranks run), and the dequantization alone. A
-  call's fixed cost is what it costs beyond the linear call the framework terms measured (`framework_linear_call`:
-  a float32 layer of the framework's tiny model, as a conversion leaves it): that module call and op are priced
-  already by the framework terms and the per-op cost, so the quantized call adds only its difference (counting the
-  whole call twice priced TP2 decode 18-35% high on a quiet box). Set against a dense call of the layer's own dtype
-  instead, a bf16 call added nothing: torch's bf16 product of a tiny layer (16 us) cost more than the int4 call
-  (14 us), while the framework's float32 call cost 7, so each decode product's 7 us went unpriced (0.4 ms of a
-  token with 57 products, on the 2-core box).
+  call's fixed cost is what it costs beyond the linear call of the framework terms that price its models
+  (`framework_linear_call`: a layer of their tiny model, in their dtype, as a conversion leaves it), which those
+  terms and the per-op cost price already (counting the whole call twice priced TP2 decode 18-35% high on a quiet
+  box; set against torch's tiny bf16 product, 16 us, every bf16 call's ~7 us went unpriced).
 
 A dense bf16 / fp16 / float32 layer of a converted model is priced the same way at decode's rows: there its
 forward runs tpkit's product (`tpkit.quant.products.dense_linear`), not a BLAS call, so `dense_layers` records its
@@ -50,7 +47,7 @@ from torch import nn
 
 from ..convert.transformers_threads import config_dtype
 from ..quant.products import MAX_ROWS, NATIVE_DENSE  # activation rows up to which a layer runs its product
-from .machine import FRAMEWORK_WIDTH, MachineRates, QuantizedRate
+from .machine import FRAMEWORK_WIDTH, MachineRates, QuantizedRate, framework_dtypes
 from .ops import DENSE, dtype_name
 
 DEQUANTIZE_PASSES = 3  # the rule's elementwise passes of a dequantization: unpack, (q - z) * s, the cast
@@ -288,21 +285,20 @@ def _intercept(product: str, timed: dict[int, list[tuple[float, float]]]) -> Qua
 TINY = (256, 256)  # (out, in) of the tiny layers whose calls anchor the fit: a few KiB, in every product's range
 
 
-def framework_linear_call(repeats: int, barrier) -> float:
-    """Seconds per call at one row of the linear layer the framework terms measured and priced: a float32
+def framework_linear_call(repeats: int, barrier, dtype: torch.dtype = torch.float32) -> float:
+    """Seconds per call at one row of the linear layer the framework terms measured and priced: a `dtype`
     `FRAMEWORK_WIDTH` square layer as a conversion leaves it on one rank (`adopt_decode_paths`: its decode product
     chosen as a model's is). What a decode product's call costs beyond it is that product's fixed cost."""
     from ..nn.decode import adopt_decode_paths
 
-    holder = nn.Sequential(nn.Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH, bias=False))
+    holder = nn.Sequential(nn.Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH, bias=False)).to(dtype)
     adopt_decode_paths(holder)
-    x = torch.randn(1, FRAMEWORK_WIDTH, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, FRAMEWORK_WIDTH, generator=torch.Generator().manual_seed(0)).to(dtype)
     return _per_call([lambda: holder[0](x)] * 200, repeats, barrier)
 
 
 def _tiny_call(kind: str, dtype: torch.dtype, gen: torch.Generator, repeats: int, barrier) -> float:
-    """Seconds per call at one row of a tiny layer of `kind` in `dtype` (cached: the fixed cost of each call, which
-    the fit anchors to)."""
+    """Seconds per call at one row of a tiny layer of `kind` in `dtype`: the fixed cost the fit anchors to."""
     layer, _ = _layer(kind, dtype, dtype, *TINY, gen)
     x = torch.randn(1, TINY[1], generator=gen).to(dtype)
     return _per_call([lambda: layer(x)] * 200, repeats, barrier)
@@ -319,7 +315,10 @@ def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[
     rows, cold = ((1, MAX_ROWS), COLD_BYTES // 4) if quick else (ROWS, COLD_BYTES)
     out = {}
     with torch.inference_mode():
-        framework = framework_linear_call(repeats, barrier)
+        # the linear call of the framework terms that price each dtype's models: its own dtype's where a calibration
+        # measures those terms (`framework_dtypes`), else float32's (~1 us apart a call on the 2-core box)
+        calls = {d: framework_linear_call(repeats, barrier, d) for d in framework_dtypes(quick)}
+        framework = lambda dtype: calls.get(dtype, calls[torch.float32])  # noqa: E731
         for kind in kinds:
             for dtype in dtypes:
                 name = dtype_name(dtype)
@@ -337,11 +336,12 @@ def measure_quantized(comm=None, repeats: int = 5, quick: bool = False) -> dict[
                         dequantized[1].append((stored, _per_call([lambda L=L: L.quant_method.weight(L)
                                                                   for L in layers[:2]], repeats, barrier)))
                 out[f"{kind}/{name}"] = _fitted(product, timed, _tiny_call(kind, dtype, gen, repeats, barrier),
-                                                framework)
+                                                framework(dtype))
                 if not quick:
                     out[f"{kind}/{name}/dequantize"] = _intercept("dequantize", dequantized)
         for dtype in tuple(NATIVE_DENSE)[:1 if quick else None]:
-            out[f"{DENSE}/{dtype_name(dtype)}"] = _measure_dense(dtype, rows, cold, repeats, barrier, gen, framework)
+            out[f"{DENSE}/{dtype_name(dtype)}"] = _measure_dense(dtype, rows, cold, repeats, barrier, gen,
+                                                                 framework(dtype))
     return out
 
 

@@ -214,10 +214,9 @@ class RowParallelLinear(_ParallelLinear):
             y = self.matmul(x, self.bias)
             return y if adapter is None else y + adapter(x)
         if self.input_is_parallel:
-            if x.dim() == 0 or x.shape[-1] != self.input_size_per_partition:  # (the message built only to raise)
-                check_last_dim("RowParallelLinear", x, self.input_size_per_partition,
-                               f"input features (this rank's slice of {self.in_features}; pass "
-                               f"input_is_parallel=False for the full input)")
+            check_last_dim("RowParallelLinear", x, self.input_size_per_partition,
+                           f"input features (this rank's slice of {self.in_features}; pass input_is_parallel=False "
+                           f"for the full input)")
         else:
             check_last_dim("RowParallelLinear", x, self.in_features, "input features")
             x = scatter_to_region(x, self.comm, -1, self.partition_sizes)
